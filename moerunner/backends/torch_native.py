@@ -1,0 +1,145 @@
+"""Backend ``torch``: portable PyTorch experts for any device, every scheme (emulated).
+
+Core on the grouped layout: one GEMM1 -> activation -> GEMM2 per non-empty expert segment
+(one host read of the E+1 offsets per call; never a per-token loop), or, on CUDA for bf16/fp16
+with 8-aligned sizes, PyTorch's grouped GEMM over all segments at once with no host sync.
+
+Quantized weights are dequantized once to float32 in ``prepare_weights``; at run time GEMM
+inputs are quantized exactly as the scheme's kernels quantize them (dynamic per-token fp8,
+per-128-group fp8, MX blocks...) and multiplied in float32, so the result equals what a real
+kernel computes up to accumulation order. The GEMM1 output and the activation are stored in
+the input dtype between GEMMs, as the fused kernels store them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import apply_activation
+from ..config import ACTIVATIONS, ExpertSpec
+from ..runner import DEFAULT_REGISTRY
+from ..weights import ExpertWeights, PreparedWeights, is_quantized
+from .base import Backend, Capabilities
+
+NAME = "torch"
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+def _quant_schemes() -> frozenset[str]:
+    try:
+        from ..quant import SCHEME_NAMES
+    except ImportError:
+        return frozenset()
+    return frozenset(SCHEME_NAMES)
+
+
+class TorchBackend(Backend):
+    """Plain PyTorch; runs wherever torch runs."""
+
+    name = NAME
+
+    def __init__(self) -> None:
+        self.capabilities = Capabilities(
+            devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+            dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+            schemes=frozenset({"bf16", "fp16", "fp32"}) | _quant_schemes(),
+            activations=frozenset(ACTIVATIONS),
+        )
+
+    def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
+        """Plain weights are used as they are; quantized ones are dequantized once to fp32."""
+        prepared = PreparedWeights(backend=NAME, source=weights, spec=spec)
+        tensors = prepared.tensors
+        if is_quantized(weights.w13):
+            tensors["w13"] = weights.w13.dequantize()
+            tensors["w2"] = weights.w2.dequantize()
+            tensors["scheme"] = weights.w13.scheme
+            tensors["scheme2"] = weights.w2.scheme
+            prepared.notes.append("dequantized w13/w2 to float32 once")
+        else:
+            tensors["w13"], tensors["w2"] = weights.w13, weights.w2
+        tensors["w13_bias"], tensors["w2_bias"] = weights.w13_bias, weights.w2_bias
+        return prepared
+
+
+def _gemm_input(x: torch.Tensor, scheme) -> torch.Tensor:
+    """What a kernel multiplies: the quantized-dequantized activation (fp32) or x itself."""
+    if scheme is None:
+        return x
+    from ..quant import fake_quantize_activation
+
+    return fake_quantize_activation(x, scheme)
+
+
+def _linear(x: torch.Tensor, w_NK: torch.Tensor, bias: torch.Tensor | None,
+            scheme) -> torch.Tensor:
+    """x @ w.T (+ bias) with the scheme's activation quantization; fp32 result if biased."""
+    out = _gemm_input(x, scheme) @ w_NK.transpose(-2, -1).to(
+        torch.float32 if scheme is not None else x.dtype
+    )
+    if bias is not None:
+        out = out.float() + bias.float()
+    return out
+
+
+def _expert_forward(x_MH: torch.Tensor, e: int, prepared: PreparedWeights) -> torch.Tensor:
+    t = prepared.tensors
+    scheme, scheme2 = t.get("scheme"), t.get("scheme2")
+    b13 = None if t["w13_bias"] is None else t["w13_bias"][e]
+    b2 = None if t["w2_bias"] is None else t["w2_bias"][e]
+    h = _linear(x_MH, t["w13"][e], b13, scheme).to(x_MH.dtype)
+    a = apply_activation(h, prepared.spec).to(x_MH.dtype)
+    return _linear(a, t["w2"][e], b2, scheme2).to(x_MH.dtype)
+
+
+def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
+    t, spec = prepared.tensors, prepared.spec
+    return (
+        _GROUPED_MM is not None
+        and x_MH.is_cuda
+        and "scheme" not in t
+        and x_MH.dtype in (torch.bfloat16,)
+        and t["w13"].dtype == x_MH.dtype
+        and spec.hidden_size % 8 == 0
+        and spec.intermediate_size % 8 == 0
+    )
+
+
+def _grouped_forward(x_MH: torch.Tensor, offsets: torch.Tensor,
+                     prepared: PreparedWeights) -> torch.Tensor:
+    """All segments in two grouped GEMMs; no host synchronisation."""
+    t = prepared.tensors
+    ends = offsets[1:].to(torch.int32)
+    h = _GROUPED_MM(x_MH, t["w13"].transpose(-2, -1), offs=ends)
+    expert_of_row = None
+    if t["w13_bias"] is not None or t["w2_bias"] is not None:
+        rows = torch.arange(x_MH.shape[0], device=x_MH.device)
+        expert_of_row = torch.searchsorted(offsets[1:], rows, right=True).clamp(
+            max=prepared.spec.num_experts - 1
+        )
+    if t["w13_bias"] is not None:
+        h = (h.float() + t["w13_bias"][expert_of_row].float()).to(x_MH.dtype)
+    a = apply_activation(h, prepared.spec).to(x_MH.dtype)
+    y = _GROUPED_MM(a, t["w2"].transpose(-2, -1), offs=ends)
+    if t["w2_bias"] is not None:
+        y = (y.float() + t["w2_bias"][expert_of_row].float()).to(x_MH.dtype)
+    return y
+
+
+@DEFAULT_REGISTRY.register_core(NAME)
+def torch_core(x_MH: torch.Tensor, expert_offsets: torch.Tensor,
+               prepared: PreparedWeights) -> torch.Tensor:
+    """Experts on the grouped layout: rows ``offsets[e]:offsets[e+1]`` go to expert ``e``."""
+    if _use_grouped_mm(x_MH, prepared):
+        return _grouped_forward(x_MH, expert_offsets, prepared)
+    y_MH = torch.empty((x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype,
+                       device=x_MH.device)
+    bounds = expert_offsets.tolist()
+    for e in range(prepared.spec.num_experts):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            y_MH[start:end] = _expert_forward(x_MH[start:end], e, prepared)
+    return y_MH
+
+
+DEFAULT_REGISTRY.register_backend(TorchBackend())

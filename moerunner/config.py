@@ -1,0 +1,138 @@
+"""Frozen configuration values that travel as arguments through every stage.
+
+``Activation`` names the expert's non-linearity (and its parameters); ``ExpertSpec`` is the
+static description of the expert computation that a backend needs at run time. Both are
+frozen dataclasses whose ``repr`` can be pasted back to rebuild them, so benchmark logs replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import MoeInputError
+
+# name -> gated (act(gate) * up) or not (act(x)). One table: the torch backend, the Triton
+# kernels and the reference all accept exactly these names.
+ACTIVATIONS: dict[str, bool] = {
+    "silu": True,
+    "gelu": True,
+    "gelu_tanh": True,
+    "swiglu_oai": True,
+    "relu2": False,
+}
+
+SWIGLU_OAI_DEFAULT_ALPHA = 1.702
+SWIGLU_OAI_DEFAULT_LIMIT = 7.0
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The expert activation.
+
+    ``alpha`` and ``limit`` apply to ``swiglu_oai`` only (GPT-OSS clamped SwiGLU:
+    gate clamped above at ``limit``, up clamped to ``[-limit, limit]``,
+    ``out = (up + 1) * gate * sigmoid(alpha * gate)``).
+    """
+
+    name: str = "silu"
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or self.name not in ACTIVATIONS:
+            raise MoeInputError(
+                f"activation: got {self.name!r}; accepted: {', '.join(sorted(ACTIVATIONS))}"
+            )
+        if self.name != "swiglu_oai" and (self.alpha is not None or self.limit is not None):
+            raise MoeInputError(
+                f"swiglu_alpha / swiglu_limit apply to activation 'swiglu_oai' only, "
+                f"got them with activation {self.name!r}"
+            )
+        if self.name == "swiglu_oai":
+            alpha = SWIGLU_OAI_DEFAULT_ALPHA if self.alpha is None else float(self.alpha)
+            limit = SWIGLU_OAI_DEFAULT_LIMIT if self.limit is None else float(self.limit)
+            if not limit > 0:
+                raise MoeInputError(f"swiglu_limit must be > 0, got {limit}")
+            object.__setattr__(self, "alpha", alpha)
+            object.__setattr__(self, "limit", limit)
+
+    @property
+    def gated(self) -> bool:
+        """True when GEMM1 produces gate and up halves (``act(gate) * up``)."""
+        return ACTIVATIONS[self.name]
+
+    @classmethod
+    def of(cls, value: str | Activation) -> Activation:
+        """Accept an ``Activation`` or its name."""
+        if isinstance(value, Activation):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"activation must be a str or Activation, got {type(value).__name__}")
+        return cls(value)
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """What a backend needs to know about the expert computation, besides the tensors.
+
+    ``num_experts`` counts the experts held by this rank (the leading dim of the weights);
+    ids in the routing are local ids in ``[0, num_experts)`` or -1 (not on this rank).
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    activation: Activation = Activation()
+    gate_up_interleaved: bool = False
+
+    @property
+    def gated(self) -> bool:
+        """Whether GEMM1 output has gate and up halves."""
+        return self.activation.gated
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How router logits become top-k weights and ids (see ``moerunner.select_experts``).
+
+    Presets: Mixtral / Qwen3 (norm_topk_prob) / GPT-OSS: ``RoutingConfig(renormalize=True)``;
+    DeepSeek-V3: ``RoutingConfig("sigmoid", True, 8, 4, 2.5, correction_bias=True)``.
+    """
+
+    scoring_func: str = "softmax"
+    renormalize: bool = False
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Static description of one MoE layer (shapes, activation, routing)."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    activation: Activation = Activation()
+    bias: bool = False
+    gate_up_interleaved: bool = False
+    routing: RoutingConfig = RoutingConfig()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "hidden_size", "intermediate_size", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MoeInputError(f"{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise MoeInputError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if isinstance(self.activation, str):
+            object.__setattr__(self, "activation", Activation(self.activation))
+        if self.gate_up_interleaved and not self.activation.gated:
+            raise MoeInputError("gate_up_interleaved=True needs a gated activation")
+
+    @property
+    def w13_rows(self) -> int:
+        """Rows of w13: 2I for gated activations, I otherwise."""
+        return 2 * self.intermediate_size if self.activation.gated else self.intermediate_size

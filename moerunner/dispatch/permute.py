@@ -1,0 +1,107 @@
+"""Pre- and post-permutes between each dispatch format and the grouped (per-expert) layout.
+
+A backend core computes on rows grouped by local expert (``PermutedDispatchOutput``); these
+functions bring each dispatch format into that layout and back. They never synchronise with
+the host: the grouped layout always has as many rows as there are (token, slot) pairs, and
+rows of -1 ids (or masked padding) sit past ``expert_offsets[E]``, where cores may leave
+garbage that ``post`` masks out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import MaskedDispatchOutput, PermutedDispatchOutput, StandardDispatchOutput
+
+
+@dataclass(frozen=True)
+class PermuteContext:
+    """What post-permute needs: the source row of each grouped row and its weight."""
+
+    source_row: torch.Tensor  # [M] int64: token (standard) or flat e*C+c slot (masked)
+    row_weight: torch.Tensor | None  # [M] float32 (0 for padding rows) or None: unweighted
+    num_valid: torch.Tensor  # 0-d int64 on device: expert_offsets[E]
+
+
+def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order of rows by ``key`` (``num_experts`` = padding, last) and the offsets."""
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
+    offsets[1:] = torch.cumsum(counts, dim=0)
+    return order, offsets
+
+
+def pre_permute_standard(
+    dispatch_output: StandardDispatchOutput, num_experts: int
+) -> tuple[PermutedDispatchOutput, PermuteContext]:
+    """Group the T*k (token, slot) pairs by expert; -1 ids become padding rows."""
+    ids_flat = dispatch_output.topk.ids.reshape(-1).long()
+    top_k = dispatch_output.topk.ids.shape[1]
+    key = torch.where(ids_flat >= 0, ids_flat, num_experts)
+    order, offsets = _group_rows(key, num_experts)
+    token = order // top_k
+    weight = dispatch_output.topk.weights.reshape(-1)[order]
+    weight = torch.where(key[order] < num_experts, weight, torch.zeros_like(weight))
+    grouped = PermutedDispatchOutput(
+        hidden_states=dispatch_output.hidden_states[token], expert_offsets=offsets
+    )
+    return grouped, PermuteContext(source_row=token, row_weight=weight, num_valid=offsets[-1])
+
+
+def post_permute_standard(
+    y_MH: torch.Tensor, ctx: PermuteContext, dispatch_output: StandardDispatchOutput
+) -> torch.Tensor:
+    """Weighted scatter-add of expert outputs back to their tokens, accumulated in fp32."""
+    hidden = dispatch_output.hidden_states
+    valid = torch.arange(y_MH.shape[0], device=y_MH.device) < ctx.num_valid
+    contribution = torch.where(valid[:, None], y_MH.float(), 0.0) * ctx.row_weight[:, None]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, ctx.source_row, contribution)
+    return out.to(hidden.dtype)
+
+
+def pre_permute_permuted(
+    dispatch_output: PermutedDispatchOutput, num_experts: int
+) -> tuple[PermutedDispatchOutput, None]:
+    """Already grouped: nothing to do."""
+    return dispatch_output, None
+
+
+def post_permute_permuted(
+    y_MH: torch.Tensor, ctx: None, dispatch_output: PermutedDispatchOutput
+) -> torch.Tensor:
+    """Already in the dispatcher's layout: padding rows are zeroed so nothing leaks."""
+    valid = torch.arange(y_MH.shape[0], device=y_MH.device) < dispatch_output.expert_offsets[-1]
+    return torch.where(valid[:, None], y_MH, torch.zeros((), dtype=y_MH.dtype, device=y_MH.device))
+
+
+def pre_permute_masked(
+    dispatch_output: MaskedDispatchOutput, num_experts: int
+) -> tuple[PermutedDispatchOutput, PermuteContext]:
+    """Compact each expert's first ``counts[e]`` rows into the grouped layout."""
+    hidden_ECH = dispatch_output.hidden_states
+    experts, capacity, hidden_size = hidden_ECH.shape
+    slot = torch.arange(capacity, device=hidden_ECH.device)
+    valid_EC = slot[None, :] < dispatch_output.counts.to(slot.device).long()[:, None]
+    expert_EC = torch.arange(experts, device=hidden_ECH.device)[:, None].expand(-1, capacity)
+    key = torch.where(valid_EC, expert_EC, num_experts).reshape(-1)
+    order, offsets = _group_rows(key, num_experts)
+    grouped = PermutedDispatchOutput(
+        hidden_states=hidden_ECH.reshape(-1, hidden_size)[order], expert_offsets=offsets
+    )
+    return grouped, PermuteContext(source_row=order, row_weight=None, num_valid=offsets[-1])
+
+
+def post_permute_masked(
+    y_MH: torch.Tensor, ctx: PermuteContext, dispatch_output: MaskedDispatchOutput
+) -> torch.Tensor:
+    """Scatter grouped rows back to ``[E, C, H]``; padding slots are zero."""
+    shape = dispatch_output.hidden_states.shape
+    valid = torch.arange(y_MH.shape[0], device=y_MH.device) < ctx.num_valid
+    out = torch.zeros((shape[0] * shape[1], y_MH.shape[1]), dtype=y_MH.dtype, device=y_MH.device)
+    rows = torch.where(valid[:, None], y_MH, torch.zeros((), dtype=y_MH.dtype, device=y_MH.device))
+    out.index_copy_(0, ctx.source_row, rows)
+    return out.view(shape[0], shape[1], -1)

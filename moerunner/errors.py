@@ -1,0 +1,20 @@
+"""Error types raised by moerunner.
+
+Every check of user input raises one of these (or a plain ``TypeError`` for a wrong type),
+with a message that names the argument, what was given and what is accepted. They subclass
+``ValueError`` so callers that already catch ``ValueError`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class MoeInputError(ValueError):
+    """An argument has the wrong shape, value or combination with other arguments."""
+
+
+class BackendUnavailableError(ValueError):
+    """No registered backend can serve a request; the message lists each and why not."""
+
+
+class CapacityOverflowError(RuntimeError):
+    """A fixed-capacity (masked) layout received more tokens for an expert than it holds."""

@@ -1,0 +1,83 @@
+"""The float64 reference: slow, plainly correct, the yardstick for every backend.
+
+It computes sum over slots of weight x expert(x) in float64 on dequantized weights, token by
+expert with boolean masks, written out without any of the backends' helpers. For a quantized
+scheme, GEMM inputs are first quantized exactly as the scheme says (the scheme's definition,
+from ``moerunner.quant``) so that kernels can be held to tight tolerances; intermediate values
+are never rounded to a lower precision here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import Activation
+from .weights import ExpertWeights, is_quantized
+
+
+def _act64(h: torch.Tensor, act: Activation, interleaved: bool) -> torch.Tensor:
+    if act.name == "relu2":
+        return torch.clamp(h, min=0.0) ** 2
+    if interleaved:
+        gate, up = h[:, 0::2], h[:, 1::2]
+    else:
+        gate, up = h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2 :]
+    if act.name == "silu":
+        return gate / (1.0 + torch.exp(-gate)) * up
+    if act.name == "gelu":
+        return 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0))) * up
+    if act.name == "gelu_tanh":
+        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
+        return 0.5 * gate * (1.0 + torch.tanh(inner)) * up
+    if act.name == "swiglu_oai":
+        gate = torch.clamp(gate, max=act.limit)
+        up = torch.clamp(up, min=-act.limit, max=act.limit)
+        return (up + 1.0) * gate / (1.0 + torch.exp(-act.alpha * gate))
+    raise ValueError(f"reference: unknown activation {act.name!r}")
+
+
+def _weight64(w) -> torch.Tensor:
+    return (w.dequantize() if is_quantized(w) else w).to(torch.float64).cpu()
+
+
+def _input64(x: torch.Tensor, w) -> torch.Tensor:
+    if is_quantized(w):
+        from .quant import fake_quantize_activation
+
+        x = fake_quantize_activation(x, w.scheme)
+    return x.to(torch.float64).cpu()
+
+
+def reference_moe(
+    hidden_states: torch.Tensor,
+    weights: ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: Activation | str = "silu",
+) -> torch.Tensor:
+    """float64 ``[T, H]`` on the CPU: sum_k weight[t,k] * expert_{ids[t,k]}(x[t]); -1 skipped."""
+    act = Activation.of(activation)
+    x = _input64(hidden_states, weights.w13)
+    w13, w2 = _weight64(weights.w13), _weight64(weights.w2)
+    b13 = None if weights.w13_bias is None else weights.w13_bias.to(torch.float64).cpu()
+    b2 = None if weights.w2_bias is None else weights.w2_bias.to(torch.float64).cpu()
+    ids = topk_ids.cpu().long()
+    slot_weights = topk_weights.to(torch.float64).cpu()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(w13.shape[0]):
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        h = x[token] @ w13[e].T
+        if b13 is not None:
+            h = h + b13[e]
+        a = _act64(h, act, weights.gate_up_interleaved)
+        if is_quantized(weights.w2):
+            a = _input64(a.to(torch.float32), weights.w2)
+        y = a @ w2[e].T
+        if b2 is not None:
+            y = y + b2[e]
+        out.index_add_(0, token, y * slot_weights[token, slot][:, None])
+    return out

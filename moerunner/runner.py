@@ -1,0 +1,269 @@
+"""Stage 3, experts: the registry of kernel paths and the runner that walks it.
+
+The ``Registry`` is the one place that knows which (dispatch format, backend) pairs exist:
+
+- a *fused op* registered for (format, backend) handles that format whole in one call;
+- otherwise the format's *pre-permute* brings tokens into the grouped layout, the backend's
+  *core* computes the experts, and the format's *post-permute* brings them back.
+
+``MoeRunner`` holds one backend choice and runs a ``DispatchOutput`` through the fused op or
+the permute path (``force_permute=True`` takes the permute path even where a fused op exists,
+so the two can be tested against each other). Backend choice travels as arguments; there is no
+process-global "current backend".
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .backends.base import Backend, MoeProblem
+from .config import Activation, ExpertSpec
+from .dispatch import permute
+from .dispatch.formats import MASKED, PERMUTED, STANDARD
+from .errors import BackendUnavailableError, MoeInputError
+from .weights import ExpertWeights, PreparedWeights
+
+FusedOp = Callable[[Any, PreparedWeights], torch.Tensor]
+Core = Callable[[torch.Tensor, torch.Tensor, PreparedWeights], torch.Tensor]
+
+# Measured order of preference per device type (see benchmarks/results/): the first backend
+# that is available and supports a request wins under backend="auto".
+DEFAULT_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "cuda": ("triton", "flashinfer", "torch"),
+    "cpu": ("torch", "triton"),
+}
+
+
+@dataclass
+class Registry:
+    """Backends and their compute functions, filled at import by each backend module."""
+
+    backends: dict[str, Backend] = field(default_factory=dict)
+    fused_ops: dict[tuple[str, str], FusedOp] = field(default_factory=dict)
+    cores: dict[str, Core] = field(default_factory=dict)
+    permutes: dict[str, tuple[Callable, Callable]] = field(default_factory=dict)
+
+    def register_backend(self, backend: Backend) -> Backend:
+        """Add a backend object under its ``name``."""
+        if not backend.name:
+            raise ValueError("a backend needs a non-empty name")
+        self.backends[backend.name] = backend
+        return backend
+
+    def register_fused_op(self, dispatch_format: str, backend: str) -> Callable[[FusedOp], FusedOp]:
+        """Decorator: ``fn(dispatch_output, prepared) -> output`` for (format, backend)."""
+
+        def wrap(fn: FusedOp) -> FusedOp:
+            self.fused_ops[(dispatch_format, backend)] = fn
+            return fn
+
+        return wrap
+
+    def register_core(self, backend: str) -> Callable[[Core], Core]:
+        """Decorator: ``fn(x_MH, expert_offsets, prepared) -> y_MH`` for a backend."""
+
+        def wrap(fn: Core) -> Core:
+            self.cores[backend] = fn
+            return fn
+
+        return wrap
+
+    def register_permute(self, dispatch_format: str, pre: Callable, post: Callable) -> None:
+        """Pre- and post-permute between ``dispatch_format`` and the grouped layout."""
+        self.permutes[dispatch_format] = (pre, post)
+
+    def paths(self, backend: str) -> dict[str, str]:
+        """For each dispatch format the backend serves: ``"fused"`` or ``"permute"``."""
+        result = {}
+        for fmt in self.permutes:
+            if (fmt, backend) in self.fused_ops:
+                result[fmt] = "fused"
+            elif backend in self.cores:
+                result[fmt] = "permute"
+        return result
+
+    def has_both_paths(self, dispatch_format: str, backend: str) -> bool:
+        """True when a fused op and the permute path exist for the pair."""
+        return (dispatch_format, backend) in self.fused_ops and backend in self.cores
+
+    def verdicts(self, problem: MoeProblem) -> dict[str, tuple[bool, str]]:
+        """Each backend's (can serve, reason if not) for ``problem``."""
+        result = {}
+        for name, backend in self.backends.items():
+            ok, reason = backend.available()
+            if ok and problem.dispatch_format not in self.paths(name):
+                ok, reason = False, f"no path for dispatch format {problem.dispatch_format!r}"
+            if ok:
+                ok, reason = backend.supports(problem)
+            result[name] = (ok, reason)
+        return result
+
+    def select(
+        self,
+        problem: MoeProblem,
+        requested: str = "auto",
+        preference: dict[str, tuple[str, ...]] | None = None,
+    ) -> Selection:
+        """Pick a backend for ``problem``; raise naming every backend and why it was not taken."""
+        if requested != "auto" and requested not in self.backends:
+            raise BackendUnavailableError(
+                f"backend {requested!r} is not registered; registered: "
+                f"{', '.join(sorted(self.backends))} or 'auto'"
+            )
+        verdicts = self.verdicts(problem)
+        if requested != "auto":
+            ok, reason = verdicts[requested]
+            if not ok:
+                raise BackendUnavailableError(_explain(problem, verdicts, requested))
+            return Selection(self.backends[requested], verdicts, "requested")
+        order = (preference or DEFAULT_PREFERENCE).get(problem.device_type, ())
+        ranked = [n for n in order if n in verdicts] + sorted(set(verdicts) - set(order))
+        for name in ranked:
+            if verdicts[name][0]:
+                return Selection(self.backends[name], verdicts, f"first of {ranked} that serves")
+        raise BackendUnavailableError(_explain(problem, verdicts, "auto"))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen backend and every backend's verdict (for ``info`` and error messages)."""
+
+    backend: Backend
+    verdicts: dict[str, tuple[bool, str]]
+    reason: str
+
+
+def _explain(problem: MoeProblem, verdicts: dict[str, tuple[bool, str]], requested: str) -> str:
+    lines = [f"no backend can serve this request (asked for {requested!r}): {problem}"]
+    for name, (ok, reason) in sorted(verdicts.items()):
+        lines.append(f"  {name}: {'can serve' if ok else 'rejected: ' + reason}")
+    return "\n".join(lines)
+
+
+DEFAULT_REGISTRY = Registry()
+DEFAULT_REGISTRY.register_permute(STANDARD, permute.pre_permute_standard,
+                                  permute.post_permute_standard)
+DEFAULT_REGISTRY.register_permute(PERMUTED, permute.pre_permute_permuted,
+                                  permute.post_permute_permuted)
+DEFAULT_REGISTRY.register_permute(MASKED, permute.pre_permute_masked, permute.post_permute_masked)
+
+
+def empty_output(dispatch_output: Any) -> torch.Tensor:
+    """The correctly shaped empty result of a format with no rows (T = 0): no kernel runs."""
+    hidden = dispatch_output.hidden_states
+    return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+
+
+class MoeRunner:
+    """Runs dispatched tokens through one backend's experts.
+
+    Args:
+        backend: a registered backend name, or ``"auto"`` (chosen per problem at ``prepare``).
+        registry: where backends and paths are looked up (default: the one filled at import).
+        force_permute: take pre-permute -> core -> post-permute even where a fused op exists.
+        preference: per device type, backend names in order of preference for ``"auto"``.
+    """
+
+    def __init__(
+        self,
+        backend: str = "auto",
+        *,
+        registry: Registry | None = None,
+        force_permute: bool = False,
+        preference: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        self.requested = backend
+        self.registry = registry if registry is not None else default_registry()
+        self.force_permute = force_permute
+        self.preference = preference
+        self.selection: Selection | None = None
+
+    @property
+    def backend(self) -> str | None:
+        """Name of the backend chosen by the last ``prepare`` (None before)."""
+        return None if self.selection is None else self.selection.backend.name
+
+    def select(self, problem: MoeProblem) -> Selection:
+        """Choose the backend for ``problem`` and remember the choice and its reason."""
+        self.selection = self.registry.select(problem, self.requested, self.preference)
+        return self.selection
+
+    def prepare(self, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec) -> PreparedWeights:
+        """Select a backend for ``problem`` and convert ``weights`` for it (do this once)."""
+        backend = self.select(problem).backend
+        return backend.prepare_weights(weights, spec)
+
+    def run(self, dispatch_output: Any, prepared: PreparedWeights) -> torch.Tensor:
+        """Compute the experts for ``dispatch_output`` with ``prepared`` weights."""
+        fmt = dispatch_output.format
+        if dispatch_output.num_tokens == 0:
+            return empty_output(dispatch_output)
+        name = prepared.backend
+        fused = None if self.force_permute else self.registry.fused_ops.get((fmt, name))
+        if fused is not None:
+            with torch.profiler.record_function(f"moerunner.{name}.fused"):
+                return fused(dispatch_output, prepared)
+        core = self.registry.cores.get(name)
+        if core is None or fmt not in self.registry.permutes:
+            raise BackendUnavailableError(
+                f"backend {name!r} has no fused op for format {fmt!r} and no core to permute into"
+            )
+        pre, post = self.registry.permutes[fmt]
+        with torch.profiler.record_function("moerunner.pre_permute"):
+            grouped, ctx = pre(dispatch_output, prepared.spec.num_experts)
+        with torch.profiler.record_function(f"moerunner.{name}.core"):
+            y = core(grouped.hidden_states, grouped.expert_offsets, prepared)
+        with torch.profiler.record_function("moerunner.post_permute"):
+            return post(y, ctx, dispatch_output)
+
+
+def default_registry() -> Registry:
+    """The registry filled at import with every backend this installation has."""
+    from . import backends  # noqa: F401  (importing registers the backends)
+
+    return DEFAULT_REGISTRY
+
+
+# Prepared weights of the functional API, cached per w13 object (weakly: dropping the weights
+# drops the entry). Layers hold their prepared weights themselves.
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepared_for(runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem,
+                 spec: ExpertSpec) -> PreparedWeights:
+    """``runner.prepare`` memoised on the weight objects and their in-place version."""
+    backend = runner.select(problem).backend.name
+    key = (backend, id(weights.w2), id(weights.w13_bias), id(weights.w2_bias), spec,
+           _version(weights.w13), _version(weights.w2))
+    try:
+        per_weight = _PREPARED.setdefault(weights.w13, {})
+    except TypeError:  # not weak-referenceable: prepare every time
+        return runner.registry.backends[backend].prepare_weights(weights, spec)
+    cached = per_weight.get(key)
+    if cached is None or cached.source.w2 is not weights.w2:
+        per_weight.clear()
+        cached = per_weight[key] = runner.registry.backends[backend].prepare_weights(weights, spec)
+    return cached
+
+
+def _version(weight: Any) -> int:
+    return weight._version if isinstance(weight, torch.Tensor) else 0
+
+
+def check_activation(activation: str | Activation, alpha: float | None,
+                     limit: float | None) -> Activation:
+    """Build the Activation value from the functional API's arguments."""
+    if isinstance(activation, Activation):
+        if alpha is not None or limit is not None:
+            raise MoeInputError("pass swiglu_alpha / swiglu_limit inside the Activation value")
+        return activation
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a str, got {type(activation).__name__}")
+    return Activation(activation, alpha, limit)

@@ -1,0 +1,152 @@
+"""Expert weights in the canonical layout, and their validation.
+
+Canonical layout (one for the whole library; a backend that wants another converts once in
+its ``prepare_weights``):
+
+- ``w13_E2IH``: ``[E, 2I, H]`` gate rows then up rows (``gate_up_interleaved``: row 2j is
+  gate j, row 2j+1 is up j); ``[E, I, H]`` for a non-gated activation.
+- ``w2_EHI``: ``[E, H, I]``.
+- ``w13_bias``: ``[E, 2I]`` (or ``[E, I]``) in the rows' order; ``w2_bias``: ``[E, H]``.
+
+``w13`` / ``w2`` are plain floating tensors or quantized weights (``moerunner.quant``), which
+expose ``shape`` (E, N, K), ``scheme`` and ``dequantize()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import Activation, ExpertSpec
+from .errors import MoeInputError
+
+PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def is_quantized(weight: Any) -> bool:
+    """True for a quantized weight object (anything with a scheme and ``dequantize``)."""
+    return not isinstance(weight, torch.Tensor) and hasattr(weight, "dequantize")
+
+
+def weight_shape(weight: Any) -> tuple[int, ...]:
+    """Logical shape of a plain or quantized weight."""
+    return tuple(weight.shape)
+
+
+def scheme_name(weight: Any) -> str:
+    """Name of the weight's scheme: the dtype name for plain tensors (``bf16``...)."""
+    if is_quantized(weight):
+        return weight.scheme.name
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        weight.dtype, str(weight.dtype)
+    )
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One layer's expert weights in the canonical layout (see module docstring)."""
+
+    w13: Any
+    w2: Any
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    gate_up_interleaved: bool = False
+
+    @property
+    def num_experts(self) -> int:
+        """Experts held (leading dim)."""
+        return weight_shape(self.w13)[0]
+
+    @property
+    def hidden_size(self) -> int:
+        """H."""
+        return weight_shape(self.w13)[2]
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return self.w13.device if isinstance(self.w13, torch.Tensor) else self.w13.data.device
+
+    @property
+    def scheme(self) -> str:
+        """Scheme name of w13 (w2 is checked to match)."""
+        return scheme_name(self.w13)
+
+    def intermediate_size(self, activation: Activation) -> int:
+        """I, from w13's rows and whether the activation is gated."""
+        rows = weight_shape(self.w13)[1]
+        return rows // 2 if activation.gated else rows
+
+    def spec(self, activation: Activation) -> ExpertSpec:
+        """The ExpertSpec these weights imply for ``activation``."""
+        return ExpertSpec(
+            num_experts=self.num_experts,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size(activation),
+            activation=activation,
+            gate_up_interleaved=self.gate_up_interleaved,
+        )
+
+    def validate(self, activation: Activation) -> None:
+        """Check shapes, dtypes and the agreement of E/H/I between all tensors."""
+        for name, w in (("w13", self.w13), ("w2", self.w2)):
+            if not (isinstance(w, torch.Tensor) or is_quantized(w)):
+                raise TypeError(
+                    f"{name} must be a torch.Tensor or a quantized weight, got {type(w).__name__}"
+                )
+            if len(weight_shape(w)) != 3:
+                raise MoeInputError(f"{name} must be 3-D [E, N, K], got shape {weight_shape(w)}")
+            if isinstance(w, torch.Tensor) and w.dtype not in PLAIN_DTYPES:
+                raise TypeError(
+                    f"{name} dtype {w.dtype} is not accepted: use bf16/fp16/fp32 or a quantized "
+                    "weight from moerunner.quantize"
+                )
+        e13, n13, h13 = weight_shape(self.w13)
+        e2, h2, i2 = weight_shape(self.w2)
+        if e13 != e2:
+            raise MoeInputError(f"w13 has E={e13} experts but w2 has E={e2}")
+        if h13 != h2:
+            raise MoeInputError(f"w13 has hidden size H={h13} but w2 has H={h2} (w2 is [E, H, I])")
+        expected_rows = 2 * i2 if activation.gated else i2
+        if n13 != expected_rows:
+            layout = "[E, 2I, H]" if activation.gated else "[E, I, H] (non-gated)"
+            raise MoeInputError(
+                f"w13 has {n13} rows but activation {activation.name!r} with w2's I={i2} needs "
+                f"{expected_rows}: w13 must be {layout}"
+            )
+        if self.gate_up_interleaved and not activation.gated:
+            raise MoeInputError("gate_up_interleaved=True needs a gated activation")
+        if isinstance(self.w13, torch.Tensor) and isinstance(self.w2, torch.Tensor):
+            if self.w13.dtype != self.w2.dtype:
+                raise TypeError(f"w13 dtype {self.w13.dtype} differs from w2 dtype {self.w2.dtype}")
+        if is_quantized(self.w13) != is_quantized(self.w2):
+            raise TypeError("w13 and w2 must both be plain tensors or both be quantized")
+        for name, bias, shape in (
+            ("w13_bias", self.w13_bias, (e13, n13)),
+            ("w2_bias", self.w2_bias, (e2, h2)),
+        ):
+            if bias is None:
+                continue
+            if not isinstance(bias, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(bias).__name__}")
+            if tuple(bias.shape) != shape:
+                raise MoeInputError(f"{name} must have shape {list(shape)}, got {list(bias.shape)}")
+            if not bias.is_floating_point():
+                raise TypeError(f"{name} must be floating, got {bias.dtype}")
+
+
+@dataclass
+class PreparedWeights:
+    """A backend's own form of one layer's weights, made once by ``prepare_weights``.
+
+    ``tensors`` holds whatever the backend's kernels read; ``notes`` records what preparation
+    did (padding, reordering) so it can be inspected and tested.
+    """
+
+    backend: str
+    source: ExpertWeights
+    spec: ExpertSpec
+    tensors: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
