@@ -1,0 +1,330 @@
+# Checkpoint import: published quantized MoE layouts -> QuantizedWeight, without conversion loss.
+#
+# GPT-OSS MXFP4: `<proj>_blocks` uint8 [E, N, K/32, 16] and `<proj>_scales` uint8 e8m0
+#   [E, N, K/32] where N is the output dim (gate_up: 2I rows, gate/up interleaved: row 2j is
+#   gate j, row 2j+1 is up j; down: H rows) and K the input dim, nibbles low = even k. This is
+#   how transformers' GPT-OSS integration decodes them (value = table[nibble] * 2^(scale-127),
+#   then transposed to its [E, in, out] parameter), so data is a plain reshape.
+# DeepSeek-V3 FP8: per expert `<proj>.weight` e4m3 [N, K] and `<proj>.weight_scale_inv` fp32
+#   [ceil(N/128), ceil(K/128)]; despite its name the scale is a multiplier (w = e4m3 * s).
+# ModelOpt NVFP4: per expert `<proj>.weight` uint8 [N, K/2], `weight_scale` e4m3 [N, K/16],
+#   `weight_scale_2` fp32 scalar (global dequantization scale), `input_scale` fp32 scalar
+#   (static activation global scale, used by nvfp4 activations).
+# Gate and up projections are joined row-wise by `cat_rows` (gate rows, then up rows).
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from moerunner.quant.codecs import decode_e4m3, encode_e4m3
+from moerunner.quant.schemes import QuantScheme, get_scheme
+from moerunner.quant.weight import QuantizedWeight
+
+__all__ = [
+    "cat_rows",
+    "deepseek_fp8_experts_from_safetensors",
+    "gpt_oss_experts_from_safetensors",
+    "import_deepseek_fp8",
+    "import_gpt_oss_mxfp4",
+    "import_modelopt_nvfp4",
+    "load_prefixed",
+    "modelopt_nvfp4_experts_from_safetensors",
+]
+
+PathLike = str | os.PathLike
+
+
+def _tensor(
+    name: str, t: object, dtype: torch.dtype | None = None, dims: int | None = None
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dims, got shape {list(t.shape)}")
+    return t
+
+
+def _stack(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-expert list -> stacked tensor; a tensor is taken as already stacked."""
+    if isinstance(parts, torch.Tensor):
+        return parts
+    if not isinstance(parts, Sequence) or not parts:
+        raise ValueError(
+            f"{name} must be a stacked tensor or a non-empty list of per-expert tensors"
+        )
+    shapes = {(p.dtype, tuple(p.shape)) for p in parts}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"{name}: per-expert tensors differ in dtype/shape: {sorted(map(str, shapes))}"
+        )
+    return torch.stack(list(parts))
+
+
+def _deinterleave_index(n: int, device: torch.device) -> torch.Tensor:
+    if n % 2:
+        raise ValueError(f"deinterleave: interleaved gate/up needs an even row count, got {n}")
+    return torch.cat([torch.arange(0, n, 2, device=device), torch.arange(1, n, 2, device=device)])
+
+
+def import_gpt_oss_mxfp4(
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    scheme: str | QuantScheme = "mxfp4",
+    deinterleave: bool = False,
+) -> QuantizedWeight:
+    """GPT-OSS ``*_blocks`` uint8 ``[E, N, G, 16]`` + ``*_scales`` uint8 ``[E, N, G]`` -> weight.
+
+    The result has shape ``(E, N, 32*G)``. ``scheme`` is "mxfp4" (W4A16) or "mxfp4_mxfp8"
+    (W4A8). ``deinterleave=True`` (gate_up only) reorders rows from GPT-OSS's alternating
+    gate/up to gate rows then up rows; otherwise rows keep the checkpoint order.
+    """
+    s = get_scheme(scheme)
+    if s.weight_format != "e2m1" or s.scale_format != "e8m0":
+        raise ValueError(f"scheme must be an MXFP4 scheme ('mxfp4', 'mxfp4_mxfp8'), got {s.name!r}")
+    _tensor("blocks", blocks, torch.uint8, 4)
+    _tensor("scales", scales, torch.uint8, 3)
+    e, n, g, b = blocks.shape
+    if b != 16 or tuple(scales.shape) != (e, n, g):
+        raise ValueError(
+            f"blocks/scales: expected blocks [E, N, G, 16] and scales [E, N, G], got "
+            f"{list(blocks.shape)} and {list(scales.shape)}"
+        )
+    qw = QuantizedWeight(s, (e, n, 32 * g), blocks.reshape(e, n, 16 * g), scales)
+    return qw.select_rows(_deinterleave_index(n, blocks.device)) if deinterleave else qw
+
+
+def import_deepseek_fp8(
+    weight: torch.Tensor | Sequence[torch.Tensor],
+    weight_scale_inv: torch.Tensor | Sequence[torch.Tensor],
+) -> QuantizedWeight:
+    """DeepSeek-V3 FP8 expert projections -> fp8_block weight ``(E, N, K)``.
+
+    ``weight``: e4m3 ``[N, K]`` per expert (a list) or stacked ``[E, N, K]``;
+    ``weight_scale_inv``: fp32 ``[ceil(N/128), ceil(K/128)]`` per expert, or stacked.
+    """
+    w = _tensor("weight", _stack("weight", weight), torch.float8_e4m3fn, 3)
+    s = _tensor("weight_scale_inv", _stack("weight_scale_inv", weight_scale_inv), torch.float32, 3)
+    return QuantizedWeight("fp8_block", tuple(w.shape), w, s)
+
+
+def import_modelopt_nvfp4(
+    weight: torch.Tensor | Sequence[torch.Tensor],
+    weight_scale: torch.Tensor | Sequence[torch.Tensor],
+    weight_scale_2: torch.Tensor | Sequence[torch.Tensor],
+    input_scale: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    *,
+    scheme: str | QuantScheme = "nvfp4",
+) -> QuantizedWeight:
+    """ModelOpt NVFP4 expert projections -> weight ``(E, N, K)``.
+
+    Per expert (lists) or stacked: ``weight`` uint8 ``[N, K/2]``, ``weight_scale`` e4m3
+    ``[N, K/16]``, ``weight_scale_2`` fp32 scalar, ``input_scale`` fp32 scalar. ``scheme``
+    "nvfp4" (W4A16) drops ``input_scale``; "nvfp4_a4" / "nvfp4_a4_static" keep it as the
+    static activation global scale.
+    """
+    s = get_scheme(scheme)
+    if not s.has_global_scale:
+        raise ValueError(f"scheme must be an NVFP4 scheme ('nvfp4', 'nvfp4_a4'), got {s.name!r}")
+    w = _tensor("weight", _stack("weight", weight), torch.uint8, 3)
+    sc = _tensor("weight_scale", _stack("weight_scale", weight_scale), torch.float8_e4m3fn, 3)
+    gs = _tensor("weight_scale_2", _stack("weight_scale_2", weight_scale_2), torch.float32)
+    gs = gs.reshape(-1)
+    e, n, half_k = w.shape
+    act_scale = None
+    if input_scale is not None and s.activation_format == "nvfp4":
+        act_scale = _tensor("input_scale", _stack("input_scale", input_scale), torch.float32)
+        act_scale = act_scale.reshape(-1)
+    return QuantizedWeight(s, (e, n, 2 * half_k), w, sc, global_scale=gs, input_scale=act_scale)
+
+
+def _rescale_per_expert(parts: Sequence[QuantizedWeight], field: str) -> list[QuantizedWeight]:
+    """Bring parts to the largest per-expert ``field`` (fp8 tensor scale / nvfp4 global scale).
+
+    The part's finer-grained scale (fp8: data, nvfp4: e4m3 block scales) is multiplied by
+    old / new and re-rounded to e4m3, so this is lossy where the ratio is not a power of two.
+    """
+    target = torch.stack([getattr(p, field) for p in parts]).amax(dim=0)
+    out = []
+    for p in parts:
+        ratio = (getattr(p, field) / target)[:, None, None]
+        if field == "scale":
+            fields = {"data": encode_e4m3(decode_e4m3(p.data) * ratio), "scale": target}
+        else:
+            fields = {"scale": encode_e4m3(decode_e4m3(p.scale) * ratio), "global_scale": target}
+        out.append(p._replace(p.shape, **fields))
+    return out
+
+
+def cat_rows(parts: Sequence[QuantizedWeight], *, rescale: bool = False) -> QuantizedWeight:
+    """Stack weights of one scheme along N (e.g. gate then up into w13); exact by default.
+
+    Per-expert scales covering a whole part (fp8_tensor ``scale``, nvfp4 ``global_scale``)
+    must be equal across parts, or ``rescale=True`` moves every part to the largest one
+    (lossy, see `_rescale_per_expert`). ``input_scale`` takes the largest value, since all
+    parts multiply the same activations. fp8_block parts except the last need N a multiple
+    of the block rows.
+    """
+    if not parts or not all(isinstance(p, QuantizedWeight) for p in parts):
+        raise TypeError("parts must be a non-empty sequence of QuantizedWeight")
+    first = parts[0]
+    e, _, k = first.shape
+    for p in parts:
+        if p.scheme != first.scheme or p.shape[0] != e or p.shape[2] != k:
+            raise ValueError(
+                f"parts: all parts need the same scheme, E and K; got {first!r} and {p!r}"
+            )
+    for field in ("global_scale",) + (
+        ("scale",) if first.scale is not None and first.scale.dim() == 1 else ()
+    ):
+        values = [getattr(p, field) for p in parts]
+        if values[0] is None or all(torch.equal(values[0], v) for v in values[1:]):
+            continue
+        if not rescale:
+            raise ValueError(
+                f"parts: per-expert {field} differs between parts; pass rescale=True to "
+                "re-round every part to the largest (lossy)"
+            )
+        parts = _rescale_per_expert(parts, field)
+    bs = first.scheme.block_shape
+    if first.scheme.granularity == "block" and any(p.shape[1] % bs[0] for p in parts[:-1]):
+        raise ValueError(
+            f"parts: scheme {first.scheme.name!r} shares a scale per {bs[0]} rows, so every part "
+            f"but the last needs N divisible by {bs[0]}; got N = {[p.shape[1] for p in parts]}"
+        )
+    fields: dict[str, torch.Tensor | None] = {"data": torch.cat([p.data for p in parts], dim=1)}
+    if first.scale is not None:
+        fields["scale"] = (
+            parts[0].scale if first.scale.dim() == 1 else torch.cat([p.scale for p in parts], dim=1)
+        )
+    if first.zero_point is not None:
+        fields["zero_point"] = torch.cat([p.zero_point for p in parts], dim=1)
+    fields["global_scale"] = parts[0].global_scale
+    inputs = [p.input_scale for p in parts if p.input_scale is not None]
+    fields["input_scale"] = torch.stack(inputs).amax(dim=0) if inputs else None
+    n = sum(p.shape[1] for p in parts)
+    return QuantizedWeight(first.scheme, (e, n, k), **fields)
+
+
+def load_prefixed(paths: PathLike | Sequence[PathLike], prefix: str) -> dict[str, torch.Tensor]:
+    """Tensors named ``prefix + rest`` in one or more safetensors files, keyed by ``rest``."""
+    from safetensors import safe_open
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    out[name[len(prefix) :]] = f.get_tensor(name)
+    return out
+
+
+def _need(found: dict[str, torch.Tensor], key: str, prefix: str) -> torch.Tensor:
+    if key not in found:
+        raise ValueError(f"paths: tensor {prefix + key!r} not found in the checkpoint")
+    return found[key]
+
+
+def gpt_oss_experts_from_safetensors(
+    paths: PathLike | Sequence[PathLike],
+    prefix: str,
+    *,
+    scheme: str | QuantScheme = "mxfp4",
+    deinterleave: bool = False,
+) -> dict[str, object]:
+    """Read one GPT-OSS MoE layer (``prefix`` e.g. "model.layers.0.mlp.experts.").
+
+    Returns ``{"w13": [E, 2I, H], "w2": [E, H, I], "w13_bias", "w2_bias" (fp32 or None),
+    "gate_up_interleaved": bool}``; rows of w13 and w13_bias are interleaved gate/up unless
+    ``deinterleave`` (then gate rows, then up rows).
+    """
+    found = load_prefixed(paths, prefix)
+    w13 = import_gpt_oss_mxfp4(
+        _need(found, "gate_up_proj_blocks", prefix),
+        _need(found, "gate_up_proj_scales", prefix),
+        scheme=scheme,
+        deinterleave=deinterleave,
+    )
+    w2 = import_gpt_oss_mxfp4(
+        _need(found, "down_proj_blocks", prefix),
+        _need(found, "down_proj_scales", prefix),
+        scheme=scheme,
+    )
+    b13, b2 = found.get("gate_up_proj_bias"), found.get("down_proj_bias")
+    if b13 is not None:
+        b13 = b13.float()
+        if deinterleave:
+            b13 = b13.index_select(1, _deinterleave_index(b13.shape[1], b13.device))
+    return {
+        "w13": w13,
+        "w2": w2,
+        "w13_bias": b13,
+        "w2_bias": None if b2 is None else b2.float(),
+        "gate_up_interleaved": not deinterleave,
+    }
+
+
+def _per_expert(
+    found: dict[str, torch.Tensor], prefix: str, num_experts: int, proj: str, key: str
+) -> list[torch.Tensor]:
+    return [_need(found, f"{e}.{proj}.{key}", prefix) for e in range(num_experts)]
+
+
+def deepseek_fp8_experts_from_safetensors(
+    paths: PathLike | Sequence[PathLike],
+    prefix: str,
+    num_experts: int,
+    *,
+    proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> dict[str, QuantizedWeight]:
+    """Read DeepSeek-V3 FP8 routed experts ``prefix{e}.{proj}.weight[_scale_inv]``.
+
+    ``prefix`` is e.g. "model.layers.3.mlp.experts."; returns ``{"w13", "w2"}`` (fp8_block,
+    gate rows then up rows).
+    """
+    found = load_prefixed(paths, prefix)
+    gate, up, down = (
+        import_deepseek_fp8(
+            _per_expert(found, prefix, num_experts, p, "weight"),
+            _per_expert(found, prefix, num_experts, p, "weight_scale_inv"),
+        )
+        for p in proj_names
+    )
+    return {"w13": cat_rows([gate, up]), "w2": down}
+
+
+def modelopt_nvfp4_experts_from_safetensors(
+    paths: PathLike | Sequence[PathLike],
+    prefix: str,
+    num_experts: int,
+    *,
+    scheme: str | QuantScheme = "nvfp4",
+    proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+    rescale: bool = False,
+) -> dict[str, QuantizedWeight]:
+    """Read ModelOpt NVFP4 routed experts ``prefix{e}.{proj}.weight / weight_scale / ...``.
+
+    Returns ``{"w13", "w2"}``. Gate and up have separate ``weight_scale_2`` in ModelOpt files;
+    when they differ, ``rescale=True`` is needed (see `cat_rows`).
+    """
+    found = load_prefixed(paths, prefix)
+
+    def one(proj: str) -> QuantizedWeight:
+        has_input = f"0.{proj}.input_scale" in found
+        return import_modelopt_nvfp4(
+            _per_expert(found, prefix, num_experts, proj, "weight"),
+            _per_expert(found, prefix, num_experts, proj, "weight_scale"),
+            _per_expert(found, prefix, num_experts, proj, "weight_scale_2"),
+            _per_expert(found, prefix, num_experts, proj, "input_scale") if has_input else None,
+            scheme=scheme,
+        )
+
+    gate, up, down = (one(p) for p in proj_names)
+    return {"w13": cat_rows([gate, up], rescale=rescale), "w2": down}

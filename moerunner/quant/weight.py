@@ -1,0 +1,481 @@
+# QuantizedWeight: a quantized expert weight [E, N, K] and the tensors that encode it.
+#
+# Layout contract (docs/architecture.md, "Quantized weights"); every tensor has experts on
+# dim 0 and, where it has one, output rows N on dim 1:
+#   data         e4m3 / int8 / bf16.. [E, N, K], or uint8 [E, N, K/2] for packed 4-bit
+#   scale        fp32 [E] (tensor) | fp32 [E, N] (channel) | fp32 [E, ceil(N/bn), ceil(K/bk)]
+#                (block) | uint8 e8m0 / e4m3 / fp32 [E, N, K/g] (group)
+#   global_scale fp32 [E] (NVFP4 only)
+#   zero_point   uint8 [E, N, K/g] (int4 with zero point only)
+#   input_scale  fp32 [E] static activation scale (optional; required by "static" schemes)
+# `dequantize()` is always float32 [E, N, K]. The object is immutable by convention: `pad`,
+# `select_rows`, `narrow_experts` and `to` return new objects and never modify tensors.
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from moerunner.quant import fp8, integer, mx, nvfp4
+from moerunner.quant.schemes import QuantScheme, get_scheme
+
+__all__ = ["TENSOR_FIELDS", "QuantizedWeight", "dequantize", "quantize"]
+
+#: Order of the tensor fields in `QuantizedWeight.flat_tensors()` / `from_tensors(sequence)`.
+TENSOR_FIELDS = ("data", "scale", "global_scale", "zero_point", "input_scale")
+
+_PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_STATIC_CAPABLE = ("fp8_token", "int8_token", "nvfp4")
+
+
+def _kind(scheme: QuantScheme) -> str:
+    """Internal family name of a scheme; raises for combinations with no codec."""
+    w, s, g, bs = scheme.weight_format, scheme.scale_format, scheme.granularity, scheme.block_shape
+    if not scheme.is_quantized:
+        return "plain"
+    if w == "e4m3" and s == "fp32" and g in ("tensor", "channel"):
+        return f"fp8_{g}"
+    if w == "e4m3" and s == "fp32" and g in ("block", "group"):
+        return "fp8_block"
+    if w in ("e4m3", "e2m1") and s == "e8m0" and g == "group" and bs == (1, mx.MX_BLOCK):
+        return "mx"
+    if w == "e2m1" and s == "e4m3" and g == "group" and bs == (1, nvfp4.NVFP4_BLOCK):
+        return "nvfp4"
+    if w == "int8" and s == "fp32" and g == "channel":
+        return "int8"
+    if w == "int4" and s == "fp32" and g == "group":
+        return "int4"
+    raise ValueError(
+        f"scheme: no codec for weight_format={w!r}, scale_format={s!r}, granularity={g!r}, "
+        f"block_shape={bs!r}; supported: fp8 e4m3 with fp32 scales per tensor / channel / block, "
+        "e4m3 or e2m1 with e8m0 scales per (1, 32), e2m1 with e4m3 scales per (1, 16), int8 "
+        "per channel, int4 per group"
+    )
+
+
+def _expected_layout(
+    scheme: QuantScheme, shape: tuple[int, int, int]
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]] | None]:
+    """dtype and shape of every tensor field for ``scheme`` and logical ``shape`` (E, N, K)."""
+    e, n, k = shape
+    kind = _kind(scheme)
+    bs = scheme.block_shape
+    if scheme.packed or kind in ("mx", "int4", "nvfp4"):
+        g = bs[1]
+        if k % g:
+            raise ValueError(
+                f"shape: K={k} must be a multiple of the group size {g} of scheme "
+                f"{scheme.name!r}; zero-pad K before quantizing"
+            )
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(TENSOR_FIELDS)
+    packed_data = (torch.uint8, (e, n, k // 2))
+    if kind == "plain":
+        out["data"] = (_PLAIN_DTYPES[scheme.weight_format], (e, n, k))
+    elif kind == "fp8_tensor":
+        out["data"], out["scale"] = (torch.float8_e4m3fn, (e, n, k)), (torch.float32, (e,))
+    elif kind == "fp8_channel":
+        out["data"], out["scale"] = (torch.float8_e4m3fn, (e, n, k)), (torch.float32, (e, n))
+    elif kind == "fp8_block":
+        grid = (e, math.ceil(n / bs[0]), math.ceil(k / bs[1]))
+        out["data"], out["scale"] = (torch.float8_e4m3fn, (e, n, k)), (torch.float32, grid)
+    elif kind == "mx":
+        out["data"] = (
+            (torch.float8_e4m3fn, (e, n, k)) if scheme.weight_format == "e4m3" else packed_data
+        )
+        out["scale"] = (torch.uint8, (e, n, k // bs[1]))
+    elif kind == "nvfp4":
+        out["data"], out["scale"] = packed_data, (torch.float8_e4m3fn, (e, n, k // bs[1]))
+        out["global_scale"] = (torch.float32, (e,))
+    elif kind == "int8":
+        out["data"], out["scale"] = (torch.int8, (e, n, k)), (torch.float32, (e, n))
+    else:  # int4
+        out["data"], out["scale"] = packed_data, (torch.float32, (e, n, k // bs[1]))
+        if scheme.zero_point:
+            out["zero_point"] = (torch.uint8, (e, n, k // bs[1]))
+    if scheme.activation_format in _STATIC_CAPABLE:
+        out["input_scale"] = (torch.float32, (e,))
+    return out
+
+
+def _check_shape(shape: object) -> tuple[int, int, int]:
+    if (
+        not isinstance(shape, (tuple, list, torch.Size))
+        or len(shape) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in shape)
+    ):
+        raise ValueError(f"shape must be three non-negative ints (E, N, K), got {shape!r}")
+    return (int(shape[0]), int(shape[1]), int(shape[2]))
+
+
+class QuantizedWeight:
+    """A quantized expert weight of logical shape ``(E, N, K)`` (out rows N, reduction dim K).
+
+    Construct it with `quantize`, a checkpoint importer, or directly from tensors laid out as
+    the module header says; the constructor checks every dtype and shape against the scheme.
+    """
+
+    __slots__ = ("scheme", "shape", "data", "scale", "global_scale", "zero_point", "input_scale")
+
+    def __init__(
+        self,
+        scheme: str | QuantScheme,
+        shape: Sequence[int],
+        data: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        global_scale: torch.Tensor | None = None,
+        zero_point: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
+    ) -> None:
+        self.scheme = get_scheme(scheme)
+        self.shape = _check_shape(tuple(shape))
+        self.data = data
+        self.scale = scale
+        self.global_scale = global_scale
+        self.zero_point = zero_point
+        self.input_scale = input_scale
+        self._validate()
+
+    def _validate(self) -> None:
+        layout = _expected_layout(self.scheme, self.shape)
+        device = self.data.device if isinstance(self.data, torch.Tensor) else None
+        for field in TENSOR_FIELDS:
+            value, want = getattr(self, field), layout[field]
+            if value is None:
+                if want is not None and (field != "input_scale" or self._static()):
+                    raise ValueError(
+                        f"{field}: scheme {self.scheme.name!r} needs {field} "
+                        f"{want[0]} {list(want[1])}, got None"
+                    )
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{field} must be a torch.Tensor or None, got {type(value).__name__}"
+                )
+            if want is None:
+                raise ValueError(
+                    f"{field}: scheme {self.scheme.name!r} has no {field} tensor, got one of "
+                    f"shape {list(value.shape)}"
+                )
+            dtype, shape = want
+            if value.dtype != dtype or tuple(value.shape) != shape:
+                raise ValueError(
+                    f"{field}: scheme {self.scheme.name!r} with shape {self.shape} needs {dtype} "
+                    f"{list(shape)}, got {value.dtype} {list(value.shape)}"
+                )
+            if value.device != device:
+                raise ValueError(f"{field} is on {value.device} but data is on {device}")
+
+    def _static(self) -> bool:
+        return self.scheme.activation_scales == "static"
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedWeight(scheme={self.scheme.name!r}, shape={self.shape}, "
+            f"device={self.device})"
+        )
+
+    @property
+    def num_experts(self) -> int:
+        """Number of experts E (dim 0 of every tensor)."""
+        return self.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        """Device holding all tensors."""
+        return self.data.device
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that are set, by field name (see ``TENSOR_FIELDS``)."""
+        return {f: getattr(self, f) for f in TENSOR_FIELDS if getattr(self, f) is not None}
+
+    def flat_tensors(self) -> list[torch.Tensor | None]:
+        """All tensor fields in ``TENSOR_FIELDS`` order, None where unset (for custom ops)."""
+        return [getattr(self, f) for f in TENSOR_FIELDS]
+
+    @classmethod
+    def from_tensors(
+        cls,
+        scheme: str | QuantScheme,
+        shape: Sequence[int],
+        tensors: Mapping[str, torch.Tensor | None] | Sequence[torch.Tensor | None],
+    ) -> QuantizedWeight:
+        """Rebuild from ``tensors()`` (a mapping) or ``flat_tensors()`` (a sequence)."""
+        if isinstance(tensors, Mapping):
+            unknown = set(tensors) - set(TENSOR_FIELDS)
+            if unknown:
+                raise ValueError(
+                    f"tensors: unknown field(s) {sorted(unknown)}; accepted: {TENSOR_FIELDS}"
+                )
+            return cls(scheme, shape, **dict(tensors))
+        if not isinstance(tensors, Sequence) or len(tensors) != len(TENSOR_FIELDS):
+            raise ValueError(
+                f"tensors must be a mapping or a sequence of {len(TENSOR_FIELDS)} entries in the "
+                f"order {TENSOR_FIELDS}"
+            )
+        return cls(scheme, shape, **dict(zip(TENSOR_FIELDS, tensors, strict=True)))
+
+    def _replace(
+        self, shape: tuple[int, int, int], **fields: torch.Tensor | None
+    ) -> QuantizedWeight:
+        values = {f: getattr(self, f) for f in TENSOR_FIELDS}
+        values.update(fields)
+        return QuantizedWeight(self.scheme, shape, **values)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """Copy of this weight with every tensor moved to ``device``."""
+        moved = {f: t.to(device) for f, t in self.tensors().items()}
+        return self._replace(self.shape, **moved)
+
+    def narrow_experts(self, start: int, length: int) -> QuantizedWeight:
+        """Experts ``start .. start + length - 1`` (views, no copy), e.g. one EP rank's share."""
+        e = self.num_experts
+        if not (isinstance(start, int) and isinstance(length, int)):
+            raise TypeError("start and length must be ints")
+        if start < 0 or length < 0 or start + length > e:
+            raise ValueError(
+                f"start/length: experts [{start}, {start + length}) are not within [0, {e})"
+            )
+        narrowed = {f: t.narrow(0, start, length) for f, t in self.tensors().items()}
+        return self._replace((length, self.shape[1], self.shape[2]), **narrowed)
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 ``[E, N, K]`` value of the weight (see docs/architecture.md for the rules)."""
+        kind = _kind(self.scheme)
+        bs = self.scheme.block_shape
+        if kind == "plain":
+            return self.data.float()
+        if kind == "fp8_tensor":
+            return self.data.float() * self.scale[:, None, None]
+        if kind in ("fp8_channel", "int8"):
+            return self.data.float() * self.scale[:, :, None]
+        if kind == "fp8_block":
+            return fp8.dequantize_fp8_blocks(self.data, self.scale, bs[0], bs[1])
+        if kind == "mx":
+            return mx.dequantize_mx(self.data, self.scale, self.scheme.weight_format)
+        if kind == "nvfp4":
+            return nvfp4.dequantize_nvfp4(self.data, self.scale, self.global_scale[:, None, None])
+        return integer.dequantize_int4(self.data, self.scale, self.zero_point, bs[1])
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Rows ``index`` of N (e.g. de-interleave gate/up); not for 2-D block scales."""
+        if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
+            raise TypeError("index must be a 1-D integer tensor of row numbers")
+        kind = _kind(self.scheme)
+        if kind == "fp8_block" and self.scheme.block_shape[0] != 1:
+            raise ValueError(
+                f"index: scheme {self.scheme.name!r} shares one scale across "
+                f"{self.scheme.block_shape[0]} rows, so its rows cannot be reordered"
+            )
+        index = index.to(self.device)
+        fields = {"data": self.data.index_select(1, index)}
+        if self.scale is not None and self.scale.dim() >= 2:
+            fields["scale"] = self.scale.index_select(1, index)
+        if self.zero_point is not None:
+            fields["zero_point"] = self.zero_point.index_select(1, index)
+        return self._replace((self.shape[0], int(index.numel()), self.shape[2]), **fields)
+
+    def pad(
+        self, *, rows_per_segment: int | None = None, k: int | None = None, segments: int = 1
+    ) -> QuantizedWeight:
+        """Zero-pad N and/or K so a kernel's alignment holds; the padded entries dequantize to 0.
+
+        N is split into ``segments`` equal parts (2 for a gated w13: gate rows, then up rows),
+        and each part is padded at its end to ``rows_per_segment`` rows, so the halves stay
+        separately aligned. K is padded at its end to ``k`` columns. New scale entries hold
+        what quantizing zeros would give, so ``quantize(pad(w)) == pad(quantize(w))`` where the
+        blocks line up. Raises ValueError where the format cannot express it: K for group
+        formats must stay a multiple of the group size; for 2-D block scales (fp8_block)
+        with several segments, each segment's rows must be a whole number of blocks.
+        """
+        e, n, k0 = self.shape
+        if not isinstance(segments, int) or segments < 1 or n % segments:
+            raise ValueError(f"segments must be a positive int dividing N={n}, got {segments!r}")
+        n0 = n // segments
+        r1 = n0 if rows_per_segment is None else rows_per_segment
+        k1 = k0 if k is None else k
+        if not isinstance(r1, int) or r1 < n0:
+            raise ValueError(
+                f"rows_per_segment must be an int >= the current rows per segment {n0}, got {r1!r}"
+            )
+        if not isinstance(k1, int) or k1 < k0:
+            raise ValueError(f"k must be an int >= the current K={k0}, got {k1!r}")
+        kind = _kind(self.scheme)
+        if kind in ("mx", "nvfp4", "int4") and k1 % self.scheme.block_shape[1]:
+            raise ValueError(
+                f"k: scheme {self.scheme.name!r} needs K to be a multiple of its group size "
+                f"{self.scheme.block_shape[1]}, got {k1}"
+            )
+        fill = _pad_fill(self.scheme, kind)
+        unit = 2 if self.scheme.packed else 1
+        fields: dict[str, torch.Tensor | None] = {
+            "data": _pad_rows_cols(self.data, segments, r1 - n0, (k1 - k0) // unit, fill["data"])
+        }
+        if kind == "fp8_block":
+            fields["scale"] = _pad_block_grid(self.scale, self.scheme, n, segments, r1, k1)
+        elif self.scale is not None and self.scale.dim() == 2:
+            fields["scale"] = _pad_rows_cols(self.scale[..., None], segments, r1 - n0, 0, 1.0)[
+                ..., 0
+            ]
+        elif self.scale is not None and self.scale.dim() == 3:
+            g = self.scheme.block_shape[1]
+            fields["scale"] = _pad_rows_cols(
+                self.scale, segments, r1 - n0, (k1 - k0) // g, fill["scale"]
+            )
+        if self.zero_point is not None:
+            g = self.scheme.block_shape[1]
+            fields["zero_point"] = _pad_rows_cols(
+                self.zero_point, segments, r1 - n0, (k1 - k0) // g, 0
+            )
+        return self._replace((e, segments * r1, k1), **fields)
+
+
+def _pad_fill(scheme: QuantScheme, kind: str) -> dict[str, float]:
+    """Raw fill values whose dequantized value is 0, matching what quantizing zeros stores."""
+    data_fill = 0.0
+    if kind == "int4" and not scheme.zero_point:
+        data_fill = float(0x88)  # two symmetric-int4 zeros (q = 8)
+    scale_fill = 1.0  # fp32 scales: absmax_scale of an all-zero block
+    if kind in ("mx", "nvfp4"):
+        scale_fill = 0.0  # e8m0 code 0 / e4m3 0.0: what an all-zero block quantizes to
+    return {"data": data_fill, "scale": scale_fill}
+
+
+def _pad_rows_cols(
+    t: torch.Tensor, segments: int, extra_rows: int, extra_cols: int, fill: float
+) -> torch.Tensor:
+    """Pad dim 1 of ``t [E, rows, cols]`` per segment and dim 2 at the end with ``fill``."""
+    if extra_rows == 0 and extra_cols == 0:
+        return t
+    e, rows, cols = t.shape
+    seg = t.reshape(e, segments, rows // segments, cols)
+    out = torch.full(
+        (e, segments, rows // segments + extra_rows, cols + extra_cols),
+        fill,
+        dtype=t.dtype,
+        device=t.device,
+    )
+    out[:, :, : rows // segments, :cols] = seg
+    return out.reshape(e, -1, cols + extra_cols)
+
+
+def _pad_block_grid(
+    scale: torch.Tensor, scheme: QuantScheme, n: int, segments: int, r1: int, k1: int
+) -> torch.Tensor:
+    """New fp8_block scale grid after padding; each new block must map to one old block."""
+    bn, bk = scheme.block_shape
+    n0 = n // segments
+    e, _, kb0 = scale.shape
+    nb1, kb1 = math.ceil(segments * r1 / bn), math.ceil(k1 / bk)
+    rows: list[torch.Tensor] = []
+    for j in range(nb1):
+        sources = set()
+        for i in range(j * bn, min((j + 1) * bn, segments * r1)):
+            seg, local = divmod(i, r1)
+            if local < n0:
+                sources.add((seg * n0 + local) // bn)
+        if len(sources) > 1:
+            raise ValueError(
+                f"rows_per_segment: scheme {scheme.name!r} shares one scale per {bn} rows; "
+                f"padding {segments} segments of {n0} rows to {r1} would put rows of different "
+                f"scale blocks into one block; use segments whose rows are multiples of {bn}"
+            )
+        if sources:
+            rows.append(scale[:, sources.pop(), :])
+        else:
+            rows.append(torch.ones(e, kb0, dtype=scale.dtype, device=scale.device))
+    grid = torch.stack(rows, dim=1) if rows else scale.new_ones(e, 0, kb0)
+    if kb1 > kb0:
+        grid = torch.cat([grid, grid.new_ones(e, nb1, kb1 - kb0)], dim=2)
+    return grid
+
+
+def quantize(
+    weight: torch.Tensor,
+    scheme: str | QuantScheme,
+    *,
+    input_scale: torch.Tensor | None = None,
+) -> QuantizedWeight | torch.Tensor:
+    """Quantize float expert weights ``[E, N, K]`` to ``scheme`` (a name or a QuantScheme).
+
+    Quantized schemes return a `QuantizedWeight`; "bf16" / "fp16" / "fp32" return it too, with
+    ``data`` cast to that dtype. ``input_scale`` (fp32 ``[E]`` or a scalar, broadcast to every
+    expert) is the static activation scale, required by "static" schemes and accepted by those
+    that quantize activations to fp8 / int8 / nvfp4. Shape rules: K must be a multiple of the
+    group size for MX (32), NVFP4 (16) and int4 (g), else ValueError; fp8_block accepts any N
+    and K (the last block row / column is partial: ceil grid).
+    """
+    s = get_scheme(scheme)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point() or weight.dtype in (
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e8m0fnu,
+    ):
+        raise TypeError(f"weight must be bf16, fp16, fp32 or fp64, got {weight.dtype}")
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be [E, N, K] (3 dims), got shape {list(weight.shape)}")
+    shape = _check_shape(tuple(weight.shape))
+    layout = _expected_layout(s, shape)  # raises early for K not a multiple of the group
+    if input_scale is not None:
+        if layout["input_scale"] is None:
+            raise ValueError(
+                f"input_scale: scheme {s.name!r} does not quantize activations with a static "
+                "scale; accepted only for activation formats fp8_token, int8_token, nvfp4"
+            )
+        input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=weight.device)
+        input_scale = input_scale.expand(shape[0]).contiguous()
+    kind = _kind(s)
+    w = weight.float()
+    bs = s.block_shape
+    fields: dict[str, torch.Tensor | None] = {"input_scale": input_scale}
+    if kind == "plain":
+        fields["data"] = weight.to(_PLAIN_DTYPES[s.weight_format])
+    elif min(shape) == 0:
+        fields.update(_empty_fields(layout, weight.device))
+    elif kind == "fp8_tensor":
+        fields["data"], fields["scale"] = fp8.quantize_fp8_tensor(w)
+    elif kind in ("fp8_channel", "int8"):
+        quantize_rows = (
+            fp8.quantize_fp8_rows if kind == "fp8_channel" else integer.quantize_int8_rows
+        )
+        fields["data"], fields["scale"] = quantize_rows(w)
+    elif kind == "fp8_block":
+        fields["data"], fields["scale"] = fp8.quantize_fp8_blocks(w, bs[0], bs[1])
+    elif kind == "mx":
+        fields["data"], fields["scale"] = mx.quantize_mx(w, s.weight_format)
+    elif kind == "nvfp4":
+        gs = nvfp4.nvfp4_global_scale(w.abs().amax(dim=(-2, -1)))
+        fields["data"], fields["scale"] = nvfp4.quantize_nvfp4(w, gs[:, None, None])
+        fields["global_scale"] = gs
+    else:
+        data, sc, zero = integer.quantize_int4(w, bs[1], s.zero_point)
+        fields.update(data=data, scale=sc, zero_point=zero)
+    return QuantizedWeight(s, shape, **fields)
+
+
+def _empty_fields(
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]] | None], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Tensors of an empty weight (some dim is 0): scales of 1.0 / code 0, nothing to reduce."""
+    out = {}
+    for field in ("data", "scale", "global_scale", "zero_point"):
+        want = layout[field]
+        if want is not None:
+            dtype, shape = want
+            fill = 1.0 if dtype == torch.float32 else 0
+            out[field] = torch.full(shape, fill, dtype=torch.float32, device=device).to(dtype)
+    return out
+
+
+def dequantize(qweight: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+    """Float32 value of a `QuantizedWeight` (a plain float tensor is just cast to float32)."""
+    if isinstance(qweight, QuantizedWeight):
+        return qweight.dequantize()
+    if isinstance(qweight, torch.Tensor) and qweight.is_floating_point():
+        return qweight.float()
+    raise TypeError(
+        f"qweight must be a QuantizedWeight or a float tensor, got {type(qweight).__name__}"
+    )
