@@ -1,0 +1,317 @@
+# Stage "experts" of the triton backend: the grouped GEMM kernel body (private).
+#
+# One kernel serves GEMM1 (w13, optional bias, fused gated/non-gated activation) and GEMM2
+# (w2, optional bias, routing weight). Rows come from the alignment step: ``sorted_rows``
+# holds, per BLOCK_M-padded expert segment, the output row ids (sentinel ``num_rows`` for
+# padding) and ``block_expert`` the expert of each M-block. The A row of an output row is
+# ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1 otherwise).
+#
+# Weight tiles are read straight from the quantized layouts of docs/architecture.md and either
+# fed to the MMA in their own type (fp8 / int8 with a quantized A, "qdot") or dequantized in
+# registers to A's dtype (weight-only schemes: int8, int4, mxfp4, nvfp4, mxfp8).
+# All launch-time decisions are constexpr; the launcher (``launcher.py``) validates inputs.
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Weight storage formats (constexpr W_FORMAT).
+WF_PLAIN, WF_FP8, WF_INT8, WF_UINT4, WF_E2M1 = 0, 1, 2, 3, 4
+# Scale encodings (constexpr SCALE_FMT).
+SF_NONE, SF_FP32, SF_E8M0, SF_E4M3 = 0, 1, 2, 3
+# Activation ids (constexpr ACT); ACT_NONE is used by GEMM2.
+ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2, 3, 4, 5
+# A-side scales (constexpr A_SCALE): none, one per row, one per row and 128-wide K group.
+AS_NONE, AS_ROW, AS_GROUP128 = 0, 1, 2
+
+
+@triton.jit
+def _decode_scale(s, SCALE_FMT: tl.constexpr):
+    """Turn loaded scale storage into float32 multipliers."""
+    if SCALE_FMT == 2:
+        # e8m0: 2^(e - 127); 255 is NaN per the OCP MX spec.
+        e = s.to(tl.float32)
+        out = tl.where(e == 255.0, float("nan"), tl.exp2(e - 127.0))
+    elif SCALE_FMT == 3:
+        out = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        out = s.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _decode_e2m1(q):
+    """Nibble (uint8 0..15) -> float32 value of an fp4 e2m1 element."""
+    sign = tl.where((q & 8) != 0, -1.0, 1.0)
+    exp = ((q >> 1) & 3).to(tl.float32)
+    man = (q & 1).to(tl.float32)
+    mag = tl.where(exp == 0.0, 0.5 * man, (1.0 + 0.5 * man) * tl.exp2(exp - 1.0))
+    return sign * mag
+
+
+@triton.jit
+def _weight_tile(
+    w_base, s_base, z_base, rows, k0, K,
+    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, QDOT: tl.constexpr,
+    GROUP_K: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Load one [BLOCK_K, BLOCK_N] weight tile of expert rows ``rows`` starting at ``k0``.
+
+    Returns the tile in the MMA operand type: the storage type for plain and qdot paths,
+    ``COMPUTE`` (A's dtype) for weight-only dequantization (group scales applied here;
+    per-channel scales are applied by the caller after the K loop).
+    """
+    # K groups per tile and the K span each group scale covers inside the tile.
+    SPT: tl.constexpr = BLOCK_K // GROUP_K if GROUP_K > 0 and GROUP_K < BLOCK_K else 1
+    SPAN: tl.constexpr = BLOCK_K // SPT
+    if W_FORMAT == 3 or W_FORMAT == 4:
+        # Packed: byte j holds k = 2j (low nibble) and 2j + 1 (high nibble).
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        ptrs = w_base + rows[:, None] * stride_wn + offs_b[None, :] * stride_wk
+        if EVEN_K:
+            packed = tl.load(ptrs)
+        else:
+            packed = tl.load(ptrs, mask=offs_b[None, :] < (K + 1) // 2, other=0)
+        lo = packed & 0xF
+        hi = (packed >> 4) & 0xF
+        q = tl.reshape(tl.join(lo, hi), (rows.shape[0], BLOCK_K))  # [BN, BK]
+        offs_s = (k0 + tl.arange(0, SPT) * SPAN) // GROUP_K
+        s_mask = offs_s[None, :] < (K + GROUP_K - 1) // GROUP_K
+        s = tl.load(s_base + rows[:, None] * stride_sn + offs_s[None, :] * stride_sk,
+                    mask=s_mask, other=0)
+        s = _decode_scale(s, SCALE_FMT)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (rows.shape[0], SPT, SPAN)),
+                       (rows.shape[0], BLOCK_K))
+        if W_FORMAT == 3:
+            if HAS_ZP:
+                z = tl.load(z_base + rows[:, None] * stride_zn + offs_s[None, :] * stride_zk,
+                            mask=s_mask, other=0).to(tl.float32)
+                z = tl.reshape(tl.broadcast_to(z[:, :, None], (rows.shape[0], SPT, SPAN)),
+                               (rows.shape[0], BLOCK_K))
+            else:
+                z = 8.0
+            v = (q.to(tl.float32) - z) * s
+        else:
+            v = _decode_e2m1(q) * s
+        tile = tl.trans(v.to(COMPUTE))
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        ptrs = w_base + offs_k[:, None] * stride_wk + rows[None, :] * stride_wn
+        if EVEN_K:
+            raw = tl.load(ptrs)
+        else:
+            raw = tl.load(ptrs, mask=offs_k[:, None] < K, other=0)
+        if W_FORMAT == 0:
+            tile = raw
+        elif QDOT:
+            if W_FORMAT == 1:
+                tile = raw.to(tl.float8e4nv, bitcast=True)
+            else:
+                tile = raw
+        else:
+            if W_FORMAT == 1:
+                v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v = raw.to(tl.float32)
+            if GROUP_K > 0:
+                offs_s = (k0 + tl.arange(0, SPT) * SPAN) // GROUP_K
+                s_mask = offs_s[:, None] < (K + GROUP_K - 1) // GROUP_K
+                s = tl.load(s_base + offs_s[:, None] * stride_sk + rows[None, :] * stride_sn,
+                            mask=s_mask, other=0)
+                s = _decode_scale(s, SCALE_FMT)
+                s = tl.reshape(tl.broadcast_to(s[:, None, :], (SPT, SPAN, rows.shape[0])),
+                               (BLOCK_K, rows.shape[0]))
+                v = v * s
+            tile = v.to(COMPUTE)
+    return tile
+
+
+@triton.jit
+def _mma(a, b, acc, IS_INT: tl.constexpr, IEEE: tl.constexpr):
+    """acc += a @ b with the accumulator type of the operands (int32 for int8)."""
+    if IS_INT:
+        acc += tl.dot(a, b, out_dtype=tl.int32)
+    elif IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _channel_scale(s_base, rows, stride_sn, SCALE_FMT: tl.constexpr):
+    """Per-output-row (or per-tensor when stride_sn == 0) weight scale, float32 [BN]."""
+    return _decode_scale(tl.load(s_base + rows * stride_sn), SCALE_FMT)
+
+
+@triton.jit
+def _activate(g, u, alpha, limit, ACT: tl.constexpr):
+    """Gated (act(g) * u) or non-gated (act(g), u unused) activation in float32."""
+    if ACT == 1:
+        out = g * tl.sigmoid(g) * u
+    elif ACT == 2:
+        out = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
+    elif ACT == 3:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        out = g * tl.sigmoid(2.0 * inner) * u  # 0.5 * (1 + tanh(x)) == sigmoid(2x)
+    elif ACT == 4:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = g * tl.sigmoid(alpha * g) * (u + 1.0)
+    elif ACT == 5:
+        r = tl.maximum(g, 0.0)
+        out = r * r
+    else:
+        out = g
+    return out
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zp_ptr, w_gscale_ptr, bias_ptr, out_ptr,
+    sorted_rows_ptr, block_expert_ptr, num_padded_ptr, route_w_ptr,
+    N_OUT, K, num_rows, num_m_blocks, a_row_div, alpha, limit,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
+    stride_ze, stride_zn, stride_zk,
+    stride_be, stride_bn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr,
+    W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
+    A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]).
+
+    GATED: two accumulators over w13 rows (gate, up), activation fused, N_OUT = I.
+    SCALE_ROW_BLOCK: rows sharing one weight scale (1 per channel, 128 for fp8_block,
+    0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
+    """
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+    # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_out = tl.load(sorted_rows_ptr + offs_m)
+    row_mask = rows_out < num_rows
+    a_rows = tl.where(row_mask, rows_out // a_row_div, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    offs_n_safe = offs_n % N_OUT  # in-bounds weight rows; masked columns are not stored
+    if GATED:
+        if INTERLEAVED:
+            rows_g = 2 * offs_n_safe
+            rows_u = 2 * offs_n_safe + 1
+        else:
+            rows_g = offs_n_safe
+            rows_u = offs_n_safe + N_OUT
+    else:
+        rows_g = offs_n_safe
+        rows_u = offs_n_safe
+
+    COMPUTE: tl.constexpr = a_ptr.dtype.element_ty
+    IS_INT: tl.constexpr = QDOT and W_FORMAT == 2
+    if IS_INT:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    w_base = w_ptr + expert * stride_we
+    s_base = w_scale_ptr + expert * stride_se
+    z_base = w_zp_ptr + expert * stride_ze
+    IN_LOOP_QSCALE: tl.constexpr = QDOT and GROUP_K > 0  # fp8_block
+    DEQ_GROUP: tl.constexpr = (not QDOT) and GROUP_K > 0  # weight-only group scales
+    if DEQ_GROUP:
+        sg_base = s_base
+        sg_stride_n = stride_sn
+    else:
+        sg_base = s_base
+        sg_stride_n = 0
+    a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
+        else:
+            a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak,
+                        mask=offs_k[None, :] < K, other=0)
+        if A_FP8:
+            a = a.to(tl.float8e4nv, bitcast=True)
+        b_g = _weight_tile(w_base, sg_base, z_base, rows_g, k0, K,
+                           stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn, stride_zk,
+                           COMPUTE, W_FORMAT, QDOT, GROUP_K if DEQ_GROUP else 0, SCALE_FMT,
+                           HAS_ZP, BLOCK_K, EVEN_K)
+        if IN_LOOP_QSCALE:
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
+            w_s_g = tl.load(s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn
+                            + (k0 // GROUP_K) * stride_sk)
+            acc_g += tl.dot(a, b_g) * (a_s[:, None] * w_s_g[None, :])
+        else:
+            acc_g = _mma(a, b_g, acc_g, IS_INT, IEEE)
+        if GATED:
+            b_u = _weight_tile(w_base, sg_base, z_base, rows_u, k0, K,
+                               stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn,
+                               stride_zk, COMPUTE, W_FORMAT, QDOT,
+                               GROUP_K if DEQ_GROUP else 0, SCALE_FMT, HAS_ZP, BLOCK_K, EVEN_K)
+            if IN_LOOP_QSCALE:
+                w_s_u = tl.load(s_base + (rows_u // SCALE_ROW_BLOCK) * stride_sn
+                                + (k0 // GROUP_K) * stride_sk)
+                acc_u += tl.dot(a, b_u) * (a_s[:, None] * w_s_u[None, :])
+            else:
+                acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
+
+    g = acc_g.to(tl.float32)
+    if GATED:
+        u = acc_u.to(tl.float32)
+    else:
+        u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
+    # Scales that are constant along K are applied once, after the loop.
+    if A_SCALE == 1:
+        a_s_row = tl.load(a_scale_ptr + a_rows * stride_asm)[:, None]
+        g = g * a_s_row
+        if GATED:
+            u = u * a_s_row
+    if (not IN_LOOP_QSCALE) and (not DEQ_GROUP) and SCALE_FMT != 0:
+        if SCALE_ROW_BLOCK == 0:
+            ch_stride = 0
+        else:
+            ch_stride = stride_sn
+        g = g * _channel_scale(s_base, rows_g, ch_stride, SCALE_FMT)[None, :]
+        if GATED:
+            u = u * _channel_scale(s_base, rows_u, ch_stride, SCALE_FMT)[None, :]
+    if HAS_GSCALE:
+        gs = tl.load(w_gscale_ptr + expert)
+        g = g * gs
+        if GATED:
+            u = u * gs
+    if HAS_BIAS:
+        g = g + tl.load(bias_ptr + expert * stride_be + rows_g * stride_bn)[None, :].to(tl.float32)
+        if GATED:
+            u = u + tl.load(bias_ptr + expert * stride_be
+                            + rows_u * stride_bn)[None, :].to(tl.float32)
+    out = _activate(g, u, alpha, limit, ACT)
+    if MUL_ROUTE_W:
+        rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0)
+        out = out * rw[:, None]
+    out_ptrs = out_ptr + rows_out.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & n_mask[None, :])

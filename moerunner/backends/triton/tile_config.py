@@ -1,0 +1,141 @@
+# Tile configurations of the triton backend's grouped GEMMs: heuristic default + tuned files.
+#
+# A tuned file covers one (E, N = I, K = H, scheme, device name) and maps token counts to a
+# pair of tiles (GEMM1, GEMM2) sharing BLOCK_M (the alignment step pads to it). All files live
+# in ``configs/`` beside this module and follow one schema (SCHEMA below); ``moerunner tune``
+# (``tune.py``) writes them. Lookup takes the entry whose token count is nearest to the call's;
+# with no file the heuristic below answers. Nothing here reads the environment.
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SCHEMA = "moerunner.triton.tiles/1"
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile of one grouped GEMM: block sizes, launch order group, warps and pipeline depth."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TileConfig:
+        """Build from a JSON object with exactly these field names."""
+        return cls(**{k: int(v) for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tiles of GEMM1 (w13) and GEMM2 (w2); both use ``gemm1.block_m`` rows per block."""
+
+    gemm1: TileConfig
+    gemm2: TileConfig
+
+    def __post_init__(self) -> None:
+        if self.gemm1.block_m != self.gemm2.block_m:
+            raise ValueError(
+                f"gemm1.block_m ({self.gemm1.block_m}) and gemm2.block_m "
+                f"({self.gemm2.block_m}) must be equal: both GEMMs share one alignment"
+            )
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        return {"gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MoeTiles:
+        """Inverse of ``to_dict``."""
+        return cls(TileConfig.from_dict(d["gemm1"]), TileConfig.from_dict(d["gemm2"]))
+
+
+def device_key(device_name: str) -> str:
+    """File-name-safe form of a device name ("NVIDIA H100 80GB HBM3" -> "NVIDIA_H100_80GB_HBM3")."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
+
+
+def config_file_name(num_experts: int, n: int, k: int, scheme: str, device_name: str) -> str:
+    """Name of the tuned file for one shape, scheme and device."""
+    return f"E={num_experts},N={n},K={k},scheme={scheme},device={device_key(device_name)}.json"
+
+
+def write_config_file(path: Path, num_experts: int, n: int, k: int, scheme: str,
+                      device_name: str, tiles_by_tokens: dict[int, MoeTiles],
+                      extra: dict | None = None) -> None:
+    """Write one tuned file in the shared schema."""
+    doc = {
+        "schema": SCHEMA,
+        "key": {"E": num_experts, "N": n, "K": k, "scheme": scheme, "device": device_name},
+        "by_tokens": {str(t): tiles.to_dict() for t, tiles in sorted(tiles_by_tokens.items())},
+    }
+    if extra:
+        doc["measured"] = extra
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+@functools.lru_cache(maxsize=256)
+def load_config_file(path: str) -> dict[int, MoeTiles] | None:
+    """Tiles by token count from a tuned file, or None when the file does not exist."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    doc = json.loads(p.read_text())
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{p}: schema {doc.get('schema')!r} is not {SCHEMA!r}")
+    return {int(t): MoeTiles.from_dict(v) for t, v in doc["by_tokens"].items()}
+
+
+def _scheme_block_k(scheme: str, k: int) -> int:
+    if scheme.startswith("fp8_block"):
+        return 128  # one activation/weight scale per 128 along K: BLOCK_K must divide 128
+    return 128 if k >= 128 else 64
+
+
+def heuristic_tiles(num_tokens: int, top_k: int, num_experts: int, n: int, k: int,
+                    scheme: str, dtype_bytes: int = 2) -> MoeTiles:
+    """A sane default: small row blocks for decode (weight streaming), large MMA tiles after.
+
+    ``n`` is I, ``k`` is H. Rows per active expert decide between the regimes.
+    """
+    pairs = max(1, num_tokens * top_k)
+    rows_per_expert = pairs / max(1, min(num_experts, pairs))
+    bk = _scheme_block_k(scheme, k)
+    quant8 = scheme.startswith(("fp8", "int8")) and dtype_bytes == 1
+    if rows_per_expert <= 16:
+        g1 = TileConfig(16, 64, bk, 1, 4, 4)
+        g2 = TileConfig(16, 64, bk, 1, 4, 4)
+    elif rows_per_expert <= 64:
+        g1 = TileConfig(32, 64, bk, 8, 4, 4)
+        g2 = TileConfig(32, 128, bk, 8, 4, 4)
+    elif rows_per_expert <= 256:
+        g1 = TileConfig(64, 64, min(bk, 64) if not quant8 else bk, 8, 4, 4)
+        g2 = TileConfig(64, 128, min(bk, 64) if not quant8 else bk, 8, 4, 4)
+    else:
+        bk_large = bk if quant8 or scheme.startswith("fp8_block") else 64
+        g1 = TileConfig(128, 128, bk_large, 8, 8, 3)
+        g2 = TileConfig(128, 128, bk_large, 8, 8, 3)
+    return MoeTiles(g1, g2)
+
+
+def lookup_tiles(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, scheme: str,
+                 device_name: str | None, config_dir: Path | None = None,
+                 dtype_bytes: int = 2) -> MoeTiles:
+    """Tuned tiles for the nearest token count, else ``heuristic_tiles``."""
+    if device_name is not None:
+        folder = CONFIG_DIR if config_dir is None else Path(config_dir)
+        table = load_config_file(str(folder / config_file_name(num_experts, n, k, scheme,
+                                                                device_name)))
+        if table:
+            nearest = min(table, key=lambda t: (abs(t - num_tokens), t))
+            return table[nearest]
+    return heuristic_tiles(num_tokens, top_k, num_experts, n, k, scheme, dtype_bytes)
