@@ -78,6 +78,7 @@ def dequantize_int4(
     data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
     """Float32 value ``(q - zero) * scale`` of packed int4 ``data`` (zero None means 8)."""
-    q = _groups(unpack_nibbles(data).float(), group_size)
+    values = unpack_nibbles(data).float()
+    q = _groups(values, group_size)
     z = INT4_SYMMETRIC_ZERO if zero is None else zero.float().unsqueeze(-1)
-    return ((q - z) * scale.float().unsqueeze(-1)).reshape(*q.shape[:-2], -1)
+    return ((q - z) * scale.float().unsqueeze(-1)).reshape(values.shape)
