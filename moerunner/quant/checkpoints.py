@@ -110,7 +110,14 @@ def import_deepseek_fp8(
     """
     w = _tensor("weight", _stack("weight", weight), torch.float8_e4m3fn, 3)
     s = _tensor("weight_scale_inv", _stack("weight_scale_inv", weight_scale_inv), torch.float32, 3)
-    return QuantizedWeight("fp8_block", tuple(w.shape), w, s)
+    e, n, k = w.shape
+    grid = (e, -(-n // 128), -(-k // 128))
+    if tuple(s.shape) != grid:
+        raise ValueError(
+            f"weight_scale_inv: expected fp32 [ceil(N/128), ceil(K/128)] per expert = "
+            f"{list(grid)} (stacked) for weight {list(w.shape)}, got {list(s.shape)}"
+        )
+    return QuantizedWeight("fp8_block", (e, n, k), w, s)
 
 
 def import_modelopt_nvfp4(
@@ -136,6 +143,15 @@ def import_modelopt_nvfp4(
     gs = _tensor("weight_scale_2", _stack("weight_scale_2", weight_scale_2), torch.float32)
     gs = gs.reshape(-1)
     e, n, half_k = w.shape
+    if tuple(sc.shape) != (e, n, 2 * half_k // 16):
+        raise ValueError(
+            f"weight_scale: expected e4m3 [N, K/16] per expert = {[e, n, 2 * half_k // 16]} "
+            f"(stacked) for weight {list(w.shape)}, got {list(sc.shape)}"
+        )
+    if gs.numel() != e:
+        raise ValueError(
+            f"weight_scale_2: expected one fp32 value per expert ({e}), got {gs.numel()}"
+        )
     act_scale = None
     if input_scale is not None and s.activation_format == "nvfp4":
         act_scale = _tensor("input_scale", _stack("input_scale", input_scale), torch.float32)
