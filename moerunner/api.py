@@ -73,14 +73,21 @@ def validate_call(
 ) -> TopK:
     """Check every argument of a call; return the routing as ``TopK`` (fp32 / int32)."""
     weights.validate(act)
-    for name, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights),
-                    ("topk_ids", topk_ids)):
+    for name, t in (
+        ("hidden_states", hidden_states),
+        ("topk_weights", topk_weights),
+        ("topk_ids", topk_ids),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if hidden_states.dim() != 2:
-        raise MoeInputError(f"hidden_states must be 2-D [T, H], got shape {list(hidden_states.shape)}")
+        raise MoeInputError(
+            f"hidden_states must be 2-D [T, H], got shape {list(hidden_states.shape)}"
+        )
     if hidden_states.dtype not in PLAIN_DTYPES:
-        raise TypeError(f"hidden_states dtype {hidden_states.dtype} not accepted: bf16, fp16 or fp32")
+        raise TypeError(
+            f"hidden_states dtype {hidden_states.dtype} not accepted: bf16, fp16 or fp32"
+        )
     if hidden_states.shape[1] != weights.hidden_size:
         raise MoeInputError(
             f"hidden_states has H={hidden_states.shape[1]} but w13 expects H={weights.hidden_size}"

@@ -29,8 +29,14 @@ class MoE(nn.Module):
             ``load_state_dict`` or assign ``w13`` / ``w2``).
     """
 
-    def __init__(self, config: MoeConfig, *, backend: str = "auto",
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        config: MoeConfig,
+        *,
+        backend: str = "auto",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.config = config
         self.backend = backend
@@ -42,7 +48,8 @@ class MoE(nn.Module):
         self.w2_bias = nn.Parameter(torch.zeros(e, h, **kw)) if config.bias else None
         self.correction_bias = (
             nn.Buffer(torch.zeros(e, dtype=torch.float32, device=device))
-            if config.routing.correction_bias else None
+            if config.routing.correction_bias
+            else None
         )
         self.quantized: ExpertWeights | None = None
 
@@ -52,8 +59,11 @@ class MoE(nn.Module):
 
         with torch.no_grad():
             self.quantized = ExpertWeights(
-                quantize(self.w13.detach(), scheme), quantize(self.w2.detach(), scheme),
-                self.w13_bias, self.w2_bias, self.config.gate_up_interleaved,
+                quantize(self.w13.detach(), scheme),
+                quantize(self.w2.detach(), scheme),
+                self.w13_bias,
+                self.w2_bias,
+                self.config.gate_up_interleaved,
             )
         return self
 
@@ -72,23 +82,46 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, cfg.hidden_size)
         r = cfg.routing
         topk = select_experts(
-            router_logits.reshape(x.shape[0], router_logits.shape[-1]), cfg.top_k, scoring_func=r.scoring_func,
-            renormalize=r.renormalize, correction_bias=self.correction_bias,
-            num_expert_group=r.num_expert_group, topk_group=r.topk_group,
+            router_logits.reshape(x.shape[0], router_logits.shape[-1]),
+            cfg.top_k,
+            scoring_func=r.scoring_func,
+            renormalize=r.renormalize,
+            correction_bias=self.correction_bias,
+            num_expert_group=r.num_expert_group,
+            topk_group=r.topk_group,
             routed_scaling_factor=r.routed_scaling_factor,
         )
         act = cfg.activation
         if self.quantized is not None:
             q = self.quantized
-            out = fused_moe(x, q.w13, q.w2, topk.weights, topk.ids, activation=act,
-                            w13_bias=q.w13_bias, w2_bias=q.w2_bias,
-                            gate_up_interleaved=q.gate_up_interleaved, backend=self.backend)
+            out = fused_moe(
+                x,
+                q.w13,
+                q.w2,
+                topk.weights,
+                topk.ids,
+                activation=act,
+                w13_bias=q.w13_bias,
+                w2_bias=q.w2_bias,
+                gate_up_interleaved=q.gate_up_interleaved,
+                backend=self.backend,
+            )
         else:
             # Inference only: the op has no backward, so weights enter detached.
             b13, b2 = (None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
             out = torch.ops.moerunner.fused_experts(
-                x.detach(), self.w13.detach(), self.w2.detach(), topk.weights, topk.ids, b13, b2,
-                act.name, act.alpha, act.limit, cfg.gate_up_interleaved, self.backend,
+                x.detach(),
+                self.w13.detach(),
+                self.w2.detach(),
+                topk.weights,
+                topk.ids,
+                b13,
+                b2,
+                act.name,
+                act.alpha,
+                act.limit,
+                cfg.gate_up_interleaved,
+                self.backend,
             )
         return out.reshape(hidden_states.shape)
 

@@ -29,14 +29,35 @@ def fused_experts(
 ) -> torch.Tensor:
     """``fused_moe`` as an opaque graph node (same arguments, positional)."""
     out = fused_moe(
-        hidden_states, w13, w2, topk_weights, topk_ids, activation=activation,
-        w13_bias=w13_bias, w2_bias=w2_bias, gate_up_interleaved=gate_up_interleaved,
-        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, backend=backend,
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        gate_up_interleaved=gate_up_interleaved,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+        backend=backend,
     )
     return out if out.numel() else out.clone()
 
 
 @fused_experts.register_fake
-def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias,
-                        activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, backend):
+def _fused_experts_fake(
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    w13_bias,
+    w2_bias,
+    activation,
+    swiglu_alpha,
+    swiglu_limit,
+    gate_up_interleaved,
+    backend,
+):
     return torch.empty_like(hidden_states)

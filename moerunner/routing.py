@@ -60,8 +60,9 @@ def select_experts(
     Returns:
         ``TopK`` with float32 weights and int32 ids, both ``[T, top_k]``.
     """
-    _check_routing_args(router_logits, top_k, scoring_func, correction_bias, num_expert_group,
-                        topk_group)
+    _check_routing_args(
+        router_logits, top_k, scoring_func, correction_bias, num_expert_group, topk_group
+    )
     num_tokens, num_experts = router_logits.shape
     logits = router_logits.float()
     if scoring_func == "softmax":
@@ -127,9 +128,7 @@ def _check_routing_args(
         raise MoeInputError("num_expert_group and topk_group must be given together")
     if num_expert_group is not None:
         if num_expert_group < 1 or num_experts % num_expert_group:
-            raise MoeInputError(
-                f"num_expert_group={num_expert_group} must divide E={num_experts}"
-            )
+            raise MoeInputError(f"num_expert_group={num_expert_group} must divide E={num_experts}")
         if not 1 <= topk_group <= num_expert_group:
             raise MoeInputError(
                 f"topk_group must be in [1, num_expert_group={num_expert_group}], got {topk_group}"

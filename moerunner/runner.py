@@ -14,7 +14,6 @@ process-global "current backend".
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,10 +145,12 @@ def _explain(problem: MoeProblem, verdicts: dict[str, tuple[bool, str]], request
 
 
 DEFAULT_REGISTRY = Registry()
-DEFAULT_REGISTRY.register_permute(STANDARD, permute.pre_permute_standard,
-                                  permute.post_permute_standard)
-DEFAULT_REGISTRY.register_permute(PERMUTED, permute.pre_permute_permuted,
-                                  permute.post_permute_permuted)
+DEFAULT_REGISTRY.register_permute(
+    STANDARD, permute.pre_permute_standard, permute.post_permute_standard
+)
+DEFAULT_REGISTRY.register_permute(
+    PERMUTED, permute.pre_permute_permuted, permute.post_permute_permuted
+)
 DEFAULT_REGISTRY.register_permute(MASKED, permute.pre_permute_masked, permute.post_permute_masked)
 
 
@@ -195,7 +196,9 @@ class MoeRunner:
         self.selection = self.registry.select(problem, self.requested, self.preference)
         return self.selection
 
-    def prepare(self, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec) -> PreparedWeights:
+    def prepare(
+        self, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
+    ) -> PreparedWeights:
         """Select a backend for ``problem`` and convert ``weights`` for it (do this once)."""
         backend = self.select(problem).backend
         return backend.prepare_weights(weights, spec)
@@ -231,25 +234,36 @@ def default_registry() -> Registry:
     return DEFAULT_REGISTRY
 
 
-# Prepared weights of the functional API, cached per w13 object (weakly: dropping the weights
-# drops the entry). Layers hold their prepared weights themselves.
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Prepared weights of the functional API live on the w13 object itself (an attribute), so
+# they die with the weights; a reference cycle through them is collected as usual.
+_CACHE_ATTR = "_moerunner_prepared"
 
 
-def prepared_for(runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem,
-                 spec: ExpertSpec) -> PreparedWeights:
+def prepared_for(
+    runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
+) -> PreparedWeights:
     """``runner.prepare`` memoised on the weight objects and their in-place version."""
-    backend = runner.select(problem).backend.name
-    key = (backend, id(weights.w2), id(weights.w13_bias), id(weights.w2_bias), spec,
-           _version(weights.w13), _version(weights.w2))
-    try:
-        per_weight = _PREPARED.setdefault(weights.w13, {})
-    except TypeError:  # not weak-referenceable: prepare every time
-        return runner.registry.backends[backend].prepare_weights(weights, spec)
+    backend = runner.select(problem).backend
+    key = (
+        backend.name,
+        id(weights.w2),
+        id(weights.w13_bias),
+        id(weights.w2_bias),
+        spec,
+        _version(weights.w13),
+        _version(weights.w2),
+    )
+    per_weight = getattr(weights.w13, _CACHE_ATTR, None)
+    if per_weight is None:
+        per_weight = {}
+        try:
+            setattr(weights.w13, _CACHE_ATTR, per_weight)
+        except (AttributeError, TypeError):  # no attributes allowed: prepare every time
+            return backend.prepare_weights(weights, spec)
     cached = per_weight.get(key)
     if cached is None or cached.source.w2 is not weights.w2:
         per_weight.clear()
-        cached = per_weight[key] = runner.registry.backends[backend].prepare_weights(weights, spec)
+        cached = per_weight[key] = backend.prepare_weights(weights, spec)
     return cached
 
 
@@ -257,8 +271,9 @@ def _version(weight: Any) -> int:
     return weight._version if isinstance(weight, torch.Tensor) else 0
 
 
-def check_activation(activation: str | Activation, alpha: float | None,
-                     limit: float | None) -> Activation:
+def check_activation(
+    activation: str | Activation, alpha: float | None, limit: float | None
+) -> Activation:
     """Build the Activation value from the functional API's arguments."""
     if isinstance(activation, Activation):
         if alpha is not None or limit is not None:

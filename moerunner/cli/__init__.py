@@ -1,0 +1,43 @@
+"""Command line: ``moerunner {info,demo,check,bench,tune} [options]``.
+
+Each subcommand lives in its own module with a ``main(argv) -> int``. This is the edge of the
+program: configuration (flags, and environment where a subcommand documents it) is read here
+and travels into the library as arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "info": ("moerunner.cli.info", "each backend: available here?, what it supports, why not"),
+    "demo": (
+        "moerunner.cli.demo",
+        "run a mid-size MoE on every available backend vs the reference",
+    ),
+    "check": ("moerunner.cli.check", "error of each backend and scheme against the reference"),
+    "bench": ("moerunner.cli.bench", "benchmark backends and baselines against the roofline"),
+    "tune": ("moerunner.backends.triton.tune", "search Triton tile configs on this GPU"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: moerunner <command> [options]", "", "commands:"]
+    lines += [f"  {name:<6} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines.append("\n'moerunner <command> --help' shows a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``moerunner`` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"moerunner: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)

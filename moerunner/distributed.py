@@ -1,0 +1,100 @@
+"""Helpers for running MoE stages over ``torch.distributed``: world checks and small exchanges.
+
+Stage: dispatch / combine support. Contract:
+
+- every check that involves other ranks is *collective and symmetric*: each rank contributes
+  its values with one ``all_gather`` and every rank evaluates the same table, so a
+  misconfigured world raises the same ``MoeInputError`` on every rank instead of leaving some
+  ranks blocked in a later collective;
+- collectives run on the device the process group's backend needs (CUDA for NCCL, CPU for
+  gloo); their timeout is the process group's (set it with ``init_process_group(timeout=)``),
+  so a peer that died surfaces as an error, not a hang.
+
+Nothing here reads environment variables; the group is always passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .errors import MoeInputError
+
+__all__ = [
+    "all_gather_ints",
+    "check_consistent",
+    "collective_device",
+    "rank_and_size",
+    "raise_on_every_rank",
+]
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise MoeInputError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group "
+            "(or launch with torchrun) before building an expert-parallel dispatcher"
+        )
+    return dist
+
+
+def rank_and_size(group=None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size (``None``: the default group)."""
+    dist = _dist()
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def collective_device(group=None) -> torch.device:
+    """Where tensors of small collectives must live: the current CUDA device for NCCL, CPU
+    otherwise."""
+    dist = _dist()
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_ints(values: torch.Tensor, group=None) -> torch.Tensor:
+    """``[world, n]`` int64: every rank's ``values`` (an int tensor ``[n]``, same n everywhere)."""
+    dist = _dist()
+    _, world = rank_and_size(group)
+    flat = values.reshape(-1).to(torch.int64)
+    out = torch.empty((world, flat.numel()), dtype=torch.int64, device=flat.device)
+    dist.all_gather_into_tensor(out, flat, group=group) if flat.is_cuda else dist.all_gather(
+        list(out.unbind(0)), flat, group=group
+    )
+    return out
+
+
+def check_consistent(group, what: str, values: Mapping[str, int],
+                     local: Mapping[str, int] | None = None) -> torch.Tensor:
+    """Raise ``MoeInputError`` on every rank unless all ranks passed equal ``values``.
+
+    ``local`` values travel along without being compared (e.g. per-rank token counts); the
+    gathered ``[world, len(values) + len(local)]`` table is returned for the caller's own
+    checks. One host read; call it when building a dispatcher, not inside a captured step.
+    """
+    local = dict(local or {})
+    names = list(values) + list(local)
+    row = torch.tensor([int(values[n]) for n in values] + [int(local[n]) for n in local],
+                       dtype=torch.int64, device=collective_device(group))
+    table = all_gather_ints(row, group).cpu()
+    differing = [n for i, n in enumerate(names[: len(values)])
+                 if bool((table[:, i] != table[0, i]).any())]
+    if differing:
+        detail = "; ".join(
+            f"{n}: " + ", ".join(f"rank {r}={int(table[r, names.index(n)])}"
+                                 for r in range(table.shape[0]))
+            for n in differing
+        )
+        raise MoeInputError(f"{what}: ranks disagree on {', '.join(differing)} ({detail})")
+    return table
+
+
+def raise_on_every_rank(problems: list[str], what: str) -> None:
+    """Raise one ``MoeInputError`` listing ``problems`` (computed identically on every rank)."""
+    if problems:
+        raise MoeInputError(f"{what}: " + "; ".join(problems))

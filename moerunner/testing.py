@@ -1,0 +1,65 @@
+"""The one tolerance check every test, ``check`` and the demo use against the reference.
+
+``compare(out, ref)`` reports NaN/Inf first, then the max and RMS error relative to the
+reference's max magnitude and RMS, and where the worst element is. ``assert_close`` raises
+``AssertionError`` (this is a testing helper) with that report when a bound is exceeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """Error of ``out`` against a float64 reference."""
+
+    max_rel: float  # max |out - ref| / max |ref|
+    rms_rel: float  # rms(out - ref) / rms(ref)
+    nonfinite: int  # NaN/Inf elements in out
+    worst_index: tuple[int, ...]
+    worst_out: float
+    worst_ref: float
+
+    def __str__(self) -> str:
+        return (
+            f"max rel {self.max_rel:.3e}, rms rel {self.rms_rel:.3e}, non-finite {self.nonfinite}, "
+            f"worst at {list(self.worst_index)}: out {self.worst_out:.6g} vs ref {self.worst_ref:.6g}"
+        )
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> ErrorReport:
+    """Compare ``out`` (any dtype/device) with ``ref`` (float64) of the same shape."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise ValueError(f"shape {list(out.shape)} differs from reference {list(ref.shape)}")
+    o = out.detach().to(device="cpu", dtype=torch.float64)
+    r = ref.detach().to(device="cpu", dtype=torch.float64)
+    nonfinite = int((~torch.isfinite(o)).sum())
+    if o.numel() == 0:
+        return ErrorReport(0.0, 0.0, 0, (), 0.0, 0.0)
+    diff = torch.where(torch.isfinite(o), (o - r).abs(), torch.full_like(o, float("inf")))
+    flat = int(torch.argmax(diff))
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), o.shape))
+    scale = max(r.abs().max().item(), 1e-30)
+    rms_ref = max(r.square().mean().sqrt().item(), 1e-30)
+    finite_diff = torch.where(torch.isfinite(diff), diff, 0.0)
+    return ErrorReport(
+        max_rel=diff.max().item() / scale,
+        rms_rel=finite_diff.square().mean().sqrt().item() / rms_ref,
+        nonfinite=nonfinite,
+        worst_index=index,
+        worst_out=o.reshape(-1)[flat].item(),
+        worst_ref=r.reshape(-1)[flat].item(),
+    )
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, max_rel: float,
+                 rms_rel: float | None = None, what: str = "") -> ErrorReport:
+    """Raise AssertionError with the report if NaN/Inf or the relative errors exceed bounds."""
+    report = compare(out, ref)
+    rms_bound = max_rel if rms_rel is None else rms_rel
+    if report.nonfinite or report.max_rel > max_rel or report.rms_rel > rms_bound:
+        raise AssertionError(f"{what}: {report} (bounds: max {max_rel:g}, rms {rms_bound:g})")
+    return report

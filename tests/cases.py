@@ -1,0 +1,110 @@
+"""Conformance cases as rows, and the matrix generated from the registry.
+
+Every registered backend that is available here is crossed with every path it registers
+(fused op, permute path) and every case row; a combination the backend does not claim is
+skipped by the same ``supports()`` the selector uses, so tests never silently cover less
+than a backend claims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import moerunner
+from moerunner.backends.base import MoeProblem
+from moerunner.dispatch.formats import STANDARD
+from moerunner.weights import ExpertWeights
+
+
+@dataclass(frozen=True)
+class Case:
+    """One MoE call. ``routing``: random | one_expert | half_experts | with_skips | all."""
+
+    name: str
+    tokens: int = 7
+    experts: int = 4
+    hidden: int = 32
+    inter: int = 24
+    top_k: int = 2
+    activation: str = "silu"
+    bias: bool = False
+    interleaved: bool = False
+    routing: str = "random"
+    seed: int = 0
+
+    def build(self, dtype: torch.dtype, device: str = "cpu"):
+        """Random inputs for the case: (x, ExpertWeights, topk weights, topk ids)."""
+        gen = torch.Generator().manual_seed(self.seed)
+        gated = moerunner.Activation(self.activation).gated
+        rows = 2 * self.inter if gated else self.inter
+
+        def rand(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+        x = rand(self.tokens, self.hidden)
+        w13 = rand(self.experts, rows, self.hidden, scale=self.hidden**-0.5)
+        w2 = rand(self.experts, self.hidden, self.inter, scale=self.inter**-0.5)
+        b13 = rand(self.experts, rows, scale=0.1) if self.bias else None
+        b2 = rand(self.experts, self.hidden, scale=0.1) if self.bias else None
+        weights = ExpertWeights(w13, w2, b13, b2, self.interleaved)
+        logits = torch.randn(self.tokens, self.experts, generator=gen)
+        if self.routing == "one_expert":
+            logits[:, 1] += 100.0
+        if self.routing == "half_experts":
+            logits[:, self.experts // 2 :] -= 100.0
+        topk = moerunner.select_experts(logits, self.top_k, renormalize=True)
+        ids = topk.ids
+        if self.routing == "with_skips":
+            ids = ids.clone()
+            ids[::2, 0] = -1
+        return x, weights, topk.weights.to(device), ids.to(device)
+
+
+CASES = [
+    Case("T0", tokens=0),
+    Case("T1", tokens=1),
+    Case("empty_experts", tokens=5, experts=8, routing="half_experts"),
+    Case("all_on_one_expert", routing="one_expert"),
+    Case("topk_equals_E", top_k=4),
+    Case("I61", inter=61),
+    Case("I17", inter=17),
+    Case("I1", inter=1),
+    Case("bias", bias=True),
+    Case("minus_one_ids", routing="with_skips"),
+    Case("gelu", activation="gelu"),
+    Case("gelu_tanh", activation="gelu_tanh"),
+    Case("relu2", activation="relu2", inter=17),
+    Case("relu2_bias", activation="relu2", bias=True),
+    Case("swiglu_oai", activation="swiglu_oai", bias=True, interleaved=True),
+    Case("silu_interleaved", interleaved=True),
+]
+
+# Relative-error bounds (max |out-ref| / max |ref|) per dtype: fp32 keeps ~1e-7 per op through
+# two GEMMs of K <= 64; bf16 rounds inputs, weights, the stored GEMM1 output and activation to
+# 8 significant bits (2^-8 = 3.9e-3 each), compounded over K: 3e-2 covers it with margin.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def backend_paths(dispatch_format: str = STANDARD):
+    """(backend, force_permute) for every available backend and every path it registers."""
+    registry = moerunner.default_registry()
+    result = []
+    for name, backend in registry.backends.items():
+        ok, _ = backend.available()
+        if not ok:
+            continue
+        if (dispatch_format, name) in registry.fused_ops:
+            result.append((name, False))
+        if name in registry.cores:
+            result.append((name, True))
+    return result
+
+
+def supports(backend: str, x: torch.Tensor, weights: ExpertWeights, activation: str):
+    """The selector's own verdict for this call."""
+    registry = moerunner.default_registry()
+    act = moerunner.Activation(activation)
+    problem = MoeProblem.of(x, weights, weights.spec(act), STANDARD)
+    return registry.backends[backend].supports(problem)

@@ -1,0 +1,22 @@
+"""The command line runs end to end on this machine."""
+
+from __future__ import annotations
+
+from moerunner.cli import main
+
+
+def test_info_lists_torch_backend(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "[torch] available" in out and "dispatch formats" in out
+
+
+def test_demo_small_passes(capsys):
+    assert main(["demo", "--tokens", "4", "--hidden", "64", "--intermediate", "32",
+                 "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and " ok" in out
+
+
+def test_unknown_command():
+    assert main(["frobnicate"]) == 2

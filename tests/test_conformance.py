@@ -1,0 +1,87 @@
+"""Every available backend x path x case x dtype against the float64 reference.
+
+The matrix comes from the registry (``cases.backend_paths``) and the case rows; skips come
+from the backend's own ``supports()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import CASES, TOLERANCE, Case, backend_paths, supports
+
+import moerunner
+from moerunner.backends.base import MoeProblem
+from moerunner.dispatch.formats import StandardDispatchOutput
+from moerunner.routing import TopK
+from moerunner.testing import assert_close
+
+PATHS = backend_paths()
+
+
+def run_path(backend: str, force_permute: bool, x, weights, topk_weights, topk_ids, activation):
+    """One call through MoeRunner, on the fused op or the permute path."""
+    act = moerunner.Activation(activation)
+    runner = moerunner.MoeRunner(backend, force_permute=force_permute)
+    spec = weights.spec(act)
+    dispatch_output = StandardDispatchOutput(x, TopK(topk_weights.float(), topk_ids.int()))
+    prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
+    return runner.run(dispatch_output, prepared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("path", PATHS, ids=[f"{b}-{'permute' if p else 'fused'}" for b, p in PATHS])
+def test_backend_matches_reference(path, case: Case, dtype):
+    backend, force_permute = path
+    x, weights, tw, ids = case.build(dtype)
+    ok, reason = supports(backend, x, weights, case.activation)
+    if not ok:
+        pytest.skip(f"{backend} does not claim this: {reason}")
+    out = run_path(backend, force_permute, x, weights, tw, ids, case.activation)
+    assert out.shape == x.shape and out.dtype == dtype
+    ref = moerunner.reference_moe(x, weights, tw, ids, case.activation)
+    assert_close(out, ref, TOLERANCE[dtype], what=f"{backend} {case.name}")
+
+
+@pytest.mark.parametrize("case", CASES[1:], ids=[c.name for c in CASES[1:]])
+def test_fused_and_permute_paths_agree(case: Case):
+    registry = moerunner.default_registry()
+    pairs = [name for name, _ in PATHS if registry.has_both_paths("standard", name)]
+    if not pairs:
+        pytest.skip("no available backend registers both a fused op and a core here")
+    for backend in pairs:
+        x, weights, tw, ids = case.build(torch.float32)
+        ok, reason = supports(backend, x, weights, case.activation)
+        if not ok:
+            continue
+        fused = run_path(backend, False, x, weights, tw, ids, case.activation)
+        permuted = run_path(backend, True, x, weights, tw, ids, case.activation)
+        ref = moerunner.reference_moe(x, weights, tw, ids, case.activation)
+        assert_close(fused, permuted.double(), TOLERANCE[torch.float32], what=backend)
+        assert_close(fused, ref, TOLERANCE[torch.float32], what=backend)
+
+
+def test_public_fused_moe_auto_matches_reference():
+    case = Case("auto", tokens=9, bias=True, activation="swiglu_oai", interleaved=True)
+    x, weights, tw, ids = case.build(torch.float32)
+    out = moerunner.fused_moe(
+        x, weights.w13, weights.w2, tw, ids, activation="swiglu_oai", w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias, gate_up_interleaved=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+    )
+    ref = moerunner.reference_moe(x, weights, tw, ids, "swiglu_oai")
+    assert_close(out, ref, TOLERANCE[torch.float32])
+
+
+def test_swiglu_limit_changes_the_result():
+    # Guards against the limit being ignored: a small limit must clamp and change the output.
+    case = Case("limit", activation="swiglu_oai", bias=True, interleaved=True)
+    x, weights, tw, ids = case.build(torch.float32)
+    kw = dict(activation="swiglu_oai", w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,
+              gate_up_interleaved=True)
+    loose = moerunner.fused_moe(x * 20, weights.w13, weights.w2, tw, ids, **kw)
+    tight = moerunner.fused_moe(x * 20, weights.w13, weights.w2, tw, ids, swiglu_limit=0.5, **kw)
+    assert not torch.allclose(loose, tight)
+    ref = moerunner.reference_moe(x * 20, weights, tw, ids, moerunner.Activation("swiglu_oai",
+                                                                                 limit=0.5))
+    assert_close(tight, ref, TOLERANCE[torch.float32])

@@ -1,0 +1,95 @@
+"""select_experts on hand-checked cases; family parity with transformers is in
+test_transformers_parity.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerunner
+from moerunner import MoeInputError, select_experts
+
+
+def test_softmax_topk_renormalize_by_hand():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    topk = select_experts(logits, 2, renormalize=True)
+    assert topk.ids.tolist() == [[3, 2]]
+    e = torch.exp(torch.tensor([3.0, 2.0]))
+    torch.testing.assert_close(topk.weights, (e / e.sum())[None], rtol=0, atol=1e-7)
+    assert topk.weights.dtype == torch.float32 and topk.ids.dtype == torch.int32
+
+
+def test_softmax_without_renormalize_keeps_full_softmax_mass():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    topk = select_experts(logits, 2)
+    probs = torch.softmax(logits, -1)[0]
+    torch.testing.assert_close(topk.weights[0], probs[[3, 2]])
+
+
+def test_sigmoid_grouped_bias_only_chooses():
+    # 4 experts in 2 groups; bias makes group 1 win the choice, weights stay unbiased sigmoid.
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.2]])
+    bias = torch.tensor([0.0, 0.0, 5.0, 5.0])
+    topk = select_experts(logits, 2, scoring_func="sigmoid", renormalize=True,
+                          correction_bias=bias, num_expert_group=2, topk_group=1,
+                          routed_scaling_factor=2.5)
+    assert sorted(topk.ids[0].tolist()) == [2, 3]
+    s = torch.sigmoid(logits[0, [2, 3]])
+    expected = s / (s.sum() + 1e-20) * 2.5
+    got = topk.weights[0][torch.argsort(topk.ids[0])]
+    torch.testing.assert_close(got, expected)
+
+
+def test_group_score_is_sum_of_top_two():
+    # Group 0: one huge score (sum of top-2 = 0.99+0.01); group 1: two medium (0.6+0.6).
+    scores = torch.tensor([[0.99, 0.01, 0.6, 0.6]])
+    logits = torch.logit(scores)
+    topk = select_experts(logits, 1, scoring_func="sigmoid", num_expert_group=2, topk_group=1)
+    assert topk.ids[0, 0].item() in (2, 3)
+
+
+def test_empty_batch():
+    topk = select_experts(torch.zeros(0, 8), 2, scoring_func="sigmoid",
+                          correction_bias=torch.zeros(8), num_expert_group=4, topk_group=2)
+    assert topk.ids.shape == (0, 2) and topk.weights.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_k=5), "top_k"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=2, scoring_func="tanh"), "scoring_func"),
+        (dict(top_k=2, num_expert_group=3, topk_group=1), "num_expert_group"),
+        (dict(top_k=2, num_expert_group=2), "together"),
+        (dict(top_k=2, correction_bias=torch.zeros(3)), "correction_bias"),
+        (dict(top_k=3, num_expert_group=2, topk_group=1), "kept groups"),
+    ],
+)
+def test_bad_routing_arguments(kwargs, match):
+    with pytest.raises(MoeInputError, match=match):
+        select_experts(torch.randn(3, 4), **kwargs)
+
+
+def test_bad_routing_types():
+    with pytest.raises(TypeError, match="top_k"):
+        select_experts(torch.randn(3, 4), 2.0)
+    with pytest.raises(TypeError, match="router_logits"):
+        select_experts(torch.ones(3, 4, dtype=torch.int64), 2)
+    with pytest.raises(MoeInputError, match="router_logits"):
+        select_experts(torch.randn(3), 1)
+
+
+def test_layer_routes_like_select_experts():
+    cfg = moerunner.MoeConfig(8, 16, 8, 2, routing=moerunner.RoutingConfig(
+        "sigmoid", True, 4, 2, 2.5, correction_bias=True))
+    layer = moerunner.MoE(cfg)
+    layer.correction_bias.copy_(torch.randn(8))
+    x, logits = torch.randn(5, 16), torch.randn(5, 8)
+    topk = select_experts(logits, 2, scoring_func="sigmoid", renormalize=True,
+                          correction_bias=layer.correction_bias, num_expert_group=4,
+                          topk_group=2, routed_scaling_factor=2.5)
+    ref = moerunner.reference_moe(x, moerunner.ExpertWeights(layer.w13.detach(),
+                                                              layer.w2.detach()),
+                                  topk.weights, topk.ids)
+    torch.testing.assert_close(layer(x, logits).double(), ref, rtol=1e-5, atol=1e-5)

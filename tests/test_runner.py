@@ -1,0 +1,121 @@
+"""Runner bookkeeping: dispatch formats through the permutes, T = 0, preparation caching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import TOLERANCE, Case
+
+import moerunner
+from moerunner.backends.base import MoeProblem
+from moerunner.dispatch.formats import (
+    MaskedDispatchOutput,
+    PermutedDispatchOutput,
+    StandardDispatchOutput,
+)
+from moerunner.routing import TopK
+from moerunner.testing import assert_close
+
+
+def _prepared(runner, x, weights, fmt="standard", activation="silu"):
+    spec = weights.spec(moerunner.Activation(activation))
+    return runner.prepare(weights, MoeProblem.of(x, weights, spec, fmt), spec)
+
+
+def test_permuted_format_matches_per_expert_reference():
+    x, weights, tw, ids = Case("p", tokens=9, experts=4).build(torch.float32)
+    # Build the grouped layout by hand: rows sorted by expert, offsets per expert.
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    rows = x[order // ids.shape[1]]
+    counts = torch.bincount(flat, minlength=4)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    padded = torch.cat([rows, torch.randn(3, rows.shape[1])])  # 3 padding rows at the end
+    runner = moerunner.MoeRunner("torch")
+    y = runner.run(PermutedDispatchOutput(padded, offsets), _prepared(runner, x, weights,
+                                                                        "permuted"))
+    assert y.shape == padded.shape
+    assert torch.equal(y[-3:], torch.zeros_like(y[-3:])), "padding rows must come back zero"
+    # Each grouped row = its expert applied to its token (weight 1).
+    ones = torch.ones(1, 1)
+    for m in range(rows.shape[0]):
+        e = int(flat[order[m]])
+        ref = moerunner.reference_moe(rows[m : m + 1], weights, ones, torch.tensor([[e]]))
+        assert_close(y[m : m + 1], ref, TOLERANCE[torch.float32])
+
+
+def test_masked_format_matches_reference():
+    x, weights, _, _ = Case("m", tokens=6, experts=4).build(torch.float32)
+    capacity = 5
+    counts = torch.tensor([2, 0, 5, 1], dtype=torch.int32)
+    hidden_ECH = torch.randn(4, capacity, x.shape[1])
+    runner = moerunner.MoeRunner("torch")
+    y = runner.run(MaskedDispatchOutput(hidden_ECH, counts), _prepared(runner, x, weights,
+                                                                        "masked"))
+    assert y.shape == (4, capacity, x.shape[1])
+    for e in range(4):
+        n = int(counts[e])
+        assert torch.equal(y[e, n:], torch.zeros_like(y[e, n:]))
+        if n:
+            ref = moerunner.reference_moe(hidden_ECH[e, :n], weights, torch.ones(n, 1),
+                                          torch.full((n, 1), e))
+            assert_close(y[e, :n], ref, TOLERANCE[torch.float32])
+
+
+def test_empty_batch_launches_nothing():
+    calls = []
+    registry = moerunner.default_registry()
+    local = moerunner.Registry(permutes=dict(registry.permutes))
+    local.register_backend(registry.backends["torch"])
+    local.register_core("torch")(lambda *a: calls.append(a))
+    x, weights, tw, ids = Case("T0", tokens=0).build(torch.float32)
+    runner = moerunner.MoeRunner("torch", registry=local)
+    prepared = _prepared(runner, x, weights)
+    for d in (StandardDispatchOutput(x, TopK(tw, ids)),
+              PermutedDispatchOutput(x, torch.zeros(5, dtype=torch.int64)),
+              MaskedDispatchOutput(torch.zeros(4, 0, x.shape[1]), torch.zeros(4, dtype=torch.int32))):
+        out = runner.run(d, prepared)
+        assert out.shape == d.hidden_states.shape
+    assert calls == []
+
+
+def test_functional_api_prepares_once_and_follows_inplace_updates():
+    x, weights, tw, ids = Case("c").build(torch.float32)
+    prepares = []
+    backend = moerunner.default_registry().backends["torch"]
+    original = backend.prepare_weights
+
+    def counting(*a, **k):
+        prepares.append(1)
+        return original(*a, **k)
+
+    backend.prepare_weights = counting
+    try:
+        first = moerunner.fused_moe(x, weights.w13, weights.w2, tw, ids, backend="torch")
+        moerunner.fused_moe(x, weights.w13, weights.w2, tw, ids, backend="torch")
+        assert len(prepares) == 1
+        with torch.no_grad():
+            weights.w13.mul_(2.0)  # in-place change bumps the version: prepare again
+        second = moerunner.fused_moe(x, weights.w13, weights.w2, tw, ids, backend="torch")
+        assert len(prepares) == 2 and not torch.allclose(first, second)
+    finally:
+        del backend.prepare_weights
+
+
+def test_runner_reports_choice():
+    x, weights, tw, ids = Case("r").build(torch.float32)
+    runner = moerunner.MoeRunner("auto")
+    _prepared(runner, x, weights)
+    assert runner.backend == "torch"
+    assert "torch" in runner.selection.verdicts and runner.selection.reason
+
+
+def test_runner_rejects_non_string_backend():
+    with pytest.raises(TypeError, match="backend"):
+        moerunner.MoeRunner(3)
+
+
+def test_layer_quantize_requires_known_scheme():
+    layer = moerunner.MoE(moerunner.MoeConfig(4, 32, 16, 2))
+    with pytest.raises(ValueError, match="scheme"):
+        layer.quantize_("fp7_magic")
