@@ -104,3 +104,16 @@ def test_codecs_reject_wrong_types():
         codecs.encode_e4m3(torch.zeros(2, dtype=torch.int32))
     with pytest.raises(TypeError, match="codes must be uint8"):
         codecs.decode_e8m0(torch.zeros(2, dtype=torch.int32))
+
+
+def test_e2m1_matches_brute_force_nearest_even():
+    # Every multiple of 1/8 in [-8, 8] (which hits every midpoint) plus random values: the
+    # encoder must pick the nearest table value, the even code on ties, 6 beyond range.
+    torch.manual_seed(0)
+    x = torch.cat([torch.arange(-64, 65) / 8.0, torch.randn(2000) * 3])
+    table = torch.tensor(codecs.E2M1_VALUES[:8])
+    dist = (x.abs()[:, None] - table[None, :]).abs()
+    best = dist.min(dim=1, keepdim=True).values
+    candidates = (dist == best) * (1 + (torch.arange(8) % 2 == 0).int())  # prefer even codes
+    expected = candidates.argmax(dim=1).to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    assert torch.equal(codecs.encode_e2m1(x), expected)
