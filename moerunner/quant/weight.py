@@ -396,7 +396,7 @@ def quantize(
     scheme: str | QuantScheme,
     *,
     input_scale: torch.Tensor | None = None,
-) -> QuantizedWeight | torch.Tensor:
+) -> QuantizedWeight:
     """Quantize float expert weights ``[E, N, K]`` to ``scheme`` (a name or a QuantScheme).
 
     Quantized schemes return a `QuantizedWeight`; "bf16" / "fp16" / "fp32" return it too, with
