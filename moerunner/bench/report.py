@@ -1,0 +1,230 @@
+"""Benchmark output: the terminal table, the replayable JSON, the PNG plot, a markdown summary.
+
+The JSON holds everything needed to replay a run exactly: the command-line arguments, the
+``BenchConfig`` repr (``eval`` rebuilds it with ``BenchConfig`` and ``BenchShape`` in scope),
+the device, library / torch / triton / transformers / CUDA / driver versions, the date, the
+measured ceilings, the machine load, and every row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .roofline import DeviceCeilings
+from .sweep import BenchConfig, Row
+
+SCHEMA = "moerunner-bench/1"
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001  (absent or broken optional package: no version)
+        return None
+
+
+def _driver() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    """Device name, versions, thread count, load average and date of this run."""
+    env = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or platform.machine()),
+        "device_type": device.type,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "moerunner": _version("moerunner"),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "cuda": torch.version.cuda,
+        "driver": _driver(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if hasattr(os, "getloadavg"):
+        env["loadavg_1_5_15"] = list(os.getloadavg())
+    return env
+
+
+def to_json(
+    path: Path,
+    argv: list[str],
+    config: BenchConfig,
+    ceilings: DeviceCeilings,
+    env: dict,
+    rows: list[Row],
+    skipped: dict[str, str],
+) -> dict:
+    """Write the replayable record; returns it."""
+    record = {
+        "schema": SCHEMA,
+        "argv": list(argv),
+        "config": repr(config),
+        "environment": env,
+        "ceilings": asdict(ceilings),
+        "skipped_backends": skipped,
+        "rows": [asdict(r) for r in rows],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1, default=str))
+    return record
+
+
+def load_json(path: Path) -> tuple[dict, BenchConfig, list[Row]]:
+    """Read a record back: the raw dict, the rebuilt config and the rows."""
+    from .presets import BenchShape  # noqa: F401  (in scope for eval of the config repr)
+
+    record = json.loads(Path(path).read_text())
+    if record.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a {SCHEMA} record (schema={record.get('schema')!r})")
+    config = eval(record["config"], {"BenchConfig": BenchConfig, "BenchShape": BenchShape})  # noqa: S307
+    return record, config, [Row(**r) for r in record["rows"]]
+
+
+def _fmt(value: float, spec: str) -> str:
+    return (
+        "-"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else format(value, spec)
+    )
+
+
+def table(rows: list[Row], baselines: tuple[str, ...]) -> str:
+    """Fixed-width text table, one line per row."""
+    head = [
+        "preset",
+        "scheme",
+        "impl",
+        "routing",
+        "T",
+        "hit",
+        "time us",
+        "TFLOP/s",
+        "GB/s",
+        "%roof",
+        *[f"x{b}" for b in baselines],
+        "max err",
+        "status",
+    ]
+    lines = [head]
+    for r in rows:
+        lines.append(
+            [
+                r.preset,
+                r.scheme,
+                r.impl.replace("baseline:", "hf:"),
+                r.routing,
+                str(r.tokens),
+                _fmt(r.experts_hit, ".0f"),
+                _fmt(r.time_us, ".1f"),
+                _fmt(r.tflops, ".2f"),
+                _fmt(r.gbps, ".0f"),
+                _fmt(r.pct_roofline, ".1f"),
+                *[_fmt(r.speedup.get(b, float("nan")), ".2f") for b in baselines],
+                _fmt(r.max_rel_err, ".1e"),
+                r.status if r.status == "ok" else f"{r.status}: {r.note[:60]}",
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    out = []
+    for line in lines:
+        cells = [
+            c.rjust(w) if i >= 4 else c.ljust(w)
+            for i, (c, w) in enumerate(zip(line[:-1], widths, strict=False))
+        ]
+        out.append("  ".join(cells) + "  " + line[-1])
+    return "\n".join(out)
+
+
+def plot(path: Path, rows: list[Row], title: str) -> None:
+    """% of roofline vs tokens: one panel per preset, one line per implementation and scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r.preset for r in rows))
+    cols = min(2, len(presets)) or 1
+    nrows = math.ceil(len(presets) / cols) or 1
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols, 4.2 * nrows), squeeze=False)
+    for ax, preset in zip(axes.flat, presets, strict=False):
+        series: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
+        for r in rows:
+            if r.preset == preset and r.status in ("ok", "wrong") and r.tokens > 0:
+                series.setdefault((r.impl, r.scheme, r.routing), []).append(
+                    (r.tokens, r.pct_roofline)
+                )
+        for (impl, scheme, routing), points in sorted(series.items()):
+            points.sort()
+            style = "--" if impl.startswith("baseline:") else "-"
+            marker = "o" if routing == "uniform" else "x"
+            label = f"{impl.replace('baseline:', 'transformers ')} {scheme} ({routing})"
+            ax.plot(
+                [p[0] for p in points], [p[1] for p in points], style, marker=marker, label=label
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("% of roofline floor")
+        ax.set_title(preset)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(presets) :]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(
+    rows: list[Row], env: dict, ceilings: DeviceCeilings, config: BenchConfig, argv: list[str]
+) -> str:
+    """A short summary: device, date, ceilings, the command, and the table."""
+    peaks = ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in ceilings.peak_tflops.items())
+    return "\n".join(
+        [
+            f"# moerunner bench: {env['device']} ({env['date'][:10]})",
+            "",
+            f"- device: {env['device']} ({env['device_type']}), torch {env['torch']}, "
+            f"triton {env['triton']}, transformers {env['transformers']}, CUDA {env['cuda']}, "
+            f"driver {env['driver']}, {env['torch_threads']} threads, "
+            f"load average {env.get('loadavg_1_5_15')}",
+            f"- measured ceilings: copy {ceilings.copy_gbps:.0f} GB/s; {peaks} ({ceilings.method})",
+            f"- command: `moerunner bench {' '.join(argv)}`",
+            "- % roof = roofline floor (max of min bytes / copy bandwidth, flops / peak) / time; "
+            "x<baseline> = baseline time / this time (transformers experts modules, same weights, "
+            "same process).",
+            "",
+            "```",
+            table(rows, config.baselines),
+            "```",
+            "",
+        ]
+    )

@@ -1,0 +1,241 @@
+"""Roofline: this device's measured ceilings and each row's minimum bytes and flops.
+
+Ceilings (``DeviceCeilings``) are measured once per device and cached in a JSON file: copy
+bandwidth (a device-to-device copy of a buffer far larger than any cache, read + write
+bytes), and dense matmul peaks (square GEMMs; bf16, fp32 and, on GPUs that have it, fp8 e4m3
+through ``torch._scaled_mm``). A row's floor is ``max(min_bytes / bandwidth, flops / peak)``
+where the peak is the one of the GEMM inputs' format: fp8 for schemes that quantize
+activations to 8 bits, bf16 otherwise (fp32 for fp32). Minimum bytes are the weights of the
+experts actually hit (at the scheme's storage, scales, zero points and biases included), the
+activations in and out, and the routing (fp32 weights + int32 ids).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .presets import BenchShape
+
+_WEIGHT_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "e4m3": 8, "int8": 8, "e2m1": 4, "int4": 4}
+_SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1, "e4m3": 1}
+_DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class DeviceCeilings:
+    """Measured limits of one device. Bandwidth in GB/s, peaks in TFLOP/s by input format."""
+
+    device: str
+    copy_gbps: float
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    measured_at: str = ""
+    method: str = ""
+
+    def peak_for(self, compute: str) -> float:
+        """Peak for a compute format; falls back to the best measured one (CPU fp8: emulated)."""
+        if compute in self.peak_tflops:
+            return self.peak_tflops[compute]
+        return max(self.peak_tflops.values())
+
+
+def scheme_of(name: str):
+    """The QuantScheme of ``name`` (plain dtypes included)."""
+    from ..quant import get_scheme
+
+    return get_scheme(name)
+
+
+def compute_format(scheme_name: str) -> str:
+    """Which matmul peak bounds a scheme: ``fp8`` (8-bit activations), ``fp32`` or ``bf16``."""
+    s = scheme_of(scheme_name)
+    if s.activation_format in ("fp8_token", "fp8_group128", "mxfp8", "int8_token"):
+        return "fp8"
+    if s.activation_format == "nvfp4":
+        return "fp4"
+    return "fp32" if s.weight_format == "fp32" else "bf16"
+
+
+def weight_bytes_per_expert(rows: int, cols: int, scheme_name: str) -> int:
+    """Bytes of one expert's ``[rows, cols]`` weight stored in ``scheme_name``, scales included."""
+    s = scheme_of(scheme_name)
+    data = math.ceil(rows * cols * _WEIGHT_BITS[s.weight_format] / 8)
+    scale = _SCALE_BYTES[s.scale_format]
+    if s.granularity == "tensor":
+        extra = scale
+    elif s.granularity == "channel":
+        extra = rows * scale
+    elif s.granularity == "block":
+        br, bc = s.block_shape
+        extra = math.ceil(rows / br) * math.ceil(cols / bc) * scale
+    elif s.granularity == "group":
+        groups = rows * math.ceil(cols / s.block_shape[1])
+        extra = groups * scale + (groups if s.zero_point else 0)
+    else:
+        extra = 0
+    if s.has_global_scale:
+        extra += 4
+    return data + extra
+
+
+@dataclass(frozen=True)
+class RowCost:
+    """Minimum traffic and work of one row."""
+
+    bytes: int
+    flops: int
+    experts_hit: int
+
+
+def row_cost(
+    shape: BenchShape,
+    scheme_name: str,
+    num_tokens: int,
+    experts_hit: int,
+    routed_slots: int,
+    act_dtype: torch.dtype,
+) -> RowCost:
+    """Bytes and flops a perfect kernel needs for one forward of ``num_tokens`` tokens.
+
+    ``experts_hit``: distinct experts with at least one token; ``routed_slots``: (token, slot)
+    pairs with an expert (T*k when no id is -1). Bias rows count at the activation dtype.
+    """
+    h, i, rows = shape.hidden_size, shape.intermediate_size, shape.w13_rows
+    per_expert = weight_bytes_per_expert(rows, h, scheme_name) + weight_bytes_per_expert(
+        h, i, scheme_name
+    )
+    act_bytes = _DTYPE_BYTES[act_dtype]
+    if shape.bias:
+        per_expert += (rows + h) * act_bytes
+    activations = 2 * num_tokens * h * act_bytes  # hidden in, combined output out
+    routing = num_tokens * shape.top_k * (4 + 4)  # fp32 weights + int32 ids
+    flops = 2 * routed_slots * (rows * h + h * i)
+    return RowCost(experts_hit * per_expert + activations + routing, flops, experts_hit)
+
+
+def floor_seconds(cost: RowCost, ceilings: DeviceCeilings, compute: str) -> float:
+    """The roofline floor: the slower of moving the bytes and doing the flops."""
+    t_mem = cost.bytes / (ceilings.copy_gbps * 1e9)
+    t_flop = cost.flops / (ceilings.peak_for(compute) * 1e12)
+    return max(t_mem, t_flop)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _copy_gbps(device: torch.device, nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = _median_seconds(lambda: dst.copy_(src), device, repeats)
+    return 2 * src.numel() * 4 / seconds / 1e9  # read + write
+
+
+def _matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, repeats: int) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = _median_seconds(lambda: a @ b, device, repeats)
+    return 2 * n**3 / seconds / 1e12
+
+
+def _fp8_tflops(device: torch.device, n: int, repeats: int) -> float | None:
+    scaled_mm = getattr(torch, "_scaled_mm", None)
+    if scaled_mm is None or device.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major operand
+    one = torch.ones((), device=device)
+    try:
+        seconds = _median_seconds(
+            lambda: scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device, repeats
+        )
+    except (RuntimeError, TypeError):
+        return None
+    return 2 * n**3 / seconds / 1e12
+
+
+def device_key(device: torch.device) -> str:
+    """A name identifying the hardware (and thread count on CPUs) for the ceilings cache."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    import platform
+
+    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+
+
+def measure_ceilings(device: torch.device) -> DeviceCeilings:
+    """Measure copy bandwidth and matmul peaks of ``device`` now (a few seconds)."""
+    if device.type == "cuda":
+        copy = _copy_gbps(device, 1 << 30, 20)
+        peaks = {
+            "bf16": _matmul_tflops(device, 8192, torch.bfloat16, 20),
+            "fp32": _matmul_tflops(device, 8192, torch.float32, 5),
+        }
+        fp8 = _fp8_tflops(device, 8192, 20)
+        if fp8 is not None:
+            peaks["fp8"] = fp8
+        method = (
+            "copy_ 1 GiB fp32 (read+write), median of 20 CUDA-event timings; "
+            "square 8192 GEMMs (bf16 matmul, fp8 torch._scaled_mm)"
+        )
+    else:
+        copy = _copy_gbps(device, 256 << 20, 5)
+        peaks = {
+            "fp32": _matmul_tflops(device, 2048, torch.float32, 5),
+            "bf16": _matmul_tflops(device, 2048, torch.bfloat16, 5),
+        }
+        method = (
+            f"copy_ 256 MiB fp32 (read+write), square 2048 GEMMs, perf_counter medians, "
+            f"{torch.get_num_threads()} threads"
+        )
+    return DeviceCeilings(
+        device_key(device), copy, peaks, time.strftime("%Y-%m-%dT%H:%M:%S%z"), method
+    )
+
+
+def load_or_measure(
+    device: torch.device, cache_path: Path | None, remeasure: bool = False
+) -> DeviceCeilings:
+    """Ceilings of ``device`` from ``cache_path`` (JSON keyed by device), measured if absent."""
+    key = device_key(device)
+    cache: dict = {}
+    if cache_path is not None and cache_path.exists():
+        try:
+            cache = json.loads(cache_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    if not remeasure and key in cache:
+        return DeviceCeilings(**cache[key])
+    ceilings = measure_ceilings(device)
+    if cache_path is not None:
+        cache[key] = asdict(ceilings)
+        try:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            cache_path.write_text(json.dumps(cache, indent=2))
+        except OSError:
+            pass  # a read-only cache location only costs a re-measurement next time
+    return ceilings

@@ -1,0 +1,457 @@
+"""The benchmark sweep: shapes x schemes x routings x token counts x backends and baselines.
+
+For each row it draws fresh inputs (random hidden states, random routing: uniform or
+Zipf-skewed over the experts), runs the backend once and checks the output against
+``moerunner.reference_moe`` (float64) on a sub-sample of tokens whose experts fit a memory
+budget, then times it (``timing.time_cases``) on rotated cases and accounts the row against
+the roofline (``roofline.row_cost``). Baselines run on the same weights (for quantized
+schemes they run the unquantized weights: they have no low-precision path).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backends.base import MoeProblem
+from ..config import Activation
+from ..dispatch.formats import STANDARD, StandardDispatchOutput
+from ..reference import reference_moe
+from ..routing import TopK
+from ..runner import MoeRunner, Registry, default_registry
+from ..weights import ExpertWeights
+from .baselines import build_baseline
+from .presets import BenchShape
+from .roofline import DeviceCeilings, compute_format, floor_seconds, row_cost
+from .timing import time_cases
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ROUTINGS = ("uniform", "zipf")
+# Max relative error (max |out - ref| / max |ref|) accepted per activation dtype: one rounding
+# of the bf16 intermediate and output (2^-8 each) plus accumulation order; fp32 accumulates
+# only rounding of fp32 sums over K <= 2^15 terms.
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a sweep depends on; ``eval(repr(config))`` rebuilds it (BenchShape in scope)."""
+
+    shapes: tuple[BenchShape, ...]
+    tokens: tuple[int, ...] = (1, 16, 64, 256, 1024)
+    schemes: tuple[str, ...] = ("bf16",)
+    backends: tuple[str, ...] | None = None  # None: every backend available here
+    baselines: tuple[str, ...] = ("eager", "grouped_mm")
+    routings: tuple[str, ...] = ("uniform",)
+    dtype: str = "bf16"
+    device: str = "cpu"
+    cuda_graph: bool = True
+    graph_max_tokens: int = 256
+    min_time_s: float = 0.2
+    max_reps: int = 200
+    rotations: int = 4
+    rotation_bytes: int = 256 << 20
+    check_budget_bytes: int = 2 << 30
+    zipf_exponent: float = 1.2
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    """One measured (or skipped) row."""
+
+    preset: str
+    scheme: str
+    dtype: str
+    impl: str  # backend name, or "baseline:eager" / "baseline:grouped_mm"
+    routing: str
+    tokens: int
+    status: str = "ok"  # ok | wrong | skipped | failed
+    note: str = ""
+    experts_hit: float = 0.0
+    bytes: float = 0.0
+    flops: float = 0.0
+    time_us: float = float("nan")
+    tflops: float = float("nan")
+    gbps: float = float("nan")
+    floor_us: float = float("nan")
+    pct_roofline: float = float("nan")
+    speedup: dict[str, float] = field(default_factory=dict)
+    max_rel_err: float = float("nan")
+    rms_rel_err: float = float("nan")
+    checked_tokens: int = 0
+    timing: str = ""
+    samples: int = 0
+
+
+def act_dtype_for(scheme: str, dtype: str) -> torch.dtype:
+    """Activation dtype of a row: the scheme's own for plain schemes, else ``dtype``."""
+    return DTYPES.get(scheme, DTYPES[dtype])
+
+
+def draw_routing(
+    num_tokens: int, shape: BenchShape, kind: str, gen: torch.Generator, zipf_exponent: float
+) -> TopK:
+    """Fresh top-k routing: k distinct experts per token, positive weights summing to 1.
+
+    ``uniform``: every expert equally likely; ``zipf``: expert of popularity rank r drawn with
+    probability proportional to 1 / r^s (ranks shuffled), the skew real routers show.
+    """
+    e = shape.num_experts
+    if kind == "uniform":
+        log_p = torch.zeros(e)
+    elif kind == "zipf":
+        ranks = torch.randperm(e, generator=gen).double() + 1
+        log_p = (-zipf_exponent * ranks.log()).float()
+    else:
+        raise ValueError(f"routing: unknown {kind!r}; accepted: {', '.join(ROUTINGS)}")
+    # Gumbel top-k draws k distinct experts without replacement with these probabilities.
+    u = torch.rand(num_tokens, e, generator=gen).clamp_(1e-12, 1 - 1e-7)
+    keys = log_p[None, :] - torch.log(-torch.log(u))
+    ids = keys.topk(shape.top_k, dim=1).indices
+    logits = torch.randn(num_tokens, shape.top_k, generator=gen)
+    return TopK(weights=torch.softmax(logits, dim=1), ids=ids.to(torch.int32))
+
+
+def make_weights(
+    shape: BenchShape, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> dict[str, torch.Tensor | None]:
+    """Random canonical weights, scaled by 1/sqrt(fan-in) so outputs stay O(1)."""
+
+    def rand(*size: int, fan_in: int) -> torch.Tensor:
+        out = torch.empty(size, dtype=dtype, device=device)
+        for e in range(size[0]):  # one expert at a time: no fp32 copy of the whole tensor
+            out[e] = torch.randn(size[1:], generator=gen).mul_(fan_in**-0.5).to(dtype)
+        return out
+
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    w = {
+        "w13": rand(e, shape.w13_rows, h, fan_in=h),
+        "w2": rand(e, h, i, fan_in=i),
+        "w13_bias": None,
+        "w2_bias": None,
+    }
+    if shape.bias:
+        w["w13_bias"] = (0.1 * torch.randn(e, shape.w13_rows, generator=gen)).to(dtype).to(device)
+        w["w2_bias"] = (0.1 * torch.randn(e, h, generator=gen)).to(dtype).to(device)
+    return w
+
+
+def quantize_chunked(weight: torch.Tensor, scheme: str, chunk: int = 8):
+    """``moerunner.quantize`` a few experts at a time (bounded fp32 temporaries)."""
+    from ..quant import QuantizedWeight, quantize
+
+    parts = [
+        quantize(weight[s : s + chunk].float(), scheme) for s in range(0, weight.shape[0], chunk)
+    ]
+    fields = {f: torch.cat([p.tensors()[f] for p in parts]) for f in parts[0].tensors()}
+    return QuantizedWeight.from_tensors(parts[0].scheme, tuple(weight.shape), fields)
+
+
+def _select_experts(w, index: torch.Tensor):
+    if isinstance(w, torch.Tensor):
+        return w[index.to(w.device)]
+    from ..quant import QuantizedWeight
+
+    fields = {f: t[index.to(t.device)] for f, t in w.tensors().items()}
+    return QuantizedWeight.from_tensors(w.scheme, (len(index),) + tuple(w.shape[1:]), fields)
+
+
+def check_against_reference(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    topk: TopK,
+    weights: ExpertWeights,
+    shape: BenchShape,
+    budget_bytes: int,
+) -> tuple[float, float, int]:
+    """(max rel err, rms rel err, tokens checked) on tokens whose experts fit ``budget_bytes``.
+
+    The reference is computed in float64 on the CPU on only the experts those tokens hit.
+    """
+    ids = topk.ids.cpu()
+    per_expert = 8 * (shape.w13_rows + shape.intermediate_size) * shape.hidden_size
+    chosen: list[int] = []
+    hit: set[int] = set()
+    for t in range(ids.shape[0]):
+        new = hit | set(ids[t].tolist())
+        if chosen and len(new) * per_expert > budget_bytes:
+            break
+        chosen.append(t)
+        hit = new
+    tokens = torch.tensor(chosen)
+    experts = torch.tensor(sorted(hit))
+    remap = torch.full((shape.num_experts,), -1, dtype=torch.int64)
+    remap[experts] = torch.arange(len(experts))
+    sub = ExpertWeights(
+        _select_experts(weights.w13, experts),
+        _select_experts(weights.w2, experts),
+        None if weights.w13_bias is None else weights.w13_bias[experts.to(x.device)],
+        None if weights.w2_bias is None else weights.w2_bias[experts.to(x.device)],
+        weights.gate_up_interleaved,
+    )
+    act = Activation(shape.activation)
+    ref = reference_moe(
+        x[tokens.to(x.device)], sub, topk.weights.cpu()[tokens], remap[ids[tokens].long()], act
+    )
+    got = out[tokens.to(out.device)].double().cpu()
+    if not torch.isfinite(got).all():
+        return float("inf"), float("inf"), len(chosen)
+    scale = ref.abs().max().item() or 1.0
+    max_rel = (got - ref).abs().max().item() / scale
+    rms_rel = ((got - ref).norm() / (ref.norm() + 1e-30)).item()
+    return max_rel, rms_rel, len(chosen)
+
+
+@dataclass
+class _Case:
+    x: torch.Tensor
+    topk: TopK
+    ids_long: torch.Tensor
+    weights_hf: torch.Tensor
+    copy: int
+
+
+class Sweep:
+    """Runs a ``BenchConfig``; ``progress(row)`` is called after each row."""
+
+    def __init__(
+        self,
+        config: BenchConfig,
+        ceilings: DeviceCeilings,
+        registry: Registry | None = None,
+        progress: Callable[[Row], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.ceilings = ceilings
+        self.registry = registry if registry is not None else default_registry()
+        self.progress = progress or (lambda row: None)
+        self.device = torch.device(config.device)
+        self.gen = torch.Generator().manual_seed(config.seed)
+        self.rows: list[Row] = []
+        self.skipped_backends: dict[str, str] = {}
+
+    def total_rows(self) -> int:
+        """Upper bound of rows, for a progress bar."""
+        c = self.config
+        per = len(c.backends or self.registry.backends) * len(c.schemes) + len(c.baselines)
+        return len(c.shapes) * len(c.routings) * len(c.tokens) * per
+
+    def run(self) -> list[Row]:
+        """Measure every row."""
+        for shape in self.config.shapes:
+            self._run_shape(shape)
+        return self.rows
+
+    # -- per shape ------------------------------------------------------------------------
+
+    def _run_shape(self, shape: BenchShape) -> None:
+        c = self.config
+        plain = [s for s in c.schemes if s in DTYPES]
+        quantized = [s for s in c.schemes if s not in DTYPES]
+        groups: dict[torch.dtype, list[str]] = {}
+        for s in plain:
+            groups.setdefault(act_dtype_for(s, c.dtype), []).append(s)
+        if quantized:
+            groups.setdefault(DTYPES[c.dtype], [])
+        for dtype, plain_schemes in groups.items():
+            copies = self._weights(shape, dtype)
+            with_baselines = True
+            for scheme in plain_schemes + (quantized if dtype == DTYPES[c.dtype] else []):
+                self._run_scheme(shape, scheme, dtype, copies, with_baselines)
+                with_baselines = False
+            del copies
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _weights(self, shape: BenchShape, dtype: torch.dtype) -> list[dict]:
+        one = make_weights(shape, dtype, self.device, self.gen)
+        nbytes = sum(t.numel() * t.element_size() for t in one.values() if t is not None)
+        n = 1
+        if nbytes * 2 <= self.config.rotation_bytes:
+            n = min(self.config.rotations, math.ceil(self.config.rotation_bytes / nbytes))
+        return [one] + [make_weights(shape, dtype, self.device, self.gen) for _ in range(n - 1)]
+
+    def _run_scheme(
+        self,
+        shape: BenchShape,
+        scheme: str,
+        dtype: torch.dtype,
+        copies: list[dict],
+        with_baselines: bool,
+    ) -> None:
+        c = self.config
+        act = Activation(shape.activation)
+        expert_weights = []
+        for w in copies:
+            w13, w2 = w["w13"], w["w2"]
+            if scheme not in DTYPES:
+                w13, w2 = quantize_chunked(w13, scheme), quantize_chunked(w2, scheme)
+            expert_weights.append(
+                ExpertWeights(w13, w2, w["w13_bias"], w["w2_bias"], shape.gate_up_interleaved)
+            )
+        spec = expert_weights[0].spec(act)
+        probe = torch.zeros(1, shape.hidden_size, dtype=dtype, device=self.device)
+        problem = MoeProblem.of(probe, expert_weights[0], spec, STANDARD)
+        verdicts = self.registry.verdicts(problem)
+        impls: list[tuple[str, Callable | None, str]] = []
+        names = c.backends if c.backends is not None else tuple(sorted(verdicts))
+        for name in names:
+            ok, reason = verdicts.get(name, (False, "not registered"))
+            if not ok:
+                self.skipped_backends[f"{shape.name}/{scheme}/{name}"] = reason
+                if c.backends is not None:
+                    impls.append((name, None, reason))
+                continue
+            try:
+                runner = MoeRunner(name, registry=self.registry)
+                prepared = [runner.prepare(ew, problem, spec) for ew in expert_weights]
+            except (torch.OutOfMemoryError, RuntimeError, ValueError) as exc:
+                impls.append((name, None, f"prepare failed: {str(exc)[:160]}"))
+                continue
+
+            def fn(case: _Case, runner=runner, prepared=prepared):
+                return runner.run(StandardDispatchOutput(case.x, case.topk), prepared[case.copy])
+
+            impls.append((name, fn, ""))
+        if with_baselines:
+            for impl in c.baselines:
+                try:
+                    built = [
+                        build_baseline(shape, impl, w["w13"], w["w2"], w["w13_bias"], w["w2_bias"])
+                        for w in copies
+                    ]
+                except (ImportError, ValueError, RuntimeError) as exc:
+                    impls.append((f"baseline:{impl}", None, str(exc)[:160]))
+                    continue
+
+                def base_fn(case: _Case, built=built):
+                    return built[case.copy][0](case.x, case.ids_long, case.weights_hf)
+
+                impls.append((f"baseline:{impl}", base_fn, built[0][1]))
+        plain_ew = [
+            ExpertWeights(w["w13"], w["w2"], w["w13_bias"], w["w2_bias"], shape.gate_up_interleaved)
+            for w in copies
+        ]
+        for routing in c.routings:
+            for tokens in c.tokens:
+                cases = self._cases(shape, dtype, routing, tokens, len(copies))
+                for name, fn, note in impls:
+                    is_base = name.startswith("baseline:")
+                    row = Row(
+                        shape.name,
+                        "bf16" if is_base and scheme not in DTYPES else scheme,
+                        str(dtype).replace("torch.", ""),
+                        name,
+                        routing,
+                        tokens,
+                    )
+                    if fn is None:
+                        row.status, row.note = "skipped", note
+                    else:
+                        ref_weights = plain_ew if is_base else expert_weights
+                        self._measure(row, shape, fn, cases, ref_weights, dtype, note)
+                    self.rows.append(row)
+                    self.progress(row)
+                del cases
+        del impls, expert_weights
+        gc.collect()
+
+    def _cases(
+        self, shape: BenchShape, dtype: torch.dtype, routing: str, tokens: int, n_copies: int
+    ) -> list[_Case]:
+        cases = []
+        for i in range(max(self.config.rotations, 1)):
+            topk = draw_routing(tokens, shape, routing, self.gen, self.config.zipf_exponent)
+            x = torch.randn(tokens, shape.hidden_size, generator=self.gen).to(dtype)
+            topk = TopK(topk.weights.to(self.device), topk.ids.to(self.device))
+            cases.append(
+                _Case(
+                    x.to(self.device), topk, topk.ids.long(), topk.weights.to(dtype), i % n_copies
+                )
+            )
+        return cases
+
+    def _measure(
+        self,
+        row: Row,
+        shape: BenchShape,
+        fn: Callable,
+        cases: list[_Case],
+        weights: list[ExpertWeights],
+        dtype: torch.dtype,
+        note: str,
+    ) -> None:
+        c = self.config
+        try:
+            with torch.inference_mode():
+                out = fn(cases[0])
+                if row.tokens:
+                    row.max_rel_err, row.rms_rel_err, row.checked_tokens = check_against_reference(
+                        out,
+                        cases[0].x,
+                        cases[0].topk,
+                        weights[cases[0].copy],
+                        shape,
+                        c.check_budget_bytes,
+                    )
+                del out
+                graph = (
+                    c.cuda_graph
+                    and row.tokens <= c.graph_max_tokens
+                    and not (row.impl == "baseline:eager")
+                )
+                timing = time_cases(
+                    lambda i: fn(cases[i]),
+                    len(cases),
+                    self.device,
+                    cuda_graph=graph,
+                    min_time_s=c.min_time_s,
+                    max_reps=c.max_reps,
+                )
+        except (torch.OutOfMemoryError, RuntimeError, ValueError, NotImplementedError) as exc:
+            row.status, row.note = "failed", f"{type(exc).__name__}: {str(exc)[:200]}"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            return
+        if row.max_rel_err > TOLERANCE[dtype] * (4 if row.scheme not in DTYPES else 1):
+            row.status = "wrong"
+        row.note = "; ".join(n for n in (note, timing.note) if n)
+        row.timing, row.samples = timing.mode, timing.samples
+        hit = [len(torch.unique(cs.topk.ids[cs.topk.ids >= 0])) for cs in cases]
+        slots = [int((cs.topk.ids >= 0).sum()) for cs in cases]
+        costs = [
+            row_cost(shape, row.scheme, row.tokens, h, s, dtype)
+            for h, s in zip(hit, slots, strict=False)
+        ]
+        row.experts_hit = sum(hit) / len(hit)
+        row.bytes = sum(k.bytes for k in costs) / len(costs)
+        row.flops = sum(k.flops for k in costs) / len(costs)
+        row.time_us = timing.seconds * 1e6
+        row.tflops = row.flops / timing.seconds / 1e12
+        row.gbps = row.bytes / timing.seconds / 1e9
+        floor = sum(
+            floor_seconds(k, self.ceilings, compute_format(row.scheme)) for k in costs
+        ) / len(costs)
+        row.floor_us = floor * 1e6
+        row.pct_roofline = 100.0 * floor / timing.seconds
+
+
+def fill_speedups(rows: list[Row]) -> None:
+    """Each non-baseline row's speedup over every baseline of the same preset/routing/T."""
+    base = {}
+    for r in rows:
+        if r.impl.startswith("baseline:") and r.status in ("ok", "wrong"):
+            base[(r.preset, r.dtype, r.routing, r.tokens, r.impl[len("baseline:") :])] = r.time_us
+    for r in rows:
+        if r.status not in ("ok", "wrong"):
+            continue
+        for (preset, dtype, routing, tokens, impl), t in base.items():
+            if (preset, dtype, routing, tokens) == (r.preset, r.dtype, r.routing, r.tokens):
+                r.speedup[impl] = t / r.time_us

@@ -1,0 +1,151 @@
+"""Timing: medians after warm-up, on rotated inputs, with CUDA-graph replay where it applies.
+
+``time_cases(run, n_cases, ...)`` times ``run(i)`` for rotating case indices ``i`` (each case
+has its own freshly drawn routing and input, and its own weight copy when copies fit), so
+consecutive repetitions do not find the same experts' weights in the cache.
+
+- CPU: ``time.perf_counter`` around each call; median.
+- GPU, eager: CUDA events around each call; median.
+- GPU, CUDA graph: all cases captured into one graph (after a warm-up pass on a side stream,
+  as capture requires); events around each replay; median replay time / number of cases.
+  A backend that cannot be captured (host synchronisation) is timed eagerly and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per call, how many samples it took and how it was measured."""
+
+    seconds: float
+    samples: int
+    mode: str
+    note: str = ""
+
+
+def _reps_for(estimate_s: float, min_time_s: float, min_reps: int, max_reps: int) -> int:
+    if estimate_s <= 0:
+        return max_reps
+    return int(min(max_reps, max(min_reps, min_time_s / estimate_s)))
+
+
+def _time_cpu(
+    run: Callable[[int], object], n_cases: int, min_time_s: float, min_reps: int, max_reps: int
+) -> Timing:
+    t0 = time.perf_counter()
+    run(0)  # warm-up (allocator, lazy init)
+    estimate = time.perf_counter() - t0
+    for i in range(1, min(n_cases, 3)):
+        run(i)
+    samples = []
+    for r in range(_reps_for(estimate, min_time_s, min_reps, max_reps)):
+        t0 = time.perf_counter()
+        run(r % n_cases)
+        samples.append(time.perf_counter() - t0)
+    return Timing(statistics.median(samples), len(samples), "cpu perf_counter")
+
+
+def _time_cuda_eager(
+    run: Callable[[int], object],
+    n_cases: int,
+    min_time_s: float,
+    min_reps: int,
+    max_reps: int,
+    note: str = "",
+) -> Timing:
+    for i in range(n_cases):  # warm-up: every case once (autotuning, caches, allocator)
+        run(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run(0)
+    end.record()
+    end.synchronize()
+    estimate = start.elapsed_time(end) / 1e3
+    samples = []
+    for r in range(_reps_for(estimate, min_time_s, min_reps, max_reps)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(r % n_cases)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return Timing(statistics.median(samples), len(samples), "cuda events, eager", note)
+
+
+def _time_cuda_graph(
+    run: Callable[[int], object], n_cases: int, min_time_s: float, min_reps: int, max_reps: int
+) -> Timing:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n_cases):
+            run(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_cases):
+            run(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    estimate = start.elapsed_time(end) / 1e3
+    samples = []
+    for _ in range(_reps_for(estimate, min_time_s, min_reps, max_reps)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / n_cases)
+    del graph
+    return Timing(
+        statistics.median(samples),
+        len(samples) * n_cases,
+        f"cuda graph replay of {n_cases} rotated calls",
+    )
+
+
+def time_cases(
+    run: Callable[[int], object],
+    n_cases: int,
+    device: torch.device,
+    *,
+    cuda_graph: bool = True,
+    min_time_s: float = 0.2,
+    min_reps: int = 5,
+    max_reps: int = 200,
+) -> Timing:
+    """Median seconds of one call of ``run(i)`` over rotated case indices ``i < n_cases``."""
+    if device.type != "cuda":
+        return _time_cpu(run, n_cases, min_time_s, min_reps, max_reps)
+    if not cuda_graph:
+        return _time_cuda_eager(run, n_cases, min_time_s, min_reps, max(min_reps, max_reps // 4))
+    try:
+        return _time_cuda_graph(
+            run, n_cases, min_time_s, max(2, min_reps // n_cases + 1), max(2, max_reps // n_cases)
+        )
+    except Exception as exc:  # noqa: BLE001  (capture fails on host syncs: time eagerly instead)
+        torch.cuda.synchronize()
+        reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        return _time_cuda_eager(
+            run,
+            n_cases,
+            min_time_s,
+            min_reps,
+            max(min_reps, max_reps // 4),
+            note=f"graph capture failed ({reason})",
+        )

@@ -1,0 +1,255 @@
+"""``moerunner bench``: backends and transformers baselines against this device's roofline.
+
+Examples::
+
+    moerunner bench --preset cpu-small --tokens 1,32,512            # CPU, seconds
+    moerunner bench --preset qwen3-30b-a3b,deepseek-v3 --schemes bf16,fp8_block \\
+        --tokens 1,16,64,256,1024,4096 --routing uniform,zipf --json out.json --png out.png
+    moerunner bench --shape 64,4096,2048,6 --tp 2 --activation silu
+    moerunner bench --replay out.json                                # same command again
+
+Environment read here (the edge): ``XDG_CACHE_HOME`` for the default ceilings cache
+(``<cache>/moerunner/ceilings.json``; ``--ceilings`` overrides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..bench.presets import PRESETS, get_preset, parse_shape, shard_intermediate
+from ..bench.sweep import DTYPES, ROUTINGS, BenchConfig
+
+
+def _csv(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(p) for p in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative ints, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (also used by tests)."""
+    p = argparse.ArgumentParser(
+        prog="moerunner bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--preset", type=_csv, default=None, help=f"comma-separated presets: {', '.join(PRESETS)}"
+    )
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        help="custom E,H,I,k (I = the model's full intermediate size); repeatable",
+    )
+    p.add_argument("--activation", default="silu", help="activation of --shape rows")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: each rank holds I/tp (must divide I)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=_ints,
+        default=None,
+        help="token counts (default 1,16,64,256,1024 on CPU; up to 16384 on GPU)",
+    )
+    p.add_argument(
+        "--schemes",
+        type=_csv,
+        default=["bf16"],
+        help="weight schemes (bf16, fp16, fp32, fp8_block, mxfp4, ...)",
+    )
+    p.add_argument(
+        "--backends",
+        type=_csv,
+        default=None,
+        help="backends to time (default: every backend available here)",
+    )
+    p.add_argument(
+        "--baselines",
+        default="eager,grouped_mm",
+        help="transformers baselines: eager,grouped_mm or 'none'",
+    )
+    p.add_argument(
+        "--routing",
+        type=_csv,
+        default=["uniform", "zipf"],
+        help=f"routing distributions: {', '.join(ROUTINGS)}",
+    )
+    p.add_argument("--zipf-exponent", type=float, default=1.2)
+    p.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=sorted(DTYPES),
+        help="activation dtype for quantized schemes",
+    )
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--eager", action="store_true", help="no CUDA-graph replay on GPUs")
+    p.add_argument(
+        "--graph-max-tokens",
+        type=int,
+        default=256,
+        help="largest T timed by CUDA-graph replay (decode sizes)",
+    )
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=None,
+        help="seconds of samples per row (default 0.2 GPU, 0.5 CPU)",
+    )
+    p.add_argument("--max-reps", type=int, default=200)
+    p.add_argument(
+        "--rotations",
+        type=int,
+        default=4,
+        help="rotated cases per row (fresh routing, input, weight copy if it fits)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ceilings", type=Path, default=None, help="ceilings cache JSON")
+    p.add_argument("--remeasure", action="store_true", help="re-measure the device ceilings")
+    p.add_argument("--json", type=Path, default=None, help="write the replayable JSON here")
+    p.add_argument("--png", type=Path, default=None, help="write the % of roofline plot here")
+    p.add_argument("--md", type=Path, default=None, help="write a markdown summary here")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--ep-size", type=int, default=1, help="expert-parallel ranks (launch under torchrun)"
+    )
+    p.add_argument(
+        "--replay", type=Path, default=None, help="re-run the command recorded in a bench JSON"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def default_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/moerunner/ceilings.json`` (``~/.cache`` when unset)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "moerunner" / "ceilings.json"
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Turn parsed flags into a ``BenchConfig`` (validating presets, shapes and --tp)."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = [get_preset(n) for n in (args.preset or [])]
+    shapes += [parse_shape(s, args.activation) for s in args.shape]
+    if not shapes:
+        shapes = [get_preset("qwen3-30b-a3b" if device == "cuda" else "cpu-small")]
+    if args.tp != 1:
+        shapes = [shard_intermediate(s, args.tp) for s in shapes]
+    for r in args.routing:
+        if r not in ROUTINGS:
+            raise ValueError(f"--routing: unknown {r!r}; accepted: {', '.join(ROUTINGS)}")
+    from ..quant import get_scheme
+
+    for s in args.schemes:
+        get_scheme(s)  # raises naming the accepted schemes
+    baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
+    tokens = args.tokens or (
+        (1, 16, 64, 256, 1024, 4096, 16384) if device == "cuda" else (1, 16, 64, 256, 1024)
+    )
+    return BenchConfig(
+        shapes=tuple(shapes),
+        tokens=tuple(tokens),
+        schemes=tuple(args.schemes),
+        backends=None if args.backends is None else tuple(args.backends),
+        baselines=baselines,
+        routings=tuple(args.routing),
+        dtype=args.dtype,
+        device=device,
+        cuda_graph=not args.eager,
+        graph_max_tokens=args.graph_max_tokens,
+        min_time_s=args.min_time
+        if args.min_time is not None
+        else (0.2 if device == "cuda" else 0.5),
+        max_reps=args.max_reps,
+        rotations=args.rotations,
+        zipf_exponent=args.zipf_exponent,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table; write JSON / PNG / markdown when asked."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.replay is not None:
+        recorded = json.loads(args.replay.read_text())["argv"]
+        keep = [a for a in argv if a not in ("--replay", str(args.replay))]
+        return main([a for a in recorded] + keep)
+    if args.ep_size != 1:
+        print(
+            "moerunner bench: --ep-size: expert parallel dispatch not available in this "
+            "version (moerunner.dispatch.all_to_all is missing)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        config = config_from_args(args)
+    except (ValueError, TypeError) as exc:
+        print(f"moerunner bench: {exc}", file=sys.stderr)
+        return 2
+    from ..bench import report
+    from ..bench.roofline import load_or_measure
+    from ..bench.sweep import Sweep, fill_speedups
+
+    device = torch.device(config.device)
+    if not args.quiet:
+        print(f"measuring ceilings of {device} (cached) ...", file=sys.stderr)
+    ceilings = load_or_measure(device, args.ceilings or default_cache_path(), args.remeasure)
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = None
+
+    sweep = Sweep(config, ceilings)
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sweep.total_rows(), desc="bench", unit="row", file=sys.stderr)
+
+    def progress(row) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"{row.preset} {row.scheme} {row.impl} T={row.tokens}")
+            bar.update(1)
+
+    sweep.progress = progress
+    rows = sweep.run()
+    if bar is not None:
+        bar.close()
+    fill_speedups(rows)
+    env = report.environment(device)
+    print(
+        f"{env['device']}: copy {ceilings.copy_gbps:.0f} GB/s, peaks "
+        + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in ceilings.peak_tflops.items())
+    )
+    print(report.table(rows, config.baselines))
+    if args.json is not None:
+        report.to_json(args.json, argv, config, ceilings, env, rows, sweep.skipped_backends)
+        print(f"wrote {args.json}")
+    if args.png is not None:
+        report.plot(args.png, rows, f"{env['device']} {env['date'][:10]}")
+        print(f"wrote {args.png}")
+    if args.md is not None:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        args.md.write_text(report.markdown(rows, env, ceilings, config, argv))
+        print(f"wrote {args.md}")
+    return 1 if any(r.status == "wrong" for r in rows) else 0
