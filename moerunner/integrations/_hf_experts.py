@@ -1,0 +1,206 @@
+"""One transformers experts module seen as moerunner expert weights (private helper).
+
+Stage: the edge between a transformers 5 experts module (a class decorated with
+``@use_experts_implementation``) and moerunner's canonical ``ExpertWeights``. Contract:
+
+- ``describe(module)`` reads the decorator's layout flags (``has_gate``, ``is_transposed``,
+  ``is_concatenated``, ``has_bias``, ``has_post_expert_norm``) and finds the moerunner
+  activation whose math equals the module's own gating (checked numerically on a probe, so a
+  family whose gate differs is refused instead of silently computed wrong). It raises
+  ``UnsupportedExpertsError`` with the reason when moerunner cannot run the module.
+- ``expert_weights(module)`` returns the module's weights in the canonical layout
+  (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), converted once and cached on the module, keyed on
+  the parameter objects, their storage, dtype and in-place version: a forward call after the
+  first reuses the same tensors (so backends' prepared weights are cached as well).
+- ``set_quantized(module, weights)`` pins quantized ``ExpertWeights`` that take precedence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..activations import apply_activation
+from ..config import Activation, ExpertSpec
+from ..errors import MoeInputError
+from ..weights import ExpertWeights
+
+# Attributes kept on the experts module (plain attributes: never parameters or buffers).
+_DESCRIPTION = "_moerunner_description"
+_CACHE = "_moerunner_weights"
+_QUANTIZED = "_moerunner_quantized"
+LAYER_NAME = "_moerunner_layer_name"
+
+# Tried in this order when matching the module's gating numerically.
+_GATED_CANDIDATES = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
+_PROBE_WIDTH = 32  # gate/up probe columns (any even width works for every gating)
+_PROBE_RTOL = 1e-5  # fp32 math of the same formula agrees to a few ulps
+
+
+class UnsupportedExpertsError(MoeInputError):
+    """A transformers experts module that moerunner cannot run; the message says why."""
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How one experts module stores its weights and which activation it computes."""
+
+    activation: Activation
+    transposed: bool  # weights stored [E, in, out] (GPT-OSS) instead of [E, out, in]
+    interleaved: bool  # gate/up rows alternate (GPT-OSS) instead of gate block, up block
+    has_bias: bool
+
+
+def layer_name(module: torch.nn.Module) -> str:
+    """The module's path in its model when known (set by the model helpers), else its class."""
+    name = getattr(module, LAYER_NAME, None)
+    return f"{name} ({type(module).__name__})" if name else type(module).__name__
+
+
+def describe(module: torch.nn.Module) -> ExpertsLayout:
+    """The module's layout and activation (cached); ``UnsupportedExpertsError`` if unsupported."""
+    cached = module.__dict__.get(_DESCRIPTION)
+    if isinstance(cached, UnsupportedExpertsError):
+        raise cached
+    if cached is not None:
+        return cached
+    try:
+        layout = _describe(module)
+    except UnsupportedExpertsError as exc:
+        module.__dict__[_DESCRIPTION] = exc
+        raise
+    module.__dict__[_DESCRIPTION] = layout
+    return layout
+
+
+def _describe(module: torch.nn.Module) -> ExpertsLayout:
+    def refuse(reason: str) -> UnsupportedExpertsError:
+        return UnsupportedExpertsError(
+            f"experts layer {layer_name(module)} cannot run on moerunner: {reason}"
+        )
+
+    if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+        raise refuse("not an experts class decorated with @use_experts_implementation")
+    if getattr(module, "has_post_expert_norm", False):
+        raise refuse("a norm after each expert (has_post_expert_norm) is not supported")
+    gated = bool(module.has_gate)
+    first = "gate_up_proj" if gated else "up_proj"
+    for name in (first, "down_proj"):
+        weight = getattr(module, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            raise refuse(f"expected a 3-D tensor {name}, found {type(weight).__name__}")
+        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise refuse(
+                f"{name} has dtype {weight.dtype}; moerunner reads bf16/fp16/fp32 experts here "
+                "(quantized checkpoints: see quantize_experts / load_gpt_oss_mxfp4)"
+            )
+    interleaved = gated and not getattr(module, "is_concatenated", True)
+    candidates = _GATED_CANDIDATES if gated else ("relu2",)
+    activation = _match_activation(module, candidates, interleaved)
+    if activation is None:
+        what = "gating (_apply_gate)" if gated else "activation (act_fn)"
+        raise refuse(
+            f"its {what} matches none of moerunner's activations {list(candidates)} "
+            f"(act_fn: {type(getattr(module, 'act_fn', None)).__name__})"
+        )
+    return ExpertsLayout(
+        activation=activation,
+        transposed=bool(module.is_transposed),
+        interleaved=interleaved,
+        has_bias=bool(getattr(module, "has_bias", False)),
+    )
+
+
+def _match_activation(
+    module: torch.nn.Module, candidates: tuple[str, ...], interleaved: bool
+) -> Activation | None:
+    """The first candidate whose math equals the module's on a probe covering [-10, 10]."""
+    gated = candidates[0] != "relu2"
+    width = _PROBE_WIDTH if gated else _PROBE_WIDTH // 2
+    probe = torch.linspace(-10.0, 10.0, 8 * width).reshape(8, width)
+    probe = probe[:, torch.randperm(width, generator=torch.Generator().manual_seed(0))]
+    try:
+        with torch.no_grad():
+            theirs = module._apply_gate(probe) if gated else module.act_fn(probe)
+    except Exception:  # noqa: BLE001  (any failure means: not a gating we understand)
+        return None
+    if not isinstance(theirs, torch.Tensor) or tuple(theirs.shape) != (8, _PROBE_WIDTH // 2):
+        return None
+    for name in candidates:
+        if name == "swiglu_oai":
+            act = Activation(name, _float_attr(module, "alpha"), _float_attr(module, "limit"))
+        else:
+            act = Activation(name)
+        spec = ExpertSpec(1, 1, _PROBE_WIDTH // 2, act, interleaved)
+        ours = apply_activation(probe, spec)
+        if torch.allclose(ours, theirs.float(), rtol=_PROBE_RTOL, atol=_PROBE_RTOL):
+            return act
+    return None
+
+
+def _float_attr(module: torch.nn.Module, name: str) -> float | None:
+    value = getattr(module, name, None)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _sources(module: torch.nn.Module, layout: ExpertsLayout) -> list[torch.Tensor | None]:
+    gated = layout.activation.gated
+    names = ["gate_up_proj" if gated else "up_proj", "down_proj"]
+    if layout.has_bias:
+        names += ["gate_up_proj_bias" if gated else "up_proj_bias", "down_proj_bias"]
+    return [getattr(module, n, None) for n in names] + [None] * (4 - len(names))
+
+
+def _key(tensors: list[torch.Tensor | None]) -> tuple:
+    return tuple(
+        None if t is None else (id(t), t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
+        for t in tensors
+    )
+
+
+def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
+    """The module's weights in the canonical layout and its activation (converted once)."""
+    layout = describe(module)
+    quantized = module.__dict__.get(_QUANTIZED)
+    if quantized is not None:
+        return quantized, layout.activation
+    sources = _sources(module, layout)
+    key = _key(sources)
+    cached = module.__dict__.get(_CACHE)
+    if cached is not None and cached[0] == key:
+        return cached[1], layout.activation
+    weights = canonical_weights(sources, layout)
+    weights.validate(layout.activation)
+    module.__dict__[_CACHE] = (key, weights)
+    return weights, layout.activation
+
+
+def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:
+    """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` layout, detached, made contiguous once."""
+    w13, w2, b13, b2 = (None if t is None else t.detach() for t in sources)
+    if layout.transposed:  # [E, in, out] -> [E, out, in]
+        w13 = w13.transpose(1, 2).contiguous()
+        w2 = w2.transpose(1, 2).contiguous()
+    return ExpertWeights(w13, w2, b13, b2, layout.interleaved)
+
+
+def float_weights(module: torch.nn.Module) -> ExpertWeights:
+    """Canonical float weights of the module, ignoring any pinned quantized weights."""
+    layout = describe(module)
+    return canonical_weights(_sources(module, layout), layout)
+
+
+def set_quantized(module: torch.nn.Module, weights: ExpertWeights | None) -> None:
+    """Pin quantized weights for the module (None: back to its float parameters)."""
+    if weights is not None:
+        weights.validate(describe(module).activation)
+    module.__dict__[_QUANTIZED] = weights
+    module.__dict__.pop(_CACHE, None)
+
+
+def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
+    """The pinned quantized weights, if any."""
+    return module.__dict__.get(_QUANTIZED)

@@ -1,0 +1,304 @@
+"""moerunner as a HuggingFace transformers 5 experts implementation.
+
+Stage: the edge. transformers 5 MoE models call their experts module as
+``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` and
+dispatch that call by the config's ``experts_implementation`` name through
+``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``. Importing this module registers the
+name ``"moerunner"``; the registered function runs the experts with ``moerunner.fused_moe``
+on the module's weights, converted once to the canonical layout and cached on the module.
+
+Choices enter here and travel as arguments: the backend comes from the model config's
+``moerunner_backend`` attribute if set, else from the ``register(backend=...)`` that made
+the name. A layer moerunner cannot run raises ``UnsupportedExpertsError`` naming the layer,
+unless the config's ``moerunner_fallback`` (or ``register(fallback=...)``) is ``"eager"``:
+then that layer runs transformers' own eager loop and the others run on moerunner.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ..api import fused_moe
+from ..errors import MoeInputError
+from ..weights import ExpertWeights
+from ._hf_experts import (
+    LAYER_NAME,
+    UnsupportedExpertsError,
+    describe,
+    expert_weights,
+    float_weights,
+    layer_name,
+    quantized_weights,
+    set_quantized,
+)
+
+__all__ = [
+    "IMPLEMENTATION_NAME",
+    "UnsupportedExpertsError",
+    "check_model",
+    "experts_modules",
+    "load_gpt_oss_mxfp4",
+    "make_experts_forward",
+    "quantize_experts",
+    "register",
+    "use_moerunner",
+]
+
+IMPLEMENTATION_NAME = "moerunner"
+FALLBACKS = ("error", "eager")
+BACKEND_ATTR = "moerunner_backend"
+FALLBACK_ATTR = "moerunner_fallback"
+
+
+def make_experts_forward(backend: str = "auto", fallback: str = "error"):
+    """The experts function transformers calls: ``fn(module, hidden_states, ids, weights)``.
+
+    Args:
+        backend: moerunner backend name or ``"auto"``; a model config attribute
+            ``moerunner_backend`` overrides it per model.
+        fallback: ``"error"`` (an unsupported layer raises ``UnsupportedExpertsError`` naming
+            it) or ``"eager"`` (it runs transformers' eager loop); the config attribute
+            ``moerunner_fallback`` overrides it per model.
+    """
+    _check_choice("backend", backend)
+    if fallback not in FALLBACKS:
+        raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
+
+    def moerunner_experts_forward(
+        self, hidden_states, top_k_index=None, top_k_weights=None, **kwargs
+    ):
+        ids = _routing_arg(top_k_index, kwargs, "router_indices", "top_k_index")
+        weights = _routing_arg(top_k_weights, kwargs, "routing_weights", "top_k_weights")
+        config = getattr(self, "config", None)
+        try:
+            expert_w, activation = expert_weights(self)
+        except UnsupportedExpertsError:
+            if (getattr(config, FALLBACK_ATTR, None) or fallback) != "eager":
+                raise
+            eager = getattr(type(self).forward, "__wrapped__", None)
+            if eager is None:
+                raise
+            return eager(self, hidden_states, ids, weights)
+        chosen = getattr(config, BACKEND_ATTR, None) or backend
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        ids = ids.reshape(x.shape[0], -1)
+        if getattr(self, "_is_expert_parallel", False):
+            # transformers marks tokens routed to other ranks with id == num_experts.
+            ids = torch.where(ids >= expert_w.num_experts, -1, ids)
+        out = fused_moe(
+            x,
+            expert_w.w13,
+            expert_w.w2,
+            weights.reshape(ids.shape),
+            ids,
+            activation=activation,
+            w13_bias=expert_w.w13_bias,
+            w2_bias=expert_w.w2_bias,
+            gate_up_interleaved=expert_w.gate_up_interleaved,
+            backend=chosen,
+        )
+        return out.reshape(hidden_states.shape)
+
+    moerunner_experts_forward.moerunner_backend = backend
+    return moerunner_experts_forward
+
+
+def _routing_arg(value, kwargs: dict, *names: str) -> torch.Tensor:
+    for name in names:
+        if value is None:
+            value = kwargs.get(name)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"experts call: {names[-1]} must be a torch.Tensor, got {type(value)}")
+    return value
+
+
+def _check_choice(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a non-empty str, got {value!r}")
+
+
+def register(
+    name: str = IMPLEMENTATION_NAME, *, backend: str = "auto", fallback: str = "error"
+) -> str:
+    """Register moerunner under ``name`` in transformers' experts functions; return ``name``.
+
+    ``register()`` is done on import. ``register("moerunner_triton", backend="triton")``
+    adds a name bound to one backend, for ``experts_implementation="moerunner_triton"``.
+    """
+    _check_choice("name", name)
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, make_experts_forward(backend, fallback))
+    return name
+
+
+def experts_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(path, module) of every experts module of ``model`` (``@use_experts_implementation``)."""
+    for path, module in model.named_modules():
+        if hasattr(module, "has_gate") and hasattr(module, "is_transposed"):
+            setattr(module, LAYER_NAME, path)
+            yield path, module
+
+
+def check_model(model: torch.nn.Module) -> dict[str, str | None]:
+    """For each experts module of ``model``: None if moerunner runs it, else the reason."""
+    verdicts: dict[str, str | None] = {}
+    for path, module in experts_modules(model):
+        try:
+            describe(module)
+            verdicts[path] = None
+        except UnsupportedExpertsError as exc:
+            verdicts[path] = str(exc)
+    return verdicts
+
+
+def use_moerunner(
+    model, *, backend: str | None = None, fallback: str = "error", name: str = IMPLEMENTATION_NAME
+):
+    """Switch a loaded transformers model's experts to moerunner; return the model.
+
+    Checks every experts layer first: with ``fallback="error"`` an unsupported layer raises
+    ``UnsupportedExpertsError`` naming it (and nothing is switched); with ``"eager"`` those
+    layers keep transformers' eager loop. ``backend`` (if given) is stored in the config as
+    ``moerunner_backend``.
+    """
+    if fallback not in FALLBACKS:
+        raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
+    if backend is not None:
+        _check_choice("backend", backend)
+    verdicts = check_model(model)
+    if not verdicts:
+        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+    refused = [reason for reason in verdicts.values() if reason is not None]
+    if refused and fallback == "error":
+        raise UnsupportedExpertsError(
+            f"{len(refused)} of {len(verdicts)} experts layers cannot run on moerunner "
+            "(pass fallback='eager' to keep them on transformers' loop):\n  " + "\n  ".join(refused)
+        )
+    for config in _configs(model):
+        setattr(config, FALLBACK_ATTR, fallback)
+        if backend is not None:
+            setattr(config, BACKEND_ATTR, backend)
+    model.set_experts_implementation(name)
+    return model
+
+
+def _configs(model) -> list:
+    seen: dict[int, object] = {}
+    for _, module in experts_modules(model):
+        config = getattr(module, "config", None)
+        if config is not None:
+            seen[id(config)] = config
+    seen[id(model.config)] = model.config
+    return list(seen.values())
+
+
+def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict[str, str]:
+    """Quantize every experts layer of ``model`` into ``scheme`` (a ``moerunner.quant`` name).
+
+    Done once (e.g. right after loading a bf16 checkpoint, on the target device); the
+    moerunner experts implementation then runs those layers in ``scheme`` on whatever
+    backend serves it. Biases stay in floating point. Unless ``keep_float_weights``, the float
+    expert parameters are released (emptied); the layers then run only on moerunner.
+    Returns ``{layer path: scheme name}``.
+    """
+    from ..quant import get_scheme, quantize
+
+    resolved = get_scheme(scheme)
+    done: dict[str, str] = {}
+    for path, module in experts_modules(model):
+        source = float_weights(module)
+        with torch.no_grad():
+            weights = ExpertWeights(
+                quantize(source.w13, resolved),
+                quantize(source.w2, resolved),
+                source.w13_bias,
+                source.w2_bias,
+                source.gate_up_interleaved,
+            )
+        set_quantized(module, weights)
+        if not keep_float_weights:
+            _release_float_weights(module)
+        done[path] = resolved.name
+    if not done:
+        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+    return done
+
+
+def _release_float_weights(module: torch.nn.Module) -> None:
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        param = getattr(module, name, None)
+        if isinstance(param, torch.nn.Parameter):
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def load_gpt_oss_mxfp4(
+    model,
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    scheme: str = "mxfp4",
+    keep_float_weights: bool = False,
+) -> list[str]:
+    """Keep a GPT-OSS checkpoint's experts in MXFP4: read them from ``paths`` and pin them.
+
+    ``paths``: the checkpoint's safetensors file(s) (``<layer>.gate_up_proj_blocks`` /
+    ``_scales`` / ``_bias``, ``<layer>.down_proj_*``), e.g. the files of the directory the model
+    was loaded from. The packed bytes and e8m0 scales are used as stored (no dequantization);
+    ``scheme`` is ``"mxfp4"`` (bf16 activations) or ``"mxfp4_mxfp8"``. Returns the layers done.
+    """
+    from ..quant.checkpoints import gpt_oss_experts_from_safetensors
+
+    if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
+        paths = sorted(
+            os.path.join(paths, f) for f in os.listdir(paths) if f.endswith(".safetensors")
+        )
+    done = []
+    for path, module in experts_modules(model):
+        layout = describe(module)
+        if layout.activation.name != "swiglu_oai":
+            raise UnsupportedExpertsError(
+                f"load_gpt_oss_mxfp4: layer {layer_name(module)} is not a GPT-OSS experts layer"
+            )
+        found = gpt_oss_experts_from_safetensors(paths, path + ".", scheme=scheme)
+        device = module.down_proj.device
+        bias_dtype = module.down_proj_bias.dtype if layout.has_bias else torch.float32
+        b13, b2 = (
+            None if b is None else b.to(device=device, dtype=bias_dtype)
+            for b in (found["w13_bias"], found["w2_bias"])
+        )
+        weights = ExpertWeights(
+            _to(found["w13"], device),
+            _to(found["w2"], device),
+            b13,
+            b2,
+            found["gate_up_interleaved"],
+        )
+        set_quantized(module, weights)
+        if not keep_float_weights:
+            _release_float_weights(module)
+        done.append(path)
+    if not done:
+        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+    return done
+
+
+def _to(qweight, device: torch.device):
+    if qweight.device == device:
+        return qweight
+    from ..quant import QuantizedWeight
+
+    moved = {f: t.to(device) for f, t in qweight.tensors().items()}
+    data = moved.pop("data")
+    return QuantizedWeight(qweight.scheme, qweight.shape, data, **moved)
+
+
+def quantized_scheme(module: torch.nn.Module) -> str | None:
+    """Scheme name of a layer's pinned quantized weights, None when it runs its float weights."""
+    weights = quantized_weights(module)
+    return None if weights is None else weights.scheme
+
+
+register()

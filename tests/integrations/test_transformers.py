@@ -1,0 +1,214 @@
+"""moerunner as transformers' experts implementation, on tiny random models of each family.
+
+Each family's model is built once from a config (no hub). The same weights run under
+transformers' "eager" experts loop and under "moerunner"; logits are compared with the one
+tolerance helper (max |out - ref| / max |ref|, and the RMS ratio) and greedy generation must
+give identical ids in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import moerunner.integrations.transformers as mt  # noqa: E402
+from moerunner.errors import BackendUnavailableError  # noqa: E402
+from moerunner.testing import assert_close, compare  # noqa: E402
+
+from ._tiny_models import FAMILIES, build  # noqa: E402
+
+# fp32: both sides run the same fp32 math in a different summation order; after 2 layers and
+# the LM head the logits differ by a few ulps of their magnitude (measured <= 4e-7).
+FP32_MAX_REL = 1e-5
+# bf16: every GEMM output and activation is rounded to bf16 (2^-8 relative) in a different
+# order on each side, and a rounding difference can flip a near-tied top-k choice in the next
+# layer; so eager bf16 itself is 1e-2..2e-1 (max) away from the fp32 model on these random
+# models. The bound: moerunner bf16 is no further from the fp32 logits than 1.5x eager bf16's
+# own distance (max and RMS), plus 2 bf16 ulps (2^-7) of the logits' scale.
+BF16_VS_EAGER = 1.5
+BF16_SLACK = 2.0**-7
+NEW_TOKENS = 16
+
+
+def _ids(seed: int = 3, batch: int = 2, length: int = 12) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, implementation: str, ids: torch.Tensor) -> torch.Tensor:
+    model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        return model(ids).logits.double()
+
+
+def _greedy(model, implementation: str, ids: torch.Tensor) -> torch.Tensor:
+    model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request):
+    return request.param, build(request.param)
+
+
+def test_logits_and_generate_match_eager(family_model):
+    family, model = family_model
+    ids = _ids()
+    ref = _logits(model, "eager", ids)
+    out = _logits(model, "moerunner", ids)
+    assert_close(out, ref, FP32_MAX_REL, what=f"{family} fp32 logits")
+    eager_tokens = _greedy(model, "eager", ids[:1])
+    ours_tokens = _greedy(model, "moerunner", ids[:1])
+    assert eager_tokens.shape[1] == ids.shape[1] + NEW_TOKENS
+    assert torch.equal(ours_tokens, eager_tokens), f"{family}: greedy ids differ"
+
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    eager16 = compare(_logits(half, "eager", ids), ref)
+    ours16 = compare(_logits(half, "moerunner", ids), ref)
+    assert ours16.nonfinite == 0, f"{family} bf16: {ours16}"
+    assert ours16.max_rel <= BF16_VS_EAGER * eager16.max_rel + BF16_SLACK, (
+        f"{family} bf16 vs fp32 logits: moerunner {ours16}; eager {eager16}"
+    )
+    assert ours16.rms_rel <= BF16_VS_EAGER * eager16.rms_rel + BF16_SLACK, (
+        f"{family} bf16 vs fp32 logits: moerunner {ours16}; eager {eager16}"
+    )
+
+
+def test_layout_converted_once_and_refreshed_on_update():
+    model = build("gpt_oss", num_hidden_layers=1, layer_types=["full_attention"])
+    experts = model.model.layers[0].mlp.experts
+    ids = _ids(length=6)
+    first = _logits(model, "moerunner", ids)
+    w13 = experts.__dict__["_moerunner_weights"][1].w13
+    _logits(model, "moerunner", ids)
+    assert experts.__dict__["_moerunner_weights"][1].w13 is w13  # no conversion per call
+    with torch.no_grad():
+        experts.gate_up_proj.mul_(0.5)  # in-place update: the cached layout must follow
+    changed = _logits(model, "moerunner", ids)
+    assert experts.__dict__["_moerunner_weights"][1].w13 is not w13
+    assert_close(changed, _logits(model, "eager", ids), FP32_MAX_REL, what="after update")
+    assert not torch.allclose(changed, first)
+
+
+def test_backend_choice_travels_from_config_and_registration():
+    model = build("qwen3_moe", num_hidden_layers=1)
+    ids = _ids(length=4)
+    model.config.moerunner_backend = "no_such_backend"
+    with pytest.raises(BackendUnavailableError, match="no_such_backend"):
+        _logits(model, "moerunner", ids)
+    del model.config.moerunner_backend
+    name = mt.register("moerunner_torch", backend="torch")
+    assert_close(
+        _logits(model, name, ids),
+        _logits(model, "eager", ids),
+        FP32_MAX_REL,
+        what="moerunner_torch",
+    )
+
+
+def _break_layer(model, index: int) -> None:
+    # An activation moerunner does not have: the layer becomes unsupported.
+    model.model.layers[index].mlp.experts.act_fn = torch.nn.Tanh()
+
+
+def test_unsupported_layer_is_named_or_falls_back_by_rule():
+    model = build("qwen3_moe")
+    _break_layer(model, 1)
+    with pytest.raises(mt.UnsupportedExpertsError, match=r"model\.layers\.1\.mlp\.experts"):
+        mt.use_moerunner(model)
+    verdicts = mt.check_model(model)
+    assert verdicts["model.layers.0.mlp.experts"] is None
+    assert "Tanh" in verdicts["model.layers.1.mlp.experts"]
+
+    ids = _ids(length=5)
+    with pytest.raises(mt.UnsupportedExpertsError, match="layers.1.mlp.experts"):
+        _logits(model, "moerunner", ids)
+    ref = _logits(model, "eager", ids)
+    mt.use_moerunner(model, fallback="eager")
+    assert model.config._experts_implementation == "moerunner"
+    assert_close(_logits(model, "moerunner", ids), ref, FP32_MAX_REL, what="eager fallback")
+
+
+@pytest.mark.parametrize(
+    "scheme, max_rel",
+    [
+        # W4A16: weights stored in mxfp4, activations unquantized; the eager model holds the
+        # dequantized weights, so both compute the same fp32 products (fp32 tolerance).
+        ("mxfp4", FP32_MAX_REL),
+        # W8A8: moerunner also quantizes the GEMM inputs to e4m3 per 128-group (2^-4 relative
+        # rounding per element, averaged over K) which the eager model does not: a few percent.
+        ("fp8_block", 5e-2),
+    ],
+)
+def test_quantize_experts_at_load_time(scheme, max_rel):
+    from moerunner.quant import dequantize
+
+    model = build("qwen3_moe")
+    ref_model = copy.deepcopy(model)
+    done = mt.quantize_experts(model, scheme)
+    assert set(done.values()) == {scheme} and len(done) == 2
+    for path, experts in mt.experts_modules(model):
+        assert experts.gate_up_proj.numel() == 0  # float weights released
+        q = mt.quantized_scheme(experts)
+        assert q == scheme
+        target = ref_model.get_submodule(path)
+        pinned = experts.__dict__["_moerunner_quantized"]
+        with torch.no_grad():
+            target.gate_up_proj.copy_(dequantize(pinned.w13))
+            target.down_proj.copy_(dequantize(pinned.w2))
+    ids = _ids(length=6)
+    assert_close(
+        _logits(model, "moerunner", ids),
+        _logits(ref_model, "eager", ids),
+        max_rel,
+        what=f"{scheme} experts",
+    )
+
+
+def test_gpt_oss_mxfp4_checkpoint_stays_mxfp4(tmp_path):
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    import moerunner
+
+    model = build("gpt_oss")
+    ref_model = copy.deepcopy(model)
+    tensors = {}
+    for path, experts in mt.experts_modules(model):
+        # Write the layer as GPT-OSS checkpoints store it: [E, N(out), K/32, 16] nibbles + e8m0.
+        for proj in ("gate_up_proj", "down_proj"):
+            w_ENK = getattr(experts, proj).detach().transpose(1, 2).contiguous()
+            q = moerunner.quantize(w_ENK, "mxfp4")
+            e, n, k = q.shape
+            blocks, scales = q.data.reshape(e, n, k // 32, 16), q.scale
+            tensors[f"{path}.{proj}_blocks"] = blocks
+            tensors[f"{path}.{proj}_scales"] = scales
+            tensors[f"{path}.{proj}_bias"] = getattr(experts, proj + "_bias").detach().clone()
+            # The reference decodes the same bytes with transformers' own MXFP4 decoder.
+            decoded = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            with torch.no_grad():
+                getattr(ref_model.get_submodule(path), proj).copy_(decoded)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    done = mt.load_gpt_oss_mxfp4(model, tmp_path)
+    assert done == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    for _, experts in mt.experts_modules(model):
+        assert mt.quantized_scheme(experts) == "mxfp4"
+        assert experts.gate_up_proj.numel() == 0
+    ids = _ids(length=6)
+    assert_close(
+        _logits(model, "moerunner", ids),
+        _logits(ref_model, "eager", ids),
+        FP32_MAX_REL,
+        what="gpt-oss mxfp4 checkpoint",
+    )
