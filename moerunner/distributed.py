@@ -69,8 +69,9 @@ def all_gather_ints(values: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-def check_consistent(group, what: str, values: Mapping[str, int],
-                     local: Mapping[str, int] | None = None) -> torch.Tensor:
+def check_consistent(
+    group, what: str, values: Mapping[str, int], local: Mapping[str, int] | None = None
+) -> torch.Tensor:
     """Raise ``MoeInputError`` on every rank unless all ranks passed equal ``values``.
 
     ``local`` values travel along without being compared (e.g. per-rank token counts); the
@@ -79,15 +80,19 @@ def check_consistent(group, what: str, values: Mapping[str, int],
     """
     local = dict(local or {})
     names = list(values) + list(local)
-    row = torch.tensor([int(values[n]) for n in values] + [int(local[n]) for n in local],
-                       dtype=torch.int64, device=collective_device(group))
+    row = torch.tensor(
+        [int(values[n]) for n in values] + [int(local[n]) for n in local],
+        dtype=torch.int64,
+        device=collective_device(group),
+    )
     table = all_gather_ints(row, group).cpu()
-    differing = [n for i, n in enumerate(names[: len(values)])
-                 if bool((table[:, i] != table[0, i]).any())]
+    differing = [
+        n for i, n in enumerate(names[: len(values)]) if bool((table[:, i] != table[0, i]).any())
+    ]
     if differing:
         detail = "; ".join(
-            f"{n}: " + ", ".join(f"rank {r}={int(table[r, names.index(n)])}"
-                                 for r in range(table.shape[0]))
+            f"{n}: "
+            + ", ".join(f"rank {r}={int(table[r, names.index(n)])}" for r in range(table.shape[0]))
             for n in differing
         )
         raise MoeInputError(f"{what}: ranks disagree on {', '.join(differing)} ({detail})")

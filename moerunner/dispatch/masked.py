@@ -1,0 +1,248 @@
+"""Masked dispatcher: fixed-capacity expert-parallel layout with static shapes (decode).
+
+Stage 2 and 4. Every rank receives ``[E_local, C, H]`` (``C`` = ``capacity``, the most rows one
+local expert takes per step) plus ``counts [E_local]``: rows ``[e, :counts[e]]`` are valid.
+Every tensor's shape depends only on (world, placement, capacity, H, T): no host
+synchronisation in ``on_overflow="flag"`` mode, so a whole step can be captured in a CUDA graph.
+
+dispatch:
+  1. each (token, slot) pair gets (destination rank, local expert) from the placement and a
+     position among this rank's pairs for that expert (stable sort + exclusive cumsum);
+  2. one ``all_gather`` of a header and of every rank's counts per (destination, expert):
+     every rank knows the whole count matrix, so overflow is computed identically everywhere;
+  3. rows go into a send buffer ``[W, L, C, H]`` (L = most local slots of any rank) and one
+     equal-split ``all_to_all_single`` moves it; the receiver packs each expert's rows from
+     all sources, in source order, into ``[E_local, C, H]``.
+combine: the inverse gather, the reverse ``all_to_all_single``, weights applied in fp32.
+
+Overflow (an expert would receive more than ``C`` rows, from one source or in total):
+``on_overflow="raise"`` reads the flag on the host after the small exchange and raises
+``CapacityOverflowError`` on every rank before any row moves; ``on_overflow="flag"`` never
+syncs: rows beyond capacity contribute zero and ``output.overflow`` (a 0-d bool tensor on the
+device, equal on every rank) is set; the caller checks it after the step (e.g. after a graph
+replay) and reruns that step with the all-to-all dispatcher or a larger capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..distributed import (
+    all_gather_ints,
+    check_consistent,
+    collective_device,
+    raise_on_every_rank,
+    rank_and_size,
+)
+from ..errors import CapacityOverflowError, MoeInputError
+from ..routing import TopK
+from .all_to_all import DTYPE_CODES, _check_local
+from .expert_map import ExpertPlacement
+from .formats import MaskedDispatchOutput
+
+__all__ = ["MaskedDispatcher", "MaskedEPDispatchOutput", "OVERFLOW_POLICIES"]
+
+OVERFLOW_POLICIES = ("raise", "flag")
+_HEADER = 3  # num_tokens, hidden_size, dtype code
+
+
+@dataclass(frozen=True)
+class MaskedHandle:
+    """What combine needs: where each pair's row went and how to bring the rows back."""
+
+    send_index: torch.Tensor  # [T*k] int64: flat row of the send buffer, or W*L*C (dropped)
+    recv_index: torch.Tensor  # [W*L*C] int64: flat row of [E_local*C] it was packed to, or
+    #                           E_local*C (padding / dropped)
+    token_weight: torch.Tensor  # [T*k] fp32: routing weight (0 for -1 ids)
+    num_tokens: int
+    top_k: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MaskedEPDispatchOutput(MaskedDispatchOutput):
+    """``[E_local, C, H]`` rows, ``counts``, the global ``overflow`` flag and the handle."""
+
+    overflow: torch.Tensor  # 0-d bool on device: some expert exceeded capacity (on any rank)
+    handle: MaskedHandle
+
+
+class MaskedDispatcher:
+    """Fixed-capacity expert-parallel dispatch; static shapes end to end.
+
+    Args:
+        placement: expert ownership (``ExpertPlacement``), equal on every rank.
+        capacity: C, the most rows one local expert receives per step (from all ranks
+            together). Memory: send and receive buffers of ``W * L * C * H`` elements each.
+        hidden_size: H (static; checked on every call).
+        group: the ``torch.distributed`` process group (``None``: default group).
+        on_overflow: ``"raise"`` (one host sync per step, ``CapacityOverflowError`` on every
+            rank) or ``"flag"`` (no sync; see the module docstring).
+    """
+
+    def __init__(
+        self,
+        placement: ExpertPlacement,
+        capacity: int,
+        hidden_size: int,
+        group=None,
+        *,
+        on_overflow: str = "raise",
+    ) -> None:
+        if not isinstance(placement, ExpertPlacement):
+            raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
+        for name, value in (("capacity", capacity), ("hidden_size", hidden_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MoeInputError(f"{name} must be a positive int, got {value!r}")
+        if on_overflow not in OVERFLOW_POLICIES:
+            raise MoeInputError(
+                f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
+            )
+        self.group = group
+        self.rank, self.world_size = rank_and_size(group)
+        check_consistent(
+            group,
+            "MaskedDispatcher configuration",
+            {
+                "placement": placement.fingerprint(),
+                "placement.world_size": placement.world_size,
+                "capacity": capacity,
+                "hidden_size": hidden_size,
+                "on_overflow": OVERFLOW_POLICIES.index(on_overflow),
+            },
+        )
+        if placement.world_size != self.world_size:
+            raise MoeInputError(
+                f"placement is for world_size={placement.world_size} but the process group has "
+                f"{self.world_size} ranks"
+            )
+        self.placement = placement
+        self.capacity = capacity
+        self.hidden_size = hidden_size
+        self.on_overflow = on_overflow
+        self.num_local_experts = placement.num_local(self.rank)
+        self._slots = max(placement.max_local, 1)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _routing_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._tables:
+            self._tables[device] = self.placement.routing_table(self.rank, device)
+        return self._tables[device]
+
+    def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> MaskedEPDispatchOutput:
+        """Pack this rank's pairs, exchange, and return ``[E_local, C, H]`` with counts."""
+        import torch.distributed as dist
+
+        _check_local(hidden_states, topk)
+        num_tokens, hidden_size = hidden_states.shape
+        if self.on_overflow == "flag" and hidden_size != self.hidden_size:
+            raise MoeInputError(
+                f"hidden_states has H={hidden_size}, the dispatcher was built "
+                f"for H={self.hidden_size}"
+            )
+        device = hidden_states.device
+        world, slots, cap = self.world_size, self._slots, self.capacity
+        keys = world * slots
+        dest_E, local_E = self._routing_table(device)
+        ids = topk.ids.reshape(-1).long()
+        valid = ids >= 0
+        safe = torch.where(valid, ids, 0).clamp(min=0, max=self.placement.num_total - 1)
+        key = torch.where(valid, dest_E[safe] * slots + local_E[safe], keys)
+        counts = torch.zeros(keys + 1, dtype=torch.int64, device=device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        # Position of each pair among this rank's pairs with the same key (stable order).
+        order = torch.argsort(key, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.empty_like(key)
+        position[order] = torch.arange(key.numel(), device=device) - starts[key[order]]
+
+        header = torch.tensor(
+            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype]],
+            dtype=torch.int64,
+            device=device,
+        )
+        row = torch.cat([header, counts[:keys]]).to(collective_device(self.group))
+        table = all_gather_ints(row, self.group).to(device)
+        counts_SDL = table[:, _HEADER:].view(world, world, slots)  # [source, dest, local]
+        sent_SDL = counts_SDL.clamp(max=cap)
+        overflow = (counts_SDL > cap).any() | (sent_SDL.sum(0) > cap).any()
+        if self.on_overflow == "raise":
+            self._check_world(table.cpu(), bool(overflow))
+
+        # Send buffer: row (dest, local, position); rows beyond capacity go to a dropped row.
+        fits = valid & (position < cap)
+        send_index = torch.where(fits, key * cap + position, keys * cap)
+        send = hidden_states.new_zeros((keys * cap + 1, hidden_size))
+        send.index_copy_(0, send_index, hidden_states.repeat_interleave(topk.ids.shape[1], 0))
+        recv = torch.empty_like(send[: keys * cap])
+        dist.all_to_all_single(recv, send[: keys * cap], group=self.group)
+
+        # Pack expert l's rows from all sources, in source order, into [E_local, C].
+        experts = self.num_local_experts
+        got_SL = sent_SDL[:, self.rank, :]
+        first_SL = torch.cumsum(got_SL, 0) - got_SL
+        slot_C = torch.arange(cap, device=device)
+        packed = first_SL[:, :, None] + slot_C
+        local_L = torch.arange(slots, device=device)[None, :, None]
+        ok = (slot_C < got_SL[:, :, None]) & (packed < cap) & (local_L < experts)
+        recv_index = torch.where(ok, local_L * cap + packed, experts * cap).reshape(-1)
+        masked = hidden_states.new_zeros((experts * cap + 1, hidden_size))
+        masked.index_copy_(0, recv_index, recv)
+        counts_E = got_SL.sum(0)[:experts].clamp(max=cap).to(torch.int32)
+
+        weights = torch.where(valid, topk.weights.reshape(-1).float(), 0.0)
+        handle = MaskedHandle(
+            send_index, recv_index, weights, num_tokens, topk.ids.shape[1], hidden_states.dtype
+        )
+        return MaskedEPDispatchOutput(
+            hidden_states=masked[: experts * cap].view(experts, cap, hidden_size),
+            counts=counts_E,
+            overflow=overflow,
+            handle=handle,
+        )
+
+    def combine(
+        self, output: torch.Tensor, dispatch_output: MaskedEPDispatchOutput
+    ) -> torch.Tensor:
+        """Bring unweighted ``[E_local, C, H]`` rows back; return ``sum_k w * y`` ``[T, H]``."""
+        import torch.distributed as dist
+
+        h = dispatch_output.handle
+        shape = tuple(dispatch_output.hidden_states.shape)
+        if tuple(output.shape) != shape:
+            raise MoeInputError(
+                f"output must have the dispatched shape {list(shape)}, got {list(output.shape)}"
+            )
+        hidden_size = shape[2]
+        zero_row = output.new_zeros((1, hidden_size))
+        source = torch.cat([output.reshape(-1, hidden_size), zero_row])
+        back = source[h.recv_index]
+        returned = torch.empty_like(back)
+        dist.all_to_all_single(returned, back, group=self.group)
+        rows = torch.cat([returned, zero_row])[h.send_index]
+        token = torch.arange(h.num_tokens, device=output.device).repeat_interleave(h.top_k)
+        out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
+        out.index_add_(0, token, rows.float() * h.token_weight[:, None])
+        return out.to(h.dtype)
+
+    def _check_world(self, table: torch.Tensor, overflow: bool) -> None:
+        """Same table, same verdict on every rank (``on_overflow="raise"`` only)."""
+        problems = []
+        for col, name in ((1, "hidden size H"), (2, "dtype")):
+            values = table[:, col].tolist()
+            if len(set(values)) > 1 or (col == 1 and values[0] != self.hidden_size):
+                problems.append(
+                    f"{name} differs across ranks or from the dispatcher's "
+                    f"({self.hidden_size} for H): {values}"
+                )
+        raise_on_every_rank(problems, "masked dispatch")
+        if overflow:
+            counts = table[:, _HEADER:].view(self.world_size, self.world_size, self._slots)
+            worst = int(counts.sum(0).max())
+            raise CapacityOverflowError(
+                f"masked dispatch: an expert receives {worst} rows but capacity is "
+                f"{self.capacity}; raise capacity, use the all_to_all dispatcher for this step, "
+                "or build the dispatcher with on_overflow='flag' and handle output.overflow"
+            )
