@@ -58,6 +58,13 @@ class BenchConfig:
     check_budget_bytes: int = 2 << 30
     zipf_exponent: float = 1.2
     seed: int = 0
+    # (preset name, schemes) pairs: schemes run for that preset only (e.g. its checkpoint format)
+    extra_schemes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def schemes_for(self, shape: BenchShape) -> tuple[str, ...]:
+        """``schemes`` plus the extra schemes of this preset."""
+        extra = [s for name, schemes in self.extra_schemes if name == shape.name for s in schemes]
+        return tuple(dict.fromkeys(self.schemes + tuple(extra)))
 
 
 @dataclass
@@ -118,14 +125,15 @@ def draw_routing(
 
 
 def make_weights(
-    shape: BenchShape, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+    shape: BenchShape, dtype: torch.dtype, device: torch.device, seed: int
 ) -> dict[str, torch.Tensor | None]:
-    """Random canonical weights, scaled by 1/sqrt(fan-in) so outputs stay O(1)."""
+    """Random canonical weights drawn on ``device``, scaled by 1/sqrt(fan-in) (outputs O(1))."""
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*size: int, fan_in: int) -> torch.Tensor:
         out = torch.empty(size, dtype=dtype, device=device)
         for e in range(size[0]):  # one expert at a time: no fp32 copy of the whole tensor
-            out[e] = torch.randn(size[1:], generator=gen).mul_(fan_in**-0.5).to(dtype)
+            out[e] = torch.randn(size[1:], generator=gen, device=device).mul_(fan_in**-0.5)
         return out
 
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
@@ -136,8 +144,10 @@ def make_weights(
         "w2_bias": None,
     }
     if shape.bias:
-        w["w13_bias"] = (0.1 * torch.randn(e, shape.w13_rows, generator=gen)).to(dtype).to(device)
-        w["w2_bias"] = (0.1 * torch.randn(e, h, generator=gen)).to(dtype).to(device)
+        w["w13_bias"] = (0.1 * torch.randn(e, shape.w13_rows, generator=gen, device=device)).to(
+            dtype
+        )
+        w["w2_bias"] = (0.1 * torch.randn(e, h, generator=gen, device=device)).to(dtype)
     return w
 
 
@@ -232,14 +242,16 @@ class Sweep:
         self.progress = progress or (lambda row: None)
         self.device = torch.device(config.device)
         self.gen = torch.Generator().manual_seed(config.seed)
+        self.device_gen = torch.Generator(device=self.device).manual_seed(config.seed + 1)
         self.rows: list[Row] = []
         self.skipped_backends: dict[str, str] = {}
 
     def total_rows(self) -> int:
         """Upper bound of rows, for a progress bar."""
         c = self.config
-        per = len(c.backends or self.registry.backends) * len(c.schemes) + len(c.baselines)
-        return len(c.shapes) * len(c.routings) * len(c.tokens) * per
+        n_impl = len(c.backends or self.registry.backends)
+        per = sum(n_impl * len(c.schemes_for(s)) + len(c.baselines) for s in c.shapes)
+        return len(c.routings) * len(c.tokens) * per
 
     def run(self) -> list[Row]:
         """Measure every row."""
@@ -251,8 +263,9 @@ class Sweep:
 
     def _run_shape(self, shape: BenchShape) -> None:
         c = self.config
-        plain = [s for s in c.schemes if s in DTYPES]
-        quantized = [s for s in c.schemes if s not in DTYPES]
+        schemes = c.schemes_for(shape)
+        plain = [s for s in schemes if s in DTYPES]
+        quantized = [s for s in schemes if s not in DTYPES]
         groups: dict[torch.dtype, list[str]] = {}
         for s in plain:
             groups.setdefault(act_dtype_for(s, c.dtype), []).append(s)
@@ -270,12 +283,13 @@ class Sweep:
                 torch.cuda.empty_cache()
 
     def _weights(self, shape: BenchShape, dtype: torch.dtype) -> list[dict]:
-        one = make_weights(shape, dtype, self.device, self.gen)
+        seed = self.config.seed * 1000 + len(self.rows)
+        one = make_weights(shape, dtype, self.device, seed)
         nbytes = sum(t.numel() * t.element_size() for t in one.values() if t is not None)
         n = 1
         if nbytes * 2 <= self.config.rotation_bytes:
             n = min(self.config.rotations, math.ceil(self.config.rotation_bytes / nbytes))
-        return [one] + [make_weights(shape, dtype, self.device, self.gen) for _ in range(n - 1)]
+        return [one] + [make_weights(shape, dtype, self.device, seed + j) for j in range(1, n)]
 
     def _run_scheme(
         self,
@@ -368,7 +382,9 @@ class Sweep:
         cases = []
         for i in range(max(self.config.rotations, 1)):
             topk = draw_routing(tokens, shape, routing, self.gen, self.config.zipf_exponent)
-            x = torch.randn(tokens, shape.hidden_size, generator=self.gen).to(dtype)
+            x = torch.randn(
+                tokens, shape.hidden_size, generator=self.device_gen, device=self.device
+            ).to(dtype)
             topk = TopK(topk.weights.to(self.device), topk.ids.to(self.device))
             cases.append(
                 _Case(

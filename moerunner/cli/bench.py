@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=["uniform", "zipf"],
         help=f"routing distributions: {', '.join(ROUTINGS)}",
     )
+    p.add_argument(
+        "--preset-schemes",
+        action="append",
+        default=[],
+        help="extra schemes for one preset, e.g. deepseek-v3=fp8_block (repeatable)",
+    )
     p.add_argument("--zipf-exponent", type=float, default=1.2)
     p.add_argument(
         "--dtype",
@@ -157,7 +163,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise ValueError(f"--routing: unknown {r!r}; accepted: {', '.join(ROUTINGS)}")
     from ..quant import get_scheme
 
-    for s in args.schemes:
+    extra = []
+    for item in args.preset_schemes:
+        name, sep, schemes = item.partition("=")
+        if not sep or not schemes:
+            raise ValueError(f"--preset-schemes wants PRESET=SCHEME[,SCHEME], got {item!r}")
+        extra.append((name.strip(), tuple(_csv(schemes))))
+    for s in list(args.schemes) + [s for _, group in extra for s in group]:
         get_scheme(s)  # raises naming the accepted schemes
     baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
     tokens = args.tokens or (
@@ -181,6 +193,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         rotations=args.rotations,
         zipf_exponent=args.zipf_exponent,
         seed=args.seed,
+        extra_schemes=tuple(extra),
     )
 
 
@@ -215,11 +228,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measuring ceilings of {device} (cached) ...", file=sys.stderr)
     ceilings = load_or_measure(device, args.ceilings or default_cache_path(), args.remeasure)
     bar = None
-    if not args.quiet:
-        from tqdm import tqdm
-
-        bar = None
-
     sweep = Sweep(config, ceilings)
     if not args.quiet:
         from tqdm import tqdm

@@ -1,0 +1,179 @@
+"""moerunner bench: roofline accounting by hand, presets against transformers' configs, and the
+CPU command end to end on a tiny preset (table, JSON that reloads, PNG)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moerunner.bench import presets, roofline
+from moerunner.bench.presets import BenchShape
+from moerunner.bench.roofline import DeviceCeilings, RowCost
+from moerunner.bench.sweep import check_against_reference, draw_routing
+from moerunner.cli import bench as cli_bench
+from moerunner.weights import ExpertWeights
+
+TINY = BenchShape("t", 8, 64, 96, 2)  # gated: w13 [8, 192, 64], w2 [8, 64, 96]
+
+
+@pytest.mark.parametrize(
+    "scheme, w13_bytes, w2_bytes",
+    [
+        ("bf16", 192 * 64 * 2, 64 * 96 * 2),
+        ("fp32", 192 * 64 * 4, 64 * 96 * 4),
+        # e4m3 data + fp32 scale per 128x128 block: ceil(192/128) * ceil(64/128) = 2 blocks
+        ("fp8_block", 192 * 64 + 2 * 4, 64 * 96 + 1 * 4),
+        # e2m1 packed two per byte + one e8m0 byte per 32 along K
+        ("mxfp4", 192 * 32 + 192 * 2, 64 * 48 + 64 * 3),
+        # e2m1 + one e4m3 byte per 16 along K + fp32 global scale per expert
+        ("nvfp4", 192 * 32 + 192 * 4 + 4, 64 * 48 + 64 * 6 + 4),
+        # int4 + fp32 scale and uint8 zero point per group of 32
+        ("int4_g32_zp", 192 * 32 + 192 * 2 * 5, 64 * 48 + 64 * 3 * 5),
+        ("fp8_channel", 192 * 64 + 192 * 4, 64 * 96 + 64 * 4),
+    ],
+)
+def test_weight_bytes_per_expert_by_hand(scheme, w13_bytes, w2_bytes):
+    assert roofline.weight_bytes_per_expert(192, 64, scheme) == w13_bytes
+    assert roofline.weight_bytes_per_expert(64, 96, scheme) == w2_bytes
+
+
+def test_row_cost_by_hand():
+    cost = roofline.row_cost(TINY, "bf16", 4, 3, 8, torch.bfloat16)
+    weights = 3 * (192 * 64 * 2 + 64 * 96 * 2)  # only the 3 experts hit
+    activations = 2 * 4 * 64 * 2  # hidden in + output out, bf16
+    routing = 4 * 2 * 8  # fp32 weight + int32 id per slot
+    assert cost.bytes == weights + activations + routing
+    assert cost.flops == 2 * 8 * (192 * 64 + 64 * 96)
+    assert cost.experts_hit == 3
+    biased = BenchShape("b", 8, 64, 96, 2, "swiglu_oai", bias=True, gate_up_interleaved=True)
+    extra = roofline.row_cost(biased, "bf16", 4, 3, 8, torch.bfloat16).bytes - cost.bytes
+    assert extra == 3 * (192 + 64) * 2  # bias rows of the hit experts
+    relu2 = BenchShape("r", 8, 64, 96, 2, "relu2")  # non-gated: w13 has I rows
+    assert roofline.row_cost(relu2, "bf16", 1, 1, 2, torch.bfloat16).flops == 2 * 2 * (
+        96 * 64 + 64 * 96
+    )
+
+
+def test_floor_is_the_slower_of_memory_and_compute():
+    ceilings = DeviceCeilings("x", copy_gbps=1.0, peak_tflops={"bf16": 1.0, "fp8": 2.0})
+    assert roofline.floor_seconds(RowCost(10**9, 10**9, 1), ceilings, "bf16") == 1.0
+    assert roofline.floor_seconds(RowCost(10, 4 * 10**12, 1), ceilings, "fp8") == 2.0
+    assert ceilings.peak_for("fp32") == 2.0  # not measured: the best measured peak
+    assert roofline.compute_format("fp8_block") == "fp8"
+    assert roofline.compute_format("mxfp4") == "bf16"  # W4A16 multiplies in bf16
+    assert roofline.compute_format("fp32") == "fp32"
+
+
+def test_presets_match_transformers_configs():
+    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
+
+    m, q, d, g = MixtralConfig(), Qwen3MoeConfig(), DeepseekV3Config(), GptOssConfig()
+    n = NemotronHConfig()
+    p = presets.PRESETS
+    assert (p["mixtral-8x7b"].num_experts, p["mixtral-8x7b"].hidden_size) == (
+        m.num_local_experts, m.hidden_size)
+    assert (p["mixtral-8x7b"].intermediate_size, p["mixtral-8x7b"].top_k) == (
+        m.intermediate_size, m.num_experts_per_tok)
+    assert (p["qwen3-30b-a3b"].num_experts, p["qwen3-30b-a3b"].hidden_size,
+            p["qwen3-30b-a3b"].intermediate_size, p["qwen3-30b-a3b"].top_k) == (
+        q.num_experts, q.hidden_size, q.moe_intermediate_size, q.num_experts_per_tok)
+    assert (p["deepseek-v3"].num_experts, p["deepseek-v3"].hidden_size,
+            p["deepseek-v3"].intermediate_size, p["deepseek-v3"].top_k) == (
+        d.n_routed_experts, d.hidden_size, d.moe_intermediate_size, d.num_experts_per_tok)
+    assert (p["gpt-oss-120b"].num_experts, p["gpt-oss-120b"].hidden_size,
+            p["gpt-oss-120b"].intermediate_size, p["gpt-oss-120b"].top_k) == (
+        g.num_local_experts, g.hidden_size, g.intermediate_size, g.num_experts_per_tok)
+    assert (p["nemotron-h"].num_experts, p["nemotron-h"].hidden_size,
+            p["nemotron-h"].intermediate_size, p["nemotron-h"].top_k) == (
+        n.n_routed_experts, n.hidden_size, n.moe_intermediate_size, n.num_experts_per_tok)
+    assert n.mlp_hidden_act == p["nemotron-h"].activation == "relu2"
+    assert p["nemotron-h-tp8"].intermediate_size == 961  # 7688 / 8: not a multiple of 16
+
+
+def test_tp_and_shape_parsing():
+    s = presets.parse_shape("64,4096,2048,6")
+    assert (s.num_experts, s.hidden_size, s.intermediate_size, s.top_k) == (64, 4096, 2048, 6)
+    assert presets.shard_intermediate(s, 4).intermediate_size == 512
+    with pytest.raises(ValueError, match="does not divide"):
+        presets.shard_intermediate(s, 3)
+    with pytest.raises(ValueError, match="E,H,I,k"):
+        presets.parse_shape("1,2,3")
+    with pytest.raises(ValueError, match="accepted"):
+        presets.get_preset("nope")
+
+
+def test_routing_is_fresh_distinct_and_skewed():
+    gen = torch.Generator().manual_seed(0)
+    shape = BenchShape("z", 64, 8, 8, 4)
+    uniform = draw_routing(4000, shape, "uniform", gen, 1.2)
+    zipf = draw_routing(4000, shape, "zipf", gen, 1.2)
+    for topk in (uniform, zipf):
+        assert topk.ids.dtype == torch.int32
+        assert (topk.ids.sort(1).values.diff(dim=1) > 0).all()  # k distinct experts
+        torch.testing.assert_close(topk.weights.sum(1), torch.ones(4000))
+    top_share = lambda ids: torch.bincount(ids.flatten().long()).max().item() / ids.numel()  # noqa: E731
+    assert top_share(zipf.ids) > 3 * top_share(uniform.ids)
+
+
+def test_reference_check_flags_a_wrong_output():
+    gen = torch.Generator().manual_seed(1)
+    w13 = torch.randn(8, 192, 64, generator=gen) / 8
+    w2 = torch.randn(8, 64, 96, generator=gen) / 10
+    x = torch.randn(5, 64, generator=gen)
+    topk = draw_routing(5, TINY, "uniform", gen, 1.2)
+    weights = ExpertWeights(w13, w2)
+    from moerunner import reference_moe
+
+    good = reference_moe(x, weights, topk.weights, topk.ids).float()
+    max_rel, _, n = check_against_reference(good, x, topk, weights, TINY, 1 << 30)
+    assert max_rel < 1e-6 and n == 5
+    # A budget of one expert still checks at least one token, on the experts it hits only.
+    _, _, n = check_against_reference(good, x, topk, weights, TINY, 1)
+    assert n == 1
+    bad = good.clone()
+    bad[0] *= 1.1
+    assert check_against_reference(bad, x, topk, weights, TINY, 1 << 30)[0] > 1e-2
+
+
+def test_cli_end_to_end_on_cpu(tmp_path, capsys):
+    cache = tmp_path / "ceilings.json"
+    key = roofline.device_key(torch.device("cpu"))
+    cache.write_text(json.dumps({key: {"device": key, "copy_gbps": 10.0,
+                                       "peak_tflops": {"fp32": 0.1, "bf16": 0.05}}}))
+    out = tmp_path / "r.json"
+    argv = ["--preset", "cpu-tiny", "--tokens", "0,1,8", "--routing", "uniform,zipf",
+            "--schemes", "bf16,fp32", "--preset-schemes", "cpu-tiny=fp8_block",
+            "--device", "cpu", "--min-time", "0.002", "--max-reps", "3", "--rotations", "2",
+            "--ceilings", str(cache), "--json", str(out), "--png", str(tmp_path / "r.png"),
+            "--md", str(tmp_path / "r.md"), "--quiet"]
+    assert cli_bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "hf:eager" in text and "hf:grouped_mm" in text and "torch" in text
+    from moerunner.bench.report import load_json
+
+    record, config, rows = load_json(out)
+    assert record["argv"] == argv and record["environment"]["torch"] == torch.__version__
+    assert config.shapes == (presets.PRESETS["cpu-tiny"],) and config.tokens == (0, 1, 8)
+    assert eval(record["config"], {"BenchConfig": type(config), "BenchShape": BenchShape}) == config
+    measured = [r for r in rows if r.status == "ok"]
+    impls = {(r.impl, r.scheme) for r in measured}
+    assert {("torch", "bf16"), ("torch", "fp32"), ("torch", "fp8_block"),
+            ("baseline:eager", "bf16"), ("baseline:grouped_mm", "fp32")} <= impls
+    for r in measured:
+        if r.tokens:
+            assert r.time_us > 0 and r.pct_roofline > 0 and r.checked_tokens > 0
+            assert r.max_rel_err < 5e-2
+            if not r.impl.startswith("baseline:"):
+                assert set(r.speedup) == {"eager", "grouped_mm"}
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    assert "cpu-tiny" in (tmp_path / "r.md").read_text()
+
+
+def test_cli_rejects_bad_input(capsys):
+    assert cli_bench.main(["--preset", "nope", "--device", "cpu", "--quiet"]) == 2
+    assert "accepted" in capsys.readouterr().err
+    assert cli_bench.main(["--ep-size", "2", "--quiet"]) == 2
+    assert "expert parallel dispatch not available" in capsys.readouterr().err
