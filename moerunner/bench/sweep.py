@@ -253,10 +253,12 @@ class Sweep:
         per = sum(n_impl * len(c.schemes_for(s)) + len(c.baselines) for s in c.shapes)
         return len(c.routings) * len(c.tokens) * per
 
-    def run(self) -> list[Row]:
-        """Measure every row."""
+    def run(self, after_shape: Callable[[list[Row]], None] | None = None) -> list[Row]:
+        """Measure every row; ``after_shape(rows so far)`` runs after each shape (checkpoints)."""
         for shape in self.config.shapes:
             self._run_shape(shape)
+            if after_shape is not None:
+                after_shape(self.rows)
         return self.rows
 
     # -- per shape ------------------------------------------------------------------------

@@ -240,11 +240,19 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(1)
 
     sweep.progress = progress
-    rows = sweep.run()
+    env = report.environment(device)
+
+    def checkpoint(rows_so_far) -> None:  # a partial record survives an interrupted run
+        if args.json is not None:
+            fill_speedups(rows_so_far)
+            report.to_json(
+                args.json, argv, config, ceilings, env, rows_so_far, sweep.skipped_backends
+            )
+
+    rows = sweep.run(after_shape=checkpoint)
     if bar is not None:
         bar.close()
     fill_speedups(rows)
-    env = report.environment(device)
     print(
         f"{env['device']}: copy {ceilings.copy_gbps:.0f} GB/s, peaks "
         + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in ceilings.peak_tflops.items())
