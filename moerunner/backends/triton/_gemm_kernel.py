@@ -51,6 +51,94 @@ def _decode_e2m1(q):
 
 
 @triton.jit
+def _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """Raw [BLOCK_K, BLOCK_N] tile of one byte-or-wider element per weight."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = w_base + offs_k[:, None] * stride_wk + rows[None, :] * stride_wn
+    if EVEN_K:
+        raw = tl.load(ptrs)
+    else:
+        raw = tl.load(ptrs, mask=offs_k[:, None] < K, other=0)
+    return raw
+
+
+@triton.jit
+def _e2m1_bf16_bits(q):
+    """e2m1 nibble -> bf16 bit pattern (uint16): sign | exponent | one mantissa bit."""
+    q = q.to(tl.uint16)
+    em = q & 7
+    # Normal codes (em >= 2): exponent field (em >> 1) + 126, mantissa bit em & 1 at bit 6,
+    # which is exactly (em << 6) + (126 << 7). Code 1 is the subnormal 0.5 = 2^-1.
+    mag = tl.where(em >= 2, (em << 6) + (126 << 7), tl.where(em == 1, 126 << 7, 0))
+    return mag | ((q & 8) << 12)
+
+
+@triton.jit
+def _packed_halves(
+    w_base, s_base, z_base, rows, k0, K,
+    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALE_GATHER: tl.constexpr, BF16_FP4: tl.constexpr,
+):
+    """Dequantized even-k and odd-k halves ([BLOCK_K/2, BLOCK_N] each) of a packed 4-bit tile.
+
+    Byte j of a row holds k = 2j (low nibble) and 2j + 1 (high nibble); the caller multiplies
+    them with A's even and odd columns, so no nibble interleave is needed in registers.
+    """
+    HALF: tl.constexpr = BLOCK_K // 2
+    offs_j = k0 // 2 + tl.arange(0, HALF)
+    ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
+    if EVEN_K:
+        packed = tl.load(ptrs)
+    else:
+        packed = tl.load(ptrs, mask=offs_j[:, None] < (K + 1) // 2, other=0)
+    lo = packed & 0xF
+    hi = (packed >> 4) & 0xF
+    # One scale per GROUP_K along k, i.e. per GROUP_K / 2 bytes.
+    if SCALE_GATHER or GROUP_K >= BLOCK_K:
+        g_idx = (2 * offs_j) // GROUP_K
+        s = tl.load(s_base + g_idx[:, None] * stride_sk + rows[None, :] * stride_sn,
+                    mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
+        if HAS_ZP:
+            z = tl.load(z_base + g_idx[:, None] * stride_zk + rows[None, :] * stride_zn,
+                        mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
+    else:
+        SPT: tl.constexpr = BLOCK_K // GROUP_K
+        g_idx = k0 // GROUP_K + tl.arange(0, SPT)
+        s = tl.load(s_base + g_idx[:, None] * stride_sk + rows[None, :] * stride_sn,
+                    mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
+        s = tl.reshape(tl.broadcast_to(s[:, None, :], (SPT, GROUP_K // 2, rows.shape[0])),
+                       (HALF, rows.shape[0]))
+        if HAS_ZP:
+            z = tl.load(z_base + g_idx[:, None] * stride_zk + rows[None, :] * stride_zn,
+                        mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
+            z = tl.reshape(tl.broadcast_to(z[:, None, :], (SPT, GROUP_K // 2, rows.shape[0])),
+                           (HALF, rows.shape[0]))
+    if BF16_FP4:
+        # mxfp4 into bf16 by bit construction: e2m1 * 2^(e - 127) is exact in bf16.
+        e = s.to(tl.uint16)
+        s_bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7)).to(tl.uint16)
+        s_b = s_bits.to(tl.bfloat16, bitcast=True)
+        lo_t = _e2m1_bf16_bits(lo).to(tl.bfloat16, bitcast=True) * s_b
+        hi_t = _e2m1_bf16_bits(hi).to(tl.bfloat16, bitcast=True) * s_b
+    else:
+        s = _decode_scale(s, SCALE_FMT)
+        if W_FORMAT == 3:
+            if HAS_ZP:
+                zf = z.to(tl.float32)
+            else:
+                zf = 8.0
+            lo_t = ((lo.to(tl.float32) - zf) * s).to(COMPUTE)
+            hi_t = ((hi.to(tl.float32) - zf) * s).to(COMPUTE)
+        else:
+            lo_t = (_decode_e2m1(lo) * s).to(COMPUTE)
+            hi_t = (_decode_e2m1(hi) * s).to(COMPUTE)
+    return lo_t, hi_t
+
+
+@triton.jit
 def _weight_tile(
     w_base, s_base, z_base, rows, k0, K,
     stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
@@ -67,46 +155,11 @@ def _weight_tile(
     # K groups per tile and the K span each group scale covers inside the tile.
     SPT: tl.constexpr = BLOCK_K // GROUP_K if GROUP_K > 0 and GROUP_K < BLOCK_K else 1
     SPAN: tl.constexpr = BLOCK_K // SPT
-    if W_FORMAT == 3 or W_FORMAT == 4:
-        # Packed: byte j holds k = 2j (low nibble) and 2j + 1 (high nibble).
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        ptrs = w_base + rows[:, None] * stride_wn + offs_b[None, :] * stride_wk
-        if EVEN_K:
-            packed = tl.load(ptrs)
-        else:
-            packed = tl.load(ptrs, mask=offs_b[None, :] < (K + 1) // 2, other=0)
-        lo = packed & 0xF
-        hi = (packed >> 4) & 0xF
-        q = tl.reshape(tl.join(lo, hi), (rows.shape[0], BLOCK_K))  # [BN, BK]
-        offs_s = (k0 + tl.arange(0, SPT) * SPAN) // GROUP_K
-        s_mask = offs_s[None, :] < (K + GROUP_K - 1) // GROUP_K
-        s = tl.load(s_base + rows[:, None] * stride_sn + offs_s[None, :] * stride_sk,
-                    mask=s_mask, other=0)
-        s = _decode_scale(s, SCALE_FMT)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (rows.shape[0], SPT, SPAN)),
-                       (rows.shape[0], BLOCK_K))
-        if W_FORMAT == 3:
-            if HAS_ZP:
-                z = tl.load(z_base + rows[:, None] * stride_zn + offs_s[None, :] * stride_zk,
-                            mask=s_mask, other=0).to(tl.float32)
-                z = tl.reshape(tl.broadcast_to(z[:, :, None], (rows.shape[0], SPT, SPAN)),
-                               (rows.shape[0], BLOCK_K))
-            else:
-                z = 8.0
-            v = (q.to(tl.float32) - z) * s
-        else:
-            v = _decode_e2m1(q) * s
-        tile = tl.trans(v.to(COMPUTE))
+    if W_FORMAT == 0:
+        tile = _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
     else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        ptrs = w_base + offs_k[:, None] * stride_wk + rows[None, :] * stride_wn
-        if EVEN_K:
-            raw = tl.load(ptrs)
-        else:
-            raw = tl.load(ptrs, mask=offs_k[:, None] < K, other=0)
-        if W_FORMAT == 0:
-            tile = raw
-        elif QDOT:
+        raw = _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
+        if QDOT:
             if W_FORMAT == 1:
                 tile = raw.to(tl.float8e4nv, bitcast=True)
             else:
@@ -186,7 +239,7 @@ def moe_gemm_kernel(
     W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
     A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SCALE_GATHER: tl.constexpr, BF16_FP4: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]).
 
@@ -247,37 +300,63 @@ def moe_gemm_kernel(
         sg_base = s_base
         sg_stride_n = 0
     a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
+    PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
-        else:
-            a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak,
-                        mask=offs_k[None, :] < K, other=0)
-        if A_FP8:
-            a = a.to(tl.float8e4nv, bitcast=True)
-        b_g = _weight_tile(w_base, sg_base, z_base, rows_g, k0, K,
-                           stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn, stride_zk,
-                           COMPUTE, W_FORMAT, QDOT, GROUP_K if DEQ_GROUP else 0, SCALE_FMT,
-                           HAS_ZP, BLOCK_K, EVEN_K)
-        if IN_LOOP_QSCALE:
-            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
-            w_s_g = tl.load(s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn
-                            + (k0 // GROUP_K) * stride_sk)
-            acc_g += tl.dot(a, b_g) * (a_s[:, None] * w_s_g[None, :])
-        else:
-            acc_g = _mma(a, b_g, acc_g, IS_INT, IEEE)
-        if GATED:
-            b_u = _weight_tile(w_base, sg_base, z_base, rows_u, k0, K,
-                               stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn,
-                               stride_zk, COMPUTE, W_FORMAT, QDOT,
-                               GROUP_K if DEQ_GROUP else 0, SCALE_FMT, HAS_ZP, BLOCK_K, EVEN_K)
-            if IN_LOOP_QSCALE:
-                w_s_u = tl.load(s_base + (rows_u // SCALE_ROW_BLOCK) * stride_sn
-                                + (k0 // GROUP_K) * stride_sk)
-                acc_u += tl.dot(a, b_u) * (a_s[:, None] * w_s_u[None, :])
+        if PACKED:
+            # A's even and odd columns meet the low and high nibbles of each weight byte.
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            if EVEN_K:
+                a_ev = tl.load(a_row_ptrs + (2 * offs_j)[None, :] * stride_ak)
+                a_od = tl.load(a_row_ptrs + (2 * offs_j + 1)[None, :] * stride_ak)
             else:
-                acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
+                a_ev = tl.load(a_row_ptrs + (2 * offs_j)[None, :] * stride_ak,
+                               mask=(2 * offs_j)[None, :] < K, other=0)
+                a_od = tl.load(a_row_ptrs + (2 * offs_j + 1)[None, :] * stride_ak,
+                               mask=(2 * offs_j + 1)[None, :] < K, other=0)
+            lo_g, hi_g = _packed_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
+                                        stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+                                        COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP, BLOCK_K,
+                                        EVEN_K, SCALE_GATHER, BF16_FP4)
+            acc_g = _mma(a_ev, lo_g, acc_g, False, IEEE)
+            acc_g = _mma(a_od, hi_g, acc_g, False, IEEE)
+            if GATED:
+                lo_u, hi_u = _packed_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
+                                            stride_wk, stride_sn, stride_sk, stride_zn,
+                                            stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
+                                            HAS_ZP, BLOCK_K, EVEN_K, SCALE_GATHER, BF16_FP4)
+                acc_u = _mma(a_ev, lo_u, acc_u, False, IEEE)
+                acc_u = _mma(a_od, hi_u, acc_u, False, IEEE)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
+            else:
+                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak,
+                            mask=offs_k[None, :] < K, other=0)
+            if A_FP8:
+                a = a.to(tl.float8e4nv, bitcast=True)
+            b_g = _weight_tile(w_base, sg_base, z_base, rows_g, k0, K,
+                               stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn, stride_zk,
+                               COMPUTE, W_FORMAT, QDOT, GROUP_K if DEQ_GROUP else 0, SCALE_FMT,
+                               HAS_ZP, BLOCK_K, EVEN_K)
+            if IN_LOOP_QSCALE:
+                a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
+                w_s_g = tl.load(s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn
+                                + (k0 // GROUP_K) * stride_sk)
+                acc_g += tl.dot(a, b_g) * (a_s[:, None] * w_s_g[None, :])
+            else:
+                acc_g = _mma(a, b_g, acc_g, IS_INT, IEEE)
+            if GATED:
+                b_u = _weight_tile(w_base, sg_base, z_base, rows_u, k0, K,
+                                   stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn,
+                                   stride_zk, COMPUTE, W_FORMAT, QDOT,
+                                   GROUP_K if DEQ_GROUP else 0, SCALE_FMT, HAS_ZP, BLOCK_K, EVEN_K)
+                if IN_LOOP_QSCALE:
+                    w_s_u = tl.load(s_base + (rows_u // SCALE_ROW_BLOCK) * stride_sn
+                                    + (k0 // GROUP_K) * stride_sk)
+                    acc_u += tl.dot(a, b_u) * (a_s[:, None] * w_s_u[None, :])
+                else:
+                    acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
 
     g = acc_g.to(tl.float32)
     if GATED:

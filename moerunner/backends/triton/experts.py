@@ -22,6 +22,7 @@ from ...errors import MoeInputError
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
 from ._align import align_rows, max_padded_rows, topk_sum
+from ._quant_kernel import quantize_rows
 from .tile_config import MoeTiles, lookup_tiles
 
 _ACT_IDS = {"silu": K.ACT_SILU, "gelu": K.ACT_GELU, "gelu_tanh": K.ACT_GELU_TANH,
@@ -32,6 +33,9 @@ _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
 _QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
 _EMULATED_ACT = ("mxfp8", "nvfp4")
+# Packed 4-bit group scales: gather one per element (True) or load one per group and
+# broadcast in registers (False).
+PACKED_SCALE_GATHER = False
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset({
@@ -153,6 +157,16 @@ def _quantize_input(x: torch.Tensor, w: KernelWeight) -> tuple[torch.Tensor, tor
 
     if fmt in _EMULATED_ACT:
         return fake_quantize_activation(x, w.scheme).to(x.dtype), None
+    if x.is_cuda:  # one launch; the interpreter rounds fp8 unlike torch, so not off the GPU
+        rows, k = x.shape
+        ngroups = triton.cdiv(k, 128)
+        qdtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
+        bufs = WORKSPACES.get((x.device, "act_quant", fmt, rows, k), lambda: {
+            "q": torch.empty(rows, k, dtype=qdtype, device=x.device),
+            "s": torch.empty((rows, ngroups) if fmt == "fp8_group128" else (rows,),
+                             dtype=torch.float32, device=x.device)})
+        quantize_rows(x, fmt, bufs["q"], bufs["s"])
+        return _as_bytes(bufs["q"]), bufs["s"]
     qx = quantize_activation(x, w.scheme)
     return _as_bytes(qx.data), qx.scale.float().contiguous()
 
@@ -203,7 +217,9 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
         GATED=gated, INTERLEAVED=spec is not None and spec.gate_up_interleaved,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
         HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
-        IEEE=a.dtype == torch.float32,
+        IEEE=a.dtype == torch.float32, SCALE_GATHER=PACKED_SCALE_GATHER,
+        BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and consts["SCALE_FMT"] == K.SF_E8M0
+                  and a.dtype == torch.bfloat16),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
     )
 

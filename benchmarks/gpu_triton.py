@@ -1,0 +1,380 @@
+# Kernel-level proof for the triton backend on one GPU: correctness, then speed.
+#
+#   python benchmarks/gpu_triton.py [--parts check perf tune] [--out DIR]
+#
+# check: every claimed scheme x activation (plus edge cases: T = 0 and 1, one expert for all,
+#        top_k = E, -1 ids, I = 961, the grouped core, CUDA-graph replay) against the torch
+#        backend and the float64 reference, with fresh random inputs.
+# perf:  measures the device's copy bandwidth and bf16/fp8 matmul peaks, then times the fused
+#        op on the model presets (decode through CUDA-graph replay over 8 rotated routings,
+#        prefill with triton.testing.do_bench) and reports % of roofline / peak.
+# tune:  searches tiles for the presets and writes them (tar of configs/ under --out).
+# A compact table is printed last; full results go to DIR/results.json.
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import io
+import json
+import math
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing as tt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moerunner.backends.base import MoeProblem  # noqa: E402
+from moerunner.backends.triton import (  # noqa: E402
+    TritonBackend,  # noqa: E402
+    tile_config,
+    tune,
+)
+from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.config import Activation  # noqa: E402
+from moerunner.dispatch.formats import StandardDispatchOutput  # noqa: E402
+from moerunner.quant import quantize  # noqa: E402
+from moerunner.reference import reference_moe  # noqa: E402
+from moerunner.routing import TopK  # noqa: E402
+from moerunner.runner import MoeRunner  # noqa: E402
+from moerunner.weights import ExpertWeights  # noqa: E402
+
+DEV = torch.device("cuda")
+PERF_PLAN = [  # (preset, scheme, token counts)
+    ("qwen3-30b-a3b", "bf16", tune.DEFAULT_TOKENS),
+    ("mixtral-8x7b", "bf16", tune.DEFAULT_TOKENS),
+    ("gpt-oss-120b", "bf16", tune.DEFAULT_TOKENS),
+    ("deepseek-v3", "bf16", tune.DEFAULT_TOKENS),
+    ("deepseek-v3", "fp8_block", tune.DEFAULT_TOKENS),
+    ("gpt-oss-120b", "mxfp4", tune.DEFAULT_TOKENS),
+    ("gpt-oss-120b", "mxfp4:gather", (1, 16, 64, 4096)),
+]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (inf on NaN)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    if torch.isnan(a).any():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_backend(backend: str, x, weights: ExpertWeights, act: Activation, wts, ids,
+                force_permute: bool = False):
+    runner = MoeRunner(backend, force_permute=force_permute)
+    spec = weights.spec(act)
+    prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
+    return runner.run(StandardDispatchOutput(x, TopK(wts, ids)), prepared)
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, device=None):
+    device = DEV if device is None else device
+    ids = torch.rand(num_tokens, num_experts, device=device).topk(top_k, dim=1).indices
+    wts = torch.softmax(torch.randn(num_tokens, top_k, device=device), dim=1)
+    return wts.float(), ids.to(torch.int32)
+
+
+# ------------------------------------------------------------------------------- check
+def check_case(name, scheme, act_name, T=37, H=256, I=256, E=8, k=2, dtype=torch.bfloat16,
+               bias=None, edit_ids=None, force_permute=False):
+    act = Activation(act_name)
+    interleaved = act_name == "swiglu_oai"
+    bias = interleaved if bias is None else bias
+    n13 = 2 * I if act.gated else I
+    w13 = torch.randn(E, n13, H, device=DEV) / H ** 0.5
+    w2 = torch.randn(E, H, I, device=DEV) / I ** 0.5
+    if scheme in ("bf16", "fp16", "fp32"):
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    else:
+        w13, w2 = quantize(w13, scheme), quantize(w2, scheme)
+    b13 = torch.randn(E, n13, device=DEV) * 0.1 if bias else None
+    b2 = torch.randn(E, H, device=DEV) * 0.1 if bias else None
+    weights = ExpertWeights(w13, w2, b13, b2, interleaved)
+    x = torch.randn(T, H, device=DEV).to(dtype)
+    wts, ids = routing(T, E, k)
+    if edit_ids is not None:
+        ids = edit_ids(ids)
+    out = run_backend("triton", x, weights, act, wts, ids, force_permute)
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    ref_t = run_backend("torch", x, weights, act, wts, ids)
+    ref = reference_moe(x, weights, wts, ids, act) if T else torch.zeros(0, H)
+    e_t, e_r = (rel(out, ref_t), rel(out, ref)) if T else (0.0, 0.0)
+    e_tr = rel(ref_t, ref) if T else 0.0
+    quant_act = scheme in ("fp8_tensor", "fp8_channel", "fp8_block", "int8", "mxfp8",
+                           "mxfp4_mxfp8")
+    tol = 3e-2 if quant_act else (2e-2 if dtype == torch.bfloat16 else 5e-3)
+    ok = (out.shape == x.shape and e_r <= max(tol, 1.5 * e_tr) and e_t <= tol)
+    return dict(case=name, scheme=scheme, act=act_name, T=T, I=I, err_vs_torch=e_t,
+                err_vs_ref=e_r, torch_vs_ref=e_tr, tol=tol, ok=bool(ok))
+
+
+def graph_case():
+    """Capture a decode call in a CUDA graph, replay with new inputs, compare with eager."""
+    E, H, I, k, T = 16, 512, 256, 4, 8
+    act = Activation("silu")
+    weights = ExpertWeights(torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.05,
+                            torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.05)
+    spec = weights.spec(act)
+    prepared = TritonBackend().prepare_weights(weights, spec)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    wts, ids = routing(T, E, k)
+    X.fused_standard(x, wts, ids, prepared)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = X.fused_standard(x, wts, ids, prepared)
+    errs = []
+    for _ in range(3):
+        w_new, i_new = routing(T, E, k)
+        x.copy_(torch.randn_like(x))
+        wts.copy_(w_new)
+        ids.copy_(i_new)
+        g.replay()
+        eager = X.fused_standard(x.clone(), wts.clone(), ids.clone(), prepared)
+        errs.append(rel(out, eager))
+    return dict(case="cuda_graph_replay", scheme="bf16", act="silu", T=T, I=I,
+                err_vs_torch=max(errs), err_vs_ref=float("nan"), torch_vs_ref=float("nan"),
+                tol=0.0, ok=max(errs) == 0.0)
+
+
+def part_check():
+    rows = []
+    quant = ["fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16", "int4",
+             "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
+    plan = [("matrix", s, a, {}) for s in ("bf16", "fp16")
+            for a in ("silu", "gelu", "gelu_tanh", "swiglu_oai", "relu2")]
+    plan += [("matrix", s, a, {}) for s in quant for a in ("silu", "swiglu_oai", "relu2")]
+    plan += [
+        ("T=0", "bf16", "silu", dict(T=0)),
+        ("T=1", "bf16", "silu", dict(T=1)),
+        ("T=1 fp8_block", "fp8_block", "silu", dict(T=1)),
+        ("I=961 relu2", "bf16", "relu2", dict(I=961, H=320)),
+        ("I=961 silu fp16", "fp16", "silu", dict(I=961, H=320, dtype=torch.float16)),
+        ("one expert for all", "bf16", "silu",
+         dict(T=64, edit_ids=lambda i: torch.stack([torch.full_like(i[:, 0], 3),
+                                                    torch.full_like(i[:, 0], 5)], 1))),
+        ("top_k=E", "bf16", "silu", dict(E=4, k=4)),
+        ("-1 ids", "bf16", "swiglu_oai",
+         dict(edit_ids=lambda i: torch.where(torch.rand(i.shape, device=DEV) < 0.3, -1, i))),
+        ("grouped core", "bf16", "swiglu_oai", dict(force_permute=True)),
+        ("grouped core fp8_block", "fp8_block", "silu", dict(force_permute=True)),
+        ("T=300 large-T align", "bf16", "silu", dict(T=1200, E=8, k=2)),
+        ("E=256 k=8", "fp8_block", "silu", dict(T=20, E=256, k=8, H=256, I=128)),
+    ]
+    for name, scheme, act, kw in plan:
+        dtype = kw.pop("dtype", torch.float16 if scheme == "fp16" else torch.bfloat16)
+        try:
+            rows.append(check_case(name, scheme, act, dtype=dtype, **kw))
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(dict(case=name, scheme=scheme, act=act, ok=False, error=repr(exc)))
+        r = rows[-1]
+        print(f"check {name:24s} {scheme:12s} {act:10s} ok={r['ok']} "
+              f"torch={r.get('err_vs_torch', -1):.2e} ref={r.get('err_vs_ref', -1):.2e}",
+              flush=True)
+    try:
+        rows.append(graph_case())
+    except Exception as exc:
+        traceback.print_exc()
+        rows.append(dict(case="cuda_graph_replay", ok=False, error=repr(exc)))
+    print(f"check cuda_graph_replay ok={rows[-1]['ok']}", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------- perf
+def measure_peaks():
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = tt.do_bench(functools.partial(dst.copy_, src), warmup=25, rep=200,
+                     return_mode="median")
+    copy_bw = 2 * n / (ms * 1e-3)
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = tt.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    bf16 = 2 * 8192 ** 3 / (ms * 1e-3)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+    one = torch.ones((), device=DEV)
+    ms = tt.do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                     warmup=25, rep=200, return_mode="median")
+    fp8 = 2 * 8192 ** 3 / (ms * 1e-3)
+    return dict(copy_bytes_per_s=copy_bw, bf16_flops=bf16, fp8_flops=fp8)
+
+
+def expert_bytes(prepared) -> float:
+    total = 0
+    for key in ("w13", "w2"):
+        w = prepared.tensors[key]
+        for t in (w.data, w.scale, w.zero_point, w.global_scale):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    for key in ("w13_bias", "w2_bias"):
+        if prepared.tensors[key] is not None:
+            total += prepared.tensors[key].numel() * 4
+    return total / prepared.spec.num_experts
+
+
+def time_fused(prepared, T, k, rotations):
+    H = prepared.spec.hidden_size
+    E = prepared.spec.num_experts
+    xs = [torch.randn(T, H, device=DEV, dtype=torch.bfloat16) for _ in range(rotations)]
+    rs = [routing(T, E, k) for _ in range(rotations)]
+    uniq = sum(torch.unique(r[1][r[1] >= 0]).numel() for r in rs) / rotations
+    if T <= 256:
+        for x, (w, i) in zip(xs, rs, strict=True):
+            X.fused_standard(x, w, i, prepared)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for x, (w, i) in zip(xs, rs, strict=True):
+                X.fused_standard(x, w, i, prepared)
+        ms = tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / rotations
+    else:
+        state = {"n": 0}
+
+        def step():
+            j = state["n"] % rotations
+            state["n"] += 1
+            X.fused_standard(xs[j], rs[j][0], rs[j][1], prepared)
+
+        ms = tt.do_bench(step, warmup=10, rep=200, return_mode="median")
+    return ms, uniq
+
+
+def time_torch(weights, act, T, k):
+    E = weights.num_experts
+    x = torch.randn(T, weights.hidden_size, device=DEV, dtype=torch.bfloat16)
+    wts, ids = routing(T, E, k)
+    runner = MoeRunner("torch")
+    spec = weights.spec(act)
+    prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
+    d = StandardDispatchOutput(x, TopK(wts, ids))
+    return tt.do_bench(lambda: runner.run(d, prepared), warmup=5, rep=100,
+                       return_mode="median")
+
+
+def part_perf(peaks, plan, with_torch=True):
+    rows = []
+    for preset, scheme, tokens in plan:
+        scheme, _, variant = scheme.partition(":")
+        X.PACKED_SCALE_GATHER = variant == "gather"
+        H, I, E, k, act_name = tune.PRESETS[preset]
+        act = Activation(act_name)
+        weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
+        prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
+        per_expert = expert_bytes(prepared)
+        for T in tokens:
+            try:
+                ms, uniq = time_fused(prepared, T, k, 8 if T <= 64 else 2)
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append(dict(preset=preset, scheme=scheme, T=T, error=repr(exc)))
+                continue
+            nbytes = uniq * per_expert + 2 * T * H * 2
+            flops = 2 * T * k * H * ((2 if act.gated else 1) * I + I)
+            roof = nbytes / peaks["copy_bytes_per_s"]
+            peak = peaks["fp8_flops"] if scheme == "fp8_block" else peaks["bf16_flops"]
+            label = scheme + (":" + variant if variant else "")
+            row = dict(preset=preset, scheme=label, T=T, us=ms * 1e3, experts_hit=uniq,
+                       bytes=nbytes, pct_roofline=100 * roof / (ms * 1e-3),
+                       tflops=flops / (ms * 1e-3) / 1e12,
+                       pct_peak=100 * flops / (ms * 1e-3) / peak,
+                       tiles=str(X.lookup_tiles(T, k, E, I, H, scheme,
+                                                torch.cuda.get_device_name(),
+                                                dtype_bytes=prepared.tensors["w13"].data
+                                                .element_size())))
+            if with_torch and scheme == "bf16" and T in (64, 4096):
+                try:
+                    row["torch_us"] = time_torch(weights, act, T, k) * 1e3
+                except Exception as exc:
+                    row["torch_error"] = repr(exc)
+            rows.append(row)
+            print(f"perf {preset:14s} {scheme:9s} T={T:6d} {row['us']:9.1f} us "
+                  f"roof {row['pct_roofline']:5.1f}% peak {row['pct_peak']:5.1f}% "
+                  f"torch {row.get('torch_us', float('nan')):9.1f} us", flush=True)
+        del weights, prepared
+        torch.cuda.empty_cache()
+    return rows
+
+
+def part_tune(plan, out_dir: Path):
+    cfg_dir = tile_config.CONFIG_DIR
+    written = []
+    for preset, scheme, tokens in plan:
+        H, I, E, k, act = tune.PRESETS[preset]
+        path, _ = tune.tune_preset(H, I, E, k, act, scheme, tokens, cfg_dir,
+                                   progress=lambda s: print(s, flush=True))
+        written.append(path)
+        torch.cuda.empty_cache()
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for p in written:
+                tar.add(p, arcname=p.name)
+        (out_dir / "configs.tar.gz").write_bytes(buf.getvalue())
+    tile_config.load_config_file.cache_clear()
+    return [p.name for p in written]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", nargs="+", default=["check", "perf"])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--presets", nargs="*", default=None)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = [p for p in PERF_PLAN if args.presets is None or f"{p[0]}:{p[1]}" in args.presets]
+    result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                  torch=torch.__version__, triton=triton.__version__)
+    t0 = time.time()
+    def save():
+        result["seconds"] = time.time() - t0
+        (args.out / "results.json").write_text(json.dumps(result, indent=1))
+
+    if "check" in args.parts:
+        result["check"] = part_check()
+        save()
+    if "tune" in args.parts:
+        tune_plan = [p for p in plan if ":" not in p[1]]
+        result["tuned_files"] = part_tune(tune_plan, args.out)
+        save()
+    if "perf" in args.parts:
+        result["peaks"] = measure_peaks()
+        result["perf"] = part_perf(result["peaks"], plan)
+    save()
+    print("\n== summary ==", result["device"], result["date"])
+    if "check" in result:
+        bad = [r for r in result["check"] if not r["ok"]]
+        print(f"check: {len(result['check']) - len(bad)}/{len(result['check'])} passed")
+        for r in bad:
+            print("  FAIL", {k: v for k, v in r.items() if k in
+                             ("case", "scheme", "act", "err_vs_torch", "err_vs_ref", "error")})
+    if "peaks" in result:
+        p = result["peaks"]
+        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
+              f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s")
+        print(f"{'preset':14s} {'scheme':9s} " + " ".join(f"{t:>13d}" for t in tune.DEFAULT_TOKENS))
+        groups = {}
+        for r in result["perf"]:
+            groups.setdefault((r["preset"], r["scheme"]), {})[r["T"]] = r
+        for (preset, scheme), by_t in groups.items():
+            cells = []
+            for t in tune.DEFAULT_TOKENS:
+                r = by_t.get(t)
+                if r is None or "us" not in r:
+                    cells.append(f"{'-':>13s}")
+                elif t <= 64:
+                    cells.append(f"{r['us']:7.0f}u{r['pct_roofline']:4.0f}%R")
+                else:
+                    cells.append(f"{r['us']:7.0f}u{r['pct_peak']:4.0f}%P")
+            print(f"{preset:14s} {scheme:9s} " + " ".join(cells))
+    print(f"total {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+# GEMM-input quantization of the triton backend on the GPU (private).
+#
+# One launch quantizes an activation [M, K] to e4m3 or int8 with fp32 scales per row
+# (fp8_token, int8_token) or per row and 128 along K (fp8_group128), by the same rule as
+# moerunner.quant.quantize_activation: scale = amax / qmax (1.0 where that is 0), q = x / scale
+# rounded to nearest even (saturating at +-448 for e4m3, clamped to [-128, 127] for int8).
+# The launcher uses the quant package's PyTorch implementation off the GPU, where the Triton
+# interpreter rounds fp8 differently.
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest
+# integer, ties to even (the hardware's rounding of the add).
+_ROUND_MAGIC = 12582912.0
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+    GROUP: tl.constexpr, NUM_CHUNKS: tl.constexpr, QMAX: tl.constexpr, TO_FP8: tl.constexpr,
+):
+    """Program (row, group): amax over the group, scale, quantize. Per-row scales use one
+    group spanning the row in NUM_CHUNKS chunks of GROUP."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    base = grp * GROUP * NUM_CHUNKS
+    amax = 0.0
+    for c in tl.static_range(NUM_CHUNKS):
+        offs = base + c * GROUP + tl.arange(0, GROUP)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    scale = amax / QMAX
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    for c in tl.static_range(NUM_CHUNKS):
+        offs = base + c * GROUP + tl.arange(0, GROUP)
+        mask = offs < K
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(x, scale)
+        if TO_FP8:
+            y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+            tl.store(q_ptr + row * stride_qm + offs, y.to(tl.float8e4nv), mask=mask)
+        else:
+            y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
+            y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+            tl.store(q_ptr + row * stride_qm + offs, y.to(tl.int8), mask=mask)
+    tl.store(s_ptr + row * stride_sm + grp, scale)
+
+
+def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor,
+                  s_out: torch.Tensor) -> None:
+    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
+    rows, k = x.shape
+    if fmt == "fp8_group128":
+        group, chunks, ngroups = 128, 1, triton.cdiv(k, 128)
+    else:
+        group = min(1024, triton.next_power_of_2(k))
+        chunks, ngroups = triton.cdiv(k, group), 1
+    to_fp8 = fmt != "int8_token"
+    _quant_rows_kernel[(rows, ngroups)](
+        x, q_out, s_out, k, x.stride(0), q_out.stride(0), s_out.stride(0),
+        GROUP=group, NUM_CHUNKS=chunks, QMAX=448.0 if to_fp8 else 127.0, TO_FP8=to_fp8,
+        num_warps=4 if group >= 512 else 1,
+    )

@@ -1,0 +1,233 @@
+# ``moerunner tune`` for the triton backend: search GEMM tiles on the current GPU, write JSON.
+#
+# For each token count, the alignment runs once per candidate BLOCK_M, then GEMM1 and GEMM2
+# candidates with that BLOCK_M are timed separately (CUDA-graph replay, so launch overhead
+# does not hide the kernel time); the best pair over all BLOCK_M wins. Results go to one file
+# per (E, N, K, scheme, device) in the schema of ``tile_config.py``. Weights are random with
+# the requested scheme's layout: tile choice depends on shapes, not on values.
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from .tile_config import CONFIG_DIR, MoeTiles, TileConfig, config_file_name, write_config_file
+
+PRESETS = {  # name: (H, I, E, top_k, activation)
+    "mixtral-8x7b": (4096, 14336, 8, 2, "silu"),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, "silu"),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8, "silu"),
+    "deepseek-v3": (7168, 2048, 256, 8, "silu"),
+    "gpt-oss-20b": (2880, 2880, 32, 4, "swiglu_oai"),
+    "gpt-oss-120b": (2880, 2880, 128, 4, "swiglu_oai"),
+}
+DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
+                    scheme: str) -> list[TileConfig]:
+    """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these)."""
+    rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
+    bks = (128,) if scheme.startswith("fp8_block") else (64, 128)
+    out = []
+    if rows_per_expert <= 16:
+        dec_bks = (128,) if scheme.startswith("fp8_block") else (128, 256)
+        for bn in (32, 64, 128):
+            for bk in dec_bks:
+                for stages in (3, 4):
+                    out.append(TileConfig(16, bn, bk, 1, 4, stages))
+    elif rows_per_expert <= 128:
+        for bm in (16, 32, 64):
+            for bn in (64, 128):
+                for bk in bks:
+                    out.append(TileConfig(bm, bn, bk, 8, 4, 3))
+    else:
+        for bm in (64, 128):
+            for bn in (128, 256):
+                for bk in bks[:1] if not scheme.startswith("fp8") else (128,):
+                    for warps, stages in ((4, 3), (8, 3), (8, 4)):
+                        out.append(TileConfig(bm, bn, bk, 8, warps, stages))
+    return out
+
+
+def _bench(fn: Callable[[], None], graph: bool) -> float:
+    """Median milliseconds of ``fn`` (CUDA-graph replay when ``graph``)."""
+    import triton.testing as tt
+
+    if graph:
+        return tt.do_bench_cudagraph(fn, rep=30, return_mode="median")
+    return tt.do_bench(fn, warmup=5, rep=30, return_mode="median")
+
+
+def tune_tokens(prepared, num_tokens: int, top_k: int,
+                candidates: Iterable[TileConfig] | None = None,
+                progress: Callable[[str], None] = print) -> tuple[MoeTiles, float]:
+    """Best tiles for ``num_tokens`` tokens (random routing); returns (tiles, GEMM ms)."""
+    from . import experts as X
+    from ._align import align_rows, max_padded_rows
+
+    spec = prepared.spec
+    w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
+    dev = w13.data.device
+    num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
+    scheme = w13.scheme.name if w13.scheme is not None else "bf16"
+    dtype = torch.bfloat16
+    cands = list(candidates) if candidates is not None else candidate_tiles(
+        num_tokens, top_k, num_experts, scheme)
+    x = torch.randn(num_tokens, hidden, device=dev, dtype=dtype)
+    ids = torch.rand(num_tokens, num_experts, device=dev).topk(top_k, dim=1).indices
+    ids = ids.to(torch.int32).reshape(-1).contiguous()
+    route_w = torch.rand(num_tokens * top_k, device=dev)
+    rows = num_tokens * top_k
+    inter_buf = torch.empty(rows, inter, device=dev, dtype=dtype)
+    out_buf = torch.empty(rows, hidden, device=dev, dtype=dtype)
+    graph = num_tokens * top_k <= 4096
+    best: dict[int, dict[str, tuple[float, TileConfig]]] = {}
+    for i, tile in enumerate(cands):
+        bm = tile.block_m
+        mp = max_padded_rows(rows, num_experts, bm)
+        ws = {"sorted_rows": torch.empty(mp, dtype=torch.int32, device=dev),
+              "block_expert": torch.empty(mp // bm, dtype=torch.int32, device=dev),
+              "num_padded": torch.empty(1, dtype=torch.int32, device=dev)}
+        align_rows(ids, num_experts, bm, ws["sorted_rows"], ws["block_expert"], ws["num_padded"])
+        a1, s1 = X._quantize_input(x, w13)
+        a2, s2 = X._quantize_input(inter_buf.normal_(), w2)
+        for which, fn in (
+            ("gemm1", functools.partial(X._launch_gemm, a1, s1, w13,
+                                        prepared.tensors["w13_bias"], inter_buf, ws, rows,
+                                        top_k, None, tile, inter, spec)),
+            ("gemm2", functools.partial(X._launch_gemm, a2, s2, w2, prepared.tensors["w2_bias"],
+                                        out_buf, ws, rows, 1, route_w, tile, hidden, None)),
+        ):
+            try:
+                fn()
+                torch.cuda.synchronize()
+                ms = _bench(fn, graph)
+            except Exception as exc:  # out of shared memory, invalid combination...
+                progress(f"  [{i + 1}/{len(cands)}] {which} {tile}: skipped ({type(exc).__name__})")
+                torch.cuda.synchronize()
+                continue
+            cur = best.setdefault(bm, {}).get(which)
+            if cur is None or ms < cur[0]:
+                best[bm][which] = (ms, tile)
+        progress(f"  [{i + 1}/{len(cands)}] {tile} done")
+    pairs = [(v["gemm1"][0] + v["gemm2"][0], MoeTiles(v["gemm1"][1], v["gemm2"][1]))
+             for v in best.values() if "gemm1" in v and "gemm2" in v]
+    if not pairs:
+        raise RuntimeError(f"no candidate tile ran for T={num_tokens}")
+    ms, tiles = min(pairs, key=lambda p: p[0])
+    return tiles, ms
+
+
+def random_weights(hidden: int, inter: int, num_experts: int, activation: str, scheme: str,
+                   device: torch.device):
+    """Random ExpertWeights in ``scheme``'s stored layout, built directly (no fp32 copies)."""
+    from ...quant import QuantizedWeight, get_scheme
+    from ...weights import ExpertWeights
+
+    gated = activation != "relu2"
+    n13 = 2 * inter if gated else inter
+
+    def one(n: int, k: int):
+        if scheme in ("bf16", "fp16"):
+            dt = torch.bfloat16 if scheme == "bf16" else torch.float16
+            return (torch.randn(num_experts, n, k, device=device, dtype=dt) * 0.02)
+        s = get_scheme(scheme)
+        e = num_experts
+        if s.weight_format == "e4m3":
+            data = (torch.randn(e, n, k, device=device, dtype=torch.bfloat16)).to(
+                torch.float8_e4m3fn)
+        elif s.weight_format == "e2m1" or s.weight_format == "int4":
+            data = torch.randint(0, 256, (e, n, k // 2), device=device, dtype=torch.uint8)
+        else:
+            data = torch.randint(-127, 128, (e, n, k), device=device, dtype=torch.int8)
+        kw = {}
+        if s.granularity == "tensor":
+            scale = torch.rand(e, device=device) * 1e-3 + 1e-3
+        elif s.granularity == "channel":
+            scale = torch.rand(e, n, device=device) * 1e-3 + 1e-3
+        else:
+            br, bc = s.block_shape
+            shape = (e, -(-n // br), -(-k // bc))
+            if s.scale_format == "e8m0":
+                scale = torch.randint(118, 122, shape, device=device, dtype=torch.uint8)
+            elif s.scale_format == "e4m3":
+                scale = (torch.rand(shape, device=device) + 0.5).to(torch.float8_e4m3fn)
+                kw["global_scale"] = torch.full((e,), 1e-2, device=device)
+            else:
+                scale = torch.rand(shape, device=device) * 1e-3 + 1e-3
+        if s.zero_point:
+            kw["zero_point"] = torch.randint(6, 10, scale.shape, device=device,
+                                             dtype=torch.uint8)
+        return QuantizedWeight(scheme, (e, n, k), data, scale, **kw)
+
+    w13, w2 = one(n13, hidden), one(hidden, inter)
+    biases = {}
+    if activation == "swiglu_oai":
+        biases = {"w13_bias": torch.randn(num_experts, n13, device=device) * 0.1,
+                  "w2_bias": torch.randn(num_experts, hidden, device=device) * 0.1}
+    return ExpertWeights(w13, w2, gate_up_interleaved=activation == "swiglu_oai", **biases)
+
+
+def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activation: str,
+                scheme: str, tokens: Iterable[int], out_dir: Path,
+                progress: Callable[[str], None] = print) -> tuple[Path, dict]:
+    """Tune every token count of one shape and write its file; returns (path, ms by T)."""
+    from ...config import Activation
+    from . import TritonBackend
+
+    dev = torch.device("cuda")
+    act = Activation(activation)
+    weights = random_weights(hidden, inter, num_experts, activation, scheme, dev)
+    spec = weights.spec(act)
+    prepared = TritonBackend().prepare_weights(weights, spec)
+    found, timings = {}, {}
+    for t in tokens:
+        start = time.time()
+        progress(f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: searching")
+        tiles, ms = tune_tokens(prepared, t, top_k, progress=progress)
+        found[t], timings[t] = tiles, ms
+        progress(f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: {ms * 1e3:.1f} us "
+                 f"with {tiles} ({time.time() - start:.0f} s)")
+    name = torch.cuda.get_device_name(dev)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name)
+    write_config_file(path, num_experts, inter, hidden, scheme, name, found,
+                      {"gemm_ms": {str(k): v for k, v in timings.items()}})
+    return path, timings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``moerunner tune --preset deepseek-v3 --scheme fp8_block [--tokens 1 16 ...]``."""
+    p = argparse.ArgumentParser(prog="moerunner tune", description=__doc__)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset")
+    p.add_argument("--shape", nargs=4, type=int, metavar=("H", "I", "E", "TOPK"),
+                   help="explicit shape instead of a preset")
+    p.add_argument("--activation", default=None, help="activation (default: the preset's)")
+    p.add_argument("--scheme", default="bf16", help="weight scheme (bf16, fp8_block, mxfp4...)")
+    p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
+    p.add_argument("--out", type=Path, default=CONFIG_DIR, help="folder for the JSON files")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.preset is None and args.shape is None:
+        p.error("give --preset or --shape")
+    if args.preset is not None:
+        hidden, inter, experts, top_k, act = PRESETS[args.preset]
+    else:
+        (hidden, inter, experts, top_k), act = args.shape, "silu"
+    path, _ = tune_preset(hidden, inter, experts, top_k, args.activation or act, args.scheme,
+                          args.tokens, args.out, progress=lambda s: print(s, flush=True))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
