@@ -15,11 +15,15 @@ from .runner import DEFAULT_REGISTRY, MoeRunner, Registry, default_registry
 from .weights import ExpertWeights
 
 
-def quantize(weight, scheme):
-    """Quantize expert weights ``[E, N, K]`` into ``scheme`` (see ``moerunner.quant``)."""
+def quantize(weight, scheme, *, input_scale=None):
+    """Quantize expert weights ``[E, N, K]`` into ``scheme`` (a name or ``QuantScheme``).
+
+    ``input_scale`` (fp32 ``[E]``) is the calibrated activation scale that ``*_static``
+    schemes need. See ``moerunner.quant`` and docs/quantization.md for the formats.
+    """
     from .quant import quantize as _quantize
 
-    return _quantize(weight, scheme)
+    return _quantize(weight, scheme, input_scale=input_scale)
 
 
 def dequantize(qweight):

@@ -42,11 +42,13 @@ def _weight64(w) -> torch.Tensor:
     return (w.dequantize() if is_quantized(w) else w).to(torch.float64).cpu()
 
 
-def _input64(x: torch.Tensor, w) -> torch.Tensor:
+def _input64(x: torch.Tensor, w, expert: int) -> torch.Tensor:
+    """GEMM input of ``expert`` as its kernel sees it (quantized per the scheme, if any)."""
     if is_quantized(w):
         from .quant import fake_quantize_activation
 
-        x = fake_quantize_activation(x, w.scheme)
+        scale = None if w.input_scale is None else w.input_scale[expert]
+        x = fake_quantize_activation(x, w.scheme, input_scale=scale)
     return x.to(torch.float64).cpu()
 
 
@@ -59,23 +61,23 @@ def reference_moe(
 ) -> torch.Tensor:
     """float64 ``[T, H]`` on the CPU: sum_k weight[t,k] * expert_{ids[t,k]}(x[t]); -1 skipped."""
     act = Activation.of(activation)
-    x = _input64(hidden_states, weights.w13)
+    x = hidden_states.cpu()
     w13, w2 = _weight64(weights.w13), _weight64(weights.w2)
     b13 = None if weights.w13_bias is None else weights.w13_bias.to(torch.float64).cpu()
     b2 = None if weights.w2_bias is None else weights.w2_bias.to(torch.float64).cpu()
     ids = topk_ids.cpu().long()
     slot_weights = topk_weights.to(torch.float64).cpu()
-    out = torch.zeros(x.shape, dtype=torch.float64)
+    out = torch.zeros(x.shape, dtype=torch.float64)  # x: [T, H], on the CPU
     for e in range(w13.shape[0]):
         token, slot = torch.nonzero(ids == e, as_tuple=True)
         if token.numel() == 0:
             continue
-        h = x[token] @ w13[e].T
+        h = _input64(x[token], weights.w13, e) @ w13[e].T
         if b13 is not None:
             h = h + b13[e]
         a = _act64(h, act, weights.gate_up_interleaved)
         if is_quantized(weights.w2):
-            a = _input64(a.to(torch.float32), weights.w2)
+            a = _input64(a.to(torch.float32), weights.w2, e)
         y = a @ w2[e].T
         if b2 is not None:
             y = y + b2[e]

@@ -67,7 +67,7 @@ class ExpertWeights:
     @property
     def device(self) -> torch.device:
         """Device of the weights."""
-        return self.w13.device if isinstance(self.w13, torch.Tensor) else self.w13.data.device
+        return self.w13.device
 
     @property
     def scheme(self) -> str:

@@ -31,7 +31,9 @@ def run_path(backend: str, force_permute: bool, x, weights, topk_weights, topk_i
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-@pytest.mark.parametrize("path", PATHS, ids=[f"{b}-{'permute' if p else 'fused'}" for b, p in PATHS])
+@pytest.mark.parametrize(
+    "path", PATHS, ids=[f"{b}-{'permute' if p else 'fused'}" for b, p in PATHS]
+)
 def test_backend_matches_reference(path, case: Case, dtype):
     backend, force_permute = path
     x, weights, tw, ids = case.build(dtype)
@@ -66,8 +68,17 @@ def test_public_fused_moe_auto_matches_reference():
     case = Case("auto", tokens=9, bias=True, activation="swiglu_oai", interleaved=True)
     x, weights, tw, ids = case.build(torch.float32)
     out = moerunner.fused_moe(
-        x, weights.w13, weights.w2, tw, ids, activation="swiglu_oai", w13_bias=weights.w13_bias,
-        w2_bias=weights.w2_bias, gate_up_interleaved=True, swiglu_alpha=1.702, swiglu_limit=7.0,
+        x,
+        weights.w13,
+        weights.w2,
+        tw,
+        ids,
+        activation="swiglu_oai",
+        w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias,
+        gate_up_interleaved=True,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
     )
     ref = moerunner.reference_moe(x, weights, tw, ids, "swiglu_oai")
     assert_close(out, ref, TOLERANCE[torch.float32])
@@ -77,11 +88,80 @@ def test_swiglu_limit_changes_the_result():
     # Guards against the limit being ignored: a small limit must clamp and change the output.
     case = Case("limit", activation="swiglu_oai", bias=True, interleaved=True)
     x, weights, tw, ids = case.build(torch.float32)
-    kw = dict(activation="swiglu_oai", w13_bias=weights.w13_bias, w2_bias=weights.w2_bias,
-              gate_up_interleaved=True)
+    kw = dict(
+        activation="swiglu_oai",
+        w13_bias=weights.w13_bias,
+        w2_bias=weights.w2_bias,
+        gate_up_interleaved=True,
+    )
     loose = moerunner.fused_moe(x * 20, weights.w13, weights.w2, tw, ids, **kw)
     tight = moerunner.fused_moe(x * 20, weights.w13, weights.w2, tw, ids, swiglu_limit=0.5, **kw)
     assert not torch.allclose(loose, tight)
-    ref = moerunner.reference_moe(x * 20, weights, tw, ids, moerunner.Activation("swiglu_oai",
-                                                                                 limit=0.5))
+    ref = moerunner.reference_moe(
+        x * 20, weights, tw, ids, moerunner.Activation("swiglu_oai", limit=0.5)
+    )
     assert_close(tight, ref, TOLERANCE[torch.float32])
+
+
+# Quantized schemes. The reference quantizes GEMM inputs exactly as the scheme says, so the
+# only differences left are accumulation order and, for schemes that quantize activations, a
+# rare flip of one element's rounding between the backend's fp32 and the reference's float64
+# GEMM1 output (one quantum of one of K=128 summands: ~1e-3 of the output scale).
+def _quantized_schemes():
+    from moerunner.quant import SCHEME_NAMES, get_scheme
+
+    return [name for name in SCHEME_NAMES if get_scheme(name).is_quantized]
+
+
+SCHEMES = _quantized_schemes()
+SCHEME_CASES = [
+    Case("q_silu", tokens=6, hidden=128, inter=128, experts=3),
+    Case(
+        "q_swiglu_bias",
+        tokens=5,
+        hidden=128,
+        inter=128,
+        experts=3,
+        activation="swiglu_oai",
+        bias=True,
+        interleaved=True,
+    ),
+    Case("q_relu2", tokens=4, hidden=128, inter=128, experts=3, activation="relu2"),
+]
+
+
+def _scheme_tolerance(scheme_name: str) -> float:
+    from moerunner.quant import get_scheme
+
+    return 2e-5 if get_scheme(scheme_name).activation_format == "none" else 5e-3
+
+
+@pytest.mark.parametrize("case", SCHEME_CASES, ids=[c.name for c in SCHEME_CASES])
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize(
+    "path", PATHS, ids=[f"{b}-{'permute' if p else 'fused'}" for b, p in PATHS]
+)
+def test_quantized_scheme_matches_reference(path, scheme, case):
+    backend, force_permute = path
+    from moerunner.quant import get_scheme
+
+    x, plain, tw, ids = case.build(torch.float32)
+    static = get_scheme(scheme).activation_scales == "static"
+    # Static schemes carry a calibrated activation scale; any fixed value defines the function.
+    s13, s2 = (torch.full((case.experts,), v) if static else None for v in (0.02, 0.005))
+    weights = moerunner.ExpertWeights(
+        moerunner.quantize(plain.w13, scheme, input_scale=s13),
+        moerunner.quantize(plain.w2, scheme, input_scale=s2),
+        plain.w13_bias,
+        plain.w2_bias,
+        plain.gate_up_interleaved,
+    )
+    ok, reason = supports(backend, x, weights, case.activation)
+    if not ok:
+        pytest.skip(f"{backend} does not claim this: {reason}")
+    out = run_path(backend, force_permute, x, weights, tw, ids, case.activation)
+    ref = moerunner.reference_moe(x, weights, tw, ids, case.activation)
+    assert_close(out, ref, _scheme_tolerance(scheme), what=f"{backend} {scheme}")
+    # The quantization must matter: the unquantized reference differs for every real scheme.
+    plain_ref = moerunner.reference_moe(x, plain, tw, ids, case.activation)
+    assert not torch.allclose(ref, plain_ref, rtol=1e-6, atol=0)

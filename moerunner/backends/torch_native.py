@@ -55,6 +55,8 @@ class TorchBackend(Backend):
             tensors["w2"] = weights.w2.dequantize()
             tensors["scheme"] = weights.w13.scheme
             tensors["scheme2"] = weights.w2.scheme
+            tensors["input_scale"] = weights.w13.input_scale  # [E] or None (dynamic)
+            tensors["input_scale2"] = weights.w2.input_scale
             prepared.notes.append("dequantized w13/w2 to float32 once")
         else:
             tensors["w13"], tensors["w2"] = weights.w13, weights.w2
@@ -62,19 +64,24 @@ class TorchBackend(Backend):
         return prepared
 
 
-def _gemm_input(x: torch.Tensor, scheme) -> torch.Tensor:
+def _gemm_input(x: torch.Tensor, scheme, input_scale: torch.Tensor | None) -> torch.Tensor:
     """What a kernel multiplies: the quantized-dequantized activation (fp32) or x itself."""
     if scheme is None:
         return x
     from ..quant import fake_quantize_activation
 
-    return fake_quantize_activation(x, scheme)
+    return fake_quantize_activation(x, scheme, input_scale=input_scale)
 
 
-def _linear(x: torch.Tensor, w_NK: torch.Tensor, bias: torch.Tensor | None,
-            scheme) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor,
+    w_NK: torch.Tensor,
+    bias: torch.Tensor | None,
+    scheme,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x @ w.T (+ bias) with the scheme's activation quantization; fp32 result if biased."""
-    out = _gemm_input(x, scheme) @ w_NK.transpose(-2, -1).to(
+    out = _gemm_input(x, scheme, input_scale) @ w_NK.transpose(-2, -1).to(
         torch.float32 if scheme is not None else x.dtype
     )
     if bias is not None:
@@ -87,9 +94,10 @@ def _expert_forward(x_MH: torch.Tensor, e: int, prepared: PreparedWeights) -> to
     scheme, scheme2 = t.get("scheme"), t.get("scheme2")
     b13 = None if t["w13_bias"] is None else t["w13_bias"][e]
     b2 = None if t["w2_bias"] is None else t["w2_bias"][e]
-    h = _linear(x_MH, t["w13"][e], b13, scheme).to(x_MH.dtype)
+    s13, s2 = (None if t.get(k) is None else t[k][e] for k in ("input_scale", "input_scale2"))
+    h = _linear(x_MH, t["w13"][e], b13, scheme, s13).to(x_MH.dtype)
     a = apply_activation(h, prepared.spec).to(x_MH.dtype)
-    return _linear(a, t["w2"][e], b2, scheme2).to(x_MH.dtype)
+    return _linear(a, t["w2"][e], b2, scheme2, s2).to(x_MH.dtype)
 
 
 def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
@@ -105,8 +113,9 @@ def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
     )
 
 
-def _grouped_forward(x_MH: torch.Tensor, offsets: torch.Tensor,
-                     prepared: PreparedWeights) -> torch.Tensor:
+def _grouped_forward(
+    x_MH: torch.Tensor, offsets: torch.Tensor, prepared: PreparedWeights
+) -> torch.Tensor:
     """All segments in two grouped GEMMs; no host synchronisation."""
     t = prepared.tensors
     ends = offsets[1:].to(torch.int32)
@@ -127,13 +136,15 @@ def _grouped_forward(x_MH: torch.Tensor, offsets: torch.Tensor,
 
 
 @DEFAULT_REGISTRY.register_core(NAME)
-def torch_core(x_MH: torch.Tensor, expert_offsets: torch.Tensor,
-               prepared: PreparedWeights) -> torch.Tensor:
+def torch_core(
+    x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
+) -> torch.Tensor:
     """Experts on the grouped layout: rows ``offsets[e]:offsets[e+1]`` go to expert ``e``."""
     if _use_grouped_mm(x_MH, prepared):
         return _grouped_forward(x_MH, expert_offsets, prepared)
-    y_MH = torch.empty((x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype,
-                       device=x_MH.device)
+    y_MH = torch.empty(
+        (x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype, device=x_MH.device
+    )
     bounds = expert_offsets.tolist()
     for e in range(prepared.spec.num_experts):
         start, end = bounds[e], bounds[e + 1]

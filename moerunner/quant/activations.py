@@ -8,8 +8,9 @@
 #   fp8_token     e4m3, one fp32 scale per row: amax / 448 (dynamic) or the static input_scale
 #   fp8_group128  e4m3, one fp32 scale per row per 128 along K (last group partial)
 #   mxfp8         e4m3, one e8m0 scale per 32 along K (OCP MX rule); K % 32 == 0
-#   nvfp4         e2m1 packed, e4m3 scale per 16 along K, fp32 global scale = amax(x) / 2688
-#                 (dynamic, over all of x) or the static input_scale; K % 16 == 0
+#   nvfp4         e2m1 packed, e4m3 scale per 16 along K, fp32 global scale = amax(row) / 2688
+#                 (dynamic, per row, so a token's value never depends on which other tokens
+#                 share its batch or expert) or the static input_scale; K % 16 == 0
 #   int8_token    int8, one fp32 scale per row: amax / 127 (dynamic) or the static input_scale
 # Rows whose amax is 0 get scale 1.0 and store zeros. Returned scales always have M rows.
 
@@ -42,7 +43,7 @@ class QuantizedActivation(NamedTuple):
     packed uint8 ``[M, K/2]`` (nvfp4) or ``x`` itself (format "none").
     ``scale``: fp32 ``[M]`` (fp8_token, int8_token), fp32 ``[M, ceil(K/128)]``
     (fp8_group128), uint8 e8m0 ``[M, K/32]`` (mxfp8), e4m3 ``[M, K/16]`` (nvfp4), None (none).
-    ``global_scale``: fp32 ``[M]`` for nvfp4 (the same value on every row), else None.
+    ``global_scale``: fp32 ``[M]`` for nvfp4 (per row when dynamic), else None.
     """
 
     data: torch.Tensor
@@ -128,8 +129,8 @@ def quantize_activation(
     if input_scale is not None:
         gs = _row_scale(input_scale, m, x)
     else:
-        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
-        gs = nvfp4.nvfp4_global_scale(amax).expand(m).contiguous()
+        amax = xf.abs().amax(dim=-1) if xf.numel() else xf.new_zeros((m,))
+        gs = nvfp4.nvfp4_global_scale(amax).contiguous()
     data, scale = nvfp4.quantize_nvfp4(xf, gs.unsqueeze(-1))
     return QuantizedActivation(data, scale, gs)
 

@@ -63,12 +63,14 @@ def test_mxfp8_activation_matches_weight_codec():
     [("fp8_tensor", "fp8_channel"), ("int8", "int8"), ("nvfp4_a4", "nvfp4")],
 )
 def test_per_token_formats_match_weight_codecs(act_scheme, weight_scheme):
-    # A token quantized per row is exactly a one-expert weight row quantized per channel; an
-    # nvfp4 activation with a dynamic global scale is a one-expert nvfp4 weight.
+    # A token quantized per row is exactly a one-row weight of its own expert (per-channel
+    # scale; for nvfp4 the dynamic global scale is per row too).
     torch.manual_seed(1)
     x = torch.randn(7, 64) * 3
+    x[3] *= 100  # a loud token must not change how the others are quantized
     assert torch.equal(
-        fake_quantize_activation(x, act_scheme), quantize(x[None], weight_scheme).dequantize()[0]
+        fake_quantize_activation(x, act_scheme),
+        quantize(x[:, None, :], weight_scheme).dequantize()[:, 0],
     )
 
 
