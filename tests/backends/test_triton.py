@@ -1,0 +1,205 @@
+"""Triton backend in the CPU interpreter: the kernel sequence piece by piece and whole.
+
+Runs under ``TRITON_INTERPRET=1`` (set by tests/conftest.py before triton is imported) with
+tiny shapes in fp32/fp16 (the interpreter computes bf16 wrongly). Every scheme the backend
+claims is run against the ``torch`` backend's emulation, which quantizes activations the same
+way, so tolerances are tight. The generated conformance matrix (tests/test_conformance.py)
+covers the edge cases for plain weights; GPU runs are in test_triton_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import moerunner
+from moerunner.backends.base import MoeProblem
+from moerunner.dispatch.formats import StandardDispatchOutput
+from moerunner.errors import MoeInputError
+from moerunner.routing import TopK
+from moerunner.weights import ExpertWeights
+
+triton_pkg = pytest.importorskip("moerunner.backends.triton")
+from moerunner.backends.triton import _align, experts, tile_config  # noqa: E402
+
+if not triton_pkg.interpreted() and not torch.cuda.is_available():
+    pytest.skip("triton backend cannot run here", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _run(backend, x, weights, act, wts, ids, force_permute=False):
+    runner = moerunner.MoeRunner(backend, force_permute=force_permute)
+    spec = weights.spec(act)
+    prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
+    return runner.run(StandardDispatchOutput(x, TopK(wts, ids)), prepared)
+
+
+def _rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    assert not torch.isnan(a).any()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize(
+    "rows,experts,block_m", [(1, 4, 16), (10, 4, 16), (37, 8, 16), (64, 16, 32), (100, 3, 64)]
+)
+def test_alignment_kernel_equals_torch_twin(rows, experts, block_m):
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randint(-1, experts, (rows,), generator=gen, dtype=torch.int32).to(DEVICE)
+    cap = _align.max_padded_rows(rows, experts, block_m)
+    results = []
+    for fn in (_align.align_rows, _align.align_rows_torch):
+        s = torch.empty(cap, dtype=torch.int32, device=DEVICE)
+        b = torch.empty(cap // block_m, dtype=torch.int32, device=DEVICE)
+        n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+        fn(ids, experts, block_m, s, b, n)
+        used = int(n)
+        results.append((used, s[:used].cpu(), b[: used // block_m].cpu()))
+    (n0, s0, b0), (n1, s1, b1) = results
+    assert n0 == n1 and torch.equal(s0, s1) and torch.equal(b0, b1)
+    # Every valid row appears exactly once, in its expert's segment; padding is the sentinel.
+    valid = ids.cpu() >= 0
+    assert n0 % block_m == 0
+    real = s0[s0 < rows]
+    assert sorted(real.tolist()) == torch.nonzero(valid).flatten().tolist()
+    for blk in range(n0 // block_m):
+        seg = s0[blk * block_m:(blk + 1) * block_m]
+        seg = seg[seg < rows]
+        assert (ids.cpu()[seg.long()] == b0[blk]).all()
+
+
+def test_topk_sum_skips_minus_one_slots():
+    src = torch.randn(6, 40, device=DEVICE)
+    ids = torch.tensor([[0, -1], [2, 1], [-1, -1]], dtype=torch.int32, device=DEVICE)
+    out = torch.empty(3, 40, device=DEVICE)
+    _align.topk_sum(src, ids, out)
+    want = torch.stack([src[0], src[2] + src[3], torch.zeros(40, device=DEVICE)])
+    torch.testing.assert_close(out, want)
+
+
+SCHEMES = ["fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16", "int4",
+           "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_schemes_match_torch_backend(scheme, activation):
+    torch.manual_seed(1)
+    act = moerunner.Activation(activation)
+    T, H, I, E, k = 5, 128, 128, 4, 2
+    n13 = 2 * I if act.gated else I
+    w13 = moerunner.quantize(torch.randn(E, n13, H, device=DEVICE) / H**0.5, scheme)
+    w2 = moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme)
+    interleaved = activation == "swiglu_oai"
+    b13 = torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None
+    b2 = torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None
+    weights = ExpertWeights(w13, w2, b13, b2, interleaved)
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    ids[1, 0] = -1
+    wts = torch.rand(T, k, device=DEVICE)
+    out = _run("triton", x, weights, act, wts, ids)
+    ref = _run("torch", x, weights, act, wts, ids)
+    # fp32 end to end: equal up to accumulation order (activation quantization is shared).
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "swiglu_oai"])
+def test_plain_weights_grouped_core_matches_fused(dtype, activation):
+    torch.manual_seed(2)
+    act = moerunner.Activation(activation)
+    T, H, I, E, k = 6, 64, 40, 4, 2
+    weights = ExpertWeights(
+        (torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5).to(dtype),
+        (torch.randn(E, H, I, device=DEVICE) / I**0.5).to(dtype),
+        torch.randn(E, 2 * I, device=DEVICE), torch.randn(E, H, device=DEVICE),
+        gate_up_interleaved=activation == "swiglu_oai")
+    x = torch.randn(T, H, device=DEVICE).to(dtype)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(T, k, device=DEVICE)
+    fused = _run("triton", x, weights, act, wts, ids)
+    permuted = _run("triton", x, weights, act, wts, ids, force_permute=True)
+    ref = moerunner.reference_moe(x, weights, wts, ids, act)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert _rel(fused, ref) < tol and _rel(permuted, ref) < tol
+
+
+def test_zero_tokens_launch_nothing_and_workspaces_are_reused():
+    act = moerunner.Activation("silu")
+    E, H, I = 4, 32, 16
+    weights = ExpertWeights(torch.randn(E, 2 * I, H, device=DEVICE),
+                            torch.randn(E, H, I, device=DEVICE))
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    x0 = torch.empty(0, H, device=DEVICE)
+    ids0 = torch.empty(0, 2, dtype=torch.int32, device=DEVICE)
+    before = len(experts.WORKSPACES.entries)
+    out = experts.fused_standard(x0, torch.empty(0, 2, device=DEVICE), ids0, prepared)
+    assert out.shape == (0, H) and len(experts.WORKSPACES.entries) == before
+    x = torch.randn(3, H, device=DEVICE)
+    ids = torch.randint(0, E, (3, 2), dtype=torch.int32, device=DEVICE)
+    w = torch.rand(3, 2, device=DEVICE)
+    experts.fused_standard(x, w, ids, prepared)
+    after_first = {k: {n: t.data_ptr() for n, t in v.items()}
+                   for k, v in experts.WORKSPACES.entries.items()}
+    experts.fused_standard(x, w, ids, prepared)
+    after_second = {k: {n: t.data_ptr() for n, t in v.items()}
+                    for k, v in experts.WORKSPACES.entries.items()}
+    assert after_first == after_second
+
+
+def test_input_validation_names_the_argument():
+    act = moerunner.Activation("silu")
+    E, H, I = 4, 32, 16
+    weights = ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    with pytest.raises(MoeInputError, match="hidden_states"):
+        experts.fused_standard(torch.randn(3, H + 1), torch.rand(3, 2),
+                               torch.zeros(3, 2, dtype=torch.int32), prepared)
+    with pytest.raises(MoeInputError, match="topk"):
+        experts.fused_standard(torch.randn(3, H), torch.rand(3, 2),
+                               torch.zeros(4, 2, dtype=torch.int32), prepared)
+    with pytest.raises(TypeError, match="hidden_states"):
+        experts.fused_standard(torch.randn(3, H).half(), torch.rand(3, 2),
+                               torch.zeros(3, 2, dtype=torch.int32), prepared)
+
+
+def test_tile_files_round_trip_and_nearest_lookup(tmp_path):
+    tiles = {1: tile_config.MoeTiles(tile_config.TileConfig(16, 32, 128, 1, 4, 4),
+                                     tile_config.TileConfig(16, 64, 128, 1, 4, 3)),
+             512: tile_config.MoeTiles(tile_config.TileConfig(64, 128, 64, 8, 4, 3),
+                                       tile_config.TileConfig(64, 128, 64, 8, 8, 3))}
+    name = "NVIDIA H100 80GB HBM3"
+    path = tmp_path / tile_config.config_file_name(8, 96, 64, "bf16", name)
+    tile_config.write_config_file(path, 8, 96, 64, "bf16", name, tiles)
+    assert json.loads(path.read_text())["schema"] == tile_config.SCHEMA
+    got = tile_config.lookup_tiles(3, 2, 8, 96, 64, "bf16", name, config_dir=tmp_path)
+    assert got == tiles[1]
+    got = tile_config.lookup_tiles(400, 2, 8, 96, 64, "bf16", name, config_dir=tmp_path)
+    assert got == tiles[512]
+    fallback = tile_config.lookup_tiles(400, 2, 8, 96, 64, "bf16", "other", config_dir=tmp_path)
+    assert fallback == tile_config.heuristic_tiles(400, 2, 8, 96, 64, "bf16")
+    with pytest.raises(ValueError, match="block_m"):
+        tile_config.MoeTiles(tile_config.TileConfig(16, 32, 64), tile_config.TileConfig(32, 32, 64))
+
+
+def test_shipped_tile_files_follow_the_schema():
+    for path in tile_config.CONFIG_DIR.glob("*.json"):
+        doc = json.loads(path.read_text())
+        assert doc["schema"] == tile_config.SCHEMA
+        key = doc["key"]
+        assert path.name == tile_config.config_file_name(key["E"], key["N"], key["K"],
+                                                         key["scheme"], key["device"])
+        for entry in doc["by_tokens"].values():
+            tile_config.MoeTiles.from_dict(entry)
+
+
+def test_backend_declares_interpreter_bf16_limit():
+    backend = triton_pkg.TritonBackend()
+    problem = MoeProblem("cpu", torch.bfloat16, "bf16", "silu", "standard", 32, 16, 4)
+    ok, reason = backend.supports(problem)
+    if triton_pkg.interpreted():
+        assert not ok and "interpreter" in reason
