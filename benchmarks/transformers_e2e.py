@@ -143,6 +143,34 @@ def time_decode(model, ids, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
+    """One implementation's row: logits error vs the first implementation, prefill, decode."""
+    model.set_experts_implementation(registered)
+    with torch.no_grad():
+        logits = model(prompt[:1, :256]).logits.float()
+    if ref is None:
+        ref = logits
+    err = ((logits - ref).abs().max() / ref.abs().max()).item()
+    prefill_s = time_prefill(model, prompt, args.repeats)
+    decode_s = time_decode(model, decode_prompt, args.decode_steps)
+    row = {
+        "shape": shape,
+        "impl": impl,
+        "layers": args.layers,
+        "prefill_tokens": prompt.numel(),
+        "prefill_tok_s": prompt.numel() / prefill_s,
+        "decode_batch": decode_prompt.shape[0],
+        "decode_tok_s": decode_prompt.shape[0] / decode_s,
+        "max_rel_vs_first": err,
+    }
+    print(
+        f"[{shape}] {impl:<16} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
+        f"decode {row['decode_tok_s']:>8.1f} tok/s  err {err:.2e}",
+        flush=True,
+    )
+    return row, ref
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -161,30 +189,12 @@ def run(args) -> dict:
         decode_prompt = prompt[: args.decode_batch, : args.decode_prompt]
         ref = None
         for impl in impls:
-            model.set_experts_implementation(names[impl])
-            with torch.no_grad():
-                logits = model(prompt[:1, :256]).logits.float()
-            if ref is None:
-                ref = logits
-            err = ((logits - ref).abs().max() / ref.abs().max()).item()
-            prefill_s = time_prefill(model, prompt, args.repeats)
-            decode_s = time_decode(model, decode_prompt, args.decode_steps)
-            row = {
-                "shape": name,
-                "impl": impl,
-                "layers": args.layers,
-                "prefill_tokens": prompt.numel(),
-                "prefill_tok_s": prompt.numel() / prefill_s,
-                "decode_batch": decode_prompt.shape[0],
-                "decode_tok_s": decode_prompt.shape[0] / decode_s,
-                "max_rel_vs_first": err,
-            }
+            try:
+                row, ref = measure(model, name, impl, names[impl], prompt, decode_prompt, ref, args)
+            except Exception as exc:  # noqa: BLE001  (one failing implementation: keep going)
+                row = {"shape": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}"}
+                print(f"[{name}] {impl} failed: {row['error']}", flush=True)
             results["rows"].append(row)
-            print(
-                f"[{name}] {impl:<10} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
-                f"decode {row['decode_tok_s']:>8.1f} tok/s  err {err:.2e}",
-                flush=True,
-            )
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -194,14 +204,17 @@ def run(args) -> dict:
 def table(results: dict) -> str:
     """Compact table with speedups against the first implementation of each shape."""
     lines = [
-        f"{'shape':<15}{'impl':<11}{'prefill tok/s':>14}{'x':>7}{'decode tok/s':>14}{'x':>7}"
+        f"{'shape':<15}{'impl':<17}{'prefill tok/s':>14}{'x':>7}{'decode tok/s':>14}{'x':>7}"
         f"{'err':>10}"
     ]
     base: dict[str, dict] = {}
     for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"{r['shape']:<15}{r['impl']:<17}failed: {r['error'][:60]}")
+            continue
         b = base.setdefault(r["shape"], r)
         lines.append(
-            f"{r['shape']:<15}{r['impl']:<11}{r['prefill_tok_s']:>14.0f}"
+            f"{r['shape']:<15}{r['impl']:<17}{r['prefill_tok_s']:>14.0f}"
             f"{r['prefill_tok_s'] / b['prefill_tok_s']:>7.2f}{r['decode_tok_s']:>14.1f}"
             f"{r['decode_tok_s'] / b['decode_tok_s']:>7.2f}{r['max_rel_vs_first']:>10.2e}"
         )
