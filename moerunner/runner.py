@@ -14,6 +14,7 @@ process-global "current backend".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from .backends.base import Backend, MoeProblem
+from .backends.prepare import pad_to_alignment
 from .config import Activation, ExpertSpec
 from .dispatch import permute
 from .dispatch.formats import MASKED, PERMUTED, STANDARD
@@ -200,14 +202,22 @@ class MoeRunner:
         self, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
     ) -> PreparedWeights:
         """Select a backend for ``problem`` and convert ``weights`` for it (do this once)."""
-        backend = self.select(problem).backend
-        return backend.prepare_weights(weights, spec)
+        return prepare_for_backend(self.select(problem).backend, weights, spec)
 
     def run(self, dispatch_output: Any, prepared: PreparedWeights) -> torch.Tensor:
         """Compute the experts for ``dispatch_output`` with ``prepared`` weights."""
-        fmt = dispatch_output.format
         if dispatch_output.num_tokens == 0:
             return empty_output(dispatch_output)
+        hidden_size = dispatch_output.hidden_states.shape[-1]
+        if prepared.spec.hidden_size != hidden_size:  # weights padded to the kernel's alignment
+            pad = prepared.spec.hidden_size - hidden_size
+            padded = torch.nn.functional.pad(dispatch_output.hidden_states, (0, pad))
+            out = self._run(dataclasses.replace(dispatch_output, hidden_states=padded), prepared)
+            return out[..., :hidden_size].contiguous()
+        return self._run(dispatch_output, prepared)
+
+    def _run(self, dispatch_output: Any, prepared: PreparedWeights) -> torch.Tensor:
+        fmt = dispatch_output.format
         name = prepared.backend
         fused = None if self.force_permute else self.registry.fused_ops.get((fmt, name))
         if fused is not None:
@@ -259,12 +269,23 @@ def prepared_for(
         try:
             setattr(weights.w13, _CACHE_ATTR, per_weight)
         except (AttributeError, TypeError):  # no attributes allowed: prepare every time
-            return backend.prepare_weights(weights, spec)
+            return prepare_for_backend(backend, weights, spec)
     cached = per_weight.get(key)
     if cached is None or cached.source.w2 is not weights.w2:
         per_weight.clear()
-        cached = per_weight[key] = backend.prepare_weights(weights, spec)
+        cached = per_weight[key] = prepare_for_backend(backend, weights, spec)
     return cached
+
+
+def prepare_for_backend(
+    backend: Backend, weights: ExpertWeights, spec: ExpertSpec
+) -> PreparedWeights:
+    """Pad to the backend's declared alignment, then let it convert the weights (once)."""
+    caps = backend.capabilities
+    padded, padded_spec, notes = pad_to_alignment(weights, spec, caps.align_h, caps.align_i)
+    prepared = backend.prepare_weights(padded, padded_spec)
+    prepared.notes[:0] = notes
+    return prepared
 
 
 def _version(weight: Any) -> int:

@@ -48,7 +48,7 @@ class TorchBackend(Backend):
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
         """Plain weights are used as they are; quantized ones are dequantized once to fp32."""
-        prepared = PreparedWeights(backend=NAME, source=weights, spec=spec)
+        prepared = PreparedWeights(backend=self.name, source=weights, spec=spec)
         tensors = prepared.tensors
         if is_quantized(weights.w13):
             tensors["w13"] = weights.w13.dequantize()
