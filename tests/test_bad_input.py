@@ -25,8 +25,15 @@ def args(**override):
 
 def call(kwargs, **options):
     a = dict(kwargs)
-    return moerunner.fused_moe(a.pop("hidden_states"), a.pop("w13"), a.pop("w2"),
-                               a.pop("topk_weights"), a.pop("topk_ids"), **a, **options)
+    return moerunner.fused_moe(
+        a.pop("hidden_states"),
+        a.pop("w13"),
+        a.pop("w2"),
+        a.pop("topk_weights"),
+        a.pop("topk_ids"),
+        **a,
+        **options,
+    )
 
 
 BAD = [
@@ -37,22 +44,50 @@ BAD = [
     ("I_mismatch", dict(w2=torch.randn(E, H, I + 1)), MoeInputError, "w13 has"),
     ("hidden_H", dict(hidden_states=torch.randn(T, H + 2)), MoeInputError, "hidden_states"),
     ("float_ids", dict(topk_ids=torch.zeros(T, K)), TypeError, "topk_ids"),
-    ("ids_too_big", dict(topk_ids=torch.full((T, K), E, dtype=torch.int32)), MoeInputError,
-     "topk_ids"),
-    ("ids_below_minus_one", dict(topk_ids=torch.full((T, K), -2, dtype=torch.int32)),
-     MoeInputError, "topk_ids"),
-    ("topk_gt_E", dict(topk_weights=torch.rand(T, E + 1),
-                       topk_ids=torch.zeros(T, E + 1, dtype=torch.int32)), MoeInputError, "top_k"),
+    (
+        "ids_too_big",
+        dict(topk_ids=torch.full((T, K), E, dtype=torch.int32)),
+        MoeInputError,
+        "topk_ids",
+    ),
+    (
+        "ids_below_minus_one",
+        dict(topk_ids=torch.full((T, K), -2, dtype=torch.int32)),
+        MoeInputError,
+        "topk_ids",
+    ),
+    (
+        "topk_gt_E",
+        dict(topk_weights=torch.rand(T, E + 1), topk_ids=torch.zeros(T, E + 1, dtype=torch.int32)),
+        MoeInputError,
+        "top_k",
+    ),
     ("shape_mismatch", dict(topk_weights=torch.rand(T, K + 1)), MoeInputError, "topk_weights"),
-    ("T_mismatch", dict(topk_weights=torch.rand(T + 1, K),
-                        topk_ids=torch.zeros(T + 1, K, dtype=torch.int32)), MoeInputError, "T="),
-    ("int_weights", dict(topk_weights=torch.ones(T, K, dtype=torch.int32)), TypeError,
-     "topk_weights"),
+    (
+        "T_mismatch",
+        dict(topk_weights=torch.rand(T + 1, K), topk_ids=torch.zeros(T + 1, K, dtype=torch.int32)),
+        MoeInputError,
+        "T=",
+    ),
+    (
+        "int_weights",
+        dict(topk_weights=torch.ones(T, K, dtype=torch.int32)),
+        TypeError,
+        "topk_weights",
+    ),
     ("dtype_mismatch", dict(w13=torch.randn(E, 2 * I, H, dtype=torch.float64)), TypeError, "w13"),
-    ("weights_vs_hidden_dtype", dict(hidden_states=torch.randn(T, H, dtype=torch.bfloat16)),
-     TypeError, "w13 dtype"),
-    ("int_hidden", dict(hidden_states=torch.ones(T, H, dtype=torch.int32)), TypeError,
-     "hidden_states"),
+    (
+        "weights_vs_hidden_dtype",
+        dict(hidden_states=torch.randn(T, H, dtype=torch.bfloat16)),
+        TypeError,
+        "w13 dtype",
+    ),
+    (
+        "int_hidden",
+        dict(hidden_states=torch.ones(T, H, dtype=torch.int32)),
+        TypeError,
+        "hidden_states",
+    ),
     ("not_tensor", dict(topk_ids=[[0, 1]] * T), TypeError, "topk_ids"),
     ("bias_shape", dict(w13_bias=torch.randn(E, I)), MoeInputError, "w13_bias"),
     ("w2_bias_shape", dict(w2_bias=torch.randn(E, H + 1)), MoeInputError, "w2_bias"),
@@ -89,11 +124,16 @@ def test_unsupported_request_names_every_backend():
 
     class CudaOnly(Backend):
         name = "cuda_only"
-        capabilities = Capabilities(frozenset({"cuda"}), frozenset({torch.float32}),
-                                    frozenset({"fp32"}), frozenset({"silu"}))
+        capabilities = Capabilities(
+            frozenset({"cuda"}),
+            frozenset({torch.float32}),
+            frozenset({"fp32"}),
+            frozenset({"silu"}),
+        )
 
-    local = moerunner.Registry(permutes=dict(registry.permutes),
-                               cores={"torch": registry.cores["torch"]})
+    local = moerunner.Registry(
+        permutes=dict(registry.permutes), cores={"torch": registry.cores["torch"]}
+    )
     local.register_backend(registry.backends["torch"])
     local.register_backend(CudaOnly())
     local.register_core("cuda_only")(lambda *a: None)

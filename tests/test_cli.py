@@ -12,11 +12,38 @@ def test_info_lists_torch_backend(capsys):
 
 
 def test_demo_small_passes(capsys):
-    assert main(["demo", "--tokens", "4", "--hidden", "64", "--intermediate", "32",
-                 "--repeats", "1"]) == 0
+    assert (
+        main(["demo", "--tokens", "4", "--hidden", "64", "--intermediate", "32", "--repeats", "1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "torch" in out and " ok" in out
 
 
 def test_unknown_command():
     assert main(["frobnicate"]) == 2
+
+
+def test_check_torch_selected_schemes(capsys):
+    assert (
+        main(
+            [
+                "check",
+                "--backend",
+                "torch",
+                "--scheme",
+                "fp8_block",
+                "--scheme",
+                "mxfp4",
+                "--hidden",
+                "128",
+                "--intermediate",
+                "128",
+                "--tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("pass") == 2 and "FAIL" not in out

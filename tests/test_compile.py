@@ -9,9 +9,16 @@ import moerunner
 
 def test_layer_compiles_fullgraph_and_matches_eager():
     torch._dynamo.reset()
-    cfg = moerunner.MoeConfig(8, 32, 24, 2, activation=moerunner.Activation("swiglu_oai"),
-                              bias=True, gate_up_interleaved=True,
-                              routing=moerunner.RoutingConfig(renormalize=True))
+    cfg = moerunner.MoeConfig(
+        8,
+        32,
+        24,
+        2,
+        activation=moerunner.Activation("swiglu_oai"),
+        bias=True,
+        gate_up_interleaved=True,
+        routing=moerunner.RoutingConfig(renormalize=True),
+    )
     layer = moerunner.MoE(cfg)
     with torch.no_grad():
         layer.w13_bias.normal_()

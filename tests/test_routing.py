@@ -30,9 +30,16 @@ def test_sigmoid_grouped_bias_only_chooses():
     # 4 experts in 2 groups; bias makes group 1 win the choice, weights stay unbiased sigmoid.
     logits = torch.tensor([[2.0, 1.9, -1.0, -1.2]])
     bias = torch.tensor([0.0, 0.0, 5.0, 5.0])
-    topk = select_experts(logits, 2, scoring_func="sigmoid", renormalize=True,
-                          correction_bias=bias, num_expert_group=2, topk_group=1,
-                          routed_scaling_factor=2.5)
+    topk = select_experts(
+        logits,
+        2,
+        scoring_func="sigmoid",
+        renormalize=True,
+        correction_bias=bias,
+        num_expert_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+    )
     assert sorted(topk.ids[0].tolist()) == [2, 3]
     s = torch.sigmoid(logits[0, [2, 3]])
     expected = s / (s.sum() + 1e-20) * 2.5
@@ -49,8 +56,14 @@ def test_group_score_is_sum_of_top_two():
 
 
 def test_empty_batch():
-    topk = select_experts(torch.zeros(0, 8), 2, scoring_func="sigmoid",
-                          correction_bias=torch.zeros(8), num_expert_group=4, topk_group=2)
+    topk = select_experts(
+        torch.zeros(0, 8),
+        2,
+        scoring_func="sigmoid",
+        correction_bias=torch.zeros(8),
+        num_expert_group=4,
+        topk_group=2,
+    )
     assert topk.ids.shape == (0, 2) and topk.weights.shape == (0, 2)
 
 
@@ -81,15 +94,27 @@ def test_bad_routing_types():
 
 
 def test_layer_routes_like_select_experts():
-    cfg = moerunner.MoeConfig(8, 16, 8, 2, routing=moerunner.RoutingConfig(
-        "sigmoid", True, 4, 2, 2.5, correction_bias=True))
+    cfg = moerunner.MoeConfig(
+        8,
+        16,
+        8,
+        2,
+        routing=moerunner.RoutingConfig("sigmoid", True, 4, 2, 2.5, correction_bias=True),
+    )
     layer = moerunner.MoE(cfg)
     layer.correction_bias.copy_(torch.randn(8))
     x, logits = torch.randn(5, 16), torch.randn(5, 8)
-    topk = select_experts(logits, 2, scoring_func="sigmoid", renormalize=True,
-                          correction_bias=layer.correction_bias, num_expert_group=4,
-                          topk_group=2, routed_scaling_factor=2.5)
-    ref = moerunner.reference_moe(x, moerunner.ExpertWeights(layer.w13.detach(),
-                                                              layer.w2.detach()),
-                                  topk.weights, topk.ids)
+    topk = select_experts(
+        logits,
+        2,
+        scoring_func="sigmoid",
+        renormalize=True,
+        correction_bias=layer.correction_bias,
+        num_expert_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    )
+    ref = moerunner.reference_moe(
+        x, moerunner.ExpertWeights(layer.w13.detach(), layer.w2.detach()), topk.weights, topk.ids
+    )
     torch.testing.assert_close(layer(x, logits).double(), ref, rtol=1e-5, atol=1e-5)

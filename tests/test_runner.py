@@ -32,8 +32,9 @@ def test_permuted_format_matches_per_expert_reference():
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     padded = torch.cat([rows, torch.randn(3, rows.shape[1])])  # 3 padding rows at the end
     runner = moerunner.MoeRunner("torch")
-    y = runner.run(PermutedDispatchOutput(padded, offsets), _prepared(runner, x, weights,
-                                                                        "permuted"))
+    y = runner.run(
+        PermutedDispatchOutput(padded, offsets), _prepared(runner, x, weights, "permuted")
+    )
     assert y.shape == padded.shape
     assert torch.equal(y[-3:], torch.zeros_like(y[-3:])), "padding rows must come back zero"
     # Each grouped row = its expert applied to its token (weight 1).
@@ -50,15 +51,17 @@ def test_masked_format_matches_reference():
     counts = torch.tensor([2, 0, 5, 1], dtype=torch.int32)
     hidden_ECH = torch.randn(4, capacity, x.shape[1])
     runner = moerunner.MoeRunner("torch")
-    y = runner.run(MaskedDispatchOutput(hidden_ECH, counts), _prepared(runner, x, weights,
-                                                                        "masked"))
+    y = runner.run(
+        MaskedDispatchOutput(hidden_ECH, counts), _prepared(runner, x, weights, "masked")
+    )
     assert y.shape == (4, capacity, x.shape[1])
     for e in range(4):
         n = int(counts[e])
         assert torch.equal(y[e, n:], torch.zeros_like(y[e, n:]))
         if n:
-            ref = moerunner.reference_moe(hidden_ECH[e, :n], weights, torch.ones(n, 1),
-                                          torch.full((n, 1), e))
+            ref = moerunner.reference_moe(
+                hidden_ECH[e, :n], weights, torch.ones(n, 1), torch.full((n, 1), e)
+            )
             assert_close(y[e, :n], ref, TOLERANCE[torch.float32])
 
 
@@ -71,9 +74,11 @@ def test_empty_batch_launches_nothing():
     x, weights, tw, ids = Case("T0", tokens=0).build(torch.float32)
     runner = moerunner.MoeRunner("torch", registry=local)
     prepared = _prepared(runner, x, weights)
-    for d in (StandardDispatchOutput(x, TopK(tw, ids)),
-              PermutedDispatchOutput(x, torch.zeros(5, dtype=torch.int64)),
-              MaskedDispatchOutput(torch.zeros(4, 0, x.shape[1]), torch.zeros(4, dtype=torch.int32))):
+    for d in (
+        StandardDispatchOutput(x, TopK(tw, ids)),
+        PermutedDispatchOutput(x, torch.zeros(5, dtype=torch.int64)),
+        MaskedDispatchOutput(torch.zeros(4, 0, x.shape[1]), torch.zeros(4, dtype=torch.int32)),
+    ):
         out = runner.run(d, prepared)
         assert out.shape == d.hidden_states.shape
     assert calls == []
