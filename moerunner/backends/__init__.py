@@ -9,7 +9,8 @@ import importlib.util
 
 from . import torch_native  # noqa: F401
 
-if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
-    __name__ + ".triton"
-) is not None:
+if (
+    importlib.util.find_spec("triton") is not None
+    and importlib.util.find_spec(__name__ + ".triton") is not None
+):
     from . import triton  # noqa: F401

@@ -59,8 +59,13 @@ class MoeProblem:
     interleaved: bool = False
 
     @classmethod
-    def of(cls, hidden_states: torch.Tensor, weights: ExpertWeights, spec: ExpertSpec,
-           dispatch_format: str) -> MoeProblem:
+    def of(
+        cls,
+        hidden_states: torch.Tensor,
+        weights: ExpertWeights,
+        spec: ExpertSpec,
+        dispatch_format: str,
+    ) -> MoeProblem:
         """Describe a request from its tensors."""
         return cls(
             device_type=hidden_states.device.type,
@@ -90,12 +95,16 @@ class Backend:
         """Whether the declared capabilities cover ``problem``; the reason when not."""
         caps = self.capabilities
         checks = (
-            (problem.device_type in caps.devices,
-             f"device {problem.device_type!r} not in {sorted(caps.devices)}"),
+            (
+                problem.device_type in caps.devices,
+                f"device {problem.device_type!r} not in {sorted(caps.devices)}",
+            ),
             (problem.dtype in caps.dtypes, f"dtype {problem.dtype} not supported"),
             (problem.scheme in caps.schemes, f"scheme {problem.scheme!r} not supported"),
-            (problem.activation in caps.activations,
-             f"activation {problem.activation!r} not supported"),
+            (
+                problem.activation in caps.activations,
+                f"activation {problem.activation!r} not supported",
+            ),
             (caps.biases or not problem.has_bias, "biases not supported"),
             (caps.interleaved or not problem.interleaved, "interleaved gate/up not supported"),
         )

@@ -36,7 +36,9 @@ class StandardDispatcher:
             topk = TopK(weights=topk.weights, ids=ids)
         return StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
 
-    def combine(self, output: torch.Tensor, dispatch_output: StandardDispatchOutput) -> torch.Tensor:
+    def combine(
+        self, output: torch.Tensor, dispatch_output: StandardDispatchOutput
+    ) -> torch.Tensor:
         """Sum the ranks' partial ``[T, H]`` outputs (identity on one process)."""
         if self.group is not None:
             import torch.distributed as dist
