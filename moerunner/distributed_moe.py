@@ -38,7 +38,7 @@ from .routing import TopK
 from .runner import MoeRunner
 from .weights import ExpertWeights
 
-__all__ = ["DISPATCHERS", "ExpertParallelMoE", "StageTimer"]
+__all__ = ["DISPATCHERS", "ExpertParallelMoE", "StageTimer", "time_stages"]
 
 DISPATCHERS = ("standard", "all_to_all", "masked")
 _FORMAT = {"standard": "standard", "all_to_all": "permuted", "masked": "masked"}
@@ -207,6 +207,36 @@ class ExpertParallelMoE:
             return self.dispatcher.combine(out, dispatched)
 
     __call__ = forward
+
+
+def time_stages(
+    moe: ExpertParallelMoE,
+    hidden_states: torch.Tensor,
+    topk: TopK,
+    *,
+    warmup: int = 2,
+    iters: int = 10,
+) -> dict[str, float]:
+    """Median milliseconds of ``dispatch``, ``experts`` and ``combine`` on this rank.
+
+    Collective: every rank of ``moe.group`` must call it with the same ``warmup`` / ``iters``
+    (a barrier before each step aligns the ranks, so ``dispatch`` includes waiting for the
+    slowest one, as in serving). The entry point ``moerunner bench --ep-size`` uses.
+    """
+    import statistics
+
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        moe(hidden_states, topk)
+    samples: dict[str, list[float]] = {name: [] for name in STAGES}
+    for _ in range(iters):
+        dist.barrier(group=moe.group)
+        timer = StageTimer(hidden_states.device)
+        moe(hidden_states, topk, timer)
+        for name, ms in timer.result().items():
+            samples[name].append(ms)
+    return {name: statistics.median(v) for name, v in samples.items() if v}
 
 
 def _plain_dtype(weights: ExpertWeights) -> torch.dtype:

@@ -158,11 +158,10 @@ class MaskedDispatcher:
         position = torch.empty_like(key)
         position[order] = torch.arange(key.numel(), device=device) - starts[key[order]]
 
-        header = torch.tensor(
-            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype]],
-            dtype=torch.int64,
-            device=device,
-        )
+        # Filled on the device (no host-to-device copy), so the step stays capturable.
+        header = counts.new_empty(_HEADER)
+        header[0], header[1] = num_tokens, hidden_size
+        header[2] = DTYPE_CODES[hidden_states.dtype]
         row = torch.cat([header, counts[:keys]]).to(collective_device(self.group))
         table = all_gather_ints(row, self.group).to(device)
         counts_SDL = table[:, _HEADER:].view(world, world, slots)  # [source, dest, local]
