@@ -150,6 +150,7 @@ class ExpertParallelMoE:
                 )
         self.placement = placement
         self.weights = local_weights
+        self.last_overflow: torch.Tensor | None = None
         self.runner = MoeRunner(backend)
         spec = local_weights.spec(act)
         probe = torch.empty(
@@ -196,11 +197,15 @@ class ExpertParallelMoE:
         """``hidden_states [T, H]`` with ``topk`` (global ids) -> ``[T, H]``.
 
         ``timer``: optional callable ``timer(stage)`` returning a context manager (e.g. a
-        ``StageTimer``), entered around ``dispatch``, ``experts`` and ``combine``.
+        ``StageTimer``), entered around ``dispatch``, ``experts`` and ``combine``. With the
+        masked dispatcher, ``self.last_overflow`` is the step's overflow flag (0-d bool on
+        the device; check it after the step in ``on_overflow="flag"`` mode).
         """
         stage = timer if timer is not None else (lambda name: nullcontext())
         with stage("dispatch"), torch.profiler.record_function("moerunner.dispatch"):
             dispatched = self.dispatcher.dispatch(hidden_states, topk)
+        # masked, on_overflow="flag": the step's device-side overflow flag (else None)
+        self.last_overflow = getattr(dispatched, "overflow", None)
         with stage("experts"):
             out = self.runner.run(dispatched, self.prepared)
         with stage("combine"), torch.profiler.record_function("moerunner.combine"):

@@ -137,7 +137,9 @@ class AllToAllDispatcher:
         # Received rows are ordered (source, local expert); regroup them (local expert, source).
         experts = self.num_local_experts
         label = torch.arange(slots, device=device).repeat(world)
-        label = torch.repeat_interleave(label, recv_LS.reshape(-1).to(device))
+        label = torch.repeat_interleave(
+            label, recv_LS.reshape(-1).to(device), output_size=sum(recv_splits)
+        )
         grouped_order = torch.argsort(label, stable=True)
         offsets = torch.zeros(experts + 1, dtype=torch.int64, device=device)
         offsets[1:] = torch.cumsum(recv_LS.sum(0)[:experts], 0).to(device)

@@ -141,11 +141,13 @@ def scenarios(rank: int, world: int) -> dict:
             skew_w, dispatcher="masked", capacity=2, on_overflow="flag", backend="torch"
         )
         dispatched = moe.dispatcher.dispatch(sx, stopk)
+        moe(sx, stopk)  # the layer records the step's flag instead of syncing on it
         ok = ExpertParallelMoE.from_global(
             skew_w, dispatcher="masked", capacity=16, on_overflow="flag", backend="torch"
         )
         return {
             "overflow": bool(dispatched.overflow),
+            "layer_flag": bool(moe.last_overflow),
             "no_overflow": bool(ok.dispatcher.dispatch(sx, stopk).overflow),
             "shape": tuple(dispatched.hidden_states.shape),
         }
@@ -297,7 +299,13 @@ def test_masked_overflow_flag_without_sync(world):
     size, results = world
     for rank in range(size):
         out = results[rank]["masked/overflow_flag"]["out"]
-        assert out == {"overflow": True, "no_overflow": False, "shape": (E // size, 2, H)}, out
+        want = {
+            "overflow": True,
+            "layer_flag": True,
+            "no_overflow": False,
+            "shape": (E // size, 2, H),
+        }
+        assert out == want, out
 
 
 @pytest.mark.parametrize(
