@@ -134,7 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--md", type=Path, default=None, help="write a markdown summary here")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
-        "--ep-size", type=int, default=1, help="expert-parallel ranks (launch under torchrun)"
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks: not wired here; see benchmarks/ep_scaling.py",
     )
     p.add_argument(
         "--replay", type=Path, default=None, help="re-run the command recorded in a bench JSON"
@@ -207,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         return main([a for a in recorded] + keep)
     if args.ep_size != 1:
         print(
-            "moerunner bench: --ep-size: expert parallel dispatch not available in this "
-            "version (moerunner.dispatch.all_to_all is missing)",
+            "moerunner bench: --ep-size: expert parallel dispatch not available in this command; "
+            "time expert-parallel layers with benchmarks/ep_scaling.py under torchrun (it uses "
+            "moerunner.distributed_moe.time_stages: dispatch / experts / combine per rank)",
             file=sys.stderr,
         )
         return 2
