@@ -249,6 +249,7 @@ def main(argv=None) -> None:
     from moerunner.bench.report import environment
 
     results["environment"] = environment(torch.device(args.device))
+    results["args"]["out"] = "OUT" if args.out else None  # no machine paths in results
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
