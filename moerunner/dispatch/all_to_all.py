@@ -3,19 +3,22 @@
 Stage 2 and 4 for expert parallelism over ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
 
 dispatch(hidden_TH, topk with global ids) -> ``AllToAllDispatchOutput`` (format "permuted"):
-  1. every (token, slot) pair with an id >= 0 gets a destination rank and a local expert id
-     from the ``ExpertPlacement``; pairs are sorted by (destination, local expert);
-  2. one ``all_gather`` exchanges a small header (T, H, dtype) and every rank's send counts
-     per (destination, local expert): every rank checks the world the same way, and reads the
-     split sizes on the host (this path synchronises once per call, as all variable-size
-     all-to-all exchanges must);
-  3. ``all_to_all_single`` moves the rows; the receiver regroups them from (source, expert)
-     to (expert, source) order: rows ``offsets[e]:offsets[e+1]`` belong to local expert ``e``.
-combine(y_MH unweighted, dispatch output) -> ``[T, H]``: the inverse regroup, the reverse
-``all_to_all_single``, then the routing weights applied and summed per token in fp32.
+  1. every (token, slot) with an id >= 0 gets a destination rank and a local expert id from
+     the ``ExpertPlacement``; a token travels *once* to each rank owning any of its experts,
+     its row carrying the k local ids (-1 where another rank owns the slot) and weights;
+  2. one ``all_gather`` exchanges a small header (T, H, dtype, largest id) and every rank's
+     row counts per destination and pair counts per (destination, local expert): every rank
+     checks the world the same way and reads the split sizes on the host (this path
+     synchronises once per call, as all variable-size all-to-all exchanges must);
+  3. ``all_to_all_single`` moves the rows; the receiver expands them into (row, slot) pairs
+     grouped by local expert: rows ``offsets[e]:offsets[e+1]`` belong to local expert ``e``.
+combine(y_MH unweighted, dispatch output) -> ``[T, H]``: on the expert side each received
+row's pairs are weighted and summed in fp32 (so one row per token and rank travels back,
+rounded once to the hidden dtype), the reverse ``all_to_all_single`` returns them, and each
+token sums its rows from every rank in fp32.
 
-A token routed to two experts of one rank travels twice (no de-duplication); ranks with no
-tokens, experts with no tokens and arbitrarily skewed loads need no special case.
+Ranks with no tokens, experts with no tokens and arbitrarily skewed loads need no special
+case. Shared experts (placement ``num_shared``) are owned by every rank: their slots stay home.
 """
 
 from __future__ import annotations
@@ -39,13 +42,13 @@ _HEADER = ("num_tokens", "hidden_size", "dtype", "max_expert_id")
 
 @dataclass(frozen=True)
 class AllToAllHandle:
-    """What combine needs to send rows back and sum them per token."""
+    """What combine needs to reduce rows on the expert side, send them back and sum them."""
 
     token_of_row: torch.Tensor  # [N_send] int64: source token of each sent row, in send order
-    weight_of_row: torch.Tensor  # [N_send] fp32: routing weight of each sent row
     send_splits: list[int]  # rows sent to each rank
     recv_splits: list[int]  # rows received from each rank
-    grouped_order: torch.Tensor  # [M] int64: received row feeding each grouped row
+    row_of_pair: torch.Tensor  # [M] int64: received row of each grouped (row, slot) pair
+    weight_of_pair: torch.Tensor  # [M] fp32: routing weight of each grouped pair
     num_tokens: int
     dtype: torch.dtype
 
@@ -94,72 +97,90 @@ class AllToAllDispatcher:
         return self._tables[device]
 
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> AllToAllDispatchOutput:
-        """Send every (token, slot) pair to its expert's rank; return the grouped rows here."""
+        """Send each token once to every rank owning one of its experts; group rows here."""
         import torch.distributed as dist
 
         _check_local(hidden_states, topk)
         num_tokens, hidden_size = hidden_states.shape
+        top_k = topk.ids.shape[1]
         device = hidden_states.device
         world, slots = self.world_size, self._slots
         dest_E, local_E = self._routing_table(device)
-        ids = topk.ids.reshape(-1).long()
-        valid = ids >= 0
-        safe = torch.where(valid, ids, 0).clamp(max=self.placement.num_total - 1)
-        key = torch.where(valid, dest_E[safe] * slots + local_E[safe], world * slots)
-        order = torch.argsort(key, stable=True)
-        counts = torch.zeros(world * slots + 1, dtype=torch.int64, device=device)
-        counts.scatter_add_(0, key, torch.ones_like(key))
+        ids_TK = topk.ids.long()
+        valid_TK = ids_TK >= 0
+        safe = torch.where(valid_TK, ids_TK, 0).clamp(max=self.placement.num_total - 1)
+        dest_TK = torch.where(valid_TK, dest_E[safe], world)
+        local_TK = local_E[safe]
+        # Which ranks each token visits (once each), and pair counts per (rank, local expert).
+        visits_TW = torch.zeros((num_tokens, world + 1), dtype=torch.bool, device=device)
+        visits_TW.scatter_(1, dest_TK, True)
+        visits_TW = visits_TW[:, :world]
+        pair_key = torch.where(valid_TK, dest_TK * slots + local_TK, world * slots).reshape(-1)
+        pair_counts = torch.zeros(world * slots + 1, dtype=torch.int64, device=device)
+        pair_counts.scatter_add_(0, pair_key, torch.ones_like(pair_key))
 
         header = torch.tensor(
             [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype], -1],
             dtype=torch.int64,
             device=device,
         )
-        if ids.numel():
-            header[3] = ids.max()
-        row = torch.cat([header, counts[: world * slots]]).to(collective_device(self.group))
-        table = _all_gather_rows(row, self.group).cpu()
+        if ids_TK.numel():
+            header[3] = ids_TK.max()
+        row = torch.cat([header, visits_TW.sum(0), pair_counts[: world * slots]])
+        table = _all_gather_rows(row.to(collective_device(self.group)), self.group).cpu()
         self._check_world(table)
-        counts_SDL = table[:, len(_HEADER) :].view(world, world, slots)
-        send_splits = counts_SDL[self.rank].sum(1).tolist()
-        recv_LS = counts_SDL[:, self.rank, :]  # [source, local expert]
-        recv_splits = recv_LS.sum(1).tolist()
+        head = len(_HEADER)
+        rows_SD = table[:, head : head + world]  # rows each source sends each destination
+        pairs_SDL = table[:, head + world :].view(world, world, slots)
+        send_splits = rows_SD[self.rank].tolist()
+        recv_splits = rows_SD[:, self.rank].tolist()
 
-        num_send = sum(send_splits)
-        sent_pairs = order[:num_send]
-        top_k = topk.ids.shape[1]
-        token_of_row = sent_pairs // top_k
-        weight_of_row = topk.weights.reshape(-1).float()[sent_pairs]
-        send_buf = hidden_states[token_of_row]
-        recv_buf = hidden_states.new_empty((sum(recv_splits), hidden_size))
+        # Send rows in (destination, token) order: the token's hidden state, then its k slots'
+        # local ids (-1: not on that rank) and weights, bit-packed into the same row.
+        dest_of_row, token_of_row = visits_TW.t().nonzero(as_tuple=True)
+        meta_ids = torch.where(
+            dest_TK[token_of_row] == dest_of_row[:, None], local_TK[token_of_row], -1
+        ).to(torch.int32)
+        meta_w = topk.weights.float()[token_of_row].contiguous().view(torch.int32)
+        meta = torch.cat([meta_ids, meta_w], dim=1).view(hidden_states.dtype)
+        send_buf = torch.cat([hidden_states[token_of_row], meta], dim=1)
+        recv_buf = send_buf.new_empty((sum(recv_splits), send_buf.shape[1]))
         dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits, group=self.group)
-
-        # Received rows are ordered (source, local expert); regroup them (local expert, source).
-        experts = self.num_local_experts
-        label = torch.arange(slots, device=device).repeat(world)
-        label = torch.repeat_interleave(
-            label, recv_LS.reshape(-1).to(device), output_size=sum(recv_splits)
+        recv_meta = recv_buf[:, hidden_size:].contiguous().view(torch.int32)
+        recv_ids, recv_w = (
+            recv_meta[:, :top_k],
+            recv_meta[:, top_k:].contiguous().view(torch.float32),
         )
-        grouped_order = torch.argsort(label, stable=True)
-        offsets = torch.zeros(experts + 1, dtype=torch.int64, device=device)
-        offsets[1:] = torch.cumsum(recv_LS.sum(0)[:experts], 0).to(device)
+
+        # Expand received rows into (row, slot) pairs grouped by local expert.
+        experts = self.num_local_experts
+        per_expert = pairs_SDL[:, self.rank, :experts].sum(0)
+        num_pairs = int(per_expert.sum())
+        key = torch.where(recv_ids >= 0, recv_ids.long(), experts).reshape(-1)
+        pair_order = torch.argsort(key, stable=True)[:num_pairs]
+        row_of_pair = pair_order // top_k
+        offsets = torch.zeros(experts + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(per_expert, 0)
         handle = AllToAllHandle(
             token_of_row,
-            weight_of_row,
             send_splits,
             recv_splits,
-            grouped_order,
+            row_of_pair,
+            recv_w.reshape(-1)[pair_order],
             num_tokens,
             hidden_states.dtype,
         )
         return AllToAllDispatchOutput(
-            hidden_states=recv_buf[grouped_order], expert_offsets=offsets, handle=handle
+            hidden_states=recv_buf[row_of_pair, :hidden_size],
+            expert_offsets=offsets.to(device),
+            handle=handle,
         )
 
     def combine(
         self, output: torch.Tensor, dispatch_output: AllToAllDispatchOutput
     ) -> torch.Tensor:
-        """Send unweighted expert rows ``[M, H]`` back; return ``sum_k w * y`` as ``[T, H]``."""
+        """Weight and sum expert rows ``[M, H]`` per received row, send them back, and sum
+        each token's rows from every rank (fp32 sums); returns ``[T, H]``."""
         import torch.distributed as dist
 
         h = dispatch_output.handle
@@ -169,12 +190,16 @@ class AllToAllDispatcher:
                 f"output must have the dispatched shape {list(dispatch_output.hidden_states.shape)}"
                 f", got {list(output.shape)}"
             )
-        received_order = torch.empty_like(output)
-        received_order[h.grouped_order] = output
+        partial = torch.zeros(
+            (sum(h.recv_splits), hidden_size), dtype=torch.float32, device=output.device
+        )
+        partial.index_add_(0, h.row_of_pair, output.float() * h.weight_of_pair[:, None])
         back = output.new_empty((len(h.token_of_row), hidden_size))
-        dist.all_to_all_single(back, received_order, h.send_splits, h.recv_splits, group=self.group)
+        dist.all_to_all_single(
+            back, partial.to(output.dtype), h.send_splits, h.recv_splits, group=self.group
+        )
         out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
-        out.index_add_(0, h.token_of_row, back.float() * h.weight_of_row[:, None])
+        out.index_add_(0, h.token_of_row, back.float())
         return out.to(h.dtype)
 
     def _check_world(self, table: torch.Tensor) -> None:
