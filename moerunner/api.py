@@ -33,6 +33,7 @@ def fused_moe(
     swiglu_alpha: float | None = None,
     swiglu_limit: float | None = None,
     backend: str = "auto",
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on pre-routed tokens.
 
@@ -49,13 +50,16 @@ def fused_moe(
         gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints).
         swiglu_alpha, swiglu_limit: ``swiglu_oai`` parameters (defaults 1.702 and 7.0).
         backend: a backend name or ``"auto"``.
+        check_ids: verify ``-1 <= ids < E`` (one host read on a GPU). Callers whose ids come
+            from ``select_experts`` may pass False; kernels then still skip ids outside
+            ``[0, E)``, but silently.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype: sum over slots of weight x expert(x).
     """
     act = check_activation(activation, swiglu_alpha, swiglu_limit)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, bool(gate_up_interleaved))
-    topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act)
+    topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act, check_ids)
     runner = MoeRunner(backend)
     spec = weights.spec(act)
     dispatch_output = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
@@ -70,6 +74,7 @@ def validate_call(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act: Activation,
+    check_ids: bool = True,
 ) -> TopK:
     """Check every argument of a call; return the routing as ``TopK`` (fp32 / int32)."""
     weights.validate(act)
@@ -119,8 +124,8 @@ def validate_call(
         )
     if top_k > weights.num_experts:
         raise MoeInputError(f"top_k={top_k} exceeds the number of experts E={weights.num_experts}")
-    if num_tokens and _may_sync():
-        low, high = int(topk_ids.min()), int(topk_ids.max())
+    if check_ids and num_tokens and _may_sync():
+        low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()  # one host read
         if low < -1 or high >= weights.num_experts:
             raise MoeInputError(
                 f"topk_ids must be in [-1, E={weights.num_experts}), got values in [{low}, {high}]"

@@ -26,6 +26,7 @@ def fused_experts(
     swiglu_limit: float | None,
     gate_up_interleaved: bool,
     backend: str,
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """``fused_moe`` as an opaque graph node (same arguments, positional)."""
     out = fused_moe(
@@ -41,6 +42,7 @@ def fused_experts(
         swiglu_alpha=swiglu_alpha,
         swiglu_limit=swiglu_limit,
         backend=backend,
+        check_ids=check_ids,
     )
     return out if out.numel() else out.clone()
 
@@ -59,5 +61,6 @@ def _fused_experts_fake(
     swiglu_limit,
     gate_up_interleaved,
     backend,
+    check_ids=True,
 ):
     return torch.empty_like(hidden_states)

@@ -48,11 +48,14 @@ class Registry:
     fused_ops: dict[tuple[str, str], FusedOp] = field(default_factory=dict)
     cores: dict[str, Core] = field(default_factory=dict)
     permutes: dict[str, tuple[Callable, Callable]] = field(default_factory=dict)
+    # Selections memoised per (problem, request, preference); cleared by every register_*.
+    _selections: dict = field(default_factory=dict, repr=False)
 
     def register_backend(self, backend: Backend) -> Backend:
         """Add a backend object under its ``name``."""
         if not backend.name:
             raise ValueError("a backend needs a non-empty name")
+        self._selections.clear()
         self.backends[backend.name] = backend
         return backend
 
@@ -60,6 +63,7 @@ class Registry:
         """Decorator: ``fn(dispatch_output, prepared) -> output`` for (format, backend)."""
 
         def wrap(fn: FusedOp) -> FusedOp:
+            self._selections.clear()
             self.fused_ops[(dispatch_format, backend)] = fn
             return fn
 
@@ -69,6 +73,7 @@ class Registry:
         """Decorator: ``fn(x_MH, expert_offsets, prepared) -> y_MH`` for a backend."""
 
         def wrap(fn: Core) -> Core:
+            self._selections.clear()
             self.cores[backend] = fn
             return fn
 
@@ -76,6 +81,7 @@ class Registry:
 
     def register_permute(self, dispatch_format: str, pre: Callable, post: Callable) -> None:
         """Pre- and post-permute between ``dispatch_format`` and the grouped layout."""
+        self._selections.clear()
         self.permutes[dispatch_format] = (pre, post)
 
     def paths(self, backend: str) -> dict[str, str]:
@@ -110,7 +116,24 @@ class Registry:
         requested: str = "auto",
         preference: dict[str, tuple[str, ...]] | None = None,
     ) -> Selection:
-        """Pick a backend for ``problem``; raise naming every backend and why it was not taken."""
+        """Pick a backend for ``problem``; raise naming every backend and why it was not taken.
+
+        Successful choices are memoised (a decode step asks the same question every layer).
+        """
+        key = (problem, requested, None if preference is None else tuple(preference.items()))
+        cached = self._selections.get(key)
+        if cached is not None:
+            return cached
+        selection = self._select(problem, requested, preference)
+        self._selections[key] = selection
+        return selection
+
+    def _select(
+        self,
+        problem: MoeProblem,
+        requested: str,
+        preference: dict[str, tuple[str, ...]] | None,
+    ) -> Selection:
         if requested != "auto" and requested not in self.backends:
             raise BackendUnavailableError(
                 f"backend {requested!r} is not registered; registered: "

@@ -124,3 +124,17 @@ def test_layer_quantize_requires_known_scheme():
     layer = moerunner.MoE(moerunner.MoeConfig(4, 32, 16, 2))
     with pytest.raises(ValueError, match="scheme"):
         layer.quantize_("fp7_magic")
+
+
+def test_quantized_weights_are_prepared_once():
+    x, plain, tw, ids = Case("q", hidden=64, inter=64).build(torch.float32)
+    w13, w2 = moerunner.quantize(plain.w13, "mxfp4"), moerunner.quantize(plain.w2, "mxfp4")
+    backend = moerunner.default_registry().backends["torch"]
+    original, prepares = backend.prepare_weights, []
+    backend.prepare_weights = lambda *a, **k: prepares.append(1) or original(*a, **k)
+    try:
+        for _ in range(3):
+            moerunner.fused_moe(x, w13, w2, tw, ids, backend="torch")
+    finally:
+        del backend.prepare_weights
+    assert len(prepares) == 1

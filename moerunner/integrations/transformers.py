@@ -99,6 +99,7 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
             w2_bias=expert_w.w2_bias,
             gate_up_interleaved=expert_w.gate_up_interleaved,
             backend=chosen,
+            check_ids=False,  # ids come from the model's own router
         )
         return out.reshape(hidden_states.shape)
 

@@ -116,7 +116,18 @@ class QuantizedWeight:
     the module header says; the constructor checks every dtype and shape against the scheme.
     """
 
-    __slots__ = ("scheme", "shape", "data", "scale", "global_scale", "zero_point", "input_scale")
+    # ``_moerunner_prepared``: the runner's per-weight cache of backend-prepared forms.
+    __slots__ = (
+        "scheme",
+        "shape",
+        "data",
+        "scale",
+        "global_scale",
+        "zero_point",
+        "input_scale",
+        "_moerunner_prepared",
+        "__weakref__",
+    )
 
     def __init__(
         self,
