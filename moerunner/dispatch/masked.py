@@ -173,7 +173,9 @@ class MaskedDispatcher:
         # Send buffer: row (dest, local, position); rows beyond capacity go to a dropped row.
         fits = valid & (position < cap)
         send_index = torch.where(fits, key * cap + position, keys * cap)
-        send = hidden_states.new_zeros((keys * cap + 1, hidden_size))
+        send = hidden_states.new_empty(  # unsent rows are never read on the receiving side
+            (keys * cap + 1, hidden_size)
+        )
         send.index_copy_(0, send_index, hidden_states.repeat_interleave(topk.ids.shape[1], 0))
         recv = torch.empty_like(send[: keys * cap])
         dist.all_to_all_single(recv, send[: keys * cap], group=self.group)
