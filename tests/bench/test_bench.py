@@ -74,21 +74,37 @@ def test_presets_match_transformers_configs():
     n = NemotronHConfig()
     p = presets.PRESETS
     assert (p["mixtral-8x7b"].num_experts, p["mixtral-8x7b"].hidden_size) == (
-        m.num_local_experts, m.hidden_size)
+        m.num_local_experts,
+        m.hidden_size,
+    )
     assert (p["mixtral-8x7b"].intermediate_size, p["mixtral-8x7b"].top_k) == (
-        m.intermediate_size, m.num_experts_per_tok)
-    assert (p["qwen3-30b-a3b"].num_experts, p["qwen3-30b-a3b"].hidden_size,
-            p["qwen3-30b-a3b"].intermediate_size, p["qwen3-30b-a3b"].top_k) == (
-        q.num_experts, q.hidden_size, q.moe_intermediate_size, q.num_experts_per_tok)
-    assert (p["deepseek-v3"].num_experts, p["deepseek-v3"].hidden_size,
-            p["deepseek-v3"].intermediate_size, p["deepseek-v3"].top_k) == (
-        d.n_routed_experts, d.hidden_size, d.moe_intermediate_size, d.num_experts_per_tok)
-    assert (p["gpt-oss-120b"].num_experts, p["gpt-oss-120b"].hidden_size,
-            p["gpt-oss-120b"].intermediate_size, p["gpt-oss-120b"].top_k) == (
-        g.num_local_experts, g.hidden_size, g.intermediate_size, g.num_experts_per_tok)
-    assert (p["nemotron-h"].num_experts, p["nemotron-h"].hidden_size,
-            p["nemotron-h"].intermediate_size, p["nemotron-h"].top_k) == (
-        n.n_routed_experts, n.hidden_size, n.moe_intermediate_size, n.num_experts_per_tok)
+        m.intermediate_size,
+        m.num_experts_per_tok,
+    )
+    assert (
+        p["qwen3-30b-a3b"].num_experts,
+        p["qwen3-30b-a3b"].hidden_size,
+        p["qwen3-30b-a3b"].intermediate_size,
+        p["qwen3-30b-a3b"].top_k,
+    ) == (q.num_experts, q.hidden_size, q.moe_intermediate_size, q.num_experts_per_tok)
+    assert (
+        p["deepseek-v3"].num_experts,
+        p["deepseek-v3"].hidden_size,
+        p["deepseek-v3"].intermediate_size,
+        p["deepseek-v3"].top_k,
+    ) == (d.n_routed_experts, d.hidden_size, d.moe_intermediate_size, d.num_experts_per_tok)
+    assert (
+        p["gpt-oss-120b"].num_experts,
+        p["gpt-oss-120b"].hidden_size,
+        p["gpt-oss-120b"].intermediate_size,
+        p["gpt-oss-120b"].top_k,
+    ) == (g.num_local_experts, g.hidden_size, g.intermediate_size, g.num_experts_per_tok)
+    assert (
+        p["nemotron-h"].num_experts,
+        p["nemotron-h"].hidden_size,
+        p["nemotron-h"].intermediate_size,
+        p["nemotron-h"].top_k,
+    ) == (n.n_routed_experts, n.hidden_size, n.moe_intermediate_size, n.num_experts_per_tok)
     assert n.mlp_hidden_act == p["nemotron-h"].activation == "relu2"
     assert p["nemotron-h-tp8"].intermediate_size == 961  # 7688 / 8: not a multiple of 16
 
@@ -141,14 +157,43 @@ def test_reference_check_flags_a_wrong_output():
 def test_cli_end_to_end_on_cpu(tmp_path, capsys):
     cache = tmp_path / "ceilings.json"
     key = roofline.device_key(torch.device("cpu"))
-    cache.write_text(json.dumps({key: {"device": key, "copy_gbps": 10.0,
-                                       "peak_tflops": {"fp32": 0.1, "bf16": 0.05}}}))
+    cache.write_text(
+        json.dumps(
+            {key: {"device": key, "copy_gbps": 10.0, "peak_tflops": {"fp32": 0.1, "bf16": 0.05}}}
+        )
+    )
     out = tmp_path / "r.json"
-    argv = ["--preset", "cpu-tiny", "--tokens", "0,1,8", "--routing", "uniform,zipf",
-            "--schemes", "bf16,fp32", "--preset-schemes", "cpu-tiny=fp8_block",
-            "--device", "cpu", "--min-time", "0.002", "--max-reps", "3", "--rotations", "2",
-            "--ceilings", str(cache), "--json", str(out), "--png", str(tmp_path / "r.png"),
-            "--md", str(tmp_path / "r.md"), "--quiet"]
+    argv = [
+        "--preset",
+        "cpu-tiny",
+        "--tokens",
+        "0,1,8",
+        "--routing",
+        "uniform,zipf",
+        "--schemes",
+        "bf16,fp32",
+        "--preset-schemes",
+        "cpu-tiny=fp8_block",
+        "--device",
+        "cpu",
+        "--backends",
+        "torch",
+        "--min-time",
+        "0.002",
+        "--max-reps",
+        "3",
+        "--rotations",
+        "2",
+        "--ceilings",
+        str(cache),
+        "--json",
+        str(out),
+        "--png",
+        str(tmp_path / "r.png"),
+        "--md",
+        str(tmp_path / "r.md"),
+        "--quiet",
+    ]
     assert cli_bench.main(argv) == 0
     text = capsys.readouterr().out
     assert "hf:eager" in text and "hf:grouped_mm" in text and "torch" in text
@@ -160,8 +205,13 @@ def test_cli_end_to_end_on_cpu(tmp_path, capsys):
     assert eval(record["config"], {"BenchConfig": type(config), "BenchShape": BenchShape}) == config
     measured = [r for r in rows if r.status == "ok"]
     impls = {(r.impl, r.scheme) for r in measured}
-    assert {("torch", "bf16"), ("torch", "fp32"), ("torch", "fp8_block"),
-            ("baseline:eager", "bf16"), ("baseline:grouped_mm", "fp32")} <= impls
+    assert {
+        ("torch", "bf16"),
+        ("torch", "fp32"),
+        ("torch", "fp8_block"),
+        ("baseline:eager", "bf16"),
+        ("baseline:grouped_mm", "fp32"),
+    } <= impls
     for r in measured:
         if r.tokens:
             assert r.time_us > 0 and r.pct_roofline > 0 and r.checked_tokens > 0
