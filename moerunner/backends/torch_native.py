@@ -89,7 +89,10 @@ def _linear(
     return out
 
 
-def _expert_forward(x_MH: torch.Tensor, e: int, prepared: PreparedWeights) -> torch.Tensor:
+def _expert_forward(
+    x_MH: torch.Tensor, e: int, prepared: PreparedWeights, out_MH: torch.Tensor
+) -> None:
+    """One expert on its rows, written into ``out_MH`` (a row slice of the core's output)."""
     t = prepared.tensors
     scheme, scheme2 = t.get("scheme"), t.get("scheme2")
     b13 = None if t["w13_bias"] is None else t["w13_bias"][e]
@@ -97,7 +100,10 @@ def _expert_forward(x_MH: torch.Tensor, e: int, prepared: PreparedWeights) -> to
     s13, s2 = (None if t.get(k) is None else t[k][e] for k in ("input_scale", "input_scale2"))
     h = _linear(x_MH, t["w13"][e], b13, scheme, s13).to(x_MH.dtype)
     a = apply_activation(h, prepared.spec).to(x_MH.dtype)
-    return _linear(a, t["w2"][e], b2, scheme2, s2).to(x_MH.dtype)
+    if scheme2 is None and b2 is None:  # plain weights: GEMM2 straight into the output rows
+        torch.mm(a, t["w2"][e].transpose(0, 1), out=out_MH)
+    else:
+        out_MH.copy_(_linear(a, t["w2"][e], b2, scheme2, s2))
 
 
 def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
@@ -149,7 +155,7 @@ def torch_core(
     for e in range(prepared.spec.num_experts):
         start, end = bounds[e], bounds[e + 1]
         if end > start:
-            y_MH[start:end] = _expert_forward(x_MH[start:end], e, prepared)
+            _expert_forward(x_MH[start:end], e, prepared, y_MH[start:end])
     return y_MH
 
 

@@ -28,7 +28,9 @@ class PermuteContext:
 def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable order of rows by ``key`` (``num_experts`` = padding, last) and the offsets."""
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add into a fixed-size buffer: unlike bincount, no host read of max(key).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
     offsets[1:] = torch.cumsum(counts, dim=0)
     return order, offsets
