@@ -67,9 +67,14 @@ class AllToAllDispatcher:
         placement: which rank owns each expert (``ExpertPlacement``); its ``world_size`` must
             equal the group's size and be the same on every rank (checked here, collectively).
         group: the ``torch.distributed`` process group (``None``: the default group).
+        combine_dtype: dtype of the per-(token, rank) partial sums sent back; ``None``: the
+            hidden dtype (DeepEP's choice: one extra rounding of each partial sum, about one
+            bf16 ulp); ``torch.float32`` doubles the return traffic and rounds only once.
     """
 
-    def __init__(self, placement: ExpertPlacement, group=None) -> None:
+    def __init__(
+        self, placement: ExpertPlacement, group=None, *, combine_dtype: torch.dtype | None = None
+    ) -> None:
         if not isinstance(placement, ExpertPlacement):
             raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
         from ..distributed import check_consistent
@@ -86,6 +91,9 @@ class AllToAllDispatcher:
                 f"placement is for world_size={placement.world_size} but the process group has "
                 f"{self.world_size} ranks"
             )
+        if combine_dtype not in (None, *DTYPE_CODES):
+            raise TypeError(f"combine_dtype must be None or one of {list(DTYPE_CODES)}")
+        self.combine_dtype = combine_dtype
         self.placement = placement
         self.num_local_experts = placement.num_local(self.rank)
         self._slots = max(placement.max_local, 1)  # local-id stride per destination
@@ -194,9 +202,10 @@ class AllToAllDispatcher:
             (sum(h.recv_splits), hidden_size), dtype=torch.float32, device=output.device
         )
         partial.index_add_(0, h.row_of_pair, output.float() * h.weight_of_pair[:, None])
-        back = output.new_empty((len(h.token_of_row), hidden_size))
+        wire = self.combine_dtype or output.dtype
+        back = partial.new_empty((len(h.token_of_row), hidden_size), dtype=wire)
         dist.all_to_all_single(
-            back, partial.to(output.dtype), h.send_splits, h.recv_splits, group=self.group
+            back, partial.to(wire), h.send_splits, h.recv_splits, group=self.group
         )
         out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
         out.index_add_(0, h.token_of_row, back.float())

@@ -113,6 +113,16 @@ def scenarios(rank: int, world: int) -> dict:
         )(everyone_x, everyone_topk),
     )
 
+    def bf16_exact_combine():
+        from moerunner.dispatch.all_to_all import AllToAllDispatcher
+
+        wb = ExpertWeights(weights.w13.bfloat16(), weights.w2.bfloat16())
+        moe = ExpertParallelMoE.from_global(wb, dispatcher="all_to_all", backend="torch")
+        moe.dispatcher = AllToAllDispatcher(moe.placement, combine_dtype=torch.float32)
+        return moe(x.bfloat16(), topk)
+
+    results["all_to_all/bf16_fp32_combine"] = _run("bf16", bf16_exact_combine)
+
     # Skewed load: every token's first slot on expert 0.
     skew_w, skew = make_case(world, seed=3, skew=True)
     sx, stopk = skew[rank]
@@ -258,6 +268,20 @@ def test_standard_ownership_and_tensor_parallel(world, name):
     for rank in range(size):
         assert results[rank][name]["error"] is None, results[rank][name]["error"]
         _close(results[rank][name]["out"], want, 1e-5)
+
+
+def test_all_to_all_bf16_with_fp32_combine(world):
+    # bf16 experts; partial sums travel back in fp32, so the only rounding left is the final
+    # one, as in the single process: results within one bf16 ulp (2^-8) of the largest value.
+    size, results = world
+    weights, per_rank = make_case(size)
+    wb = ExpertWeights(weights.w13.bfloat16(), weights.w2.bfloat16())
+    for rank, (x, topk) in enumerate(per_rank):
+        record = results[rank]["all_to_all/bf16_fp32_combine"]
+        assert record["error"] is None, record["error"]
+        assert record["out"].dtype == torch.bfloat16
+        want = single_process(wb, x.bfloat16(), topk) if x.shape[0] else torch.empty(0, H)
+        _close(record["out"], want.bfloat16(), 2**-8)
 
 
 @pytest.mark.parametrize("kind", ["all_to_all", "masked"])
