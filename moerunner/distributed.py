@@ -63,9 +63,10 @@ def all_gather_ints(values: torch.Tensor, group=None) -> torch.Tensor:
     _, world = rank_and_size(group)
     flat = values.reshape(-1).to(torch.int64)
     out = torch.empty((world, flat.numel()), dtype=torch.int64, device=flat.device)
-    dist.all_gather_into_tensor(out, flat, group=group) if flat.is_cuda else dist.all_gather(
-        list(out.unbind(0)), flat, group=group
-    )
+    if flat.is_cuda:
+        dist.all_gather_into_tensor(out, flat, group=group)
+    else:  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.unbind(0)), flat, group=group)
     return out
 
 
