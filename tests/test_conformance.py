@@ -17,6 +17,8 @@ from moerunner.routing import TopK
 from moerunner.testing import assert_close, error_bound
 
 PATHS = backend_paths()
+# The matrix runs on the CPU everywhere and again on the GPU where there is one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def run_path(backend: str, force_permute: bool, x, weights, topk_weights, topk_ids, activation):
@@ -29,14 +31,15 @@ def run_path(backend: str, force_permute: bool, x, weights, topk_weights, topk_i
     return runner.run(dispatch_output, prepared)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 @pytest.mark.parametrize(
     "path", PATHS, ids=[f"{b}-{'permute' if p else 'fused'}" for b, p in PATHS]
 )
-def test_backend_matches_reference(path, case: Case, dtype):
+def test_backend_matches_reference(path, case: Case, dtype, device):
     backend, force_permute = path
-    x, weights, tw, ids = case.build(dtype)
+    x, weights, tw, ids = case.build(dtype, device)
     ok, reason = supports(backend, x, weights, case.activation)
     if not ok:
         pytest.skip(f"{backend} does not claim this: {reason}")
@@ -133,12 +136,13 @@ def _scheme_tolerance(scheme_name: str) -> float:
     return error_bound(torch.float32, get_scheme(scheme_name).activation_format != "none")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", SCHEME_CASES, ids=[c.name for c in SCHEME_CASES])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize(
     "path", PATHS, ids=[f"{b}-{'permute' if p else 'fused'}" for b, p in PATHS]
 )
-def test_quantized_scheme_matches_reference(path, scheme, case):
+def test_quantized_scheme_matches_reference(path, scheme, case, device):
     backend, force_permute = path
     from moerunner.quant import get_scheme
 
@@ -147,12 +151,13 @@ def test_quantized_scheme_matches_reference(path, scheme, case):
     # Static schemes carry a calibrated activation scale; any fixed value defines the function.
     s13, s2 = (torch.full((case.experts,), v) if static else None for v in (0.02, 0.005))
     weights = moerunner.ExpertWeights(
-        moerunner.quantize(plain.w13, scheme, input_scale=s13),
-        moerunner.quantize(plain.w2, scheme, input_scale=s2),
-        plain.w13_bias,
-        plain.w2_bias,
+        moerunner.quantize(plain.w13, scheme, input_scale=s13).to(device),
+        moerunner.quantize(plain.w2, scheme, input_scale=s2).to(device),
+        None if plain.w13_bias is None else plain.w13_bias.to(device),
+        None if plain.w2_bias is None else plain.w2_bias.to(device),
         plain.gate_up_interleaved,
     )
+    x, tw, ids = x.to(device), tw.to(device), ids.to(device)
     ok, reason = supports(backend, x, weights, case.activation)
     if not ok:
         pytest.skip(f"{backend} does not claim this: {reason}")
