@@ -149,7 +149,7 @@ def run(args) -> list[dict]:
     ep_sizes = _ints(args.ep_sizes) or [n for n in (1, 2, 4, 8, 16, 32) if n <= world]
     groups = {n: dist.new_group(list(range(n))) for n in ep_sizes if 1 < n <= world}
     act = Activation("silu")
-    rows = []
+    rows = _Rows(verbose=rank == 0)
     for preset in args.presets.split(","):
         shape = get_preset(preset)
         for scheme in args.schemes.split(","):
@@ -182,6 +182,11 @@ def run(args) -> list[dict]:
                 "I": spec.intermediate_size,
                 "k": shape.top_k,
             }
+            shards = {}  # ep -> (placement, this rank's experts), cut once per weights
+            for ep in groups:
+                if rank < ep:
+                    placement = ExpertPlacement.contiguous(shape.num_experts, ep)
+                    shards[ep] = (placement, shard_expert_weights(weights, placement, rank))
             for tokens in _ints(args.tokens):
                 x, topk = make_tokens(
                     shape, weights.hidden_size, tokens, device, args.seed + 1000 * (rank + 1)
@@ -208,8 +213,7 @@ def run(args) -> list[dict]:
                     )
                 for ep, group in groups.items():
                     if rank < ep:
-                        placement = ExpertPlacement.contiguous(shape.num_experts, ep)
-                        local = shard_expert_weights(weights, placement, rank)
+                        placement, local = shards[ep]
                         for kind in args.dispatchers.split(","):
                             rows.append(
                                 {
@@ -234,7 +238,7 @@ def run(args) -> list[dict]:
                                 }
                             )
                     dist.barrier()
-            weights = prepared = None  # free before the next preset's weights
+            weights = prepared = shards = None  # free before the next preset's weights
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -267,6 +271,19 @@ def measure(args, kind, local, placement, group, x, topk, reference, tokens, sha
         "capacity": capacity,
         "ep_backend": moe.runner.backend,
     }
+
+
+class _Rows(list):
+    """Rows; rank 0 also prints each as it comes, so a run cut short still reports."""
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__()
+        self.verbose = verbose
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.verbose:
+            print("row", json.dumps(row), flush=True)
 
 
 class _null:
