@@ -55,6 +55,8 @@ PERF_PLAN = [  # (preset, scheme, token counts)
     ("deepseek-v3", "fp8_block", tune.DEFAULT_TOKENS),
     ("gpt-oss-120b", "mxfp4", tune.DEFAULT_TOKENS),
     ("gpt-oss-120b", "mxfp4:gather", (1, 16, 64, 4096)),
+    ("gpt-oss-120b", "mxfp4:dotscaled", tune.DEFAULT_TOKENS),
+    ("qwen3-30b-a3b", "bf16:gemv", (1,)),
 ]
 
 
@@ -168,6 +170,11 @@ def part_check():
         ("T=300 large-T align", "bf16", "silu", dict(T=1200, E=8, k=2)),
         ("E=256 k=8", "fp8_block", "silu", dict(T=20, E=256, k=8, H=256, I=128)),
     ]
+    minus_one = lambda i: torch.where(torch.rand(i.shape, device=DEV) < 0.3, -1, i)  # noqa: E731
+    plan += [("few rows (no align)", s, "swiglu_oai", dict(T=4, edit_ids=minus_one))
+             for s in ["bf16", "fp16"] + quant]
+    plan += [("few rows (no align)", "bf16", "relu2", dict(T=3, I=961, H=320)),
+             ("few rows E=256 k=8", "fp8_block", "silu", dict(T=2, E=256, k=8, I=128))]
     for name, scheme, act, kw in plan:
         dtype = kw.pop("dtype", torch.float16 if scheme == "fp16" else torch.bfloat16)
         try:
@@ -179,6 +186,23 @@ def part_check():
         print(f"check {name:24s} {scheme:12s} {act:10s} ok={r['ok']} "
               f"torch={r.get('err_vs_torch', -1):.2e} ref={r.get('err_vs_ref', -1):.2e}",
               flush=True)
+    X.MX_DOT_SCALED = True
+    for scheme in ("mxfp4", "mxfp4_mxfp8", "mxfp8"):
+        for act in ("silu", "swiglu_oai"):
+            try:
+                rows.append(check_case("dot_scaled", scheme, act))
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append(dict(case="dot_scaled", scheme=scheme, act=act, ok=False,
+                                 error=repr(exc)[:300]))
+            print(f"check dot_scaled {scheme} {act} ok={rows[-1]['ok']} "
+                  f"torch={rows[-1].get('err_vs_torch', -1):.2e}", flush=True)
+    X.MX_DOT_SCALED = False
+    X.GEMV_MAX_ROWS = 16
+    for scheme in ["bf16", "fp8_block", "mxfp4", "int4", "int8", "nvfp4"]:
+        rows.append(check_case("few rows kernel", scheme, "swiglu_oai", T=4))
+        print(f"check few-rows {scheme} ok={rows[-1]['ok']}", flush=True)
+    X.GEMV_MAX_ROWS = 0
     try:
         rows.append(graph_case())
     except Exception as exc:
@@ -196,6 +220,10 @@ def measure_peaks():
     ms = tt.do_bench(functools.partial(dst.copy_, src), warmup=25, rep=200,
                      return_mode="median")
     copy_bw = 2 * n / (ms * 1e-3)
+    big = src.view(torch.float32)
+    ms = tt.do_bench(functools.partial(torch.sum, big), warmup=25, rep=200,
+                     return_mode="median")
+    read_bw = n / (ms * 1e-3)
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     ms = tt.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
@@ -205,7 +233,8 @@ def measure_peaks():
     ms = tt.do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
                      warmup=25, rep=200, return_mode="median")
     fp8 = 2 * 8192 ** 3 / (ms * 1e-3)
-    return dict(copy_bytes_per_s=copy_bw, bf16_flops=bf16, fp8_flops=fp8)
+    return dict(copy_bytes_per_s=copy_bw, read_bytes_per_s=read_bw, bf16_flops=bf16,
+                fp8_flops=fp8)
 
 
 def expert_bytes(prepared) -> float:
@@ -264,6 +293,8 @@ def part_perf(peaks, plan, with_torch=True):
     for preset, scheme, tokens in plan:
         scheme, _, variant = scheme.partition(":")
         X.PACKED_SCALE_GATHER = variant == "gather"
+        X.GEMV_MAX_ROWS = 0 if variant == "gemv" else 0
+        X.MX_DOT_SCALED = variant == "dotscaled"
         H, I, E, k, act_name = tune.PRESETS[preset]
         act = Activation(act_name)
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
@@ -278,7 +309,7 @@ def part_perf(peaks, plan, with_torch=True):
                 continue
             nbytes = uniq * per_expert + 2 * T * H * 2
             flops = 2 * T * k * H * ((2 if act.gated else 1) * I + I)
-            roof = nbytes / peaks["copy_bytes_per_s"]
+            roof = nbytes / peaks["read_bytes_per_s"]
             peak = peaks["fp8_flops"] if scheme == "fp8_block" else peaks["bf16_flops"]
             label = scheme + (":" + variant if variant else "")
             row = dict(preset=preset, scheme=label, T=T, us=ms * 1e3, experts_hit=uniq,
@@ -326,6 +357,7 @@ def main():
     ap.add_argument("--parts", nargs="+", default=["check", "perf"])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--presets", nargs="*", default=None)
+    ap.add_argument("--tune-tokens", nargs="*", type=int, default=None)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plan = [p for p in PERF_PLAN if args.presets is None or f"{p[0]}:{p[1]}" in args.presets]
@@ -340,7 +372,8 @@ def main():
         result["check"] = part_check()
         save()
     if "tune" in args.parts:
-        tune_plan = [p for p in plan if ":" not in p[1]]
+        tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan if ":" not in p[1]]
+        X.GEMV_MAX_ROWS = 0
         result["tuned_files"] = part_tune(tune_plan, args.out)
         save()
     if "perf" in args.parts:
@@ -356,7 +389,8 @@ def main():
                              ("case", "scheme", "act", "err_vs_torch", "err_vs_ref", "error")})
     if "peaks" in result:
         p = result["peaks"]
-        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
+        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  read "
+              f"{p['read_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
               f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s")
         print(f"{'preset':14s} {'scheme':9s} " + " ".join(f"{t:>13d}" for t in tune.DEFAULT_TOKENS))
         groups = {}

@@ -84,9 +84,12 @@ SCHEMES = ["fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16", "int4
            "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
 
 
+@pytest.mark.parametrize("path", ["grouped", "few_rows"])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantized_schemes_match_torch_backend(scheme, activation):
+def test_quantized_schemes_match_torch_backend(scheme, activation, path, monkeypatch):
+    """Both kernel sequences: aligned grouped GEMMs and the few-rows kernels."""
+    monkeypatch.setattr(experts, "GEMV_MAX_ROWS", 0 if path == "grouped" else 64)
     torch.manual_seed(1)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 5, 128, 128, 4, 2
@@ -107,9 +110,11 @@ def test_quantized_schemes_match_torch_backend(scheme, activation):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("few_rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "swiglu_oai"])
-def test_plain_weights_grouped_core_matches_fused(dtype, activation):
+def test_plain_weights_grouped_core_matches_fused(dtype, activation, few_rows, monkeypatch):
+    monkeypatch.setattr(experts, "GEMV_MAX_ROWS", 64 if few_rows else 0)
     torch.manual_seed(2)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 6, 64, 40, 4, 2
@@ -195,6 +200,26 @@ def test_shipped_tile_files_follow_the_schema():
                                                          key["scheme"], key["device"])
         for entry in doc["by_tokens"].values():
             tile_config.MoeTiles.from_dict(entry)
+
+
+def test_e2m1_bit_construction_is_exact():
+    """The bf16 bit patterns built in-kernel for fp4 codes equal torch's bf16 of the table."""
+    import triton
+    import triton.language as tl
+
+    from moerunner.backends.triton._gemm_kernel import _e2m1_bf16_bits
+    from moerunner.quant.codecs import E2M1_VALUES
+
+    @triton.jit
+    def bits_kernel(q_ptr, o_ptr):
+        r = tl.arange(0, 16)
+        tl.store(o_ptr + r, _e2m1_bf16_bits(tl.load(q_ptr + r)).to(tl.int16, bitcast=True))
+
+    q = torch.arange(16, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(16, dtype=torch.int16, device=DEVICE)
+    bits_kernel[(1,)](q, out)
+    want = torch.tensor(E2M1_VALUES).to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(out.cpu(), want)
 
 
 def test_backend_declares_interpreter_bf16_limit():

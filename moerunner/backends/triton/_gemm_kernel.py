@@ -71,7 +71,7 @@ def _e2m1_bf16_bits(q):
     # Normal codes (em >= 2): exponent field (em >> 1) + 126, mantissa bit em & 1 at bit 6,
     # which is exactly (em << 6) + (126 << 7). Code 1 is the subnormal 0.5 = 2^-1.
     mag = tl.where(em >= 2, (em << 6) + (126 << 7), tl.where(em == 1, 126 << 7, 0))
-    return mag | ((q & 8) << 12)
+    return (mag | ((q & 8) << 12)).to(tl.uint16)
 
 
 @triton.jit
@@ -240,6 +240,7 @@ def moe_gemm_kernel(
     A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
     IEEE: tl.constexpr, SCALE_GATHER: tl.constexpr, BF16_FP4: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]).
 
@@ -302,7 +303,38 @@ def moe_gemm_kernel(
     a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
     PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
     for k0 in range(0, K, BLOCK_K):
-        if PACKED:
+        if DOT_SCALED:
+            # MX weights through tl.dot_scaled (bf16 x e2m1/e4m3 with e8m0 scales per 32).
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K,
+                        other=0)
+            if W_FORMAT == 4:
+                offs_r = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                r_lim = (K + 1) // 2
+            else:
+                offs_r = k0 + tl.arange(0, BLOCK_K)
+                r_lim = K
+            offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            b_g = tl.load(w_base + offs_r[:, None] * stride_wk + rows_g[None, :] * stride_wn,
+                          mask=offs_r[:, None] < r_lim, other=0)
+            s_g = tl.load(s_base + rows_g[:, None] * stride_sn + offs_s[None, :] * stride_sk,
+                          mask=offs_s[None, :] < (K + 31) // 32, other=0)
+            if W_FORMAT == 4:
+                acc_g = tl.dot_scaled(a, None, "bf16", b_g, s_g, "e2m1", acc_g)
+            else:
+                acc_g = tl.dot_scaled(a, None, "bf16", b_g, s_g, "e4m3", acc_g)
+            if GATED:
+                b_u = tl.load(w_base + offs_r[:, None] * stride_wk
+                              + rows_u[None, :] * stride_wn,
+                              mask=offs_r[:, None] < r_lim, other=0)
+                s_u = tl.load(s_base + rows_u[:, None] * stride_sn
+                              + offs_s[None, :] * stride_sk,
+                              mask=offs_s[None, :] < (K + 31) // 32, other=0)
+                if W_FORMAT == 4:
+                    acc_u = tl.dot_scaled(a, None, "bf16", b_u, s_u, "e2m1", acc_u)
+                else:
+                    acc_u = tl.dot_scaled(a, None, "bf16", b_u, s_u, "e4m3", acc_u)
+        elif PACKED:
             # A's even and odd columns meet the low and high nibbles of each weight byte.
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             if EVEN_K:

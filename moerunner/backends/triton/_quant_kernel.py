@@ -15,7 +15,7 @@ import triton.language as tl
 
 # Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest
 # integer, ties to even (the hardware's rounding of the add).
-_ROUND_MAGIC = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

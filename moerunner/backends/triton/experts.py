@@ -22,6 +22,7 @@ from ...errors import MoeInputError
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
 from ._align import align_rows, max_padded_rows, topk_sum
+from ._gemv_kernel import gemv_block_n, moe_gemv_kernel
 from ._quant_kernel import quantize_rows
 from .tile_config import MoeTiles, lookup_tiles
 
@@ -36,6 +37,12 @@ _EMULATED_ACT = ("mxfp8", "nvfp4")
 # Packed 4-bit group scales: gather one per element (True) or load one per group and
 # broadcast in registers (False).
 PACKED_SCALE_GATHER = False
+# Standard-format calls with at most this many (token, slot) rows take the few-rows kernels
+# (no alignment, reduction fused into GEMM2). Off by default: on an H200 they were slower
+# than the aligned grouped GEMMs at T = 1 (benchmarks/results).
+GEMV_MAX_ROWS = 0
+# MX weights (e8m0 per 32) with a bf16 input go through tl.dot_scaled on the GPU.
+MX_DOT_SCALED = False
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset({
@@ -218,6 +225,10 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
         HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
         IEEE=a.dtype == torch.float32, SCALE_GATHER=PACKED_SCALE_GATHER,
+        DOT_SCALED=(MX_DOT_SCALED and a.is_cuda and a.dtype == torch.bfloat16
+                    and consts["SCALE_FMT"] == K.SF_E8M0 and not consts["QDOT"]
+                    and consts["W_FORMAT"] in (K.WF_E2M1, K.WF_FP8)
+                    and consts["GROUP_K"] == 32 and tile.block_k % 32 == 0),
         BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and consts["SCALE_FMT"] == K.SF_E8M0
                   and a.dtype == torch.bfloat16),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
@@ -272,6 +283,68 @@ def run_kernel_sequence(a_RH: torch.Tensor, row_expert: torch.Tensor, a_row_div:
                      route_w, tiles.gemm2, hidden, None)
 
 
+def _launch_gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
+                 bias: torch.Tensor | None, out: torch.Tensor, ids: torch.Tensor,
+                 route_w: torch.Tensor | None, rows_per_program: int, a_row_div: int,
+                 n_out: int, spec: ExpertSpec | None, num_experts: int) -> None:
+    """One few-rows launch; ``rows_per_program`` > 1 sums a token's slots (GEMM2)."""
+    dummy = _dummy(a.device)
+    k = w.shape[2]
+    block_k = 128
+    consts = dict(w.constexprs)
+    scale = w.scale if w.scale is not None else dummy
+    zp = w.zero_point if w.zero_point is not None else dummy
+    a_s = a_scale if a_scale is not None else dummy
+    z_strides = (zp.stride(0), zp.stride(1), zp.stride(2)) if w.zero_point is not None else (
+        0, 0, 0)
+    b = bias if bias is not None else dummy
+    program_rows = ids.numel() // rows_per_program
+    block_n = gemv_block_n(program_rows, n_out)
+    act = spec.activation if spec is not None else None
+    moe_gemv_kernel[(program_rows, triton.cdiv(n_out, block_n))](
+        a, a_s, w.data, scale, zp, w.global_scale if w.global_scale is not None else dummy,
+        b, out, ids, route_w if route_w is not None else dummy,
+        n_out, k, num_experts, a_row_div,
+        float(act.alpha) if act is not None and act.alpha is not None else 0.0,
+        float(act.limit) if act is not None and act.limit is not None else 0.0,
+        a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0,
+        w.data.stride(0), w.data.stride(1), w.data.stride(2), *_scale_strides(w), *z_strides,
+        *((b.stride(0), b.stride(1)) if bias is not None else (0, 0)),
+        out.stride(0), out.stride(1),
+        ROWS_PER_PROGRAM=rows_per_program, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, GATED=spec is not None and spec.gated,
+        INTERLEAVED=spec is not None and spec.gate_up_interleaved,
+        ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
+        HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
+        SCALE_GATHER=PACKED_SCALE_GATHER,
+        BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and consts["SCALE_FMT"] == K.SF_E8M0
+                  and a.dtype == torch.bfloat16),
+        num_warps=4, num_stages=3, **consts,
+    )
+
+
+def run_few_rows(hidden_TH: torch.Tensor, ids_TK: torch.Tensor, route_w: torch.Tensor,
+                 prepared: PreparedWeights, out_TH: torch.Tensor) -> None:
+    """The same sequence for a few rows: GEMM1 per (token, slot), GEMM2 summing the slots."""
+    spec = prepared.spec
+    w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
+    num_tokens, top_k = ids_TK.shape
+    rows = num_tokens * top_k
+    ids = ids_TK.reshape(-1)
+    ws = WORKSPACES.get((hidden_TH.device, "few_rows", rows, spec.intermediate_size,
+                         hidden_TH.dtype), lambda: {"inter": torch.empty(
+                             rows, spec.intermediate_size, dtype=hidden_TH.dtype,
+                             device=hidden_TH.device)})
+    with torch.profiler.record_function("gemm1"):
+        a, a_scale = _quantize_input(hidden_TH, w13)
+        _launch_gemv(a, a_scale, w13, prepared.tensors["w13_bias"], ws["inter"], ids, None, 1,
+                     top_k, spec.intermediate_size, spec, spec.num_experts)
+    with torch.profiler.record_function("gemm2"):
+        a2, a2_scale = _quantize_input(ws["inter"], w2)
+        _launch_gemv(a2, a2_scale, w2, prepared.tensors["w2_bias"], out_TH, ids, route_w,
+                     top_k, 1, spec.hidden_size, None, spec.num_experts)
+
+
 def _plain(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
@@ -309,6 +382,9 @@ def fused_standard(hidden_TH: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
     num_rows = num_tokens * top_k
     dev = hidden_TH.device
+    if num_rows <= GEMV_MAX_ROWS and tiles is None:
+        run_few_rows(hidden_TH, ids, route_w, prepared, out)
+        return out
     cache = WORKSPACES.get((dev, "per_slot", num_rows, prepared.spec.hidden_size,
                             hidden_TH.dtype), lambda: {"y": torch.empty(
                                 num_rows, prepared.spec.hidden_size, dtype=hidden_TH.dtype,

@@ -122,7 +122,8 @@ def heuristic_tiles(num_tokens: int, top_k: int, num_experts: int, n: int, k: in
         g2 = TileConfig(64, 128, min(bk, 64) if not quant8 else bk, 8, 4, 4)
     else:
         bk_large = bk if quant8 or scheme.startswith("fp8_block") else 64
-        g1 = TileConfig(128, 128, bk_large, 8, 8, 3)
+        # Two fp32 accumulators (gate, up): keep quantized tiles narrow to avoid spills.
+        g1 = TileConfig(128, 64 if quant8 else 128, bk_large, 8, 8, 3)
         g2 = TileConfig(128, 128, bk_large, 8, 8, 3)
     return MoeTiles(g1, g2)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -17,7 +18,14 @@ from pathlib import Path
 
 import torch
 
-from .tile_config import CONFIG_DIR, MoeTiles, TileConfig, config_file_name, write_config_file
+from .tile_config import (
+    CONFIG_DIR,
+    MoeTiles,
+    TileConfig,
+    config_file_name,
+    load_config_file,
+    write_config_file,
+)
 
 PRESETS = {  # name: (H, I, E, top_k, activation)
     "mixtral-8x7b": (4096, 14336, 8, 2, "silu"),
@@ -38,19 +46,22 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
     out = []
     if rows_per_expert <= 16:
         dec_bks = (128,) if scheme.startswith("fp8_block") else (128, 256)
-        for bn in (32, 64, 128):
-            for bk in dec_bks:
-                for stages in (3, 4):
-                    out.append(TileConfig(16, bn, bk, 1, 4, stages))
+        bms = (16, 32, 64) if rows_per_expert >= 8 else (16,)
+        for bm in bms:
+            for bn in (32, 64, 128) if bm == 16 else (64, 128):
+                for bk in dec_bks:
+                    for stages in (3, 4):
+                        out.append(TileConfig(bm, bn, bk, 1, 4, stages))
     elif rows_per_expert <= 128:
         for bm in (16, 32, 64):
             for bn in (64, 128):
                 for bk in bks:
                     out.append(TileConfig(bm, bn, bk, 8, 4, 3))
     else:
+        quant8 = scheme.startswith(("fp8", "int8"))
         for bm in (64, 128):
-            for bn in (128, 256):
-                for bk in bks[:1] if not scheme.startswith("fp8") else (128,):
+            for bn in (64, 128) if quant8 else (128, 256):
+                for bk in (128,) if quant8 else bks[:1]:
                     for warps, stages in ((4, 3), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
     return out
@@ -198,8 +209,15 @@ def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activatio
     name = torch.cuda.get_device_name(dev)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name)
+    if path.is_file():  # keep the token counts not searched this time
+        load_config_file.cache_clear()
+        earlier = load_config_file(str(path)) or {}
+        found = {**earlier, **found}
+        old = json.loads(path.read_text()).get("measured", {}).get("gemm_ms", {})
+        timings = {**{int(k): v for k, v in old.items()}, **timings}
     write_config_file(path, num_experts, inter, hidden, scheme, name, found,
-                      {"gemm_ms": {str(k): v for k, v in timings.items()}})
+                      {"gemm_ms": {str(k): v for k, v in sorted(timings.items())}})
+    load_config_file.cache_clear()
     return path, timings
 
 
