@@ -54,9 +54,6 @@ PERF_PLAN = [  # (preset, scheme, token counts)
     ("deepseek-v3", "bf16", tune.DEFAULT_TOKENS),
     ("deepseek-v3", "fp8_block", tune.DEFAULT_TOKENS),
     ("gpt-oss-120b", "mxfp4", tune.DEFAULT_TOKENS),
-    ("gpt-oss-120b", "mxfp4:gather", (1, 16, 64, 4096)),
-    ("gpt-oss-120b", "mxfp4:dotscaled", tune.DEFAULT_TOKENS),
-    ("qwen3-30b-a3b", "bf16:gemv", (1,)),
 ]
 
 
@@ -186,23 +183,6 @@ def part_check():
         print(f"check {name:24s} {scheme:12s} {act:10s} ok={r['ok']} "
               f"torch={r.get('err_vs_torch', -1):.2e} ref={r.get('err_vs_ref', -1):.2e}",
               flush=True)
-    X.MX_DOT_SCALED = True
-    for scheme in ("mxfp4", "mxfp4_mxfp8", "mxfp8"):
-        for act in ("silu", "swiglu_oai"):
-            try:
-                rows.append(check_case("dot_scaled", scheme, act))
-            except Exception as exc:
-                traceback.print_exc()
-                rows.append(dict(case="dot_scaled", scheme=scheme, act=act, ok=False,
-                                 error=repr(exc)[:300]))
-            print(f"check dot_scaled {scheme} {act} ok={rows[-1]['ok']} "
-                  f"torch={rows[-1].get('err_vs_torch', -1):.2e}", flush=True)
-    X.MX_DOT_SCALED = False
-    X.GEMV_MAX_ROWS = 16
-    for scheme in ["bf16", "fp8_block", "mxfp4", "int4", "int8", "nvfp4"]:
-        rows.append(check_case("few rows kernel", scheme, "swiglu_oai", T=4))
-        print(f"check few-rows {scheme} ok={rows[-1]['ok']}", flush=True)
-    X.GEMV_MAX_ROWS = 0
     try:
         rows.append(graph_case())
     except Exception as exc:
@@ -292,9 +272,6 @@ def part_perf(peaks, plan, with_torch=True):
     rows = []
     for preset, scheme, tokens in plan:
         scheme, _, variant = scheme.partition(":")
-        X.PACKED_SCALE_GATHER = variant == "gather"
-        X.GEMV_MAX_ROWS = 0 if variant == "gemv" else 0
-        X.MX_DOT_SCALED = variant == "dotscaled"
         H, I, E, k, act_name = tune.PRESETS[preset]
         act = Activation(act_name)
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
@@ -373,7 +350,6 @@ def main():
         save()
     if "tune" in args.parts:
         tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan if ":" not in p[1]]
-        X.GEMV_MAX_ROWS = 0
         result["tuned_files"] = part_tune(tune_plan, args.out)
         save()
     if "perf" in args.parts:

@@ -84,12 +84,9 @@ SCHEMES = ["fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16", "int4
            "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
 
 
-@pytest.mark.parametrize("path", ["grouped", "few_rows"])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantized_schemes_match_torch_backend(scheme, activation, path, monkeypatch):
-    """Both kernel sequences: aligned grouped GEMMs and the few-rows kernels."""
-    monkeypatch.setattr(experts, "GEMV_MAX_ROWS", 0 if path == "grouped" else 64)
+def test_quantized_schemes_match_torch_backend(scheme, activation):
     torch.manual_seed(1)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 5, 128, 128, 4, 2
@@ -110,11 +107,9 @@ def test_quantized_schemes_match_torch_backend(scheme, activation, path, monkeyp
     assert _rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("few_rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "swiglu_oai"])
-def test_plain_weights_grouped_core_matches_fused(dtype, activation, few_rows, monkeypatch):
-    monkeypatch.setattr(experts, "GEMV_MAX_ROWS", 64 if few_rows else 0)
+def test_plain_weights_grouped_core_matches_fused(dtype, activation):
     torch.manual_seed(2)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 6, 64, 40, 4, 2
@@ -200,6 +195,21 @@ def test_shipped_tile_files_follow_the_schema():
                                                          key["scheme"], key["device"])
         for entry in doc["by_tokens"].values():
             tile_config.MoeTiles.from_dict(entry)
+
+
+@pytest.mark.parametrize("k,half", [(128, 16), (96, 32), (256, 64)])
+def test_split_layout_keeps_every_nibble(k, half):
+    """Byte j of chunk c holds k = c*2*half + j (low) and c*2*half + half + j (high)."""
+    codes = torch.randint(0, 16, (2, 3, k), dtype=torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    split = experts.split_packed(packed, k, half)
+    lo, hi = split & 0xF, split >> 4
+    chunk = 2 * half
+    for c in range(-(-k // chunk)):
+        for j in range(half):
+            for val, kk in ((lo, c * chunk + j), (hi, c * chunk + half + j)):
+                want = codes[..., kk] if kk < k else torch.zeros_like(codes[..., 0])
+                assert torch.equal(val[..., c * half + j], want)
 
 
 def test_e2m1_bit_construction_is_exact():

@@ -75,67 +75,58 @@ def _e2m1_bf16_bits(q):
 
 
 @triton.jit
-def _packed_halves(
+def _split_halves(
     w_base, s_base, z_base, rows, k0, K,
     stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
     COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
-    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SCALE_GATHER: tl.constexpr, BF16_FP4: tl.constexpr,
+    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
 ):
-    """Dequantized even-k and odd-k halves ([BLOCK_K/2, BLOCK_N] each) of a packed 4-bit tile.
+    """Dequantized halves ``[HALF, BLOCK_N]`` of one packed 4-bit chunk of 2 * HALF along K.
 
-    Byte j of a row holds k = 2j (low nibble) and 2j + 1 (high nibble); the caller multiplies
-    them with A's even and odd columns, so no nibble interleave is needed in registers.
+    In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
+    k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
+    scale (and zero point) per row: no interleave or broadcast is needed in registers.
     """
-    HALF: tl.constexpr = BLOCK_K // 2
     offs_j = k0 // 2 + tl.arange(0, HALF)
-    ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
-    if EVEN_K:
-        packed = tl.load(ptrs)
-    else:
-        packed = tl.load(ptrs, mask=offs_j[:, None] < (K + 1) // 2, other=0)
+    packed = tl.load(w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn,
+                     mask=offs_j[:, None] < (K + 1) // 2, other=0)
     lo = packed & 0xF
     hi = (packed >> 4) & 0xF
-    # One scale per GROUP_K along k, i.e. per GROUP_K / 2 bytes.
-    if SCALE_GATHER or GROUP_K >= BLOCK_K:
-        g_idx = (2 * offs_j) // GROUP_K
-        s = tl.load(s_base + g_idx[:, None] * stride_sk + rows[None, :] * stride_sn,
-                    mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
-        if HAS_ZP:
-            z = tl.load(z_base + g_idx[:, None] * stride_zk + rows[None, :] * stride_zn,
-                        mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
-    else:
-        SPT: tl.constexpr = BLOCK_K // GROUP_K
-        g_idx = k0 // GROUP_K + tl.arange(0, SPT)
-        s = tl.load(s_base + g_idx[:, None] * stride_sk + rows[None, :] * stride_sn,
-                    mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
-        s = tl.reshape(tl.broadcast_to(s[:, None, :], (SPT, GROUP_K // 2, rows.shape[0])),
-                       (HALF, rows.shape[0]))
-        if HAS_ZP:
-            z = tl.load(z_base + g_idx[:, None] * stride_zk + rows[None, :] * stride_zn,
-                        mask=g_idx[:, None] < (K + GROUP_K - 1) // GROUP_K, other=0)
-            z = tl.reshape(tl.broadcast_to(z[:, None, :], (SPT, GROUP_K // 2, rows.shape[0])),
-                           (HALF, rows.shape[0]))
+    n_groups = (K + GROUP_K - 1) // GROUP_K
+    g_lo = k0 // GROUP_K
+    g_hi = (k0 + HALF) // GROUP_K
+    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
+    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
     if BF16_FP4:
         # mxfp4 into bf16 by bit construction: e2m1 * 2^(e - 127) is exact in bf16.
-        e = s.to(tl.uint16)
-        s_bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7)).to(tl.uint16)
-        s_b = s_bits.to(tl.bfloat16, bitcast=True)
-        lo_t = _e2m1_bf16_bits(lo).to(tl.bfloat16, bitcast=True) * s_b
-        hi_t = _e2m1_bf16_bits(hi).to(tl.bfloat16, bitcast=True) * s_b
+        lo_t = _e2m1_bf16_bits(lo).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_lo)[None, :]
+        hi_t = _e2m1_bf16_bits(hi).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_hi)[None, :]
     else:
-        s = _decode_scale(s, SCALE_FMT)
+        s_lo = _decode_scale(s_lo, SCALE_FMT)[None, :]
+        s_hi = _decode_scale(s_hi, SCALE_FMT)[None, :]
         if W_FORMAT == 3:
             if HAS_ZP:
-                zf = z.to(tl.float32)
+                z_lo = tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
+                               mask=g_lo < n_groups, other=0).to(tl.float32)[None, :]
+                z_hi = tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
+                               mask=g_hi < n_groups, other=0).to(tl.float32)[None, :]
             else:
-                zf = 8.0
-            lo_t = ((lo.to(tl.float32) - zf) * s).to(COMPUTE)
-            hi_t = ((hi.to(tl.float32) - zf) * s).to(COMPUTE)
+                z_lo = 8.0
+                z_hi = 8.0
+            lo_t = ((lo.to(tl.float32) - z_lo) * s_lo).to(COMPUTE)
+            hi_t = ((hi.to(tl.float32) - z_hi) * s_hi).to(COMPUTE)
         else:
-            lo_t = (_decode_e2m1(lo) * s).to(COMPUTE)
-            hi_t = (_decode_e2m1(hi) * s).to(COMPUTE)
+            lo_t = (_decode_e2m1(lo) * s_lo).to(COMPUTE)
+            hi_t = (_decode_e2m1(hi) * s_hi).to(COMPUTE)
     return lo_t, hi_t
+
+
+@triton.jit
+def _e8m0_bf16(e):
+    """e8m0 code -> bf16 2^(e - 127) (code 0: the subnormal 2^-127; 255: NaN)."""
+    e = e.to(tl.uint16)
+    bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7)).to(tl.uint16)
+    return bits.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -239,8 +230,7 @@ def moe_gemm_kernel(
     W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
     A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
-    IEEE: tl.constexpr, SCALE_GATHER: tl.constexpr, BF16_FP4: tl.constexpr,
-    DOT_SCALED: tl.constexpr,
+    IEEE: tl.constexpr, BF16_FP4: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]).
 
@@ -303,61 +293,26 @@ def moe_gemm_kernel(
     a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
     PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
     for k0 in range(0, K, BLOCK_K):
-        if DOT_SCALED:
-            # MX weights through tl.dot_scaled (bf16 x e2m1/e4m3 with e8m0 scales per 32).
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K,
-                        other=0)
-            if W_FORMAT == 4:
-                offs_r = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                r_lim = (K + 1) // 2
-            else:
-                offs_r = k0 + tl.arange(0, BLOCK_K)
-                r_lim = K
-            offs_s = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            b_g = tl.load(w_base + offs_r[:, None] * stride_wk + rows_g[None, :] * stride_wn,
-                          mask=offs_r[:, None] < r_lim, other=0)
-            s_g = tl.load(s_base + rows_g[:, None] * stride_sn + offs_s[None, :] * stride_sk,
-                          mask=offs_s[None, :] < (K + 31) // 32, other=0)
-            if W_FORMAT == 4:
-                acc_g = tl.dot_scaled(a, None, "bf16", b_g, s_g, "e2m1", acc_g)
-            else:
-                acc_g = tl.dot_scaled(a, None, "bf16", b_g, s_g, "e4m3", acc_g)
+        if PACKED:
+            # Split layout: A's two contiguous halves meet the low and high nibbles.
+            offs_h = k0 + tl.arange(0, BLOCK_K // 2)
+            a_lo = tl.load(a_row_ptrs + offs_h[None, :] * stride_ak,
+                           mask=offs_h[None, :] < K, other=0)
+            a_hi = tl.load(a_row_ptrs + (offs_h + BLOCK_K // 2)[None, :] * stride_ak,
+                           mask=(offs_h + BLOCK_K // 2)[None, :] < K, other=0)
+            lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
+                                       stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+                                       COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP,
+                                       BLOCK_K // 2, BF16_FP4)
+            acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
+            acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
             if GATED:
-                b_u = tl.load(w_base + offs_r[:, None] * stride_wk
-                              + rows_u[None, :] * stride_wn,
-                              mask=offs_r[:, None] < r_lim, other=0)
-                s_u = tl.load(s_base + rows_u[:, None] * stride_sn
-                              + offs_s[None, :] * stride_sk,
-                              mask=offs_s[None, :] < (K + 31) // 32, other=0)
-                if W_FORMAT == 4:
-                    acc_u = tl.dot_scaled(a, None, "bf16", b_u, s_u, "e2m1", acc_u)
-                else:
-                    acc_u = tl.dot_scaled(a, None, "bf16", b_u, s_u, "e4m3", acc_u)
-        elif PACKED:
-            # A's even and odd columns meet the low and high nibbles of each weight byte.
-            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            if EVEN_K:
-                a_ev = tl.load(a_row_ptrs + (2 * offs_j)[None, :] * stride_ak)
-                a_od = tl.load(a_row_ptrs + (2 * offs_j + 1)[None, :] * stride_ak)
-            else:
-                a_ev = tl.load(a_row_ptrs + (2 * offs_j)[None, :] * stride_ak,
-                               mask=(2 * offs_j)[None, :] < K, other=0)
-                a_od = tl.load(a_row_ptrs + (2 * offs_j + 1)[None, :] * stride_ak,
-                               mask=(2 * offs_j + 1)[None, :] < K, other=0)
-            lo_g, hi_g = _packed_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
-                                        stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-                                        COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP, BLOCK_K,
-                                        EVEN_K, SCALE_GATHER, BF16_FP4)
-            acc_g = _mma(a_ev, lo_g, acc_g, False, IEEE)
-            acc_g = _mma(a_od, hi_g, acc_g, False, IEEE)
-            if GATED:
-                lo_u, hi_u = _packed_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
-                                            stride_wk, stride_sn, stride_sk, stride_zn,
-                                            stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
-                                            HAS_ZP, BLOCK_K, EVEN_K, SCALE_GATHER, BF16_FP4)
-                acc_u = _mma(a_ev, lo_u, acc_u, False, IEEE)
-                acc_u = _mma(a_od, hi_u, acc_u, False, IEEE)
+                lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
+                                           stride_wk, stride_sn, stride_sk, stride_zn,
+                                           stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
+                                           HAS_ZP, BLOCK_K // 2, BF16_FP4)
+                acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
+                acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:

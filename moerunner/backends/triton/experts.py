@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,6 @@ from ...errors import MoeInputError
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
 from ._align import align_rows, max_padded_rows, topk_sum
-from ._gemv_kernel import gemv_block_n, moe_gemv_kernel
 from ._quant_kernel import quantize_rows
 from .tile_config import MoeTiles, lookup_tiles
 
@@ -34,15 +34,6 @@ _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
 _QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
 _EMULATED_ACT = ("mxfp8", "nvfp4")
-# Packed 4-bit group scales: gather one per element (True) or load one per group and
-# broadcast in registers (False).
-PACKED_SCALE_GATHER = False
-# Standard-format calls with at most this many (token, slot) rows take the few-rows kernels
-# (no alignment, reduction fused into GEMM2). Off by default: on an H200 they were slower
-# than the aligned grouped GEMMs at T = 1 (benchmarks/results).
-GEMV_MAX_ROWS = 0
-# MX weights (e8m0 per 32) with a bf16 input go through tl.dot_scaled on the GPU.
-MX_DOT_SCALED = False
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset({
@@ -83,7 +74,8 @@ def kernel_weight(w: Any) -> KernelWeight:
     if not is_quantized(w):
         return KernelWeight(w.contiguous(), None, None, None, None, tuple(w.shape), dict(
             W_FORMAT=K.WF_PLAIN, QDOT=False, A_FP8=False, A_SCALE=K.AS_NONE,
-            SCALE_FMT=K.SF_NONE, GROUP_K=0, SCALE_ROW_BLOCK=1, HAS_ZP=False, HAS_GSCALE=False))
+            SCALE_FMT=K.SF_NONE, GROUP_K=0, SCALE_ROW_BLOCK=1, HAS_ZP=False, HAS_GSCALE=False,
+            SPLIT_HALF=0))
     scheme = w.scheme
     if scheme.name not in SUPPORTED_SCHEMES:
         raise MoeInputError(f"scheme {scheme.name!r} is not supported by the triton backend; "
@@ -98,13 +90,35 @@ def kernel_weight(w: Any) -> KernelWeight:
         W_FORMAT=_W_FORMAT[scheme.weight_format], QDOT=qdot,
         A_FP8=qdot and act.startswith("fp8"), A_SCALE=_QDOT_ACT.get(act, K.AS_NONE),
         SCALE_FMT=_SCALE_FMT[scheme.scale_format], GROUP_K=group_k, SCALE_ROW_BLOCK=row_block,
-        HAS_ZP=w.zero_point is not None, HAS_GSCALE=w.global_scale is not None)
+        HAS_ZP=w.zero_point is not None, HAS_GSCALE=w.global_scale is not None, SPLIT_HALF=0)
     if qdot and gran == "block" and group_k != 128:
         raise MoeInputError(f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, "
                             f"got {scheme.block_shape}")
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
-    return KernelWeight(_as_bytes(w.data), _as_bytes(w.scale), _as_bytes(w.zero_point), gscale,
+    data = _as_bytes(w.data)
+    if scheme.packed:
+        consts["SPLIT_HALF"] = min(group_k, 64)
+        data = split_packed(data, w.shape[2], consts["SPLIT_HALF"])
+    return KernelWeight(data, _as_bytes(w.scale), _as_bytes(w.zero_point), gscale,
                         scheme, tuple(w.shape), consts)
+
+
+def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
+    """Packed 4-bit ``[E, N, K/2]`` (byte j: k = 2j, 2j + 1) to the split layout.
+
+    K is cut into chunks of ``2 * half``; byte j of chunk c holds k = c*2*half + j (low nibble)
+    and k = c*2*half + half + j (high nibble). K is zero-padded to whole chunks. Done once per
+    expert at prepare time, so the kernel reads A in two contiguous halves with one scale each.
+    """
+    e, n, _ = data.shape
+    chunk = 2 * half
+    padded = -(-k // chunk) * chunk
+    out = torch.empty(e, n, padded // 2, dtype=torch.uint8, device=data.device)
+    for i in range(e):
+        codes = torch.stack((data[i] & 0xF, data[i] >> 4), dim=-1).reshape(n, -1)[:, :k]
+        codes = torch.nn.functional.pad(codes, (0, padded - k)).view(n, -1, 2, half)
+        out[i] = (codes[:, :, 0, :] | (codes[:, :, 1, :] << 4)).reshape(n, -1)
+    return out
 
 
 def prepare(weights: ExpertWeights, spec: ExpertSpec, name: str) -> PreparedWeights:
@@ -189,9 +203,11 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
     consts = dict(w.constexprs)
     if consts["QDOT"] and consts["GROUP_K"] > 0 and 128 % tile.block_k:
         raise MoeInputError(f"block_k {tile.block_k} must divide 128 for block-scaled fp8")
-    packed = consts["W_FORMAT"] in (K.WF_UINT4, K.WF_E2M1)
+    split_half = consts.pop("SPLIT_HALF")
+    if split_half:  # packed 4-bit: one chunk of the split layout per K step
+        tile = dataclasses.replace(tile, block_k=2 * split_half)
     group_k = consts["GROUP_K"]
-    if (packed or (group_k and not consts["QDOT"])) and (
+    if group_k and not consts["QDOT"] and not split_half and (
             tile.block_k % group_k and group_k % tile.block_k):
         raise MoeInputError(f"block_k {tile.block_k} and scale group {group_k} must divide "
                             "one another")
@@ -224,11 +240,7 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
         GATED=gated, INTERLEAVED=spec is not None and spec.gate_up_interleaved,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
         HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
-        IEEE=a.dtype == torch.float32, SCALE_GATHER=PACKED_SCALE_GATHER,
-        DOT_SCALED=(MX_DOT_SCALED and a.is_cuda and a.dtype == torch.bfloat16
-                    and consts["SCALE_FMT"] == K.SF_E8M0 and not consts["QDOT"]
-                    and consts["W_FORMAT"] in (K.WF_E2M1, K.WF_FP8)
-                    and consts["GROUP_K"] == 32 and tile.block_k % 32 == 0),
+        IEEE=a.dtype == torch.float32,
         BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and consts["SCALE_FMT"] == K.SF_E8M0
                   and a.dtype == torch.bfloat16),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
@@ -283,68 +295,6 @@ def run_kernel_sequence(a_RH: torch.Tensor, row_expert: torch.Tensor, a_row_div:
                      route_w, tiles.gemm2, hidden, None)
 
 
-def _launch_gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
-                 bias: torch.Tensor | None, out: torch.Tensor, ids: torch.Tensor,
-                 route_w: torch.Tensor | None, rows_per_program: int, a_row_div: int,
-                 n_out: int, spec: ExpertSpec | None, num_experts: int) -> None:
-    """One few-rows launch; ``rows_per_program`` > 1 sums a token's slots (GEMM2)."""
-    dummy = _dummy(a.device)
-    k = w.shape[2]
-    block_k = 128
-    consts = dict(w.constexprs)
-    scale = w.scale if w.scale is not None else dummy
-    zp = w.zero_point if w.zero_point is not None else dummy
-    a_s = a_scale if a_scale is not None else dummy
-    z_strides = (zp.stride(0), zp.stride(1), zp.stride(2)) if w.zero_point is not None else (
-        0, 0, 0)
-    b = bias if bias is not None else dummy
-    program_rows = ids.numel() // rows_per_program
-    block_n = gemv_block_n(program_rows, n_out)
-    act = spec.activation if spec is not None else None
-    moe_gemv_kernel[(program_rows, triton.cdiv(n_out, block_n))](
-        a, a_s, w.data, scale, zp, w.global_scale if w.global_scale is not None else dummy,
-        b, out, ids, route_w if route_w is not None else dummy,
-        n_out, k, num_experts, a_row_div,
-        float(act.alpha) if act is not None and act.alpha is not None else 0.0,
-        float(act.limit) if act is not None and act.limit is not None else 0.0,
-        a.stride(0), a.stride(1), a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0,
-        w.data.stride(0), w.data.stride(1), w.data.stride(2), *_scale_strides(w), *z_strides,
-        *((b.stride(0), b.stride(1)) if bias is not None else (0, 0)),
-        out.stride(0), out.stride(1),
-        ROWS_PER_PROGRAM=rows_per_program, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, GATED=spec is not None and spec.gated,
-        INTERLEAVED=spec is not None and spec.gate_up_interleaved,
-        ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
-        HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
-        SCALE_GATHER=PACKED_SCALE_GATHER,
-        BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and consts["SCALE_FMT"] == K.SF_E8M0
-                  and a.dtype == torch.bfloat16),
-        num_warps=4, num_stages=3, **consts,
-    )
-
-
-def run_few_rows(hidden_TH: torch.Tensor, ids_TK: torch.Tensor, route_w: torch.Tensor,
-                 prepared: PreparedWeights, out_TH: torch.Tensor) -> None:
-    """The same sequence for a few rows: GEMM1 per (token, slot), GEMM2 summing the slots."""
-    spec = prepared.spec
-    w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
-    num_tokens, top_k = ids_TK.shape
-    rows = num_tokens * top_k
-    ids = ids_TK.reshape(-1)
-    ws = WORKSPACES.get((hidden_TH.device, "few_rows", rows, spec.intermediate_size,
-                         hidden_TH.dtype), lambda: {"inter": torch.empty(
-                             rows, spec.intermediate_size, dtype=hidden_TH.dtype,
-                             device=hidden_TH.device)})
-    with torch.profiler.record_function("gemm1"):
-        a, a_scale = _quantize_input(hidden_TH, w13)
-        _launch_gemv(a, a_scale, w13, prepared.tensors["w13_bias"], ws["inter"], ids, None, 1,
-                     top_k, spec.intermediate_size, spec, spec.num_experts)
-    with torch.profiler.record_function("gemm2"):
-        a2, a2_scale = _quantize_input(ws["inter"], w2)
-        _launch_gemv(a2, a2_scale, w2, prepared.tensors["w2_bias"], out_TH, ids, route_w,
-                     top_k, 1, spec.hidden_size, None, spec.num_experts)
-
-
 def _plain(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
@@ -382,9 +332,6 @@ def fused_standard(hidden_TH: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
     num_rows = num_tokens * top_k
     dev = hidden_TH.device
-    if num_rows <= GEMV_MAX_ROWS and tiles is None:
-        run_few_rows(hidden_TH, ids, route_w, prepared, out)
-        return out
     cache = WORKSPACES.get((dev, "per_slot", num_rows, prepared.spec.hidden_size,
                             hidden_TH.dtype), lambda: {"y": torch.empty(
                                 num_rows, prepared.spec.hidden_size, dtype=hidden_TH.dtype,
