@@ -22,7 +22,11 @@ from moerunner.routing import TopK
 from moerunner.weights import ExpertWeights
 
 triton_pkg = pytest.importorskip("moerunner.backends.triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from moerunner.backends.triton import _align, experts, tile_config  # noqa: E402
+from moerunner.backends.triton._gemm_kernel import _e2m1_bf16_bits  # noqa: E402
 
 if not triton_pkg.interpreted() and not torch.cuda.is_available():
     pytest.skip("triton backend cannot run here", allow_module_level=True)
@@ -212,22 +216,19 @@ def test_split_layout_keeps_every_nibble(k, half):
                 assert torch.equal(val[..., c * half + j], want)
 
 
+@triton.jit
+def _e2m1_bits_kernel(q_ptr, o_ptr):
+    r = tl.arange(0, 16)
+    tl.store(o_ptr + r, _e2m1_bf16_bits(tl.load(q_ptr + r)).to(tl.int16, bitcast=True))
+
+
 def test_e2m1_bit_construction_is_exact():
     """The bf16 bit patterns built in-kernel for fp4 codes equal torch's bf16 of the table."""
-    import triton
-    import triton.language as tl
-
-    from moerunner.backends.triton._gemm_kernel import _e2m1_bf16_bits
     from moerunner.quant.codecs import E2M1_VALUES
-
-    @triton.jit
-    def bits_kernel(q_ptr, o_ptr):
-        r = tl.arange(0, 16)
-        tl.store(o_ptr + r, _e2m1_bf16_bits(tl.load(q_ptr + r)).to(tl.int16, bitcast=True))
 
     q = torch.arange(16, dtype=torch.uint8, device=DEVICE)
     out = torch.empty(16, dtype=torch.int16, device=DEVICE)
-    bits_kernel[(1,)](q, out)
+    _e2m1_bits_kernel[(1,)](q, out)
     want = torch.tensor(E2M1_VALUES).to(torch.bfloat16).view(torch.int16)
     assert torch.equal(out.cpu(), want)
 

@@ -122,6 +122,47 @@ def _split_halves(
 
 
 @triton.jit
+def _split_halves_nk(
+    w_base, s_base, z_base, rows, k0, K,
+    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
+):
+    """``_split_halves`` in [BLOCK_N, HALF] orientation: the dequantized weight is the MMA's
+    left operand (swapped A/B), which the tensor cores can take from registers."""
+    offs_j = k0 // 2 + tl.arange(0, HALF)
+    packed = tl.load(w_base + rows[:, None] * stride_wn + offs_j[None, :] * stride_wk)
+    lo = packed & 0xF
+    hi = (packed >> 4) & 0xF
+    n_groups = (K + GROUP_K - 1) // GROUP_K
+    g_lo = k0 // GROUP_K
+    g_hi = (k0 + HALF) // GROUP_K
+    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
+    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
+    if BF16_FP4:
+        lo_t = _e2m1_bf16_bits(lo).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_lo)[:, None]
+        hi_t = _e2m1_bf16_bits(hi).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_hi)[:, None]
+    else:
+        s_lo = _decode_scale(s_lo, SCALE_FMT)[:, None]
+        s_hi = _decode_scale(s_hi, SCALE_FMT)[:, None]
+        if W_FORMAT == 3:
+            if HAS_ZP:
+                z_lo = tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
+                               mask=g_lo < n_groups, other=0).to(tl.float32)[:, None]
+                z_hi = tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
+                               mask=g_hi < n_groups, other=0).to(tl.float32)[:, None]
+            else:
+                z_lo = 8.0
+                z_hi = 8.0
+            lo_t = ((lo.to(tl.float32) - z_lo) * s_lo).to(COMPUTE)
+            hi_t = ((hi.to(tl.float32) - z_hi) * s_hi).to(COMPUTE)
+        else:
+            lo_t = (_decode_e2m1(lo) * s_lo).to(COMPUTE)
+            hi_t = (_decode_e2m1(hi) * s_hi).to(COMPUTE)
+    return lo_t, hi_t
+
+
+@triton.jit
 def _e8m0_bf16(e):
     """e8m0 code -> bf16 2^(e - 127) (code 0: the subnormal 2^-127; 255: NaN)."""
     e = e.to(tl.uint16)
@@ -230,7 +271,7 @@ def moe_gemm_kernel(
     W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
     A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
-    IEEE: tl.constexpr, BF16_FP4: tl.constexpr,
+    IEEE: tl.constexpr, BF16_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]).
 
@@ -292,8 +333,32 @@ def moe_gemm_kernel(
         sg_stride_n = 0
     a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
     PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
+    if SWAP_AB:
+        acc_g_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if PACKED:
+        if SWAP_AB:
+            # out^T = W @ A^T: the dequantized weight is the left operand (from registers).
+            offs_h = k0 + tl.arange(0, BLOCK_K // 2)
+            at_lo = tl.load(a_ptr + a_rows[None, :] * stride_am + offs_h[:, None] * stride_ak,
+                            mask=offs_h[:, None] < K, other=0)
+            at_hi = tl.load(a_ptr + a_rows[None, :] * stride_am
+                            + (offs_h + BLOCK_K // 2)[:, None] * stride_ak,
+                            mask=(offs_h + BLOCK_K // 2)[:, None] < K, other=0)
+            lo_g, hi_g = _split_halves_nk(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
+                                          stride_wk, stride_sn, stride_sk, stride_zn,
+                                          stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
+                                          HAS_ZP, BLOCK_K // 2, BF16_FP4)
+            acc_g_t = _mma(lo_g, at_lo, acc_g_t, False, IEEE)
+            acc_g_t = _mma(hi_g, at_hi, acc_g_t, False, IEEE)
+            if GATED:
+                lo_u, hi_u = _split_halves_nk(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
+                                              stride_wk, stride_sn, stride_sk, stride_zn,
+                                              stride_zk, COMPUTE, W_FORMAT, GROUP_K,
+                                              SCALE_FMT, HAS_ZP, BLOCK_K // 2, BF16_FP4)
+                acc_u_t = _mma(lo_u, at_lo, acc_u_t, False, IEEE)
+                acc_u_t = _mma(hi_u, at_hi, acc_u_t, False, IEEE)
+        elif PACKED:
             # Split layout: A's two contiguous halves meet the low and high nibbles.
             offs_h = k0 + tl.arange(0, BLOCK_K // 2)
             a_lo = tl.load(a_row_ptrs + offs_h[None, :] * stride_ak,
@@ -345,6 +410,9 @@ def moe_gemm_kernel(
                 else:
                     acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
 
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g_t)
+        acc_u = tl.trans(acc_u_t)
     g = acc_g.to(tl.float32)
     if GATED:
         u = acc_u.to(tl.float32)

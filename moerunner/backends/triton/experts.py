@@ -34,6 +34,9 @@ _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
 _QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
 _EMULATED_ACT = ("mxfp8", "nvfp4")
+# Packed 4-bit weights with few rows per block: compute out^T = W @ A^T so the dequantized
+# weight is the MMA's register operand instead of a round trip through shared memory.
+PACKED_SWAP_AB = True
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset({
@@ -241,6 +244,7 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
         HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
         IEEE=a.dtype == torch.float32,
+        SWAP_AB=bool(split_half) and PACKED_SWAP_AB and tile.block_m <= 64,
         BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and consts["SCALE_FMT"] == K.SF_E8M0
                   and a.dtype == torch.bfloat16),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
