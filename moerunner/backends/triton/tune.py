@@ -43,9 +43,11 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these)."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     bks = (128,) if scheme.startswith("fp8_block") else (64, 128)
+    if scheme.startswith(("int4", "mxfp4", "nvfp4")):
+        bks = (128,)  # packed 4-bit: BLOCK_K is set by the split layout, not searched
     out = []
     if rows_per_expert <= 16:
-        dec_bks = (128,) if scheme.startswith("fp8_block") else (128, 256)
+        dec_bks = bks if len(bks) == 1 else (128, 256)
         bms = (16, 32, 64) if rows_per_expert >= 8 else (16,)
         for bm in bms:
             for bn in (32, 64, 128) if bm == 16 else (64, 128):
