@@ -85,7 +85,8 @@ def _ints(text: str) -> list[int]:
 
 
 def build_weights(shape, shrink: int, scheme: str, device, seed: int) -> ExpertWeights:
-    """Full-layer weights, identical on every rank."""
+    """Full-layer weights, identical on every rank (quantized in chunks of experts, so the
+    fp32 temporaries of quantization stay small next to DeepSeek-V3's 22 GB of bf16)."""
     e = shape.num_experts
     h, i = shape.hidden_size // shrink, max(shape.intermediate_size // shrink, 1)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -94,7 +95,15 @@ def build_weights(shape, shrink: int, scheme: str, device, seed: int) -> ExpertW
     w2 = torch.randn(e, h, i, **kw) * i**-0.5
     if scheme == "bf16":
         return ExpertWeights(w13, w2)
-    return ExpertWeights(quantize(w13, scheme), quantize(w2, scheme))
+    return ExpertWeights(_quantize_chunked(w13, scheme), _quantize_chunked(w2, scheme))
+
+
+def _quantize_chunked(w: torch.Tensor, scheme: str, chunk: int = 16):
+    """``quantize`` over chunks of experts, joined along the expert dim (every tensor of a
+    quantized weight has experts on dim 0)."""
+    parts = [quantize(w[s : s + chunk], scheme) for s in range(0, w.shape[0], chunk)]
+    joined = {f: torch.cat([p.tensors()[f] for p in parts]) for f in parts[0].tensors()}
+    return type(parts[0])(parts[0].scheme, tuple(w.shape), **joined)
 
 
 def make_tokens(shape, hidden: int, tokens: int, device, seed: int):

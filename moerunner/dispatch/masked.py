@@ -159,9 +159,12 @@ class MaskedDispatcher:
         position[order] = torch.arange(key.numel(), device=device) - starts[key[order]]
 
         # Filled on the device (no host-to-device copy), so the step stays capturable.
-        header = counts.new_empty(_HEADER)
-        header[0], header[1] = num_tokens, hidden_size
-        header[2] = DTYPE_CODES[hidden_states.dtype]
+        header = torch.cat(
+            [
+                counts.new_full((1,), value)
+                for value in (num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype])
+            ]
+        )
         row = torch.cat([header, counts[:keys]]).to(collective_device(self.group))
         table = all_gather_ints(row, self.group).to(device)
         counts_SDL = table[:, _HEADER:].view(world, world, slots)  # [source, dest, local]
@@ -176,7 +179,8 @@ class MaskedDispatcher:
         send = hidden_states.new_empty(  # unsent rows are never read on the receiving side
             (keys * cap + 1, hidden_size)
         )
-        send.index_copy_(0, send_index, hidden_states.repeat_interleave(topk.ids.shape[1], 0))
+        token_of_pair = torch.arange(key.numel(), device=device) // topk.ids.shape[1]
+        send.index_copy_(0, send_index, hidden_states[token_of_pair])
         recv = torch.empty_like(send[: keys * cap])
         dist.all_to_all_single(recv, send[: keys * cap], group=self.group)
 
@@ -223,7 +227,7 @@ class MaskedDispatcher:
         returned = torch.empty_like(back)
         dist.all_to_all_single(returned, back, group=self.group)
         rows = torch.cat([returned, zero_row])[h.send_index]
-        token = torch.arange(h.num_tokens, device=output.device).repeat_interleave(h.top_k)
+        token = torch.arange(h.num_tokens * h.top_k, device=output.device) // h.top_k
         out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
         out.index_add_(0, token, rows.float() * h.token_weight[:, None])
         return out.to(h.dtype)
