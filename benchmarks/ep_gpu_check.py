@@ -1,6 +1,7 @@
 """Expert-parallel checks on GPUs (NCCL): backend equivalence and CUDA-graph capture.
 
     torchrun --nproc-per-node 2 benchmarks/ep_gpu_check.py --backends triton,torch --json out.json
+    torchrun --nproc-per-node 1 benchmarks/ep_gpu_check.py --backends ""   # graph capture only
 
 1. Every dispatcher (standard by ownership, standard tensor-parallel with I padded to 16,
    all_to_all, masked) x every backend named, bf16, small shapes, one rank with T = 0:
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rows = []
-    for backend in args.backends.split(","):
+    for backend in filter(None, args.backends.split(",")):
         rows += equivalence(backend, rank, world, device)
     if cuda:
         rows.append(graph_capture(rank, world, device))
