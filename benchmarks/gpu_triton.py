@@ -313,9 +313,11 @@ def part_perf(peaks, plan, with_torch=True):
     return rows
 
 
-def part_tune(plan, out_dir: Path):
+def part_tune(plan, out_dir: Path, jobs: int):
     cfg_dir = tile_config.CONFIG_DIR
     written = []
+    if jobs > 1:  # compile every candidate in parallel first; the search below only times
+        tune.precompile(plan, jobs, progress=lambda s: print(s, flush=True))
     for preset, scheme, tokens in plan:
         H, I, E, k, act = tune.PRESETS[preset]
         path, _ = tune.tune_preset(H, I, E, k, act, scheme, tokens, cfg_dir,
@@ -337,6 +339,7 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--presets", nargs="*", default=None)
     ap.add_argument("--tune-tokens", nargs="*", type=int, default=None)
+    ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for tune")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     plan = [p for p in PERF_PLAN if args.presets is None or f"{p[0]}:{p[1]}" in args.presets]
@@ -352,7 +355,7 @@ def main():
         save()
     if "tune" in args.parts:
         tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan if ":" not in p[1]]
-        result["tuned_files"] = part_tune(tune_plan, args.out)
+        result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs)
         save()
     if "perf" in args.parts:
         result["peaks"] = measure_peaks()

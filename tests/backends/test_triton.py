@@ -22,11 +22,8 @@ from moerunner.routing import TopK
 from moerunner.weights import ExpertWeights
 
 triton_pkg = pytest.importorskip("moerunner.backends.triton")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from moerunner.backends.triton import _align, experts, tile_config  # noqa: E402
-from moerunner.backends.triton._gemm_kernel import _e2m1_bf16_bits  # noqa: E402
 
 if not triton_pkg.interpreted() and not torch.cuda.is_available():
     pytest.skip("triton backend cannot run here", allow_module_level=True)
@@ -214,23 +211,6 @@ def test_split_layout_keeps_every_nibble(k, half):
             for val, kk in ((lo, c * chunk + j), (hi, c * chunk + half + j)):
                 want = codes[..., kk] if kk < k else torch.zeros_like(codes[..., 0])
                 assert torch.equal(val[..., c * half + j], want)
-
-
-@triton.jit
-def _e2m1_bits_kernel(q_ptr, o_ptr):
-    r = tl.arange(0, 16)
-    tl.store(o_ptr + r, _e2m1_bf16_bits(tl.load(q_ptr + r)).to(tl.int16, bitcast=True))
-
-
-def test_e2m1_bit_construction_is_exact():
-    """The bf16 bit patterns built in-kernel for fp4 codes equal torch's bf16 of the table."""
-    from moerunner.quant.codecs import E2M1_VALUES
-
-    q = torch.arange(16, dtype=torch.uint8, device=DEVICE)
-    out = torch.empty(16, dtype=torch.int16, device=DEVICE)
-    _e2m1_bits_kernel[(1,)](q, out)
-    want = torch.tensor(E2M1_VALUES).to(torch.bfloat16).view(torch.int16)
-    assert torch.equal(out.cpu(), want)
 
 
 def test_backend_declares_interpreter_bf16_limit():

@@ -9,11 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moerunner
-from moerunner.backends.base import MoeProblem
-from moerunner.dispatch.formats import StandardDispatchOutput
-from moerunner.routing import TopK
-from moerunner.weights import ExpertWeights
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+import moerunner  # noqa: E402
+from moerunner.backends.base import MoeProblem  # noqa: E402
+from moerunner.backends.triton._gemm_kernel import _e2m1_halves_bf16, _scale_bf16  # noqa: E402
+from moerunner.dispatch.formats import StandardDispatchOutput  # noqa: E402
+from moerunner.routing import TopK  # noqa: E402
+from moerunner.weights import ExpertWeights  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -89,3 +93,43 @@ def test_cuda_graph_capture_and_replay_of_decode_call():
         graph.replay()
         eager = fused_standard(x.clone(), wts.clone(), ids.clone(), prepared)
         assert torch.equal(out, eager)
+
+
+@triton.jit
+def _fp4_decode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, SCALE_FMT: tl.constexpr):
+    r = tl.arange(0, 256)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [byte, scale]
+    q = tl.load(q_ptr + r // 16)
+    s = _scale_bf16(tl.load(s_ptr + r % 16), SCALE_FMT)
+    lo, hi = _e2m1_halves_bf16(q, s, s)
+    tl.store(lo_ptr + r, lo)
+    tl.store(hi_ptr + r, hi)
+
+
+@pytest.mark.parametrize("scale_format", ["e8m0", "e4m3"])
+def test_fp4_packed_decode_is_exact(scale_format):
+    """The inline-PTX e2m1 decode gives exactly nibble value * scale for every byte and for
+    edge scales (e8m0: 2^-127, 2^0, 2^1, 2^127, NaN; e4m3: subnormals, max)."""
+    from moerunner.quant.codecs import E2M1_VALUES
+
+    dev = torch.device("cuda")
+    q = torch.arange(256, dtype=torch.uint8, device=dev)
+    if scale_format == "e8m0":
+        codes = [0, 1, 2, 100, 118, 126, 127, 128, 129, 130, 140, 200, 250, 253, 254, 255]
+        s = torch.tensor(codes, dtype=torch.uint8, device=dev)
+        sval = torch.where(s == 255, float("nan"), torch.exp2(s.double() - 127))
+        fmt = 2
+    else:
+        vals = [2.0**-9, 2.0**-7, 0.0078125 * 3, 0.5, 1.0, 1.125, 3.75, 448.0, 240.0, 1e-3,
+                0.3, 17.0, 64.0, 100.0, 2.0**-6, 7.0]
+        s = torch.tensor(vals, device=dev).to(torch.float8_e4m3fn).view(torch.uint8)
+        sval = s.view(torch.float8_e4m3fn).double()
+        fmt = 3
+    lo = torch.empty(256, 16, dtype=torch.bfloat16, device=dev)
+    hi = torch.empty_like(lo)
+    _fp4_decode_kernel[(1,)](q, s, lo, hi, SCALE_FMT=fmt)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=dev)
+    for out, nib in ((lo, q & 0xF), (hi, q >> 4)):
+        want = (table[nib.long()][:, None] * sval[None, :]).to(torch.bfloat16)
+        assert torch.equal(out.isnan(), want.isnan())
+        ok = ~want.isnan()
+        assert torch.equal(out[ok].view(torch.int16), want[ok].view(torch.int16))

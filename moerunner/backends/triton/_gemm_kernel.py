@@ -64,14 +64,80 @@ def _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr
 
 
 @triton.jit
-def _e2m1_bf16_bits(q):
-    """e2m1 nibble -> bf16 bit pattern (uint16): sign | exponent | one mantissa bit."""
-    q = q.to(tl.uint16)
-    em = q & 7
-    # Normal codes (em >= 2): exponent field (em >> 1) + 126, mantissa bit em & 1 at bit 6,
-    # which is exactly (em << 6) + (126 << 7). Code 1 is the subnormal 0.5 = 2^-1.
-    mag = tl.where(em >= 2, (em << 6) + (126 << 7), tl.where(em == 1, 126 << 7, 0))
-    return (mag | ((q & 8) << 12)).to(tl.uint16)
+def _e2m1_halves_bf16(packed, scale_lo, scale_hi):
+    """Packed bytes -> (low nibbles * scale_lo, high nibbles * scale_hi) in bf16, on the GPU.
+
+    Four bytes per instance in packed integer ops: each nibble's sign goes to bit 15 of a
+    bf16 half-word and its 3 exponent/mantissa bits to bits 6-8, which is the bf16 pattern of
+    the e2m1 value times 2^-126 (code 1 lands on the subnormal 2^-127 = 0.5 * 2^-126); two
+    bf16x2 FMAs (subnormals kept) then multiply by 2^126 and by the scale. Products of e2m1
+    with e8m0 or e4m3 scales are exact in bf16. The scales are bf16 tensors of packed's shape.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, lo, hi, v, bias, nz;
+        mov.b32 bias, 0x7E807E80;
+        mov.b32 nz, 0x80008000;
+        prmt.b32 t, $4, 0, 0x1404;
+        shl.b32 lo, t, 4;
+        and.b32 lo, lo, 0x80008000;
+        shr.b32 v, t, 2;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 lo, lo, v;
+        and.b32 hi, t, 0x80008000;
+        shr.b32 v, t, 6;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 hi, hi, v;
+        fma.rn.bf16x2 lo, lo, bias, nz;
+        fma.rn.bf16x2 $0, lo, $5, nz;
+        fma.rn.bf16x2 hi, hi, bias, nz;
+        fma.rn.bf16x2 $2, hi, $7, nz;
+        prmt.b32 t, $4, 0, 0x3424;
+        shl.b32 lo, t, 4;
+        and.b32 lo, lo, 0x80008000;
+        shr.b32 v, t, 2;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 lo, lo, v;
+        and.b32 hi, t, 0x80008000;
+        shr.b32 v, t, 6;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 hi, hi, v;
+        fma.rn.bf16x2 lo, lo, bias, nz;
+        fma.rn.bf16x2 $1, lo, $6, nz;
+        fma.rn.bf16x2 hi, hi, bias, nz;
+        fma.rn.bf16x2 $3, hi, $8, nz;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[packed, scale_lo, scale_hi],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _scale_bf16(s, SCALE_FMT: tl.constexpr):
+    """e8m0 or e4m3 scale storage -> the same value in bf16 (exact for both)."""
+    if SCALE_FMT == 2:
+        e = s.to(tl.uint16)
+        # 2^(e - 127) as bf16 bits; code 0 is the subnormal 2^-127, 255 is NaN.
+        bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7)).to(tl.uint16)
+        out = bits.to(tl.bfloat16, bitcast=True)
+    else:
+        out = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def _per_row(v, NK: tl.constexpr):
+    """A per-weight-row vector shaped to broadcast over a [BN, HALF] (NK) or [HALF, BN] tile."""
+    if NK:
+        out = v[:, None]
+    else:
+        out = v[None, :]
+    return out
 
 
 @triton.jit
@@ -80,36 +146,44 @@ def _split_halves(
     stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
     COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
+    NK: tl.constexpr,
 ):
-    """Dequantized halves ``[HALF, BLOCK_N]`` of one packed 4-bit chunk of 2 * HALF along K.
+    """Dequantized halves of one packed 4-bit chunk of 2 * HALF along K.
 
     In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
     k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
-    scale (and zero point) per row: no interleave or broadcast is needed in registers.
+    scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
+    Tiles are [HALF, BLOCK_N] (weight as the MMA's right operand) or, with ``NK``,
+    [BLOCK_N, HALF] (swapped A/B: the weight is the left operand, taken from registers).
     """
     offs_j = k0 // 2 + tl.arange(0, HALF)
-    packed = tl.load(w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn,
-                     mask=offs_j[:, None] < (K + 1) // 2, other=0)
-    lo = packed & 0xF
-    hi = (packed >> 4) & 0xF
+    j_ok = offs_j < (K + 1) // 2
+    if NK:
+        ptrs = w_base + rows[:, None] * stride_wn + offs_j[None, :] * stride_wk
+        packed = tl.load(ptrs, mask=j_ok[None, :], other=0)
+    else:
+        ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
+        packed = tl.load(ptrs, mask=j_ok[:, None], other=0)
     n_groups = (K + GROUP_K - 1) // GROUP_K
     g_lo = k0 // GROUP_K
     g_hi = (k0 + HALF) // GROUP_K
     s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
     s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
     if BF16_FP4:
-        # mxfp4 into bf16 by bit construction: e2m1 * 2^(e - 127) is exact in bf16.
-        lo_t = _e2m1_bf16_bits(lo).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_lo)[None, :]
-        hi_t = _e2m1_bf16_bits(hi).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_hi)[None, :]
+        lo_t, hi_t = _e2m1_halves_bf16(
+            packed, tl.broadcast_to(_per_row(_scale_bf16(s_lo, SCALE_FMT), NK), packed.shape),
+            tl.broadcast_to(_per_row(_scale_bf16(s_hi, SCALE_FMT), NK), packed.shape))
     else:
-        s_lo = _decode_scale(s_lo, SCALE_FMT)[None, :]
-        s_hi = _decode_scale(s_hi, SCALE_FMT)[None, :]
+        lo = packed & 0xF
+        hi = (packed >> 4) & 0xF
+        s_lo = _per_row(_decode_scale(s_lo, SCALE_FMT), NK)
+        s_hi = _per_row(_decode_scale(s_hi, SCALE_FMT), NK)
         if W_FORMAT == 3:
             if HAS_ZP:
-                z_lo = tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
-                               mask=g_lo < n_groups, other=0).to(tl.float32)[None, :]
-                z_hi = tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
-                               mask=g_hi < n_groups, other=0).to(tl.float32)[None, :]
+                z_lo = _per_row(tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
+                                        mask=g_lo < n_groups, other=0).to(tl.float32), NK)
+                z_hi = _per_row(tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
+                                        mask=g_hi < n_groups, other=0).to(tl.float32), NK)
             else:
                 z_lo = 8.0
                 z_hi = 8.0
@@ -119,55 +193,6 @@ def _split_halves(
             lo_t = (_decode_e2m1(lo) * s_lo).to(COMPUTE)
             hi_t = (_decode_e2m1(hi) * s_hi).to(COMPUTE)
     return lo_t, hi_t
-
-
-@triton.jit
-def _split_halves_nk(
-    w_base, s_base, z_base, rows, k0, K,
-    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
-    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
-):
-    """``_split_halves`` in [BLOCK_N, HALF] orientation: the dequantized weight is the MMA's
-    left operand (swapped A/B), which the tensor cores can take from registers."""
-    offs_j = k0 // 2 + tl.arange(0, HALF)
-    packed = tl.load(w_base + rows[:, None] * stride_wn + offs_j[None, :] * stride_wk)
-    lo = packed & 0xF
-    hi = (packed >> 4) & 0xF
-    n_groups = (K + GROUP_K - 1) // GROUP_K
-    g_lo = k0 // GROUP_K
-    g_hi = (k0 + HALF) // GROUP_K
-    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
-    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
-    if BF16_FP4:
-        lo_t = _e2m1_bf16_bits(lo).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_lo)[:, None]
-        hi_t = _e2m1_bf16_bits(hi).to(tl.bfloat16, bitcast=True) * _e8m0_bf16(s_hi)[:, None]
-    else:
-        s_lo = _decode_scale(s_lo, SCALE_FMT)[:, None]
-        s_hi = _decode_scale(s_hi, SCALE_FMT)[:, None]
-        if W_FORMAT == 3:
-            if HAS_ZP:
-                z_lo = tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
-                               mask=g_lo < n_groups, other=0).to(tl.float32)[:, None]
-                z_hi = tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
-                               mask=g_hi < n_groups, other=0).to(tl.float32)[:, None]
-            else:
-                z_lo = 8.0
-                z_hi = 8.0
-            lo_t = ((lo.to(tl.float32) - z_lo) * s_lo).to(COMPUTE)
-            hi_t = ((hi.to(tl.float32) - z_hi) * s_hi).to(COMPUTE)
-        else:
-            lo_t = (_decode_e2m1(lo) * s_lo).to(COMPUTE)
-            hi_t = (_decode_e2m1(hi) * s_hi).to(COMPUTE)
-    return lo_t, hi_t
-
-
-@triton.jit
-def _e8m0_bf16(e):
-    """e8m0 code -> bf16 2^(e - 127) (code 0: the subnormal 2^-127; 255: NaN)."""
-    e = e.to(tl.uint16)
-    bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7)).to(tl.uint16)
-    return bits.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -345,17 +370,17 @@ def moe_gemm_kernel(
             at_hi = tl.load(a_ptr + a_rows[None, :] * stride_am
                             + (offs_h + BLOCK_K // 2)[:, None] * stride_ak,
                             mask=(offs_h + BLOCK_K // 2)[:, None] < K, other=0)
-            lo_g, hi_g = _split_halves_nk(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
-                                          stride_wk, stride_sn, stride_sk, stride_zn,
-                                          stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
-                                          HAS_ZP, BLOCK_K // 2, BF16_FP4)
+            lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
+                                       stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+                                       COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP,
+                                       BLOCK_K // 2, BF16_FP4, True)
             acc_g_t = _mma(lo_g, at_lo, acc_g_t, False, IEEE)
             acc_g_t = _mma(hi_g, at_hi, acc_g_t, False, IEEE)
             if GATED:
-                lo_u, hi_u = _split_halves_nk(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
-                                              stride_wk, stride_sn, stride_sk, stride_zn,
-                                              stride_zk, COMPUTE, W_FORMAT, GROUP_K,
-                                              SCALE_FMT, HAS_ZP, BLOCK_K // 2, BF16_FP4)
+                lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
+                                           stride_wk, stride_sn, stride_sk, stride_zn,
+                                           stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
+                                           HAS_ZP, BLOCK_K // 2, BF16_FP4, True)
                 acc_u_t = _mma(lo_u, at_lo, acc_u_t, False, IEEE)
                 acc_u_t = _mma(hi_u, at_hi, acc_u_t, False, IEEE)
         elif PACKED:
@@ -368,14 +393,14 @@ def moe_gemm_kernel(
             lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
                                        stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
                                        COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP,
-                                       BLOCK_K // 2, BF16_FP4)
+                                       BLOCK_K // 2, BF16_FP4, False)
             acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
             acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
             if GATED:
                 lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
                                            stride_wk, stride_sn, stride_sk, stride_zn,
                                            stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
-                                           HAS_ZP, BLOCK_K // 2, BF16_FP4)
+                                           HAS_ZP, BLOCK_K // 2, BF16_FP4, False)
                 acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
                 acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
         else:

@@ -245,8 +245,9 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
         HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
         IEEE=a.dtype == torch.float32,
         SWAP_AB=bool(split_half) and PACKED_SWAP_AB and tile.block_m <= 64,
-        BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and consts["SCALE_FMT"] == K.SF_E8M0
-                  and a.dtype == torch.bfloat16),
+        # fp4 -> bf16 through packed integer ops (inline PTX: compiled GPU code only).
+        BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and a.dtype == torch.bfloat16 and a.is_cuda
+                  and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
     )
 

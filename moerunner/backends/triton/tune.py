@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,8 +81,13 @@ def _bench(fn: Callable[[], None], graph: bool) -> float:
 
 def tune_tokens(prepared, num_tokens: int, top_k: int,
                 candidates: Iterable[TileConfig] | None = None,
-                progress: Callable[[str], None] = print) -> tuple[MoeTiles, float]:
-    """Best tiles for ``num_tokens`` tokens (random routing); returns (tiles, GEMM ms)."""
+                progress: Callable[[str], None] = print,
+                compile_only: bool = False) -> tuple[MoeTiles | None, float]:
+    """Best tiles for ``num_tokens`` tokens (random routing); returns (tiles, GEMM ms).
+
+    ``compile_only`` launches every candidate once (filling Triton's kernel cache) and times
+    nothing; it returns (None, nan).
+    """
     from . import experts as X
     from ._align import align_rows, max_padded_rows
 
@@ -121,6 +127,8 @@ def tune_tokens(prepared, num_tokens: int, top_k: int,
             try:
                 fn()
                 torch.cuda.synchronize()
+                if compile_only:
+                    continue
                 ms = _bench(fn, graph)
             except Exception as exc:  # out of shared memory, invalid combination...
                 progress(f"  [{i + 1}/{len(cands)}] {which} {tile}: skipped ({type(exc).__name__})")
@@ -130,6 +138,8 @@ def tune_tokens(prepared, num_tokens: int, top_k: int,
             if cur is None or ms < cur[0]:
                 best[bm][which] = (ms, tile)
         progress(f"  [{i + 1}/{len(cands)}] {tile} done")
+    if compile_only:
+        return None, float("nan")
     pairs = [(v["gemm1"][0] + v["gemm2"][0], MoeTiles(v["gemm1"][1], v["gemm2"][1]))
              for v in best.values() if "gemm1" in v and "gemm2" in v]
     if not pairs:
@@ -190,8 +200,12 @@ def random_weights(hidden: int, inter: int, num_experts: int, activation: str, s
 
 def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activation: str,
                 scheme: str, tokens: Iterable[int], out_dir: Path,
-                progress: Callable[[str], None] = print) -> tuple[Path, dict]:
-    """Tune every token count of one shape and write its file; returns (path, ms by T)."""
+                progress: Callable[[str], None] = print,
+                compile_only: bool = False) -> tuple[Path | None, dict]:
+    """Tune every token count of one shape and write its file; returns (path, ms by T).
+
+    ``compile_only`` only compiles every candidate (see ``tune_tokens``) and writes nothing.
+    """
     from ...config import Activation
     from . import TritonBackend
 
@@ -204,10 +218,15 @@ def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activatio
     for t in tokens:
         start = time.time()
         progress(f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: searching")
-        tiles, ms = tune_tokens(prepared, t, top_k, progress=progress)
+        tiles, ms = tune_tokens(prepared, t, top_k, progress=progress,
+                                compile_only=compile_only)
+        if compile_only:
+            continue
         found[t], timings[t] = tiles, ms
         progress(f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: {ms * 1e3:.1f} us "
                  f"with {tiles} ({time.time() - start:.0f} s)")
+    if compile_only:
+        return None, {}
     name = torch.cuda.get_device_name(dev)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name)
@@ -223,6 +242,42 @@ def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activatio
     return path, timings
 
 
+def precompile(plan: Iterable[tuple[str, str, Iterable[int]]], jobs: int,
+               progress: Callable[[str], None] = print) -> None:
+    """Compile the candidates of several (preset, scheme, tokens) in parallel processes.
+
+    Compilation is CPU work and dominates a search; timing must run one shape at a time.
+    Running this first fills Triton's on-disk cache so the serial search only times.
+    """
+    import subprocess
+    import tempfile
+
+    pending = [[sys.executable, "-m", __name__, "--preset", preset, "--scheme", scheme,
+                "--compile-only", "--tokens", *map(str, tokens)] for preset, scheme, tokens in plan]
+    running: list[tuple[list[str], subprocess.Popen, Any]] = []
+    start = time.time()
+    while pending or running:
+        while pending and len(running) < max(1, jobs):
+            cmd = pending.pop(0)
+            log = tempfile.TemporaryFile(mode="w+")
+            running.append((cmd, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
+                            log))
+        time.sleep(0.5)
+        for item in list(running):
+            cmd, proc, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            what = f"{cmd[4]} {cmd[6]}"
+            if proc.returncode:
+                log.seek(0)
+                tail = log.read().strip().splitlines()[-1:]
+                progress(f"precompile {what}: failed ({' '.join(tail)})")
+            else:
+                progress(f"precompile {what}: done ({time.time() - start:.0f} s)")
+            log.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``moerunner tune --preset deepseek-v3 --scheme fp8_block [--tokens 1 16 ...]``."""
     p = argparse.ArgumentParser(prog="moerunner tune", description=__doc__)
@@ -233,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheme", default="bf16", help="weight scheme (bf16, fp8_block, mxfp4...)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
     p.add_argument("--out", type=Path, default=CONFIG_DIR, help="folder for the JSON files")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every candidate (fills the kernel cache), time and write nothing")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
@@ -244,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         (hidden, inter, experts, top_k), act = args.shape, "silu"
     path, _ = tune_preset(hidden, inter, experts, top_k, args.activation or act, args.scheme,
-                          args.tokens, args.out, progress=lambda s: print(s, flush=True))
-    print(f"wrote {path}")
+                          args.tokens, args.out, progress=lambda s: print(s, flush=True),
+                          compile_only=args.compile_only)
+    print("compiled every candidate" if path is None else f"wrote {path}")
     return 0
 
 
