@@ -41,7 +41,6 @@ from .weights import ExpertWeights
 __all__ = ["DISPATCHERS", "ExpertParallelMoE", "StageTimer", "time_stages"]
 
 DISPATCHERS = ("standard", "all_to_all", "masked")
-_FORMAT = {"standard": "standard", "all_to_all": "permuted", "masked": "masked"}
 STAGES = ("dispatch", "experts", "combine")
 
 
@@ -130,7 +129,9 @@ class ExpertParallelMoE:
         if placement is None:
             if dispatcher != "standard":
                 raise MoeInputError(f"dispatcher {dispatcher!r} needs an ExpertPlacement")
-            self.dispatcher = StandardDispatcher(group=group)
+            self.dispatcher = StandardDispatcher(
+                group=group, num_local_experts=local_weights.num_experts
+            )
         else:
             expected = placement.num_local(self.rank)
             if local_weights.num_experts != expected:
@@ -158,7 +159,7 @@ class ExpertParallelMoE:
             device=local_weights.device,
             dtype=dtype or _plain_dtype(local_weights),
         )
-        problem = MoeProblem.of(probe, local_weights, spec, _FORMAT[dispatcher])
+        problem = MoeProblem.of(probe, local_weights, spec, self.dispatcher.dispatch_format)
         self.prepared = self.runner.prepare(local_weights, problem, spec)
 
     @classmethod

@@ -31,7 +31,7 @@ from ..distributed import collective_device, raise_on_every_rank, rank_and_size
 from ..errors import MoeInputError
 from ..routing import TopK
 from .expert_map import ExpertPlacement
-from .formats import PermutedDispatchOutput
+from .formats import PERMUTED, PermutedDispatchOutput
 
 __all__ = ["AllToAllDispatchOutput", "AllToAllDispatcher", "DTYPE_CODES"]
 
@@ -71,6 +71,8 @@ class AllToAllDispatcher:
             hidden dtype (DeepEP's choice: one extra rounding of each partial sum, about one
             bf16 ulp); ``torch.float32`` doubles the return traffic and rounds only once.
     """
+
+    dispatch_format = PERMUTED  # what dispatch returns (``dispatch.formats``)
 
     def __init__(
         self, placement: ExpertPlacement, group=None, *, combine_dtype: torch.dtype | None = None

@@ -40,7 +40,7 @@ from ..errors import CapacityOverflowError, MoeInputError
 from ..routing import TopK
 from .all_to_all import DTYPE_CODES, _check_local
 from .expert_map import ExpertPlacement
-from .formats import MaskedDispatchOutput
+from .formats import MASKED, MaskedDispatchOutput
 
 __all__ = ["MaskedDispatcher", "MaskedEPDispatchOutput", "OVERFLOW_POLICIES"]
 
@@ -81,6 +81,8 @@ class MaskedDispatcher:
         on_overflow: ``"raise"`` (one host sync per step, ``CapacityOverflowError`` on every
             rank) or ``"flag"`` (no sync; see the module docstring).
     """
+
+    dispatch_format = MASKED  # what dispatch returns (``dispatch.formats``)
 
     def __init__(
         self,

@@ -123,6 +123,19 @@ def scenarios(rank: int, world: int) -> dict:
 
     results["all_to_all/bf16_fp32_combine"] = _run("bf16", bf16_exact_combine)
 
+    def standard_bf16(reduce_dtype):
+        from moerunner.dispatch.standard import StandardDispatcher
+
+        wb = ExpertWeights(weights.w13.bfloat16(), weights.w2.bfloat16())
+        moe = ExpertParallelMoE.from_global(wb, dispatcher="standard", backend="torch")
+        moe.dispatcher = StandardDispatcher(
+            moe.placement.expert_map(rank), moe.group, reduce_dtype=reduce_dtype
+        )
+        return moe(everyone_x.bfloat16(), everyone_topk)
+
+    results["standard/bf16_fp32_reduce"] = _run("r32", lambda: standard_bf16(torch.float32))
+    results["standard/bf16_hidden_reduce"] = _run("r16", lambda: standard_bf16(None))
+
     # Skewed load: every token's first slot on expert 0.
     skew_w, skew = make_case(world, seed=3, skew=True)
     sx, stopk = skew[rank]
@@ -282,6 +295,30 @@ def test_all_to_all_bf16_with_fp32_combine(world):
         assert record["out"].dtype == torch.bfloat16
         want = single_process(wb, x.bfloat16(), topk) if x.shape[0] else torch.empty(0, H)
         _close(record["out"], want.bfloat16(), 2**-8)
+
+
+def test_standard_bf16_reduces_in_fp32(world):
+    # Default fp32 reduction: each rank weights and sums its unweighted bf16 expert rows in
+    # fp32 and the all-reduce adds fp32 partials, so the result is the single process's fp32
+    # sum rounded once; only the order of fp32 additions differs (a rounding flip at most:
+    # one bf16 ulp, 2^-7 of the value). Summing bf16-rounded partials (reduce_dtype=None)
+    # adds one rounding per rank (about 2^-8 each), so it is held to a looser 2^-6.
+    size, results = world
+    weights, per_rank = make_case(size)
+    wb = ExpertWeights(weights.w13.bfloat16(), weights.w2.bfloat16())
+    x = torch.cat([p[0] for p in per_rank]).bfloat16()
+    topk = TopK(
+        torch.cat([p[1].weights for p in per_rank]), torch.cat([p[1].ids for p in per_rank])
+    )
+    want = single_process(wb, x, topk)
+    for rank in range(size):
+        exact, rounded = (results[rank][f"standard/bf16_{n}_reduce"] for n in ("fp32", "hidden"))
+        assert exact["error"] is None and rounded["error"] is None, (exact, rounded)
+        assert exact["out"].dtype == rounded["out"].dtype == torch.bfloat16
+        _close(exact["out"], want, 2**-7)
+        _close(rounded["out"], want, 2**-6)
+        if rank:  # every rank holds the same sum
+            assert torch.equal(exact["out"], results[0]["standard/bf16_fp32_reduce"]["out"])
 
 
 @pytest.mark.parametrize("kind", ["all_to_all", "masked"])
