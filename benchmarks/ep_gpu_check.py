@@ -7,9 +7,11 @@
    all_to_all, masked) x every backend named, bf16, small shapes, one rank with T = 0:
    each rank's output against the single-process run of the same backend on its tokens, and
    against the float64 ``reference_moe``.
-2. The masked dispatcher in ``on_overflow="flag"`` mode captured in a CUDA graph (dispatch ->
-   a stand-in expert -> combine) and replayed on new inputs: equal to the eager step, and the
-   overflow flag read after the replay.
+2. The masked dispatcher in ``on_overflow="flag"`` mode captured in a CUDA graph and replayed
+   on new inputs: dispatch -> a stand-in expert (y = 2x) -> combine, and the whole layer step
+   with each runner backend of ``--graph-backends``; each replay equal to the eager step and
+   to the expected output, the overflow flag read after the replay. One line per capture:
+   ``GRAPH CAPTURE masked/<backend>: PASS|FAIL (...)``.
 """
 
 from __future__ import annotations
@@ -115,59 +117,87 @@ def equivalence(backend: str, rank: int, world: int, device) -> list[dict]:
     return rows
 
 
-def graph_capture(rank: int, world: int, device) -> dict:
-    """Masked flag mode: dispatch -> y = 2x (stand-in expert) -> combine, in one CUDA graph."""
+def graph_capture(rank: int, world: int, device, backend: str) -> dict:
+    """Masked flag mode captured in one CUDA graph and replayed on new inputs.
+
+    ``backend="stand-in"``: dispatch -> y = 2x -> combine (the exchange alone); otherwise the
+    whole layer step, ``ExpertParallelMoE.forward`` with that runner backend (dispatch ->
+    grouped experts through the masked format -> combine).
+    """
     placement = ExpertPlacement.contiguous(E, world)
-    disp = MaskedDispatcher(placement, 64, H, on_overflow="flag")
     x, topk = tokens_of(rank, world, 24, device)
     static_x, static_w, static_ids = x.clone(), topk.weights.clone(), topk.ids.clone()
-
-    def step():
-        d = disp.dispatch(static_x, TopK(static_w, static_ids))
-        return disp.combine(d.hidden_states * 2, d), d.overflow
-
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = ExpertWeights(
+        (torch.randn(E, 2 * I, H, generator=g, device=device) * H**-0.5).to(torch.bfloat16),
+        (torch.randn(E, H, I, generator=g, device=device) * I**-0.5).to(torch.bfloat16),
+    )
+    record = {"check": "cuda_graph_masked", "backend": backend, "rank": rank}
     try:
+        if backend == "stand-in":
+            disp = MaskedDispatcher(placement, 64, H, on_overflow="flag")
+
+            def layer(xx, tk):
+                d = disp.dispatch(xx, tk)
+                return disp.combine(d.hidden_states * 2, d), d.overflow
+
+            def expected(xx, tk):
+                return (2 * xx.float() * tk.weights.sum(1, keepdim=True)).to(torch.bfloat16)
+        else:
+            moe = ExpertParallelMoE.from_global(
+                weights, dispatcher="masked", capacity=64, on_overflow="flag", backend=backend
+            )
+
+            def layer(xx, tk):
+                return moe(xx, tk), moe.last_overflow
+
+            def expected(xx, tk):
+                return reference_moe(xx, weights, tk.weights, tk.ids, "silu")
+
+        def step():
+            return layer(static_x, TopK(static_w, static_ids))
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(2):  # warm-up: kernels compiled, workspaces allocated
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out, overflow = step()
+        record["captured"] = True
         x2, topk2 = tokens_of(rank + 7, world, 24, device)
         static_x.copy_(x2)
         static_w.copy_(topk2.weights)
         static_ids.copy_(topk2.ids)
         graph.replay()
         torch.cuda.synchronize()
-        want = (2 * x2.float() * topk2.weights.sum(1, keepdim=True)).to(torch.bfloat16)
-        eager = disp.combine(disp.dispatch(x2, topk2).hidden_states * 2, disp.dispatch(x2, topk2))
-        return {
-            "check": "cuda_graph_masked",
-            "rank": rank,
-            "captured": True,
-            "rel_err_vs_eager": rel(out, eager),
-            "rel_err_vs_expected": rel(out, want),
-            "overflow_after_replay": bool(overflow),
-            "ok": rel(out, eager) <= TOLERANCE
-            and rel(out, want) <= TOLERANCE
-            and not bool(overflow),
-        }
-    except Exception as exc:
-        return {
-            "check": "cuda_graph_masked",
-            "rank": rank,
-            "captured": False,
-            "ok": False,
-            "error": f"{type(exc).__name__}: {exc}"[:300],
-        }
+        eager, _ = layer(x2, topk2)
+        e_eager, e_want = rel(out, eager), rel(out, expected(x2, topk2))
+        record.update(
+            rel_err_vs_eager=e_eager,
+            rel_err_vs_expected=e_want,
+            overflow_after_replay=bool(overflow),
+            ok=e_eager <= TOLERANCE and e_want <= TOLERANCE and not bool(overflow),
+        )
+    except Exception as exc:  # reported; the other captures still run
+        record.update(
+            captured=record.get("captured", False),
+            ok=False,
+            error=f"{type(exc).__name__}: {exc}"[:300],
+        )
+    return record
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--backends", default="triton,torch")
+    p.add_argument("--backends", default="triton,torch", help="equivalence; '' skips it")
+    p.add_argument(
+        "--graph-backends",
+        default="stand-in,torch,triton",
+        help="masked CUDA-graph captures: stand-in expert and/or runner backends",
+    )
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()  # without CUDA: gloo on CPU, a smoke test of the script
@@ -180,7 +210,8 @@ def main(argv=None) -> int:
     for backend in filter(None, args.backends.split(",")):
         rows += equivalence(backend, rank, world, device)
     if cuda:
-        rows.append(graph_capture(rank, world, device))
+        for backend in filter(None, args.graph_backends.split(",")):
+            rows.append(graph_capture(rank, world, device, backend))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -194,6 +225,17 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d"),
         }
         print(json.dumps(env), "all ok:", all(r["ok"] for r in everything))
+        captures = [r for r in everything if r["check"] == "cuda_graph_masked"]
+        for backend in dict.fromkeys(r["backend"] for r in captures):
+            mine = [r for r in captures if r["backend"] == backend]
+            verdict = "PASS" if all(r["ok"] for r in mine) else "FAIL"
+            detail = "; ".join(
+                r.get("error") or f"rank {r['rank']} err {r['rel_err_vs_expected']:.1e}"
+                for r in mine
+            )
+            print(f"GRAPH CAPTURE masked/{backend}: {verdict} ({detail})")
+        if cuda and not captures:
+            print("GRAPH CAPTURE: none requested")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"env": env, "rows": everything}, f, indent=1)

@@ -126,10 +126,13 @@ class MaskedDispatcher:
         self.on_overflow = on_overflow
         self.num_local_experts = placement.num_local(self.rank)
         self._slots = max(placement.max_local, 1)
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Placement tables are built from host lists (a host-to-device copy): made here for
+        # the group's device, so no dispatch ever copies, even the first one of a capture.
+        device = collective_device(group)
+        self._tables = {device: placement.routing_table(self.rank, device)}
 
     def _routing_table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._tables:
+        if device not in self._tables:  # another device than the group's: copied once
             self._tables[device] = self.placement.routing_table(self.rank, device)
         return self._tables[device]
 
