@@ -25,6 +25,7 @@ __all__ = [
     "all_gather_ints",
     "check_consistent",
     "collective_device",
+    "init_world",
     "rank_and_size",
     "raise_on_every_rank",
 ]
@@ -39,6 +40,35 @@ def _dist():
             "(or launch with torchrun) before building an expert-parallel dispatcher"
         )
     return dist
+
+
+def init_world(device_type: str, local_rank: int = 0, timeout_s: float = 300.0) -> torch.device:
+    """Join the default process group for ``device_type`` and return this process's device.
+
+    ``"cuda"``: NCCL, on GPU ``local_rank`` (made the current device first, as NCCL needs);
+    ``"cpu"``: gloo. Rank, world size and rendezvous come from ``torch.distributed``'s
+    ``env://`` contract (what ``torchrun`` provides); the caller reads ``LOCAL_RANK`` at its
+    own edge and passes it here. ``timeout_s`` bounds every collective, so a rank that dies
+    or never arrives surfaces as an error on the others instead of a hang.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if device_type not in ("cuda", "cpu"):
+        raise MoeInputError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise MoeInputError("device_type='cuda' but CUDA is not available here")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+        )
+    return device
 
 
 def rank_and_size(group=None) -> tuple[int, int]:

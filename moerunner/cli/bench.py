@@ -8,8 +8,14 @@ Examples::
     moerunner bench --shape 64,4096,2048,6 --tp 2 --activation silu
     moerunner bench --replay out.json                                # same command again
 
+Expert parallel (one process per rank, NCCL on GPUs, gloo on CPUs)::
+
+    torchrun --nproc-per-node 2 -m moerunner bench --ep-size 2 --preset deepseek-v3 \\
+        --tokens 16,256,4096 --dispatcher all_to_all,masked --json ep2.json
+
 Environment read here (the edge): ``XDG_CACHE_HOME`` for the default ceilings cache
-(``<cache>/moerunner/ceilings.json``; ``--ceilings`` overrides it).
+(``<cache>/moerunner/ceilings.json``; ``--ceilings`` overrides it); with ``--ep-size``,
+torchrun's ``WORLD_SIZE`` and ``LOCAL_RANK``.
 """
 
 from __future__ import annotations
@@ -137,7 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--ep-size",
         type=int,
         default=1,
-        help="expert-parallel ranks: not wired here; see benchmarks/ep_scaling.py",
+        help="expert-parallel ranks: launch under torchrun with one process per rank, e.g. "
+        "torchrun --nproc-per-node 2 -m moerunner bench --ep-size 2",
+    )
+    p.add_argument(
+        "--dispatcher",
+        type=_csv,
+        default=["all_to_all"],
+        help="with --ep-size: standard, all_to_all, masked (comma-separated)",
+    )
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=2.0,
+        help="with --ep-size and masked: capacity = factor x expected rows per expert + 16",
     )
     p.add_argument(
         "--replay", type=Path, default=None, help="re-run the command recorded in a bench JSON"
@@ -208,16 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         recorded = json.loads(args.replay.read_text())["argv"]
         keep = [a for a in argv if a not in ("--replay", str(args.replay))]
         return main([a for a in recorded] + keep)
-    if args.ep_size != 1:
-        print(
-            "moerunner bench: --ep-size: expert parallel dispatch not available in this command; "
-            "time expert-parallel layers with benchmarks/ep_scaling.py under torchrun (it uses "
-            "moerunner.distributed_moe.time_stages: dispatch / experts / combine per rank)",
-            file=sys.stderr,
-        )
-        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.ep_size != 1:
+        return main_expert_parallel(args, argv)
     try:
         config = config_from_args(args)
     except (ValueError, TypeError) as exc:
@@ -272,4 +285,78 @@ def main(argv: list[str] | None = None) -> int:
         args.md.parent.mkdir(parents=True, exist_ok=True)
         args.md.write_text(report.markdown(rows, env, ceilings, config, argv))
         print(f"wrote {args.md}")
+    return 1 if any(r.status == "wrong" for r in rows) else 0
+
+
+def main_expert_parallel(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--ep-size N``: this process is one of N torchrun ranks; time expert-parallel layers.
+
+    Rows: preset x scheme x dispatcher x backend x routing x T (tokens per rank), each timed
+    per stage (slowest rank) and checked against the reference on every rank. Rank 0 prints
+    and writes the JSON; every rank returns the same exit code.
+    """
+    from ..bench.expert_parallel import EpOptions, run_ep_sweep
+    from ..bench.expert_parallel import table as ep_table
+    from ..bench.expert_parallel import to_json as ep_json
+    from ..distributed_moe import DISPATCHERS
+
+    n = args.ep_size
+    world = os.environ.get("WORLD_SIZE")  # torchrun sets it; read only here, at the edge
+    if n < 1 or world is None or world != str(n):
+        found = f"this launch has WORLD_SIZE={world}" if world else "not launched by torchrun"
+        print(
+            f"moerunner bench: --ep-size {n} needs one process per rank ({found}); launch "
+            f"with: torchrun --nproc-per-node {max(n, 1)} -m moerunner bench --ep-size "
+            f"{max(n, 1)} [other flags]",
+            file=sys.stderr,
+        )
+        return 2
+    problems = [f"--dispatcher: unknown {d!r}" for d in args.dispatcher if d not in DISPATCHERS]
+    if args.tp != 1:
+        problems.append("--tp and --ep-size cannot be combined (experts are split by ownership)")
+    try:
+        config = config_from_args(args)
+    except (ValueError, TypeError) as exc:
+        problems.append(str(exc))
+    if problems:
+        print(
+            f"moerunner bench: {'; '.join(problems)} (dispatchers: {', '.join(DISPATCHERS)})",
+            file=sys.stderr,
+        )
+        return 2
+    import torch.distributed as dist
+
+    from ..bench import report
+    from ..distributed import init_world
+
+    device = init_world(torch.device(config.device).type, int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        rank = dist.get_rank()
+        options = EpOptions(n, tuple(args.dispatcher), args.capacity_factor)
+        bar = None
+        if rank == 0 and not args.quiet:
+            from tqdm import tqdm
+
+            bar = tqdm(desc=f"bench EP={n}", unit="row", file=sys.stderr)
+
+        def progress(row) -> None:
+            if bar is not None:
+                bar.set_postfix_str(f"{row.preset} {row.scheme} {row.dispatcher} T={row.tokens}")
+                bar.update(1)
+
+        rows = run_ep_sweep(config, options, progress=progress)
+        if bar is not None:
+            bar.close()
+        if rank == 0:
+            env = report.environment(device)
+            env.update(world=n, dist_backend=str(dist.get_backend()))
+            print(f"{env['device']}: expert parallel over {n} ranks ({env['dist_backend']})")
+            print(ep_table(rows))
+            if args.json is not None:
+                ep_json(args.json, argv, config, options, env, rows)
+                print(f"wrote {args.json}")
+            if args.png is not None or args.md is not None:
+                print("--png / --md: not written for --ep-size rows (see --json)")
+    finally:
+        dist.destroy_process_group()
     return 1 if any(r.status == "wrong" for r in rows) else 0
