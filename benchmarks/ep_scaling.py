@@ -21,24 +21,32 @@ handles ``T`` tokens). ``--shrink s`` divides H and I by s (E and k stay) for CP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from moerunner import ExpertWeights, MoeRunner, quantize, select_experts
+from moerunner import ExpertWeights, MoeRunner, select_experts
 from moerunner.backends.base import MoeProblem
+from moerunner.bench.expert_parallel import (
+    TimingBudget,
+    full_weights,
+    masked_capacity,
+    measure_layer,
+    slowest_rank,
+)
 from moerunner.bench.presets import get_preset
 from moerunner.config import Activation
 from moerunner.dispatch.expert_map import ExpertPlacement, shard_expert_weights
 from moerunner.dispatch.formats import StandardDispatchOutput
-from moerunner.distributed_moe import ExpertParallelMoE, StageTimer, time_stages
-from moerunner.errors import BackendUnavailableError, CapacityOverflowError
+from moerunner.distributed import init_world
+from moerunner.distributed_moe import StageTimer
+from moerunner.errors import BackendUnavailableError
 
 # bf16 outputs: EP and single-device runs round the same fp32 sums once, but may add the
 # k slots in a different order and the kernels may tile differently: a few bf16 ulps of the
@@ -59,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="run quantized schemes on the emulating torch backend too",
     )
-    p.add_argument("--dist-backend", default="", help="nccl / gloo (default: nccl on CUDA)")
+    p.add_argument("--dist-backend", default="", help="gloo: CPU ranks even where CUDA is")
     p.add_argument("--shrink", type=int, default=1, help="divide H and I by this (CPU checks)")
     p.add_argument(
         "--capacity-factor",
@@ -85,25 +93,10 @@ def _ints(text: str) -> list[int]:
 
 
 def build_weights(shape, shrink: int, scheme: str, device, seed: int) -> ExpertWeights:
-    """Full-layer weights, identical on every rank (quantized in chunks of experts, so the
-    fp32 temporaries of quantization stay small next to DeepSeek-V3's 22 GB of bf16)."""
-    e = shape.num_experts
+    """Full-layer weights, identical on every rank (``--shrink`` divides H and I)."""
     h, i = shape.hidden_size // shrink, max(shape.intermediate_size // shrink, 1)
-    g = torch.Generator(device=device).manual_seed(seed)
-    kw = {"generator": g, "device": device, "dtype": torch.bfloat16}
-    w13 = torch.randn(e, 2 * i, h, **kw) * h**-0.5
-    w2 = torch.randn(e, h, i, **kw) * i**-0.5
-    if scheme == "bf16":
-        return ExpertWeights(w13, w2)
-    return ExpertWeights(_quantize_chunked(w13, scheme), _quantize_chunked(w2, scheme))
-
-
-def _quantize_chunked(w: torch.Tensor, scheme: str, chunk: int = 16):
-    """``quantize`` over chunks of experts, joined along the expert dim (every tensor of a
-    quantized weight has experts on dim 0)."""
-    parts = [quantize(w[s : s + chunk], scheme) for s in range(0, w.shape[0], chunk)]
-    joined = {f: torch.cat([p.tensors()[f] for p in parts]) for f in parts[0].tensors()}
-    return type(parts[0])(parts[0].scheme, tuple(w.shape), **joined)
+    small = dataclasses.replace(shape, hidden_size=h, intermediate_size=i)
+    return full_weights(small, scheme, torch.bfloat16, device, seed)
 
 
 def make_tokens(shape, hidden: int, tokens: int, device, seed: int):
@@ -149,6 +142,12 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run(args) -> list[dict]:
+    if "standard" in args.dispatchers.split(","):
+        raise SystemExit(
+            "--dispatchers: standard needs the same tokens on every rank, and this script gives "
+            "each rank its own; time it with torchrun ... -m moerunner bench --ep-size N "
+            "--dispatcher standard"
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
         torch.device("cuda", torch.cuda.current_device())
@@ -255,30 +254,20 @@ def run(args) -> list[dict]:
 
 def measure(args, kind, local, placement, group, x, topk, reference, tokens, shape, device):
     ep = placement.world_size
-    capacity = None
+    layer = {"dispatcher": kind, "backend": args.backend, "dtype": torch.bfloat16}
     if kind == "masked":
-        expected = ep * tokens * shape.top_k / shape.num_experts
-        capacity = min(ep * tokens, 16 * -(-int(args.capacity_factor * expected + 16) // 16))
-        capacity = max(capacity, 1)
-    moe = ExpertParallelMoE(
-        local,
-        placement,
-        group,
-        dispatcher=kind,
-        backend=args.backend,
-        capacity=capacity,
-        dtype=torch.bfloat16,
-    )
-    try:
-        out = moe(x, topk)
-        stages = time_stages(moe, x, topk, warmup=args.warmup, iters=args.iters)
-    except CapacityOverflowError as exc:
-        return {"skipped": f"overflow: {exc}"[:200], "capacity": capacity}
+        layer["capacity"] = masked_capacity(
+            ep, tokens, shape.top_k, shape.num_experts, args.capacity_factor
+        )
+    budget = TimingBudget(warmup=args.warmup, iters=args.iters)
+    timing = measure_layer(local, placement, group, x, topk, layer=layer, budget=budget)
+    if timing.error:
+        return {"skipped": timing.error[:200], "capacity": layer.get("capacity")}
     return {
-        "stages": stages,
-        "rel_err": rel_error(out, reference),
-        "capacity": capacity,
-        "ep_backend": moe.runner.backend,
+        "stages": timing.stages_ms,
+        "rel_err": rel_error(timing.output, reference),
+        "capacity": layer.get("capacity"),
+        "ep_backend": timing.backend,
     }
 
 
@@ -313,9 +302,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     lines = []
     for key, rs in groups.items():
         slow = max(rs, key=lambda r: sum(r["stages"].values()))
-        stages = {
-            s: max(r["stages"].get(s, 0.0) for r in rs) for s in ("dispatch", "experts", "combine")
-        }
+        stages, step_ms = slowest_rank([r["stages"] for r in rs])
         lines.append(
             {
                 "preset": key[0],
@@ -324,7 +311,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "ep": key[3],
                 "dispatcher": key[4],
                 "backend": slow.get("ep_backend", slow["backend"]),
-                "step_ms": sum(slow["stages"].values()),
+                "step_ms": step_ms,
                 **{f"{s}_ms": v for s, v in stages.items()},
                 "max_rel_err": max(r["rel_err"] for r in rs),
                 "ranks": len(rs),
@@ -387,11 +374,7 @@ def print_table(lines: list[dict]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available() and args.dist_backend != "gloo"
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        args.dist_backend or ("nccl" if use_cuda else "gloo"), timeout=timedelta(seconds=300)
-    )
+    init_world("cuda" if use_cuda else "cpu", int(os.environ.get("LOCAL_RANK", "0")))
     if not use_cuda:
         torch.set_num_threads(1)
     started = time.time()

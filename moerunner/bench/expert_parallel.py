@@ -42,6 +42,7 @@ from .sweep import (
 __all__ = [
     "EpOptions",
     "EpRow",
+    "full_weights",
     "LayerTiming",
     "TimingBudget",
     "masked_capacity",
@@ -196,7 +197,11 @@ def _tokens(shape: BenchShape, config: BenchConfig, routing: str, tokens: int, s
     return x[part], TopK(topk.weights[part], topk.ids[part])
 
 
-def _full_weights(shape: BenchShape, scheme: str, dtype: torch.dtype, device, seed: int):
+def full_weights(
+    shape: BenchShape, scheme: str, dtype: torch.dtype, device, seed: int
+) -> ExpertWeights:
+    """The whole layer's weights (identical on every rank for one ``seed``), quantized to
+    ``scheme`` a few experts at a time."""
     w = make_weights(shape, dtype, device, seed)  # same seed: the same weights on every rank
     w13, w2 = w["w13"], w["w2"]
     if scheme not in DTYPES:
@@ -235,7 +240,7 @@ def run_ep_sweep(
         placement = ExpertPlacement.contiguous(shape.num_experts, world)
         for scheme in config.schemes_for(shape):
             dtype = act_dtype_for(scheme, config.dtype)
-            full = _full_weights(shape, scheme, dtype, device, config.seed)
+            full = full_weights(shape, scheme, dtype, device, config.seed)
             local = shard_expert_weights(full, placement, rank)
             for kind in options.dispatchers:
                 for backend in config.backends or ("auto",):
