@@ -226,4 +226,4 @@ def test_cli_rejects_bad_input(capsys):
     assert cli_bench.main(["--preset", "nope", "--device", "cpu", "--quiet"]) == 2
     assert "accepted" in capsys.readouterr().err
     assert cli_bench.main(["--ep-size", "2", "--quiet"]) == 2
-    assert "expert parallel dispatch not available" in capsys.readouterr().err
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
