@@ -131,38 +131,12 @@ def _scale_bf16(s, SCALE_FMT: tl.constexpr):
 
 
 @triton.jit
-def _group_load(base, rows, g0, n_groups, stride_n, stride_g, NG: tl.constexpr,
-                NK: tl.constexpr):
-    """Per-row values of the NG consecutive K groups from ``g0``: [BN] when NG == 1, else
-    [BN, NG] (NK) or [NG, BN]. Groups past ``n_groups`` read as 0."""
-    if NG == 1:
-        out = tl.load(base + rows * stride_n + g0 * stride_g, mask=g0 < n_groups, other=0)
-    elif NK:
-        gg = g0 + tl.arange(0, NG)
-        out = tl.load(base + rows[:, None] * stride_n + gg[None, :] * stride_g,
-                      mask=gg[None, :] < n_groups, other=0)
+def _per_row(v, NK: tl.constexpr):
+    """A per-weight-row vector shaped to broadcast over a [BN, HALF] (NK) or [HALF, BN] tile."""
+    if NK:
+        out = v[:, None]
     else:
-        gg = g0 + tl.arange(0, NG)
-        out = tl.load(base + gg[:, None] * stride_g + rows[None, :] * stride_n,
-                      mask=gg[:, None] < n_groups, other=0)
-    return out
-
-
-@triton.jit
-def _expand_groups(v, NG: tl.constexpr, SPAN: tl.constexpr, NK: tl.constexpr):
-    """``_group_load`` values spread over a half: each group's value repeated SPAN times
-    along K ([BN, HALF] with NK, else [HALF, BN]); NG == 1 gives a broadcastable vector."""
-    if NG == 1:
-        if NK:
-            out = v[:, None]
-        else:
-            out = v[None, :]
-    elif NK:
-        out = tl.reshape(tl.broadcast_to(v[:, :, None], (v.shape[0], NG, SPAN)),
-                         (v.shape[0], NG * SPAN))
-    else:
-        out = tl.reshape(tl.broadcast_to(v[:, None, :], (NG, SPAN, v.shape[1])),
-                         (NG * SPAN, v.shape[1]))
+        out = v[None, :]
     return out
 
 
@@ -177,13 +151,11 @@ def _split_halves(
     """Dequantized halves of one packed 4-bit chunk of 2 * HALF along K.
 
     In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
-    k = k0 + HALF + j (high nibble); HALF is a multiple or a divisor of the scale group, so a
-    half covers whole groups (NG of them) or lies inside one. Tiles are [HALF, BLOCK_N]
-    (weight as the MMA's right operand) or, with ``NK``, [BLOCK_N, HALF] (swapped A/B: the
-    weight is the left operand, taken from registers).
+    k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
+    scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
+    Tiles are [HALF, BLOCK_N] (weight as the MMA's right operand) or, with ``NK``,
+    [BLOCK_N, HALF] (swapped A/B: the weight is the left operand, taken from registers).
     """
-    NG: tl.constexpr = HALF // GROUP_K if HALF > GROUP_K else 1
-    SPAN: tl.constexpr = HALF // NG
     offs_j = k0 // 2 + tl.arange(0, HALF)
     j_ok = offs_j < (K + 1) // 2
     if NK:
@@ -195,28 +167,23 @@ def _split_halves(
     n_groups = (K + GROUP_K - 1) // GROUP_K
     g_lo = k0 // GROUP_K
     g_hi = (k0 + HALF) // GROUP_K
-    s_lo = _group_load(s_base, rows, g_lo, n_groups, stride_sn, stride_sk, NG, NK)
-    s_hi = _group_load(s_base, rows, g_hi, n_groups, stride_sn, stride_sk, NG, NK)
+    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
+    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
-            packed,
-            tl.broadcast_to(_expand_groups(_scale_bf16(s_lo, SCALE_FMT), NG, SPAN, NK),
-                            packed.shape),
-            tl.broadcast_to(_expand_groups(_scale_bf16(s_hi, SCALE_FMT), NG, SPAN, NK),
-                            packed.shape))
+            packed, tl.broadcast_to(_per_row(_scale_bf16(s_lo, SCALE_FMT), NK), packed.shape),
+            tl.broadcast_to(_per_row(_scale_bf16(s_hi, SCALE_FMT), NK), packed.shape))
     else:
         lo = packed & 0xF
         hi = (packed >> 4) & 0xF
-        s_lo = _expand_groups(_decode_scale(s_lo, SCALE_FMT), NG, SPAN, NK)
-        s_hi = _expand_groups(_decode_scale(s_hi, SCALE_FMT), NG, SPAN, NK)
+        s_lo = _per_row(_decode_scale(s_lo, SCALE_FMT), NK)
+        s_hi = _per_row(_decode_scale(s_hi, SCALE_FMT), NK)
         if W_FORMAT == 3:
             if HAS_ZP:
-                z_lo = _expand_groups(_group_load(z_base, rows, g_lo, n_groups, stride_zn,
-                                                  stride_zk, NG, NK).to(tl.float32),
-                                      NG, SPAN, NK)
-                z_hi = _expand_groups(_group_load(z_base, rows, g_hi, n_groups, stride_zn,
-                                                  stride_zk, NG, NK).to(tl.float32),
-                                      NG, SPAN, NK)
+                z_lo = _per_row(tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
+                                        mask=g_lo < n_groups, other=0).to(tl.float32), NK)
+                z_hi = _per_row(tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
+                                        mask=g_hi < n_groups, other=0).to(tl.float32), NK)
             else:
                 z_lo = 8.0
                 z_hi = 8.0

@@ -37,8 +37,6 @@ _EMULATED_ACT = ("mxfp8", "nvfp4")
 # Packed 4-bit weights with few rows per block: compute out^T = W @ A^T so the dequantized
 # weight is the MMA's register operand instead of a round trip through shared memory.
 PACKED_SWAP_AB = True
-# Packed 4-bit weights: K elements per half of a split-layout chunk (a K step is two halves).
-SPLIT_HALF_MAX = 64
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset({
@@ -102,19 +100,10 @@ def kernel_weight(w: Any) -> KernelWeight:
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = _as_bytes(w.data)
     if scheme.packed:
-        consts["SPLIT_HALF"] = split_half_for(group_k)
+        consts["SPLIT_HALF"] = min(group_k, 64)
         data = split_packed(data, w.shape[2], consts["SPLIT_HALF"])
     return KernelWeight(data, _as_bytes(w.scale), _as_bytes(w.zero_point), gscale,
                         scheme, tuple(w.shape), consts)
-
-
-def split_half_for(group_k: int) -> int:
-    """Bytes per half of a split-layout chunk for scale groups of ``group_k`` along K:
-    ``SPLIT_HALF_MAX`` when it is a multiple or a divisor of the group, else the group."""
-    half = SPLIT_HALF_MAX
-    if group_k <= 0 or half % group_k == 0 or group_k % half == 0:
-        return half
-    return group_k
 
 
 def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
