@@ -4,7 +4,10 @@ A backend core computes on rows grouped by local expert (``PermutedDispatchOutpu
 functions bring each dispatch format into that layout and back. They never synchronise with
 the host: the grouped layout always has as many rows as there are (token, slot) pairs, and
 rows of -1 ids (or masked padding) sit past ``expert_offsets[E]``, where cores may leave
-garbage that ``post`` masks out.
+garbage that ``post`` never reads (standard) or masks out (masked, permuted).
+
+The standard post-permute weights and sums each token's k rows in float32, a block of tokens
+at a time, so no float32 copy of all ``[M, H]`` rows is made and the block stays in cache.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ class PermuteContext:
     source_row: torch.Tensor  # [M] int64: token (standard) or flat e*C+c slot (masked)
     row_weight: torch.Tensor | None  # [M] float32 (0 for padding rows) or None: unweighted
     num_valid: torch.Tensor  # 0-d int64 on device: expert_offsets[E]
+    # [T, k] int64, standard only: grouped row of each (token, slot) pair; a -1 id's pair
+    # points at row 0 (its weight in ``pair_weight`` is 0), never at a padding row.
+    pair_row: torch.Tensor | None = None
+    pair_weight: torch.Tensor | None = None  # [T, k] float32 routing weights, 0 for -1 ids
 
 
 def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,24 +52,46 @@ def pre_permute_standard(
     key = torch.where(ids_flat >= 0, ids_flat, num_experts)
     order, offsets = _group_rows(key, num_experts)
     token = order // top_k
-    weight = dispatch_output.topk.weights.reshape(-1)[order]
-    weight = torch.where(key[order] < num_experts, weight, torch.zeros_like(weight))
+    valid_TK = dispatch_output.topk.ids >= 0
+    weight_TK = torch.where(valid_TK, dispatch_output.topk.weights.float(), 0.0)
+    row_of_pair = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.shape[0], device=order.device)
+    )
+    pair_row = torch.where(valid_TK, row_of_pair.view(valid_TK.shape), 0)
     grouped = PermutedDispatchOutput(
         hidden_states=dispatch_output.hidden_states[token], expert_offsets=offsets
     )
-    return grouped, PermuteContext(source_row=token, row_weight=weight, num_valid=offsets[-1])
+    ctx = PermuteContext(
+        source_row=token,
+        row_weight=weight_TK.reshape(-1)[order],
+        num_valid=offsets[-1],
+        pair_row=pair_row,
+        pair_weight=weight_TK,
+    )
+    return grouped, ctx
+
+
+# Elements per block of the standard combine: the float32 weighted block stays ~4 MiB.
+_COMBINE_BLOCK_ELEMENTS = 1 << 20
 
 
 def post_permute_standard(
     y_MH: torch.Tensor, ctx: PermuteContext, dispatch_output: StandardDispatchOutput
 ) -> torch.Tensor:
-    """Weighted scatter-add of expert outputs back to their tokens, accumulated in fp32."""
+    """Each token's k expert rows times their routing weights, summed in fp32, rounded once.
+
+    Gathers by ``ctx.pair_row``, so padding rows (garbage allowed) are never read; when no
+    pair is valid, row 0 is padding too and the result is zeros.
+    """
     hidden = dispatch_output.hidden_states
-    valid = torch.arange(y_MH.shape[0], device=y_MH.device) < ctx.num_valid
-    contribution = torch.where(valid[:, None], y_MH.float(), 0.0) * ctx.row_weight[:, None]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, ctx.source_row, contribution)
-    return out.to(hidden.dtype)
+    tokens, top_k = ctx.pair_row.shape
+    out_TH = torch.empty((tokens, y_MH.shape[1]), dtype=torch.float32, device=y_MH.device)
+    block = max(1, _COMBINE_BLOCK_ELEMENTS // (top_k * y_MH.shape[1]))
+    for start in range(0, tokens, block):
+        rows_BKH = y_MH[ctx.pair_row[start : start + block]]
+        weighted_BKH = rows_BKH * ctx.pair_weight[start : start + block, :, None]
+        torch.sum(weighted_BKH, dim=1, out=out_TH[start : start + block])
+    return torch.where(ctx.num_valid > 0, out_TH, 0.0).to(hidden.dtype)
 
 
 def pre_permute_permuted(
