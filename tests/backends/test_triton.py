@@ -44,32 +44,52 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def _align_reference(row_expert, num_experts, block_m, cap):
+    """Sort-based alignment in PyTorch: stable order within each expert, sentinel padding."""
+    rows = row_expert.shape[0]
+    ids = row_expert.cpu().long()
+    sorted_rows, block_expert = [], []
+    for e in range(num_experts):
+        seg = torch.nonzero(ids == e).flatten().tolist()
+        if not seg:
+            continue
+        pad = -len(seg) % block_m
+        sorted_rows += seg + [rows] * pad
+        block_expert += [e] * ((len(seg) + pad) // block_m)
+    return len(sorted_rows), torch.tensor(sorted_rows, dtype=torch.int32), torch.tensor(
+        block_expert, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("multi", [False, True])
 @pytest.mark.parametrize(
     "rows,experts,block_m", [(1, 4, 16), (10, 4, 16), (37, 8, 16), (64, 16, 32), (100, 3, 64)]
 )
-def test_alignment_kernel_equals_torch_twin(rows, experts, block_m):
+def test_alignment_kernel_equals_reference(rows, experts, block_m, multi, monkeypatch):
+    """Both the one-program and the multi-program (count, scan, scatter) alignment give the
+    reference layout exactly; ``multi`` forces the latter with 16-row programs."""
+    if multi:
+        monkeypatch.setattr(_align, "SINGLE_PROGRAM_MAX_ROWS", 0)
     gen = torch.Generator().manual_seed(rows)
     ids = torch.randint(-1, experts, (rows,), generator=gen, dtype=torch.int32).to(DEVICE)
     cap = _align.max_padded_rows(rows, experts, block_m)
-    results = []
-    for fn in (_align.align_rows, _align.align_rows_torch):
-        s = torch.empty(cap, dtype=torch.int32, device=DEVICE)
-        b = torch.empty(cap // block_m, dtype=torch.int32, device=DEVICE)
-        n = torch.empty(1, dtype=torch.int32, device=DEVICE)
-        fn(ids, experts, block_m, s, b, n)
-        used = int(n)
-        results.append((used, s[:used].cpu(), b[: used // block_m].cpu()))
-    (n0, s0, b0), (n1, s1, b1) = results
-    assert n0 == n1 and torch.equal(s0, s1) and torch.equal(b0, b1)
-    # Every valid row appears exactly once, in its expert's segment; padding is the sentinel.
-    valid = ids.cpu() >= 0
-    assert n0 % block_m == 0
-    real = s0[s0 < rows]
-    assert sorted(real.tolist()) == torch.nonzero(valid).flatten().tolist()
-    for blk in range(n0 // block_m):
-        seg = s0[blk * block_m:(blk + 1) * block_m]
-        seg = seg[seg < rows]
-        assert (ids.cpu()[seg.long()] == b0[blk]).all()
+    s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
+    b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
+    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    _align.align_rows(ids, experts, block_m, s, b, n, rows_per_program=16)
+    used, want_s, want_b = _align_reference(ids, experts, block_m, cap)
+    assert int(n) == used and used % block_m == 0
+    assert torch.equal(s[:used].cpu(), want_s)
+    assert torch.equal(b[: used // block_m].cpu(), want_b)
+
+
+def test_alignment_rejects_small_scratch(monkeypatch):
+    monkeypatch.setattr(_align, "SINGLE_PROGRAM_MAX_ROWS", 0)
+    ids = torch.zeros(40, dtype=torch.int32, device=DEVICE)
+    s = torch.empty(64, dtype=torch.int32, device=DEVICE)
+    b = torch.empty(4, dtype=torch.int32, device=DEVICE)
+    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="scratch"):
+        _align.align_rows(ids, 2, 16, s, b, n, torch.empty(3, dtype=torch.int32), 16)
 
 
 def test_topk_sum_skips_minus_one_slots():

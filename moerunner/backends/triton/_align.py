@@ -6,8 +6,8 @@
 #                                    to a multiple of BLOCK_M with the sentinel ``num_rows``
 #   block_expert [max_padded / BLOCK_M] int32  expert of each BLOCK_M block
 #   num_padded   [1] int32            used length of sorted_rows
-# Within an expert, rows keep ascending order, so the Triton kernel (one program, for decode
-# sizes) and its PyTorch twin (any size) produce identical results.
+# Within an expert, rows keep ascending order: the one-program path (decode sizes) and the
+# multi-program path (count per block of rows, scan, scatter) give identical results.
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Above this many rows the single-program kernel is slower than the PyTorch twin's sort.
+# Up to this many rows one program aligns everything (one launch: decode); above it the
+# work is spread over programs of ROWS_PER_PROGRAM rows each (three launches, all on device).
 SINGLE_PROGRAM_MAX_ROWS = 2048
+ROWS_PER_PROGRAM = 1024
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -25,24 +27,47 @@ def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(bound, block_m) * block_m
 
 
+def _e_pow2(num_experts: int) -> int:
+    return max(16, triton.next_power_of_2(num_experts))
+
+
+def scratch_size(num_rows: int, num_experts: int,
+                 rows_per_program: int = ROWS_PER_PROGRAM) -> int:
+    """int32 elements of the scratch that the multi-program alignment needs (0: none)."""
+    if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
+        return 0
+    return (triton.cdiv(num_rows, rows_per_program) + 1) * _e_pow2(num_experts)
+
+
 @triton.jit
-def _align_kernel(
-    ids_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-    num_rows, num_experts,
-    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-):
-    """One program: count per expert, prefix-sum padded counts, fill, scatter row ids."""
+def _onehot(ids_ptr, start, row_end, num_experts, CHUNK: tl.constexpr, E_POW2: tl.constexpr):
+    """Rows ``start + [0, CHUNK)`` (below ``row_end``): their ids and [CHUNK, E_POW2] one-hot."""
+    offs = start + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < row_end, other=-1)
     experts = tl.arange(0, E_POW2)
+    onehot = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)).to(tl.int32)
+    return offs, ids, onehot
+
+
+@triton.jit
+def _count(ids_ptr, row_start, row_end, num_experts, CHUNK: tl.constexpr, E_POW2: tl.constexpr):
+    """Rows per expert among rows [row_start, row_end)."""
     counts = tl.zeros((E_POW2,), dtype=tl.int32)
-    for start in range(0, num_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
-        onehot = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)).to(
-            tl.int32)
+    for start in range(row_start, row_end, CHUNK):
+        _, _, onehot = _onehot(ids_ptr, start, row_end, num_experts, CHUNK, E_POW2)
         counts += tl.sum(onehot, axis=0)
+    return counts
+
+
+@triton.jit
+def _lay_out_segments(counts, sorted_rows_ptr, block_expert_ptr, num_padded_ptr, num_rows,
+                      num_experts, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
+                      CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """From rows per expert: padded segment starts (returned), ``num_padded``, the expert of
+    each used block, and the sentinel in every used slot (the scatter overwrites real rows)."""
+    experts = tl.arange(0, E_POW2)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
     total = tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
     # Expert of each used block: the number of segments that end at or before its start.
@@ -55,62 +80,116 @@ def _align_kernel(
         offs = p0 + tl.arange(0, FILL)
         tl.store(sorted_rows_ptr + offs, tl.full((FILL,), 0, tl.int32) + num_rows,
                  mask=offs < total)
-    tl.debug_barrier()  # the fill above must land before the scatter below
-    running = starts
-    for start in range(0, num_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
-        onehot = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)).to(
-            tl.int32)
+    return ends - padded
+
+
+@triton.jit
+def _scatter(ids_ptr, sorted_rows_ptr, row_start, row_end, num_experts, running,
+             CHUNK: tl.constexpr, E_POW2: tl.constexpr):
+    """Write each row id of [row_start, row_end) at its expert's next slot (``running``: the
+    slot of the expert's first row here); rows keep ascending order within an expert."""
+    for start in range(row_start, row_end, CHUNK):
+        offs, ids, onehot = _onehot(ids_ptr, start, row_end, num_experts, CHUNK, E_POW2)
         before = tl.cumsum(onehot, axis=0) - onehot  # earlier rows of the same expert
         dest = tl.sum(onehot * (before + running[None, :]), axis=1)
-        valid = (ids >= 0) & (ids < num_experts) & (offs < num_rows)
+        valid = (ids >= 0) & (ids < num_experts) & (offs < row_end)
         tl.store(sorted_rows_ptr + dest, offs.to(tl.int32), mask=valid)
         running += tl.sum(onehot, axis=0)
 
 
-def align_rows_torch(row_expert: torch.Tensor, num_experts: int, block_m: int,
-                     sorted_rows: torch.Tensor, block_expert: torch.Tensor,
-                     num_padded: torch.Tensor) -> None:
-    """PyTorch twin of the alignment kernel (same outputs); sort based, no host sync."""
-    num_rows = row_expert.shape[0]
-    device = row_expert.device
-    valid = (row_expert >= 0) & (row_expert < num_experts)
-    key = torch.where(valid, row_expert.long(), num_experts)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    zero = torch.zeros(1, dtype=torch.int64, device=device)
-    padded_starts = torch.cat((zero, torch.cumsum(padded, 0)))
-    starts = torch.cat((zero, torch.cumsum(counts, 0)))
-    order = torch.sort(key, stable=True).indices
-    sorted_key = key[order]
-    rank = torch.arange(num_rows, device=device) - starts[sorted_key]
-    dest = padded_starts[sorted_key.clamp(max=num_experts - 1)] + rank
-    capacity = sorted_rows.shape[0]
-    dest = torch.where(sorted_key < num_experts, dest, capacity)
-    scratch = torch.full((capacity + 1,), num_rows, dtype=torch.int32, device=device)
-    scratch.scatter_(0, dest, order.to(torch.int32))
-    sorted_rows.copy_(scratch[:capacity])
-    block_starts = torch.arange(block_expert.shape[0], device=device) * block_m
-    block_expert.copy_(torch.searchsorted(padded_starts[1:], block_starts, right=True))
-    num_padded.copy_(padded_starts[num_experts:])
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
+    num_rows, num_experts,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):
+    """One program: count per expert, lay out padded segments, scatter row ids."""
+    counts = _count(ids_ptr, 0, num_rows, num_experts, CHUNK, E_POW2)
+    starts = _lay_out_segments(counts, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
+                               num_rows, num_experts, BLOCK_M, E_POW2, CHUNK, FILL)
+    tl.debug_barrier()  # the sentinel fill must land before the scatter
+    _scatter(ids_ptr, sorted_rows_ptr, 0, num_rows, num_experts, starts, CHUNK, E_POW2)
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, scratch_ptr, num_rows, num_experts, ROWS: tl.constexpr,
+                        E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """Program p: rows per expert among its ROWS rows, into scratch row p."""
+    p = tl.program_id(0)
+    row_end = tl.minimum(num_rows, (p + 1) * ROWS)
+    counts = _count(ids_ptr, p * ROWS, row_end, num_experts, CHUNK, E_POW2)
+    tl.store(scratch_ptr + p * E_POW2 + tl.arange(0, E_POW2), counts)
+
+
+@triton.jit
+def _align_scan_kernel(scratch_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
+                       num_rows, num_experts, num_programs, BLOCK_M: tl.constexpr,
+                       E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                       PT: tl.constexpr):
+    """One program: scratch row p becomes the count of the expert's rows in programs < p;
+    lays out the segments and leaves their starts in scratch row ``num_programs``."""
+    experts = tl.arange(0, E_POW2)
+    running = tl.zeros((E_POW2,), dtype=tl.int32)
+    for p0 in range(0, num_programs, PT):
+        ps = p0 + tl.arange(0, PT)
+        ptrs = scratch_ptr + ps[:, None] * E_POW2 + experts[None, :]
+        c = tl.load(ptrs, mask=ps[:, None] < num_programs, other=0)
+        tl.store(ptrs, tl.cumsum(c, axis=0) - c + running[None, :],
+                 mask=ps[:, None] < num_programs)
+        running += tl.sum(c, axis=0)
+    starts = _lay_out_segments(running, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
+                               num_rows, num_experts, BLOCK_M, E_POW2, CHUNK, FILL)
+    tl.store(scratch_ptr + num_programs * E_POW2 + experts, starts)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, scratch_ptr, sorted_rows_ptr, num_rows, num_experts,
+                          num_programs, ROWS: tl.constexpr, E_POW2: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """Program p: scatter its rows after the rows of programs < p in each expert segment."""
+    p = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    running = (tl.load(scratch_ptr + num_programs * E_POW2 + experts)
+               + tl.load(scratch_ptr + p * E_POW2 + experts))
+    row_end = tl.minimum(num_rows, (p + 1) * ROWS)
+    _scatter(ids_ptr, sorted_rows_ptr, p * ROWS, row_end, num_experts, running, CHUNK, E_POW2)
 
 
 def align_rows(row_expert: torch.Tensor, num_experts: int, block_m: int,
                sorted_rows: torch.Tensor, block_expert: torch.Tensor,
-               num_padded: torch.Tensor) -> None:
-    """Fill the alignment outputs for ``row_expert`` (int32 [rows]); picks kernel or twin."""
+               num_padded: torch.Tensor, scratch: torch.Tensor | None = None,
+               rows_per_program: int = ROWS_PER_PROGRAM) -> None:
+    """Fill the alignment outputs for ``row_expert`` (int32 [rows]), on the device.
+
+    Up to ``SINGLE_PROGRAM_MAX_ROWS`` rows: one program. Above: count per block of rows,
+    one scan program, scatter per block of rows; ``scratch`` (int32, at least
+    ``scratch_size`` elements, reused across calls) holds the per-block counts.
+    """
     num_rows = row_expert.shape[0]
-    if num_rows > SINGLE_PROGRAM_MAX_ROWS:
-        align_rows_torch(row_expert, num_experts, block_m, sorted_rows, block_expert, num_padded)
-        return
-    e_pow2 = max(16, triton.next_power_of_2(num_experts))
+    e_pow2 = _e_pow2(num_experts)
     chunk = max(16, min(64, 8192 // e_pow2))
-    _align_kernel[(1,)](
-        row_expert, sorted_rows, block_expert, num_padded, num_rows, num_experts,
-        BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, FILL=1024, num_warps=4,
-    )
+    if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
+        _align_kernel[(1,)](
+            row_expert, sorted_rows, block_expert, num_padded, num_rows, num_experts,
+            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, FILL=1024, num_warps=4,
+        )
+        return
+    need = scratch_size(num_rows, num_experts, rows_per_program)
+    if scratch is None:
+        scratch = torch.empty(need, dtype=torch.int32, device=row_expert.device)
+    elif scratch.numel() < need or scratch.dtype != torch.int32:
+        raise ValueError(f"scratch must be int32 with >= {need} elements, got "
+                         f"{scratch.dtype} with {scratch.numel()}")
+    programs = triton.cdiv(num_rows, rows_per_program)
+    _align_count_kernel[(programs,)](row_expert, scratch, num_rows, num_experts,
+                                     ROWS=rows_per_program, E_POW2=e_pow2, CHUNK=chunk,
+                                     num_warps=4)
+    _align_scan_kernel[(1,)](scratch, sorted_rows, block_expert, num_padded, num_rows,
+                             num_experts, programs, BLOCK_M=block_m, E_POW2=e_pow2,
+                             CHUNK=chunk, FILL=1024, PT=max(1, 4096 // e_pow2), num_warps=4)
+    _align_scatter_kernel[(programs,)](row_expert, scratch, sorted_rows, num_rows, num_experts,
+                                       programs, ROWS=rows_per_program, E_POW2=e_pow2,
+                                       CHUNK=chunk, num_warps=4)
 
 
 @triton.jit

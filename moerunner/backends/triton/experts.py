@@ -22,7 +22,7 @@ from ...config import ExpertSpec
 from ...errors import MoeInputError
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
-from ._align import align_rows, max_padded_rows, topk_sum
+from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._quant_kernel import quantize_rows
 from .tile_config import MoeTiles, lookup_tiles
 
@@ -288,9 +288,11 @@ def run_kernel_sequence(a_RH: torch.Tensor, row_expert: torch.Tensor, a_row_div:
         "block_expert": torch.empty(max_padded // bm, dtype=torch.int32, device=dev),
         "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
         "inter": torch.empty(num_rows, inter, dtype=a_RH.dtype, device=dev),
+        "align_scratch": torch.empty(scratch_size(num_rows, num_experts), dtype=torch.int32,
+                                     device=dev),
     })
     align_rows(row_expert, num_experts, bm, ws["sorted_rows"], ws["block_expert"],
-               ws["num_padded"])
+               ws["num_padded"], ws["align_scratch"])
     with torch.profiler.record_function("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13)
         _launch_gemm(a, a_scale, w13, prepared.tensors["w13_bias"], ws["inter"], ws, num_rows,
