@@ -3,7 +3,8 @@
 Core on the grouped layout: one GEMM1 -> activation -> GEMM2 per non-empty expert segment
 (one host read of the E+1 offsets per call; never a per-token loop), or, for plain weights
 with 16-byte aligned rows (on CPU, and on CUDA for bf16), PyTorch's grouped GEMM over all
-segments at once with no host sync.
+segments at once with no host sync (on CPU, fp32 decode batches run each expert's GEMM as
+W @ x^T, and the activation runs in cache-sized row blocks).
 
 Quantized weights are dequantized once to float32 in ``prepare_weights``; at run time GEMM
 inputs are quantized exactly as the scheme's kernels quantize them (dynamic per-token fp8,
