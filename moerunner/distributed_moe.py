@@ -34,6 +34,7 @@ from .dispatch.standard import StandardDispatcher
 from .dispatch.tensor_parallel import shard_intermediate
 from .distributed import check_consistent, rank_and_size
 from .errors import MoeInputError
+from .profiling import trace_range
 from .routing import TopK
 from .runner import MoeRunner
 from .weights import ExpertWeights
@@ -203,13 +204,13 @@ class ExpertParallelMoE:
         the device; check it after the step in ``on_overflow="flag"`` mode).
         """
         stage = timer if timer is not None else (lambda name: nullcontext())
-        with stage("dispatch"), torch.profiler.record_function("moerunner.dispatch"):
+        with stage("dispatch"), trace_range("moerunner.dispatch"):
             dispatched = self.dispatcher.dispatch(hidden_states, topk)
         # masked, on_overflow="flag": the step's device-side overflow flag (else None)
         self.last_overflow = getattr(dispatched, "overflow", None)
         with stage("experts"):
             out = self.runner.run(dispatched, self.prepared)
-        with stage("combine"), torch.profiler.record_function("moerunner.combine"):
+        with stage("combine"), trace_range("moerunner.combine"):
             return self.dispatcher.combine(out, dispatched)
 
     __call__ = forward

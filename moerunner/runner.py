@@ -27,6 +27,7 @@ from .config import Activation, ExpertSpec
 from .dispatch import permute
 from .dispatch.formats import MASKED, PERMUTED, STANDARD
 from .errors import BackendUnavailableError, MoeInputError
+from .profiling import trace_range
 from .weights import ExpertWeights, PreparedWeights
 
 FusedOp = Callable[[Any, PreparedWeights], torch.Tensor]
@@ -244,7 +245,7 @@ class MoeRunner:
         name = prepared.backend
         fused = None if self.force_permute else self.registry.fused_ops.get((fmt, name))
         if fused is not None:
-            with torch.profiler.record_function(f"moerunner.{name}.fused"):
+            with trace_range(f"moerunner.{name}.fused"):
                 return fused(dispatch_output, prepared)
         core = self.registry.cores.get(name)
         if core is None or fmt not in self.registry.permutes:
@@ -252,11 +253,11 @@ class MoeRunner:
                 f"backend {name!r} has no fused op for format {fmt!r} and no core to permute into"
             )
         pre, post = self.registry.permutes[fmt]
-        with torch.profiler.record_function("moerunner.pre_permute"):
+        with trace_range("moerunner.pre_permute"):
             grouped, ctx = pre(dispatch_output, prepared.spec.num_experts)
-        with torch.profiler.record_function(f"moerunner.{name}.core"):
+        with trace_range(f"moerunner.{name}.core"):
             y = core(grouped.hidden_states, grouped.expert_offsets, prepared)
-        with torch.profiler.record_function("moerunner.post_permute"):
+        with trace_range("moerunner.post_permute"):
             return post(y, ctx, dispatch_output)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from cases import TOLERANCE, Case
@@ -138,3 +140,18 @@ def test_quantized_weights_are_prepared_once():
     finally:
         del backend.prepare_weights
     assert len(prepares) == 1
+
+
+def test_stages_are_named_in_profiler_traces():
+    """Stage ranges appear while a profiler records (they are skipped otherwise)."""
+    from moerunner.profiling import trace_range
+
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(4, 32, 16) * 0.1, torch.randn(4, 16, 16) * 0.1
+    x = torch.randn(3, 16)
+    wts, ids = torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]])
+    assert isinstance(trace_range("x"), contextlib.nullcontext)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moerunner.fused_moe(x, w13, w2, wts, ids, backend="torch")
+    names = {e.key for e in prof.key_averages()}
+    assert any(n.startswith("moerunner.") for n in names), sorted(names)[:20]

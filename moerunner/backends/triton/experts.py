@@ -20,6 +20,7 @@ import triton
 
 from ...config import ExpertSpec
 from ...errors import MoeInputError
+from ...profiling import trace_range
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
@@ -293,11 +294,11 @@ def run_kernel_sequence(a_RH: torch.Tensor, row_expert: torch.Tensor, a_row_div:
     })
     align_rows(row_expert, num_experts, bm, ws["sorted_rows"], ws["block_expert"],
                ws["num_padded"], ws["align_scratch"])
-    with torch.profiler.record_function("gemm1"):
+    with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13)
         _launch_gemm(a, a_scale, w13, prepared.tensors["w13_bias"], ws["inter"], ws, num_rows,
                      a_row_div, None, tiles.gemm1, inter, spec)
-    with torch.profiler.record_function("gemm2"):
+    with trace_range("gemm2"):
         a2, a2_scale = _quantize_input(ws["inter"], w2)
         _launch_gemm(a2, a2_scale, w2, prepared.tensors["w2_bias"], out_PH, ws, num_rows, 1,
                      route_w, tiles.gemm2, hidden, None)
@@ -345,7 +346,7 @@ def fused_standard(hidden_TH: torch.Tensor, topk_weights: torch.Tensor, topk_ids
                                 num_rows, prepared.spec.hidden_size, dtype=hidden_TH.dtype,
                                 device=dev)})
     run_kernel_sequence(hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles)
-    with torch.profiler.record_function("combine"):
+    with trace_range("combine"):
         topk_sum(cache["y"], ids, out)
     return out
 
