@@ -27,6 +27,7 @@ from ..errors import CapacityOverflowError
 from ..routing import TopK
 from ..weights import ExpertWeights
 from .presets import BenchShape
+from .report import align_table, fmt_cell
 from .sweep import (
     DTYPES,
     TOLERANCE,
@@ -318,12 +319,6 @@ def _measure_row(shape, scheme, dtype, kind, backend, routing, tokens, context) 
 # -- output -------------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)
-
-
 def table(rows: list[EpRow]) -> str:
     """Fixed-width text table, one line per row (the bench table's layout, stage columns)."""
     head = [
@@ -341,23 +336,15 @@ def table(rows: list[EpRow]) -> str:
                 str(r.tokens),
                 str(r.ep_size),
                 r.dispatcher,
-                _fmt(r.dispatch_us, ".1f"),
-                _fmt(r.experts_us, ".1f"),
-                _fmt(r.combine_us, ".1f"),
-                _fmt(r.time_us, ".1f"),
-                _fmt(r.max_rel_err, ".1e"),
+                fmt_cell(r.dispatch_us, ".1f"),
+                fmt_cell(r.experts_us, ".1f"),
+                fmt_cell(r.combine_us, ".1f"),
+                fmt_cell(r.time_us, ".1f"),
+                fmt_cell(r.max_rel_err, ".1e"),
                 r.status if r.status == "ok" else f"{r.status}: {r.note[:60]}",
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    out = []
-    for line in lines:
-        cells = [
-            c.rjust(w) if 4 <= i != 6 else c.ljust(w)
-            for i, (c, w) in enumerate(zip(line[:-1], widths, strict=False))
-        ]
-        out.append("  ".join(cells) + "  " + line[-1])
-    return "\n".join(out)
+    return align_table(lines, left={0, 1, 2, 3, 6})
 
 
 def to_json(

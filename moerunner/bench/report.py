@@ -107,12 +107,25 @@ def load_json(path: Path) -> tuple[dict, BenchConfig, list[Row]]:
     return record, config, [Row(**r) for r in record["rows"]]
 
 
-def _fmt(value: float, spec: str) -> str:
-    return (
-        "-"
-        if value is None or (isinstance(value, float) and math.isnan(value))
-        else format(value, spec)
-    )
+def fmt_cell(value: float | None, spec: str) -> str:
+    """One table cell: ``format(value, spec)``, or "-" for a missing or NaN value."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def align_table(lines: list[list[str]], left: set[int]) -> str:
+    """Fixed-width text from rows of cells (the first is the header): columns in ``left``
+    left-aligned, the others right-aligned; the last column (status) is not padded."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]) - 1)]
+    out = []
+    for line in lines:
+        cells = [
+            c.ljust(w) if i in left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line[:-1], widths, strict=False))
+        ]
+        out.append("  ".join(cells) + "  " + line[-1])
+    return "\n".join(out)
 
 
 def table(rows: list[Row], baselines: tuple[str, ...]) -> str:
@@ -141,25 +154,17 @@ def table(rows: list[Row], baselines: tuple[str, ...]) -> str:
                 r.impl.replace("baseline:", "hf:"),
                 r.routing,
                 str(r.tokens),
-                _fmt(r.experts_hit, ".0f"),
-                _fmt(r.time_us, ".1f"),
-                _fmt(r.tflops, ".2f"),
-                _fmt(r.gbps, ".0f"),
-                _fmt(r.pct_roofline, ".1f"),
-                *[_fmt(r.speedup.get(b, float("nan")), ".2f") for b in baselines],
-                _fmt(r.max_rel_err, ".1e"),
+                fmt_cell(r.experts_hit, ".0f"),
+                fmt_cell(r.time_us, ".1f"),
+                fmt_cell(r.tflops, ".2f"),
+                fmt_cell(r.gbps, ".0f"),
+                fmt_cell(r.pct_roofline, ".1f"),
+                *[fmt_cell(r.speedup.get(b, float("nan")), ".2f") for b in baselines],
+                fmt_cell(r.max_rel_err, ".1e"),
                 r.status if r.status == "ok" else f"{r.status}: {r.note[:60]}",
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    out = []
-    for line in lines:
-        cells = [
-            c.rjust(w) if i >= 4 else c.ljust(w)
-            for i, (c, w) in enumerate(zip(line[:-1], widths, strict=False))
-        ]
-        out.append("  ".join(cells) + "  " + line[-1])
-    return "\n".join(out)
+    return align_table(lines, left={0, 1, 2, 3})
 
 
 def plot(path: Path, rows: list[Row], title: str) -> None:
