@@ -16,54 +16,16 @@ import time
 import torch
 
 import moerunner.integrations.transformers as mt
-
-TINY = {
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
-    "qwen2_moe": dict(
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-    ),
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16),
-    "deepseek_v3": dict(
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        n_group=4,
-        topk_group=2,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-    ),
-    "gpt_oss": dict(
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        intermediate_size=64,
-        head_dim=16,
-        layer_types=["sliding_attention", "full_attention"],
-    ),
-}
+from moerunner.integrations.tiny_models import FAMILIES, tiny_config
 
 
 def load(args):
     """(model, tokenizer or None) from --model or --tiny."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = getattr(torch, args.dtype)
     if args.tiny:
-        cfg = AutoConfig.for_model(
-            args.tiny,
-            vocab_size=256,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            **TINY[args.tiny],
-        )
+        cfg = tiny_config(args.tiny, vocab_size=256)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         with torch.no_grad():  # routers start at zero in some families: make routing real
@@ -98,7 +60,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model directory or hub id")
-    src.add_argument("--tiny", choices=sorted(TINY), help="build a tiny random model")
+    src.add_argument("--tiny", choices=FAMILIES, help="build a tiny random model")
     p.add_argument("--prompt", default="The mixture of experts layer")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--backend", default="auto", help="moerunner backend: auto, torch, triton")
