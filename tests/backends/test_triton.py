@@ -233,6 +233,24 @@ def test_split_layout_keeps_every_nibble(k, half):
                 assert torch.equal(val[..., c * half + j], want)
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4", "int4_g32_zp"])
+def test_packed_weights_with_a_partial_last_chunk(scheme):
+    """K = 96 is one and a half chunks of the split layout (64 K elements per chunk): the
+    last chunk's bytes hold real low nibbles beyond byte K / 2 and padding high nibbles."""
+    torch.manual_seed(5)
+    act = moerunner.Activation("silu")
+    T, H, I, E, k = 5, 96, 96, 3, 2
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5, scheme),
+        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme))
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(T, k, device=DEVICE)
+    out = _run("triton", x, weights, act, wts, ids)
+    # fp32 math on exactly dequantized weights: summation order only.
+    assert _rel(out, moerunner.reference_moe(x, weights, wts, ids, act)) < 1e-5
+
+
 def test_backend_declares_interpreter_bf16_limit():
     backend = triton_pkg.TritonBackend()
     problem = MoeProblem("cpu", torch.bfloat16, "bf16", "silu", "standard", 32, 16, 4)

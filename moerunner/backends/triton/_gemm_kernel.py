@@ -154,16 +154,16 @@ def _split_halves(
     k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
     scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
     Tiles are [HALF, BLOCK_N] (weight as the MMA's right operand) or, with ``NK``,
-    [BLOCK_N, HALF] (swapped A/B: the weight is the left operand, taken from registers).
+    [BLOCK_N, HALF] (weight rows along the first axis, as the few-rows kernel uses them).
     """
+    # ``split_packed`` zero-pads K to whole chunks, so every byte of the chunk exists (a byte
+    # past (K + 1) // 2 may still hold a real low nibble). Padded nibbles meet A's masked
+    # zeros, and their scale group past the end loads as zero.
     offs_j = k0 // 2 + tl.arange(0, HALF)
-    j_ok = offs_j < (K + 1) // 2
     if NK:
-        ptrs = w_base + rows[:, None] * stride_wn + offs_j[None, :] * stride_wk
-        packed = tl.load(ptrs, mask=j_ok[None, :], other=0)
+        packed = tl.load(w_base + rows[:, None] * stride_wn + offs_j[None, :] * stride_wk)
     else:
-        ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
-        packed = tl.load(ptrs, mask=j_ok[:, None], other=0)
+        packed = tl.load(w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn)
     n_groups = (K + GROUP_K - 1) // GROUP_K
     g_lo = k0 // GROUP_K
     g_hi = (k0 + HALF) // GROUP_K
