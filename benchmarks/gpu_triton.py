@@ -54,7 +54,6 @@ PERF_PLAN = [  # (preset, scheme, token counts)
     ("deepseek-v3", "bf16", tune.DEFAULT_TOKENS),
     ("deepseek-v3", "fp8_block", tune.DEFAULT_TOKENS),
     ("gpt-oss-120b", "mxfp4", tune.DEFAULT_TOKENS),
-    ("gpt-oss-120b", "mxfp4:swap", (1, 16, 64, 4096)),
 ]
 
 
@@ -272,8 +271,6 @@ def time_torch(weights, act, T, k):
 def part_perf(peaks, plan, with_torch=True):
     rows = []
     for preset, scheme, tokens in plan:
-        scheme, _, variant = scheme.partition(":")
-        X.PACKED_SWAP_AB = variant == "swap"  # the library default is the plain orientation
         H, I, E, k, act_name = tune.PRESETS[preset]
         act = Activation(act_name)
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
@@ -290,8 +287,7 @@ def part_perf(peaks, plan, with_torch=True):
             flops = 2 * T * k * H * ((2 if act.gated else 1) * I + I)
             roof = nbytes / peaks["read_bytes_per_s"]
             peak = peaks["fp8_flops"] if scheme == "fp8_block" else peaks["bf16_flops"]
-            label = scheme + (":" + variant if variant else "")
-            row = dict(preset=preset, scheme=label, T=T, us=ms * 1e3, experts_hit=uniq,
+            row = dict(preset=preset, scheme=scheme, T=T, us=ms * 1e3, experts_hit=uniq,
                        bytes=nbytes, pct_roofline=100 * roof / (ms * 1e-3),
                        tflops=flops / (ms * 1e-3) / 1e12,
                        pct_peak=100 * flops / (ms * 1e-3) / peak,

@@ -128,6 +128,75 @@ def test_quantized_schemes_match_torch_backend(scheme, activation):
     assert _rel(out, ref) < 1e-5
 
 
+PACKED = ["int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4"]
+
+
+def _tiles(block_m, block_n=32, warps=4):
+    tile = tile_config.TileConfig(block_m, block_n, 128, 2, warps, 2)
+    return tile_config.MoeTiles(tile, tile)
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 4])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
+@pytest.mark.parametrize("scheme", PACKED)
+def test_few_rows_kernel_matches_mma_kernel_and_torch(scheme, activation, block_m):
+    """Blocks below the MMA's 16 rows run the CUDA-core kernel: same function as the MMA
+    kernel and the torch backend's emulation (fp32 throughout: equal up to summation order).
+    H = I = 96 leaves a partial last chunk of the split layout where the scale group allows
+    it (int4's group of 128 does not); 14 rows over 3 experts give several blocks per
+    expert and padding rows; one -1 id."""
+    torch.manual_seed(3)
+    act = moerunner.Activation(activation)
+    size = 128 if scheme == "int4" else 96
+    T, H, I, E, k = 7, size, size, 3, 2
+    n13 = 2 * I if act.gated else I
+    interleaved = activation == "swiglu_oai"
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, n13, H, device=DEVICE) / H**0.5, scheme),
+        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme),
+        torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None,
+        torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None,
+        interleaved)
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    ids[2, 1] = -1
+    wts = torch.rand(T, k, device=DEVICE)
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    few = experts.fused_standard(x, wts, ids, prepared, tiles=_tiles(block_m))
+    mma = experts.fused_standard(x, wts, ids, prepared, tiles=_tiles(16))
+    ref = _run("torch", x, weights, act, wts, ids)
+    assert _rel(few, mma) < 1e-5 and _rel(few, ref) < 1e-5
+
+
+def test_few_rows_kernel_grouped_core_and_fp16():
+    """The grouped core (no routing weight, a_row_div 1) and fp16 activations."""
+    torch.manual_seed(4)
+    act = moerunner.Activation("silu")
+    T, H, I, E, k = 6, 64, 64, 4, 2
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5, "mxfp4"),
+        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, "mxfp4"))
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    rows = torch.randn(T * k, H, device=DEVICE).half()
+    offsets = torch.tensor([0, 3, 3, 9, 11], dtype=torch.int32, device=DEVICE)
+    few = experts.grouped_core(rows, offsets, prepared, tiles=_tiles(2, block_n=16, warps=2))
+    mma = experts.grouped_core(rows, offsets, prepared, tiles=_tiles(16))
+    # fp16 outputs of two fp32 summation orders: one fp16 rounding apart (2^-11 relative).
+    assert _rel(few[:11], mma[:11]) < 2e-3
+
+
+def test_few_rows_tiles_need_packed_weights():
+    act = moerunner.Activation("silu")
+    E, H, I = 4, 32, 16
+    weights = ExpertWeights(torch.randn(E, 2 * I, H, device=DEVICE),
+                            torch.randn(E, H, I, device=DEVICE))
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    with pytest.raises(MoeInputError, match="block_m 4 < 16.*packed 4-bit"):
+        experts.fused_standard(torch.randn(3, H, device=DEVICE), torch.rand(3, 2, device=DEVICE),
+                               torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), prepared,
+                               tiles=_tiles(4))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "swiglu_oai"])
 def test_plain_weights_grouped_core_matches_fused(dtype, activation):

@@ -1,15 +1,18 @@
-# Stage "experts" of the triton backend: the grouped GEMM kernel body (private).
+# Stage "experts" of the triton backend: the grouped GEMM kernel bodies (private).
 #
-# One kernel serves GEMM1 (w13, optional bias, fused gated/non-gated activation) and GEMM2
-# (w2, optional bias, routing weight). Rows come from the alignment step: ``sorted_rows``
-# holds, per BLOCK_M-padded expert segment, the output row ids (sentinel ``num_rows`` for
-# padding) and ``block_expert`` the expert of each M-block. The A row of an output row is
-# ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1 otherwise).
+# ``moe_gemm_kernel`` serves GEMM1 (w13, optional bias, fused gated/non-gated activation) and
+# GEMM2 (w2, optional bias, routing weight) on the MMA for every scheme. ``moe_gemv_kernel``
+# computes the same function on CUDA cores for packed 4-bit weights when an expert block holds
+# fewer rows than the MMA's minimum of 16 (decode). Both share the block coordinates, the
+# gate/up row mapping, the weight decode and the epilogue below. Rows come from the alignment
+# step: ``sorted_rows`` holds, per BLOCK_M-padded expert segment, the output row ids (sentinel
+# ``num_rows`` for padding) and ``block_expert`` the expert of each M-block. The A row of an
+# output row is ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1 otherwise).
 #
 # Weight tiles are read straight from the quantized layouts of docs/architecture.md and either
 # fed to the MMA in their own type (fp8 / int8 with a quantized A, "qdot") or dequantized in
 # registers to A's dtype (weight-only schemes: int8, int4, mxfp4, nvfp4, mxfp8).
-# All launch-time decisions are constexpr; the launcher (``launcher.py``) validates inputs.
+# All launch-time decisions are constexpr; the launcher (``experts.py``) validates inputs.
 
 from __future__ import annotations
 
@@ -30,9 +33,11 @@ AS_NONE, AS_ROW, AS_GROUP128 = 0, 1, 2
 def _decode_scale(s, SCALE_FMT: tl.constexpr):
     """Turn loaded scale storage into float32 multipliers."""
     if SCALE_FMT == 2:
-        # e8m0: 2^(e - 127); 255 is NaN per the OCP MX spec.
-        e = s.to(tl.float32)
-        out = tl.where(e == 255.0, float("nan"), tl.exp2(e - 127.0))
+        # e8m0: 2^(e - 127) built from bits (exact; ``tl.exp2`` is an approximation on the
+        # GPU): code 0 is the fp32 subnormal 2^-127, 255 is NaN per the OCP MX spec.
+        e = s.to(tl.int32)
+        bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, e << 23))
+        out = bits.to(tl.float32, bitcast=True)
     elif SCALE_FMT == 3:
         out = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
@@ -63,55 +68,84 @@ def _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr
     return raw
 
 
+def _e2m1_place_ptx(select: str) -> str:
+    """PTX: two bytes of the packed word ``$in`` (picked by the prmt pattern ``select``) to two
+    bf16x2 registers, ``lo`` (low nibbles) and ``hi`` (high nibbles), holding exact e2m1
+    values. prmt puts the bytes in bits 8-15 and 24-31; a nibble's sign goes to bit 15 of its
+    half-word and its 3 exponent/mantissa bits to bits 6-8, which is the bf16 pattern of the
+    e2m1 value times 2^-126 (code 1 lands on the subnormal 2^-127 = 0.5 * 2^-126). One bf16x2
+    FMA with ``bias`` = 2^126 (subnormals kept; the addend ``nz`` = -0 keeps zeros' signs)
+    removes the 2^-126."""
+    return f"""
+        prmt.b32 t, $in, 0, {select};
+        shl.b32 lo, t, 4;
+        and.b32 lo, lo, 0x80008000;
+        shr.b32 v, t, 2;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 lo, lo, v;
+        and.b32 hi, t, 0x80008000;
+        shr.b32 v, t, 6;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 hi, hi, v;
+        fma.rn.bf16x2 lo, lo, bias, nz;
+        fma.rn.bf16x2 hi, hi, bias, nz;"""
+
+
+def _e2m1_asm(bodies: list[str], packed: str) -> str:
+    """One inline-asm block: declarations, the constants, then the per-pair bodies."""
+    return ("{\n.reg .b32 t, lo, hi, v, bias, nz;\nmov.b32 bias, 0x7E807E80;\n"
+            "mov.b32 nz, 0x80008000;" + "".join(bodies).replace("$in", packed) + "\n}")
+
+
+# Four packed bytes ($4) and bf16x2 scales ($5, $6 low halves; $7, $8 high halves) -> bf16x2
+# low-nibble values times scale ($0, $1) and high-nibble values times scale ($2, $3).
+_E2M1_BF16_ASM = tl.constexpr(_e2m1_asm([
+    _e2m1_place_ptx(select) + f"""
+        fma.rn.bf16x2 {lo_out}, lo, {s_lo}, nz;
+        fma.rn.bf16x2 {hi_out}, hi, {s_hi}, nz;"""
+    for select, lo_out, hi_out, s_lo, s_hi in (("0x1404", "$0", "$2", "$5", "$7"),
+                                               ("0x3424", "$1", "$3", "$6", "$8"))], "$4"))
+# Four packed bytes ($8) -> fp32 low-nibble values ($0..$3) and high-nibble values ($4..$7):
+# a bf16 value widens to fp32 by a shift (low half-word) or a mask (high half-word).
+_E2M1_F32_ASM = tl.constexpr(_e2m1_asm([
+    _e2m1_place_ptx(select) + f"""
+        shl.b32 {lo0}, lo, 16;
+        and.b32 {lo1}, lo, 0xFFFF0000;
+        shl.b32 {hi0}, hi, 16;
+        and.b32 {hi1}, hi, 0xFFFF0000;"""
+    for select, lo0, lo1, hi0, hi1 in (("0x1404", "$0", "$1", "$4", "$5"),
+                                       ("0x3424", "$2", "$3", "$6", "$7"))], "$8"))
+
+
 @triton.jit
 def _e2m1_halves_bf16(packed, scale_lo, scale_hi):
     """Packed bytes -> (low nibbles * scale_lo, high nibbles * scale_hi) in bf16, on the GPU.
 
-    Four bytes per instance in packed integer ops: each nibble's sign goes to bit 15 of a
-    bf16 half-word and its 3 exponent/mantissa bits to bits 6-8, which is the bf16 pattern of
-    the e2m1 value times 2^-126 (code 1 lands on the subnormal 2^-127 = 0.5 * 2^-126); two
-    bf16x2 FMAs (subnormals kept) then multiply by 2^126 and by the scale. Products of e2m1
-    with e8m0 or e4m3 scales are exact in bf16. The scales are bf16 tensors of packed's shape.
+    Four bytes per instance in packed integer ops (``_e2m1_place_ptx``), then one more bf16x2
+    FMA per pair applies the scale. Products of e2m1 with e8m0 or e4m3 scales are exact in
+    bf16. The scales are bf16 tensors of packed's shape.
     """
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, lo, hi, v, bias, nz;
-        mov.b32 bias, 0x7E807E80;
-        mov.b32 nz, 0x80008000;
-        prmt.b32 t, $4, 0, 0x1404;
-        shl.b32 lo, t, 4;
-        and.b32 lo, lo, 0x80008000;
-        shr.b32 v, t, 2;
-        and.b32 v, v, 0x01C001C0;
-        or.b32 lo, lo, v;
-        and.b32 hi, t, 0x80008000;
-        shr.b32 v, t, 6;
-        and.b32 v, v, 0x01C001C0;
-        or.b32 hi, hi, v;
-        fma.rn.bf16x2 lo, lo, bias, nz;
-        fma.rn.bf16x2 $0, lo, $5, nz;
-        fma.rn.bf16x2 hi, hi, bias, nz;
-        fma.rn.bf16x2 $2, hi, $7, nz;
-        prmt.b32 t, $4, 0, 0x3424;
-        shl.b32 lo, t, 4;
-        and.b32 lo, lo, 0x80008000;
-        shr.b32 v, t, 2;
-        and.b32 v, v, 0x01C001C0;
-        or.b32 lo, lo, v;
-        and.b32 hi, t, 0x80008000;
-        shr.b32 v, t, 6;
-        and.b32 v, v, 0x01C001C0;
-        or.b32 hi, hi, v;
-        fma.rn.bf16x2 lo, lo, bias, nz;
-        fma.rn.bf16x2 $1, lo, $6, nz;
-        fma.rn.bf16x2 hi, hi, bias, nz;
-        fma.rn.bf16x2 $3, hi, $8, nz;
-        }
-        """,
+        asm=_E2M1_BF16_ASM,
         constraints="=r,=r,=r,=r,r,r,r,r,r",
         args=[packed, scale_lo, scale_hi],
         dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e2m1_halves_f32(packed):
+    """Packed bytes -> (low nibble values, high nibble values) in float32, on the GPU; unscaled.
+
+    Four bytes per instance: the exact e2m1 values of ``_e2m1_place_ptx`` widened to fp32.
+    """
+    return tl.inline_asm_elementwise(
+        asm=_E2M1_F32_ASM,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float32, tl.float32),
         is_pure=True,
         pack=4,
     )
@@ -141,24 +175,18 @@ def _per_row(v, NK: tl.constexpr):
 
 
 @triton.jit
-def _split_halves(
-    w_base, s_base, z_base, rows, k0, K,
-    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
-    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
-    NK: tl.constexpr,
-):
-    """Dequantized halves of one packed 4-bit chunk of 2 * HALF along K.
+def _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk, stride_sn, stride_sk,
+                GROUP_K: tl.constexpr, HALF: tl.constexpr, NK: tl.constexpr):
+    """Storage of one packed 4-bit chunk of 2 * HALF along K: its bytes ([HALF, BN], or
+    [BN, HALF] with ``NK``) and each half's scale per row, both as stored.
 
     In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
     k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
     scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
-    Tiles are [HALF, BLOCK_N] (weight as the MMA's right operand) or, with ``NK``,
-    [BLOCK_N, HALF] (weight rows along the first axis, as the few-rows kernel uses them).
+    ``split_packed`` zero-pads K to whole chunks, so every byte of the chunk exists (a byte past
+    (K + 1) // 2 may still hold a real low nibble). Padded nibbles meet A's masked zeros; a
+    scale group past the end loads as code 0.
     """
-    # ``split_packed`` zero-pads K to whole chunks, so every byte of the chunk exists (a byte
-    # past (K + 1) // 2 may still hold a real low nibble). Padded nibbles meet A's masked
-    # zeros, and their scale group past the end loads as zero.
     offs_j = k0 // 2 + tl.arange(0, HALF)
     if NK:
         packed = tl.load(w_base + rows[:, None] * stride_wn + offs_j[None, :] * stride_wk)
@@ -169,30 +197,77 @@ def _split_halves(
     g_hi = (k0 + HALF) // GROUP_K
     s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
     s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
+    return packed, s_lo, s_hi
+
+
+@triton.jit
+def _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT: tl.constexpr,
+                   GROUP_K: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr,
+                   NK: tl.constexpr):
+    """Unscaled float32 values of the low and high nibbles of a chunk's bytes: e2m1 values, or
+    code minus zero point for int4 (the group's stored zero point, else 8)."""
+    lo = packed & 0xF
+    hi = (packed >> 4) & 0xF
+    if W_FORMAT == 3:
+        if HAS_ZP:
+            n_groups = (K + GROUP_K - 1) // GROUP_K
+            g_lo = k0 // GROUP_K
+            g_hi = (k0 + HALF) // GROUP_K
+            z_lo = _per_row(tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
+                                    mask=g_lo < n_groups, other=0).to(tl.float32), NK)
+            z_hi = _per_row(tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
+                                    mask=g_hi < n_groups, other=0).to(tl.float32), NK)
+        else:
+            z_lo = 8.0
+            z_hi = 8.0
+        # code -> float as (2^23 + code) - (2^23 + zero point): an OR into the mantissa of
+        # 2^23 and one add (exact for 4-bit codes), instead of an int-to-float conversion.
+        lo_v = (lo.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_lo)
+        hi_v = (hi.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_hi)
+    else:
+        lo_v = _decode_e2m1(lo)
+        hi_v = _decode_e2m1(hi)
+    return lo_v, hi_v
+
+
+@triton.jit
+def _split_halves(
+    w_base, s_base, z_base, rows, k0, K,
+    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
+):
+    """Dequantized halves [HALF, BLOCK_N] of one packed chunk in ``COMPUTE`` (the MMA's right
+    operand): value times its group scale, per element."""
+    packed, s_lo, s_hi = _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk,
+                                     stride_sn, stride_sk, GROUP_K, HALF, False)
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
-            packed, tl.broadcast_to(_per_row(_scale_bf16(s_lo, SCALE_FMT), NK), packed.shape),
-            tl.broadcast_to(_per_row(_scale_bf16(s_hi, SCALE_FMT), NK), packed.shape))
+            packed, tl.broadcast_to(_scale_bf16(s_lo, SCALE_FMT)[None, :], packed.shape),
+            tl.broadcast_to(_scale_bf16(s_hi, SCALE_FMT)[None, :], packed.shape))
     else:
-        lo = packed & 0xF
-        hi = (packed >> 4) & 0xF
-        s_lo = _per_row(_decode_scale(s_lo, SCALE_FMT), NK)
-        s_hi = _per_row(_decode_scale(s_hi, SCALE_FMT), NK)
-        if W_FORMAT == 3:
-            if HAS_ZP:
-                z_lo = _per_row(tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
-                                        mask=g_lo < n_groups, other=0).to(tl.float32), NK)
-                z_hi = _per_row(tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
-                                        mask=g_hi < n_groups, other=0).to(tl.float32), NK)
-            else:
-                z_lo = 8.0
-                z_hi = 8.0
-            lo_t = ((lo.to(tl.float32) - z_lo) * s_lo).to(COMPUTE)
-            hi_t = ((hi.to(tl.float32) - z_hi) * s_hi).to(COMPUTE)
-        else:
-            lo_t = (_decode_e2m1(lo) * s_lo).to(COMPUTE)
-            hi_t = (_decode_e2m1(hi) * s_hi).to(COMPUTE)
+        lo_v, hi_v = _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk,
+                                    W_FORMAT, GROUP_K, HAS_ZP, HALF, False)
+        lo_t = (lo_v * _decode_scale(s_lo, SCALE_FMT)[None, :]).to(COMPUTE)
+        hi_t = (hi_v * _decode_scale(s_hi, SCALE_FMT)[None, :]).to(COMPUTE)
     return lo_t, hi_t
+
+
+@triton.jit
+def _unscaled_halves(
+    packed, s_lo, s_hi, z_base, rows, k0, K, stride_zn, stride_zk,
+    W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr, SCALE_FMT: tl.constexpr,
+    HAS_ZP: tl.constexpr, HALF: tl.constexpr, PTX_FP4: tl.constexpr,
+):
+    """One loaded chunk ([BLOCK_N, HALF] bytes, ``_load_chunk`` with NK) for the few-rows
+    kernel: unscaled float32 halves and each half's float32 scale per row [BLOCK_N], to be
+    applied to the half's sum along K."""
+    if PTX_FP4:
+        lo_v, hi_v = _e2m1_halves_f32(packed)
+    else:
+        lo_v, hi_v = _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk,
+                                    W_FORMAT, GROUP_K, HAS_ZP, HALF, True)
+    return lo_v, hi_v, _decode_scale(s_lo, SCALE_FMT), _decode_scale(s_hi, SCALE_FMT)
 
 
 @triton.jit
@@ -280,50 +355,22 @@ def _activate(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def moe_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zp_ptr, w_gscale_ptr, bias_ptr, out_ptr,
-    sorted_rows_ptr, block_expert_ptr, num_padded_ptr, route_w_ptr,
-    N_OUT, K, num_rows, num_m_blocks, a_row_div, alpha, limit,
-    stride_am, stride_ak, stride_asm, stride_ask,
-    stride_we, stride_wn, stride_wk,
-    stride_se, stride_sn, stride_sk,
-    stride_ze, stride_zn, stride_zk,
-    stride_be, stride_bn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr,
-    W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
-    A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
-    SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
-    IEEE: tl.constexpr, BF16_FP4: tl.constexpr, SWAP_AB: tl.constexpr,
-):
-    """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]).
-
-    GATED: two accumulators over w13 rows (gate, up), activation fused, N_OUT = I.
-    SCALE_ROW_BLOCK: rows sharing one weight scale (1 per channel, 128 for fp8_block,
-    0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
-    """
-    pid = tl.program_id(0)
+def _block_coords(pid, num_m_blocks, N_OUT, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(M-block, N-block) of program ``pid`` in grouped launch order: GROUP_M consecutive
+    M-blocks share each weight tile while it is in L2."""
     num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
-    # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
     per_group = GROUP_M * num_n_blocks
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
 
-    num_padded = tl.load(num_padded_ptr)
-    if pid_m * BLOCK_M >= num_padded:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_out = tl.load(sorted_rows_ptr + offs_m)
-    row_mask = rows_out < num_rows
-    a_rows = tl.where(row_mask, rows_out // a_row_div, 0).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N_OUT
+@triton.jit
+def _gate_up_rows(offs_n, N_OUT, GATED: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Weight rows feeding output columns ``offs_n``: (gate rows, up rows) of w13 when GATED
+    (gate rows first then up rows, or alternating), else the same rows twice."""
     offs_n_safe = offs_n % N_OUT  # in-bounds weight rows; masked columns are not stored
     if GATED:
         if INTERLEAVED:
@@ -335,121 +382,33 @@ def moe_gemm_kernel(
     else:
         rows_g = offs_n_safe
         rows_u = offs_n_safe
+    return rows_g, rows_u
 
-    COMPUTE: tl.constexpr = a_ptr.dtype.element_ty
-    IS_INT: tl.constexpr = QDOT and W_FORMAT == 2
-    if IS_INT:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    w_base = w_ptr + expert * stride_we
-    s_base = w_scale_ptr + expert * stride_se
-    z_base = w_zp_ptr + expert * stride_ze
-    IN_LOOP_QSCALE: tl.constexpr = QDOT and GROUP_K > 0  # fp8_block
-    DEQ_GROUP: tl.constexpr = (not QDOT) and GROUP_K > 0  # weight-only group scales
-    if DEQ_GROUP:
-        sg_base = s_base
-        sg_stride_n = stride_sn
-    else:
-        sg_base = s_base
-        sg_stride_n = 0
-    a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
-    PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
-    if SWAP_AB:
-        acc_g_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if SWAP_AB:
-            # out^T = W @ A^T: the dequantized weight is the left operand (from registers).
-            offs_h = k0 + tl.arange(0, BLOCK_K // 2)
-            at_lo = tl.load(a_ptr + a_rows[None, :] * stride_am + offs_h[:, None] * stride_ak,
-                            mask=offs_h[:, None] < K, other=0)
-            at_hi = tl.load(a_ptr + a_rows[None, :] * stride_am
-                            + (offs_h + BLOCK_K // 2)[:, None] * stride_ak,
-                            mask=(offs_h + BLOCK_K // 2)[:, None] < K, other=0)
-            lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
-                                       stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-                                       COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP,
-                                       BLOCK_K // 2, BF16_FP4, True)
-            acc_g_t = _mma(lo_g, at_lo, acc_g_t, False, IEEE)
-            acc_g_t = _mma(hi_g, at_hi, acc_g_t, False, IEEE)
-            if GATED:
-                lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
-                                           stride_wk, stride_sn, stride_sk, stride_zn,
-                                           stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
-                                           HAS_ZP, BLOCK_K // 2, BF16_FP4, True)
-                acc_u_t = _mma(lo_u, at_lo, acc_u_t, False, IEEE)
-                acc_u_t = _mma(hi_u, at_hi, acc_u_t, False, IEEE)
-        elif PACKED:
-            # Split layout: A's two contiguous halves meet the low and high nibbles.
-            offs_h = k0 + tl.arange(0, BLOCK_K // 2)
-            a_lo = tl.load(a_row_ptrs + offs_h[None, :] * stride_ak,
-                           mask=offs_h[None, :] < K, other=0)
-            a_hi = tl.load(a_row_ptrs + (offs_h + BLOCK_K // 2)[None, :] * stride_ak,
-                           mask=(offs_h + BLOCK_K // 2)[None, :] < K, other=0)
-            lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
-                                       stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-                                       COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP,
-                                       BLOCK_K // 2, BF16_FP4, False)
-            acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
-            acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
-            if GATED:
-                lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
-                                           stride_wk, stride_sn, stride_sk, stride_zn,
-                                           stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
-                                           HAS_ZP, BLOCK_K // 2, BF16_FP4, False)
-                acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
-                acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
-            else:
-                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak,
-                            mask=offs_k[None, :] < K, other=0)
-            if A_FP8:
-                a = a.to(tl.float8e4nv, bitcast=True)
-            b_g = _weight_tile(w_base, sg_base, z_base, rows_g, k0, K,
-                               stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn, stride_zk,
-                               COMPUTE, W_FORMAT, QDOT, GROUP_K if DEQ_GROUP else 0, SCALE_FMT,
-                               HAS_ZP, BLOCK_K, EVEN_K)
-            if IN_LOOP_QSCALE:
-                a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
-                w_s_g = tl.load(s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn
-                                + (k0 // GROUP_K) * stride_sk)
-                acc_g += tl.dot(a, b_g) * (a_s[:, None] * w_s_g[None, :])
-            else:
-                acc_g = _mma(a, b_g, acc_g, IS_INT, IEEE)
-            if GATED:
-                b_u = _weight_tile(w_base, sg_base, z_base, rows_u, k0, K,
-                                   stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn,
-                                   stride_zk, COMPUTE, W_FORMAT, QDOT,
-                                   GROUP_K if DEQ_GROUP else 0, SCALE_FMT, HAS_ZP, BLOCK_K, EVEN_K)
-                if IN_LOOP_QSCALE:
-                    w_s_u = tl.load(s_base + (rows_u // SCALE_ROW_BLOCK) * stride_sn
-                                    + (k0 // GROUP_K) * stride_sk)
-                    acc_u += tl.dot(a, b_u) * (a_s[:, None] * w_s_u[None, :])
-                else:
-                    acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
-
-    if SWAP_AB:
-        acc_g = tl.trans(acc_g_t)
-        acc_u = tl.trans(acc_u_t)
+@triton.jit
+def _epilogue(
+    acc_g, acc_u, rows_out, row_mask, a_rows, expert, rows_g, rows_u, offs_n, n_mask,
+    a_scale_ptr, s_base, w_gscale_ptr, bias_ptr, route_w_ptr, out_ptr, alpha, limit,
+    stride_asm, stride_sn, stride_be, stride_bn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr, A_SCALE: tl.constexpr,
+    K_SCALED: tl.constexpr, SCALE_FMT: tl.constexpr, SCALE_ROW_BLOCK: tl.constexpr,
+    HAS_GSCALE: tl.constexpr,
+):
+    """Accumulators [BLOCK_M, BLOCK_N] -> scales constant along K, global scale, bias,
+    activation, routing weight -> stored rows. ``K_SCALED``: the K loop already applied the
+    weight scales (group / block scales), so no per-channel scale is left to apply."""
     g = acc_g.to(tl.float32)
     if GATED:
         u = acc_u.to(tl.float32)
     else:
         u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
-    # Scales that are constant along K are applied once, after the loop.
     if A_SCALE == 1:
         a_s_row = tl.load(a_scale_ptr + a_rows * stride_asm)[:, None]
         g = g * a_s_row
         if GATED:
             u = u * a_s_row
-    if (not IN_LOOP_QSCALE) and (not DEQ_GROUP) and SCALE_FMT != 0:
+    if (not K_SCALED) and SCALE_FMT != 0:
         if SCALE_ROW_BLOCK == 0:
             ch_stride = 0
         else:
@@ -474,3 +433,206 @@ def moe_gemm_kernel(
     out_ptrs = out_ptr + rows_out.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zp_ptr, w_gscale_ptr, bias_ptr, out_ptr,
+    sorted_rows_ptr, block_expert_ptr, num_padded_ptr, route_w_ptr,
+    N_OUT, K, num_rows, num_m_blocks, a_row_div, alpha, limit,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
+    stride_ze, stride_zn, stride_zk,
+    stride_be, stride_bn, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr,
+    W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
+    A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
+    SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
+    IEEE: tl.constexpr, BF16_FP4: tl.constexpr,
+):
+    """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
+
+    GATED: two accumulators over w13 rows (gate, up), activation fused, N_OUT = I.
+    SCALE_ROW_BLOCK: rows sharing one weight scale (1 per channel, 128 for fp8_block,
+    0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
+    """
+    pid_m, pid_n = _block_coords(tl.program_id(0), num_m_blocks, N_OUT, BLOCK_N, GROUP_M)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_out = tl.load(sorted_rows_ptr + offs_m)
+    row_mask = rows_out < num_rows
+    a_rows = tl.where(row_mask, rows_out // a_row_div, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    rows_g, rows_u = _gate_up_rows(offs_n, N_OUT, GATED, INTERLEAVED)
+
+    COMPUTE: tl.constexpr = a_ptr.dtype.element_ty
+    IS_INT: tl.constexpr = QDOT and W_FORMAT == 2
+    if IS_INT:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    w_base = w_ptr + expert * stride_we
+    s_base = w_scale_ptr + expert * stride_se
+    z_base = w_zp_ptr + expert * stride_ze
+    IN_LOOP_QSCALE: tl.constexpr = QDOT and GROUP_K > 0  # fp8_block
+    DEQ_GROUP: tl.constexpr = (not QDOT) and GROUP_K > 0  # weight-only group scales
+    if DEQ_GROUP:
+        sg_stride_n = stride_sn
+    else:
+        sg_stride_n = 0
+    a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
+    PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
+    for k0 in range(0, K, BLOCK_K):
+        if PACKED:
+            # Split layout: A's two contiguous halves meet the low and high nibbles.
+            offs_h = k0 + tl.arange(0, BLOCK_K // 2)
+            a_lo = tl.load(a_row_ptrs + offs_h[None, :] * stride_ak,
+                           mask=offs_h[None, :] < K, other=0)
+            a_hi = tl.load(a_row_ptrs + (offs_h + BLOCK_K // 2)[None, :] * stride_ak,
+                           mask=(offs_h + BLOCK_K // 2)[None, :] < K, other=0)
+            lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
+                                       stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
+                                       COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP,
+                                       BLOCK_K // 2, BF16_FP4)
+            acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
+            acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
+            if GATED:
+                lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
+                                           stride_wk, stride_sn, stride_sk, stride_zn,
+                                           stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
+                                           HAS_ZP, BLOCK_K // 2, BF16_FP4)
+                acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
+                acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
+            else:
+                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak,
+                            mask=offs_k[None, :] < K, other=0)
+            if A_FP8:
+                a = a.to(tl.float8e4nv, bitcast=True)
+            b_g = _weight_tile(w_base, s_base, z_base, rows_g, k0, K,
+                               stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn, stride_zk,
+                               COMPUTE, W_FORMAT, QDOT, GROUP_K if DEQ_GROUP else 0, SCALE_FMT,
+                               HAS_ZP, BLOCK_K, EVEN_K)
+            if IN_LOOP_QSCALE:
+                a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
+                w_s_g = tl.load(s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn
+                                + (k0 // GROUP_K) * stride_sk)
+                acc_g += tl.dot(a, b_g) * (a_s[:, None] * w_s_g[None, :])
+            else:
+                acc_g = _mma(a, b_g, acc_g, IS_INT, IEEE)
+            if GATED:
+                b_u = _weight_tile(w_base, s_base, z_base, rows_u, k0, K,
+                                   stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn,
+                                   stride_zk, COMPUTE, W_FORMAT, QDOT,
+                                   GROUP_K if DEQ_GROUP else 0, SCALE_FMT, HAS_ZP, BLOCK_K, EVEN_K)
+                if IN_LOOP_QSCALE:
+                    w_s_u = tl.load(s_base + (rows_u // SCALE_ROW_BLOCK) * stride_sn
+                                    + (k0 // GROUP_K) * stride_sk)
+                    acc_u += tl.dot(a, b_u) * (a_s[:, None] * w_s_u[None, :])
+                else:
+                    acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
+
+    _epilogue(acc_g, acc_u, rows_out, row_mask, a_rows, expert, rows_g, rows_u, offs_n, n_mask,
+              a_scale_ptr, s_base, w_gscale_ptr, bias_ptr, route_w_ptr, out_ptr, alpha, limit,
+              stride_asm, stride_sn, stride_be, stride_bn, stride_om, stride_on,
+              BLOCK_M, BLOCK_N, GATED, ACT, HAS_BIAS, MUL_ROUTE_W, A_SCALE,
+              IN_LOOP_QSCALE or DEQ_GROUP, SCALE_FMT, SCALE_ROW_BLOCK, HAS_GSCALE)
+
+
+@triton.jit
+def moe_gemv_kernel(
+    a_ptr, w_ptr, w_scale_ptr, w_zp_ptr, w_gscale_ptr, bias_ptr, out_ptr,
+    sorted_rows_ptr, block_expert_ptr, num_padded_ptr, route_w_ptr,
+    N_OUT, K, num_rows, num_m_blocks, alpha, limit,
+    stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_se, stride_sn, stride_sk,
+    stride_ze, stride_zn, stride_zk,
+    stride_be, stride_bn, stride_om, stride_on,
+    A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr,
+    W_FORMAT: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
+    HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr, PTX_FP4: tl.constexpr,
+):
+    """Few rows per expert block (BLOCK_M below the MMA's 16) with packed 4-bit weights.
+
+    The same function as ``moe_gemm_kernel`` for the weight-only packed schemes (int4, mxfp4,
+    nvfp4 with an unquantized A), on CUDA cores. Each K step decodes one chunk of the split
+    layout, [BLOCK_N, HALF] weights per half, unscaled, in registers; for each of the BLOCK_M
+    rows it sums each half against that row's A half in float32 and applies the half's group
+    scale once to that sum (HALF divides the group, so this is the same product regrouped).
+    Nothing goes through shared memory and the decode is paid once per weight whatever the
+    rows, so at decode sizes (one to a few rows per expert) the kernel streams the weights;
+    the MMA would need 16 rows and a shared-memory pass of every dequantized tile.
+    Accumulators are transposed ([BLOCK_N, BLOCK_M]) to stay in the weight tile's layout.
+    """
+    pid_m, pid_n = _block_coords(tl.program_id(0), num_m_blocks, N_OUT, BLOCK_N, GROUP_M)
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_out = tl.load(sorted_rows_ptr + offs_m)
+    row_mask = rows_out < num_rows
+    a_rows = tl.where(row_mask, rows_out // A_ROW_DIV, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N_OUT
+    rows_g, rows_u = _gate_up_rows(offs_n, N_OUT, GATED, INTERLEAVED)
+
+    w_base = w_ptr + expert * stride_we
+    s_base = w_scale_ptr + expert * stride_se
+    z_base = w_zp_ptr + expert * stride_ze
+    m_ids = tl.arange(0, BLOCK_M)
+    acc_g_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, 2 * HALF):
+        packed, s_lo, s_hi = _load_chunk(w_base, s_base, rows_g, k0, K, stride_wn, stride_wk,
+                                         stride_sn, stride_sk, GROUP_K, HALF, True)
+        lo_g, hi_g, slo_g, shi_g = _unscaled_halves(
+            packed, s_lo, s_hi, z_base, rows_g, k0, K, stride_zn, stride_zk, W_FORMAT,
+            GROUP_K, SCALE_FMT, HAS_ZP, HALF, PTX_FP4)
+        if GATED:
+            packed, s_lo, s_hi = _load_chunk(w_base, s_base, rows_u, k0, K, stride_wn,
+                                             stride_wk, stride_sn, stride_sk, GROUP_K, HALF,
+                                             True)
+            lo_u, hi_u, slo_u, shi_u = _unscaled_halves(
+                packed, s_lo, s_hi, z_base, rows_u, k0, K, stride_zn, stride_zk, W_FORMAT,
+                GROUP_K, SCALE_FMT, HAS_ZP, HALF, PTX_FP4)
+        offs_h = k0 + tl.arange(0, HALF)
+        for m in tl.static_range(BLOCK_M):
+            # Padding rows read row 0 (always valid) and are never stored.
+            r = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + m)
+            a_row = a_ptr + tl.where(r < num_rows, r // A_ROW_DIV, 0).to(tl.int64) * stride_am
+            a_lo = tl.load(a_row + offs_h * stride_ak, mask=offs_h < K, other=0).to(tl.float32)
+            a_hi = tl.load(a_row + (offs_h + HALF) * stride_ak, mask=offs_h + HALF < K,
+                           other=0).to(tl.float32)
+            part = (tl.sum(lo_g * a_lo[None, :], axis=1) * slo_g
+                    + tl.sum(hi_g * a_hi[None, :], axis=1) * shi_g)
+            acc_g_t += tl.where(m_ids[None, :] == m, part[:, None], 0.0)
+            if GATED:
+                part = (tl.sum(lo_u * a_lo[None, :], axis=1) * slo_u
+                        + tl.sum(hi_u * a_hi[None, :], axis=1) * shi_u)
+                acc_u_t += tl.where(m_ids[None, :] == m, part[:, None], 0.0)
+
+    # Weight-only: no A scale (A_SCALE 0, so a_ptr stands in), group scales applied in the loop.
+    _epilogue(tl.trans(acc_g_t), tl.trans(acc_u_t), rows_out, row_mask, a_rows, expert, rows_g,
+              rows_u, offs_n, n_mask, a_ptr, s_base, w_gscale_ptr, bias_ptr, route_w_ptr,
+              out_ptr, alpha, limit, 0, stride_sn, stride_be, stride_bn, stride_om, stride_on,
+              BLOCK_M, BLOCK_N, GATED, ACT, HAS_BIAS, MUL_ROUTE_W, 0, True, SCALE_FMT, 1,
+              HAS_GSCALE)

@@ -35,10 +35,9 @@ _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
 _QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
 _EMULATED_ACT = ("mxfp8", "nvfp4")
-# Packed 4-bit weights with few rows per block: compute out^T = W @ A^T so the dequantized
-# weight is the MMA's register operand. Off: with the inline-PTX fp4 decode the plain
-# orientation measured faster on an H100 (GPT-OSS-120B mxfp4, T=16: 861 vs 1194 us).
-PACKED_SWAP_AB = False
+# Tiles with fewer rows per block than the MMA's minimum run ``moe_gemv_kernel`` (CUDA-core
+# FMAs on weights decoded in registers); it serves packed 4-bit weights only.
+MMA_MIN_ROWS = 16
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset({
@@ -211,6 +210,11 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
     split_half = consts.pop("SPLIT_HALF")
     if split_half:  # packed 4-bit: one chunk of the split layout per K step
         tile = dataclasses.replace(tile, block_k=2 * split_half)
+    few_rows = tile.block_m < MMA_MIN_ROWS
+    if few_rows and not split_half:
+        scheme = w.scheme.name if w.scheme is not None else str(w.data.dtype)
+        raise MoeInputError(f"block_m {tile.block_m} < {MMA_MIN_ROWS} (the few-rows kernel) "
+                            f"needs packed 4-bit weights (int4, mxfp4, nvfp4), got {scheme}")
     group_k = consts["GROUP_K"]
     if group_k and not consts["QDOT"] and not split_half and (
             tile.block_k % group_k and group_k % tile.block_k):
@@ -219,8 +223,6 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
     scale = w.scale if w.scale is not None else dummy
     zp = w.zero_point if w.zero_point is not None else dummy
     gs = w.global_scale if w.global_scale is not None else dummy
-    a_s = a_scale if a_scale is not None else dummy
-    a_s_strides = (a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0)
     s_strides = _scale_strides(w)
     z_strides = (zp.stride(0), zp.stride(1), zp.stride(2)) if w.zero_point is not None else (
         0, 0, 0)
@@ -228,29 +230,45 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
     b_strides = (b.stride(0), b.stride(1)) if bias is not None else (0, 0)
     num_m_blocks = ws["block_expert"].shape[0]
     grid = (num_m_blocks * triton.cdiv(n_out, tile.block_n),)
-    gated = spec is not None and spec.gated
     act = spec.activation if spec is not None else None
-    K.moe_gemm_kernel[grid](
-        a, a_s, w.data, scale, zp, gs, b, out,
-        ws["sorted_rows"], ws["block_expert"], ws["num_padded"],
-        route_w if route_w is not None else dummy,
-        n_out, k, num_rows, num_m_blocks, a_row_div,
-        float(act.alpha) if act is not None and act.alpha is not None else 0.0,
-        float(act.limit) if act is not None and act.limit is not None else 0.0,
-        a.stride(0), a.stride(1), *a_s_strides,
-        w.data.stride(0), w.data.stride(1), w.data.stride(2),
-        *s_strides, *z_strides, *b_strides, out.stride(0), out.stride(1),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, EVEN_K=k % tile.block_k == 0,
-        GATED=gated, INTERLEAVED=spec is not None and spec.gate_up_interleaved,
+    epilogue = dict(
+        GATED=spec is not None and spec.gated,
+        INTERLEAVED=spec is not None and spec.gate_up_interleaved,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
         HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
-        IEEE=a.dtype == torch.float32,
-        SWAP_AB=bool(split_half) and PACKED_SWAP_AB and tile.block_m <= 64,
+    )
+    pointers = (scale, zp, gs, b, out, ws["sorted_rows"], ws["block_expert"], ws["num_padded"],
+                route_w if route_w is not None else dummy)
+    scalars = (n_out, k, num_rows, num_m_blocks)
+    act_args = (float(act.alpha) if act is not None and act.alpha is not None else 0.0,
+                float(act.limit) if act is not None and act.limit is not None else 0.0)
+    w_strides = (w.data.stride(0), w.data.stride(1), w.data.stride(2))
+    tail_strides = (*s_strides, *z_strides, *b_strides, out.stride(0), out.stride(1))
+    if few_rows:
+        K.moe_gemv_kernel[grid](
+            a, w.data, *pointers, *scalars, *act_args, a.stride(0), a.stride(1),
+            *w_strides, *tail_strides,
+            A_ROW_DIV=a_row_div, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+            HALF=split_half, GROUP_M=tile.group_m, W_FORMAT=consts["W_FORMAT"],
+            SCALE_FMT=consts["SCALE_FMT"], GROUP_K=consts["GROUP_K"], HAS_ZP=consts["HAS_ZP"],
+            HAS_GSCALE=consts["HAS_GSCALE"], num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+            # fp4 -> fp32 through packed integer ops (inline PTX: compiled GPU code only).
+            PTX_FP4=consts["W_FORMAT"] == K.WF_E2M1 and a.is_cuda, **epilogue,
+        )
+        return
+    a_s = a_scale if a_scale is not None else dummy
+    a_s_strides = (a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0)
+    K.moe_gemm_kernel[grid](
+        a, a_s, w.data, *pointers, *scalars, a_row_div, *act_args,
+        a.stride(0), a.stride(1), *a_s_strides, *w_strides, *tail_strides,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, EVEN_K=k % tile.block_k == 0,
+        IEEE=a.dtype == torch.float32, num_warps=tile.num_warps, num_stages=tile.num_stages,
         # fp4 -> bf16 through packed integer ops (inline PTX: compiled GPU code only).
         BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and a.dtype == torch.bfloat16 and a.is_cuda
                   and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
+        **epilogue, **consts,
     )
 
 

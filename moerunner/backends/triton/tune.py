@@ -37,6 +37,10 @@ PRESETS = {  # name: (H, I, E, top_k, activation)
     "gpt-oss-120b": (2880, 2880, 128, 4, "swiglu_oai"),
 }
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+PACKED_SCHEMES = ("int4", "mxfp4", "nvfp4")
+# Above this many rows per expert the few-rows kernel re-decodes each weight tile for too
+# many row blocks to compete with the MMA; it is not searched there.
+FEW_ROWS_MAX_ROWS_PER_EXPERT = 16
 
 
 def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
@@ -44,9 +48,15 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these)."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     bks = (128,) if scheme.startswith("fp8_block") else (64, 128)
-    if scheme.startswith(("int4", "mxfp4", "nvfp4")):
+    if scheme.startswith(PACKED_SCHEMES):
         bks = (128,)  # packed 4-bit: BLOCK_K is set by the split layout, not searched
     out = []
+    if scheme.startswith(PACKED_SCHEMES) and rows_per_expert <= FEW_ROWS_MAX_ROWS_PER_EXPERT:
+        # The few-rows (CUDA-core) kernel. BLOCK_N stays under the program's thread count so
+        # each row's scale lands in the layout of the row sums (no shared-memory shuffle).
+        for bm in (1, 2, 4, 8):
+            for bn, warps in ((32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
+                out.append(TileConfig(bm, bn, 128, 4, warps, 1))
     if rows_per_expert <= 16:
         dec_bks = bks if len(bks) == 1 else (128, 256)
         bms = (16, 32, 64) if rows_per_expert >= 8 else (16,)
@@ -115,6 +125,7 @@ def tune_tokens(prepared, num_tokens: int, top_k: int,
               "block_expert": torch.empty(mp // bm, dtype=torch.int32, device=dev),
               "num_padded": torch.empty(1, dtype=torch.int32, device=dev)}
         align_rows(ids, num_experts, bm, ws["sorted_rows"], ws["block_expert"], ws["num_padded"])
+        times: dict[str, str] = {}
         a1, s1 = X._quantize_input(x, w13)
         a2, s2 = X._quantize_input(inter_buf.normal_(), w2)
         for which, fn in (
@@ -131,13 +142,15 @@ def tune_tokens(prepared, num_tokens: int, top_k: int,
                     continue
                 ms = _bench(fn, graph)
             except Exception as exc:  # out of shared memory, invalid combination...
-                progress(f"  [{i + 1}/{len(cands)}] {which} {tile}: skipped ({type(exc).__name__})")
+                times[which] = f"skipped ({type(exc).__name__})"
                 torch.cuda.synchronize()
                 continue
             cur = best.setdefault(bm, {}).get(which)
             if cur is None or ms < cur[0]:
                 best[bm][which] = (ms, tile)
-        progress(f"  [{i + 1}/{len(cands)}] {tile} done")
+            times[which] = f"{ms * 1e3:.1f} us"
+        progress(f"  [{i + 1}/{len(cands)}] {tile}: " + ", ".join(
+            f"{k} {v}" for k, v in times.items()))
     if compile_only:
         return None, float("nan")
     pairs = [(v["gemm1"][0] + v["gemm2"][0], MoeTiles(v["gemm1"][1], v["gemm2"][1]))
@@ -253,7 +266,8 @@ def precompile(plan: Iterable[tuple[str, str, Iterable[int]]], jobs: int,
     import tempfile
 
     pending = [[sys.executable, "-m", __name__, "--preset", preset, "--scheme", scheme,
-                "--compile-only", "--tokens", *map(str, tokens)] for preset, scheme, tokens in plan]
+                "--compile-only", "--tokens", str(t)] for preset, scheme, tokens in plan
+               for t in tokens]
     running: list[tuple[list[str], subprocess.Popen, Any]] = []
     start = time.time()
     while pending or running:
@@ -268,7 +282,7 @@ def precompile(plan: Iterable[tuple[str, str, Iterable[int]]], jobs: int,
             if proc.poll() is None:
                 continue
             running.remove(item)
-            what = f"{cmd[4]} {cmd[6]}"
+            what = f"{cmd[4]} {cmd[6]} T={cmd[-1]}"
             if proc.returncode:
                 log.seek(0)
                 tail = log.read().strip().splitlines()[-1:]

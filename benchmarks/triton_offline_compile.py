@@ -1,0 +1,156 @@
+# Compile the triton backend's GEMM kernels for a Hopper GPU without one, and report what the
+# compiler made of them: registers, spills, shared memory and the SASS instruction mix.
+#
+#   python benchmarks/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
+#
+# A variant is "kernel:scheme:gemm:BLOCK_M:BLOCK_N:warps:stages", e.g. "gemv:mxfp4:1:2:32:4:2"
+# (kernel gemv or mma; gemm 1 = w13 with the gated swiglu_oai epilogue, 2 = w2 with the routing
+# weight). Compilation uses Triton's own ptxas; nothing runs, so this answers "does it
+# compile, does it spill, are the loads 16 bytes wide, which instructions dominate the K loop"
+# (its body is the longest span closed by a backward branch) before a GPU is used.
+# Triton's interpreter must be off (TRITON_INTERPRET unset).
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if os.environ.get("TRITON_INTERPRET"):
+    sys.exit("unset TRITON_INTERPRET: this script compiles for the GPU")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, scale pointer type)
+PACKED = {
+    "mxfp4": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, "*u8"),
+    "nvfp4": (K.WF_E2M1, K.SF_E4M3, 16, 16, False, True, "*u8"),
+    "int4": (K.WF_UINT4, K.SF_FP32, 128, 64, False, False, "*fp32"),
+}
+
+
+def _signature(kernel: str, scale_ty: str) -> dict[str, str]:
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "w_scale_ptr": scale_ty, "w_zp_ptr": "*u8",
+            "w_gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
+            "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+            "route_w_ptr": "*fp32"}
+    if kernel == "mma":
+        ptrs = {"a_ptr": "*bf16", "a_scale_ptr": "*fp32", **{k: v for k, v in ptrs.items()
+                                                            if k != "a_ptr"}}
+    fn = K.moe_gemv_kernel if kernel == "gemv" else K.moe_gemm_kernel
+    sig = {}
+    for param in fn.params:
+        name = param.name
+        if name in ptrs:
+            sig[name] = ptrs[name]
+        elif name in ("alpha", "limit"):
+            sig[name] = "fp32"
+        elif param.is_constexpr:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_variant(spec: str, arch: int):
+    """Compile one variant; returns (compiled kernel, its constexprs)."""
+    kernel, scheme, gemm, bm, bn, warps, stages = spec.split(":")
+    wf, sf, group_k, half, zp, gscale, scale_ty = PACKED[scheme]
+    gemm1 = gemm == "1"
+    common = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), GROUP_M=1, GATED=gemm1,
+                  INTERLEAVED=gemm1, ACT=K.ACT_SWIGLU_OAI if gemm1 else K.ACT_NONE,
+                  HAS_BIAS=True, MUL_ROUTE_W=not gemm1, W_FORMAT=wf, SCALE_FMT=sf,
+                  GROUP_K=group_k, HAS_ZP=zp, HAS_GSCALE=gscale)
+    if kernel == "gemv":
+        consts = dict(common, A_ROW_DIV=4 if gemm1 else 1, HALF=half, PTX_FP4=wf == K.WF_E2M1)
+        fn = K.moe_gemv_kernel
+    else:
+        consts = dict(common, BLOCK_K=2 * half, EVEN_K=True, QDOT=False, A_FP8=False,
+                      A_SCALE=K.AS_NONE, SCALE_ROW_BLOCK=1, IEEE=False,
+                      BF16_FP4=wf == K.WF_E2M1)
+        fn = K.moe_gemm_kernel
+    sig = _signature(kernel, scale_ty)
+    for name in consts:
+        sig[name] = "constexpr"
+    # Pointers and the leading strides are 16-divisible, as at run time for real shapes.
+    div16 = [name for name in fn.arg_names if sig[name].startswith("*")
+             or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    for name in ("stride_ak", "stride_wk", "stride_on"):  # unit strides are specialised to 1
+        sig[name] = "constexpr"
+        consts[name] = 1
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(src, target=target, options={"num_warps": int(warps),
+                                                       "num_stages": int(stages)}), consts
+
+
+def report(spec: str, arch: int, sass_dir: Path | None) -> dict:
+    """Resources and the SASS opcode histogram of one variant."""
+    ck, _ = compile_variant(spec, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(ck.asm["cubin"])
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], check=True,
+                              capture_output=True, text=True).stdout
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(ck.asm["ptx"])
+        res = subprocess.run([str(BIN / "ptxas"), f"-arch=sm_{arch}a", "-v", str(ptx), "-o",
+                              str(Path(tmp) / "v.cubin")], capture_output=True, text=True)
+    info = res.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in _SASS_LINE.finditer(sass)]
+    ops = collections.Counter(_opcode(t) for _, t in ins)
+    # The hot loop: the longest span closed by a backward branch.
+    loops = [(int(m.group(1), 16), addr) for addr, t in ins
+             if (m := re.search(r"BRA (?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", t)) and m.group(1)
+             and int(m.group(1), 16) < addr]
+    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0], default=(0, -1))
+    loop_ops = collections.Counter(_opcode(t) for a, t in ins if lo <= a <= hi)
+    if sass_dir is not None:
+        sass_dir.mkdir(parents=True, exist_ok=True)
+        (sass_dir / (spec.replace(":", "_") + ".sass")).write_text(sass)
+    return dict(variant=spec, registers=int(regs.group(1)) if regs else -1,
+                spill_bytes=int(spill.group(1)) if spill else -1,
+                shared=ck.metadata.shared, instructions=sum(ops.values()), ops=ops,
+                loop_instructions=sum(loop_ops.values()), loop_ops=loop_ops)
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4})\*/\s+(.*?);")
+
+
+def _opcode(text: str) -> str:
+    """Opcode of one SASS instruction, without predicate and modifiers."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variants", nargs="*", default=["gemv:mxfp4:1:1:32:4:2",
+                                                    "gemv:mxfp4:2:1:32:4:2",
+                                                    "mma:mxfp4:1:16:32:4:3"])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--sass", type=Path, default=None, help="write each variant's SASS here")
+    args = ap.parse_args()
+    for v in args.variants:
+        r = report(v, args.arch, args.sass)
+        top = ", ".join(f"{op} {n}" for op, n in r["loop_ops"].most_common(10))
+        print(f"{v:24s} regs {r['registers']:3d} spill {r['spill_bytes']:3d} B "
+              f"smem {r['shared']:6d} B  loop {r['loop_instructions']:4d} instr: {top}")
+
+
+if __name__ == "__main__":
+    main()
