@@ -1,14 +1,14 @@
-# Compile the triton backend's GEMM kernels for a Hopper GPU without one, and report what the
-# compiler made of them: registers, spills, shared memory and the SASS instruction mix.
+# Compile the triton backend's GEMM kernel for a Hopper GPU without one, and report what the
+# compiler made of it: registers, spills, shared memory and the K loop's instruction mix.
 #
 #   python benchmarks/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
 #
-# A variant is "kernel:scheme:gemm:BLOCK_M:BLOCK_N:warps:stages", e.g. "gemv:mxfp4:1:2:32:4:2"
-# (kernel gemv or mma; gemm 1 = w13 with the gated swiglu_oai epilogue, 2 = w2 with the routing
-# weight). Compilation uses Triton's own ptxas; nothing runs, so this answers "does it
-# compile, does it spill, are the loads 16 bytes wide, which instructions dominate the K loop"
-# (its body is the longest span closed by a backward branch) before a GPU is used.
-# Triton's interpreter must be off (TRITON_INTERPRET unset).
+# A variant is "scheme:gemm:BLOCK_M:BLOCK_N:BLOCK_K:warps:stages", e.g. "mxfp4:1:16:64:128:4:3"
+# (gemm 1 = w13 with the gated swiglu_oai epilogue, 2 = w2 with the routing weight; scheme
+# mxfp4, mxfp4u (scales too large to merge into the decode), nvfp4 or int4). Compilation uses
+# Triton's own ptxas and nothing runs, so this answers "does it compile, does it spill, are
+# the loads 16 bytes wide, which instructions dominate the K loop" (the longest span closed
+# by a backward branch) before a GPU is used. Triton's interpreter must be off.
 
 from __future__ import annotations
 
@@ -32,25 +32,22 @@ from triton.compiler import ASTSource  # noqa: E402
 from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-# (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, scale pointer type)
+# (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, MERGED_SCALE, scale pointer type)
 PACKED = {
-    "mxfp4": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, "*u8"),
-    "nvfp4": (K.WF_E2M1, K.SF_E4M3, 16, 16, False, True, "*u8"),
-    "int4": (K.WF_UINT4, K.SF_FP32, 128, 64, False, False, "*fp32"),
+    "mxfp4": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, True, "*u8"),
+    "mxfp4u": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, False, "*u8"),
+    "nvfp4": (K.WF_E2M1, K.SF_E4M3, 16, 16, False, True, False, "*u8"),
+    "int4": (K.WF_UINT4, K.SF_FP32, 128, 64, False, False, False, "*fp32"),
 }
 
 
-def _signature(kernel: str, scale_ty: str) -> dict[str, str]:
-    ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "w_scale_ptr": scale_ty, "w_zp_ptr": "*u8",
-            "w_gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
+def _signature(scale_ty: str) -> dict[str, str]:
+    ptrs = {"a_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": scale_ty,
+            "w_zp_ptr": "*u8", "w_gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
             "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
             "route_w_ptr": "*fp32"}
-    if kernel == "mma":
-        ptrs = {"a_ptr": "*bf16", "a_scale_ptr": "*fp32", **{k: v for k, v in ptrs.items()
-                                                            if k != "a_ptr"}}
-    fn = K.moe_gemv_kernel if kernel == "gemv" else K.moe_gemm_kernel
     sig = {}
-    for param in fn.params:
+    for param in K.moe_gemm_kernel.params:
         name = param.name
         if name in ptrs:
             sig[name] = ptrs[name]
@@ -65,24 +62,17 @@ def _signature(kernel: str, scale_ty: str) -> dict[str, str]:
 
 def compile_variant(spec: str, arch: int):
     """Compile one variant; returns (compiled kernel, its constexprs)."""
-    kernel, scheme, gemm, bm, bn, warps, stages = spec.split(":")
-    wf, sf, group_k, half, zp, gscale, scale_ty = PACKED[scheme]
+    scheme, gemm, bm, bn, bk, warps, stages = spec.split(":")
+    wf, sf, group_k, half, zp, gscale, merged, scale_ty = PACKED[scheme]
     gemm1 = gemm == "1"
-    common = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), GROUP_M=1, GATED=gemm1,
-                  INTERLEAVED=gemm1, ACT=K.ACT_SWIGLU_OAI if gemm1 else K.ACT_NONE,
-                  HAS_BIAS=True, MUL_ROUTE_W=not gemm1, W_FORMAT=wf, SCALE_FMT=sf,
-                  GROUP_K=group_k, HAS_ZP=zp, HAS_GSCALE=gscale)
-    if kernel == "gemv":
-        consts = dict(common, A_ROW_DIV=4 if gemm1 else 1, HALF=half, PTX_FP4=wf == K.WF_E2M1)
-        fn = K.moe_gemv_kernel
-    else:
-        consts = dict(common, BLOCK_K=2 * half, EVEN_K=True, QDOT=False, A_FP8=False,
-                      A_SCALE=K.AS_NONE, SCALE_ROW_BLOCK=1, IEEE=False,
-                      BF16_FP4=wf == K.WF_E2M1)
-        fn = K.moe_gemm_kernel
-    sig = _signature(kernel, scale_ty)
-    for name in consts:
-        sig[name] = "constexpr"
+    consts = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), BLOCK_K=int(bk), GROUP_M=1, EVEN_K=True,
+                  GATED=gemm1, INTERLEAVED=gemm1, ACT=K.ACT_SWIGLU_OAI if gemm1 else K.ACT_NONE,
+                  HAS_BIAS=True, MUL_ROUTE_W=not gemm1, W_FORMAT=wf, QDOT=False, A_FP8=False,
+                  A_SCALE=K.AS_NONE, SCALE_FMT=sf, GROUP_K=group_k, SCALE_ROW_BLOCK=1,
+                  HAS_ZP=zp, HAS_GSCALE=gscale, IEEE=False, BF16_FP4=wf == K.WF_E2M1,
+                  HALF=half, MERGED_SCALE=merged)
+    fn = K.moe_gemm_kernel
+    sig = _signature(scale_ty)
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes.
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
              or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")]
@@ -139,9 +129,9 @@ def _opcode(text: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("variants", nargs="*", default=["gemv:mxfp4:1:1:32:4:2",
-                                                    "gemv:mxfp4:2:1:32:4:2",
-                                                    "mma:mxfp4:1:16:32:4:3"])
+    ap.add_argument("variants", nargs="*", default=["mxfp4:1:16:64:64:4:3",
+                                                    "mxfp4:1:16:64:128:4:3",
+                                                    "mxfp4u:1:16:64:64:4:3"])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", type=Path, default=None, help="write each variant's SASS here")
     args = ap.parse_args()

@@ -131,20 +131,13 @@ def test_quantized_schemes_match_torch_backend(scheme, activation):
 PACKED = ["int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4"]
 
 
-def _tiles(block_m, block_n=32, warps=4):
-    tile = tile_config.TileConfig(block_m, block_n, 128, 2, warps, 2)
-    return tile_config.MoeTiles(tile, tile)
-
-
-@pytest.mark.parametrize("block_m", [1, 2, 4])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", PACKED)
-def test_few_rows_kernel_matches_mma_kernel_and_torch(scheme, activation, block_m):
-    """Blocks below the MMA's 16 rows run the CUDA-core kernel: same function as the MMA
-    kernel and the torch backend's emulation (fp32 throughout: equal up to summation order).
-    H = I = 96 leaves a partial last chunk of the split layout where the scale group allows
-    it (int4's group of 128 does not); 14 rows over 3 experts give several blocks per
-    expert and padding rows; one -1 id."""
+def test_packed_k_steps_of_several_chunks(scheme, activation, chunks):
+    """A K step may cover several chunks of the split layout; chunks starting at or past K
+    are skipped. H = I = 96 is 1.5 chunks of 64 for the 32-groups (int4's group of 128 needs
+    whole chunks of 128); fp32 throughout, against the torch backend's emulation."""
     torch.manual_seed(3)
     act = moerunner.Activation(activation)
     size = 128 if scheme == "int4" else 96
@@ -162,39 +155,21 @@ def test_few_rows_kernel_matches_mma_kernel_and_torch(scheme, activation, block_
     ids[2, 1] = -1
     wts = torch.rand(T, k, device=DEVICE)
     prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
-    few = experts.fused_standard(x, wts, ids, prepared, tiles=_tiles(block_m))
-    mma = experts.fused_standard(x, wts, ids, prepared, tiles=_tiles(16))
-    ref = _run("torch", x, weights, act, wts, ids)
-    assert _rel(few, mma) < 1e-5 and _rel(few, ref) < 1e-5
+    chunk = 2 * prepared.tensors["w13"].constexprs["HALF"]
+    tile = tile_config.TileConfig(16, 32, chunks * chunk, 1, 4, 2)
+    out = experts.fused_standard(x, wts, ids, prepared, tiles=tile_config.MoeTiles(tile, tile))
+    assert _rel(out, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
 
-def test_few_rows_kernel_grouped_core_and_fp16():
-    """The grouped core (no routing weight, a_row_div 1) and fp16 activations."""
-    torch.manual_seed(4)
-    act = moerunner.Activation("silu")
-    T, H, I, E, k = 6, 64, 64, 4, 2
-    weights = ExpertWeights(
-        moerunner.quantize(torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5, "mxfp4"),
-        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, "mxfp4"))
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
-    rows = torch.randn(T * k, H, device=DEVICE).half()
-    offsets = torch.tensor([0, 3, 3, 9, 11], dtype=torch.int32, device=DEVICE)
-    few = experts.grouped_core(rows, offsets, prepared, tiles=_tiles(2, block_n=16, warps=2))
-    mma = experts.grouped_core(rows, offsets, prepared, tiles=_tiles(16))
-    # fp16 outputs of two fp32 summation orders: one fp16 rounding apart (2^-11 relative).
-    assert _rel(few[:11], mma[:11]) < 2e-3
-
-
-def test_few_rows_tiles_need_packed_weights():
-    act = moerunner.Activation("silu")
-    E, H, I = 4, 32, 16
-    weights = ExpertWeights(torch.randn(E, 2 * I, H, device=DEVICE),
-                            torch.randn(E, H, I, device=DEVICE))
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
-    with pytest.raises(MoeInputError, match="block_m 4 < 16.*packed 4-bit"):
-        experts.fused_standard(torch.randn(3, H, device=DEVICE), torch.rand(3, 2, device=DEVICE),
-                               torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), prepared,
-                               tiles=_tiles(4))
+def test_merged_fp4_scale_only_for_small_e8m0_scales():
+    """One bf16 multiply can carry both the fp4 decode's 2^126 and an e8m0 scale only when the
+    scale is at most 2^1 (code 128); the flag is decided per weight when it is prepared."""
+    w = moerunner.quantize(torch.randn(2, 8, 64, device=DEVICE), "mxfp4")
+    assert experts.kernel_weight(w).constexprs["MERGED_SCALE"]
+    w.scale.view(torch.uint8)[1, 3, 0] = 129
+    assert not experts.kernel_weight(w).constexprs["MERGED_SCALE"]
+    nv = moerunner.quantize(torch.randn(2, 8, 64, device=DEVICE), "nvfp4")
+    assert not experts.kernel_weight(nv).constexprs["MERGED_SCALE"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -14,11 +14,7 @@ import triton.language as tl  # noqa: E402
 
 import moerunner  # noqa: E402
 from moerunner.backends.base import MoeProblem  # noqa: E402
-from moerunner.backends.triton._gemm_kernel import (  # noqa: E402
-    _e2m1_halves_bf16,
-    _e2m1_halves_f32,
-    _scale_bf16,
-)
+from moerunner.backends.triton._gemm_kernel import _e2m1_halves_bf16, _scale_bf16  # noqa: E402
 from moerunner.dispatch.formats import StandardDispatchOutput  # noqa: E402
 from moerunner.routing import TopK  # noqa: E402
 from moerunner.weights import ExpertWeights  # noqa: E402
@@ -100,25 +96,30 @@ def test_cuda_graph_capture_and_replay_of_decode_call():
 
 
 @triton.jit
-def _fp4_decode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, SCALE_FMT: tl.constexpr):
+def _fp4_decode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, SCALE_FMT: tl.constexpr,
+                       MERGED: tl.constexpr):
     r = tl.arange(0, 256)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [byte, scale]
     q = tl.load(q_ptr + r // 16)
-    s = _scale_bf16(tl.load(s_ptr + r % 16), SCALE_FMT)
-    lo, hi = _e2m1_halves_bf16(q, s, s)
+    s = _scale_bf16(tl.load(s_ptr + r % 16), SCALE_FMT, MERGED)
+    lo, hi = _e2m1_halves_bf16(q, s, s, MERGED)
     tl.store(lo_ptr + r, lo)
     tl.store(hi_ptr + r, hi)
 
 
-@pytest.mark.parametrize("scale_format", ["e8m0", "e4m3"])
+@pytest.mark.parametrize("scale_format", ["e8m0", "e8m0_merged", "e4m3"])
 def test_fp4_packed_decode_is_exact(scale_format):
     """The inline-PTX e2m1 decode gives exactly nibble value * scale for every byte and for
-    edge scales (e8m0: 2^-127, 2^0, 2^1, 2^127, NaN; e4m3: subnormals, max)."""
+    edge scales (e8m0: 2^-127, 2^0, 2^1, 2^127, NaN; e4m3: subnormals, max). The merged form
+    (one multiply carrying 2^126 and the scale) covers every e8m0 code it accepts, 0..128."""
     from moerunner.quant.codecs import E2M1_VALUES
 
     dev = torch.device("cuda")
     q = torch.arange(256, dtype=torch.uint8, device=dev)
-    if scale_format == "e8m0":
-        codes = [0, 1, 2, 100, 118, 126, 127, 128, 129, 130, 140, 200, 250, 253, 254, 255]
+    merged = scale_format == "e8m0_merged"
+    if scale_format.startswith("e8m0"):
+        codes = ([0, 1, 2, 30, 60, 100, 118, 120, 122, 124, 125, 126, 127, 128, 128, 3]
+                 if merged else
+                 [0, 1, 2, 100, 118, 126, 127, 128, 129, 130, 140, 200, 250, 253, 254, 255])
         s = torch.tensor(codes, dtype=torch.uint8, device=dev)
         sval = torch.where(s == 255, float("nan"), torch.exp2(s.double() - 127))
         fmt = 2
@@ -130,7 +131,7 @@ def test_fp4_packed_decode_is_exact(scale_format):
         fmt = 3
     lo = torch.empty(256, 16, dtype=torch.bfloat16, device=dev)
     hi = torch.empty_like(lo)
-    _fp4_decode_kernel[(1,)](q, s, lo, hi, SCALE_FMT=fmt)
+    _fp4_decode_kernel[(1,)](q, s, lo, hi, SCALE_FMT=fmt, MERGED=merged)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=dev)
     for out, nib in ((lo, q & 0xF), (hi, q >> 4)):
         want = (table[nib.long()][:, None] * sval[None, :]).to(torch.bfloat16)
@@ -139,99 +140,38 @@ def test_fp4_packed_decode_is_exact(scale_format):
         assert torch.equal(out[ok].view(torch.int16), want[ok].view(torch.int16))
 
 
-@triton.jit
-def _fp4_decode_f32_kernel(q_ptr, lo_ptr, hi_ptr):
-    r = tl.arange(0, 256)
-    lo, hi = _e2m1_halves_f32(tl.load(q_ptr + r))
-    tl.store(lo_ptr + r, lo)
-    tl.store(hi_ptr + r, hi)
-
-
-def test_fp4_packed_decode_to_f32_is_exact():
-    """The few-rows kernel's e2m1 decode gives exactly each nibble's value (signed zeros too)
-    for every byte."""
-    from moerunner.quant.codecs import E2M1_VALUES
-
-    dev = torch.device("cuda")
-    q = torch.arange(256, dtype=torch.uint8, device=dev)
-    lo = torch.empty(256, dtype=torch.float32, device=dev)
-    hi = torch.empty_like(lo)
-    _fp4_decode_f32_kernel[(1,)](q, lo, hi)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=dev)
-    for out, nib in ((lo, q & 0xF), (hi, q >> 4)):
-        assert torch.equal(out.view(torch.int32), table[nib.long()].view(torch.int32))
-
-
 PACKED = ["int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4"]
 
 
-def _packed_weights(scheme, activation, dev, H=352, I=160, E=8):
-    """H and I that leave a partial last chunk of the split layout (except int4's g128)."""
-    if scheme in ("int4", "int4_zp"):
-        H, I = 384, 256
-    act = moerunner.Activation(activation)
-    n13 = 2 * I if act.gated else I
-    interleaved = activation == "swiglu_oai"
-    return act, ExpertWeights(
-        moerunner.quantize(torch.randn(E, n13, H, device=dev) / H**0.5, scheme),
-        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, scheme),
-        torch.randn(E, n13, device=dev) * 0.1, torch.randn(E, H, device=dev) * 0.1,
-        interleaved)
-
-
-@pytest.mark.parametrize("block_m", [1, 2, 4, 8])
-@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("scheme", PACKED)
-def test_few_rows_kernel_bf16_matches_mma_kernel_and_reference(scheme, activation, block_m):
-    """bf16 activations take the inline-PTX fp4 decode. Against the MMA kernel: both multiply
-    the same bf16 inputs by the same exact weights and sum in fp32 in different orders, then
-    round GEMM1's output to bf16, so they agree to a few bf16 roundings (1e-2 relative); the
-    float64 reference within the library's bf16 bound of the scheme matrix above."""
+def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks):
+    """bf16 activations (the inline-PTX fp4 decode, merged scales for mxfp4): one, two and
+    four chunks of the split layout per K step, with H and I leaving a partial last chunk
+    (except for int4's group of 128), against the float64 reference within the bf16 bound of
+    the scheme matrix above."""
     from moerunner.backends.triton import TritonBackend
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
     dev = torch.device("cuda")
-    torch.manual_seed(block_m)
-    act, weights = _packed_weights(scheme, activation, dev)
+    torch.manual_seed(chunks)
+    H, I, E, T, k = (384, 256, 8, 11, 4) if scheme == "int4" else (352, 160, 8, 11, 4)
+    act = moerunner.Activation("swiglu_oai")
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, scheme),
+        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, scheme),
+        torch.randn(E, 2 * I, device=dev) * 0.1, torch.randn(E, H, device=dev) * 0.1, True)
     prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
-    T, k = 11, 4
-    x = torch.randn(T, weights.hidden_size, device=dev).bfloat16()
-    ids = torch.rand(T, weights.num_experts, device=dev).topk(k, dim=1).indices.int()
+    if scheme.startswith("mxfp4"):
+        assert prepared.tensors["w13"].constexprs["MERGED_SCALE"]
+    chunk = 2 * prepared.tensors["w13"].constexprs["HALF"]
+    x = torch.randn(T, H, device=dev).bfloat16()
+    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
     ids[::4, 0] = -1
     wts = torch.rand(T, k, device=dev)
-    few_tile = TileConfig(block_m, 64, 128, 4, 4, 1)
-    few = fused_standard(x, wts, ids, prepared, tiles=MoeTiles(few_tile, few_tile))
-    mma_tile = TileConfig(16, 64, 128, 1, 4, 3)
-    mma = fused_standard(x, wts, ids, prepared, tiles=MoeTiles(mma_tile, mma_tile))
+    tile = TileConfig(16, 64, chunks * chunk, 1, 4, 3)
+    out = fused_standard(x, wts, ids, prepared, tiles=MoeTiles(tile, tile))
     ref = moerunner.reference_moe(x, weights, wts, ids, act)
-    assert not torch.isnan(few).any()
-    assert _rel(few, mma) < 1e-2
-    assert _rel(few, ref) < (3e-2 if scheme == "mxfp4_mxfp8" else 2e-2)
-
-
-def test_cuda_graph_capture_and_replay_of_few_rows_call():
-    from moerunner.backends.triton import TritonBackend
-    from moerunner.backends.triton.experts import fused_standard
-    from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
-
-    dev = torch.device("cuda")
-    act, weights = _packed_weights("mxfp4", "swiglu_oai", dev, H=512, I=256, E=16)
-    prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
-    tile = TileConfig(2, 64, 128, 4, 4, 1)
-    tiles = MoeTiles(tile, tile)
-    T, k = 8, 4
-    x = torch.randn(T, 512, device=dev, dtype=torch.bfloat16)
-    ids = torch.rand(T, 16, device=dev).topk(k, dim=1).indices.int()
-    wts = torch.rand(T, k, device=dev)
-    fused_standard(x, wts, ids, prepared, tiles)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_standard(x, wts, ids, prepared, tiles)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        ids.copy_(torch.rand(T, 16, device=dev).topk(k, dim=1).indices.int())
-        wts.copy_(torch.rand(T, k, device=dev))
-        graph.replay()
-        eager = fused_standard(x.clone(), wts.clone(), ids.clone(), prepared, tiles)
-        assert torch.equal(out, eager)
+    assert not torch.isnan(out).any()
+    assert _rel(out, ref) < (3e-2 if scheme == "mxfp4_mxfp8" else 2e-2)

@@ -1,13 +1,12 @@
-# Stage "experts" of the triton backend: the grouped GEMM kernel bodies (private).
+# Stage "experts" of the triton backend: the grouped GEMM kernel body (private).
 #
-# ``moe_gemm_kernel`` serves GEMM1 (w13, optional bias, fused gated/non-gated activation) and
-# GEMM2 (w2, optional bias, routing weight) on the MMA for every scheme. ``moe_gemv_kernel``
-# computes the same function on CUDA cores for packed 4-bit weights when an expert block holds
-# fewer rows than the MMA's minimum of 16 (decode). Both share the block coordinates, the
-# gate/up row mapping, the weight decode and the epilogue below. Rows come from the alignment
-# step: ``sorted_rows`` holds, per BLOCK_M-padded expert segment, the output row ids (sentinel
-# ``num_rows`` for padding) and ``block_expert`` the expert of each M-block. The A row of an
-# output row is ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1 otherwise).
+# One kernel serves GEMM1 (w13, optional bias, fused gated/non-gated activation) and GEMM2
+# (w2, optional bias, routing weight) for every scheme; block coordinates, the gate/up row
+# mapping, the packed-weight decode and the epilogue are helpers below. Rows come from the
+# alignment step: ``sorted_rows`` holds, per BLOCK_M-padded expert segment, the output row ids
+# (sentinel ``num_rows`` for padding) and ``block_expert`` the expert of each M-block. The A
+# row of an output row is ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1
+# otherwise).
 #
 # Weight tiles are read straight from the quantized layouts of docs/architecture.md and either
 # fed to the MMA in their own type (fp8 / int8 with a quantized A, "qdot") or dequantized in
@@ -70,12 +69,10 @@ def _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr
 
 def _e2m1_place_ptx(select: str) -> str:
     """PTX: two bytes of the packed word ``$in`` (picked by the prmt pattern ``select``) to two
-    bf16x2 registers, ``lo`` (low nibbles) and ``hi`` (high nibbles), holding exact e2m1
-    values. prmt puts the bytes in bits 8-15 and 24-31; a nibble's sign goes to bit 15 of its
-    half-word and its 3 exponent/mantissa bits to bits 6-8, which is the bf16 pattern of the
-    e2m1 value times 2^-126 (code 1 lands on the subnormal 2^-127 = 0.5 * 2^-126). One bf16x2
-    FMA with ``bias`` = 2^126 (subnormals kept; the addend ``nz`` = -0 keeps zeros' signs)
-    removes the 2^-126."""
+    bf16x2 registers, ``lo`` (low nibbles) and ``hi`` (high nibbles). prmt puts the bytes in
+    bits 8-15 and 24-31; a nibble's sign goes to bit 15 of its half-word and its 3
+    exponent/mantissa bits to bits 6-8, which is the bf16 pattern of the e2m1 value times
+    2^-126 (code 1 lands on the subnormal 2^-127 = 0.5 * 2^-126)."""
     return f"""
         prmt.b32 t, $in, 0, {select};
         shl.b32 lo, t, 4;
@@ -86,112 +83,95 @@ def _e2m1_place_ptx(select: str) -> str:
         and.b32 hi, t, 0x80008000;
         shr.b32 v, t, 6;
         and.b32 v, v, 0x01C001C0;
-        or.b32 hi, hi, v;
+        or.b32 hi, hi, v;"""
+
+
+def _e2m1_bf16_asm(merged: bool) -> str:
+    """Four packed bytes ($4) and bf16x2 scales ($5, $6 for the low nibbles, $7, $8 for the
+    high ones) -> bf16x2 low-nibble values times scale ($0, $1) and high ones ($2, $3).
+
+    bf16x2 FMAs keep subnormals, and the addend ``nz`` = -0 keeps the sign of zeros. Unmerged,
+    one FMA by ``bias`` = 2^126 gives the exact e2m1 value, a second the scale; ``merged``
+    scales already carry the 2^126 and one FMA does both."""
+    bodies = []
+    for select, lo_out, hi_out, s_lo, s_hi in (("0x1404", "$0", "$2", "$5", "$7"),
+                                               ("0x3424", "$1", "$3", "$6", "$8")):
+        body = _e2m1_place_ptx(select)
+        if not merged:
+            body += """
         fma.rn.bf16x2 lo, lo, bias, nz;
         fma.rn.bf16x2 hi, hi, bias, nz;"""
-
-
-def _e2m1_asm(bodies: list[str], packed: str) -> str:
-    """One inline-asm block: declarations, the constants, then the per-pair bodies."""
-    return ("{\n.reg .b32 t, lo, hi, v, bias, nz;\nmov.b32 bias, 0x7E807E80;\n"
-            "mov.b32 nz, 0x80008000;" + "".join(bodies).replace("$in", packed) + "\n}")
-
-
-# Four packed bytes ($4) and bf16x2 scales ($5, $6 low halves; $7, $8 high halves) -> bf16x2
-# low-nibble values times scale ($0, $1) and high-nibble values times scale ($2, $3).
-_E2M1_BF16_ASM = tl.constexpr(_e2m1_asm([
-    _e2m1_place_ptx(select) + f"""
+        bodies.append(body + f"""
         fma.rn.bf16x2 {lo_out}, lo, {s_lo}, nz;
-        fma.rn.bf16x2 {hi_out}, hi, {s_hi}, nz;"""
-    for select, lo_out, hi_out, s_lo, s_hi in (("0x1404", "$0", "$2", "$5", "$7"),
-                                               ("0x3424", "$1", "$3", "$6", "$8"))], "$4"))
-# Four packed bytes ($8) -> fp32 low-nibble values ($0..$3) and high-nibble values ($4..$7):
-# a bf16 value widens to fp32 by a shift (low half-word) or a mask (high half-word).
-_E2M1_F32_ASM = tl.constexpr(_e2m1_asm([
-    _e2m1_place_ptx(select) + f"""
-        shl.b32 {lo0}, lo, 16;
-        and.b32 {lo1}, lo, 0xFFFF0000;
-        shl.b32 {hi0}, hi, 16;
-        and.b32 {hi1}, hi, 0xFFFF0000;"""
-    for select, lo0, lo1, hi0, hi1 in (("0x1404", "$0", "$1", "$4", "$5"),
-                                       ("0x3424", "$2", "$3", "$6", "$7"))], "$8"))
+        fma.rn.bf16x2 {hi_out}, hi, {s_hi}, nz;""")
+    return ("{\n.reg .b32 t, lo, hi, v, bias, nz;\nmov.b32 bias, 0x7E807E80;\n"
+            "mov.b32 nz, 0x80008000;" + "".join(bodies).replace("$in", "$4") + "\n}")
+
+
+_E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm(merged=False))
+_E2M1_BF16_MERGED_ASM = tl.constexpr(_e2m1_bf16_asm(merged=True))
 
 
 @triton.jit
-def _e2m1_halves_bf16(packed, scale_lo, scale_hi):
+def _e2m1_halves_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
     """Packed bytes -> (low nibbles * scale_lo, high nibbles * scale_hi) in bf16, on the GPU.
 
-    Four bytes per instance in packed integer ops (``_e2m1_place_ptx``), then one more bf16x2
-    FMA per pair applies the scale. Products of e2m1 with e8m0 or e4m3 scales are exact in
-    bf16. The scales are bf16 tensors of packed's shape.
+    Four bytes per instance in packed integer ops (``_e2m1_bf16_asm``). Products of e2m1 with
+    e8m0 or e4m3 scales are exact in bf16. The scales are bf16 tensors of packed's shape, from
+    ``_scale_bf16`` with the same ``MERGED``.
     """
-    return tl.inline_asm_elementwise(
-        asm=_E2M1_BF16_ASM,
-        constraints="=r,=r,=r,=r,r,r,r,r,r",
-        args=[packed, scale_lo, scale_hi],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
+    if MERGED:
+        out = tl.inline_asm_elementwise(
+            asm=_E2M1_BF16_MERGED_ASM, constraints="=r,=r,=r,=r,r,r,r,r,r",
+            args=[packed, scale_lo, scale_hi], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(
+            asm=_E2M1_BF16_ASM, constraints="=r,=r,=r,=r,r,r,r,r,r",
+            args=[packed, scale_lo, scale_hi], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4)
+    return out
 
 
 @triton.jit
-def _e2m1_halves_f32(packed):
-    """Packed bytes -> (low nibble values, high nibble values) in float32, on the GPU; unscaled.
+def _scale_bf16(s, SCALE_FMT: tl.constexpr, MERGED: tl.constexpr):
+    """e8m0 or e4m3 scale storage -> the same value in bf16 (exact for both).
 
-    Four bytes per instance: the exact e2m1 values of ``_e2m1_place_ptx`` widened to fp32.
-    """
-    return tl.inline_asm_elementwise(
-        asm=_E2M1_F32_ASM,
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-        args=[packed],
-        dtype=(tl.float32, tl.float32),
-        is_pure=True,
-        pack=4,
-    )
-
-
-@triton.jit
-def _scale_bf16(s, SCALE_FMT: tl.constexpr):
-    """e8m0 or e4m3 scale storage -> the same value in bf16 (exact for both)."""
+    ``MERGED`` (e8m0 codes <= 128 only, checked when the weights are prepared): the scale
+    times 2^126, 2^(e - 1), which then is a normal bf16 for every code."""
     if SCALE_FMT == 2:
         e = s.to(tl.uint16)
-        # 2^(e - 127) as bf16 bits; code 0 is the subnormal 2^-127, 255 is NaN.
-        bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7)).to(tl.uint16)
-        out = bits.to(tl.bfloat16, bitcast=True)
+        if MERGED:
+            bits = (e + 126) << 7
+        else:
+            # 2^(e - 127) as bf16 bits; code 0 is the subnormal 2^-127, 255 is NaN.
+            bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7))
+        out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         out = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
     return out
 
 
 @triton.jit
-def _per_row(v, NK: tl.constexpr):
-    """A per-weight-row vector shaped to broadcast over a [BN, HALF] (NK) or [HALF, BN] tile."""
-    if NK:
-        out = v[:, None]
-    else:
-        out = v[None, :]
-    return out
-
-
-@triton.jit
 def _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk, stride_sn, stride_sk,
-                GROUP_K: tl.constexpr, HALF: tl.constexpr, NK: tl.constexpr):
-    """Storage of one packed 4-bit chunk of 2 * HALF along K: its bytes ([HALF, BN], or
-    [BN, HALF] with ``NK``) and each half's scale per row, both as stored.
+                GROUP_K: tl.constexpr, HALF: tl.constexpr, MASK_K: tl.constexpr):
+    """Storage of one packed 4-bit chunk of 2 * HALF along K: its bytes [HALF, BLOCK_N] and
+    each half's scale per row, both as stored.
 
     In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
     k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
     scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
-    ``split_packed`` zero-pads K to whole chunks, so every byte of the chunk exists (a byte past
-    (K + 1) // 2 may still hold a real low nibble). Padded nibbles meet A's masked zeros; a
-    scale group past the end loads as code 0.
+    ``split_packed`` zero-pads K to whole chunks, so every byte of a chunk that starts below K
+    exists (a byte past (K + 1) // 2 may still hold a real low nibble); ``MASK_K`` (a K step
+    of several chunks) skips chunks that start at or past K. Padded nibbles meet A's masked
+    zeros; a scale group past the end loads as code 0.
     """
     offs_j = k0 // 2 + tl.arange(0, HALF)
-    if NK:
-        packed = tl.load(w_base + rows[:, None] * stride_wn + offs_j[None, :] * stride_wk)
+    ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
+    if MASK_K:
+        packed = tl.load(ptrs, mask=k0 < K, other=0)
     else:
-        packed = tl.load(w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn)
+        packed = tl.load(ptrs)
     n_groups = (K + GROUP_K - 1) // GROUP_K
     g_lo = k0 // GROUP_K
     g_hi = (k0 + HALF) // GROUP_K
@@ -202,8 +182,7 @@ def _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk, stride_sn, st
 
 @triton.jit
 def _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT: tl.constexpr,
-                   GROUP_K: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr,
-                   NK: tl.constexpr):
+                   GROUP_K: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr):
     """Unscaled float32 values of the low and high nibbles of a chunk's bytes: e2m1 values, or
     code minus zero point for int4 (the group's stored zero point, else 8)."""
     lo = packed & 0xF
@@ -213,10 +192,10 @@ def _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT: 
             n_groups = (K + GROUP_K - 1) // GROUP_K
             g_lo = k0 // GROUP_K
             g_hi = (k0 + HALF) // GROUP_K
-            z_lo = _per_row(tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
-                                    mask=g_lo < n_groups, other=0).to(tl.float32), NK)
-            z_hi = _per_row(tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
-                                    mask=g_hi < n_groups, other=0).to(tl.float32), NK)
+            z_lo = tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
+                           mask=g_lo < n_groups, other=0).to(tl.float32)[None, :]
+            z_hi = tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
+                           mask=g_hi < n_groups, other=0).to(tl.float32)[None, :]
         else:
             z_lo = 8.0
             z_hi = 8.0
@@ -236,38 +215,24 @@ def _split_halves(
     stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
     COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
+    MERGED_SCALE: tl.constexpr, MASK_K: tl.constexpr,
 ):
     """Dequantized halves [HALF, BLOCK_N] of one packed chunk in ``COMPUTE`` (the MMA's right
     operand): value times its group scale, per element."""
     packed, s_lo, s_hi = _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk,
-                                     stride_sn, stride_sk, GROUP_K, HALF, False)
+                                     stride_sn, stride_sk, GROUP_K, HALF, MASK_K)
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
-            packed, tl.broadcast_to(_scale_bf16(s_lo, SCALE_FMT)[None, :], packed.shape),
-            tl.broadcast_to(_scale_bf16(s_hi, SCALE_FMT)[None, :], packed.shape))
+            packed,
+            tl.broadcast_to(_scale_bf16(s_lo, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
+            tl.broadcast_to(_scale_bf16(s_hi, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
+            MERGED_SCALE)
     else:
         lo_v, hi_v = _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk,
-                                    W_FORMAT, GROUP_K, HAS_ZP, HALF, False)
+                                    W_FORMAT, GROUP_K, HAS_ZP, HALF)
         lo_t = (lo_v * _decode_scale(s_lo, SCALE_FMT)[None, :]).to(COMPUTE)
         hi_t = (hi_v * _decode_scale(s_hi, SCALE_FMT)[None, :]).to(COMPUTE)
     return lo_t, hi_t
-
-
-@triton.jit
-def _unscaled_halves(
-    packed, s_lo, s_hi, z_base, rows, k0, K, stride_zn, stride_zk,
-    W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr, SCALE_FMT: tl.constexpr,
-    HAS_ZP: tl.constexpr, HALF: tl.constexpr, PTX_FP4: tl.constexpr,
-):
-    """One loaded chunk ([BLOCK_N, HALF] bytes, ``_load_chunk`` with NK) for the few-rows
-    kernel: unscaled float32 halves and each half's float32 scale per row [BLOCK_N], to be
-    applied to the half's sum along K."""
-    if PTX_FP4:
-        lo_v, hi_v = _e2m1_halves_f32(packed)
-    else:
-        lo_v, hi_v = _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk,
-                                    W_FORMAT, GROUP_K, HAS_ZP, HALF, True)
-    return lo_v, hi_v, _decode_scale(s_lo, SCALE_FMT), _decode_scale(s_hi, SCALE_FMT)
 
 
 @triton.jit
@@ -452,13 +417,15 @@ def moe_gemm_kernel(
     W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
     A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
     SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
-    IEEE: tl.constexpr, BF16_FP4: tl.constexpr,
+    IEEE: tl.constexpr, BF16_FP4: tl.constexpr, HALF: tl.constexpr, MERGED_SCALE: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
     GATED: two accumulators over w13 rows (gate, up), activation fused, N_OUT = I.
     SCALE_ROW_BLOCK: rows sharing one weight scale (1 per channel, 128 for fp8_block,
     0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
+    HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
+    packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
     pid_m, pid_n = _block_coords(tl.program_id(0), num_m_blocks, N_OUT, BLOCK_N, GROUP_M)
     num_padded = tl.load(num_padded_ptr)
@@ -495,25 +462,29 @@ def moe_gemm_kernel(
     PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
     for k0 in range(0, K, BLOCK_K):
         if PACKED:
-            # Split layout: A's two contiguous halves meet the low and high nibbles.
-            offs_h = k0 + tl.arange(0, BLOCK_K // 2)
-            a_lo = tl.load(a_row_ptrs + offs_h[None, :] * stride_ak,
-                           mask=offs_h[None, :] < K, other=0)
-            a_hi = tl.load(a_row_ptrs + (offs_h + BLOCK_K // 2)[None, :] * stride_ak,
-                           mask=(offs_h + BLOCK_K // 2)[None, :] < K, other=0)
-            lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, k0, K, stride_wn,
-                                       stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-                                       COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT, HAS_ZP,
-                                       BLOCK_K // 2, BF16_FP4)
-            acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
-            acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
-            if GATED:
-                lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, k0, K, stride_wn,
+            # Split layout, BLOCK_K // (2 * HALF) chunks per step: A's two contiguous halves of
+            # each chunk meet its low and high nibbles.
+            for c in tl.static_range(BLOCK_K // (2 * HALF)):
+                kc = k0 + c * 2 * HALF
+                offs_h = kc + tl.arange(0, HALF)
+                a_lo = tl.load(a_row_ptrs + offs_h[None, :] * stride_ak,
+                               mask=offs_h[None, :] < K, other=0)
+                a_hi = tl.load(a_row_ptrs + (offs_h + HALF)[None, :] * stride_ak,
+                               mask=(offs_h + HALF)[None, :] < K, other=0)
+                lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, kc, K, stride_wn,
                                            stride_wk, stride_sn, stride_sk, stride_zn,
                                            stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
-                                           HAS_ZP, BLOCK_K // 2, BF16_FP4)
-                acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
-                acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
+                                           HAS_ZP, HALF, BF16_FP4, MERGED_SCALE, c > 0)
+                acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
+                acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
+                if GATED:
+                    lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, kc, K,
+                                               stride_wn, stride_wk, stride_sn, stride_sk,
+                                               stride_zn, stride_zk, COMPUTE, W_FORMAT,
+                                               GROUP_K, SCALE_FMT, HAS_ZP, HALF, BF16_FP4,
+                                               MERGED_SCALE, c > 0)
+                    acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
+                    acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -551,88 +522,3 @@ def moe_gemm_kernel(
               stride_asm, stride_sn, stride_be, stride_bn, stride_om, stride_on,
               BLOCK_M, BLOCK_N, GATED, ACT, HAS_BIAS, MUL_ROUTE_W, A_SCALE,
               IN_LOOP_QSCALE or DEQ_GROUP, SCALE_FMT, SCALE_ROW_BLOCK, HAS_GSCALE)
-
-
-@triton.jit
-def moe_gemv_kernel(
-    a_ptr, w_ptr, w_scale_ptr, w_zp_ptr, w_gscale_ptr, bias_ptr, out_ptr,
-    sorted_rows_ptr, block_expert_ptr, num_padded_ptr, route_w_ptr,
-    N_OUT, K, num_rows, num_m_blocks, alpha, limit,
-    stride_am, stride_ak,
-    stride_we, stride_wn, stride_wk,
-    stride_se, stride_sn, stride_sk,
-    stride_ze, stride_zn, stride_zk,
-    stride_be, stride_bn, stride_om, stride_on,
-    A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, GROUP_M: tl.constexpr,
-    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr,
-    W_FORMAT: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
-    HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr, PTX_FP4: tl.constexpr,
-):
-    """Few rows per expert block (BLOCK_M below the MMA's 16) with packed 4-bit weights.
-
-    The same function as ``moe_gemm_kernel`` for the weight-only packed schemes (int4, mxfp4,
-    nvfp4 with an unquantized A), on CUDA cores. Each K step decodes one chunk of the split
-    layout, [BLOCK_N, HALF] weights per half, unscaled, in registers; for each of the BLOCK_M
-    rows it sums each half against that row's A half in float32 and applies the half's group
-    scale once to that sum (HALF divides the group, so this is the same product regrouped).
-    Nothing goes through shared memory and the decode is paid once per weight whatever the
-    rows, so at decode sizes (one to a few rows per expert) the kernel streams the weights;
-    the MMA would need 16 rows and a shared-memory pass of every dequantized tile.
-    Accumulators are transposed ([BLOCK_N, BLOCK_M]) to stay in the weight tile's layout.
-    """
-    pid_m, pid_n = _block_coords(tl.program_id(0), num_m_blocks, N_OUT, BLOCK_N, GROUP_M)
-    num_padded = tl.load(num_padded_ptr)
-    if pid_m * BLOCK_M >= num_padded:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_out = tl.load(sorted_rows_ptr + offs_m)
-    row_mask = rows_out < num_rows
-    a_rows = tl.where(row_mask, rows_out // A_ROW_DIV, 0).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N_OUT
-    rows_g, rows_u = _gate_up_rows(offs_n, N_OUT, GATED, INTERLEAVED)
-
-    w_base = w_ptr + expert * stride_we
-    s_base = w_scale_ptr + expert * stride_se
-    z_base = w_zp_ptr + expert * stride_ze
-    m_ids = tl.arange(0, BLOCK_M)
-    acc_g_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, 2 * HALF):
-        packed, s_lo, s_hi = _load_chunk(w_base, s_base, rows_g, k0, K, stride_wn, stride_wk,
-                                         stride_sn, stride_sk, GROUP_K, HALF, True)
-        lo_g, hi_g, slo_g, shi_g = _unscaled_halves(
-            packed, s_lo, s_hi, z_base, rows_g, k0, K, stride_zn, stride_zk, W_FORMAT,
-            GROUP_K, SCALE_FMT, HAS_ZP, HALF, PTX_FP4)
-        if GATED:
-            packed, s_lo, s_hi = _load_chunk(w_base, s_base, rows_u, k0, K, stride_wn,
-                                             stride_wk, stride_sn, stride_sk, GROUP_K, HALF,
-                                             True)
-            lo_u, hi_u, slo_u, shi_u = _unscaled_halves(
-                packed, s_lo, s_hi, z_base, rows_u, k0, K, stride_zn, stride_zk, W_FORMAT,
-                GROUP_K, SCALE_FMT, HAS_ZP, HALF, PTX_FP4)
-        offs_h = k0 + tl.arange(0, HALF)
-        for m in tl.static_range(BLOCK_M):
-            # Padding rows read row 0 (always valid) and are never stored.
-            r = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + m)
-            a_row = a_ptr + tl.where(r < num_rows, r // A_ROW_DIV, 0).to(tl.int64) * stride_am
-            a_lo = tl.load(a_row + offs_h * stride_ak, mask=offs_h < K, other=0).to(tl.float32)
-            a_hi = tl.load(a_row + (offs_h + HALF) * stride_ak, mask=offs_h + HALF < K,
-                           other=0).to(tl.float32)
-            part = (tl.sum(lo_g * a_lo[None, :], axis=1) * slo_g
-                    + tl.sum(hi_g * a_hi[None, :], axis=1) * shi_g)
-            acc_g_t += tl.where(m_ids[None, :] == m, part[:, None], 0.0)
-            if GATED:
-                part = (tl.sum(lo_u * a_lo[None, :], axis=1) * slo_u
-                        + tl.sum(hi_u * a_hi[None, :], axis=1) * shi_u)
-                acc_u_t += tl.where(m_ids[None, :] == m, part[:, None], 0.0)
-
-    # Weight-only: no A scale (A_SCALE 0, so a_ptr stands in), group scales applied in the loop.
-    _epilogue(tl.trans(acc_g_t), tl.trans(acc_u_t), rows_out, row_mask, a_rows, expert, rows_g,
-              rows_u, offs_n, n_mask, a_ptr, s_base, w_gscale_ptr, bias_ptr, route_w_ptr,
-              out_ptr, alpha, limit, 0, stride_sn, stride_be, stride_bn, stride_om, stride_on,
-              BLOCK_M, BLOCK_N, GATED, ACT, HAS_BIAS, MUL_ROUTE_W, 0, True, SCALE_FMT, 1,
-              HAS_GSCALE)

@@ -35,9 +35,6 @@ _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
 _QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
 _EMULATED_ACT = ("mxfp8", "nvfp4")
-# Tiles with fewer rows per block than the MMA's minimum run ``moe_gemv_kernel`` (CUDA-core
-# FMAs on weights decoded in registers); it serves packed 4-bit weights only.
-MMA_MIN_ROWS = 16
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset({
@@ -79,7 +76,7 @@ def kernel_weight(w: Any) -> KernelWeight:
         return KernelWeight(w.contiguous(), None, None, None, None, tuple(w.shape), dict(
             W_FORMAT=K.WF_PLAIN, QDOT=False, A_FP8=False, A_SCALE=K.AS_NONE,
             SCALE_FMT=K.SF_NONE, GROUP_K=0, SCALE_ROW_BLOCK=1, HAS_ZP=False, HAS_GSCALE=False,
-            SPLIT_HALF=0))
+            HALF=0, MERGED_SCALE=False))
     scheme = w.scheme
     if scheme.name not in SUPPORTED_SCHEMES:
         raise MoeInputError(f"scheme {scheme.name!r} is not supported by the triton backend; "
@@ -94,15 +91,20 @@ def kernel_weight(w: Any) -> KernelWeight:
         W_FORMAT=_W_FORMAT[scheme.weight_format], QDOT=qdot,
         A_FP8=qdot and act.startswith("fp8"), A_SCALE=_QDOT_ACT.get(act, K.AS_NONE),
         SCALE_FMT=_SCALE_FMT[scheme.scale_format], GROUP_K=group_k, SCALE_ROW_BLOCK=row_block,
-        HAS_ZP=w.zero_point is not None, HAS_GSCALE=w.global_scale is not None, SPLIT_HALF=0)
+        HAS_ZP=w.zero_point is not None, HAS_GSCALE=w.global_scale is not None, HALF=0,
+        MERGED_SCALE=False)
     if qdot and gran == "block" and group_k != 128:
         raise MoeInputError(f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, "
                             f"got {scheme.block_shape}")
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = _as_bytes(w.data)
     if scheme.packed:
-        consts["SPLIT_HALF"] = min(group_k, 64)
-        data = split_packed(data, w.shape[2], consts["SPLIT_HALF"])
+        consts["HALF"] = min(group_k, 64)
+        data = split_packed(data, w.shape[2], consts["HALF"])
+        # e8m0 scales up to 2^1 can carry the fp4 decode's 2^126 in bf16: one multiply per
+        # weight pair instead of two (real checkpoints' scales are far below that).
+        consts["MERGED_SCALE"] = scheme.scale_format == "e8m0" and (
+            w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128)
     return KernelWeight(data, _as_bytes(w.scale), _as_bytes(w.zero_point), gscale,
                         scheme, tuple(w.shape), consts)
 
@@ -207,16 +209,12 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
     consts = dict(w.constexprs)
     if consts["QDOT"] and consts["GROUP_K"] > 0 and 128 % tile.block_k:
         raise MoeInputError(f"block_k {tile.block_k} must divide 128 for block-scaled fp8")
-    split_half = consts.pop("SPLIT_HALF")
-    if split_half:  # packed 4-bit: one chunk of the split layout per K step
-        tile = dataclasses.replace(tile, block_k=2 * split_half)
-    few_rows = tile.block_m < MMA_MIN_ROWS
-    if few_rows and not split_half:
-        scheme = w.scheme.name if w.scheme is not None else str(w.data.dtype)
-        raise MoeInputError(f"block_m {tile.block_m} < {MMA_MIN_ROWS} (the few-rows kernel) "
-                            f"needs packed 4-bit weights (int4, mxfp4, nvfp4), got {scheme}")
+    half = consts["HALF"]
+    if half:  # packed 4-bit: whole chunks of the split layout per K step
+        chunk = 2 * half
+        tile = dataclasses.replace(tile, block_k=max(chunk, tile.block_k // chunk * chunk))
     group_k = consts["GROUP_K"]
-    if group_k and not consts["QDOT"] and not split_half and (
+    if group_k and not consts["QDOT"] and not half and (
             tile.block_k % group_k and group_k % tile.block_k):
         raise MoeInputError(f"block_k {tile.block_k} and scale group {group_k} must divide "
                             "one another")
@@ -231,44 +229,29 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
     num_m_blocks = ws["block_expert"].shape[0]
     grid = (num_m_blocks * triton.cdiv(n_out, tile.block_n),)
     act = spec.activation if spec is not None else None
-    epilogue = dict(
+    a_s = a_scale if a_scale is not None else dummy
+    a_s_strides = (a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0)
+    K.moe_gemm_kernel[grid](
+        a, a_s, w.data, scale, zp, gs, b, out,
+        ws["sorted_rows"], ws["block_expert"], ws["num_padded"],
+        route_w if route_w is not None else dummy,
+        n_out, k, num_rows, num_m_blocks, a_row_div,
+        float(act.alpha) if act is not None and act.alpha is not None else 0.0,
+        float(act.limit) if act is not None and act.limit is not None else 0.0,
+        a.stride(0), a.stride(1), *a_s_strides,
+        w.data.stride(0), w.data.stride(1), w.data.stride(2),
+        *s_strides, *z_strides, *b_strides, out.stride(0), out.stride(1),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m, EVEN_K=k % tile.block_k == 0,
         GATED=spec is not None and spec.gated,
         INTERLEAVED=spec is not None and spec.gate_up_interleaved,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
         HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
-    )
-    pointers = (scale, zp, gs, b, out, ws["sorted_rows"], ws["block_expert"], ws["num_padded"],
-                route_w if route_w is not None else dummy)
-    scalars = (n_out, k, num_rows, num_m_blocks)
-    act_args = (float(act.alpha) if act is not None and act.alpha is not None else 0.0,
-                float(act.limit) if act is not None and act.limit is not None else 0.0)
-    w_strides = (w.data.stride(0), w.data.stride(1), w.data.stride(2))
-    tail_strides = (*s_strides, *z_strides, *b_strides, out.stride(0), out.stride(1))
-    if few_rows:
-        K.moe_gemv_kernel[grid](
-            a, w.data, *pointers, *scalars, *act_args, a.stride(0), a.stride(1),
-            *w_strides, *tail_strides,
-            A_ROW_DIV=a_row_div, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-            HALF=split_half, GROUP_M=tile.group_m, W_FORMAT=consts["W_FORMAT"],
-            SCALE_FMT=consts["SCALE_FMT"], GROUP_K=consts["GROUP_K"], HAS_ZP=consts["HAS_ZP"],
-            HAS_GSCALE=consts["HAS_GSCALE"], num_warps=tile.num_warps,
-            num_stages=tile.num_stages,
-            # fp4 -> fp32 through packed integer ops (inline PTX: compiled GPU code only).
-            PTX_FP4=consts["W_FORMAT"] == K.WF_E2M1 and a.is_cuda, **epilogue,
-        )
-        return
-    a_s = a_scale if a_scale is not None else dummy
-    a_s_strides = (a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0)
-    K.moe_gemm_kernel[grid](
-        a, a_s, w.data, *pointers, *scalars, a_row_div, *act_args,
-        a.stride(0), a.stride(1), *a_s_strides, *w_strides, *tail_strides,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, EVEN_K=k % tile.block_k == 0,
-        IEEE=a.dtype == torch.float32, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        IEEE=a.dtype == torch.float32,
         # fp4 -> bf16 through packed integer ops (inline PTX: compiled GPU code only).
         BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and a.dtype == torch.bfloat16 and a.is_cuda
                   and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)),
-        **epilogue, **consts,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
     )
 
 

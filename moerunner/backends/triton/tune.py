@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ...quant import get_scheme
 from .tile_config import (
     CONFIG_DIR,
     MoeTiles,
@@ -38,9 +39,6 @@ PRESETS = {  # name: (H, I, E, top_k, activation)
 }
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 PACKED_SCHEMES = ("int4", "mxfp4", "nvfp4")
-# Above this many rows per expert the few-rows kernel re-decodes each weight tile for too
-# many row blocks to compete with the MMA; it is not searched there.
-FEW_ROWS_MAX_ROWS_PER_EXPERT = 16
 
 
 def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
@@ -49,14 +47,17 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     bks = (128,) if scheme.startswith("fp8_block") else (64, 128)
     if scheme.startswith(PACKED_SCHEMES):
-        bks = (128,)  # packed 4-bit: BLOCK_K is set by the split layout, not searched
+        bks = (128,)  # packed 4-bit: whole chunks of the split layout, see above
     out = []
-    if scheme.startswith(PACKED_SCHEMES) and rows_per_expert <= FEW_ROWS_MAX_ROWS_PER_EXPERT:
-        # The few-rows (CUDA-core) kernel. BLOCK_N stays under the program's thread count so
-        # each row's scale lands in the layout of the row sums (no shared-memory shuffle).
-        for bm in (1, 2, 4, 8):
-            for bn, warps in ((32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
-                out.append(TileConfig(bm, bn, 128, 4, warps, 1))
+    if scheme.startswith(PACKED_SCHEMES) and rows_per_expert <= 16:
+        # Packed 4-bit at decode: the weight decode dominates, so search how many chunks of
+        # the split layout one K step covers (per-step overhead) and the warps decoding them.
+        chunk = 2 * min(get_scheme(scheme).block_shape[1], 64)
+        for bn in (32, 64, 128):
+            for bk in sorted({chunk, 2 * chunk, min(4 * chunk, 256)}):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    out.append(TileConfig(16, bn, bk, 1, warps, stages))
+        return out
     if rows_per_expert <= 16:
         dec_bks = bks if len(bks) == 1 else (128, 256)
         bms = (16, 32, 64) if rows_per_expert >= 8 else (16,)
