@@ -56,8 +56,11 @@ def _align_reference(row_expert, num_experts, block_m, cap):
         pad = -len(seg) % block_m
         sorted_rows += seg + [rows] * pad
         block_expert += [e] * ((len(seg) + pad) // block_m)
-    return len(sorted_rows), torch.tensor(sorted_rows, dtype=torch.int32), torch.tensor(
-        block_expert, dtype=torch.int32)
+    return (
+        len(sorted_rows),
+        torch.tensor(sorted_rows, dtype=torch.int32),
+        torch.tensor(block_expert, dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("multi", [False, True])
@@ -101,8 +104,19 @@ def test_topk_sum_skips_minus_one_slots():
     torch.testing.assert_close(out, want)
 
 
-SCHEMES = ["fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16", "int4",
-           "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
+SCHEMES = [
+    "fp8_tensor",
+    "fp8_channel",
+    "fp8_block",
+    "int8",
+    "int8_w8a16",
+    "int4",
+    "int4_g32_zp",
+    "mxfp4",
+    "mxfp4_mxfp8",
+    "nvfp4",
+    "mxfp8",
+]
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
@@ -149,7 +163,8 @@ def test_packed_k_steps_of_several_chunks(scheme, activation, chunks):
         moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme),
         torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None,
         torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None,
-        interleaved)
+        interleaved,
+    )
     x = torch.randn(T, H, device=DEVICE)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
     ids[2, 1] = -1
@@ -181,8 +196,10 @@ def test_plain_weights_grouped_core_matches_fused(dtype, activation):
     weights = ExpertWeights(
         (torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5).to(dtype),
         (torch.randn(E, H, I, device=DEVICE) / I**0.5).to(dtype),
-        torch.randn(E, 2 * I, device=DEVICE), torch.randn(E, H, device=DEVICE),
-        gate_up_interleaved=activation == "swiglu_oai")
+        torch.randn(E, 2 * I, device=DEVICE),
+        torch.randn(E, H, device=DEVICE),
+        gate_up_interleaved=activation == "swiglu_oai",
+    )
     x = torch.randn(T, H, device=DEVICE).to(dtype)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
     wts = torch.rand(T, k, device=DEVICE)
@@ -196,8 +213,9 @@ def test_plain_weights_grouped_core_matches_fused(dtype, activation):
 def test_zero_tokens_launch_nothing_and_workspaces_are_reused():
     act = moerunner.Activation("silu")
     E, H, I = 4, 32, 16
-    weights = ExpertWeights(torch.randn(E, 2 * I, H, device=DEVICE),
-                            torch.randn(E, H, I, device=DEVICE))
+    weights = ExpertWeights(
+        torch.randn(E, 2 * I, H, device=DEVICE), torch.randn(E, H, I, device=DEVICE)
+    )
     prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
     x0 = torch.empty(0, H, device=DEVICE)
     ids0 = torch.empty(0, 2, dtype=torch.int32, device=DEVICE)
@@ -208,11 +226,13 @@ def test_zero_tokens_launch_nothing_and_workspaces_are_reused():
     ids = torch.randint(0, E, (3, 2), dtype=torch.int32, device=DEVICE)
     w = torch.rand(3, 2, device=DEVICE)
     experts.fused_standard(x, w, ids, prepared)
-    after_first = {k: {n: t.data_ptr() for n, t in v.items()}
-                   for k, v in experts.WORKSPACES.entries.items()}
+    after_first = {
+        k: {n: t.data_ptr() for n, t in v.items()} for k, v in experts.WORKSPACES.entries.items()
+    }
     experts.fused_standard(x, w, ids, prepared)
-    after_second = {k: {n: t.data_ptr() for n, t in v.items()}
-                    for k, v in experts.WORKSPACES.entries.items()}
+    after_second = {
+        k: {n: t.data_ptr() for n, t in v.items()} for k, v in experts.WORKSPACES.entries.items()
+    }
     assert after_first == after_second
 
 
@@ -222,21 +242,33 @@ def test_input_validation_names_the_argument():
     weights = ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))
     prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
     with pytest.raises(MoeInputError, match="hidden_states"):
-        experts.fused_standard(torch.randn(3, H + 1), torch.rand(3, 2),
-                               torch.zeros(3, 2, dtype=torch.int32), prepared)
+        experts.fused_standard(
+            torch.randn(3, H + 1), torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int32), prepared
+        )
     with pytest.raises(MoeInputError, match="topk"):
-        experts.fused_standard(torch.randn(3, H), torch.rand(3, 2),
-                               torch.zeros(4, 2, dtype=torch.int32), prepared)
+        experts.fused_standard(
+            torch.randn(3, H), torch.rand(3, 2), torch.zeros(4, 2, dtype=torch.int32), prepared
+        )
     with pytest.raises(TypeError, match="hidden_states"):
-        experts.fused_standard(torch.randn(3, H).half(), torch.rand(3, 2),
-                               torch.zeros(3, 2, dtype=torch.int32), prepared)
+        experts.fused_standard(
+            torch.randn(3, H).half(),
+            torch.rand(3, 2),
+            torch.zeros(3, 2, dtype=torch.int32),
+            prepared,
+        )
 
 
 def test_tile_files_round_trip_and_nearest_lookup(tmp_path):
-    tiles = {1: tile_config.MoeTiles(tile_config.TileConfig(16, 32, 128, 1, 4, 4),
-                                     tile_config.TileConfig(16, 64, 128, 1, 4, 3)),
-             512: tile_config.MoeTiles(tile_config.TileConfig(64, 128, 64, 8, 4, 3),
-                                       tile_config.TileConfig(64, 128, 64, 8, 8, 3))}
+    tiles = {
+        1: tile_config.MoeTiles(
+            tile_config.TileConfig(16, 32, 128, 1, 4, 4),
+            tile_config.TileConfig(16, 64, 128, 1, 4, 3),
+        ),
+        512: tile_config.MoeTiles(
+            tile_config.TileConfig(64, 128, 64, 8, 4, 3),
+            tile_config.TileConfig(64, 128, 64, 8, 8, 3),
+        ),
+    }
     name = "NVIDIA H100 80GB HBM3"
     path = tmp_path / tile_config.config_file_name(8, 96, 64, "bf16", name)
     tile_config.write_config_file(path, 8, 96, 64, "bf16", name, tiles)
@@ -256,8 +288,9 @@ def test_shipped_tile_files_follow_the_schema():
         doc = json.loads(path.read_text())
         assert doc["schema"] == tile_config.SCHEMA
         key = doc["key"]
-        assert path.name == tile_config.config_file_name(key["E"], key["N"], key["K"],
-                                                         key["scheme"], key["device"])
+        assert path.name == tile_config.config_file_name(
+            key["E"], key["N"], key["K"], key["scheme"], key["device"]
+        )
         for entry in doc["by_tokens"].values():
             tile_config.MoeTiles.from_dict(entry)
 
@@ -286,7 +319,8 @@ def test_packed_weights_with_a_partial_last_chunk(scheme):
     T, H, I, E, k = 5, 96, 96, 3, 2
     weights = ExpertWeights(
         moerunner.quantize(torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5, scheme),
-        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme))
+        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme),
+    )
     x = torch.randn(T, H, device=DEVICE)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
     wts = torch.rand(T, k, device=DEVICE)

@@ -21,8 +21,21 @@ from moerunner.weights import ExpertWeights  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-SCHEMES = ["bf16", "fp16", "fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16",
-           "int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
+SCHEMES = [
+    "bf16",
+    "fp16",
+    "fp8_tensor",
+    "fp8_channel",
+    "fp8_block",
+    "int8",
+    "int8_w8a16",
+    "int4",
+    "int4_g32_zp",
+    "mxfp4",
+    "mxfp4_mxfp8",
+    "nvfp4",
+    "mxfp8",
+]
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "swiglu_oai", "relu2"]
 QUANT_ACT = {"fp8_tensor", "fp8_channel", "fp8_block", "int8", "mxfp8", "mxfp4_mxfp8"}
 
@@ -76,8 +89,10 @@ def test_cuda_graph_capture_and_replay_of_decode_call():
     dev = torch.device("cuda")
     E, H, I, k, T = 16, 512, 256, 4, 8
     act = moerunner.Activation("silu")
-    weights = ExpertWeights(torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.05,
-                            torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.05)
+    weights = ExpertWeights(
+        torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.05,
+        torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.05,
+    )
     prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
@@ -96,8 +111,7 @@ def test_cuda_graph_capture_and_replay_of_decode_call():
 
 
 @triton.jit
-def _fp4_decode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, SCALE_FMT: tl.constexpr,
-                       MERGED: tl.constexpr):
+def _fp4_decode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, SCALE_FMT: tl.constexpr, MERGED: tl.constexpr):
     r = tl.arange(0, 256)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [byte, scale]
     q = tl.load(q_ptr + r // 16)
     s = _scale_bf16(tl.load(s_ptr + r % 16), SCALE_FMT, MERGED)
@@ -117,15 +131,33 @@ def test_fp4_packed_decode_is_exact(scale_format):
     q = torch.arange(256, dtype=torch.uint8, device=dev)
     merged = scale_format == "e8m0_merged"
     if scale_format.startswith("e8m0"):
-        codes = ([0, 1, 2, 30, 60, 100, 118, 120, 122, 124, 125, 126, 127, 128, 128, 3]
-                 if merged else
-                 [0, 1, 2, 100, 118, 126, 127, 128, 129, 130, 140, 200, 250, 253, 254, 255])
+        codes = (
+            [0, 1, 2, 30, 60, 100, 118, 120, 122, 124, 125, 126, 127, 128, 128, 3]
+            if merged
+            else [0, 1, 2, 100, 118, 126, 127, 128, 129, 130, 140, 200, 250, 253, 254, 255]
+        )
         s = torch.tensor(codes, dtype=torch.uint8, device=dev)
         sval = torch.where(s == 255, float("nan"), torch.exp2(s.double() - 127))
         fmt = 2
     else:
-        vals = [2.0**-9, 2.0**-7, 0.0078125 * 3, 0.5, 1.0, 1.125, 3.75, 448.0, 240.0, 1e-3,
-                0.3, 17.0, 64.0, 100.0, 2.0**-6, 7.0]
+        vals = [
+            2.0**-9,
+            2.0**-7,
+            0.0078125 * 3,
+            0.5,
+            1.0,
+            1.125,
+            3.75,
+            448.0,
+            240.0,
+            1e-3,
+            0.3,
+            17.0,
+            64.0,
+            100.0,
+            2.0**-6,
+            7.0,
+        ]
         s = torch.tensor(vals, device=dev).to(torch.float8_e4m3fn).view(torch.uint8)
         sval = s.view(torch.float8_e4m3fn).double()
         fmt = 3
@@ -161,7 +193,10 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks):
     weights = ExpertWeights(
         moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, scheme),
         moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, scheme),
-        torch.randn(E, 2 * I, device=dev) * 0.1, torch.randn(E, H, device=dev) * 0.1, True)
+        torch.randn(E, 2 * I, device=dev) * 0.1,
+        torch.randn(E, H, device=dev) * 0.1,
+        True,
+    )
     prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
     if scheme.startswith("mxfp4"):
         assert prepared.tensors["w13"].constexprs["MERGED_SCALE"]

@@ -73,8 +73,9 @@ def triton_fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.T
 
 
 @DEFAULT_REGISTRY.register_core(NAME)
-def triton_core(x_MH: torch.Tensor, expert_offsets: torch.Tensor,
-                prepared: PreparedWeights) -> torch.Tensor:
+def triton_core(
+    x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
+) -> torch.Tensor:
     """Grouped layout through the same kernel sequence (no routing weights)."""
     return grouped_core(x_MH, expert_offsets, prepared)
 

@@ -31,8 +31,7 @@ def _e_pow2(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(num_experts))
 
 
-def scratch_size(num_rows: int, num_experts: int,
-                 rows_per_program: int = ROWS_PER_PROGRAM) -> int:
+def scratch_size(num_rows: int, num_experts: int, rows_per_program: int = ROWS_PER_PROGRAM) -> int:
     """int32 elements of the scratch that the multi-program alignment needs (0: none)."""
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
         return 0
@@ -60,9 +59,18 @@ def _count(ids_ptr, row_start, row_end, num_experts, CHUNK: tl.constexpr, E_POW2
 
 
 @triton.jit
-def _lay_out_segments(counts, sorted_rows_ptr, block_expert_ptr, num_padded_ptr, num_rows,
-                      num_experts, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr,
-                      CHUNK: tl.constexpr, FILL: tl.constexpr):
+def _lay_out_segments(
+    counts,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
     """From rows per expert: padded segment starts (returned), ``num_padded``, the expert of
     each used block, and the sentinel in every used slot (the scatter overwrites real rows)."""
     experts = tl.arange(0, E_POW2)
@@ -74,18 +82,30 @@ def _lay_out_segments(counts, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
     for b0 in range(0, total // BLOCK_M, CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)
         ended = (ends[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < num_experts)
-        tl.store(block_expert_ptr + blocks, tl.sum(ended.to(tl.int32), axis=1),
-                 mask=blocks * BLOCK_M < total)
+        tl.store(
+            block_expert_ptr + blocks,
+            tl.sum(ended.to(tl.int32), axis=1),
+            mask=blocks * BLOCK_M < total,
+        )
     for p0 in range(0, total, FILL):
         offs = p0 + tl.arange(0, FILL)
-        tl.store(sorted_rows_ptr + offs, tl.full((FILL,), 0, tl.int32) + num_rows,
-                 mask=offs < total)
+        tl.store(
+            sorted_rows_ptr + offs, tl.full((FILL,), 0, tl.int32) + num_rows, mask=offs < total
+        )
     return ends - padded
 
 
 @triton.jit
-def _scatter(ids_ptr, sorted_rows_ptr, row_start, row_end, num_experts, running,
-             CHUNK: tl.constexpr, E_POW2: tl.constexpr):
+def _scatter(
+    ids_ptr,
+    sorted_rows_ptr,
+    row_start,
+    row_end,
+    num_experts,
+    running,
+    CHUNK: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
     """Write each row id of [row_start, row_end) at its expert's next slot (``running``: the
     slot of the expert's first row here); rows keep ascending order within an expert."""
     for start in range(row_start, row_end, CHUNK):
@@ -99,21 +119,45 @@ def _scatter(ids_ptr, sorted_rows_ptr, row_start, row_end, num_experts, running,
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-    num_rows, num_experts,
-    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    ids_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """One program: count per expert, lay out padded segments, scatter row ids."""
     counts = _count(ids_ptr, 0, num_rows, num_experts, CHUNK, E_POW2)
-    starts = _lay_out_segments(counts, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-                               num_rows, num_experts, BLOCK_M, E_POW2, CHUNK, FILL)
+    starts = _lay_out_segments(
+        counts,
+        sorted_rows_ptr,
+        block_expert_ptr,
+        num_padded_ptr,
+        num_rows,
+        num_experts,
+        BLOCK_M,
+        E_POW2,
+        CHUNK,
+        FILL,
+    )
     tl.debug_barrier()  # the sentinel fill must land before the scatter
     _scatter(ids_ptr, sorted_rows_ptr, 0, num_rows, num_experts, starts, CHUNK, E_POW2)
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, scratch_ptr, num_rows, num_experts, ROWS: tl.constexpr,
-                        E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+def _align_count_kernel(
+    ids_ptr,
+    scratch_ptr,
+    num_rows,
+    num_experts,
+    ROWS: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Program p: rows per expert among its ROWS rows, into scratch row p."""
     p = tl.program_id(0)
     row_end = tl.minimum(num_rows, (p + 1) * ROWS)
@@ -122,10 +166,20 @@ def _align_count_kernel(ids_ptr, scratch_ptr, num_rows, num_experts, ROWS: tl.co
 
 
 @triton.jit
-def _align_scan_kernel(scratch_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-                       num_rows, num_experts, num_programs, BLOCK_M: tl.constexpr,
-                       E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-                       PT: tl.constexpr):
+def _align_scan_kernel(
+    scratch_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    num_experts,
+    num_programs,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+    PT: tl.constexpr,
+):
     """One program: scratch row p becomes the count of the expert's rows in programs < p;
     lays out the segments and leaves their starts in scratch row ``num_programs``."""
     experts = tl.arange(0, E_POW2)
@@ -134,31 +188,55 @@ def _align_scan_kernel(scratch_ptr, sorted_rows_ptr, block_expert_ptr, num_padde
         ps = p0 + tl.arange(0, PT)
         ptrs = scratch_ptr + ps[:, None] * E_POW2 + experts[None, :]
         c = tl.load(ptrs, mask=ps[:, None] < num_programs, other=0)
-        tl.store(ptrs, tl.cumsum(c, axis=0) - c + running[None, :],
-                 mask=ps[:, None] < num_programs)
+        tl.store(ptrs, tl.cumsum(c, axis=0) - c + running[None, :], mask=ps[:, None] < num_programs)
         running += tl.sum(c, axis=0)
-    starts = _lay_out_segments(running, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-                               num_rows, num_experts, BLOCK_M, E_POW2, CHUNK, FILL)
+    starts = _lay_out_segments(
+        running,
+        sorted_rows_ptr,
+        block_expert_ptr,
+        num_padded_ptr,
+        num_rows,
+        num_experts,
+        BLOCK_M,
+        E_POW2,
+        CHUNK,
+        FILL,
+    )
     tl.store(scratch_ptr + num_programs * E_POW2 + experts, starts)
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, scratch_ptr, sorted_rows_ptr, num_rows, num_experts,
-                          num_programs, ROWS: tl.constexpr, E_POW2: tl.constexpr,
-                          CHUNK: tl.constexpr):
+def _align_scatter_kernel(
+    ids_ptr,
+    scratch_ptr,
+    sorted_rows_ptr,
+    num_rows,
+    num_experts,
+    num_programs,
+    ROWS: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """Program p: scatter its rows after the rows of programs < p in each expert segment."""
     p = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
-    running = (tl.load(scratch_ptr + num_programs * E_POW2 + experts)
-               + tl.load(scratch_ptr + p * E_POW2 + experts))
+    running = tl.load(scratch_ptr + num_programs * E_POW2 + experts) + tl.load(
+        scratch_ptr + p * E_POW2 + experts
+    )
     row_end = tl.minimum(num_rows, (p + 1) * ROWS)
     _scatter(ids_ptr, sorted_rows_ptr, p * ROWS, row_end, num_experts, running, CHUNK, E_POW2)
 
 
-def align_rows(row_expert: torch.Tensor, num_experts: int, block_m: int,
-               sorted_rows: torch.Tensor, block_expert: torch.Tensor,
-               num_padded: torch.Tensor, scratch: torch.Tensor | None = None,
-               rows_per_program: int = ROWS_PER_PROGRAM) -> None:
+def align_rows(
+    row_expert: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    sorted_rows: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_padded: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+    rows_per_program: int = ROWS_PER_PROGRAM,
+) -> None:
     """Fill the alignment outputs for ``row_expert`` (int32 [rows]), on the device.
 
     Up to ``SINGLE_PROGRAM_MAX_ROWS`` rows: one program. Above: count per block of rows,
@@ -170,32 +248,77 @@ def align_rows(row_expert: torch.Tensor, num_experts: int, block_m: int,
     chunk = max(16, min(64, 8192 // e_pow2))
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
         _align_kernel[(1,)](
-            row_expert, sorted_rows, block_expert, num_padded, num_rows, num_experts,
-            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, FILL=1024, num_warps=4,
+            row_expert,
+            sorted_rows,
+            block_expert,
+            num_padded,
+            num_rows,
+            num_experts,
+            BLOCK_M=block_m,
+            E_POW2=e_pow2,
+            CHUNK=chunk,
+            FILL=1024,
+            num_warps=4,
         )
         return
     need = scratch_size(num_rows, num_experts, rows_per_program)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.int32, device=row_expert.device)
     elif scratch.numel() < need or scratch.dtype != torch.int32:
-        raise ValueError(f"scratch must be int32 with >= {need} elements, got "
-                         f"{scratch.dtype} with {scratch.numel()}")
+        raise ValueError(
+            f"scratch must be int32 with >= {need} elements, got "
+            f"{scratch.dtype} with {scratch.numel()}"
+        )
     programs = triton.cdiv(num_rows, rows_per_program)
-    _align_count_kernel[(programs,)](row_expert, scratch, num_rows, num_experts,
-                                     ROWS=rows_per_program, E_POW2=e_pow2, CHUNK=chunk,
-                                     num_warps=4)
-    _align_scan_kernel[(1,)](scratch, sorted_rows, block_expert, num_padded, num_rows,
-                             num_experts, programs, BLOCK_M=block_m, E_POW2=e_pow2,
-                             CHUNK=chunk, FILL=1024, PT=max(1, 4096 // e_pow2), num_warps=4)
-    _align_scatter_kernel[(programs,)](row_expert, scratch, sorted_rows, num_rows, num_experts,
-                                       programs, ROWS=rows_per_program, E_POW2=e_pow2,
-                                       CHUNK=chunk, num_warps=4)
+    _align_count_kernel[(programs,)](
+        row_expert,
+        scratch,
+        num_rows,
+        num_experts,
+        ROWS=rows_per_program,
+        E_POW2=e_pow2,
+        CHUNK=chunk,
+        num_warps=4,
+    )
+    _align_scan_kernel[(1,)](
+        scratch,
+        sorted_rows,
+        block_expert,
+        num_padded,
+        num_rows,
+        num_experts,
+        programs,
+        BLOCK_M=block_m,
+        E_POW2=e_pow2,
+        CHUNK=chunk,
+        FILL=1024,
+        PT=max(1, 4096 // e_pow2),
+        num_warps=4,
+    )
+    _align_scatter_kernel[(programs,)](
+        row_expert,
+        scratch,
+        sorted_rows,
+        num_rows,
+        num_experts,
+        programs,
+        ROWS=rows_per_program,
+        E_POW2=e_pow2,
+        CHUNK=chunk,
+        num_warps=4,
+    )
 
 
 @triton.jit
 def _topk_sum_kernel(
-    src_ptr, ids_ptr, out_ptr, H, stride_sm, stride_om,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    src_ptr,
+    ids_ptr,
+    out_ptr,
+    H,
+    stride_sm,
+    stride_om,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     """out[t] = sum over slots j with ids[t, j] >= 0 of src[t * TOP_K + j] (float32 sum)."""
     t = tl.program_id(0).to(tl.int64)
@@ -215,6 +338,13 @@ def topk_sum(src_PH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor) -
     hidden = out_TH.shape[1]
     block_h = min(1024, triton.next_power_of_2(hidden))
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        src_PH, ids_TK, out_TH, hidden, src_PH.stride(0), out_TH.stride(0),
-        TOP_K=top_k, BLOCK_H=block_h, num_warps=4,
+        src_PH,
+        ids_TK,
+        out_TH,
+        hidden,
+        src_PH.stride(0),
+        out_TH.stride(0),
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+        num_warps=4,
     )

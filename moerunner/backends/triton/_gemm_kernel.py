@@ -55,8 +55,9 @@ def _decode_e2m1(q):
 
 
 @triton.jit
-def _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr):
+def _plain_tile(
+    w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+):
     """Raw [BLOCK_K, BLOCK_N] tile of one byte-or-wider element per weight."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
     ptrs = w_base + offs_k[:, None] * stride_wk + rows[None, :] * stride_wn
@@ -94,18 +95,25 @@ def _e2m1_bf16_asm(merged: bool) -> str:
     one FMA by ``bias`` = 2^126 gives the exact e2m1 value, a second the scale; ``merged``
     scales already carry the 2^126 and one FMA does both."""
     bodies = []
-    for select, lo_out, hi_out, s_lo, s_hi in (("0x1404", "$0", "$2", "$5", "$7"),
-                                               ("0x3424", "$1", "$3", "$6", "$8")):
+    for select, lo_out, hi_out, s_lo, s_hi in (
+        ("0x1404", "$0", "$2", "$5", "$7"),
+        ("0x3424", "$1", "$3", "$6", "$8"),
+    ):
         body = _e2m1_place_ptx(select)
         if not merged:
             body += """
         fma.rn.bf16x2 lo, lo, bias, nz;
         fma.rn.bf16x2 hi, hi, bias, nz;"""
-        bodies.append(body + f"""
+        bodies.append(
+            body
+            + f"""
         fma.rn.bf16x2 {lo_out}, lo, {s_lo}, nz;
-        fma.rn.bf16x2 {hi_out}, hi, {s_hi}, nz;""")
-    return ("{\n.reg .b32 t, lo, hi, v, bias, nz;\nmov.b32 bias, 0x7E807E80;\n"
-            "mov.b32 nz, 0x80008000;" + "".join(bodies).replace("$in", "$4") + "\n}")
+        fma.rn.bf16x2 {hi_out}, hi, {s_hi}, nz;"""
+        )
+    return (
+        "{\n.reg .b32 t, lo, hi, v, bias, nz;\nmov.b32 bias, 0x7E807E80;\n"
+        "mov.b32 nz, 0x80008000;" + "".join(bodies).replace("$in", "$4") + "\n}"
+    )
 
 
 _E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm(merged=False))
@@ -122,14 +130,22 @@ def _e2m1_halves_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
     """
     if MERGED:
         out = tl.inline_asm_elementwise(
-            asm=_E2M1_BF16_MERGED_ASM, constraints="=r,=r,=r,=r,r,r,r,r,r",
-            args=[packed, scale_lo, scale_hi], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=4)
+            asm=_E2M1_BF16_MERGED_ASM,
+            constraints="=r,=r,=r,=r,r,r,r,r,r",
+            args=[packed, scale_lo, scale_hi],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
     else:
         out = tl.inline_asm_elementwise(
-            asm=_E2M1_BF16_ASM, constraints="=r,=r,=r,=r,r,r,r,r,r",
-            args=[packed, scale_lo, scale_hi], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=4)
+            asm=_E2M1_BF16_ASM,
+            constraints="=r,=r,=r,=r,r,r,r,r,r",
+            args=[packed, scale_lo, scale_hi],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
     return out
 
 
@@ -153,8 +169,20 @@ def _scale_bf16(s, SCALE_FMT: tl.constexpr, MERGED: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk, stride_sn, stride_sk,
-                GROUP_K: tl.constexpr, HALF: tl.constexpr, MASK_K: tl.constexpr):
+def _load_chunk(
+    w_base,
+    s_base,
+    rows,
+    k0,
+    K,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    GROUP_K: tl.constexpr,
+    HALF: tl.constexpr,
+    MASK_K: tl.constexpr,
+):
     """Storage of one packed 4-bit chunk of 2 * HALF along K: its bytes [HALF, BLOCK_N] and
     each half's scale per row, both as stored.
 
@@ -181,8 +209,19 @@ def _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk, stride_sn, st
 
 
 @triton.jit
-def _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT: tl.constexpr,
-                   GROUP_K: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr):
+def _nibble_values(
+    packed,
+    z_base,
+    rows,
+    k0,
+    K,
+    stride_zn,
+    stride_zk,
+    W_FORMAT: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HALF: tl.constexpr,
+):
     """Unscaled float32 values of the low and high nibbles of a chunk's bytes: e2m1 values, or
     code minus zero point for int4 (the group's stored zero point, else 8)."""
     lo = packed & 0xF
@@ -192,10 +231,12 @@ def _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT: 
             n_groups = (K + GROUP_K - 1) // GROUP_K
             g_lo = k0 // GROUP_K
             g_hi = (k0 + HALF) // GROUP_K
-            z_lo = tl.load(z_base + rows * stride_zn + g_lo * stride_zk,
-                           mask=g_lo < n_groups, other=0).to(tl.float32)[None, :]
-            z_hi = tl.load(z_base + rows * stride_zn + g_hi * stride_zk,
-                           mask=g_hi < n_groups, other=0).to(tl.float32)[None, :]
+            z_lo = tl.load(
+                z_base + rows * stride_zn + g_lo * stride_zk, mask=g_lo < n_groups, other=0
+            ).to(tl.float32)[None, :]
+            z_hi = tl.load(
+                z_base + rows * stride_zn + g_hi * stride_zk, mask=g_hi < n_groups, other=0
+            ).to(tl.float32)[None, :]
         else:
             z_lo = 8.0
             z_hi = 8.0
@@ -211,25 +252,55 @@ def _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT: 
 
 @triton.jit
 def _split_halves(
-    w_base, s_base, z_base, rows, k0, K,
-    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, GROUP_K: tl.constexpr,
-    SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr, HALF: tl.constexpr, BF16_FP4: tl.constexpr,
-    MERGED_SCALE: tl.constexpr, MASK_K: tl.constexpr,
+    w_base,
+    s_base,
+    z_base,
+    rows,
+    k0,
+    K,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_zn,
+    stride_zk,
+    COMPUTE: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HALF: tl.constexpr,
+    BF16_FP4: tl.constexpr,
+    MERGED_SCALE: tl.constexpr,
+    MASK_K: tl.constexpr,
 ):
     """Dequantized halves [HALF, BLOCK_N] of one packed chunk in ``COMPUTE`` (the MMA's right
     operand): value times its group scale, per element."""
-    packed, s_lo, s_hi = _load_chunk(w_base, s_base, rows, k0, K, stride_wn, stride_wk,
-                                     stride_sn, stride_sk, GROUP_K, HALF, MASK_K)
+    packed, s_lo, s_hi = _load_chunk(
+        w_base,
+        s_base,
+        rows,
+        k0,
+        K,
+        stride_wn,
+        stride_wk,
+        stride_sn,
+        stride_sk,
+        GROUP_K,
+        HALF,
+        MASK_K,
+    )
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
             packed,
             tl.broadcast_to(_scale_bf16(s_lo, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
             tl.broadcast_to(_scale_bf16(s_hi, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
-            MERGED_SCALE)
+            MERGED_SCALE,
+        )
     else:
-        lo_v, hi_v = _nibble_values(packed, z_base, rows, k0, K, stride_zn, stride_zk,
-                                    W_FORMAT, GROUP_K, HAS_ZP, HALF)
+        lo_v, hi_v = _nibble_values(
+            packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT, GROUP_K, HAS_ZP, HALF
+        )
         lo_t = (lo_v * _decode_scale(s_lo, SCALE_FMT)[None, :]).to(COMPUTE)
         hi_t = (hi_v * _decode_scale(s_hi, SCALE_FMT)[None, :]).to(COMPUTE)
     return lo_t, hi_t
@@ -237,11 +308,26 @@ def _split_halves(
 
 @triton.jit
 def _weight_tile(
-    w_base, s_base, z_base, rows, k0, K,
-    stride_wn, stride_wk, stride_sn, stride_sk, stride_zn, stride_zk,
-    COMPUTE: tl.constexpr, W_FORMAT: tl.constexpr, QDOT: tl.constexpr,
-    GROUP_K: tl.constexpr, SCALE_FMT: tl.constexpr, HAS_ZP: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    w_base,
+    s_base,
+    z_base,
+    rows,
+    k0,
+    K,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_zn,
+    stride_zk,
+    COMPUTE: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    QDOT: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Load one [BLOCK_K, BLOCK_N] weight tile of expert rows ``rows`` starting at ``k0``.
 
@@ -269,11 +355,16 @@ def _weight_tile(
             if GROUP_K > 0:
                 offs_s = (k0 + tl.arange(0, SPT) * SPAN) // GROUP_K
                 s_mask = offs_s[:, None] < (K + GROUP_K - 1) // GROUP_K
-                s = tl.load(s_base + offs_s[:, None] * stride_sk + rows[None, :] * stride_sn,
-                            mask=s_mask, other=0)
+                s = tl.load(
+                    s_base + offs_s[:, None] * stride_sk + rows[None, :] * stride_sn,
+                    mask=s_mask,
+                    other=0,
+                )
                 s = _decode_scale(s, SCALE_FMT)
-                s = tl.reshape(tl.broadcast_to(s[:, None, :], (SPT, SPAN, rows.shape[0])),
-                               (BLOCK_K, rows.shape[0]))
+                s = tl.reshape(
+                    tl.broadcast_to(s[:, None, :], (SPT, SPAN, rows.shape[0])),
+                    (BLOCK_K, rows.shape[0]),
+                )
                 v = v * s
             tile = v.to(COMPUTE)
     return tile
@@ -352,12 +443,40 @@ def _gate_up_rows(offs_n, N_OUT, GATED: tl.constexpr, INTERLEAVED: tl.constexpr)
 
 @triton.jit
 def _epilogue(
-    acc_g, acc_u, rows_out, row_mask, a_rows, expert, rows_g, rows_u, offs_n, n_mask,
-    a_scale_ptr, s_base, w_gscale_ptr, bias_ptr, route_w_ptr, out_ptr, alpha, limit,
-    stride_asm, stride_sn, stride_be, stride_bn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr, A_SCALE: tl.constexpr,
-    K_SCALED: tl.constexpr, SCALE_FMT: tl.constexpr, SCALE_ROW_BLOCK: tl.constexpr,
+    acc_g,
+    acc_u,
+    rows_out,
+    row_mask,
+    a_rows,
+    expert,
+    rows_g,
+    rows_u,
+    offs_n,
+    n_mask,
+    a_scale_ptr,
+    s_base,
+    w_gscale_ptr,
+    bias_ptr,
+    route_w_ptr,
+    out_ptr,
+    alpha,
+    limit,
+    stride_asm,
+    stride_sn,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTE_W: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    K_SCALED: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    SCALE_ROW_BLOCK: tl.constexpr,
     HAS_GSCALE: tl.constexpr,
 ):
     """Accumulators [BLOCK_M, BLOCK_N] -> scales constant along K, global scale, bias,
@@ -389,35 +508,78 @@ def _epilogue(
     if HAS_BIAS:
         g = g + tl.load(bias_ptr + expert * stride_be + rows_g * stride_bn)[None, :].to(tl.float32)
         if GATED:
-            u = u + tl.load(bias_ptr + expert * stride_be
-                            + rows_u * stride_bn)[None, :].to(tl.float32)
+            u = u + tl.load(bias_ptr + expert * stride_be + rows_u * stride_bn)[None, :].to(
+                tl.float32
+            )
     out = _activate(g, u, alpha, limit, ACT)
     if MUL_ROUTE_W:
         rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0)
         out = out * rw[:, None]
     out_ptrs = out_ptr + rows_out.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def moe_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, w_zp_ptr, w_gscale_ptr, bias_ptr, out_ptr,
-    sorted_rows_ptr, block_expert_ptr, num_padded_ptr, route_w_ptr,
-    N_OUT, K, num_rows, num_m_blocks, a_row_div, alpha, limit,
-    stride_am, stride_ak, stride_asm, stride_ask,
-    stride_we, stride_wn, stride_wk,
-    stride_se, stride_sn, stride_sk,
-    stride_ze, stride_zn, stride_zk,
-    stride_be, stride_bn, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MUL_ROUTE_W: tl.constexpr,
-    W_FORMAT: tl.constexpr, QDOT: tl.constexpr, A_FP8: tl.constexpr,
-    A_SCALE: tl.constexpr, SCALE_FMT: tl.constexpr, GROUP_K: tl.constexpr,
-    SCALE_ROW_BLOCK: tl.constexpr, HAS_ZP: tl.constexpr, HAS_GSCALE: tl.constexpr,
-    IEEE: tl.constexpr, BF16_FP4: tl.constexpr, HALF: tl.constexpr, MERGED_SCALE: tl.constexpr,
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w_zp_ptr,
+    w_gscale_ptr,
+    bias_ptr,
+    out_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    route_w_ptr,
+    N_OUT,
+    K,
+    num_rows,
+    num_m_blocks,
+    a_row_div,
+    alpha,
+    limit,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_ze,
+    stride_zn,
+    stride_zk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTE_W: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    QDOT: tl.constexpr,
+    A_FP8: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_ROW_BLOCK: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_GSCALE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BF16_FP4: tl.constexpr,
+    HALF: tl.constexpr,
+    MERGED_SCALE: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -467,22 +629,63 @@ def moe_gemm_kernel(
             for c in tl.static_range(BLOCK_K // (2 * HALF)):
                 kc = k0 + c * 2 * HALF
                 offs_h = kc + tl.arange(0, HALF)
-                a_lo = tl.load(a_row_ptrs + offs_h[None, :] * stride_ak,
-                               mask=offs_h[None, :] < K, other=0)
-                a_hi = tl.load(a_row_ptrs + (offs_h + HALF)[None, :] * stride_ak,
-                               mask=(offs_h + HALF)[None, :] < K, other=0)
-                lo_g, hi_g = _split_halves(w_base, s_base, z_base, rows_g, kc, K, stride_wn,
-                                           stride_wk, stride_sn, stride_sk, stride_zn,
-                                           stride_zk, COMPUTE, W_FORMAT, GROUP_K, SCALE_FMT,
-                                           HAS_ZP, HALF, BF16_FP4, MERGED_SCALE, c > 0)
+                a_lo = tl.load(
+                    a_row_ptrs + offs_h[None, :] * stride_ak, mask=offs_h[None, :] < K, other=0
+                )
+                a_hi = tl.load(
+                    a_row_ptrs + (offs_h + HALF)[None, :] * stride_ak,
+                    mask=(offs_h + HALF)[None, :] < K,
+                    other=0,
+                )
+                lo_g, hi_g = _split_halves(
+                    w_base,
+                    s_base,
+                    z_base,
+                    rows_g,
+                    kc,
+                    K,
+                    stride_wn,
+                    stride_wk,
+                    stride_sn,
+                    stride_sk,
+                    stride_zn,
+                    stride_zk,
+                    COMPUTE,
+                    W_FORMAT,
+                    GROUP_K,
+                    SCALE_FMT,
+                    HAS_ZP,
+                    HALF,
+                    BF16_FP4,
+                    MERGED_SCALE,
+                    c > 0,
+                )
                 acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
                 acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
                 if GATED:
-                    lo_u, hi_u = _split_halves(w_base, s_base, z_base, rows_u, kc, K,
-                                               stride_wn, stride_wk, stride_sn, stride_sk,
-                                               stride_zn, stride_zk, COMPUTE, W_FORMAT,
-                                               GROUP_K, SCALE_FMT, HAS_ZP, HALF, BF16_FP4,
-                                               MERGED_SCALE, c > 0)
+                    lo_u, hi_u = _split_halves(
+                        w_base,
+                        s_base,
+                        z_base,
+                        rows_u,
+                        kc,
+                        K,
+                        stride_wn,
+                        stride_wk,
+                        stride_sn,
+                        stride_sk,
+                        stride_zn,
+                        stride_zk,
+                        COMPUTE,
+                        W_FORMAT,
+                        GROUP_K,
+                        SCALE_FMT,
+                        HAS_ZP,
+                        HALF,
+                        BF16_FP4,
+                        MERGED_SCALE,
+                        c > 0,
+                    )
                     acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
                     acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
         else:
@@ -490,35 +693,108 @@ def moe_gemm_kernel(
             if EVEN_K:
                 a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
             else:
-                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak,
-                            mask=offs_k[None, :] < K, other=0)
+                a = tl.load(
+                    a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0
+                )
             if A_FP8:
                 a = a.to(tl.float8e4nv, bitcast=True)
-            b_g = _weight_tile(w_base, s_base, z_base, rows_g, k0, K,
-                               stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn, stride_zk,
-                               COMPUTE, W_FORMAT, QDOT, GROUP_K if DEQ_GROUP else 0, SCALE_FMT,
-                               HAS_ZP, BLOCK_K, EVEN_K)
+            b_g = _weight_tile(
+                w_base,
+                s_base,
+                z_base,
+                rows_g,
+                k0,
+                K,
+                stride_wn,
+                stride_wk,
+                sg_stride_n,
+                stride_sk,
+                stride_zn,
+                stride_zk,
+                COMPUTE,
+                W_FORMAT,
+                QDOT,
+                GROUP_K if DEQ_GROUP else 0,
+                SCALE_FMT,
+                HAS_ZP,
+                BLOCK_K,
+                EVEN_K,
+            )
             if IN_LOOP_QSCALE:
                 a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
-                w_s_g = tl.load(s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn
-                                + (k0 // GROUP_K) * stride_sk)
+                w_s_g = tl.load(
+                    s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn + (k0 // GROUP_K) * stride_sk
+                )
                 acc_g += tl.dot(a, b_g) * (a_s[:, None] * w_s_g[None, :])
             else:
                 acc_g = _mma(a, b_g, acc_g, IS_INT, IEEE)
             if GATED:
-                b_u = _weight_tile(w_base, s_base, z_base, rows_u, k0, K,
-                                   stride_wn, stride_wk, sg_stride_n, stride_sk, stride_zn,
-                                   stride_zk, COMPUTE, W_FORMAT, QDOT,
-                                   GROUP_K if DEQ_GROUP else 0, SCALE_FMT, HAS_ZP, BLOCK_K, EVEN_K)
+                b_u = _weight_tile(
+                    w_base,
+                    s_base,
+                    z_base,
+                    rows_u,
+                    k0,
+                    K,
+                    stride_wn,
+                    stride_wk,
+                    sg_stride_n,
+                    stride_sk,
+                    stride_zn,
+                    stride_zk,
+                    COMPUTE,
+                    W_FORMAT,
+                    QDOT,
+                    GROUP_K if DEQ_GROUP else 0,
+                    SCALE_FMT,
+                    HAS_ZP,
+                    BLOCK_K,
+                    EVEN_K,
+                )
                 if IN_LOOP_QSCALE:
-                    w_s_u = tl.load(s_base + (rows_u // SCALE_ROW_BLOCK) * stride_sn
-                                    + (k0 // GROUP_K) * stride_sk)
+                    w_s_u = tl.load(
+                        s_base
+                        + (rows_u // SCALE_ROW_BLOCK) * stride_sn
+                        + (k0 // GROUP_K) * stride_sk
+                    )
                     acc_u += tl.dot(a, b_u) * (a_s[:, None] * w_s_u[None, :])
                 else:
                     acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
 
-    _epilogue(acc_g, acc_u, rows_out, row_mask, a_rows, expert, rows_g, rows_u, offs_n, n_mask,
-              a_scale_ptr, s_base, w_gscale_ptr, bias_ptr, route_w_ptr, out_ptr, alpha, limit,
-              stride_asm, stride_sn, stride_be, stride_bn, stride_om, stride_on,
-              BLOCK_M, BLOCK_N, GATED, ACT, HAS_BIAS, MUL_ROUTE_W, A_SCALE,
-              IN_LOOP_QSCALE or DEQ_GROUP, SCALE_FMT, SCALE_ROW_BLOCK, HAS_GSCALE)
+    _epilogue(
+        acc_g,
+        acc_u,
+        rows_out,
+        row_mask,
+        a_rows,
+        expert,
+        rows_g,
+        rows_u,
+        offs_n,
+        n_mask,
+        a_scale_ptr,
+        s_base,
+        w_gscale_ptr,
+        bias_ptr,
+        route_w_ptr,
+        out_ptr,
+        alpha,
+        limit,
+        stride_asm,
+        stride_sn,
+        stride_be,
+        stride_bn,
+        stride_om,
+        stride_on,
+        BLOCK_M,
+        BLOCK_N,
+        GATED,
+        ACT,
+        HAS_BIAS,
+        MUL_ROUTE_W,
+        A_SCALE,
+        IN_LOOP_QSCALE or DEQ_GROUP,
+        SCALE_FMT,
+        SCALE_ROW_BLOCK,
+        HAS_GSCALE,
+    )

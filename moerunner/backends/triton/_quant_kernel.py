@@ -20,8 +20,17 @@ _ROUND_MAGIC = tl.constexpr(12582912.0)
 
 @triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-    GROUP: tl.constexpr, NUM_CHUNKS: tl.constexpr, QMAX: tl.constexpr, TO_FP8: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    GROUP: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    QMAX: tl.constexpr,
+    TO_FP8: tl.constexpr,
 ):
     """Program (row, group): amax over the group, scale, quantize. Per-row scales use one
     group spanning the row in NUM_CHUNKS chunks of GROUP."""
@@ -50,8 +59,7 @@ def _quant_rows_kernel(
     tl.store(s_ptr + row * stride_sm + grp, scale)
 
 
-def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor,
-                  s_out: torch.Tensor) -> None:
+def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
     """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
     rows, k = x.shape
     if fmt == "fp8_group128":
@@ -61,7 +69,16 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor,
         chunks, ngroups = triton.cdiv(k, group), 1
     to_fp8 = fmt != "int8_token"
     _quant_rows_kernel[(rows, ngroups)](
-        x, q_out, s_out, k, x.stride(0), q_out.stride(0), s_out.stride(0),
-        GROUP=group, NUM_CHUNKS=chunks, QMAX=448.0 if to_fp8 else 127.0, TO_FP8=to_fp8,
+        x,
+        q_out,
+        s_out,
+        k,
+        x.stride(0),
+        q_out.stride(0),
+        s_out.stride(0),
+        GROUP=group,
+        NUM_CHUNKS=chunks,
+        QMAX=448.0 if to_fp8 else 127.0,
+        TO_FP8=to_fp8,
         num_warps=4 if group >= 512 else 1,
     )

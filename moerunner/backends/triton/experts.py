@@ -27,8 +27,13 @@ from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._quant_kernel import quantize_rows
 from .tile_config import MoeTiles, lookup_tiles
 
-_ACT_IDS = {"silu": K.ACT_SILU, "gelu": K.ACT_GELU, "gelu_tanh": K.ACT_GELU_TANH,
-            "swiglu_oai": K.ACT_SWIGLU_OAI, "relu2": K.ACT_RELU2}
+_ACT_IDS = {
+    "silu": K.ACT_SILU,
+    "gelu": K.ACT_GELU,
+    "gelu_tanh": K.ACT_GELU_TANH,
+    "swiglu_oai": K.ACT_SWIGLU_OAI,
+    "relu2": K.ACT_RELU2,
+}
 _SCALE_FMT = {"none": K.SF_NONE, "fp32": K.SF_FP32, "e8m0": K.SF_E8M0, "e4m3": K.SF_E4M3}
 _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.WF_E2M1}
 # Activation formats fed to the MMA quantized ("qdot"); the others are emulated by feeding
@@ -37,11 +42,30 @@ _QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token":
 _EMULATED_ACT = ("mxfp8", "nvfp4")
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
-SUPPORTED_SCHEMES = frozenset({
-    "bf16", "fp16", "fp32", "fp8_tensor", "fp8_channel", "fp8_block", "mxfp8", "mxfp4",
-    "mxfp4_mxfp8", "nvfp4", "int8", "int8_w8a16", "int4", "int4_zp", "int4_g32",
-    "int4_g64", "int4_g128", "int4_g32_zp", "int4_g64_zp", "int4_g128_zp",
-})
+SUPPORTED_SCHEMES = frozenset(
+    {
+        "bf16",
+        "fp16",
+        "fp32",
+        "fp8_tensor",
+        "fp8_channel",
+        "fp8_block",
+        "mxfp8",
+        "mxfp4",
+        "mxfp4_mxfp8",
+        "nvfp4",
+        "int8",
+        "int8_w8a16",
+        "int4",
+        "int4_zp",
+        "int4_g32",
+        "int4_g64",
+        "int4_g128",
+        "int4_g32_zp",
+        "int4_g64_zp",
+        "int4_g128_zp",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -73,29 +97,60 @@ def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
 def kernel_weight(w: Any) -> KernelWeight:
     """Describe a plain or quantized weight for the kernel (done once, in prepare)."""
     if not is_quantized(w):
-        return KernelWeight(w.contiguous(), None, None, None, None, tuple(w.shape), dict(
-            W_FORMAT=K.WF_PLAIN, QDOT=False, A_FP8=False, A_SCALE=K.AS_NONE,
-            SCALE_FMT=K.SF_NONE, GROUP_K=0, SCALE_ROW_BLOCK=1, HAS_ZP=False, HAS_GSCALE=False,
-            HALF=0, MERGED_SCALE=False))
+        return KernelWeight(
+            w.contiguous(),
+            None,
+            None,
+            None,
+            None,
+            tuple(w.shape),
+            dict(
+                W_FORMAT=K.WF_PLAIN,
+                QDOT=False,
+                A_FP8=False,
+                A_SCALE=K.AS_NONE,
+                SCALE_FMT=K.SF_NONE,
+                GROUP_K=0,
+                SCALE_ROW_BLOCK=1,
+                HAS_ZP=False,
+                HAS_GSCALE=False,
+                HALF=0,
+                MERGED_SCALE=False,
+            ),
+        )
     scheme = w.scheme
     if scheme.name not in SUPPORTED_SCHEMES:
-        raise MoeInputError(f"scheme {scheme.name!r} is not supported by the triton backend; "
-                            f"accepted: {', '.join(sorted(SUPPORTED_SCHEMES))}")
+        raise MoeInputError(
+            f"scheme {scheme.name!r} is not supported by the triton backend; "
+            f"accepted: {', '.join(sorted(SUPPORTED_SCHEMES))}"
+        )
     act = scheme.activation_format
     qdot = act in _QDOT_ACT
     gran = scheme.granularity
     group_k = scheme.block_shape[1] if gran in ("block", "group") else 0
-    row_block = {"tensor": 0, "channel": 1, "block": scheme.block_shape[0] if
-                 scheme.block_shape else 1, "group": 1}[gran]
+    row_block = {
+        "tensor": 0,
+        "channel": 1,
+        "block": scheme.block_shape[0] if scheme.block_shape else 1,
+        "group": 1,
+    }[gran]
     consts = dict(
-        W_FORMAT=_W_FORMAT[scheme.weight_format], QDOT=qdot,
-        A_FP8=qdot and act.startswith("fp8"), A_SCALE=_QDOT_ACT.get(act, K.AS_NONE),
-        SCALE_FMT=_SCALE_FMT[scheme.scale_format], GROUP_K=group_k, SCALE_ROW_BLOCK=row_block,
-        HAS_ZP=w.zero_point is not None, HAS_GSCALE=w.global_scale is not None, HALF=0,
-        MERGED_SCALE=False)
+        W_FORMAT=_W_FORMAT[scheme.weight_format],
+        QDOT=qdot,
+        A_FP8=qdot and act.startswith("fp8"),
+        A_SCALE=_QDOT_ACT.get(act, K.AS_NONE),
+        SCALE_FMT=_SCALE_FMT[scheme.scale_format],
+        GROUP_K=group_k,
+        SCALE_ROW_BLOCK=row_block,
+        HAS_ZP=w.zero_point is not None,
+        HAS_GSCALE=w.global_scale is not None,
+        HALF=0,
+        MERGED_SCALE=False,
+    )
     if qdot and gran == "block" and group_k != 128:
-        raise MoeInputError(f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, "
-                            f"got {scheme.block_shape}")
+        raise MoeInputError(
+            f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, got {scheme.block_shape}"
+        )
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = _as_bytes(w.data)
     if scheme.packed:
@@ -104,9 +159,11 @@ def kernel_weight(w: Any) -> KernelWeight:
         # e8m0 scales up to 2^1 can carry the fp4 decode's 2^126 in bf16: one multiply per
         # weight pair instead of two (real checkpoints' scales are far below that).
         consts["MERGED_SCALE"] = scheme.scale_format == "e8m0" and (
-            w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128)
-    return KernelWeight(data, _as_bytes(w.scale), _as_bytes(w.zero_point), gscale,
-                        scheme, tuple(w.shape), consts)
+            w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128
+        )
+    return KernelWeight(
+        data, _as_bytes(w.scale), _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
+    )
 
 
 def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
@@ -141,6 +198,7 @@ def prepare(weights: ExpertWeights, spec: ExpertSpec, name: str) -> PreparedWeig
 
 # --------------------------------------------------------------------------------------------
 # Workspaces: reused across calls with the same shapes (LRU), never allocated per call.
+
 
 class _Workspaces:
     def __init__(self, capacity: int = 16) -> None:
@@ -188,20 +246,37 @@ def _quantize_input(x: torch.Tensor, w: KernelWeight) -> tuple[torch.Tensor, tor
         rows, k = x.shape
         ngroups = triton.cdiv(k, 128)
         qdtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
-        bufs = WORKSPACES.get((x.device, "act_quant", fmt, rows, k), lambda: {
-            "q": torch.empty(rows, k, dtype=qdtype, device=x.device),
-            "s": torch.empty((rows, ngroups) if fmt == "fp8_group128" else (rows,),
-                             dtype=torch.float32, device=x.device)})
+        bufs = WORKSPACES.get(
+            (x.device, "act_quant", fmt, rows, k),
+            lambda: {
+                "q": torch.empty(rows, k, dtype=qdtype, device=x.device),
+                "s": torch.empty(
+                    (rows, ngroups) if fmt == "fp8_group128" else (rows,),
+                    dtype=torch.float32,
+                    device=x.device,
+                ),
+            },
+        )
         quantize_rows(x, fmt, bufs["q"], bufs["s"])
         return _as_bytes(bufs["q"]), bufs["s"]
     qx = quantize_activation(x, w.scheme)
     return _as_bytes(qx.data), qx.scale.float().contiguous()
 
 
-def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
-                 bias: torch.Tensor | None, out: torch.Tensor, ws: dict[str, torch.Tensor],
-                 num_rows: int, a_row_div: int, route_w: torch.Tensor | None,
-                 tile, n_out: int, spec: ExpertSpec | None) -> None:
+def _launch_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: KernelWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    ws: dict[str, torch.Tensor],
+    num_rows: int,
+    a_row_div: int,
+    route_w: torch.Tensor | None,
+    tile,
+    n_out: int,
+    spec: ExpertSpec | None,
+) -> None:
     """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused)."""
     dev = a.device
     dummy = _dummy(dev)
@@ -214,16 +289,22 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
         chunk = 2 * half
         tile = dataclasses.replace(tile, block_k=max(chunk, tile.block_k // chunk * chunk))
     group_k = consts["GROUP_K"]
-    if group_k and not consts["QDOT"] and not half and (
-            tile.block_k % group_k and group_k % tile.block_k):
-        raise MoeInputError(f"block_k {tile.block_k} and scale group {group_k} must divide "
-                            "one another")
+    if (
+        group_k
+        and not consts["QDOT"]
+        and not half
+        and (tile.block_k % group_k and group_k % tile.block_k)
+    ):
+        raise MoeInputError(
+            f"block_k {tile.block_k} and scale group {group_k} must divide one another"
+        )
     scale = w.scale if w.scale is not None else dummy
     zp = w.zero_point if w.zero_point is not None else dummy
     gs = w.global_scale if w.global_scale is not None else dummy
     s_strides = _scale_strides(w)
-    z_strides = (zp.stride(0), zp.stride(1), zp.stride(2)) if w.zero_point is not None else (
-        0, 0, 0)
+    z_strides = (
+        (zp.stride(0), zp.stride(1), zp.stride(2)) if w.zero_point is not None else (0, 0, 0)
+    )
     b = bias if bias is not None else dummy
     b_strides = (b.stride(0), b.stride(1)) if bias is not None else (0, 0)
     num_m_blocks = ws["block_expert"].shape[0]
@@ -232,26 +313,57 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: KernelWeight,
     a_s = a_scale if a_scale is not None else dummy
     a_s_strides = (a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0)
     K.moe_gemm_kernel[grid](
-        a, a_s, w.data, scale, zp, gs, b, out,
-        ws["sorted_rows"], ws["block_expert"], ws["num_padded"],
+        a,
+        a_s,
+        w.data,
+        scale,
+        zp,
+        gs,
+        b,
+        out,
+        ws["sorted_rows"],
+        ws["block_expert"],
+        ws["num_padded"],
         route_w if route_w is not None else dummy,
-        n_out, k, num_rows, num_m_blocks, a_row_div,
+        n_out,
+        k,
+        num_rows,
+        num_m_blocks,
+        a_row_div,
         float(act.alpha) if act is not None and act.alpha is not None else 0.0,
         float(act.limit) if act is not None and act.limit is not None else 0.0,
-        a.stride(0), a.stride(1), *a_s_strides,
-        w.data.stride(0), w.data.stride(1), w.data.stride(2),
-        *s_strides, *z_strides, *b_strides, out.stride(0), out.stride(1),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m, EVEN_K=k % tile.block_k == 0,
+        a.stride(0),
+        a.stride(1),
+        *a_s_strides,
+        w.data.stride(0),
+        w.data.stride(1),
+        w.data.stride(2),
+        *s_strides,
+        *z_strides,
+        *b_strides,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m,
+        EVEN_K=k % tile.block_k == 0,
         GATED=spec is not None and spec.gated,
         INTERLEAVED=spec is not None and spec.gate_up_interleaved,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
-        HAS_BIAS=bias is not None, MUL_ROUTE_W=route_w is not None,
+        HAS_BIAS=bias is not None,
+        MUL_ROUTE_W=route_w is not None,
         IEEE=a.dtype == torch.float32,
         # fp4 -> bf16 through packed integer ops (inline PTX: compiled GPU code only).
-        BF16_FP4=(consts["W_FORMAT"] == K.WF_E2M1 and a.dtype == torch.bfloat16 and a.is_cuda
-                  and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **consts,
+        BF16_FP4=(
+            consts["W_FORMAT"] == K.WF_E2M1
+            and a.dtype == torch.bfloat16
+            and a.is_cuda
+            and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)
+        ),
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        **consts,
     )
 
 
@@ -266,9 +378,15 @@ def _scale_strides(w: KernelWeight) -> tuple[int, int, int]:
     return (s.stride(0), s.stride(1), s.stride(2))
 
 
-def run_kernel_sequence(a_RH: torch.Tensor, row_expert: torch.Tensor, a_row_div: int,
-                        route_w: torch.Tensor | None, prepared: PreparedWeights,
-                        out_PH: torch.Tensor, tiles: MoeTiles | None = None) -> None:
+def run_kernel_sequence(
+    a_RH: torch.Tensor,
+    row_expert: torch.Tensor,
+    a_row_div: int,
+    route_w: torch.Tensor | None,
+    prepared: PreparedWeights,
+    out_PH: torch.Tensor,
+    tiles: MoeTiles | None = None,
+) -> None:
     """The one kernel sequence: rows ``p`` of ``out_PH`` get expert ``row_expert[p]`` applied
     to ``a_RH[p // a_row_div]`` (times ``route_w[p]`` when given); rows with id -1 are left
     unwritten.
@@ -279,30 +397,72 @@ def run_kernel_sequence(a_RH: torch.Tensor, row_expert: torch.Tensor, a_row_div:
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
     dev = a_RH.device
     if tiles is None:
-        tiles = lookup_tiles(num_rows // a_row_div, a_row_div, num_experts, inter, hidden,
-                             w13.scheme.name if w13.scheme is not None else _plain(a_RH.dtype),
-                             _device_name(dev), dtype_bytes=w13.data.element_size())
+        tiles = lookup_tiles(
+            num_rows // a_row_div,
+            a_row_div,
+            num_experts,
+            inter,
+            hidden,
+            w13.scheme.name if w13.scheme is not None else _plain(a_RH.dtype),
+            _device_name(dev),
+            dtype_bytes=w13.data.element_size(),
+        )
     bm = tiles.gemm1.block_m
     max_padded = max_padded_rows(num_rows, num_experts, bm)
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm)
-    ws = WORKSPACES.get(key, lambda: {
-        "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=dev),
-        "block_expert": torch.empty(max_padded // bm, dtype=torch.int32, device=dev),
-        "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
-        "inter": torch.empty(num_rows, inter, dtype=a_RH.dtype, device=dev),
-        "align_scratch": torch.empty(scratch_size(num_rows, num_experts), dtype=torch.int32,
-                                     device=dev),
-    })
-    align_rows(row_expert, num_experts, bm, ws["sorted_rows"], ws["block_expert"],
-               ws["num_padded"], ws["align_scratch"])
+    ws = WORKSPACES.get(
+        key,
+        lambda: {
+            "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=dev),
+            "block_expert": torch.empty(max_padded // bm, dtype=torch.int32, device=dev),
+            "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
+            "inter": torch.empty(num_rows, inter, dtype=a_RH.dtype, device=dev),
+            "align_scratch": torch.empty(
+                scratch_size(num_rows, num_experts), dtype=torch.int32, device=dev
+            ),
+        },
+    )
+    align_rows(
+        row_expert,
+        num_experts,
+        bm,
+        ws["sorted_rows"],
+        ws["block_expert"],
+        ws["num_padded"],
+        ws["align_scratch"],
+    )
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13)
-        _launch_gemm(a, a_scale, w13, prepared.tensors["w13_bias"], ws["inter"], ws, num_rows,
-                     a_row_div, None, tiles.gemm1, inter, spec)
+        _launch_gemm(
+            a,
+            a_scale,
+            w13,
+            prepared.tensors["w13_bias"],
+            ws["inter"],
+            ws,
+            num_rows,
+            a_row_div,
+            None,
+            tiles.gemm1,
+            inter,
+            spec,
+        )
     with trace_range("gemm2"):
         a2, a2_scale = _quantize_input(ws["inter"], w2)
-        _launch_gemm(a2, a2_scale, w2, prepared.tensors["w2_bias"], out_PH, ws, num_rows, 1,
-                     route_w, tiles.gemm2, hidden, None)
+        _launch_gemm(
+            a2,
+            a2_scale,
+            w2,
+            prepared.tensors["w2_bias"],
+            out_PH,
+            ws,
+            num_rows,
+            1,
+            route_w,
+            tiles.gemm2,
+            hidden,
+            None,
+        )
 
 
 def _plain(dtype: torch.dtype) -> str:
@@ -313,26 +473,34 @@ def _check_hidden(hidden: torch.Tensor, prepared: PreparedWeights, name: str) ->
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(hidden).__name__}")
     if hidden.dim() != 2 or hidden.shape[1] != prepared.spec.hidden_size:
-        raise MoeInputError(f"{name} must be [rows, H={prepared.spec.hidden_size}], "
-                            f"got {list(hidden.shape)}")
+        raise MoeInputError(
+            f"{name} must be [rows, H={prepared.spec.hidden_size}], got {list(hidden.shape)}"
+        )
     if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"{name} dtype must be bf16/fp16/fp32, got {hidden.dtype}")
     w13 = prepared.tensors["w13"]
     if w13.scheme is None and w13.data.dtype != hidden.dtype:
-        raise TypeError(f"{name} dtype {hidden.dtype} differs from the weights' "
-                        f"{w13.data.dtype}")
+        raise TypeError(f"{name} dtype {hidden.dtype} differs from the weights' {w13.data.dtype}")
 
 
-def fused_standard(hidden_TH: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   prepared: PreparedWeights, tiles: MoeTiles | None = None) -> torch.Tensor:
+def fused_standard(
+    hidden_TH: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    prepared: PreparedWeights,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
     """Standard format whole: ``[T, H]`` routed, weighted, reduced over k; -1 ids skipped."""
     _check_hidden(hidden_TH, prepared, "hidden_states")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_TH.shape[0]:
-        raise MoeInputError(f"topk ids must be [T={hidden_TH.shape[0]}, k], "
-                            f"got {list(topk_ids.shape)}")
+        raise MoeInputError(
+            f"topk ids must be [T={hidden_TH.shape[0]}, k], got {list(topk_ids.shape)}"
+        )
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise MoeInputError(f"topk weights {list(topk_weights.shape)} and ids "
-                            f"{list(topk_ids.shape)} must have one shape")
+        raise MoeInputError(
+            f"topk weights {list(topk_weights.shape)} and ids "
+            f"{list(topk_ids.shape)} must have one shape"
+        )
     num_tokens, top_k = topk_ids.shape
     out = torch.empty_like(hidden_TH)
     if num_tokens == 0:
@@ -342,18 +510,24 @@ def fused_standard(hidden_TH: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
     num_rows = num_tokens * top_k
     dev = hidden_TH.device
-    cache = WORKSPACES.get((dev, "per_slot", num_rows, prepared.spec.hidden_size,
-                            hidden_TH.dtype), lambda: {"y": torch.empty(
-                                num_rows, prepared.spec.hidden_size, dtype=hidden_TH.dtype,
-                                device=dev)})
+    cache = WORKSPACES.get(
+        (dev, "per_slot", num_rows, prepared.spec.hidden_size, hidden_TH.dtype),
+        lambda: {
+            "y": torch.empty(num_rows, prepared.spec.hidden_size, dtype=hidden_TH.dtype, device=dev)
+        },
+    )
     run_kernel_sequence(hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles)
     with trace_range("combine"):
         topk_sum(cache["y"], ids, out)
     return out
 
 
-def grouped_core(x_MH: torch.Tensor, expert_offsets: torch.Tensor,
-                 prepared: PreparedWeights, tiles: MoeTiles | None = None) -> torch.Tensor:
+def grouped_core(
+    x_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    prepared: PreparedWeights,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
     """Grouped layout: rows ``offsets[e]:offsets[e+1]`` through expert ``e``, unweighted.
 
     Rows at or past ``offsets[E]`` are padding and are left unwritten.
@@ -361,8 +535,9 @@ def grouped_core(x_MH: torch.Tensor, expert_offsets: torch.Tensor,
     _check_hidden(x_MH, prepared, "x_MH")
     num_experts = prepared.spec.num_experts
     if expert_offsets.dim() != 1 or expert_offsets.shape[0] != num_experts + 1:
-        raise MoeInputError(f"expert_offsets must be [E+1={num_experts + 1}], "
-                            f"got {list(expert_offsets.shape)}")
+        raise MoeInputError(
+            f"expert_offsets must be [E+1={num_experts + 1}], got {list(expert_offsets.shape)}"
+        )
     rows = x_MH.shape[0]
     y = torch.empty_like(x_MH)
     if rows == 0:

@@ -69,9 +69,16 @@ def config_file_name(num_experts: int, n: int, k: int, scheme: str, device_name:
     return f"E={num_experts},N={n},K={k},scheme={scheme},device={device_key(device_name)}.json"
 
 
-def write_config_file(path: Path, num_experts: int, n: int, k: int, scheme: str,
-                      device_name: str, tiles_by_tokens: dict[int, MoeTiles],
-                      extra: dict | None = None) -> None:
+def write_config_file(
+    path: Path,
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str,
+    device_name: str,
+    tiles_by_tokens: dict[int, MoeTiles],
+    extra: dict | None = None,
+) -> None:
     """Write one tuned file in the shared schema."""
     doc = {
         "schema": SCHEMA,
@@ -101,8 +108,9 @@ def _scheme_block_k(scheme: str, k: int) -> int:
     return 128 if k >= 128 else 64
 
 
-def heuristic_tiles(num_tokens: int, top_k: int, num_experts: int, n: int, k: int,
-                    scheme: str, dtype_bytes: int = 2) -> MoeTiles:
+def heuristic_tiles(
+    num_tokens: int, top_k: int, num_experts: int, n: int, k: int, scheme: str, dtype_bytes: int = 2
+) -> MoeTiles:
     """A sane default: small row blocks for decode (weight streaming), large MMA tiles after.
 
     ``n`` is I, ``k`` is H. Rows per active expert decide between the regimes.
@@ -128,14 +136,23 @@ def heuristic_tiles(num_tokens: int, top_k: int, num_experts: int, n: int, k: in
     return MoeTiles(g1, g2)
 
 
-def lookup_tiles(num_tokens: int, top_k: int, num_experts: int, n: int, k: int, scheme: str,
-                 device_name: str | None, config_dir: Path | None = None,
-                 dtype_bytes: int = 2) -> MoeTiles:
+def lookup_tiles(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str,
+    device_name: str | None,
+    config_dir: Path | None = None,
+    dtype_bytes: int = 2,
+) -> MoeTiles:
     """Tuned tiles for the nearest token count, else ``heuristic_tiles``."""
     if device_name is not None:
         folder = CONFIG_DIR if config_dir is None else Path(config_dir)
-        table = load_config_file(str(folder / config_file_name(num_experts, n, k, scheme,
-                                                                device_name)))
+        table = load_config_file(
+            str(folder / config_file_name(num_experts, n, k, scheme, device_name))
+        )
         if table:
             nearest = min(table, key=lambda t: (abs(t - num_tokens), t))
             return table[nearest]

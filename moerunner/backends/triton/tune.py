@@ -41,8 +41,7 @@ DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 PACKED_SCHEMES = ("int4", "mxfp4", "nvfp4")
 
 
-def candidate_tiles(num_tokens: int, top_k: int, num_experts: int,
-                    scheme: str) -> list[TileConfig]:
+def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) -> list[TileConfig]:
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these)."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     bks = (128,) if scheme.startswith("fp8_block") else (64, 128)
@@ -90,10 +89,14 @@ def _bench(fn: Callable[[], None], graph: bool) -> float:
     return tt.do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
-def tune_tokens(prepared, num_tokens: int, top_k: int,
-                candidates: Iterable[TileConfig] | None = None,
-                progress: Callable[[str], None] = print,
-                compile_only: bool = False) -> tuple[MoeTiles | None, float]:
+def tune_tokens(
+    prepared,
+    num_tokens: int,
+    top_k: int,
+    candidates: Iterable[TileConfig] | None = None,
+    progress: Callable[[str], None] = print,
+    compile_only: bool = False,
+) -> tuple[MoeTiles | None, float]:
     """Best tiles for ``num_tokens`` tokens (random routing); returns (tiles, GEMM ms).
 
     ``compile_only`` launches every candidate once (filling Triton's kernel cache) and times
@@ -108,8 +111,11 @@ def tune_tokens(prepared, num_tokens: int, top_k: int,
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
     scheme = w13.scheme.name if w13.scheme is not None else "bf16"
     dtype = torch.bfloat16
-    cands = list(candidates) if candidates is not None else candidate_tiles(
-        num_tokens, top_k, num_experts, scheme)
+    cands = (
+        list(candidates)
+        if candidates is not None
+        else candidate_tiles(num_tokens, top_k, num_experts, scheme)
+    )
     x = torch.randn(num_tokens, hidden, device=dev, dtype=dtype)
     ids = torch.rand(num_tokens, num_experts, device=dev).topk(top_k, dim=1).indices
     ids = ids.to(torch.int32).reshape(-1).contiguous()
@@ -122,19 +128,52 @@ def tune_tokens(prepared, num_tokens: int, top_k: int,
     for i, tile in enumerate(cands):
         bm = tile.block_m
         mp = max_padded_rows(rows, num_experts, bm)
-        ws = {"sorted_rows": torch.empty(mp, dtype=torch.int32, device=dev),
-              "block_expert": torch.empty(mp // bm, dtype=torch.int32, device=dev),
-              "num_padded": torch.empty(1, dtype=torch.int32, device=dev)}
+        ws = {
+            "sorted_rows": torch.empty(mp, dtype=torch.int32, device=dev),
+            "block_expert": torch.empty(mp // bm, dtype=torch.int32, device=dev),
+            "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
+        }
         align_rows(ids, num_experts, bm, ws["sorted_rows"], ws["block_expert"], ws["num_padded"])
         times: dict[str, str] = {}
         a1, s1 = X._quantize_input(x, w13)
         a2, s2 = X._quantize_input(inter_buf.normal_(), w2)
         for which, fn in (
-            ("gemm1", functools.partial(X._launch_gemm, a1, s1, w13,
-                                        prepared.tensors["w13_bias"], inter_buf, ws, rows,
-                                        top_k, None, tile, inter, spec)),
-            ("gemm2", functools.partial(X._launch_gemm, a2, s2, w2, prepared.tensors["w2_bias"],
-                                        out_buf, ws, rows, 1, route_w, tile, hidden, None)),
+            (
+                "gemm1",
+                functools.partial(
+                    X._launch_gemm,
+                    a1,
+                    s1,
+                    w13,
+                    prepared.tensors["w13_bias"],
+                    inter_buf,
+                    ws,
+                    rows,
+                    top_k,
+                    None,
+                    tile,
+                    inter,
+                    spec,
+                ),
+            ),
+            (
+                "gemm2",
+                functools.partial(
+                    X._launch_gemm,
+                    a2,
+                    s2,
+                    w2,
+                    prepared.tensors["w2_bias"],
+                    out_buf,
+                    ws,
+                    rows,
+                    1,
+                    route_w,
+                    tile,
+                    hidden,
+                    None,
+                ),
+            ),
         ):
             try:
                 fn()
@@ -150,20 +189,25 @@ def tune_tokens(prepared, num_tokens: int, top_k: int,
             if cur is None or ms < cur[0]:
                 best[bm][which] = (ms, tile)
             times[which] = f"{ms * 1e3:.1f} us"
-        progress(f"  [{i + 1}/{len(cands)}] {tile}: " + ", ".join(
-            f"{k} {v}" for k, v in times.items()))
+        progress(
+            f"  [{i + 1}/{len(cands)}] {tile}: " + ", ".join(f"{k} {v}" for k, v in times.items())
+        )
     if compile_only:
         return None, float("nan")
-    pairs = [(v["gemm1"][0] + v["gemm2"][0], MoeTiles(v["gemm1"][1], v["gemm2"][1]))
-             for v in best.values() if "gemm1" in v and "gemm2" in v]
+    pairs = [
+        (v["gemm1"][0] + v["gemm2"][0], MoeTiles(v["gemm1"][1], v["gemm2"][1]))
+        for v in best.values()
+        if "gemm1" in v and "gemm2" in v
+    ]
     if not pairs:
         raise RuntimeError(f"no candidate tile ran for T={num_tokens}")
     ms, tiles = min(pairs, key=lambda p: p[0])
     return tiles, ms
 
 
-def random_weights(hidden: int, inter: int, num_experts: int, activation: str, scheme: str,
-                   device: torch.device):
+def random_weights(
+    hidden: int, inter: int, num_experts: int, activation: str, scheme: str, device: torch.device
+):
     """Random ExpertWeights in ``scheme``'s stored layout, built directly (no fp32 copies)."""
     from ...quant import QuantizedWeight, get_scheme
     from ...weights import ExpertWeights
@@ -174,12 +218,13 @@ def random_weights(hidden: int, inter: int, num_experts: int, activation: str, s
     def one(n: int, k: int):
         if scheme in ("bf16", "fp16"):
             dt = torch.bfloat16 if scheme == "bf16" else torch.float16
-            return (torch.randn(num_experts, n, k, device=device, dtype=dt) * 0.02)
+            return torch.randn(num_experts, n, k, device=device, dtype=dt) * 0.02
         s = get_scheme(scheme)
         e = num_experts
         if s.weight_format == "e4m3":
             data = (torch.randn(e, n, k, device=device, dtype=torch.bfloat16)).to(
-                torch.float8_e4m3fn)
+                torch.float8_e4m3fn
+            )
         elif s.weight_format == "e2m1" or s.weight_format == "int4":
             data = torch.randint(0, 256, (e, n, k // 2), device=device, dtype=torch.uint8)
         else:
@@ -200,22 +245,31 @@ def random_weights(hidden: int, inter: int, num_experts: int, activation: str, s
             else:
                 scale = torch.rand(shape, device=device) * 1e-3 + 1e-3
         if s.zero_point:
-            kw["zero_point"] = torch.randint(6, 10, scale.shape, device=device,
-                                             dtype=torch.uint8)
+            kw["zero_point"] = torch.randint(6, 10, scale.shape, device=device, dtype=torch.uint8)
         return QuantizedWeight(scheme, (e, n, k), data, scale, **kw)
 
     w13, w2 = one(n13, hidden), one(hidden, inter)
     biases = {}
     if activation == "swiglu_oai":
-        biases = {"w13_bias": torch.randn(num_experts, n13, device=device) * 0.1,
-                  "w2_bias": torch.randn(num_experts, hidden, device=device) * 0.1}
+        biases = {
+            "w13_bias": torch.randn(num_experts, n13, device=device) * 0.1,
+            "w2_bias": torch.randn(num_experts, hidden, device=device) * 0.1,
+        }
     return ExpertWeights(w13, w2, gate_up_interleaved=activation == "swiglu_oai", **biases)
 
 
-def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activation: str,
-                scheme: str, tokens: Iterable[int], out_dir: Path,
-                progress: Callable[[str], None] = print,
-                compile_only: bool = False) -> tuple[Path | None, dict]:
+def tune_preset(
+    hidden: int,
+    inter: int,
+    num_experts: int,
+    top_k: int,
+    activation: str,
+    scheme: str,
+    tokens: Iterable[int],
+    out_dir: Path,
+    progress: Callable[[str], None] = print,
+    compile_only: bool = False,
+) -> tuple[Path | None, dict]:
     """Tune every token count of one shape and write its file; returns (path, ms by T).
 
     ``compile_only`` only compiles every candidate (see ``tune_tokens``) and writes nothing.
@@ -232,13 +286,14 @@ def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activatio
     for t in tokens:
         start = time.time()
         progress(f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: searching")
-        tiles, ms = tune_tokens(prepared, t, top_k, progress=progress,
-                                compile_only=compile_only)
+        tiles, ms = tune_tokens(prepared, t, top_k, progress=progress, compile_only=compile_only)
         if compile_only:
             continue
         found[t], timings[t] = tiles, ms
-        progress(f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: {ms * 1e3:.1f} us "
-                 f"with {tiles} ({time.time() - start:.0f} s)")
+        progress(
+            f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: {ms * 1e3:.1f} us "
+            f"with {tiles} ({time.time() - start:.0f} s)"
+        )
     if compile_only:
         return None, {}
     name = torch.cuda.get_device_name(dev)
@@ -250,14 +305,25 @@ def tune_preset(hidden: int, inter: int, num_experts: int, top_k: int, activatio
         found = {**earlier, **found}
         old = json.loads(path.read_text()).get("measured", {}).get("gemm_ms", {})
         timings = {**{int(k): v for k, v in old.items()}, **timings}
-    write_config_file(path, num_experts, inter, hidden, scheme, name, found,
-                      {"gemm_ms": {str(k): v for k, v in sorted(timings.items())}})
+    write_config_file(
+        path,
+        num_experts,
+        inter,
+        hidden,
+        scheme,
+        name,
+        found,
+        {"gemm_ms": {str(k): v for k, v in sorted(timings.items())}},
+    )
     load_config_file.cache_clear()
     return path, timings
 
 
-def precompile(plan: Iterable[tuple[str, str, Iterable[int]]], jobs: int,
-               progress: Callable[[str], None] = print) -> None:
+def precompile(
+    plan: Iterable[tuple[str, str, Iterable[int]]],
+    jobs: int,
+    progress: Callable[[str], None] = print,
+) -> None:
     """Compile the candidates of several (preset, scheme, tokens) in parallel processes.
 
     Compilation is CPU work and dominates a search; timing must run one shape at a time.
@@ -266,17 +332,29 @@ def precompile(plan: Iterable[tuple[str, str, Iterable[int]]], jobs: int,
     import subprocess
     import tempfile
 
-    pending = [[sys.executable, "-m", __name__, "--preset", preset, "--scheme", scheme,
-                "--compile-only", "--tokens", str(t)] for preset, scheme, tokens in plan
-               for t in tokens]
+    pending = [
+        [
+            sys.executable,
+            "-m",
+            __name__,
+            "--preset",
+            preset,
+            "--scheme",
+            scheme,
+            "--compile-only",
+            "--tokens",
+            str(t),
+        ]
+        for preset, scheme, tokens in plan
+        for t in tokens
+    ]
     running: list[tuple[list[str], subprocess.Popen, Any]] = []
     start = time.time()
     while pending or running:
         while pending and len(running) < max(1, jobs):
             cmd = pending.pop(0)
             log = tempfile.TemporaryFile(mode="w+")
-            running.append((cmd, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
-                            log))
+            running.append((cmd, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
         time.sleep(0.5)
         for item in list(running):
             cmd, proc, log = item
@@ -297,14 +375,22 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: ``moerunner tune --preset deepseek-v3 --scheme fp8_block [--tokens 1 16 ...]``."""
     p = argparse.ArgumentParser(prog="moerunner tune", description=__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset")
-    p.add_argument("--shape", nargs=4, type=int, metavar=("H", "I", "E", "TOPK"),
-                   help="explicit shape instead of a preset")
+    p.add_argument(
+        "--shape",
+        nargs=4,
+        type=int,
+        metavar=("H", "I", "E", "TOPK"),
+        help="explicit shape instead of a preset",
+    )
     p.add_argument("--activation", default=None, help="activation (default: the preset's)")
     p.add_argument("--scheme", default="bf16", help="weight scheme (bf16, fp8_block, mxfp4...)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
     p.add_argument("--out", type=Path, default=CONFIG_DIR, help="folder for the JSON files")
-    p.add_argument("--compile-only", action="store_true",
-                   help="compile every candidate (fills the kernel cache), time and write nothing")
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile every candidate (fills the kernel cache), time and write nothing",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
@@ -315,9 +401,18 @@ def main(argv: list[str] | None = None) -> int:
         hidden, inter, experts, top_k, act = PRESETS[args.preset]
     else:
         (hidden, inter, experts, top_k), act = args.shape, "silu"
-    path, _ = tune_preset(hidden, inter, experts, top_k, args.activation or act, args.scheme,
-                          args.tokens, args.out, progress=lambda s: print(s, flush=True),
-                          compile_only=args.compile_only)
+    path, _ = tune_preset(
+        hidden,
+        inter,
+        experts,
+        top_k,
+        args.activation or act,
+        args.scheme,
+        args.tokens,
+        args.out,
+        progress=lambda s: print(s, flush=True),
+        compile_only=args.compile_only,
+    )
     print("compiled every candidate" if path is None else f"wrote {path}")
     return 0
 
