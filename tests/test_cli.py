@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from moerunner.cli import main
+import pytest
+
+from moerunner.cli import SUBCOMMANDS, main
 
 
 def test_info_lists_torch_backend(capsys):
@@ -47,3 +49,12 @@ def test_check_torch_selected_schemes(capsys):
     )
     out = capsys.readouterr().out
     assert out.count("pass") == 2 and "FAIL" not in out
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_subcommand_prints_its_help(name, capsys):
+    # argparse formats help strings with %, so a bare "%" in one breaks --help.
+    with pytest.raises(SystemExit) as exc:
+        main([name, "--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out

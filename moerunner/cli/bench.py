@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ceilings", type=Path, default=None, help="ceilings cache JSON")
     p.add_argument("--remeasure", action="store_true", help="re-measure the device ceilings")
     p.add_argument("--json", type=Path, default=None, help="write the replayable JSON here")
-    p.add_argument("--png", type=Path, default=None, help="write the % of roofline plot here")
+    p.add_argument("--png", type=Path, default=None, help="write the %% of roofline plot here")
     p.add_argument("--md", type=Path, default=None, help="write a markdown summary here")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument(
