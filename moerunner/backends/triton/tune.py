@@ -54,7 +54,7 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
         chunk = 2 * min(get_scheme(scheme).block_shape[1], 64)
         for bn in (32, 64, 128):
             for bk in sorted({chunk, 2 * chunk, min(4 * chunk, 256)}):
-                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                for warps, stages in ((2, 3), (4, 3), (4, 4)):
                     out.append(TileConfig(16, bn, bk, 1, warps, stages))
         return out
     if rows_per_expert <= 16:
