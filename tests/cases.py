@@ -18,6 +18,19 @@ from moerunner.dispatch.formats import STANDARD
 from moerunner.testing import DTYPE_BOUND
 from moerunner.weights import ExpertWeights
 
+# One quantized scheme of each family the triton kernels implement (the kernel test subset),
+# and the packed 4-bit ones among them (split layout, in-kernel decode).
+PACKED_SCHEMES = ["int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4"]
+TRITON_QUANT_SCHEMES = [
+    "fp8_tensor",
+    "fp8_channel",
+    "fp8_block",
+    "int8",
+    "int8_w8a16",
+    *PACKED_SCHEMES,
+    "mxfp8",
+]
+
 
 @dataclass(frozen=True)
 class Case:

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES
 
 import moerunner
 from moerunner.backends.base import MoeProblem
@@ -104,23 +105,8 @@ def test_topk_sum_skips_minus_one_slots():
     torch.testing.assert_close(out, want)
 
 
-SCHEMES = [
-    "fp8_tensor",
-    "fp8_channel",
-    "fp8_block",
-    "int8",
-    "int8_w8a16",
-    "int4",
-    "int4_g32_zp",
-    "mxfp4",
-    "mxfp4_mxfp8",
-    "nvfp4",
-    "mxfp8",
-]
-
-
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", TRITON_QUANT_SCHEMES)
 def test_quantized_schemes_match_torch_backend(scheme, activation):
     torch.manual_seed(1)
     act = moerunner.Activation(activation)
@@ -142,12 +128,9 @@ def test_quantized_schemes_match_torch_backend(scheme, activation):
     assert _rel(out, ref) < 1e-5
 
 
-PACKED = ["int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4"]
-
-
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
-@pytest.mark.parametrize("scheme", PACKED)
+@pytest.mark.parametrize("scheme", PACKED_SCHEMES)
 def test_packed_k_steps_of_several_chunks(scheme, activation, chunks):
     """A K step may cover several chunks of the split layout; chunks starting at or past K
     are skipped. H = I = 96 is 1.5 chunks of 64 for the 32-groups (int4's group of 128 needs

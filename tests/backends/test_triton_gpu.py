@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -21,21 +22,7 @@ from moerunner.weights import ExpertWeights  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-SCHEMES = [
-    "bf16",
-    "fp16",
-    "fp8_tensor",
-    "fp8_channel",
-    "fp8_block",
-    "int8",
-    "int8_w8a16",
-    "int4",
-    "int4_g32_zp",
-    "mxfp4",
-    "mxfp4_mxfp8",
-    "nvfp4",
-    "mxfp8",
-]
+SCHEMES = ["bf16", "fp16", *TRITON_QUANT_SCHEMES]
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "swiglu_oai", "relu2"]
 QUANT_ACT = {"fp8_tensor", "fp8_channel", "fp8_block", "int8", "mxfp8", "mxfp4_mxfp8"}
 
@@ -172,11 +159,8 @@ def test_fp4_packed_decode_is_exact(scale_format):
         assert torch.equal(out[ok].view(torch.int16), want[ok].view(torch.int16))
 
 
-PACKED = ["int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4"]
-
-
 @pytest.mark.parametrize("chunks", [1, 2, 4])
-@pytest.mark.parametrize("scheme", PACKED)
+@pytest.mark.parametrize("scheme", PACKED_SCHEMES)
 def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks):
     """bf16 activations (the inline-PTX fp4 decode, merged scales for mxfp4): one, two and
     four chunks of the split layout per K step, with H and I leaving a partial last chunk
