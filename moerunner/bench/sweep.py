@@ -3,9 +3,12 @@
 For each row it draws fresh inputs (random hidden states, random routing: uniform or
 Zipf-skewed over the experts), runs the backend once and checks the output against
 ``moerunner.reference_moe`` (float64) on a sub-sample of tokens whose experts fit a memory
-budget, then times it (``timing.time_cases``) on rotated cases and accounts the row against
-the roofline (``roofline.row_cost``). Baselines run on the same weights (for quantized
-schemes they run the unquantized weights: they have no low-precision path).
+budget, then times it on rotated cases and accounts the row against the roofline
+(``roofline.row_cost``). On CPU all implementations of one (routing, T) are timed together in
+interleaved rounds (``timing.time_interleaved_cpu``), so their ratios are not skewed by load
+or memory drift between them; on GPU each is timed alone (``timing.time_cases``). Baselines
+run on the same weights (for quantized schemes they run the unquantized weights: they have no
+low-precision path).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from ..weights import ExpertWeights
 from .baselines import build_baseline
 from .presets import BenchShape
 from .roofline import DeviceCeilings, compute_format, floor_seconds, row_cost
-from .timing import time_cases
+from .timing import Timing, time_cases, time_interleaved_cpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROUTINGS = ("uniform", "zipf")
@@ -357,6 +360,7 @@ class Sweep:
         for routing in c.routings:
             for tokens in c.tokens:
                 cases = self._cases(shape, dtype, routing, tokens, len(copies))
+                measured = []
                 for name, fn, note in impls:
                     is_base = name.startswith("baseline:")
                     row = Row(
@@ -367,14 +371,15 @@ class Sweep:
                         routing,
                         tokens,
                     )
+                    self.rows.append(row)
                     if fn is None:
                         row.status, row.note = "skipped", note
+                        self.progress(row)
                     else:
                         ref_weights = plain_ew if is_base else expert_weights
-                        self._measure(row, shape, fn, cases, ref_weights, dtype, note)
-                    self.rows.append(row)
-                    self.progress(row)
-                del cases
+                        measured.append((row, fn, ref_weights, note))
+                self._measure_all(measured, shape, cases, dtype)
+                del cases, measured
         del impls, expert_weights
         gc.collect()
 
@@ -395,7 +400,48 @@ class Sweep:
             )
         return cases
 
-    def _measure(
+    def _measure_all(
+        self,
+        measured: list[tuple[Row, Callable, list[ExpertWeights], str]],
+        shape: BenchShape,
+        cases: list[_Case],
+        dtype: torch.dtype,
+    ) -> None:
+        """Check every implementation of one (routing, T), then time them: on CPU in
+        interleaved rounds (drift of a shared machine hits all alike), on GPU one by one."""
+        c = self.config
+        if self.device.type == "cpu" and len(measured) > 1:
+            ready = [m for m in measured if self._check(m[0], shape, m[1], cases, m[2], dtype)]
+            runs = {id(row): (lambda i, fn=fn: fn(cases[i])) for row, fn, _, _ in ready}
+            try:
+                with torch.inference_mode():
+                    timings = time_interleaved_cpu(
+                        runs, len(cases), min_time_s=c.min_time_s, max_reps=c.max_reps
+                    )
+            except Exception as exc:  # noqa: BLE001  (a failing row must not end the sweep)
+                timings = {}
+                for row, _, _, _ in ready:
+                    self._fail(row, exc)
+            for row, _, _, note in ready:
+                if id(row) in timings:
+                    self._account(row, shape, cases, dtype, timings[id(row)], note)
+            for row, _, _, _ in measured:
+                if row.status == "failed":
+                    self.progress(row)
+            return
+        for row, fn, weights, note in measured:
+            if self._check(row, shape, fn, cases, weights, dtype):
+                self._time_one(row, shape, fn, cases, dtype, note)
+            else:
+                self.progress(row)
+
+    def _fail(self, row: Row, exc: Exception) -> None:
+        row.status, row.note = "failed", f"{type(exc).__name__}: {str(exc)[:200]}"
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def _check(
         self,
         row: Row,
         shape: BenchShape,
@@ -403,9 +449,8 @@ class Sweep:
         cases: list[_Case],
         weights: list[ExpertWeights],
         dtype: torch.dtype,
-        note: str,
-    ) -> None:
-        c = self.config
+    ) -> bool:
+        """Run case 0 against the reference; False (row failed) if it raises."""
         try:
             with torch.inference_mode():
                 out = fn(cases[0])
@@ -416,14 +461,29 @@ class Sweep:
                         cases[0].topk,
                         weights[cases[0].copy],
                         shape,
-                        c.check_budget_bytes,
+                        self.config.check_budget_bytes,
                     )
                 del out
-                graph = (
-                    c.cuda_graph
-                    and row.tokens <= c.graph_max_tokens
-                    and not (row.impl == "baseline:eager")
-                )
+        except Exception as exc:  # noqa: BLE001  (a failing row is reported, the sweep goes on)
+            self._fail(row, exc)
+            return False
+        if row.max_rel_err > TOLERANCE[dtype] * (4 if row.scheme not in DTYPES else 1):
+            row.status = "wrong"
+        return True
+
+    def _time_one(
+        self,
+        row: Row,
+        shape: BenchShape,
+        fn: Callable,
+        cases: list[_Case],
+        dtype: torch.dtype,
+        note: str,
+    ) -> None:
+        c = self.config
+        graph = c.cuda_graph and row.tokens <= c.graph_max_tokens and row.impl != "baseline:eager"
+        try:
+            with torch.inference_mode():
                 timing = time_cases(
                     lambda i: fn(cases[i]),
                     len(cases),
@@ -433,13 +493,21 @@ class Sweep:
                     max_reps=c.max_reps,
                 )
         except Exception as exc:  # noqa: BLE001  (a failing row is reported, the sweep goes on)
-            row.status, row.note = "failed", f"{type(exc).__name__}: {str(exc)[:200]}"
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
+            self._fail(row, exc)
+            self.progress(row)
             return
-        if row.max_rel_err > TOLERANCE[dtype] * (4 if row.scheme not in DTYPES else 1):
-            row.status = "wrong"
+        self._account(row, shape, cases, dtype, timing, note)
+
+    def _account(
+        self,
+        row: Row,
+        shape: BenchShape,
+        cases: list[_Case],
+        dtype: torch.dtype,
+        timing: Timing,
+        note: str,
+    ) -> None:
+        """Fill the row from its timing: bytes, flops and the roofline of the cases."""
         row.note = "; ".join(n for n in (note, timing.note) if n)
         row.timing, row.samples = timing.mode, timing.samples
         hit = [len(torch.unique(cs.topk.ids[cs.topk.ids >= 0])) for cs in cases]
@@ -459,6 +527,7 @@ class Sweep:
         ) / len(costs)
         row.floor_us = floor * 1e6
         row.pct_roofline = 100.0 * floor / timing.seconds
+        self.progress(row)
 
 
 def fill_speedups(rows: list[Row]) -> None:

@@ -4,7 +4,8 @@
 has its own freshly drawn routing and input, and its own weight copy when copies fit), so
 consecutive repetitions do not find the same experts' weights in the cache.
 
-- CPU: ``time.perf_counter`` around each call; median.
+- CPU: ``time.perf_counter`` around each call; median. ``time_interleaved_cpu`` times
+  several implementations in alternating rounds (what the sweep uses on CPU).
 - GPU, eager: CUDA events around each call; median.
 - GPU, CUDA graph: all cases captured into one graph (after a warm-up pass on a side stream,
   as capture requires); events around each replay; median replay time / number of cases.
@@ -13,6 +14,7 @@ consecutive repetitions do not find the same experts' weights in the cache.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -51,6 +53,49 @@ def _time_cpu(
         run(r % n_cases)
         samples.append(time.perf_counter() - t0)
     return Timing(statistics.median(samples), len(samples), "cpu perf_counter")
+
+
+def time_interleaved_cpu(
+    runs: dict[object, Callable[[int], object]],
+    n_cases: int,
+    *,
+    min_time_s: float = 0.2,
+    min_reps: int = 5,
+    max_reps: int = 200,
+) -> dict[object, Timing]:
+    """CPU: median seconds per call of each ``runs[key](i)``, timed in interleaved rounds.
+
+    Each round calls every implementation once, starting from a rotating position, so load
+    from neighbours, frequency changes and allocator state fall on all of them alike: the
+    ratios between them are what this protects. Calls take the cases in turn (call c runs
+    case c mod ``n_cases``), so no call finds the experts of the call before it in the cache,
+    and the rounds are a multiple of lcm(implementations, cases), so every implementation
+    runs every case equally often. ``min_time_s`` is per implementation.
+    """
+    keys = list(runs)
+    for key in keys:  # warm-up: allocator, lazy init, first touch of each case
+        for i in range(n_cases):
+            runs[key](i)
+    t0 = time.perf_counter()
+    for i, key in enumerate(keys):  # one warm round estimates the repetitions
+        runs[key](i % n_cases)
+    estimate = (time.perf_counter() - t0) / len(keys)
+    period = math.lcm(len(keys), n_cases)
+    rounds = _reps_for(estimate, min_time_s, min_reps, max_reps)
+    rounds = period * max(1, min(math.ceil(rounds / period), max_reps // period))
+    samples: dict[object, list[float]] = {key: [] for key in keys}
+    call = 0
+    for r in range(rounds):
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            t0 = time.perf_counter()
+            runs[key](call % n_cases)
+            samples[key].append(time.perf_counter() - t0)
+            call += 1
+    return {
+        key: Timing(statistics.median(v), len(v), "cpu perf_counter, interleaved")
+        for key, v in samples.items()
+    }
 
 
 def _time_cuda_eager(

@@ -4,11 +4,12 @@ CPU command end to end on a tiny preset (table, JSON that reloads, PNG)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
-from moerunner.bench import presets, roofline
+from moerunner.bench import presets, roofline, timing
 from moerunner.bench.presets import BenchShape
 from moerunner.bench.roofline import DeviceCeilings, RowCost
 from moerunner.bench.sweep import check_against_reference, draw_routing
@@ -152,6 +153,32 @@ def test_reference_check_flags_a_wrong_output():
     bad = good.clone()
     bad[0] *= 1.1
     assert check_against_reference(bad, x, topk, weights, TINY, 1 << 30)[0] > 1e-2
+
+
+def test_interleaved_timing_rotates_alternates_cases_and_keeps_ratios():
+    calls = []
+
+    def make(key, seconds):
+        def run(i):
+            calls.append((key, i))
+            time.sleep(seconds)
+
+        return run
+
+    runs = {"a": make("a", 0.001), "b": make("b", 0.004), "c": make("c", 0.0)}
+    out = timing.time_interleaved_cpu(runs, 4, min_time_s=0.0, min_reps=5, max_reps=30)
+    # 5 rounds asked, rounded up to lcm(3 implementations, 4 cases) = 12.
+    assert set(out) == {"a", "b", "c"} and all(t.samples == 12 for t in out.values())
+    timed = calls[-36:]  # after the warm-up and the estimating round
+    for r in range(12):  # first key rotating
+        keys = [k for k, _ in timed[3 * r : 3 * r + 3]]
+        assert keys == (["a", "b", "c"] * 2)[r % 3 : r % 3 + 3]
+    assert [i for _, i in timed] == [c % 4 for c in range(36)]  # consecutive calls differ
+    for key in "abc":  # every implementation runs every case equally often
+        assert sorted(i for k, i in timed if k == key) == sorted(list(range(4)) * 3)
+    # sleep() lasts at least its argument; each median belongs to its own implementation.
+    assert out["b"].seconds >= 0.004 and out["a"].seconds >= 0.001
+    assert out["c"].seconds < out["b"].seconds
 
 
 def test_cli_end_to_end_on_cpu(tmp_path, capsys):
