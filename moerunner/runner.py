@@ -2,7 +2,8 @@
 
 The ``Registry`` is the one place that knows which (dispatch format, backend) pairs exist:
 
-- a *fused op* registered for (format, backend) handles that format whole in one call;
+- a *fused op* registered for (format, backend) handles that format whole in one call (it may
+  decline a call by returning None, e.g. off the device it is built for);
 - otherwise the format's *pre-permute* brings tokens into the grouped layout, the backend's
   *core* computes the experts, and the format's *post-permute* brings them back.
 
@@ -30,7 +31,7 @@ from .errors import BackendUnavailableError, MoeInputError
 from .profiling import trace_range
 from .weights import ExpertWeights, PreparedWeights
 
-FusedOp = Callable[[Any, PreparedWeights], torch.Tensor]
+FusedOp = Callable[[Any, PreparedWeights], "torch.Tensor | None"]  # None: declined
 Core = Callable[[torch.Tensor, torch.Tensor, PreparedWeights], torch.Tensor]
 
 # Measured order of preference per device type (see benchmarks/results/): the first backend
@@ -61,7 +62,8 @@ class Registry:
         return backend
 
     def register_fused_op(self, dispatch_format: str, backend: str) -> Callable[[FusedOp], FusedOp]:
-        """Decorator: ``fn(dispatch_output, prepared) -> output`` for (format, backend)."""
+        """Decorator: ``fn(dispatch_output, prepared) -> output`` for (format, backend); a
+        fused op returns None to decline a call, which then takes the permute path."""
 
         def wrap(fn: FusedOp) -> FusedOp:
             self._selections.clear()
@@ -246,7 +248,9 @@ class MoeRunner:
         fused = None if self.force_permute else self.registry.fused_ops.get((fmt, name))
         if fused is not None:
             with trace_range(f"moerunner.{name}.fused"):
-                return fused(dispatch_output, prepared)
+                out = fused(dispatch_output, prepared)
+            if out is not None:
+                return out
         core = self.registry.cores.get(name)
         if core is None or fmt not in self.registry.permutes:
             raise BackendUnavailableError(
@@ -273,6 +277,19 @@ def default_registry() -> Registry:
 _CACHE_ATTR = "_moerunner_prepared"
 
 
+class _PreparedCache(dict):
+    """The per-weight memo. A copy of the weights (``copy.deepcopy(model)``, pickling,
+    ``torch.save``) starts with an empty one: prepared weights are derived data (dequantized
+    or padded copies), which a copy would duplicate in memory and a checkpoint would store;
+    the copy prepares its own on first use."""
+
+    def __deepcopy__(self, memo: dict) -> _PreparedCache:
+        return _PreparedCache()
+
+    def __reduce__(self):
+        return (_PreparedCache, ())
+
+
 def prepared_for(
     runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
 ) -> PreparedWeights:
@@ -289,7 +306,7 @@ def prepared_for(
     )
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
-        per_weight = {}
+        per_weight = _PreparedCache()
         try:
             setattr(weights.w13, _CACHE_ATTR, per_weight)
         except (AttributeError, TypeError):  # no attributes allowed: prepare every time

@@ -155,3 +155,40 @@ def test_stages_are_named_in_profiler_traces():
         moerunner.fused_moe(x, w13, w2, wts, ids, backend="torch")
     names = {e.key for e in prof.key_averages()}
     assert any(n.startswith("moerunner.") for n in names), sorted(names)[:20]
+
+
+def test_copies_of_weights_start_with_an_empty_prepared_cache():
+    # The functional API memoises prepared weights on w13; a deepcopy or a saved copy of the
+    # weights (a model copy, a checkpoint) carries none of them and prepares afresh.
+    import copy
+    import io
+
+    from moerunner.runner import _CACHE_ATTR
+
+    x, weights, tw, ids = Case("cache", tokens=4).build(torch.float32)
+    out = moerunner.fused_moe(x, weights.w13, weights.w2, tw, ids, backend="torch")
+    assert len(getattr(weights.w13, _CACHE_ATTR)) == 1
+    w13_copy = copy.deepcopy(weights.w13)
+    assert torch.equal(w13_copy, weights.w13) and len(getattr(w13_copy, _CACHE_ATTR)) == 0
+    buf = io.BytesIO()
+    torch.save(weights.w13, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(loaded, weights.w13) and len(getattr(loaded, _CACHE_ATTR)) == 0
+    again = moerunner.fused_moe(x, w13_copy, weights.w2, tw, ids, backend="torch")
+    assert torch.equal(again, out)
+
+
+def test_a_declining_fused_op_hands_the_call_to_the_permute_path():
+    registry = moerunner.default_registry()
+    local = moerunner.Registry(permutes=dict(registry.permutes))
+    local.register_backend(registry.backends["torch"])
+    declined = []
+    local.register_fused_op("standard", "torch")(lambda d, p: declined.append(d))
+    local.register_core("torch")(registry.cores["torch"])
+    x, weights, tw, ids = Case("d", tokens=5).build(torch.float32)
+    runner = moerunner.MoeRunner("torch", registry=local)
+    out = runner.run(StandardDispatchOutput(x, TopK(tw, ids)), _prepared(runner, x, weights))
+    assert len(declined) == 1
+    ref = moerunner.reference_moe(x, weights, tw, ids)
+    assert_close(out, ref, TOLERANCE[torch.float32], what="declined -> permute path")
