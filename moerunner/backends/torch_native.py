@@ -1,24 +1,35 @@
 """Backend ``torch``: portable PyTorch experts for any device, every scheme (emulated).
 
-Core on the grouped layout: one GEMM1 -> activation -> GEMM2 per non-empty expert segment
-(one host read of the E+1 offsets per call; never a per-token loop), or, for plain weights
-with 16-byte aligned rows (on CPU, and on CUDA for bf16), PyTorch's grouped GEMM over all
-segments at once with no host sync (on CPU, fp32 decode batches run each expert's GEMM as
-W @ x^T, and the activation runs in cache-sized row blocks).
+One GEMM1 -> activation -> GEMM2 per non-empty expert (never a per-token loop), or, on CUDA
+for bf16 weights with 16-byte aligned rows, PyTorch's grouped GEMM over all experts at once
+with no host sync.
+
+On CPU the experts hit run in chunks of consecutive experts (at most 256 grouped rows, or
+one expert with more): each chunk gathers its rows once, runs every expert's GEMM1 into one
+buffer, the activation once, every expert's GEMM2, and (standard dispatch, as a fused op)
+adds its weighted rows into one float32 sum; few Python-level ops per expert, and no
+[T*k, H] copies. Each expert GEMM takes the form this CPU ran fastest for its dtype and row
+count (the measurements are above ``_CPU_COLUMNS``).
 
 Quantized weights are dequantized once to float32 in ``prepare_weights``; at run time GEMM
 inputs are quantized exactly as the scheme's kernels quantize them (dynamic per-token fp8,
 per-128-group fp8, MX blocks...) and multiplied in float32, so the result equals what a real
 kernel computes up to accumulation order. The GEMM1 output and the activation are stored in
 the input dtype between GEMMs, as the fused kernels store them.
+
+Shape suffixes: T tokens, H hidden, I intermediate, N a GEMM's output width (2I or H), K its
+input width, M one expert's rows, R one chunk's rows, P slices of N, S rows per slice.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
+from ..dispatch.formats import STANDARD, StandardDispatchOutput
 from ..runner import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized
 from .base import Backend, Capabilities
@@ -62,6 +73,9 @@ class TorchBackend(Backend):
             prepared.notes.append("dequantized w13/w2 to float32 once")
         else:
             tensors["w13"], tensors["w2"] = weights.w13, weights.w2
+        if tensors["w13"].device.type == "cpu":  # one view per expert, made once, not per call
+            tensors["w13_experts"] = tensors["w13"].unbind(0)
+            tensors["w2_experts"] = tensors["w2"].unbind(0)
         tensors["w13_bias"], tensors["w2_bias"] = weights.w13_bias, weights.w2_bias
         return prepared
 
@@ -108,34 +122,174 @@ def _expert_forward(
         out_MH.copy_(_linear(a, t["w2"][e], b2, scheme2, s2))
 
 
+# CPU expert GEMMs: each takes the form this CPU ran fastest, measured per expert GEMM at the
+# Qwen3-30B-A3B shape (H=2048, I=768, weights streamed from memory) on an AVX-512 / AMX-bf16
+# CPU with 2 threads, and checked on whole calls against transformers' experts
+# (benchmarks/cpu_torch_vs_transformers.py).
+# - bf16: W @ x^T (weights as the left operand) runs 1.2-1.8x faster than x @ W^T from 2 to
+#   about 130 rows, and a GEMV 1.15-1.45x faster than a one-row GEMM. Calls with fewer than
+#   _CPU_COLUMNS_UNTIL rows per expert hit on average run transposed ("columns"): each
+#   expert writes a column block of [N, rows] buffers, and the sum is kept as [H, T]. With
+#   more rows x @ W^T is as fast or faster, and a transposed sum of many tokens is not (T =
+#   3072-4096 ran 1.2x slower transposed), so those calls run row-major.
+# - fp32 runs row-major: GEMVs on strided fp32 vectors ran up to 2.6x slower. x @ W^T is
+#   fastest at 1-3 rows and from 48 rows; from 3 to 4 rows its time grows 1.8x, and split
+#   in N into a batch of 32-row slices of W the same product runs 1.4-1.9x faster at 4-15
+#   rows. At 16-47 rows W @ x^T (copied into the rows) runs GEMM1 1.25-1.45x faster and
+#   GEMM2 up to 10% slower, whole calls at T = 256-512 8-12% faster; beyond that it was
+#   slower (up to 1.5x at odd row counts near 64).
+_CPU_COLUMNS = frozenset({torch.bfloat16})
+_CPU_COLUMNS_UNTIL = 160  # rows per expert hit, on average
+_CPU_ROW_FORMS = {torch.float32: (4, 16, 48)}  # rows: N-split from, W @ x^T from, x @ W^T from
+_CPU_SPLIT_SLICE_ROWS = 32
+
+# Grouped rows per chunk of experts on CPU (an expert with more rows is a chunk of its own):
+# the chunk's buffers and float32 activation temporaries stay ~1-3 MiB (in cache) whatever T
+# is. Column buffers always have this leading dimension, so oneDNN sees the same strides call
+# after call: with one per chunk size its primitive cache (1024 entries) overflowed at T=512
+# and every GEMM rebuilt its primitive (3x slower calls).
+_CPU_CHUNK_ROWS = 256
+
+
+def _cpu_mm_columns(out_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
+    """``out = x @ w.T`` into the transposed view of a column block (bf16 forms above)."""
+    if x_MK.shape[0] == 1:
+        torch.mv(w_NK, x_MK[0], out=out_MN[0])
+    else:
+        torch.mm(w_NK, x_MK.T, out=out_MN.T)
+
+
+def _cpu_mm_rows(out_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
+    """``out = x @ w.T`` into a row block of a row-major buffer (fp32 forms above; other
+    dtypes x @ W^T)."""
+    rows, n = x_MK.shape[0], w_NK.shape[0]
+    split_from, transposed_from, plain_from = _CPU_ROW_FORMS.get(x_MK.dtype, (math.inf,) * 3)
+    if rows < split_from or rows >= plain_from:
+        torch.mm(x_MK, w_NK.T, out=out_MN)
+    elif rows >= transposed_from:
+        out_MN.copy_((w_NK @ x_MK.T).T)
+    elif n % _CPU_SPLIT_SLICE_ROWS == 0 and w_NK.is_contiguous():
+        parts = n // _CPU_SPLIT_SLICE_ROWS
+        w_PSK = w_NK.view(parts, _CPU_SPLIT_SLICE_ROWS, -1)
+        y_PMS = torch.bmm(x_MK.expand(parts, *x_MK.shape), w_PSK.transpose(1, 2))
+        out_MN.view(rows, parts, _CPU_SPLIT_SLICE_ROWS).copy_(y_PMS.transpose(0, 1))
+    else:
+        torch.mm(x_MK, w_NK.T, out=out_MN)
+
+
+_SCHEME_KEYS = {"w13": ("scheme", "input_scale"), "w2": ("scheme2", "input_scale2")}
+
+
+def _cpu_gemms(
+    out_RN: torch.Tensor,
+    x_RK: torch.Tensor,
+    experts: list[tuple[int, int, int]],
+    name: str,
+    prepared: PreparedWeights,
+    columns: bool,
+) -> None:
+    """GEMM ``name`` ("w13" or "w2") of each ``(expert, start, end)`` on its rows of the
+    chunk, into its block of ``out``: plain weights in the fast forms (a bias added to the
+    rounded product); quantized ones through ``_linear``, rounded once into the buffer."""
+    t = prepared.tensors
+    w, bias = t[f"{name}_experts"], t[f"{name}_bias"]
+    scheme, scale = (t.get(k) for k in _SCHEME_KEYS[name])
+    if scheme is not None:
+        for e, start, end in experts:
+            out_RN[start:end] = _linear(
+                x_RK[start:end],
+                w[e],
+                None if bias is None else bias[e],
+                scheme,
+                None if scale is None else scale[e],
+            )
+        return
+    mm_into = _cpu_mm_columns if columns else _cpu_mm_rows
+    for e, start, end in experts:
+        mm_into(out_RN[start:end], x_RK[start:end], w[e])
+    if bias is not None:
+        for e, start, end in experts:
+            out_RN[start:end] = out_RN[start:end].float() + bias[e].float()
+
+
+def _cpu_chunk(
+    x_RH: torch.Tensor,
+    offsets: list[int],
+    first_expert: int,
+    prepared: PreparedWeights,
+    columns: bool,
+) -> torch.Tensor:
+    """Experts ``first_expert...`` on the grouped rows of one chunk (``offsets``: their local
+    bounds): GEMM1 per expert, the activation once, GEMM2 per expert; ``[R, H]`` in x's
+    dtype, a transposed view for column chunks."""
+    spec, rows = prepared.spec, x_RH.shape[0]
+
+    def buffer(width: int) -> torch.Tensor:
+        if not columns:
+            return x_RH.new_empty((rows, width))
+        return x_RH.new_empty((width, max(rows, _CPU_CHUNK_ROWS)))[:, :rows].T
+
+    experts = [
+        (first_expert + i, offsets[i], offsets[i + 1])
+        for i in range(len(offsets) - 1)
+        if offsets[i + 1] > offsets[i]
+    ]
+    h_RN = buffer(prepared.tensors["w13"].shape[1])
+    _cpu_gemms(h_RN, x_RH, experts, "w13", prepared, columns)
+    # Activation in float32 (as the fused kernels do), rounded once into row-major GEMM2 input.
+    a_RI = x_RH.new_empty((rows, spec.intermediate_size)).copy_(apply_activation(h_RN, spec))
+    y_RH = buffer(spec.hidden_size)
+    _cpu_gemms(y_RH, a_RI, experts, "w2", prepared, columns)
+    return y_RH
+
+
+def _cpu_columns(dtype: torch.dtype, bounds: list[int], num_experts: int) -> bool:
+    """Whether a CPU call runs transposed: bf16 with fewer than ``_CPU_COLUMNS_UNTIL`` rows
+    per expert hit on average."""
+    if dtype not in _CPU_COLUMNS:
+        return False
+    hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
+    return bounds[num_experts] < _CPU_COLUMNS_UNTIL * hit
+
+
+def _cpu_chunks(
+    x: torch.Tensor,
+    row_source: torch.Tensor | None,
+    bounds: list[int],
+    prepared: PreparedWeights,
+    columns: bool,
+):
+    """Yield ``(start, end, y_RH)`` for chunks of consecutive experts of at most
+    ``_CPU_CHUNK_ROWS`` grouped rows; grouped row r is ``x[row_source[r]]`` (or ``x[r]``)."""
+    num_experts = prepared.spec.num_experts
+    first = 0
+    while first < num_experts:
+        last = first + 1
+        while last < num_experts and bounds[last + 1] - bounds[first] <= _CPU_CHUNK_ROWS:
+            last += 1
+        start, end = bounds[first], bounds[last]
+        if end > start:
+            x_RH = x[start:end] if row_source is None else x[row_source[start:end]]
+            offsets = [b - start for b in bounds[first : last + 1]]
+            yield start, end, _cpu_chunk(x_RH, offsets, first, prepared, columns)
+        first = last
+
+
 def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
-    """Grouped GEMM for plain weights whose rows are 16-byte aligned (its kernels need it):
-    on CPU (measured faster than the per-expert loop for Qwen3-30B-A3B shapes at T = 32 and
-    512, fp32 and bf16) and on CUDA for bf16; otherwise the per-expert loop."""
+    """Grouped GEMM on CUDA for bf16 plain weights whose rows are 16-byte aligned (its kernels
+    need it); elsewhere one GEMM pair per expert (on CPU measured faster at every size than
+    the grouped GEMM, whose single form is the slow one for bf16 and for fp32 at 4-32 rows)."""
     t, spec = prepared.tensors, prepared.spec
     if _GROUPED_MM is None or "scheme" in t or t["w13"].dtype != x_MH.dtype:
         return False
     width = x_MH.element_size()
     if (spec.hidden_size * width) % 16 or (spec.intermediate_size * width) % 16:
         return False
-    return x_MH.device.type == "cpu" or (x_MH.is_cuda and x_MH.dtype == torch.bfloat16)
+    return x_MH.dtype in _GROUPED.get(x_MH.device.type, ())
 
 
-# Rows per activation block on CPU: float32 temporaries of [block, I] stay ~1 MiB (in cache),
-# instead of float32 copies of all [M, 2I] GEMM1 rows.
-_ACT_BLOCK_ELEMENTS = 1 << 18
-
-# CPU, fp32: with few rows per expert (on average from 1/4 to 8: decode batches beyond one
-# token), each expert's GEMMs run as W @ x^T (weights as the left operand) instead of
-# x @ W^T: measured 1.1-2x faster per grouped GEMM on an x86 CPU at the Qwen3-30B-A3B shape,
-# equal at 8 rows per expert and slower beyond. bf16 was up to 2x slower that way.
-_TRANSPOSED_ROWS_PER_EXPERT = {torch.float32: (0.25, 8.0)}
-
-
-def _transposed(x_MH: torch.Tensor, num_experts: int) -> bool:
-    low, high = _TRANSPOSED_ROWS_PER_EXPERT.get(x_MH.dtype, (0.0, 0.0))
-    rows = x_MH.shape[0]
-    return x_MH.device.type == "cpu" and low * num_experts <= rows < high * num_experts
+# Device type -> dtypes whose calls take the grouped GEMM (a table so tests run it on CPU).
+_GROUPED = {"cuda": frozenset({torch.bfloat16})}
 
 
 def _grouped_forward(
@@ -144,35 +298,52 @@ def _grouped_forward(
     """All segments in two grouped GEMMs; no host synchronisation."""
     t, spec = prepared.tensors, prepared.spec
     ends = offsets[1:].to(torch.int32)
-    rows = x_MH.shape[0]
-    transposed = _transposed(x_MH, spec.num_experts)
-    if transposed:  # h^T = W13 @ x^T per expert: h_MN is a column-major view
-        h_MN = _GROUPED_MM(t["w13"], x_MH.transpose(0, 1), offs=ends).transpose(0, 1)
-    else:
-        h_MN = _GROUPED_MM(x_MH, t["w13"].transpose(-2, -1), offs=ends)
+    h_MN = _GROUPED_MM(x_MH, t["w13"].transpose(-2, -1), offs=ends)
     expert_of_row = None
     if t["w13_bias"] is not None or t["w2_bias"] is not None:
-        row_ids = torch.arange(rows, device=x_MH.device)
+        row_ids = torch.arange(x_MH.shape[0], device=x_MH.device)
         expert_of_row = torch.searchsorted(offsets[1:], row_ids, right=True).clamp(
             max=spec.num_experts - 1
         )
+    if t["w13_bias"] is not None:
+        h_MN = h_MN.float() + t["w13_bias"][expert_of_row].float()
     # Activation in fp32 (as the fused kernels do), rounded once into the GEMM2 input.
-    a_MI = torch.empty((rows, spec.intermediate_size), dtype=x_MH.dtype, device=x_MH.device)
-    block = rows
-    if x_MH.device.type == "cpu":
-        block = max(1, _ACT_BLOCK_ELEMENTS // h_MN.shape[1])
-    for start in range(0, rows, block):
-        h = h_MN[start : start + block]
-        if t["w13_bias"] is not None:
-            h = h.float() + t["w13_bias"][expert_of_row[start : start + block]].float()
-        a_MI[start : start + block] = apply_activation(h, spec)
-    if transposed:  # y^T = W2 @ a^T; rows are few here, so the row-major copy is cheap
-        y_MH = _GROUPED_MM(t["w2"], a_MI.transpose(0, 1), offs=ends).transpose(0, 1).contiguous()
-    else:
-        y_MH = _GROUPED_MM(a_MI, t["w2"].transpose(-2, -1), offs=ends)
+    a_MI = apply_activation(h_MN, spec).to(x_MH.dtype)
+    y_MH = _GROUPED_MM(a_MI, t["w2"].transpose(-2, -1), offs=ends)
     if t["w2_bias"] is not None:
         y_MH = (y_MH.float() + t["w2_bias"][expert_of_row].float()).to(x_MH.dtype)
     return y_MH
+
+
+@DEFAULT_REGISTRY.register_fused_op(STANDARD, NAME)
+def torch_fused_standard(
+    dispatch_output: StandardDispatchOutput, prepared: PreparedWeights
+) -> torch.Tensor | None:
+    """CPU: the experts hit, in chunks (``_cpu_chunks``), each chunk's rows weighted and added
+    into a float32 [T, H] sum, rounded once. Declines (None) on other devices, where the
+    permute path runs."""
+    x_TH = dispatch_output.hidden_states
+    if x_TH.device.type != "cpu":
+        return None
+    ids_TK = dispatch_output.topk.ids
+    num_experts, top_k = prepared.spec.num_experts, ids_TK.shape[1]
+    key = ids_TK.reshape(-1).long()
+    key = torch.where(key >= 0, key, num_experts)
+    order = torch.argsort(key, stable=True)
+    bounds = [0] + torch.bincount(key, minlength=num_experts + 1).cumsum(0).tolist()
+    token = order // top_k
+    weight = dispatch_output.topk.weights.reshape(-1)[order].float()
+    # Column chunks (y transposed) sum into [H, T], so each add reads contiguous rows.
+    columns = _cpu_columns(x_TH.dtype, bounds, num_experts)
+    sum_TH = torch.zeros(x_TH.shape[::-1] if columns else x_TH.shape, dtype=torch.float32)
+    for start, end, y_RH in _cpu_chunks(x_TH, token, bounds, prepared, columns):
+        tok, w = token[start:end], weight[start:end]
+        if columns:
+            sum_TH.index_add_(1, tok, y_RH.T.float().mul_(w))
+        else:
+            sum_TH.index_add_(0, tok, y_RH.float().mul_(w[:, None]))
+    out = torch.empty_like(x_TH)
+    return out.copy_(sum_TH.T if columns else sum_TH)
 
 
 @DEFAULT_REGISTRY.register_core(NAME)
@@ -186,6 +357,11 @@ def torch_core(
         (x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype, device=x_MH.device
     )
     bounds = expert_offsets.tolist()
+    if x_MH.device.type == "cpu":
+        columns = _cpu_columns(x_MH.dtype, bounds, prepared.spec.num_experts)
+        for start, end, y_RH in _cpu_chunks(x_MH, None, bounds, prepared, columns):
+            y_MH[start:end] = y_RH
+        return y_MH
     for e in range(prepared.spec.num_experts):
         start, end = bounds[e], bounds[e + 1]
         if end > start:

@@ -1,12 +1,14 @@
-"""The ``torch`` backend's grouped-GEMM path and the standard combine, on CPU.
+"""The ``torch`` backend on CPU (expert chunks) and its CUDA grouped-GEMM path, run on CPU.
 
 Each case runs one MoE call through ``MoeRunner("torch")`` and compares it with the float64
 reference (``moerunner.reference_moe``) within the library's per-dtype bound
-(``moerunner.testing.DTYPE_BOUND``: fp32 2e-5, bf16 3e-2, set by the GEMM input and
-intermediate roundings). The cases choose sizes that reach each branch: the two GEMM
-orientations, several activation and combine blocks, -1 ids (some and all), biases, rows that
-are not 16-byte aligned. The decode path must not read device data on the host (CUDA graphs):
-on CPU that is checked by making every host-read method raise during the call.
+(``moerunner.testing.DTYPE_BOUND``: fp32 2e-5, bf16 3e-2, fp16 5e-3, set by the GEMM input
+and intermediate roundings). The CPU cases choose rows per expert that reach every GEMM form
+(one row; 2-3; the N-split batch at 4-15; W @ x^T at 16-47; bf16 transposed and row-major
+calls), several chunks, biases, -1 ids (some and all), on the fused op and on the permute
+path. The grouped path is what CUDA runs for bf16; it runs here by adding the CPU to its
+table, and must not read device data on the host (CUDA graphs): every host-read method
+raises during the call.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ import torch
 import moerunner
 from moerunner.backends import torch_native
 from moerunner.backends.base import MoeProblem
-from moerunner.dispatch import permute
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
 from moerunner.routing import TopK
-from moerunner.testing import DTYPE_BOUND, assert_close
-from moerunner.weights import ExpertWeights
+from moerunner.testing import DTYPE_BOUND, assert_close, error_bound
+from moerunner.weights import ExpertWeights, PreparedWeights
 
 
 def _case(tokens, experts, hidden, inter, top_k, dtype, *, bias=False, skips="none", seed=0):
@@ -46,58 +47,180 @@ def _case(tokens, experts, hidden, inter, top_k, dtype, *, bias=False, skips="no
     return x, weights, TopK(weights=topk.weights, ids=ids)
 
 
-def _run(x, weights, topk):
+def _run(x, weights, topk, force_permute=False):
     spec = weights.spec(moerunner.Activation("silu"))
-    runner = moerunner.MoeRunner("torch")
+    runner = moerunner.MoeRunner("torch", force_permute=force_permute)
     prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
     return runner.run(StandardDispatchOutput(x, topk), prepared), prepared
 
 
-def _check(out, x, weights, topk, what):
+def _check(out, x, weights, topk, what, bound=None):
     ref = moerunner.reference_moe(x, weights, topk.weights, topk.ids)
-    assert_close(out, ref, DTYPE_BOUND[x.dtype], what=what)
+    assert_close(out, ref, DTYPE_BOUND[x.dtype] if bound is None else bound, what=what)
 
 
+# --- CPU: expert chunks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
+@pytest.mark.parametrize("chunk_rows", [12, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 6, 24, 80])
+@pytest.mark.parametrize("skips", ["none", "some"])
+def test_cpu_chunks_match_reference(tokens, dtype, chunk_rows, skips, force_permute, monkeypatch):
+    # E=8, k=2: on average 0.25, 1.5, 6 and 20 rows per expert (every form; 80 tokens also
+    # give experts of more than 12 rows, chunks of their own when chunk_rows is 12).
+    monkeypatch.setattr(torch_native, "_CPU_CHUNK_ROWS", chunk_rows)
+    x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, skips=skips)
+    out, prepared = _run(x, weights, topk, force_permute)
+    assert not torch_native._use_grouped_mm(x, prepared)
+    _check(out, x, weights, topk, f"{dtype} T={tokens} chunk {chunk_rows} skips={skips}")
+
+
+@pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
+@pytest.mark.parametrize("tokens", [6, 80])
+def test_cpu_bf16_calls_with_many_rows_per_expert_run_row_major(tokens, force_permute, monkeypatch):
+    # bf16 runs transposed below _CPU_COLUMNS_UNTIL rows per expert hit: at 4, T=6 (1.5 rows
+    # per expert) still does, T=80 (20 rows per expert) runs row-major.
+    monkeypatch.setattr(torch_native, "_CPU_COLUMNS_UNTIL", 4)
+    x, weights, topk = _case(tokens, 8, 64, 48, 2, torch.bfloat16, skips="some")
+    counts = torch.bincount(topk.ids[topk.ids >= 0].long(), minlength=8).tolist()
+    bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
+    assert torch_native._cpu_columns(torch.bfloat16, bounds, 8) == (tokens == 6)
+    assert not torch_native._cpu_columns(torch.float32, bounds, 8)
+    out, _ = _run(x, weights, topk, force_permute)
+    _check(out, x, weights, topk, f"bf16 T={tokens}, columns until 4 rows per expert")
+
+
+@pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_chunks_with_biases_and_no_valid_ids(dtype, force_permute, monkeypatch):
+    monkeypatch.setattr(torch_native, "_CPU_CHUNK_ROWS", 8)
+    x, weights, topk = _case(30, 8, 64, 48, 2, dtype, bias=True, skips="some", seed=1)
+    out, _ = _run(x, weights, topk, force_permute)
+    _check(out, x, weights, topk, f"{dtype} biases")
+    x, weights, topk = _case(5, 8, 64, 48, 2, dtype, bias=True, skips="all")
+    out, _ = _run(x, weights, topk, force_permute)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_cpu_quantized_weights_with_bf16_activations():
+    # Dequantized fp32 GEMMs on the scheme's quantized input, each rounded once into the
+    # bf16 chunk buffer: the bf16 bound plus the activation-quantization allowance.
+    x, plain, topk = _case(24, 8, 128, 64, 2, torch.float32, bias=True, skips="some")
+    weights = ExpertWeights(
+        moerunner.quantize(plain.w13, "fp8_channel"),
+        moerunner.quantize(plain.w2, "fp8_channel"),
+        plain.w13_bias.bfloat16(),
+        plain.w2_bias.bfloat16(),
+    )
+    x = x.bfloat16()
+    out, _ = _run(x, weights, topk)
+    _check(out, x, weights, topk, "fp8_channel, bf16 x", error_bound(torch.bfloat16, True))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 15, 16, 40, 50])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [96, 90])  # 90: not a multiple of the 32-row slices
+def test_cpu_gemm_forms_compute_x_times_w_transposed(rows, dtype, n):
+    # Each form writes x @ w.T into its block of a chunk buffer (rows 5.. of a wider buffer,
+    # so offsets and leading dimensions are exercised). The forms sum the same K = 64
+    # products in other orders: fp32 within 1e-5 of the largest output; bf16 and fp16 one
+    # output rounding (2^-8, 2^-11 relative) plus summation order, so 2^-7 and 2^-9.
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    w = torch.randn(n, 64, generator=gen).to(dtype)
+    ref = x.double() @ w.double().T
+    columns = dtype in torch_native._CPU_COLUMNS
+    total = rows + 7
+    if columns:
+        buffer = torch.full((n, total), float("nan"), dtype=dtype).T
+        torch_native._cpu_mm_columns(buffer[5 : 5 + rows], x, w)
+    else:
+        buffer = torch.full((total, n), float("nan"), dtype=dtype)
+        torch_native._cpu_mm_rows(buffer[5 : 5 + rows], x, w)
+    bound = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}[dtype]
+    assert_close(buffer[5 : 5 + rows], ref, bound, what=f"{dtype} rows={rows} n={n}")
+    assert buffer[:5].isnan().all() and buffer[5 + rows :].isnan().all()
+
+
+def test_cpu_chunks_cover_every_row_once_within_the_chunk_size(monkeypatch):
+    seen = []
+
+    def record(x_RH, offsets, first, prepared, columns):
+        seen.append((first, list(offsets), x_RH[:, 0].tolist()))
+        return x_RH
+
+    monkeypatch.setattr(torch_native, "_cpu_chunk", record)
+    monkeypatch.setattr(torch_native, "_CPU_CHUNK_ROWS", 4)
+    spec = moerunner.ExpertSpec(6, 1, 1, moerunner.Activation("silu"))
+    prepared = PreparedWeights("torch", None, spec)
+    counts = [2, 0, 3, 1, 7, 0]  # expert 4 alone exceeds the chunk size
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    x = torch.arange(20.0)[:, None]
+    row_source = torch.arange(bounds[-1] - 1, -1, -1)  # grouped row r is x[12 - r]
+    chunks = list(torch_native._cpu_chunks(x, row_source, bounds, prepared, False))
+    assert [(s, e) for s, e, _ in chunks] == [(0, 2), (2, 6), (6, 13)]
+    assert [first for first, _, _ in seen] == [0, 2, 4]
+    assert [offsets for _, offsets, _ in seen] == [[0, 2, 2], [0, 3, 4], [0, 7]]
+    gathered = [v for _, _, rows in seen for v in rows]
+    assert gathered == [float(12 - r) for r in range(13)]
+
+
+def test_cpu_column_buffers_keep_one_leading_dimension():
+    # oneDNN keys its primitives on strides: the bf16 column buffers of every chunk smaller
+    # than the chunk size share one leading dimension (a larger single expert has its own).
+    x, weights, topk = _case(4, 8, 64, 48, 2, torch.bfloat16)
+    _, prepared = _run(x, weights, topk)
+    for rows in (3, torch_native._CPU_CHUNK_ROWS, torch_native._CPU_CHUNK_ROWS + 5):
+        x_RH = torch.randn(rows, 64).bfloat16()
+        y_RH = torch_native._cpu_chunk(x_RH, [0, rows], 0, prepared, columns=True)
+        assert y_RH.shape == (rows, 64)
+        assert y_RH.stride() == (1, max(rows, torch_native._CPU_CHUNK_ROWS))
+        ref = moerunner.reference_moe(
+            x_RH, weights, torch.ones(rows, 1), torch.zeros(rows, 1, dtype=torch.int64)
+        )
+        assert_close(y_RH, ref, DTYPE_BOUND[torch.bfloat16], what=f"one expert, {rows} rows")
+
+
+def test_fused_op_declines_off_the_cpu():
+    x, weights, topk = _case(3, 4, 64, 48, 2, torch.float32)
+    _, prepared = _run(x, weights, topk)
+    meta = StandardDispatchOutput(x.to("meta"), TopK(topk.weights.to("meta"), topk.ids))
+    assert torch_native.torch_fused_standard(meta, prepared) is None
+
+
+# --- the grouped-GEMM path (CUDA bf16), run on CPU ------------------------------------------
+
+
+@pytest.fixture
+def grouped(monkeypatch):
+    """fp32 and bf16 calls on CPU take the grouped GEMM, as bf16 calls on CUDA do."""
+    table = {"cpu": frozenset({torch.float32, torch.bfloat16})}
+    monkeypatch.setattr(torch_native, "_GROUPED", table)
+
+
+@pytest.mark.usefixtures("grouped")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 @pytest.mark.parametrize("skips", ["none", "some", "all"])
 def test_grouped_path_matches_reference(dtype, tokens, skips):
-    # E=8, k=2: fp32 runs W @ x^T for 2 <= M < 64 rows (tokens 1, 5) and x @ W^T at 80.
-    x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, skips=skips)
-    out, prepared = _run(x, weights, topk)
+    x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=skips == "some", skips=skips)
+    out, prepared = _run(x, weights, topk, force_permute=True)
     assert torch_native._use_grouped_mm(x, prepared)
     _check(out, x, weights, topk, f"{dtype} T={tokens} skips={skips}")
     if skips == "all":
         assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_orientations_agree_and_are_both_used():
-    x, weights, topk = _case(5, 8, 64, 48, 2, torch.float32)
-    spec = weights.spec(moerunner.Activation("silu"))
-    rows = torch.zeros(10, 64)
-    assert torch_native._transposed(rows, spec.num_experts)
-    assert not torch_native._transposed(rows.to(torch.bfloat16), spec.num_experts)
-    assert not torch_native._transposed(torch.zeros(80, 64), spec.num_experts)
-    assert not torch_native._transposed(rows, 0)  # no local experts (expert parallel)
-    out, _ = _run(x, weights, topk)
-    _check(out, x, weights, topk, "W @ x^T")
-
-
-def test_blocks_and_biases(monkeypatch):
-    # Tiny blocks: several activation blocks (with per-row biases) and combine blocks.
-    monkeypatch.setattr(torch_native, "_ACT_BLOCK_ELEMENTS", 96 * 3)
-    monkeypatch.setattr(permute, "_COMBINE_BLOCK_ELEMENTS", 2 * 64 * 2)
-    for dtype in (torch.float32, torch.bfloat16):
-        x, weights, topk = _case(9, 8, 64, 48, 2, dtype, bias=True, skips="some", seed=1)
-        out, _ = _run(x, weights, topk)
-        _check(out, x, weights, topk, f"{dtype} blocks + biases")
-
-
-def test_unaligned_rows_use_the_expert_loop():
+@pytest.mark.usefixtures("grouped")
+def test_unaligned_rows_leave_the_grouped_path():
     x, weights, topk = _case(6, 4, 30, 18, 2, torch.bfloat16, skips="some")  # 60-byte rows
-    out, prepared = _run(x, weights, topk)
+    out, prepared = _run(x, weights, topk, force_permute=True)
     assert not torch_native._use_grouped_mm(x, prepared)
-    _check(out, x, weights, topk, "per-expert loop")
+    _check(out, x, weights, topk, "unaligned rows")
 
 
 def _no_host_reads(monkeypatch):
@@ -109,13 +232,14 @@ def _no_host_reads(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "__index__", fail)
 
 
+@pytest.mark.usefixtures("grouped")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 4, 40])
 def test_grouped_path_reads_nothing_on_the_host(dtype, tokens, monkeypatch):
     # On CUDA a host read breaks graph capture; CPU runs the same grouped-GEMM code.
     x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=True, skips="some")
     spec = weights.spec(moerunner.Activation("silu"))
-    runner = moerunner.MoeRunner("torch")
+    runner = moerunner.MoeRunner("torch", force_permute=True)
     prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
     dispatched = StandardDispatchOutput(x, topk)
     with monkeypatch.context() as patched:
