@@ -126,17 +126,17 @@ def _expert_forward(
 # Qwen3-30B-A3B shape (H=2048, I=768, weights streamed from memory) on an AVX-512 / AMX-bf16
 # CPU with 2 threads, and checked on whole calls against transformers' experts
 # (benchmarks/cpu_torch_vs_transformers.py).
-# - bf16: W @ x^T (weights as the left operand) runs 1.2-1.8x faster than x @ W^T from 2 to
+# - bf16: W @ x^T (weights as the left operand) runs 1.2-1.9x faster than x @ W^T from 2 to
 #   about 130 rows, and a GEMV 1.15-1.45x faster than a one-row GEMM. Calls with fewer than
 #   _CPU_COLUMNS_UNTIL rows per expert hit on average run transposed ("columns"): each
 #   expert writes a column block of [N, rows] buffers, and the sum is kept as [H, T]. With
 #   more rows x @ W^T is as fast or faster, and a transposed sum of many tokens is not (T =
-#   3072-4096 ran 1.2x slower transposed), so those calls run row-major.
+#   3072-4096 ran 1.2-1.3x slower transposed), so those calls run row-major.
 # - fp32 runs row-major: GEMVs on strided fp32 vectors ran up to 2.6x slower. x @ W^T is
-#   fastest at 1-3 rows and from 48 rows; from 3 to 4 rows its time grows 1.8x, and split
+#   fastest at 1-3 rows and from 48 rows; from 3 to 4 rows its time grows 1.7-1.8x; split
 #   in N into a batch of 32-row slices of W the same product runs 1.4-1.9x faster at 4-15
-#   rows. At 16-47 rows W @ x^T (copied into the rows) runs GEMM1 1.25-1.45x faster and
-#   GEMM2 up to 10% slower, whole calls at T = 256-512 8-12% faster; beyond that it was
+#   rows. At 16-47 rows W @ x^T (copied into the rows) runs GEMM1 1.1-1.45x faster and
+#   GEMM2 up to 25% slower, whole calls at T = 256-512 7-12% faster; beyond that it was
 #   slower (up to 1.5x at odd row counts near 64).
 _CPU_COLUMNS = frozenset({torch.bfloat16})
 _CPU_COLUMNS_UNTIL = 160  # rows per expert hit, on average
@@ -333,17 +333,16 @@ def torch_fused_standard(
     bounds = [0] + torch.bincount(key, minlength=num_experts + 1).cumsum(0).tolist()
     token = order // top_k
     weight = dispatch_output.topk.weights.reshape(-1)[order].float()
-    # Column chunks (y transposed) sum into [H, T], so each add reads contiguous rows.
+    # The float32 sum is [T, H], or [H, T] for transposed calls (their y chunks are [H, R]).
     columns = _cpu_columns(x_TH.dtype, bounds, num_experts)
-    sum_TH = torch.zeros(x_TH.shape[::-1] if columns else x_TH.shape, dtype=torch.float32)
+    acc = torch.zeros(x_TH.shape[::-1] if columns else x_TH.shape, dtype=torch.float32)
     for start, end, y_RH in _cpu_chunks(x_TH, token, bounds, prepared, columns):
         tok, w = token[start:end], weight[start:end]
         if columns:
-            sum_TH.index_add_(1, tok, y_RH.T.float().mul_(w))
+            acc.index_add_(1, tok, y_RH.T.float().mul_(w))
         else:
-            sum_TH.index_add_(0, tok, y_RH.float().mul_(w[:, None]))
-    out = torch.empty_like(x_TH)
-    return out.copy_(sum_TH.T if columns else sum_TH)
+            acc.index_add_(0, tok, y_RH.float().mul_(w[:, None]))
+    return torch.empty_like(x_TH).copy_(acc.T if columns else acc)
 
 
 @DEFAULT_REGISTRY.register_core(NAME)
