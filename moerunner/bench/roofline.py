@@ -179,12 +179,16 @@ def _fp8_tflops(device: torch.device, n: int, repeats: int) -> float | None:
 
 
 def device_key(device: torch.device) -> str:
-    """A name identifying the hardware (and thread count on CPUs) for the ceilings cache."""
+    """A name identifying the hardware (and thread count on CPUs) and the torch build for the
+    ceilings cache: the peaks are those of the build's GEMM libraries, so a new build measures
+    afresh instead of reusing another build's numbers (``--remeasure`` forces it anyway)."""
+    build = f"torch{torch.__version__}"
     if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
+        return f"cuda:{torch.cuda.get_device_name(device)}:{build}"
     import platform
 
-    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+    machine = platform.processor() or platform.machine()
+    return f"cpu:{machine}:{torch.get_num_threads()}threads:{build}"
 
 
 def measure_ceilings(device: torch.device) -> DeviceCeilings:

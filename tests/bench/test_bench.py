@@ -181,6 +181,30 @@ def test_interleaved_timing_rotates_alternates_cases_and_keeps_ratios():
     assert out["c"].seconds < out["b"].seconds
 
 
+def test_ceilings_cache_is_per_torch_build(tmp_path, monkeypatch):
+    # Another build's cached peaks are not reused: the key names the build, so the call
+    # measures (stubbed here) and adds its own entry beside the old one.
+    cache = tmp_path / "ceilings.json"
+    old_key = "cpu:x:1threads:torch0.0"
+    cache.write_text(
+        json.dumps(
+            {
+                old_key: {
+                    "device": old_key,
+                    "copy_gbps": 1.0,
+                    "peak_tflops": {"fp32": 0.01, "bf16": 0.01},
+                }
+            }
+        )
+    )
+    fresh = roofline.DeviceCeilings("now", 50.0, {"fp32": 0.5, "bf16": 2.0})
+    monkeypatch.setattr(roofline, "measure_ceilings", lambda device: fresh)
+    monkeypatch.setattr(roofline.torch, "__version__", "9.9.9")
+    got = roofline.load_or_measure(torch.device("cpu"), cache)
+    assert got == fresh and "torch9.9.9" in roofline.device_key(torch.device("cpu"))
+    assert set(json.loads(cache.read_text())) == {old_key, roofline.device_key(torch.device("cpu"))}
+
+
 def test_cli_end_to_end_on_cpu(tmp_path, capsys):
     cache = tmp_path / "ceilings.json"
     key = roofline.device_key(torch.device("cpu"))
