@@ -1,12 +1,10 @@
 # Stage "experts" of the triton backend: the grouped GEMM kernel body (private).
 #
 # One kernel serves GEMM1 (w13, optional bias, fused gated/non-gated activation) and GEMM2
-# (w2, optional bias, routing weight) for every scheme; block coordinates, the gate/up row
-# mapping, the packed-weight decode and the epilogue are helpers below. Rows come from the
-# alignment step: ``sorted_rows`` holds, per BLOCK_M-padded expert segment, the output row ids
-# (sentinel ``num_rows`` for padding) and ``block_expert`` the expert of each M-block. The A
-# row of an output row is ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1
-# otherwise).
+# (w2, optional bias, routing weight) for every scheme. Rows come from the alignment step:
+# ``sorted_rows`` holds, per BLOCK_M-padded expert segment, the output row ids (sentinel
+# ``num_rows`` for padding) and ``block_expert`` the expert of each M-block. The A row of an
+# output row is ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1 otherwise).
 #
 # Weight tiles are read straight from the quantized layouts of docs/architecture.md and either
 # fed to the MMA in their own type (fp8 / int8 with a quantized A, "qdot") or dequantized in
@@ -169,88 +167,6 @@ def _scale_bf16(s, SCALE_FMT: tl.constexpr, MERGED: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(
-    w_base,
-    s_base,
-    rows,
-    k0,
-    K,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    stride_sk,
-    GROUP_K: tl.constexpr,
-    HALF: tl.constexpr,
-    MASK_K: tl.constexpr,
-):
-    """Storage of one packed 4-bit chunk of 2 * HALF along K: its bytes [HALF, BLOCK_N] and
-    each half's scale per row, both as stored.
-
-    In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
-    k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
-    scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
-    ``split_packed`` zero-pads K to whole chunks, so every byte of a chunk that starts below K
-    exists (a byte past (K + 1) // 2 may still hold a real low nibble); ``MASK_K`` (a K step
-    of several chunks) skips chunks that start at or past K. Padded nibbles meet A's masked
-    zeros; a scale group past the end loads as code 0.
-    """
-    offs_j = k0 // 2 + tl.arange(0, HALF)
-    ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
-    if MASK_K:
-        packed = tl.load(ptrs, mask=k0 < K, other=0)
-    else:
-        packed = tl.load(ptrs)
-    n_groups = (K + GROUP_K - 1) // GROUP_K
-    g_lo = k0 // GROUP_K
-    g_hi = (k0 + HALF) // GROUP_K
-    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
-    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
-    return packed, s_lo, s_hi
-
-
-@triton.jit
-def _nibble_values(
-    packed,
-    z_base,
-    rows,
-    k0,
-    K,
-    stride_zn,
-    stride_zk,
-    W_FORMAT: tl.constexpr,
-    GROUP_K: tl.constexpr,
-    HAS_ZP: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """Unscaled float32 values of the low and high nibbles of a chunk's bytes: e2m1 values, or
-    code minus zero point for int4 (the group's stored zero point, else 8)."""
-    lo = packed & 0xF
-    hi = (packed >> 4) & 0xF
-    if W_FORMAT == 3:
-        if HAS_ZP:
-            n_groups = (K + GROUP_K - 1) // GROUP_K
-            g_lo = k0 // GROUP_K
-            g_hi = (k0 + HALF) // GROUP_K
-            z_lo = tl.load(
-                z_base + rows * stride_zn + g_lo * stride_zk, mask=g_lo < n_groups, other=0
-            ).to(tl.float32)[None, :]
-            z_hi = tl.load(
-                z_base + rows * stride_zn + g_hi * stride_zk, mask=g_hi < n_groups, other=0
-            ).to(tl.float32)[None, :]
-        else:
-            z_lo = 8.0
-            z_hi = 8.0
-        # code -> float as (2^23 + code) - (2^23 + zero point): an OR into the mantissa of
-        # 2^23 and one add (exact for 4-bit codes), instead of an int-to-float conversion.
-        lo_v = (lo.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_lo)
-        hi_v = (hi.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_hi)
-    else:
-        lo_v = _decode_e2m1(lo)
-        hi_v = _decode_e2m1(hi)
-    return lo_v, hi_v
-
-
-@triton.jit
 def _split_halves(
     w_base,
     s_base,
@@ -274,22 +190,28 @@ def _split_halves(
     MERGED_SCALE: tl.constexpr,
     MASK_K: tl.constexpr,
 ):
-    """Dequantized halves [HALF, BLOCK_N] of one packed chunk in ``COMPUTE`` (the MMA's right
-    operand): value times its group scale, per element."""
-    packed, s_lo, s_hi = _load_chunk(
-        w_base,
-        s_base,
-        rows,
-        k0,
-        K,
-        stride_wn,
-        stride_wk,
-        stride_sn,
-        stride_sk,
-        GROUP_K,
-        HALF,
-        MASK_K,
-    )
+    """Dequantized halves [HALF, BLOCK_N] of one packed 4-bit chunk of 2 * HALF along K, in
+    ``COMPUTE`` (the MMA's right operand): each value times its group scale.
+
+    In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
+    k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
+    scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
+    ``split_packed`` zero-pads K to whole chunks, so every byte of a chunk that starts below K
+    exists (a byte past (K + 1) // 2 may still hold a real low nibble); ``MASK_K`` (a K step
+    of several chunks) skips chunks that start at or past K. Padded nibbles meet A's masked
+    zeros; a scale group past the end loads as code 0.
+    """
+    offs_j = k0 // 2 + tl.arange(0, HALF)
+    ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
+    if MASK_K:
+        packed = tl.load(ptrs, mask=k0 < K, other=0)
+    else:
+        packed = tl.load(ptrs)
+    n_groups = (K + GROUP_K - 1) // GROUP_K
+    g_lo = k0 // GROUP_K
+    g_hi = (k0 + HALF) // GROUP_K
+    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
+    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
             packed,
@@ -298,9 +220,26 @@ def _split_halves(
             MERGED_SCALE,
         )
     else:
-        lo_v, hi_v = _nibble_values(
-            packed, z_base, rows, k0, K, stride_zn, stride_zk, W_FORMAT, GROUP_K, HAS_ZP, HALF
-        )
+        lo = packed & 0xF
+        hi = (packed >> 4) & 0xF
+        if W_FORMAT == 3:
+            if HAS_ZP:
+                z_lo = tl.load(
+                    z_base + rows * stride_zn + g_lo * stride_zk, mask=g_lo < n_groups, other=0
+                ).to(tl.float32)[None, :]
+                z_hi = tl.load(
+                    z_base + rows * stride_zn + g_hi * stride_zk, mask=g_hi < n_groups, other=0
+                ).to(tl.float32)[None, :]
+            else:
+                z_lo = 8.0
+                z_hi = 8.0
+            # code -> float as (2^23 + code) - (2^23 + zero point): an OR into the mantissa of
+            # 2^23 and one add (exact for 4-bit codes), instead of an int-to-float conversion.
+            lo_v = (lo.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_lo)
+            hi_v = (hi.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_hi)
+        else:
+            lo_v = _decode_e2m1(lo)
+            hi_v = _decode_e2m1(hi)
         lo_t = (lo_v * _decode_scale(s_lo, SCALE_FMT)[None, :]).to(COMPUTE)
         hi_t = (hi_v * _decode_scale(s_hi, SCALE_FMT)[None, :]).to(COMPUTE)
     return lo_t, hi_t
@@ -411,115 +350,6 @@ def _activate(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def _block_coords(pid, num_m_blocks, N_OUT, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(M-block, N-block) of program ``pid`` in grouped launch order: GROUP_M consecutive
-    M-blocks share each weight tile while it is in L2."""
-    num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
-    per_group = GROUP_M * num_n_blocks
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
-
-
-@triton.jit
-def _gate_up_rows(offs_n, N_OUT, GATED: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Weight rows feeding output columns ``offs_n``: (gate rows, up rows) of w13 when GATED
-    (gate rows first then up rows, or alternating), else the same rows twice."""
-    offs_n_safe = offs_n % N_OUT  # in-bounds weight rows; masked columns are not stored
-    if GATED:
-        if INTERLEAVED:
-            rows_g = 2 * offs_n_safe
-            rows_u = 2 * offs_n_safe + 1
-        else:
-            rows_g = offs_n_safe
-            rows_u = offs_n_safe + N_OUT
-    else:
-        rows_g = offs_n_safe
-        rows_u = offs_n_safe
-    return rows_g, rows_u
-
-
-@triton.jit
-def _epilogue(
-    acc_g,
-    acc_u,
-    rows_out,
-    row_mask,
-    a_rows,
-    expert,
-    rows_g,
-    rows_u,
-    offs_n,
-    n_mask,
-    a_scale_ptr,
-    s_base,
-    w_gscale_ptr,
-    bias_ptr,
-    route_w_ptr,
-    out_ptr,
-    alpha,
-    limit,
-    stride_asm,
-    stride_sn,
-    stride_be,
-    stride_bn,
-    stride_om,
-    stride_on,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GATED: tl.constexpr,
-    ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    MUL_ROUTE_W: tl.constexpr,
-    A_SCALE: tl.constexpr,
-    K_SCALED: tl.constexpr,
-    SCALE_FMT: tl.constexpr,
-    SCALE_ROW_BLOCK: tl.constexpr,
-    HAS_GSCALE: tl.constexpr,
-):
-    """Accumulators [BLOCK_M, BLOCK_N] -> scales constant along K, global scale, bias,
-    activation, routing weight -> stored rows. ``K_SCALED``: the K loop already applied the
-    weight scales (group / block scales), so no per-channel scale is left to apply."""
-    g = acc_g.to(tl.float32)
-    if GATED:
-        u = acc_u.to(tl.float32)
-    else:
-        u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
-    if A_SCALE == 1:
-        a_s_row = tl.load(a_scale_ptr + a_rows * stride_asm)[:, None]
-        g = g * a_s_row
-        if GATED:
-            u = u * a_s_row
-    if (not K_SCALED) and SCALE_FMT != 0:
-        if SCALE_ROW_BLOCK == 0:
-            ch_stride = 0
-        else:
-            ch_stride = stride_sn
-        g = g * _channel_scale(s_base, rows_g, ch_stride, SCALE_FMT)[None, :]
-        if GATED:
-            u = u * _channel_scale(s_base, rows_u, ch_stride, SCALE_FMT)[None, :]
-    if HAS_GSCALE:
-        gs = tl.load(w_gscale_ptr + expert)
-        g = g * gs
-        if GATED:
-            u = u * gs
-    if HAS_BIAS:
-        g = g + tl.load(bias_ptr + expert * stride_be + rows_g * stride_bn)[None, :].to(tl.float32)
-        if GATED:
-            u = u + tl.load(bias_ptr + expert * stride_be + rows_u * stride_bn)[None, :].to(
-                tl.float32
-            )
-    out = _activate(g, u, alpha, limit, ACT)
-    if MUL_ROUTE_W:
-        rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0)
-        out = out * rw[:, None]
-    out_ptrs = out_ptr + rows_out.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
 def moe_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -589,7 +419,15 @@ def moe_gemm_kernel(
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
-    pid_m, pid_n = _block_coords(tl.program_id(0), num_m_blocks, N_OUT, BLOCK_N, GROUP_M)
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+    # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
     num_padded = tl.load(num_padded_ptr)
     if pid_m * BLOCK_M >= num_padded:
         return
@@ -600,7 +438,17 @@ def moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
-    rows_g, rows_u = _gate_up_rows(offs_n, N_OUT, GATED, INTERLEAVED)
+    offs_n_safe = offs_n % N_OUT  # in-bounds weight rows; masked columns are not stored
+    if GATED:
+        if INTERLEAVED:
+            rows_g = 2 * offs_n_safe
+            rows_u = 2 * offs_n_safe + 1
+        else:
+            rows_g = offs_n_safe
+            rows_u = offs_n_safe + N_OUT
+    else:
+        rows_g = offs_n_safe
+        rows_u = offs_n_safe
 
     COMPUTE: tl.constexpr = a_ptr.dtype.element_ty
     IS_INT: tl.constexpr = QDOT and W_FORMAT == 2
@@ -761,40 +609,39 @@ def moe_gemm_kernel(
                 else:
                     acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
 
-    _epilogue(
-        acc_g,
-        acc_u,
-        rows_out,
-        row_mask,
-        a_rows,
-        expert,
-        rows_g,
-        rows_u,
-        offs_n,
-        n_mask,
-        a_scale_ptr,
-        s_base,
-        w_gscale_ptr,
-        bias_ptr,
-        route_w_ptr,
-        out_ptr,
-        alpha,
-        limit,
-        stride_asm,
-        stride_sn,
-        stride_be,
-        stride_bn,
-        stride_om,
-        stride_on,
-        BLOCK_M,
-        BLOCK_N,
-        GATED,
-        ACT,
-        HAS_BIAS,
-        MUL_ROUTE_W,
-        A_SCALE,
-        IN_LOOP_QSCALE or DEQ_GROUP,
-        SCALE_FMT,
-        SCALE_ROW_BLOCK,
-        HAS_GSCALE,
-    )
+    g = acc_g.to(tl.float32)
+    if GATED:
+        u = acc_u.to(tl.float32)
+    else:
+        u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
+    # Scales that are constant along K are applied once, after the loop.
+    if A_SCALE == 1:
+        a_s_row = tl.load(a_scale_ptr + a_rows * stride_asm)[:, None]
+        g = g * a_s_row
+        if GATED:
+            u = u * a_s_row
+    if (not IN_LOOP_QSCALE) and (not DEQ_GROUP) and SCALE_FMT != 0:
+        if SCALE_ROW_BLOCK == 0:
+            ch_stride = 0
+        else:
+            ch_stride = stride_sn
+        g = g * _channel_scale(s_base, rows_g, ch_stride, SCALE_FMT)[None, :]
+        if GATED:
+            u = u * _channel_scale(s_base, rows_u, ch_stride, SCALE_FMT)[None, :]
+    if HAS_GSCALE:
+        gs = tl.load(w_gscale_ptr + expert)
+        g = g * gs
+        if GATED:
+            u = u * gs
+    if HAS_BIAS:
+        g = g + tl.load(bias_ptr + expert * stride_be + rows_g * stride_bn)[None, :].to(tl.float32)
+        if GATED:
+            u = u + tl.load(bias_ptr + expert * stride_be + rows_u * stride_bn)[None, :].to(
+                tl.float32
+            )
+    out = _activate(g, u, alpha, limit, ACT)
+    if MUL_ROUTE_W:
+        rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0)
+        out = out * rw[:, None]
+    out_ptrs = out_ptr + rows_out.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
