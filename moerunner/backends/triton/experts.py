@@ -154,7 +154,7 @@ def kernel_weight(w: Any) -> KernelWeight:
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = _as_bytes(w.data)
     if scheme.packed:
-        consts["HALF"] = min(group_k, 64)
+        consts["HALF"] = split_half(scheme)
         data = split_packed(data, w.shape[2], consts["HALF"])
         # e8m0 scales up to 2^1 can carry the fp4 decode's 2^126 in bf16: one multiply per
         # weight pair instead of two (real checkpoints' scales are far below that).
@@ -164,6 +164,12 @@ def kernel_weight(w: Any) -> KernelWeight:
     return KernelWeight(
         data, _as_bytes(w.scale), _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
     )
+
+
+def split_half(scheme: Any) -> int:
+    """HALF of a packed scheme's split layout: its scale group along K, at most 64, so each
+    half of a chunk has one scale per row."""
+    return min(scheme.block_shape[1], 64)
 
 
 def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ...quant import get_scheme
+from .experts import split_half
 from .tile_config import (
     CONFIG_DIR,
     MoeTiles,
@@ -38,20 +39,19 @@ PRESETS = {  # name: (H, I, E, top_k, activation)
     "gpt-oss-120b": (2880, 2880, 128, 4, "swiglu_oai"),
 }
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
-PACKED_SCHEMES = ("int4", "mxfp4", "nvfp4")
 
 
 def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) -> list[TileConfig]:
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these)."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
-    bks = (128,) if scheme.startswith("fp8_block") else (64, 128)
-    if scheme.startswith(PACKED_SCHEMES):
-        bks = (128,)  # packed 4-bit: whole chunks of the split layout, see above
+    packed = get_scheme(scheme).packed
+    bks = (128,) if scheme.startswith("fp8_block") or packed else (64, 128)
     out = []
-    if scheme.startswith(PACKED_SCHEMES) and rows_per_expert <= 16:
+    if packed and rows_per_expert <= 16:
         # Packed 4-bit at decode: the weight decode dominates, so search how many chunks of
         # the split layout one K step covers (per-step overhead) and the warps decoding them.
-        chunk = 2 * min(get_scheme(scheme).block_shape[1], 64)
+        # Beyond decode a K step is 128 elements (whole chunks, see the launcher).
+        chunk = 2 * split_half(get_scheme(scheme))
         for bn in (32, 64, 128):
             for bk in sorted({chunk, 2 * chunk, min(4 * chunk, 256)}):
                 for warps, stages in ((2, 3), (4, 3), (4, 4)):
