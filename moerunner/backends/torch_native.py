@@ -30,6 +30,7 @@ import torch
 from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
+from ..dispatch.permute import group_pairs
 from ..runner import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized
 from .base import Backend, Capabilities
@@ -325,14 +326,10 @@ def torch_fused_standard(
     x_TH = dispatch_output.hidden_states
     if x_TH.device.type != "cpu":
         return None
-    ids_TK = dispatch_output.topk.ids
-    num_experts, top_k = prepared.spec.num_experts, ids_TK.shape[1]
-    key = ids_TK.reshape(-1).long()
-    key = torch.where(key >= 0, key, num_experts)
-    order = torch.argsort(key, stable=True)
-    bounds = [0] + torch.bincount(key, minlength=num_experts + 1).cumsum(0).tolist()
-    token = order // top_k
-    weight = dispatch_output.topk.weights.reshape(-1)[order].float()
+    num_experts = prepared.spec.num_experts
+    order, token, offsets, weight_TK = group_pairs(dispatch_output.topk, num_experts)
+    bounds = offsets.tolist()
+    weight = weight_TK.reshape(-1)[order]
     # The float32 sum is [T, H], or [H, T] for transposed calls (their y chunks are [H, R]).
     columns = _cpu_columns(x_TH.dtype, bounds, num_experts)
     acc = torch.zeros(x_TH.shape[::-1] if columns else x_TH.shape, dtype=torch.float32)

@@ -43,17 +43,25 @@ def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torc
     return order, offsets
 
 
+def group_pairs(
+    topk, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The T*k (token, slot) pairs of ``topk`` grouped by expert, in their order within an
+    expert: (order of the pairs, token of each grouped row, expert offsets [E+1], routing
+    weights [T, k] in float32 with 0 for -1 ids). Pairs with id -1 sort past offsets[E]."""
+    ids_flat = topk.ids.reshape(-1).long()
+    key = torch.where(ids_flat >= 0, ids_flat, num_experts)
+    order, offsets = _group_rows(key, num_experts)
+    weight_TK = torch.where(topk.ids >= 0, topk.weights.float(), 0.0)
+    return order, order // topk.ids.shape[1], offsets, weight_TK
+
+
 def pre_permute_standard(
     dispatch_output: StandardDispatchOutput, num_experts: int
 ) -> tuple[PermutedDispatchOutput, PermuteContext]:
     """Group the T*k (token, slot) pairs by expert; -1 ids become padding rows."""
-    ids_flat = dispatch_output.topk.ids.reshape(-1).long()
-    top_k = dispatch_output.topk.ids.shape[1]
-    key = torch.where(ids_flat >= 0, ids_flat, num_experts)
-    order, offsets = _group_rows(key, num_experts)
-    token = order // top_k
+    order, token, offsets, weight_TK = group_pairs(dispatch_output.topk, num_experts)
     valid_TK = dispatch_output.topk.ids >= 0
-    weight_TK = torch.where(valid_TK, dispatch_output.topk.weights.float(), 0.0)
     row_of_pair = torch.empty_like(order).scatter_(
         0, order, torch.arange(order.shape[0], device=order.device)
     )
