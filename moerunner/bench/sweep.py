@@ -410,7 +410,7 @@ class Sweep:
         """Check every implementation of one (routing, T), then time them: on CPU in
         interleaved rounds (drift of a shared machine hits all alike), on GPU one by one."""
         c = self.config
-        if self.device.type == "cpu" and len(measured) > 1:
+        if self.device.type == "cpu":
             ready = [m for m in measured if self._check(m[0], shape, m[1], cases, m[2], dtype)]
             runs = {id(row): (lambda i, fn=fn: fn(cases[i])) for row, fn, _, _ in ready}
             try:

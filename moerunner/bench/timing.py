@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,17 +42,11 @@ def _reps_for(estimate_s: float, min_time_s: float, min_reps: int, max_reps: int
 def _time_cpu(
     run: Callable[[int], object], n_cases: int, min_time_s: float, min_reps: int, max_reps: int
 ) -> Timing:
-    t0 = time.perf_counter()
-    run(0)  # warm-up (allocator, lazy init)
-    estimate = time.perf_counter() - t0
-    for i in range(1, min(n_cases, 3)):
-        run(i)
-    samples = []
-    for r in range(_reps_for(estimate, min_time_s, min_reps, max_reps)):
-        t0 = time.perf_counter()
-        run(r % n_cases)
-        samples.append(time.perf_counter() - t0)
-    return Timing(statistics.median(samples), len(samples), "cpu perf_counter")
+    """One implementation: ``time_interleaved_cpu``'s rounds with a single entry."""
+    timing = time_interleaved_cpu(
+        {0: run}, n_cases, min_time_s=min_time_s, min_reps=min_reps, max_reps=max_reps
+    )[0]
+    return replace(timing, mode="cpu perf_counter")
 
 
 def time_interleaved_cpu(
