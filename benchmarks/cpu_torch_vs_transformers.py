@@ -36,7 +36,7 @@ import moerunner
 from moerunner.backends.base import MoeProblem
 from moerunner.bench.baselines import build_baseline
 from moerunner.bench.presets import get_preset
-from moerunner.bench.roofline import row_cost
+from moerunner.bench.roofline import matmul_tflops, median_seconds, row_cost
 from moerunner.bench.sweep import check_against_reference, draw_routing, make_weights
 from moerunner.bench.timing import time_interleaved_cpu
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
@@ -46,16 +46,6 @@ from moerunner.weights import ExpertWeights
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IMPLS = ("torch", "eager", "grouped_mm")
 BASELINES = IMPLS[1:]
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def measure_ceilings(args) -> dict:
@@ -71,16 +61,14 @@ def measure_ceilings(args) -> dict:
 
 def _ceilings() -> dict:
     """Matmul peak per dtype (best of square sizes) and streaming read bandwidth."""
-    peaks = {}
-    for name, dtype in DTYPES.items():
-        best = 0.0
-        for n in (2048, 4096):
-            a, b = (torch.randn(n, n).to(dtype) for _ in range(2))
-            best = max(best, 2 * n**3 / _median_seconds(lambda a=a, b=b: a @ b, 5) / 1e12)
-        peaks[name] = best
+    cpu = torch.device("cpu")
+    peaks = {
+        name: max(matmul_tflops(cpu, n, dtype, 5) for n in (2048, 4096))
+        for name, dtype in DTYPES.items()
+    }
     w = torch.ones(1 << 14, 1 << 14)  # 1 GiB fp32: far larger than any cache
     v = torch.ones(1 << 14)
-    read_gbps = w.numel() * 4 / _median_seconds(lambda: torch.mv(w, v), 7) / 1e9
+    read_gbps = w.numel() * 4 / median_seconds(lambda: torch.mv(w, v), cpu, 7) / 1e9
     return {"peak_tflops": peaks, "read_gbps": read_gbps}
 
 

@@ -130,7 +130,9 @@ def floor_seconds(cost: RowCost, ceilings: DeviceCeilings, compute: str) -> floa
 # Measurement
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+def median_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up (CUDA events on a
+    GPU, ``perf_counter`` on CPU)."""
     fn()  # warm-up
     samples = []
     for _ in range(repeats):
@@ -151,14 +153,15 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> float:
 def _copy_gbps(device: torch.device, nbytes: int, repeats: int) -> float:
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), device, repeats)
+    seconds = median_seconds(lambda: dst.copy_(src), device, repeats)
     return 2 * src.numel() * 4 / seconds / 1e9  # read + write
 
 
-def _matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, repeats: int) -> float:
+def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, repeats: int) -> float:
+    """TFLOP/s of an ``n`` x ``n`` x ``n`` matmul in ``dtype`` on random data (median)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    seconds = _median_seconds(lambda: a @ b, device, repeats)
+    seconds = median_seconds(lambda: a @ b, device, repeats)
     return 2 * n**3 / seconds / 1e12
 
 
@@ -170,7 +173,7 @@ def _fp8_tflops(device: torch.device, n: int, repeats: int) -> float | None:
     b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major operand
     one = torch.ones((), device=device)
     try:
-        seconds = _median_seconds(
+        seconds = median_seconds(
             lambda: scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device, repeats
         )
     except (RuntimeError, TypeError):
@@ -196,8 +199,8 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
     if device.type == "cuda":
         copy = _copy_gbps(device, 1 << 30, 20)
         peaks = {
-            "bf16": _matmul_tflops(device, 8192, torch.bfloat16, 20),
-            "fp32": _matmul_tflops(device, 8192, torch.float32, 5),
+            "bf16": matmul_tflops(device, 8192, torch.bfloat16, 20),
+            "fp32": matmul_tflops(device, 8192, torch.float32, 5),
         }
         fp8 = _fp8_tflops(device, 8192, 20)
         if fp8 is not None:
@@ -209,8 +212,8 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
     else:
         copy = _copy_gbps(device, 256 << 20, 5)
         peaks = {
-            "fp32": _matmul_tflops(device, 2048, torch.float32, 5),
-            "bf16": _matmul_tflops(device, 2048, torch.bfloat16, 5),
+            "fp32": matmul_tflops(device, 2048, torch.float32, 5),
+            "bf16": matmul_tflops(device, 2048, torch.bfloat16, 5),
         }
         method = (
             f"copy_ 256 MiB fp32 (read+write), square 2048 GEMMs, perf_counter medians, "
