@@ -128,6 +128,44 @@ def test_quantized_schemes_match_torch_backend(scheme, activation):
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "activation,inter,block_n,uniform",
+    [
+        ("silu", 256, 64, True),  # gate rows and up rows each inside one 128-row scale block
+        ("silu", 192, 64, False),  # up rows start at I = 192: tiles straddle two blocks
+        ("silu", 256, 256, False),  # a 256-column tile spans two blocks
+        ("swiglu_oai", 256, 64, True),  # interleaved: 128 weight rows per 64-column tile
+        ("swiglu_oai", 256, 128, False),
+        ("relu2", 192, 128, True),  # non-gated: output columns are weight rows
+    ],
+)
+def test_block_fp8_scales_per_row_or_per_element(activation, inter, block_n, uniform):
+    """Block-scaled fp8 scales each K step's product per A row when a tile's gate and up rows
+    each lie in one 128-row weight-scale block, and per element otherwise; both must equal
+    the torch backend, including tiles whose last columns are masked."""
+    torch.manual_seed(4)
+    act = moerunner.Activation(activation)
+    T, H, E, k = 9, 256, 3, 2
+    n13 = 2 * inter if act.gated else inter
+    w13 = moerunner.quantize(torch.randn(E, n13, H, device=DEVICE) / H**0.5, "fp8_block")
+    w2 = moerunner.quantize(torch.randn(E, H, inter, device=DEVICE) / inter**0.5, "fp8_block")
+    weights = ExpertWeights(w13, w2, gate_up_interleaved=activation == "swiglu_oai")
+    spec = weights.spec(act)
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, spec)
+    consts = prepared.tensors["w13"].constexprs
+    assert (
+        experts._uniform_block_scale(consts, block_n, inter, act.gated, spec.gate_up_interleaved)
+        is uniform
+    )
+    tile = tile_config.TileConfig(16, block_n, 128, 1, 4, 2)
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(T, k, device=DEVICE)
+    out = experts.fused_standard(x, wts, ids, prepared, tile_config.MoeTiles(tile, tile))
+    ref = _run("torch", x, weights, act, wts, ids)
+    assert _rel(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", PACKED_SCHEMES)

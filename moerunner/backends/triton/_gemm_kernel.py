@@ -62,7 +62,9 @@ def _plain_tile(
     if EVEN_K:
         raw = tl.load(ptrs)
     else:
-        raw = tl.load(ptrs, mask=offs_k[:, None] < K, other=0)
+        raw = tl.load(
+            ptrs, mask=offs_k[:, None] < K, other=0.0
+        )  # 0.0 casts to every operand type, fp8 included
     return raw
 
 
@@ -282,15 +284,9 @@ def _weight_tile(
     else:
         raw = _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
         if QDOT:
-            if W_FORMAT == 1:
-                tile = raw.to(tl.float8e4nv, bitcast=True)
-            else:
-                tile = raw
+            tile = raw  # e4m3 or int8, fed to the MMA as stored
         else:
-            if W_FORMAT == 1:
-                v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                v = raw.to(tl.float32)
+            v = raw.to(tl.float32)
             if GROUP_K > 0:
                 offs_s = (k0 + tl.arange(0, SPT) * SPAN) // GROUP_K
                 s_mask = offs_s[:, None] < (K + GROUP_K - 1) // GROUP_K
@@ -399,7 +395,6 @@ def moe_gemm_kernel(
     MUL_ROUTE_W: tl.constexpr,
     W_FORMAT: tl.constexpr,
     QDOT: tl.constexpr,
-    A_FP8: tl.constexpr,
     A_SCALE: tl.constexpr,
     SCALE_FMT: tl.constexpr,
     GROUP_K: tl.constexpr,
@@ -410,12 +405,15 @@ def moe_gemm_kernel(
     BF16_FP4: tl.constexpr,
     HALF: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
+    UNIFORM_WS: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
     GATED: two accumulators over w13 rows (gate, up), activation fused, N_OUT = I.
     SCALE_ROW_BLOCK: rows sharing one weight scale (1 per channel, 128 for fp8_block,
     0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
+    UNIFORM_WS: block-scaled fp8 whose tile's gate rows lie in one scale block and up rows in
+    one (the launcher checks the alignment), so the scale is per row, not per element.
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
@@ -438,26 +436,37 @@ def moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
-    offs_n_safe = offs_n % N_OUT  # in-bounds weight rows; masked columns are not stored
+    # Weight rows of this tile. Gated: the gate and the up row of each output column side by
+    # side (tile column 2j gate, 2j + 1 up), so one MMA of 2 * BLOCK_N columns covers both and
+    # the accumulator splits into the two halves in registers after the K loop. Wide MMAs
+    # matter on Hopper: a wgmma of 64 columns reading A from shared memory is bound by
+    # shared-memory bandwidth, one of 128-256 is not. Masked columns read an in-bounds row and
+    # are not stored.
+    WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    offs_w = tl.arange(0, WIDTH)
     if GATED:
+        col = (pid_n * BLOCK_N + offs_w // 2) % N_OUT
         if INTERLEAVED:
-            rows_g = 2 * offs_n_safe
-            rows_u = 2 * offs_n_safe + 1
+            rows_w = 2 * col + offs_w % 2
         else:
-            rows_g = offs_n_safe
-            rows_u = offs_n_safe + N_OUT
+            rows_w = col + (offs_w % 2) * N_OUT
     else:
-        rows_g = offs_n_safe
-        rows_u = offs_n_safe
+        rows_w = offs_n % N_OUT
+    # First gate and up weight row of the tile (UNIFORM_WS block scales).
+    if INTERLEAVED:
+        row_g0 = 2 * pid_n * BLOCK_N
+        row_u0 = row_g0 + 1
+    else:
+        row_g0 = pid_n * BLOCK_N
+        row_u0 = row_g0 + N_OUT
+    is_gate_col = offs_w % 2 == 0
 
     COMPUTE: tl.constexpr = a_ptr.dtype.element_ty
     IS_INT: tl.constexpr = QDOT and W_FORMAT == 2
     if IS_INT:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        acc = tl.zeros((BLOCK_M, WIDTH), dtype=tl.int32)
     else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
 
     w_base = w_ptr + expert * stride_we
     s_base = w_scale_ptr + expert * stride_se
@@ -485,11 +494,11 @@ def moe_gemm_kernel(
                     mask=(offs_h + HALF)[None, :] < K,
                     other=0,
                 )
-                lo_g, hi_g = _split_halves(
+                w_lo, w_hi = _split_halves(
                     w_base,
                     s_base,
                     z_base,
-                    rows_g,
+                    rows_w,
                     kc,
                     K,
                     stride_wn,
@@ -508,49 +517,21 @@ def moe_gemm_kernel(
                     MERGED_SCALE,
                     c > 0,
                 )
-                acc_g = _mma(a_lo, lo_g, acc_g, False, IEEE)
-                acc_g = _mma(a_hi, hi_g, acc_g, False, IEEE)
-                if GATED:
-                    lo_u, hi_u = _split_halves(
-                        w_base,
-                        s_base,
-                        z_base,
-                        rows_u,
-                        kc,
-                        K,
-                        stride_wn,
-                        stride_wk,
-                        stride_sn,
-                        stride_sk,
-                        stride_zn,
-                        stride_zk,
-                        COMPUTE,
-                        W_FORMAT,
-                        GROUP_K,
-                        SCALE_FMT,
-                        HAS_ZP,
-                        HALF,
-                        BF16_FP4,
-                        MERGED_SCALE,
-                        c > 0,
-                    )
-                    acc_u = _mma(a_lo, lo_u, acc_u, False, IEEE)
-                    acc_u = _mma(a_hi, hi_u, acc_u, False, IEEE)
+                acc = _mma(a_lo, w_lo, acc, False, IEEE)
+                acc = _mma(a_hi, w_hi, acc, False, IEEE)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
             else:
                 a = tl.load(
-                    a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0
+                    a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0.0
                 )
-            if A_FP8:
-                a = a.to(tl.float8e4nv, bitcast=True)
-            b_g = _weight_tile(
+            b = _weight_tile(
                 w_base,
                 s_base,
                 z_base,
-                rows_g,
+                rows_w,
                 k0,
                 K,
                 stride_wn,
@@ -569,76 +550,47 @@ def moe_gemm_kernel(
                 EVEN_K,
             )
             if IN_LOOP_QSCALE:
+                # Block scales change every 128 along K: promote each step's product to the
+                # float32 accumulator with its A-row and weight-block scales.
                 a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
-                w_s_g = tl.load(
-                    s_base + (rows_g // SCALE_ROW_BLOCK) * stride_sn + (k0 // GROUP_K) * stride_sk
-                )
-                acc_g += tl.dot(a, b_g) * (a_s[:, None] * w_s_g[None, :])
-            else:
-                acc_g = _mma(a, b_g, acc_g, IS_INT, IEEE)
-            if GATED:
-                b_u = _weight_tile(
-                    w_base,
-                    s_base,
-                    z_base,
-                    rows_u,
-                    k0,
-                    K,
-                    stride_wn,
-                    stride_wk,
-                    sg_stride_n,
-                    stride_sk,
-                    stride_zn,
-                    stride_zk,
-                    COMPUTE,
-                    W_FORMAT,
-                    QDOT,
-                    GROUP_K if DEQ_GROUP else 0,
-                    SCALE_FMT,
-                    HAS_ZP,
-                    BLOCK_K,
-                    EVEN_K,
-                )
-                if IN_LOOP_QSCALE:
-                    w_s_u = tl.load(
-                        s_base
-                        + (rows_u // SCALE_ROW_BLOCK) * stride_sn
-                        + (k0 // GROUP_K) * stride_sk
-                    )
-                    acc_u += tl.dot(a, b_u) * (a_s[:, None] * w_s_u[None, :])
+                s_k = s_base + (k0 // GROUP_K) * stride_sk
+                if UNIFORM_WS:
+                    # The tile's gate rows share one scale block and so do its up rows: a
+                    # scale per A row (and gate/up column), not an outer product per element.
+                    s_g = a_s * tl.load(s_k + (row_g0 // SCALE_ROW_BLOCK) * stride_sn)
+                    if GATED:
+                        s_u = a_s * tl.load(s_k + (row_u0 // SCALE_ROW_BLOCK) * stride_sn)
+                        scale = tl.where(is_gate_col[None, :], s_g[:, None], s_u[:, None])
+                    else:
+                        scale = s_g[:, None]
                 else:
-                    acc_u = _mma(a, b_u, acc_u, IS_INT, IEEE)
+                    w_s = tl.load(s_k + (rows_w // SCALE_ROW_BLOCK) * stride_sn)
+                    scale = a_s[:, None] * w_s[None, :]
+                acc += tl.dot(a, b) * scale
+            else:
+                acc = _mma(a, b, acc, IS_INT, IEEE)
 
-    g = acc_g.to(tl.float32)
-    if GATED:
-        u = acc_u.to(tl.float32)
-    else:
-        u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
+    acc = acc.to(tl.float32)
     # Scales that are constant along K are applied once, after the loop.
     if A_SCALE == 1:
-        a_s_row = tl.load(a_scale_ptr + a_rows * stride_asm)[:, None]
-        g = g * a_s_row
-        if GATED:
-            u = u * a_s_row
+        acc = acc * tl.load(a_scale_ptr + a_rows * stride_asm)[:, None]
     if (not IN_LOOP_QSCALE) and (not DEQ_GROUP) and SCALE_FMT != 0:
         if SCALE_ROW_BLOCK == 0:
             ch_stride = 0
         else:
             ch_stride = stride_sn
-        g = g * _channel_scale(s_base, rows_g, ch_stride, SCALE_FMT)[None, :]
-        if GATED:
-            u = u * _channel_scale(s_base, rows_u, ch_stride, SCALE_FMT)[None, :]
+        acc = acc * _channel_scale(s_base, rows_w, ch_stride, SCALE_FMT)[None, :]
     if HAS_GSCALE:
-        gs = tl.load(w_gscale_ptr + expert)
-        g = g * gs
-        if GATED:
-            u = u * gs
+        acc = acc * tl.load(w_gscale_ptr + expert)
     if HAS_BIAS:
-        g = g + tl.load(bias_ptr + expert * stride_be + rows_g * stride_bn)[None, :].to(tl.float32)
-        if GATED:
-            u = u + tl.load(bias_ptr + expert * stride_be + rows_u * stride_bn)[None, :].to(
-                tl.float32
-            )
+        acc = acc + tl.load(bias_ptr + expert * stride_be + rows_w * stride_bn)[None, :].to(
+            tl.float32
+        )
+    if GATED:
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        g = acc
+        u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
     out = _activate(g, u, alpha, limit, ACT)
     if MUL_ROUTE_W:
         rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0)

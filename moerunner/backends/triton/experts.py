@@ -72,7 +72,7 @@ SUPPORTED_SCHEMES = frozenset(
 class KernelWeight:
     """One weight (w13 or w2) as the GEMM kernel reads it, with its constexpr description."""
 
-    data: torch.Tensor  # [E, N, K] (fp8 viewed as uint8) or packed [E, N, K/2]
+    data: torch.Tensor  # [E, N, K] in the storage dtype (e4m3 stays fp8) or packed [E, N, K/2]
     scale: torch.Tensor | None
     zero_point: torch.Tensor | None
     global_scale: torch.Tensor | None
@@ -87,6 +87,11 @@ class KernelWeight:
 
 
 def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Scales and zero points as the kernel decodes them: 8-bit floats viewed as bytes.
+
+    MMA operands (weights, quantized activations) keep their fp8 dtype instead: a load that
+    yields fp8 goes from the shared-memory copy straight into the MMA, while a byte load
+    bitcast in registers forces a round trip through registers on every K step."""
     if t is None:
         return None
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
@@ -107,7 +112,6 @@ def kernel_weight(w: Any) -> KernelWeight:
             dict(
                 W_FORMAT=K.WF_PLAIN,
                 QDOT=False,
-                A_FP8=False,
                 A_SCALE=K.AS_NONE,
                 SCALE_FMT=K.SF_NONE,
                 GROUP_K=0,
@@ -137,7 +141,6 @@ def kernel_weight(w: Any) -> KernelWeight:
     consts = dict(
         W_FORMAT=_W_FORMAT[scheme.weight_format],
         QDOT=qdot,
-        A_FP8=qdot and act.startswith("fp8"),
         A_SCALE=_QDOT_ACT.get(act, K.AS_NONE),
         SCALE_FMT=_SCALE_FMT[scheme.scale_format],
         GROUP_K=group_k,
@@ -152,7 +155,7 @@ def kernel_weight(w: Any) -> KernelWeight:
             f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, got {scheme.block_shape}"
         )
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
-    data = _as_bytes(w.data)
+    data = w.data.contiguous()
     if scheme.packed:
         consts["HALF"] = split_half(scheme)
         data = split_packed(data, w.shape[2], consts["HALF"])
@@ -264,9 +267,9 @@ def _quantize_input(x: torch.Tensor, w: KernelWeight) -> tuple[torch.Tensor, tor
             },
         )
         quantize_rows(x, fmt, bufs["q"], bufs["s"])
-        return _as_bytes(bufs["q"]), bufs["s"]
+        return bufs["q"], bufs["s"]
     qx = quantize_activation(x, w.scheme)
-    return _as_bytes(qx.data), qx.scale.float().contiguous()
+    return qx.data.contiguous(), qx.scale.float().contiguous()
 
 
 def _launch_gemm(
@@ -313,6 +316,8 @@ def _launch_gemm(
     )
     b = bias if bias is not None else dummy
     b_strides = (b.stride(0), b.stride(1)) if bias is not None else (0, 0)
+    gated = spec is not None and spec.gated
+    interleaved = gated and spec.gate_up_interleaved
     num_m_blocks = ws["block_expert"].shape[0]
     grid = (num_m_blocks * triton.cdiv(n_out, tile.block_n),)
     act = spec.activation if spec is not None else None
@@ -354,8 +359,8 @@ def _launch_gemm(
         BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m,
         EVEN_K=k % tile.block_k == 0,
-        GATED=spec is not None and spec.gated,
-        INTERLEAVED=spec is not None and spec.gate_up_interleaved,
+        GATED=gated,
+        INTERLEAVED=interleaved,
         ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
         HAS_BIAS=bias is not None,
         MUL_ROUTE_W=route_w is not None,
@@ -367,10 +372,27 @@ def _launch_gemm(
             and a.is_cuda
             and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)
         ),
+        UNIFORM_WS=_uniform_block_scale(consts, tile.block_n, n_out, gated, interleaved),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
     )
+
+
+def _uniform_block_scale(
+    consts: dict, block_n: int, n_out: int, gated: bool, interleaved: bool
+) -> bool:
+    """True when every tile's gate rows lie in one weight-scale block and so do its up rows
+    (block-scaled fp8 only): the K loop then scales per row instead of per element.
+
+    A tile covers output columns [j * block_n, (j + 1) * block_n): weight rows of that range
+    (non-gated), the same range and the range shifted by ``n_out`` (gate then up), or twice
+    the range (interleaved gate/up)."""
+    row_block = consts["SCALE_ROW_BLOCK"]
+    if not (consts["QDOT"] and consts["GROUP_K"] > 0 and row_block > 0):
+        return False
+    span = 2 * block_n if interleaved else block_n
+    return row_block % span == 0 and (not gated or interleaved or n_out % row_block == 0)
 
 
 def _scale_strides(w: KernelWeight) -> tuple[int, int, int]:
