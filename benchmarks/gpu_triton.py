@@ -256,6 +256,32 @@ def time_fused(prepared, T, k, rotations):
     return ms, uniq
 
 
+def stage_breakdown(prepared, T, k, calls=3):
+    """Device microseconds per call by kernel name, from the profiler over ``calls`` calls
+    (both GEMMs share the kernel name and are told apart by their launch order)."""
+    H, E = prepared.spec.hidden_size, prepared.spec.num_experts
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    w, i = routing(T, E, k)
+    X.fused_standard(x, w, i, prepared)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            X.fused_standard(x, w, i, prepared)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    out: dict[str, float] = {}
+    seen = 0
+    for e in kernels:
+        name = e.name
+        if name.startswith("moe_gemm_kernel"):
+            name = f"gemm{1 + seen % 2}"
+            seen += 1
+        out[name[:40]] = out.get(name[:40], 0.0) + e.time_range.elapsed_us() / calls
+    return out
+
+
 def time_torch(weights, act, T, k):
     E = weights.num_experts
     x = torch.randn(T, weights.hidden_size, device=DEV, dtype=torch.bfloat16)
@@ -268,8 +294,9 @@ def time_torch(weights, act, T, k):
                        return_mode="median")
 
 
-def part_perf(peaks, plan, with_torch=True):
-    rows = []
+def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
+    """Append a row per (preset, scheme, T) to ``rows`` as it is measured, then ``checkpoint()``
+    (so a run cut off by its time limit keeps what it measured)."""
     for preset, scheme, tokens in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         act = Activation(act_name)
@@ -295,18 +322,24 @@ def part_perf(peaks, plan, with_torch=True):
                                                 torch.cuda.get_device_name(),
                                                 dtype_bytes=prepared.tensors["w13"].data
                                                 .element_size())))
+            if T >= 1024:
+                try:
+                    row["stages_us"] = stage_breakdown(prepared, T, k)
+                except Exception as exc:
+                    row["stages_error"] = repr(exc)
             if with_torch and scheme == "bf16" and T in (64, 4096):
                 try:
                     row["torch_us"] = time_torch(weights, act, T, k) * 1e3
                 except Exception as exc:
                     row["torch_error"] = repr(exc)
             rows.append(row)
+            stages = " ".join(f"{n} {v:.0f}" for n, v in row.get("stages_us", {}).items())
             print(f"perf {preset:14s} {scheme:9s} T={T:6d} {row['us']:9.1f} us "
                   f"roof {row['pct_roofline']:5.1f}% peak {row['pct_peak']:5.1f}% "
-                  f"torch {row.get('torch_us', float('nan')):9.1f} us", flush=True)
+                  f"torch {row.get('torch_us', float('nan')):9.1f} us {stages}", flush=True)
+            checkpoint()
         del weights, prepared
         torch.cuda.empty_cache()
-    return rows
 
 
 def part_tune(plan, out_dir: Path, jobs: int):
@@ -355,7 +388,8 @@ def main():
         save()
     if "perf" in args.parts:
         result["peaks"] = measure_peaks()
-        result["perf"] = part_perf(result["peaks"], plan)
+        result["perf"] = []
+        part_perf(result["peaks"], plan, result["perf"], save)
     save()
     print("\n== summary ==", result["device"], result["date"])
     if "check" in result:

@@ -4,8 +4,9 @@
 #   python benchmarks/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
 #
 # A variant is "scheme:gemm:BLOCK_M:BLOCK_N:BLOCK_K:warps:stages", e.g. "mxfp4:1:16:64:128:4:3"
-# (gemm 1 = w13 with the gated swiglu_oai epilogue, 2 = w2 with the routing weight; scheme
-# mxfp4, mxfp4u (scales too large to merge into the decode), nvfp4 or int4). Compilation uses
+# (gemm 1 = w13 with the gated epilogue, 2 = w2 with the routing weight; scheme mxfp4, mxfp4u
+# (scales too large to merge into the decode), nvfp4 or int4 as GPT-OSS layers, bf16, fp8_block
+# or fp8_block_pc (per-element block scales) as DeepSeek-style layers). Compilation uses
 # Triton's own ptxas and nothing runs, so this answers "does it compile, does it spill, are
 # the loads 16 bytes wide, which instructions dominate the K loop" (the longest span closed
 # by a backward branch) before a GPU is used. Triton's interpreter must be off.
@@ -33,16 +34,18 @@ from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, MERGED_SCALE, scale pointer type)
-PACKED = {
+SCHEMES = {
     "mxfp4": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, True, "*u8"),
     "mxfp4u": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, False, "*u8"),
     "nvfp4": (K.WF_E2M1, K.SF_E4M3, 16, 16, False, True, False, "*u8"),
     "int4": (K.WF_UINT4, K.SF_FP32, 128, 64, False, False, False, "*fp32"),
+    "bf16": (K.WF_PLAIN, K.SF_NONE, 0, 0, False, False, False, "*fp32"),
+    "fp8_block": (K.WF_FP8, K.SF_FP32, 128, 0, False, False, False, "*fp32"),
 }
 
 
-def _signature(scale_ty: str) -> dict[str, str]:
-    ptrs = {"a_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*u8", "w_scale_ptr": scale_ty,
+def _signature(scale_ty: str, a_ty: str, w_ty: str) -> dict[str, str]:
+    ptrs = {"a_ptr": a_ty, "a_scale_ptr": "*fp32", "w_ptr": w_ty, "w_scale_ptr": scale_ty,
             "w_zp_ptr": "*u8", "w_gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
             "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
             "route_w_ptr": "*fp32"}
@@ -63,16 +66,27 @@ def _signature(scale_ty: str) -> dict[str, str]:
 def compile_variant(spec: str, arch: int):
     """Compile one variant; returns (compiled kernel, its constexprs)."""
     scheme, gemm, bm, bn, bk, warps, stages = spec.split(":")
-    wf, sf, group_k, half, zp, gscale, merged, scale_ty = PACKED[scheme]
+    # "fp8_block_pc": per-column weight block scales (no UNIFORM_WS alignment).
+    uniform = scheme != "fp8_block_pc"
+    scheme = scheme.removesuffix("_pc")
+    wf, sf, group_k, half, zp, gscale, merged, scale_ty = SCHEMES[scheme]
     gemm1 = gemm == "1"
-    consts = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), BLOCK_K=int(bk), GROUP_M=1, EVEN_K=True,
-                  GATED=gemm1, INTERLEAVED=gemm1, ACT=K.ACT_SWIGLU_OAI if gemm1 else K.ACT_NONE,
-                  HAS_BIAS=True, MUL_ROUTE_W=not gemm1, W_FORMAT=wf, QDOT=False, A_FP8=False,
-                  A_SCALE=K.AS_NONE, SCALE_FMT=sf, GROUP_K=group_k, SCALE_ROW_BLOCK=1,
-                  HAS_ZP=zp, HAS_GSCALE=gscale, IEEE=False, BF16_FP4=wf == K.WF_E2M1,
-                  HALF=half, MERGED_SCALE=merged)
+    # Packed schemes model GPT-OSS (interleaved gate/up, biases, swiglu_oai); the others a
+    # DeepSeek/Qwen-style layer (gate rows then up rows, silu, no biases).
+    gpt_oss = half > 0
+    qdot = wf == K.WF_FP8
+    consts = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), BLOCK_K=int(bk), GROUP_M=8, EVEN_K=True,
+                  GATED=gemm1, INTERLEAVED=gemm1 and gpt_oss,
+                  ACT=(K.ACT_SWIGLU_OAI if gpt_oss else K.ACT_SILU) if gemm1 else K.ACT_NONE,
+                  HAS_BIAS=gpt_oss, MUL_ROUTE_W=not gemm1, W_FORMAT=wf, QDOT=qdot,
+                  A_SCALE=K.AS_GROUP128 if qdot else K.AS_NONE, SCALE_FMT=sf, GROUP_K=group_k,
+                  SCALE_ROW_BLOCK=128 if qdot else 1, HAS_ZP=zp, HAS_GSCALE=gscale, IEEE=False,
+                  BF16_FP4=wf == K.WF_E2M1, HALF=half, MERGED_SCALE=merged,
+                  UNIFORM_WS=qdot and uniform)
     fn = K.moe_gemm_kernel
-    sig = _signature(scale_ty)
+    fp8 = "*fp8e4nv"
+    sig = _signature(scale_ty, fp8 if qdot else "*bf16",
+                     "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"))
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes.
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
              or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")]
