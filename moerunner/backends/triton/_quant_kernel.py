@@ -1,7 +1,8 @@
 # GEMM-input quantization of the triton backend on the GPU (private).
 #
 # One launch quantizes an activation [M, K] to e4m3 or int8 with fp32 scales per row
-# (fp8_token, int8_token) or per row and 128 along K (fp8_group128), by the same rule as
+# (fp8_token, int8_token: a program per row, two passes over it) or per row and 128 along K
+# (fp8_group128: a program per tile of rows x several groups, read once), by the same rule as
 # moerunner.quant.quantize_activation: scale = amax / qmax (1.0 where that is 0), q = x / scale
 # rounded to nearest even (saturating at +-448 for e4m3, clamped to [-128, 127] for int8).
 # The launcher uses the quant package's PyTorch implementation off the GPU, where the Triton
@@ -32,20 +33,17 @@ def _quant_rows_kernel(
     QMAX: tl.constexpr,
     TO_FP8: tl.constexpr,
 ):
-    """Program (row, group): amax over the group, scale, quantize. Per-row scales use one
-    group spanning the row in NUM_CHUNKS chunks of GROUP."""
+    """Program per row: amax over the row in NUM_CHUNKS chunks of GROUP, scale, quantize."""
     row = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
-    base = grp * GROUP * NUM_CHUNKS
     amax = 0.0
     for c in tl.static_range(NUM_CHUNKS):
-        offs = base + c * GROUP + tl.arange(0, GROUP)
+        offs = c * GROUP + tl.arange(0, GROUP)
         x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
     scale = amax / QMAX
     scale = tl.where(scale == 0.0, 1.0, scale)
     for c in tl.static_range(NUM_CHUNKS):
-        offs = base + c * GROUP + tl.arange(0, GROUP)
+        offs = c * GROUP + tl.arange(0, GROUP)
         mask = offs < K
         x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
         y = tl.math.div_rn(x, scale)
@@ -56,19 +54,68 @@ def _quant_rows_kernel(
             y = (y + _ROUND_MAGIC) - _ROUND_MAGIC
             y = tl.minimum(tl.maximum(y, -128.0), 127.0)
             tl.store(q_ptr + row * stride_qm + offs, y.to(tl.int8), mask=mask)
-    tl.store(s_ptr + row * stride_sm + grp, scale)
+    tl.store(s_ptr + row * stride_sm, scale)
+
+
+@triton.jit
+def _quant_groups_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """Program (row block, group block): ROWS rows x GROUPS groups of GROUP along K to e4m3,
+    one fp32 scale per row and group. The tile is loaded once and stays in registers."""
+    offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_k = tl.program_id(1) * (GROUPS * GROUP) + tl.arange(0, GROUPS * GROUP)
+    offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    x = tl.reshape(x.to(tl.float32), (ROWS, GROUPS, GROUP))
+    scale = tl.max(tl.abs(x), axis=2) / 448.0
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    y = tl.math.div_rn(x, scale[:, :, None])
+    y = tl.reshape(tl.minimum(tl.maximum(y, -448.0), 448.0), (ROWS, GROUPS * GROUP))
+    tl.store(q_ptr + rows * stride_qm + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
+    g_mask = (offs_m[:, None] < M) & (offs_g[None, :] < (K + GROUP - 1) // GROUP)
+    tl.store(s_ptr + rows * stride_sm + offs_g[None, :], scale, mask=g_mask)
 
 
 def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
     """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
     rows, k = x.shape
     if fmt == "fp8_group128":
-        group, chunks, ngroups = 128, 1, triton.cdiv(k, 128)
-    else:
-        group = min(1024, triton.next_power_of_2(k))
-        chunks, ngroups = triton.cdiv(k, group), 1
+        # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
+        # flight per program without a grid of millions of one-warp programs.
+        groups = min(8, triton.next_power_of_2(triton.cdiv(k, 128)))
+        grid = (triton.cdiv(rows, 4), triton.cdiv(k, groups * 128))
+        _quant_groups_kernel[grid](
+            x,
+            q_out,
+            s_out,
+            rows,
+            k,
+            x.stride(0),
+            q_out.stride(0),
+            s_out.stride(0),
+            ROWS=4,
+            GROUPS=groups,
+            GROUP=128,
+            num_warps=4,
+        )
+        return
+    group = min(1024, triton.next_power_of_2(k))
+    chunks = triton.cdiv(k, group)
     to_fp8 = fmt != "int8_token"
-    _quant_rows_kernel[(rows, ngroups)](
+    _quant_rows_kernel[(rows, 1)](
         x,
         q_out,
         s_out,

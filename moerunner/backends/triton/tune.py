@@ -69,13 +69,18 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
         for bm in (16, 32, 64):
             for bn in (64, 128):
                 for bk in bks:
-                    out.append(TileConfig(bm, bn, bk, 8, 4, 3))
+                    pipelines = ((4, 3), (4, 4), (8, 3)) if bm == 64 else ((4, 3),)
+                    for warps, stages in pipelines:
+                        out.append(TileConfig(bm, bn, bk, 8, warps, stages))
     else:
+        # A gated GEMM1's MMA is 2 * BLOCK_N wide (gate and up columns side by side): 64 and
+        # 128 suit it, 256 suits GEMM2. Block-scaled fp8 keeps a second accumulator-sized
+        # product per K step, so its 4-warp tiles also try a deeper pipeline.
         quant8 = scheme.startswith(("fp8", "int8"))
         for bm in (64, 128):
-            for bn in (64, 128) if quant8 else (128, 256):
+            for bn in (64, 128) if quant8 else (64, 128, 256):
                 for bk in (128,) if quant8 else bks[:1]:
-                    for warps, stages in ((4, 3), (8, 3), (8, 4)):
+                    for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
     return out
 
