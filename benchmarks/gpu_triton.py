@@ -371,7 +371,14 @@ def main():
     ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for tune")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    plan = [p for p in PERF_PLAN if args.presets is None or f"{p[0]}:{p[1]}" in args.presets]
+    names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
+    if args.presets is None:
+        plan = PERF_PLAN
+    else:  # in the order given
+        unknown = [n for n in args.presets if n not in names]
+        if unknown:
+            raise SystemExit(f"unknown presets {unknown}; accepted: {', '.join(names)}")
+        plan = [names[n] for n in args.presets]
     result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                   torch=torch.__version__, triton=triton.__version__)
     t0 = time.time()
@@ -379,17 +386,19 @@ def main():
         result["seconds"] = time.time() - t0
         (args.out / "results.json").write_text(json.dumps(result, indent=1))
 
-    if "check" in args.parts:
-        result["check"] = part_check()
+    for part in args.parts:  # in the order given, each saved as soon as it is done
+        if part == "check":
+            result["check"] = part_check()
+        elif part == "tune":
+            tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan]
+            result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs)
+        elif part == "perf":
+            result["peaks"] = measure_peaks()
+            result["perf"] = []
+            part_perf(result["peaks"], plan, result["perf"], save)
+        else:
+            raise SystemExit(f"unknown part {part!r}; accepted: check, tune, perf")
         save()
-    if "tune" in args.parts:
-        tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan if ":" not in p[1]]
-        result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs)
-        save()
-    if "perf" in args.parts:
-        result["peaks"] = measure_peaks()
-        result["perf"] = []
-        part_perf(result["peaks"], plan, result["perf"], save)
     save()
     print("\n== summary ==", result["device"], result["date"])
     if "check" in result:

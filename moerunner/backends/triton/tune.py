@@ -51,8 +51,9 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
         # Packed 4-bit at decode: the weight decode dominates, so search how many chunks of
         # the split layout one K step covers (per-step overhead) and the warps decoding them.
         # Beyond decode a K step is 128 elements (whole chunks, see the launcher).
+        # BLOCK_N 16 is a 32-column MMA for a gated GEMM1, one n8 slice per warp of four.
         chunk = 2 * split_half(get_scheme(scheme))
-        for bn in (32, 64, 128):
+        for bn in (16, 32, 64, 128):
             for bk in sorted({chunk, 2 * chunk, min(4 * chunk, 256)}):
                 for warps, stages in ((2, 3), (4, 3), (4, 4)):
                     out.append(TileConfig(16, bn, bk, 1, warps, stages))
