@@ -8,7 +8,10 @@
 # perf:  measures the device's copy bandwidth and bf16/fp8 matmul peaks, then times the fused
 #        op on the model presets (decode through CUDA-graph replay over 8 rotated routings,
 #        prefill with triton.testing.do_bench) and reports % of roofline / peak.
-# tune:  searches tiles for the presets and writes them (tar of configs/ under --out).
+# tune:  searches tiles for the presets and writes them (tar of configs/ under --out); with
+#        --jobs > 1 it first compiles every candidate in parallel processes.
+# precompile: only that compile step (CPU work; may run beside another process's GPU checks,
+#        so a later "tune --jobs 1" only times).
 # A compact table is printed last; full results go to DIR/results.json.
 
 from __future__ import annotations
@@ -389,15 +392,18 @@ def main():
     for part in args.parts:  # in the order given, each saved as soon as it is done
         if part == "check":
             result["check"] = part_check()
-        elif part == "tune":
+        elif part in ("tune", "precompile"):
             tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan]
-            result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs)
+            if part == "precompile":  # compile only: can overlap GPU checks of other processes
+                tune.precompile(tune_plan, args.jobs, progress=lambda s: print(s, flush=True))
+            else:
+                result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs)
         elif part == "perf":
             result["peaks"] = measure_peaks()
             result["perf"] = []
             part_perf(result["peaks"], plan, result["perf"], save)
         else:
-            raise SystemExit(f"unknown part {part!r}; accepted: check, tune, perf")
+            raise SystemExit(f"unknown part {part!r}; accepted: check, precompile, tune, perf")
         save()
     save()
     print("\n== summary ==", result["device"], result["date"])
