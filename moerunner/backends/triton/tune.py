@@ -67,12 +67,21 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
                     for stages in (3, 4):
                         out.append(TileConfig(bm, bn, bk, 1, 4, stages))
     elif rows_per_expert <= 128:
+        # Every program re-reads its A rows and weight rows from L2, so a small tile's bytes
+        # per flop, not DRAM, can bound these sizes: also search the wide GEMM2 tile and,
+        # near 128 rows per expert, BLOCK_M 128 (masked padding rows are never loaded, so a
+        # half-empty 128-row block still moves fewer bytes than two 64-row blocks).
+        quant8 = scheme.startswith(("fp8", "int8"))
         for bm in (16, 32, 64):
-            for bn in (64, 128):
+            for bn in (64, 128, 256) if bm == 64 and rows_per_expert > 32 else (64, 128):
                 for bk in bks:
                     pipelines = ((4, 3), (4, 4), (8, 3)) if bm == 64 else ((4, 3),)
                     for warps, stages in pipelines:
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
+        if rows_per_expert > 64:
+            for bn in (64, 128) if quant8 else (64, 128, 256):
+                for warps, stages in ((8, 3), (8, 4)):
+                    out.append(TileConfig(128, bn, bks[0] if quant8 else 64, 8, warps, stages))
     else:
         # A gated GEMM1's MMA is 2 * BLOCK_N wide (gate and up columns side by side): 64 and
         # 128 suit it, 256 suits GEMM2. Block-scaled fp8 keeps a second accumulator-sized
