@@ -10,6 +10,7 @@
 #        prefill with triton.testing.do_bench) and reports % of roofline / peak.
 # tune:  searches tiles for the presets and writes them (tar of configs/ under --out); with
 #        --jobs > 1 it first compiles every candidate in parallel processes.
+# warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
 # precompile: only that compile step (CPU work; may run beside another process's GPU checks,
 #        so a later "tune --jobs 1" only times).
 # A compact table is printed last; full results go to DIR/results.json.
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing as tt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -196,6 +198,32 @@ def part_check():
 
 
 # ------------------------------------------------------------------------------- perf
+@triton.jit
+def _reread_kernel(x_ptr, out_ptr, n, passes, BLOCK: tl.constexpr):
+    """Sum ``passes`` sweeps over ``x`` (grid-strided): a buffer that fits in L2 measures L2."""
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    step = tl.num_programs(0) * BLOCK
+    for _ in range(passes):
+        for start in range(tl.program_id(0) * BLOCK, n, step):
+            acc += tl.load(x_ptr + start + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def l2_read_bandwidth(mib: int = 16, passes: int = 32) -> float:
+    """Bytes per second of reads served by L2: 4 programs per SM sweep a ``mib`` MiB buffer
+    ``passes`` times (the buffer stays L2-resident; bytes counted are every sweep's)."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    block = 2048
+    grid = 4 * sms
+    n = (mib << 20) // 4 // (grid * block) * (grid * block)
+    x = torch.randn(n, device=DEV)
+    out = torch.empty(grid, device=DEV)
+    ms = tt.do_bench(lambda: _reread_kernel[(grid,)](x, out, n, passes, BLOCK=block,
+                                                     num_warps=8),
+                     warmup=25, rep=200, return_mode="median")
+    return passes * n * 4 / (ms * 1e-3)
+
+
 def measure_peaks():
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
@@ -217,7 +245,7 @@ def measure_peaks():
                      warmup=25, rep=200, return_mode="median")
     fp8 = 2 * 8192 ** 3 / (ms * 1e-3)
     return dict(copy_bytes_per_s=copy_bw, read_bytes_per_s=read_bw, bf16_flops=bf16,
-                fp8_flops=fp8)
+                fp8_flops=fp8, l2_read_bytes_per_s=l2_read_bandwidth())
 
 
 def expert_bytes(prepared) -> float:
@@ -345,6 +373,41 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
         torch.cuda.empty_cache()
 
 
+def part_warm(plan, jobs: int):
+    """Compile the kernels ``perf`` will launch (one untimed call per token count), one
+    process per (preset, scheme) when ``jobs`` > 1: compilation is CPU work, and a perf run
+    on a cold kernel cache otherwise compiles every tile serially between its timings."""
+    if jobs > 1 and len(plan) > 1:
+        import subprocess
+        import tempfile
+
+        pending = list(plan)
+        running = []
+        while pending or running:
+            while pending and len(running) < jobs:
+                preset, scheme, tokens = pending.pop(0)
+                cmd = [sys.executable, __file__, "--parts", "warm", "--jobs", "1",
+                       "--out", tempfile.mkdtemp(), "--presets", f"{preset}:{scheme}",
+                       "--tune-tokens", *map(str, tokens)]
+                running.append((f"{preset}:{scheme}", subprocess.Popen(cmd)))
+            time.sleep(0.5)
+            for item in list(running):
+                if item[1].poll() is not None:
+                    running.remove(item)
+                    print(f"warm {item[0]}: rc {item[1].returncode}", flush=True)
+        return
+    for preset, scheme, tokens in plan:
+        H, I, E, k, act_name = tune.PRESETS[preset]
+        weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
+        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        for T in tokens:
+            w, i = routing(T, E, k)
+            X.fused_standard(torch.randn(T, H, device=DEV, dtype=torch.bfloat16), w, i, prepared)
+        torch.cuda.synchronize()
+        del weights, prepared
+        torch.cuda.empty_cache()
+
+
 def part_tune(plan, out_dir: Path, jobs: int):
     cfg_dir = tile_config.CONFIG_DIR
     written = []
@@ -392,6 +455,8 @@ def main():
     for part in args.parts:  # in the order given, each saved as soon as it is done
         if part == "check":
             result["check"] = part_check()
+        elif part == "warm":
+            part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs)
         elif part in ("tune", "precompile"):
             tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan]
             if part == "precompile":  # compile only: can overlap GPU checks of other processes
@@ -403,7 +468,8 @@ def main():
             result["perf"] = []
             part_perf(result["peaks"], plan, result["perf"], save)
         else:
-            raise SystemExit(f"unknown part {part!r}; accepted: check, precompile, tune, perf")
+            raise SystemExit(
+                f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf")
         save()
     save()
     print("\n== summary ==", result["device"], result["date"])
@@ -417,7 +483,8 @@ def main():
         p = result["peaks"]
         print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  read "
               f"{p['read_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
-              f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s")
+              f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s  L2 read "
+              f"{p.get('l2_read_bytes_per_s', float('nan')) / 1e12:.2f} TB/s")
         print(f"{'preset':14s} {'scheme':9s} " + " ".join(f"{t:>13d}" for t in tune.DEFAULT_TOKENS))
         groups = {}
         for r in result["perf"]:
