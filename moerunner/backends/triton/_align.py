@@ -35,7 +35,7 @@ def scratch_size(num_rows: int, num_experts: int, rows_per_program: int = ROWS_P
     """int32 elements of the scratch that the multi-program alignment needs (0: none)."""
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
         return 0
-    return (triton.cdiv(num_rows, rows_per_program) + 1) * _e_pow2(num_experts)
+    return (triton.cdiv(num_rows, rows_per_program) + 2) * _e_pow2(num_experts)
 
 
 @triton.jit
@@ -59,40 +59,48 @@ def _count(ids_ptr, row_start, row_end, num_experts, CHUNK: tl.constexpr, E_POW2
 
 
 @triton.jit
-def _lay_out_segments(
-    counts,
-    sorted_rows_ptr,
+def _segments(counts, num_padded_ptr, num_experts, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """From rows per expert: (start, end) of each expert's padded segment; stores their total
+    in ``num_padded``."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = tl.where(tl.arange(0, E_POW2) < num_experts, padded, 0)
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    return ends - padded, ends
+
+
+@triton.jit
+def _block_experts(
+    ends,
     block_expert_ptr,
-    num_padded_ptr,
-    num_rows,
+    block_start,
+    block_end,
     num_experts,
     BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
-    FILL: tl.constexpr,
 ):
-    """From rows per expert: padded segment starts (returned), ``num_padded``, the expert of
-    each used block, and the sentinel in every used slot (the scatter overwrites real rows)."""
+    """Expert of each used block in [block_start, block_end): the number of segments that end
+    at or before its first row (blocks past the last segment are not written)."""
     experts = tl.arange(0, E_POW2)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, total)
-    # Expert of each used block: the number of segments that end at or before its start.
-    for b0 in range(0, total // BLOCK_M, CHUNK):
+    total = tl.max(ends, axis=0)
+    for b0 in range(block_start, block_end, CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)
         ended = (ends[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < num_experts)
         tl.store(
             block_expert_ptr + blocks,
             tl.sum(ended.to(tl.int32), axis=1),
-            mask=blocks * BLOCK_M < total,
+            mask=(blocks < block_end) & (blocks * BLOCK_M < total),
         )
-    for p0 in range(0, total, FILL):
+
+
+@triton.jit
+def _fill_sentinel(sorted_rows_ptr, start, end, step, num_rows, FILL: tl.constexpr):
+    """The sentinel ``num_rows`` in slots [start, end) of every ``step``-strided span of FILL
+    (the scatter then overwrites the slots of real rows)."""
+    for p0 in range(start, end, step):
         offs = p0 + tl.arange(0, FILL)
-        tl.store(
-            sorted_rows_ptr + offs, tl.full((FILL,), 0, tl.int32) + num_rows, mask=offs < total
-        )
-    return ends - padded
+        tl.store(sorted_rows_ptr + offs, tl.full((FILL,), 0, tl.int32) + num_rows, mask=offs < end)
 
 
 @triton.jit
@@ -132,18 +140,10 @@ def _align_kernel(
 ):
     """One program: count per expert, lay out padded segments, scatter row ids."""
     counts = _count(ids_ptr, 0, num_rows, num_experts, CHUNK, E_POW2)
-    starts = _lay_out_segments(
-        counts,
-        sorted_rows_ptr,
-        block_expert_ptr,
-        num_padded_ptr,
-        num_rows,
-        num_experts,
-        BLOCK_M,
-        E_POW2,
-        CHUNK,
-        FILL,
-    )
+    starts, ends = _segments(counts, num_padded_ptr, num_experts, BLOCK_M, E_POW2)
+    total = tl.max(ends, axis=0)
+    _block_experts(ends, block_expert_ptr, 0, total // BLOCK_M, num_experts, BLOCK_M, E_POW2, CHUNK)
+    _fill_sentinel(sorted_rows_ptr, 0, total, FILL, num_rows, FILL)
     tl.debug_barrier()  # the sentinel fill must land before the scatter
     _scatter(ids_ptr, sorted_rows_ptr, 0, num_rows, num_experts, starts, CHUNK, E_POW2)
 
@@ -152,36 +152,36 @@ def _align_kernel(
 def _align_count_kernel(
     ids_ptr,
     scratch_ptr,
+    sorted_rows_ptr,
     num_rows,
     num_experts,
+    num_slots,
     ROWS: tl.constexpr,
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
-    """Program p: rows per expert among its ROWS rows, into scratch row p."""
+    """Program p: rows per expert among its ROWS rows, into scratch row p; and its share of
+    the sentinel fill of all ``num_slots`` slots (the scatter, a later launch, overwrites)."""
     p = tl.program_id(0)
     row_end = tl.minimum(num_rows, (p + 1) * ROWS)
     counts = _count(ids_ptr, p * ROWS, row_end, num_experts, CHUNK, E_POW2)
     tl.store(scratch_ptr + p * E_POW2 + tl.arange(0, E_POW2), counts)
+    _fill_sentinel(sorted_rows_ptr, p * FILL, num_slots, tl.num_programs(0) * FILL, num_rows, FILL)
 
 
 @triton.jit
 def _align_scan_kernel(
     scratch_ptr,
-    sorted_rows_ptr,
-    block_expert_ptr,
     num_padded_ptr,
-    num_rows,
     num_experts,
     num_programs,
     BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
-    CHUNK: tl.constexpr,
-    FILL: tl.constexpr,
     PT: tl.constexpr,
 ):
     """One program: scratch row p becomes the count of the expert's rows in programs < p;
-    lays out the segments and leaves their starts in scratch row ``num_programs``."""
+    the segment starts and ends go to scratch rows ``num_programs`` and ``num_programs + 1``."""
     experts = tl.arange(0, E_POW2)
     running = tl.zeros((E_POW2,), dtype=tl.int32)
     for p0 in range(0, num_programs, PT):
@@ -190,19 +190,9 @@ def _align_scan_kernel(
         c = tl.load(ptrs, mask=ps[:, None] < num_programs, other=0)
         tl.store(ptrs, tl.cumsum(c, axis=0) - c + running[None, :], mask=ps[:, None] < num_programs)
         running += tl.sum(c, axis=0)
-    starts = _lay_out_segments(
-        running,
-        sorted_rows_ptr,
-        block_expert_ptr,
-        num_padded_ptr,
-        num_rows,
-        num_experts,
-        BLOCK_M,
-        E_POW2,
-        CHUNK,
-        FILL,
-    )
+    starts, ends = _segments(running, num_padded_ptr, num_experts, BLOCK_M, E_POW2)
     tl.store(scratch_ptr + num_programs * E_POW2 + experts, starts)
+    tl.store(scratch_ptr + (num_programs + 1) * E_POW2 + experts, ends)
 
 
 @triton.jit
@@ -210,19 +200,27 @@ def _align_scatter_kernel(
     ids_ptr,
     scratch_ptr,
     sorted_rows_ptr,
+    block_expert_ptr,
     num_rows,
     num_experts,
     num_programs,
+    blocks_per_program,
     ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Program p: scatter its rows after the rows of programs < p in each expert segment."""
+    """Program p: scatter its rows after the rows of programs < p in each expert segment, and
+    write the expert of its share of the blocks."""
     p = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
-    running = tl.load(scratch_ptr + num_programs * E_POW2 + experts) + tl.load(
-        scratch_ptr + p * E_POW2 + experts
+    starts = tl.load(scratch_ptr + num_programs * E_POW2 + experts)
+    ends = tl.load(scratch_ptr + (num_programs + 1) * E_POW2 + experts)
+    b0 = p * blocks_per_program
+    _block_experts(
+        ends, block_expert_ptr, b0, b0 + blocks_per_program, num_experts, BLOCK_M, E_POW2, CHUNK
     )
+    running = starts + tl.load(scratch_ptr + p * E_POW2 + experts)
     row_end = tl.minimum(num_rows, (p + 1) * ROWS)
     _scatter(ids_ptr, sorted_rows_ptr, p * ROWS, row_end, num_experts, running, CHUNK, E_POW2)
 
@@ -239,9 +237,11 @@ def align_rows(
 ) -> None:
     """Fill the alignment outputs for ``row_expert`` (int32 [rows]), on the device.
 
-    Up to ``SINGLE_PROGRAM_MAX_ROWS`` rows: one program. Above: count per block of rows,
-    one scan program, scatter per block of rows; ``scratch`` (int32, at least
-    ``scratch_size`` elements, reused across calls) holds the per-block counts.
+    Up to ``SINGLE_PROGRAM_MAX_ROWS`` rows: one program. Above: count (and sentinel fill) per
+    block of rows, one scan program over the per-block counts, scatter (and block experts)
+    per block of rows; nothing proportional to the rows runs in the single scan program.
+    ``scratch`` (int32, at least ``scratch_size`` elements, reused across calls) holds the
+    per-block counts and the segment bounds.
     """
     num_rows = row_expert.shape[0]
     e_pow2 = _e_pow2(num_experts)
@@ -273,25 +273,23 @@ def align_rows(
     _align_count_kernel[(programs,)](
         row_expert,
         scratch,
+        sorted_rows,
         num_rows,
         num_experts,
+        sorted_rows.shape[0],
         ROWS=rows_per_program,
         E_POW2=e_pow2,
         CHUNK=chunk,
+        FILL=1024,
         num_warps=4,
     )
     _align_scan_kernel[(1,)](
         scratch,
-        sorted_rows,
-        block_expert,
         num_padded,
-        num_rows,
         num_experts,
         programs,
         BLOCK_M=block_m,
         E_POW2=e_pow2,
-        CHUNK=chunk,
-        FILL=1024,
         PT=max(1, 4096 // e_pow2),
         num_warps=4,
     )
@@ -299,10 +297,13 @@ def align_rows(
         row_expert,
         scratch,
         sorted_rows,
+        block_expert,
         num_rows,
         num_experts,
         programs,
+        triton.cdiv(block_expert.shape[0], programs),
         ROWS=rows_per_program,
+        BLOCK_M=block_m,
         E_POW2=e_pow2,
         CHUNK=chunk,
         num_warps=4,
@@ -315,12 +316,14 @@ def _topk_sum_kernel(
     ids_ptr,
     out_ptr,
     H,
+    num_experts,
     stride_sm,
     stride_om,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum over slots j with ids[t, j] >= 0 of src[t * TOP_K + j] (float32 sum)."""
+    """out[t] = sum over slots j with ids[t, j] in [0, E) of src[t * TOP_K + j] (float32 sum;
+    the GEMMs write no row for any other id)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -328,12 +331,16 @@ def _topk_sum_kernel(
     for j in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * TOP_K + j)
         row = src_ptr + (t * TOP_K + j) * stride_sm
-        acc += tl.load(row + offs, mask=mask & (e >= 0), other=0.0).to(tl.float32)
+        valid = (e >= 0) & (e < num_experts)
+        acc += tl.load(row + offs, mask=mask & valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def topk_sum(src_PH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor) -> None:
-    """Reduce the k weighted expert outputs of each token; slots with id -1 are skipped."""
+def topk_sum(
+    src_PH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor, num_experts: int
+) -> None:
+    """Reduce the k weighted expert outputs of each token; slots whose id is -1 (or not in
+    ``[0, num_experts)``) are skipped."""
     num_tokens, top_k = ids_TK.shape
     hidden = out_TH.shape[1]
     block_h = min(1024, triton.next_power_of_2(hidden))
@@ -342,6 +349,7 @@ def topk_sum(src_PH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor) -
         ids_TK,
         out_TH,
         hidden,
+        num_experts,
         src_PH.stride(0),
         out_TH.stride(0),
         TOP_K=top_k,
