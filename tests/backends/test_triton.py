@@ -96,13 +96,38 @@ def test_alignment_rejects_small_scratch(monkeypatch):
         _align.align_rows(ids, 2, 16, s, b, n, torch.empty(3, dtype=torch.int32), 16)
 
 
-def test_topk_sum_skips_minus_one_slots():
+def test_topk_sum_skips_minus_one_and_out_of_range_slots():
     src = torch.randn(6, 40, device=DEVICE)
-    ids = torch.tensor([[0, -1], [2, 1], [-1, -1]], dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[0, -1], [2, 1], [-1, 3]], dtype=torch.int32, device=DEVICE)
     out = torch.empty(3, 40, device=DEVICE)
-    _align.topk_sum(src, ids, out)
+    _align.topk_sum(src, ids, out, num_experts=3)
     want = torch.stack([src[0], src[2] + src[3], torch.zeros(40, device=DEVICE)])
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "fp8_block", "mxfp4", "int4_g32_zp"])
+def test_row_blocks_equal_the_aligned_layout(scheme, monkeypatch):
+    """A handful of rows skips the alignment (one block per row, expert read from the ids);
+    the result equals the aligned layout's, and ids -1 or >= E contribute nothing."""
+    torch.manual_seed(3)
+    act = moerunner.Activation("silu")
+    T, H, I, E, k = 4, 128, 96, 4, 3
+    w13 = torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEVICE) / I**0.5
+    if scheme != "fp32":
+        w13, w2 = moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
+    weights = ExpertWeights(w13, w2)
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.tensor(
+        [[0, 2, -1], [1, 1, 3], [3, E, 0], [2, 0, 1]], dtype=torch.int32, device=DEVICE
+    )
+    wts = torch.rand(T, k, device=DEVICE)
+    assert T * k <= experts.ROW_BLOCKS_MAX_ROWS
+    rows = experts.fused_standard(x, wts, ids, prepared)
+    monkeypatch.setattr(experts, "ROW_BLOCKS_MAX_ROWS", 0)
+    aligned = experts.fused_standard(x, wts, torch.where(ids < E, ids, -1), prepared)
+    assert _rel(rows, aligned) < 1e-6
 
 
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
@@ -164,6 +189,31 @@ def test_block_fp8_scales_per_row_or_per_element(activation, inter, block_n, uni
     out = experts.fused_standard(x, wts, ids, prepared, tile_config.MoeTiles(tile, tile))
     ref = _run("torch", x, weights, act, wts, ids)
     assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("inter", [128, 192])
+def test_gemm1_epilogue_quantizes_gemm2_input(inter, monkeypatch):
+    """fp8_block with a GEMM1 tile of whole 128-column groups: GEMM1 stores GEMM2's e4m3 input
+    and scales itself (the last group partial at I = 192), and the result equals the unfused
+    path's up to accumulation order (codes and scales bit for bit: test_triton_gpu.py)."""
+    torch.manual_seed(5)
+    act = moerunner.Activation("silu")
+    T, H, E, k = 9, 256, 4, 2
+    w13 = moerunner.quantize(torch.randn(E, 2 * inter, H, device=DEVICE) / H**0.5, "fp8_block")
+    w2 = moerunner.quantize(torch.randn(E, H, inter, device=DEVICE) / inter**0.5, "fp8_block")
+    weights = ExpertWeights(w13, w2)
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(T, k, device=DEVICE)
+    tiles = tile_config.MoeTiles(*[tile_config.TileConfig(16, 128, 128, 1, 4, 2)] * 2)
+    monkeypatch.setattr(experts, "FUSE_INPUT_QUANT_OFF_GPU", True)
+    assert experts.fuses_gemm2_input_quant(prepared.tensors["w2"], x, tiles.gemm1)
+    fused = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
+    monkeypatch.setattr(experts, "FUSE_INPUT_QUANT_OFF_GPU", False)
+    plain = experts.fused_standard(x, wts, ids, prepared, tiles)
+    assert _rel(fused, plain) < 1e-6
+    assert _rel(plain, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
 
 def _activation_quant_case(fmt, rows, k):

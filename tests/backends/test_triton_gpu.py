@@ -69,12 +69,14 @@ def test_scheme_activation_matches_torch_backend(scheme, activation):
     assert _rel(out, ref) < tol
 
 
-def test_cuda_graph_capture_and_replay_of_decode_call():
+@pytest.mark.parametrize("T", [2, 8], ids=["row_blocks", "aligned"])
+def test_cuda_graph_capture_and_replay_of_decode_call(T):
     from moerunner.backends.triton import TritonBackend
-    from moerunner.backends.triton.experts import fused_standard
+    from moerunner.backends.triton.experts import ROW_BLOCKS_MAX_ROWS, fused_standard
 
     dev = torch.device("cuda")
-    E, H, I, k, T = 16, 512, 256, 4, 8
+    E, H, I, k = 16, 512, 256, 4
+    assert (T * k <= ROW_BLOCKS_MAX_ROWS) == (T == 2)
     act = moerunner.Activation("silu")
     weights = ExpertWeights(
         torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.05,
@@ -194,3 +196,50 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks):
     ref = moerunner.reference_moe(x, weights, wts, ids, act)
     assert not torch.isnan(out).any()
     assert _rel(out, ref) < (3e-2 if scheme == "mxfp4_mxfp8" else 2e-2)
+
+
+@pytest.mark.parametrize("inter", [2048, 704])
+def test_gemm1_epilogue_quant_is_bit_exact(inter):
+    """GEMM1 quantizing GEMM2's fp8_group128 input in its epilogue stores the same codes and
+    scales, bit for bit, as storing the bf16 intermediate and running the standalone kernel
+    (I = 704 ends in a partial group)."""
+    from moerunner.backends.triton import TritonBackend
+    from moerunner.backends.triton import experts as X
+    from moerunner.backends.triton._align import max_padded_rows, scratch_size
+    from moerunner.backends.triton._quant_kernel import quantize_rows
+    from moerunner.backends.triton.tile_config import TileConfig
+
+    dev = torch.device("cuda")
+    torch.manual_seed(inter)
+    H, E, T, k = 512, 16, 300, 4
+    act = moerunner.Activation("silu")
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * inter, H, device=dev) / H**0.5, "fp8_block"),
+        moerunner.quantize(torch.randn(E, H, inter, device=dev) / inter**0.5, "fp8_block"),
+    )
+    prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
+    spec, w13 = prepared.spec, prepared.tensors["w13"]
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int().reshape(-1)
+    tile = TileConfig(64, 128, 128, 8, 4, 3)
+    rows = T * k
+    mp = max_padded_rows(rows, E, 64)
+    ws = {
+        "sorted_rows": torch.empty(mp, dtype=torch.int32, device=dev),
+        "block_expert": torch.empty(mp // 64, dtype=torch.int32, device=dev),
+        "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
+        "align_scratch": torch.empty(scratch_size(rows, E), dtype=torch.int32, device=dev),
+    }
+    layout = X.layout_rows(ids, E, 64, ws)
+    a, a_s = X._quantize_input(x, w13)
+    groups = -(-inter // 128)
+    q = torch.full((rows, inter), 7, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    s = torch.full((rows, groups), -1.0, device=dev)
+    X._launch_gemm(a, a_s, w13, None, q, layout, rows, k, None, tile, inter, spec, s, x.dtype)
+    inter_bf16 = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
+    X._launch_gemm(a, a_s, w13, None, inter_bf16, layout, rows, k, None, tile, inter, spec)
+    q_ref = torch.empty_like(q)
+    s_ref = torch.empty_like(s)
+    quantize_rows(inter_bf16, "fp8_group128", q_ref, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))

@@ -3,8 +3,10 @@
 # One kernel serves GEMM1 (w13, optional bias, fused gated/non-gated activation) and GEMM2
 # (w2, optional bias, routing weight) for every scheme. Rows come from the alignment step:
 # ``sorted_rows`` holds, per BLOCK_M-padded expert segment, the output row ids (sentinel
-# ``num_rows`` for padding) and ``block_expert`` the expert of each M-block. The A row of an
-# output row is ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1 otherwise).
+# ``num_rows`` for padding) and ``block_expert`` the expert of each M-block; with very few
+# rows (ROW_BLOCKS) each row is its own block and its expert id is read directly. The A row
+# of an output row is ``row // a_row_div`` (top_k for GEMM1 of the standard format, 1
+# otherwise).
 #
 # Weight tiles are read straight from the quantized layouts of docs/architecture.md and either
 # fed to the MMA in their own type (fp8 / int8 with a quantized A, "qdot") or dequantized in
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._quant_kernel import quant_groups_e4m3
 
 # Weight storage formats (constexpr W_FORMAT).
 WF_PLAIN, WF_FP8, WF_INT8, WF_UINT4, WF_E2M1 = 0, 1, 2, 3, 4
@@ -355,6 +359,7 @@ def moe_gemm_kernel(
     w_gscale_ptr,
     bias_ptr,
     out_ptr,
+    out_scale_ptr,
     sorted_rows_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -363,6 +368,7 @@ def moe_gemm_kernel(
     K,
     num_rows,
     num_m_blocks,
+    num_experts,
     a_row_div,
     alpha,
     limit,
@@ -383,6 +389,8 @@ def moe_gemm_kernel(
     stride_bn,
     stride_om,
     stride_on,
+    stride_osm,
+    stride_osg,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -406,6 +414,10 @@ def moe_gemm_kernel(
     HALF: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
     UNIFORM_WS: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+    OUT_QUANT: tl.constexpr,
+    INTER_DTYPE: tl.constexpr,
+    FP8_ROUND_FIRST: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -414,6 +426,11 @@ def moe_gemm_kernel(
     0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
     UNIFORM_WS: block-scaled fp8 whose tile's gate rows lie in one scale block and up rows in
     one (the launcher checks the alignment), so the scale is per row, not per element.
+    ROW_BLOCKS: one block per row, experts read from the row ids (no alignment step).
+    OUT_QUANT: GEMM1 only, BLOCK_N a multiple of 128: store e4m3 codes and per-(row, 128
+    columns) scales of the output rounded to INTER_DTYPE, i.e. GEMM2's fp8_group128 input as
+    the standalone quantization would make it from the stored intermediate
+    (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
@@ -426,14 +443,22 @@ def moe_gemm_kernel(
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
 
-    num_padded = tl.load(num_padded_ptr)
-    if pid_m * BLOCK_M >= num_padded:
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_out = tl.load(sorted_rows_ptr + offs_m)
+    if ROW_BLOCKS:
+        # Few rows (decode): block pid_m is row pid_m alone and ``block_expert_ptr`` holds
+        # each row's expert id, so no alignment launch precedes this one. A row whose id is
+        # -1 (or out of range) has nothing to compute.
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if (expert < 0) | (expert >= num_experts):
+            return
+        rows_out = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
+    else:
+        num_padded = tl.load(num_padded_ptr)
+        if pid_m * BLOCK_M >= num_padded:
+            return
+        rows_out = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     row_mask = rows_out < num_rows
     a_rows = tl.where(row_mask, rows_out // a_row_div, 0).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
     # Weight rows of this tile. Gated: the gate and the up row of each output column side by
@@ -596,4 +621,19 @@ def moe_gemm_kernel(
         rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0)
         out = out * rw[:, None]
     out_ptrs = out_ptr + rows_out.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    out_mask = row_mask[:, None] & n_mask[None, :]
+    if OUT_QUANT:
+        GROUPS: tl.constexpr = BLOCK_N // 128
+        v = tl.where(n_mask[None, :], out.to(INTER_DTYPE).to(tl.float32), 0.0)
+        q, scale = quant_groups_e4m3(tl.reshape(v, (BLOCK_M, GROUPS, 128)), FP8_ROUND_FIRST)
+        tl.store(out_ptrs, tl.reshape(q, (BLOCK_M, BLOCK_N)), mask=out_mask)
+        groups = pid_n * GROUPS + tl.arange(0, GROUPS)
+        tl.store(
+            out_scale_ptr
+            + rows_out.to(tl.int64)[:, None] * stride_osm
+            + groups[None, :] * stride_osg,
+            scale,
+            mask=row_mask[:, None] & (groups[None, :] < tl.cdiv(N_OUT, 128)),
+        )
+    else:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)

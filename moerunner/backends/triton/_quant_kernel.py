@@ -2,7 +2,8 @@
 #
 # One launch quantizes an activation [M, K] to e4m3 or int8 with fp32 scales per row
 # (fp8_token, int8_token: a program per row, two passes over it) or per row and 128 along K
-# (fp8_group128: a program per tile of rows x several groups, read once), by the same rule as
+# (fp8_group128: a program per tile of rows x several groups, read once; the GEMM1 epilogue
+# applies the same ``quant_groups_e4m3`` when its tile holds whole groups), by the same rule as
 # moerunner.quant.quantize_activation: scale = amax / qmax (1.0 where that is 0), q = x / scale
 # rounded to nearest even (saturating at +-448 for e4m3, clamped to [-128, 127] for int8).
 # The launcher uses the quant package's PyTorch implementation off the GPU, where the Triton
@@ -58,6 +59,33 @@ def _quant_rows_kernel(
 
 
 @triton.jit
+def _on_e4m3_grid(y):
+    """float32 ``y`` (|y| <= 448) rounded to the nearest e4m3 value, ties to even, still in
+    float32: 3 mantissa bits from 2^-6 up, steps of 2^-9 below. Casting that to e4m3 is exact,
+    which Triton's interpreter needs: its own cast drops the carry into the next binade
+    (31.7 -> 16)."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # keep 3 mantissa bits
+    subnormal = ((y * 512.0 + _ROUND_MAGIC) - _ROUND_MAGIC) / 512.0
+    return tl.where(tl.abs(y) < 0.015625, subnormal, normal.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def quant_groups_e4m3(x, ROUND_FIRST: tl.constexpr):
+    """[ROWS, GROUPS, GROUP] float32 -> (e4m3 codes of that shape, [ROWS, GROUPS] fp32 scales):
+    scale = amax / 448 (1 for an all-zero group), code = x / scale rounded to nearest even.
+    Used by the standalone kernel below and by the GEMM1 epilogue that quantizes GEMM2's
+    input in place, so both give the same bits. ``ROUND_FIRST`` (the interpreter) rounds in
+    float32 before the cast; the GPU's cast rounds correctly by itself."""
+    scale = tl.max(tl.abs(x), axis=2) / 448.0
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, :, None]), -448.0), 448.0)
+    if ROUND_FIRST:
+        y = _on_e4m3_grid(y)
+    return y.to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _quant_groups_kernel(
     x_ptr,
     q_ptr,
@@ -79,12 +107,10 @@ def _quant_groups_kernel(
     rows = offs_m.to(tl.int64)[:, None]
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-    x = tl.reshape(x.to(tl.float32), (ROWS, GROUPS, GROUP))
-    scale = tl.max(tl.abs(x), axis=2) / 448.0
-    scale = tl.where(scale == 0.0, 1.0, scale)
-    y = tl.math.div_rn(x, scale[:, :, None])
-    y = tl.reshape(tl.minimum(tl.maximum(y, -448.0), 448.0), (ROWS, GROUPS * GROUP))
-    tl.store(q_ptr + rows * stride_qm + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
+    q, scale = quant_groups_e4m3(tl.reshape(x.to(tl.float32), (ROWS, GROUPS, GROUP)), False)
+    tl.store(
+        q_ptr + rows * stride_qm + offs_k[None, :], tl.reshape(q, (ROWS, GROUPS * GROUP)), mask=mask
+    )
     g_mask = (offs_m[:, None] < M) & (offs_g[None, :] < (K + GROUP - 1) // GROUP)
     tl.store(s_ptr + rows * stride_sm + offs_g[None, :], scale, mask=g_mask)
 

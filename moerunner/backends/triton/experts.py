@@ -1,9 +1,11 @@
 # Stage "experts" of the triton backend: validate, allocate, launch (public launcher).
 #
 # One kernel sequence serves every entry point (``run_kernel_sequence``):
-#   align rows to BLOCK_M-padded expert segments (on device, no host sync)
+#   align rows to BLOCK_M-padded expert segments (on device, no host sync; skipped for a
+#   handful of rows, which the GEMMs then take one per block)
 #   -> quantize GEMM1's input as the scheme says -> GEMM1 (+bias, activation fused)
-#   -> quantize GEMM2's input -> GEMM2 (+bias, routing weight) into per-row outputs.
+#   -> quantize GEMM2's input (in GEMM1's epilogue where its tile holds whole groups)
+#   -> GEMM2 (+bias, routing weight) into per-row outputs.
 # ``fused_standard`` feeds it (token, slot) rows and reduces the k rows of each token;
 # ``grouped_core`` feeds it the rows of the grouped ("permuted") layout as they are.
 # Workspaces are cached per (device, shapes, dtype) and reused across calls.
@@ -25,7 +27,7 @@ from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._quant_kernel import quantize_rows
-from .tile_config import MoeTiles, lookup_tiles
+from .tile_config import MoeTiles, TileConfig, lookup_tiles
 
 _ACT_IDS = {
     "silu": K.ACT_SILU,
@@ -40,6 +42,11 @@ _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
 _QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
 _EMULATED_ACT = ("mxfp8", "nvfp4")
+_TL_DTYPES = {
+    torch.bfloat16: triton.language.bfloat16,
+    torch.float16: triton.language.float16,
+    torch.float32: triton.language.float32,
+}
 
 #: Scheme names the kernels implement (static activation scales are not claimed).
 SUPPORTED_SCHEMES = frozenset(
@@ -242,6 +249,63 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
+#: Off the GPU GEMM1 leaves GEMM2's input quantization to the PyTorch twin (the path every
+#: other input takes there) unless this is set; tests set it to check the epilogue's logic.
+FUSE_INPUT_QUANT_OFF_GPU = False
+
+
+def fuses_gemm2_input_quant(w2: KernelWeight, x: torch.Tensor, tile1: TileConfig) -> bool:
+    """Whether GEMM1 stores GEMM2's fp8_group128 input itself (codes and scales) instead of
+    the bf16 intermediate: its tile must hold whole 128-column groups. Saves a launch and a
+    write and two reads of the intermediate."""
+    return (
+        w2.activation_format == "fp8_group128"
+        and tile1.block_n % 128 == 0
+        and (x.is_cuda or FUSE_INPUT_QUANT_OFF_GPU)
+    )
+
+
+#: Up to this many (token, slot) rows each row is its own GEMM block and no alignment step
+#: runs (decode: one launch fewer). Rows that share an expert then read its weights once each
+#: (the repeats mostly from L2), which the alignment would have grouped.
+ROW_BLOCKS_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where each GEMM block finds its rows and expert (see ``_gemm_kernel``)."""
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    row_blocks: bool
+
+    @property
+    def num_blocks(self) -> int:
+        """M-blocks the GEMM grid covers (the kernel skips the unused ones)."""
+        return self.block_expert.shape[0]
+
+
+def layout_rows(
+    row_expert: torch.Tensor, num_experts: int, block_m: int, ws: dict[str, torch.Tensor]
+) -> RowLayout:
+    """The row layout of one call: the row ids as blocks for at most ``ROW_BLOCKS_MAX_ROWS``
+    rows, else the device-side alignment into ``ws`` (sorted_rows, block_expert, num_padded,
+    align_scratch)."""
+    if row_expert.shape[0] <= ROW_BLOCKS_MAX_ROWS:
+        return RowLayout(row_expert, row_expert, row_expert, True)
+    align_rows(
+        row_expert,
+        num_experts,
+        block_m,
+        ws["sorted_rows"],
+        ws["block_expert"],
+        ws["num_padded"],
+        ws.get("align_scratch"),
+    )
+    return RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
+
+
 def _quantize_input(x: torch.Tensor, w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM input in the form the kernel reads: (data, scale or None)."""
     fmt = w.activation_format
@@ -278,15 +342,21 @@ def _launch_gemm(
     w: KernelWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor,
-    ws: dict[str, torch.Tensor],
+    rows: RowLayout,
     num_rows: int,
     a_row_div: int,
     route_w: torch.Tensor | None,
     tile,
     n_out: int,
     spec: ExpertSpec | None,
+    out_scale: torch.Tensor | None = None,
+    inter_dtype: torch.dtype | None = None,
 ) -> None:
-    """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused)."""
+    """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused).
+
+    ``out_scale`` given (GEMM1 only, see ``fuses_gemm2_input_quant``): ``out`` is e4m3 and
+    takes the codes, ``out_scale`` [rows, ceil(N / 128)] the scales of the output as rounded
+    to ``inter_dtype``."""
     dev = a.device
     dummy = _dummy(dev)
     k = w.shape[2]
@@ -318,11 +388,18 @@ def _launch_gemm(
     b_strides = (b.stride(0), b.stride(1)) if bias is not None else (0, 0)
     gated = spec is not None and spec.gated
     interleaved = gated and spec.gate_up_interleaved
-    num_m_blocks = ws["block_expert"].shape[0]
+    num_m_blocks = rows.num_blocks
     grid = (num_m_blocks * triton.cdiv(n_out, tile.block_n),)
     act = spec.activation if spec is not None else None
     a_s = a_scale if a_scale is not None else dummy
     a_s_strides = (a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0)
+    if out_scale is not None and (tile.block_n % 128 or inter_dtype not in _TL_DTYPES):
+        raise MoeInputError(
+            f"quantizing in the epilogue needs block_n a multiple of 128 and a bf16/fp16/fp32 "
+            f"intermediate, got block_n {tile.block_n} and {inter_dtype}"
+        )
+    o_s = out_scale if out_scale is not None else dummy
+    o_s_strides = (o_s.stride(0), o_s.stride(1)) if out_scale is not None else (0, 0)
     K.moe_gemm_kernel[grid](
         a,
         a_s,
@@ -332,14 +409,16 @@ def _launch_gemm(
         gs,
         b,
         out,
-        ws["sorted_rows"],
-        ws["block_expert"],
-        ws["num_padded"],
+        o_s,
+        rows.sorted_rows,
+        rows.block_expert,
+        rows.num_padded,
         route_w if route_w is not None else dummy,
         n_out,
         k,
         num_rows,
         num_m_blocks,
+        w.shape[0],
         a_row_div,
         float(act.alpha) if act is not None and act.alpha is not None else 0.0,
         float(act.limit) if act is not None and act.limit is not None else 0.0,
@@ -354,6 +433,7 @@ def _launch_gemm(
         *b_strides,
         out.stride(0),
         out.stride(1),
+        *o_s_strides,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
@@ -373,6 +453,10 @@ def _launch_gemm(
             and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)
         ),
         UNIFORM_WS=_uniform_block_scale(consts, tile.block_n, n_out, gated, interleaved),
+        ROW_BLOCKS=rows.row_blocks,
+        OUT_QUANT=out_scale is not None,
+        INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
+        FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
@@ -437,28 +521,27 @@ def run_kernel_sequence(
         )
     bm = tiles.gemm1.block_m
     max_padded = max_padded_rows(num_rows, num_experts, bm)
-    key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm)
-    ws = WORKSPACES.get(
-        key,
-        lambda: {
+    fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1)
+    key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
+
+    def make() -> dict[str, torch.Tensor]:
+        ws = {
             "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=dev),
             "block_expert": torch.empty(max_padded // bm, dtype=torch.int32, device=dev),
             "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
-            "inter": torch.empty(num_rows, inter, dtype=a_RH.dtype, device=dev),
             "align_scratch": torch.empty(
                 scratch_size(num_rows, num_experts), dtype=torch.int32, device=dev
             ),
-        },
-    )
-    align_rows(
-        row_expert,
-        num_experts,
-        bm,
-        ws["sorted_rows"],
-        ws["block_expert"],
-        ws["num_padded"],
-        ws["align_scratch"],
-    )
+        }
+        if fuse:
+            ws["inter"] = torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=dev)
+            ws["inter_scale"] = torch.empty(num_rows, triton.cdiv(inter, 128), device=dev)
+        else:
+            ws["inter"] = torch.empty(num_rows, inter, dtype=a_RH.dtype, device=dev)
+        return ws
+
+    ws = WORKSPACES.get(key, make)
+    rows = layout_rows(row_expert, num_experts, bm, ws)
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13)
         _launch_gemm(
@@ -467,23 +550,28 @@ def run_kernel_sequence(
             w13,
             prepared.tensors["w13_bias"],
             ws["inter"],
-            ws,
+            rows,
             num_rows,
             a_row_div,
             None,
             tiles.gemm1,
             inter,
             spec,
+            ws.get("inter_scale"),
+            a_RH.dtype,
         )
     with trace_range("gemm2"):
-        a2, a2_scale = _quantize_input(ws["inter"], w2)
+        if fuse:
+            a2, a2_scale = ws["inter"], ws["inter_scale"]
+        else:
+            a2, a2_scale = _quantize_input(ws["inter"], w2)
         _launch_gemm(
             a2,
             a2_scale,
             w2,
             prepared.tensors["w2_bias"],
             out_PH,
-            ws,
+            rows,
             num_rows,
             1,
             route_w,
@@ -546,7 +634,7 @@ def fused_standard(
     )
     run_kernel_sequence(hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles)
     with trace_range("combine"):
-        topk_sum(cache["y"], ids, out)
+        topk_sum(cache["y"], ids, out, prepared.spec.num_experts)
     return out
 
 

@@ -1,10 +1,11 @@
 # ``moerunner tune`` for the triton backend: search GEMM tiles on the current GPU, write JSON.
 #
-# For each token count, the alignment runs once per candidate BLOCK_M, then GEMM1 and GEMM2
-# candidates with that BLOCK_M are timed separately (CUDA-graph replay, so launch overhead
-# does not hide the kernel time); the best pair over all BLOCK_M wins. Results go to one file
-# per (E, N, K, scheme, device) in the schema of ``tile_config.py``. Weights are random with
-# the requested scheme's layout: tile choice depends on shapes, not on values.
+# For each token count, the alignment runs once per candidate BLOCK_M, then GEMM1 (with the
+# making of GEMM2's input) and GEMM2 candidates with that BLOCK_M are timed separately
+# (CUDA-graph replay, so launch overhead does not hide the kernel time); the best pair over
+# all BLOCK_M wins. Results go to one file per (E, N, K, scheme, device) in the schema of
+# ``tile_config.py``. Weights are random with the requested scheme's layout: tile choice
+# depends on shapes, not on values.
 
 from __future__ import annotations
 
@@ -85,10 +86,11 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
     else:
         # A gated GEMM1's MMA is 2 * BLOCK_N wide (gate and up columns side by side): 64 and
         # 128 suit it, 256 suits GEMM2. Block-scaled fp8 keeps a second accumulator-sized
-        # product per K step, so its 4-warp tiles also try a deeper pipeline.
+        # product per K step, so its 4-warp tiles also try a deeper pipeline, and its
+        # 256-wide GEMM2 tile only with 64 rows (two 128 x 256 fp32 tiles do not fit).
         quant8 = scheme.startswith(("fp8", "int8"))
         for bm in (64, 128):
-            for bn in (64, 128) if quant8 else (64, 128, 256):
+            for bn in (64, 128) if quant8 and bm == 128 else (64, 128, 256):
                 for bk in (128,) if quant8 else bks[:1]:
                     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
@@ -118,7 +120,7 @@ def tune_tokens(
     nothing; it returns (None, nan).
     """
     from . import experts as X
-    from ._align import align_rows, max_padded_rows
+    from ._align import max_padded_rows, scratch_size
 
     spec = prepared.spec
     w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
@@ -137,8 +139,12 @@ def tune_tokens(
     route_w = torch.rand(num_tokens * top_k, device=dev)
     rows = num_tokens * top_k
     inter_buf = torch.empty(rows, inter, device=dev, dtype=dtype)
+    inter_q = torch.empty(rows, inter, device=dev, dtype=torch.float8_e4m3fn)
+    inter_s = torch.empty(rows, -(-inter // 128), device=dev)
     out_buf = torch.empty(rows, hidden, device=dev, dtype=dtype)
     graph = num_tokens * top_k <= 4096
+    a1, s1 = X._quantize_input(x, w13)
+    a2, s2 = X._quantize_input(inter_buf.normal_(), w2)
     best: dict[int, dict[str, tuple[float, TileConfig]]] = {}
     for i, tile in enumerate(cands):
         bm = tile.block_m
@@ -147,49 +153,52 @@ def tune_tokens(
             "sorted_rows": torch.empty(mp, dtype=torch.int32, device=dev),
             "block_expert": torch.empty(mp // bm, dtype=torch.int32, device=dev),
             "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
+            "align_scratch": torch.empty(
+                scratch_size(rows, num_experts), dtype=torch.int32, device=dev
+            ),
         }
-        align_rows(ids, num_experts, bm, ws["sorted_rows"], ws["block_expert"], ws["num_padded"])
+        layout = X.layout_rows(ids, num_experts, bm, ws)  # as run_kernel_sequence lays them out
         times: dict[str, str] = {}
-        a1, s1 = X._quantize_input(x, w13)
-        a2, s2 = X._quantize_input(inter_buf.normal_(), w2)
-        for which, fn in (
-            (
-                "gemm1",
-                functools.partial(
-                    X._launch_gemm,
-                    a1,
-                    s1,
-                    w13,
-                    prepared.tensors["w13_bias"],
-                    inter_buf,
-                    ws,
-                    rows,
-                    top_k,
-                    None,
-                    tile,
-                    inter,
-                    spec,
-                ),
-            ),
-            (
-                "gemm2",
-                functools.partial(
-                    X._launch_gemm,
-                    a2,
-                    s2,
-                    w2,
-                    prepared.tensors["w2_bias"],
-                    out_buf,
-                    ws,
-                    rows,
-                    1,
-                    route_w,
-                    tile,
-                    hidden,
-                    None,
-                ),
-            ),
-        ):
+        fuse = X.fuses_gemm2_input_quant(w2, x, tile)
+
+        def gemm1(tile=tile, layout=layout, fuse=fuse):
+            # GEMM1 and whatever makes GEMM2's input, as run_kernel_sequence does: the
+            # epilogue's quantization or the standalone one (a no-op for unquantized inputs).
+            X._launch_gemm(
+                a1,
+                s1,
+                w13,
+                prepared.tensors["w13_bias"],
+                inter_q if fuse else inter_buf,
+                layout,
+                rows,
+                top_k,
+                None,
+                tile,
+                inter,
+                spec,
+                inter_s if fuse else None,
+                dtype,
+            )
+            if not fuse:
+                X._quantize_input(inter_buf, w2)
+
+        gemm2 = functools.partial(
+            X._launch_gemm,
+            a2,
+            s2,
+            w2,
+            prepared.tensors["w2_bias"],
+            out_buf,
+            layout,
+            rows,
+            1,
+            route_w,
+            tile,
+            hidden,
+            None,
+        )
+        for which, fn in (("gemm1", gemm1), ("gemm2", gemm2)):
             try:
                 fn()
                 torch.cuda.synchronize()
