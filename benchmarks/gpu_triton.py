@@ -11,6 +11,8 @@
 # tune:  searches tiles for the presets and writes them (tar of configs/ under --out); with
 #        --jobs > 1 it first compiles every candidate in parallel processes.
 # warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
+# rowblocks: decode times with and without the alignment step (T = 1..8), to place
+#        experts.ROW_BLOCKS_MAX_ROWS.
 # precompile: only that compile step (CPU work; may run beside another process's GPU checks,
 #        so a later "tune --jobs 1" only times).
 # A compact table is printed last; full results go to DIR/results.json.
@@ -373,6 +375,28 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
         torch.cuda.empty_cache()
 
 
+def part_row_blocks(plan, rows):
+    """Decode times with and without the alignment step (``ROW_BLOCKS_MAX_ROWS`` 0 vs large)
+    at T = 1, 2, 4, 8, in one process, to place the threshold."""
+    saved = X.ROW_BLOCKS_MAX_ROWS
+    for preset, scheme, _ in plan:
+        H, I, E, k, act_name = tune.PRESETS[preset]
+        weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
+        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        for T in (1, 2, 4, 8):
+            row = dict(preset=preset, scheme=scheme, T=T, rows=T * k)
+            for name, limit in (("aligned_us", 0), ("row_blocks_us", 1 << 20)):
+                X.ROW_BLOCKS_MAX_ROWS = limit
+                row[name] = time_fused(prepared, T, k, 8)[0] * 1e3
+            X.ROW_BLOCKS_MAX_ROWS = saved
+            rows.append(row)
+            print(f"rowblocks {preset:14s} {scheme:9s} T={T} rows={T * k:3d} aligned "
+                  f"{row['aligned_us']:7.1f} us  row blocks {row['row_blocks_us']:7.1f} us",
+                  flush=True)
+        del weights, prepared
+        torch.cuda.empty_cache()
+
+
 def part_warm(plan, jobs: int):
     """Compile the kernels ``perf`` will launch (one untimed call per token count), one
     process per (preset, scheme) when ``jobs`` > 1: compilation is CPU work, and a perf run
@@ -455,6 +479,9 @@ def main():
     for part in args.parts:  # in the order given, each saved as soon as it is done
         if part == "check":
             result["check"] = part_check()
+        elif part == "rowblocks":
+            result["row_blocks"] = []
+            part_row_blocks(plan, result["row_blocks"])
         elif part == "warm":
             part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs)
         elif part in ("tune", "precompile"):
@@ -469,7 +496,8 @@ def main():
             part_perf(result["peaks"], plan, result["perf"], save)
         else:
             raise SystemExit(
-                f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf")
+                f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf, "
+                "rowblocks")
         save()
     save()
     print("\n== summary ==", result["device"], result["date"])
