@@ -68,10 +68,9 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
                     for stages in (3, 4):
                         out.append(TileConfig(bm, bn, bk, 1, 4, stages))
     elif rows_per_expert <= 128:
-        # Every program re-reads its A rows and weight rows from L2, so a small tile's bytes
-        # per flop, not DRAM, can bound these sizes: also search the wide GEMM2 tile and,
-        # near 128 rows per expert, BLOCK_M 128 (masked padding rows are never loaded, so a
-        # half-empty 128-row block still moves fewer bytes than two 64-row blocks).
+        # Also search the wide GEMM2 tile and, near 128 rows per expert, BLOCK_M 128: masked
+        # padding rows cost MMA time but are never loaded, so a half-empty 128-row block
+        # moves fewer bytes than two 64-row blocks, and its tile runs two warpgroups.
         quant8 = scheme.startswith(("fp8", "int8"))
         for bm in (16, 32, 64):
             for bn in (64, 128, 256) if bm == 64 and rows_per_expert > 32 else (64, 128):
