@@ -12,7 +12,9 @@
 #        --jobs > 1 it first compiles every candidate in parallel processes.
 # warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
 # rowblocks: decode times with and without the alignment step (T = 1..8), to place
-#        experts.ROW_BLOCKS_MAX_ROWS.
+#        experts.ROW_BLOCKS_MAX_TOKENS.
+# pdl:   times with programmatic dependent launch off and on (T = 1, 16, 64, 1024).
+# --no-pdl runs every part with programmatic dependent launch off (e.g. to warm those kernels).
 # precompile: only that compile step (CPU work; may run beside another process's GPU checks,
 #        so a later "tune --jobs 1" only times).
 # A compact table is printed last; full results go to DIR/results.json.
@@ -376,9 +378,9 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
 
 
 def part_row_blocks(plan, rows):
-    """Decode times with and without the alignment step (``ROW_BLOCKS_MAX_ROWS`` 0 vs large)
+    """Decode times with and without the alignment step (``ROW_BLOCKS_MAX_TOKENS`` 0 vs large)
     at T = 1, 2, 4, 8, in one process, to place the threshold."""
-    saved = X.ROW_BLOCKS_MAX_ROWS
+    saved = X.ROW_BLOCKS_MAX_TOKENS
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
@@ -386,15 +388,44 @@ def part_row_blocks(plan, rows):
         for T in (1, 2, 4, 8):
             row = dict(preset=preset, scheme=scheme, T=T, rows=T * k)
             for name, limit in (("aligned_us", 0), ("row_blocks_us", 1 << 20)):
-                X.ROW_BLOCKS_MAX_ROWS = limit
+                X.ROW_BLOCKS_MAX_TOKENS = limit
                 row[name] = time_fused(prepared, T, k, 8)[0] * 1e3
-            X.ROW_BLOCKS_MAX_ROWS = saved
+            X.ROW_BLOCKS_MAX_TOKENS = saved
             rows.append(row)
             print(f"rowblocks {preset:14s} {scheme:9s} T={T} rows={T * k:3d} aligned "
                   f"{row['aligned_us']:7.1f} us  row blocks {row['row_blocks_us']:7.1f} us",
                   flush=True)
         del weights, prepared
         torch.cuda.empty_cache()
+
+
+def part_pdl(plan, rows):
+    """Times with programmatic dependent launch off and on (``_pdl.ENABLED``) at decode sizes
+    (graph replay) and T = 1024 (eager), in one process."""
+    from moerunner.backends.triton import _pdl
+
+    saved = _pdl.ENABLED
+    for preset, scheme, _ in plan:
+        H, I, E, k, act_name = tune.PRESETS[preset]
+        weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
+        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        for T in (1, 16, 64, 1024):
+            row = dict(preset=preset, scheme=scheme, T=T)
+            for name, on in (("off_us", False), ("on_us", True)):
+                _pdl.ENABLED = on
+                row[name] = time_fused(prepared, T, k, 8 if T <= 64 else 2)[0] * 1e3
+            _pdl.ENABLED = saved
+            rows.append(row)
+            print(f"pdl {preset:14s} {scheme:9s} T={T:5d} off {row['off_us']:8.1f} us  on "
+                  f"{row['on_us']:8.1f} us  ({row['off_us'] / row['on_us']:.3f}x)", flush=True)
+        del weights, prepared
+        torch.cuda.empty_cache()
+
+
+def _pdl_enabled() -> bool:
+    from moerunner.backends.triton import _pdl
+
+    return _pdl.ENABLED
 
 
 def part_warm(plan, jobs: int):
@@ -413,6 +444,8 @@ def part_warm(plan, jobs: int):
                 cmd = [sys.executable, __file__, "--parts", "warm", "--jobs", "1",
                        "--out", tempfile.mkdtemp(), "--presets", f"{preset}:{scheme}",
                        "--tune-tokens", *map(str, tokens)]
+                if not _pdl_enabled():
+                    cmd.append("--no-pdl")
                 running.append((f"{preset}:{scheme}", subprocess.Popen(cmd)))
             time.sleep(0.5)
             for item in list(running):
@@ -459,7 +492,12 @@ def main():
     ap.add_argument("--presets", nargs="*", default=None)
     ap.add_argument("--tune-tokens", nargs="*", type=int, default=None)
     ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for tune")
+    ap.add_argument("--no-pdl", action="store_true", help="programmatic dependent launch off")
     args = ap.parse_args()
+    if args.no_pdl:
+        from moerunner.backends.triton import _pdl
+
+        _pdl.ENABLED = False
     args.out.mkdir(parents=True, exist_ok=True)
     names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
     if args.presets is None:
@@ -479,6 +517,9 @@ def main():
     for part in args.parts:  # in the order given, each saved as soon as it is done
         if part == "check":
             result["check"] = part_check()
+        elif part == "pdl":
+            result["pdl"] = []
+            part_pdl(plan, result["pdl"])
         elif part == "rowblocks":
             result["row_blocks"] = []
             part_row_blocks(plan, result["row_blocks"])
@@ -497,7 +538,7 @@ def main():
         else:
             raise SystemExit(
                 f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf, "
-                "rowblocks")
+                "rowblocks, pdl")
         save()
     save()
     print("\n== summary ==", result["device"], result["date"])

@@ -27,6 +27,7 @@ if os.environ.get("TRITON_INTERPRET"):
     sys.exit("unset TRITON_INTERPRET: this script compiles for the GPU")
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -44,15 +45,17 @@ SCHEMES = {
 }
 
 
-def _signature(scale_ty: str, a_ty: str, w_ty: str) -> dict[str, str]:
+def _signature(scale_ty: str, a_ty: str, w_ty: str, out_ty: str) -> dict[str, str]:
     ptrs = {"a_ptr": a_ty, "a_scale_ptr": "*fp32", "w_ptr": w_ty, "w_scale_ptr": scale_ty,
             "w_zp_ptr": "*u8", "w_gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
-            "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
-            "route_w_ptr": "*fp32"}
+            "out_scale_ptr": "*fp32", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
+            "num_padded_ptr": "*i32", "route_w_ptr": "*fp32"}
     sig = {}
     for param in K.moe_gemm_kernel.params:
         name = param.name
-        if name in ptrs:
+        if name == "out_ptr":
+            sig[name] = out_ty
+        elif name in ptrs:
             sig[name] = ptrs[name]
         elif name in ("alpha", "limit"):
             sig[name] = "fp32"
@@ -82,11 +85,16 @@ def compile_variant(spec: str, arch: int):
                   A_SCALE=K.AS_GROUP128 if qdot else K.AS_NONE, SCALE_FMT=sf, GROUP_K=group_k,
                   SCALE_ROW_BLOCK=128 if qdot else 1, HAS_ZP=zp, HAS_GSCALE=gscale, IEEE=False,
                   BF16_FP4=wf == K.WF_E2M1, HALF=half, MERGED_SCALE=merged,
-                  UNIFORM_WS=qdot and uniform)
+                  UNIFORM_WS=qdot and uniform, ROW_BLOCKS=False,
+                  # fp8_block GEMM1 quantizes GEMM2's input itself when its tile holds whole
+                  # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
+                  OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
+                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90)
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
     sig = _signature(scale_ty, fp8 if qdot else "*bf16",
-                     "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"))
+                     "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"),
+                     fp8 if consts["OUT_QUANT"] else "*bf16")
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes.
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
              or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")]

@@ -107,8 +107,9 @@ def test_topk_sum_skips_minus_one_and_out_of_range_slots():
 
 @pytest.mark.parametrize("scheme", ["fp32", "fp8_block", "mxfp4", "int4_g32_zp"])
 def test_row_blocks_equal_the_aligned_layout(scheme, monkeypatch):
-    """A handful of rows skips the alignment (one block per row, expert read from the ids);
-    the result equals the aligned layout's, and ids -1 or >= E contribute nothing."""
+    """Row blocks (no alignment: one block per row, expert read from the ids, the layout of a
+    single token, here forced for four tokens with a repeated expert) equal the aligned
+    layout, and ids -1 or >= E contribute nothing."""
     torch.manual_seed(3)
     act = moerunner.Activation("silu")
     T, H, I, E, k = 4, 128, 96, 4, 3
@@ -123,9 +124,9 @@ def test_row_blocks_equal_the_aligned_layout(scheme, monkeypatch):
         [[0, 2, -1], [1, 1, 3], [3, E, 0], [2, 0, 1]], dtype=torch.int32, device=DEVICE
     )
     wts = torch.rand(T, k, device=DEVICE)
-    assert T * k <= experts.ROW_BLOCKS_MAX_ROWS
+    monkeypatch.setattr(experts, "ROW_BLOCKS_MAX_TOKENS", T)
     rows = experts.fused_standard(x, wts, ids, prepared)
-    monkeypatch.setattr(experts, "ROW_BLOCKS_MAX_ROWS", 0)
+    monkeypatch.setattr(experts, "ROW_BLOCKS_MAX_TOKENS", 0)
     aligned = experts.fused_standard(x, wts, torch.where(ids < E, ids, -1), prepared)
     assert _rel(rows, aligned) < 1e-6
 

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _pdl
+
 # Up to this many rows one program aligns everything (one launch: decode); above it the
 # work is spread over programs of ROWS_PER_PROGRAM rows each (three launches, all on device).
 SINGLE_PROGRAM_MAX_ROWS = 2048
@@ -137,8 +139,10 @@ def _align_kernel(
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: count per expert, lay out padded segments, scatter row ids."""
+    _pdl.enter(PDL)
     counts = _count(ids_ptr, 0, num_rows, num_experts, CHUNK, E_POW2)
     starts, ends = _segments(counts, num_padded_ptr, num_experts, BLOCK_M, E_POW2)
     total = tl.max(ends, axis=0)
@@ -160,9 +164,11 @@ def _align_count_kernel(
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     FILL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program p: rows per expert among its ROWS rows, into scratch row p; and its share of
     the sentinel fill of all ``num_slots`` slots (the scatter, a later launch, overwrites)."""
+    _pdl.enter(PDL)
     p = tl.program_id(0)
     row_end = tl.minimum(num_rows, (p + 1) * ROWS)
     counts = _count(ids_ptr, p * ROWS, row_end, num_experts, CHUNK, E_POW2)
@@ -179,9 +185,11 @@ def _align_scan_kernel(
     BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
     PT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: scratch row p becomes the count of the expert's rows in programs < p;
     the segment starts and ends go to scratch rows ``num_programs`` and ``num_programs + 1``."""
+    _pdl.enter(PDL)
     experts = tl.arange(0, E_POW2)
     running = tl.zeros((E_POW2,), dtype=tl.int32)
     for p0 in range(0, num_programs, PT):
@@ -209,9 +217,11 @@ def _align_scatter_kernel(
     BLOCK_M: tl.constexpr,
     E_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program p: scatter its rows after the rows of programs < p in each expert segment, and
     write the expert of its share of the blocks."""
+    _pdl.enter(PDL)
     p = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     starts = tl.load(scratch_ptr + num_programs * E_POW2 + experts)
@@ -245,6 +255,7 @@ def align_rows(
     """
     num_rows = row_expert.shape[0]
     e_pow2 = _e_pow2(num_experts)
+    pdl = _pdl.enabled(row_expert)
     chunk = max(16, min(64, 8192 // e_pow2))
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
         _align_kernel[(1,)](
@@ -258,7 +269,9 @@ def align_rows(
             E_POW2=e_pow2,
             CHUNK=chunk,
             FILL=1024,
+            PDL=pdl,
             num_warps=4,
+            **_pdl.launch_options(pdl),
         )
         return
     need = scratch_size(num_rows, num_experts, rows_per_program)
@@ -281,7 +294,9 @@ def align_rows(
         E_POW2=e_pow2,
         CHUNK=chunk,
         FILL=1024,
+        PDL=pdl,
         num_warps=4,
+        **_pdl.launch_options(pdl),
     )
     _align_scan_kernel[(1,)](
         scratch,
@@ -291,7 +306,9 @@ def align_rows(
         BLOCK_M=block_m,
         E_POW2=e_pow2,
         PT=max(1, 4096 // e_pow2),
+        PDL=pdl,
         num_warps=4,
+        **_pdl.launch_options(pdl),
     )
     _align_scatter_kernel[(programs,)](
         row_expert,
@@ -306,7 +323,9 @@ def align_rows(
         BLOCK_M=block_m,
         E_POW2=e_pow2,
         CHUNK=chunk,
+        PDL=pdl,
         num_warps=4,
+        **_pdl.launch_options(pdl),
     )
 
 
@@ -321,9 +340,11 @@ def _topk_sum_kernel(
     stride_om,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t] = sum over slots j with ids[t, j] in [0, E) of src[t * TOP_K + j] (float32 sum;
     the GEMMs write no row for any other id)."""
+    _pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -344,6 +365,7 @@ def topk_sum(
     num_tokens, top_k = ids_TK.shape
     hidden = out_TH.shape[1]
     block_h = min(1024, triton.next_power_of_2(hidden))
+    pdl = _pdl.enabled(src_PH)
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         src_PH,
         ids_TK,
@@ -354,5 +376,7 @@ def topk_sum(
         out_TH.stride(0),
         TOP_K=top_k,
         BLOCK_H=block_h,
+        PDL=pdl,
         num_warps=4,
+        **_pdl.launch_options(pdl),
     )

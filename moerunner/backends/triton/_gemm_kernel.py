@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import _pdl
 from ._quant_kernel import quant_groups_e4m3
 
 # Weight storage formats (constexpr W_FORMAT).
@@ -418,6 +419,7 @@ def moe_gemm_kernel(
     OUT_QUANT: tl.constexpr,
     INTER_DTYPE: tl.constexpr,
     FP8_ROUND_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -431,9 +433,11 @@ def moe_gemm_kernel(
     columns) scales of the output rounded to INTER_DTYPE, i.e. GEMM2's fp8_group128 input as
     the standalone quantization would make it from the stored intermediate
     (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
+    PDL: launched with programmatic dependent launch (``_pdl``).
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
+    _pdl.enter(PDL)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
     # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import _pdl
+
 # Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest
 # integer, ties to even (the hardware's rounding of the add).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
@@ -33,8 +35,10 @@ def _quant_rows_kernel(
     NUM_CHUNKS: tl.constexpr,
     QMAX: tl.constexpr,
     TO_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program per row: amax over the row in NUM_CHUNKS chunks of GROUP, scale, quantize."""
+    _pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     amax = 0.0
     for c in tl.static_range(NUM_CHUNKS):
@@ -98,9 +102,11 @@ def _quant_groups_kernel(
     ROWS: tl.constexpr,
     GROUPS: tl.constexpr,
     GROUP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (row block, group block): ROWS rows x GROUPS groups of GROUP along K to e4m3,
     one fp32 scale per row and group. The tile is loaded once and stays in registers."""
+    _pdl.enter(PDL)
     offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_k = tl.program_id(1) * (GROUPS * GROUP) + tl.arange(0, GROUPS * GROUP)
     offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -118,6 +124,7 @@ def _quant_groups_kernel(
 def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
     """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
     rows, k = x.shape
+    pdl = _pdl.enabled(x)
     if fmt == "fp8_group128":
         # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
         # flight per program without a grid of millions of one-warp programs.
@@ -135,7 +142,9 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
             ROWS=4,
             GROUPS=groups,
             GROUP=128,
+            PDL=pdl,
             num_warps=4,
+            **_pdl.launch_options(pdl),
         )
         return
     group = min(1024, triton.next_power_of_2(k))
@@ -153,5 +162,7 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
         NUM_CHUNKS=chunks,
         QMAX=448.0 if to_fp8 else 127.0,
         TO_FP8=to_fp8,
+        PDL=pdl,
         num_warps=4 if group >= 512 else 1,
+        **_pdl.launch_options(pdl),
     )

@@ -25,6 +25,7 @@ from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
+from . import _pdl
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._quant_kernel import quantize_rows
 from .tile_config import MoeTiles, TileConfig, lookup_tiles
@@ -265,10 +266,12 @@ def fuses_gemm2_input_quant(w2: KernelWeight, x: torch.Tensor, tile1: TileConfig
     )
 
 
-#: Up to this many (token, slot) rows each row is its own GEMM block and no alignment step
-#: runs (decode: one launch fewer). Rows that share an expert then read its weights once each
-#: (the repeats mostly from L2), which the alignment would have grouped.
-ROW_BLOCKS_MAX_ROWS = 16
+#: Up to this many tokens each (token, slot) row is its own GEMM block and no alignment step
+#: runs: one launch fewer. One token's slots name distinct experts, so no weights are read
+#: twice; from two tokens on, rows that share an expert would each read its weights (on an
+#: H200 row blocks saved 3-5 us at T = 1 on every preset and cost up to 2x on Mixtral-8x7B's
+#: 8 experts at T = 2-8, where the alignment groups the repeats).
+ROW_BLOCKS_MAX_TOKENS = 1
 
 
 @dataclass(frozen=True)
@@ -287,12 +290,16 @@ class RowLayout:
 
 
 def layout_rows(
-    row_expert: torch.Tensor, num_experts: int, block_m: int, ws: dict[str, torch.Tensor]
+    row_expert: torch.Tensor,
+    rows_per_token: int,
+    num_experts: int,
+    block_m: int,
+    ws: dict[str, torch.Tensor],
 ) -> RowLayout:
-    """The row layout of one call: the row ids as blocks for at most ``ROW_BLOCKS_MAX_ROWS``
-    rows, else the device-side alignment into ``ws`` (sorted_rows, block_expert, num_padded,
-    align_scratch)."""
-    if row_expert.shape[0] <= ROW_BLOCKS_MAX_ROWS:
+    """The row layout of one call: the row ids as blocks for at most
+    ``ROW_BLOCKS_MAX_TOKENS`` tokens (of ``rows_per_token`` rows each), else the device-side
+    alignment into ``ws`` (sorted_rows, block_expert, num_padded, align_scratch)."""
+    if row_expert.shape[0] <= ROW_BLOCKS_MAX_TOKENS * rows_per_token:
         return RowLayout(row_expert, row_expert, row_expert, True)
     align_rows(
         row_expert,
@@ -398,6 +405,7 @@ def _launch_gemm(
             f"quantizing in the epilogue needs block_n a multiple of 128 and a bf16/fp16/fp32 "
             f"intermediate, got block_n {tile.block_n} and {inter_dtype}"
         )
+    pdl = _pdl.enabled(a)
     o_s = out_scale if out_scale is not None else dummy
     o_s_strides = (o_s.stride(0), o_s.stride(1)) if out_scale is not None else (0, 0)
     K.moe_gemm_kernel[grid](
@@ -457,9 +465,11 @@ def _launch_gemm(
         OUT_QUANT=out_scale is not None,
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
+        PDL=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
+        **_pdl.launch_options(pdl),
     )
 
 
@@ -541,7 +551,7 @@ def run_kernel_sequence(
         return ws
 
     ws = WORKSPACES.get(key, make)
-    rows = layout_rows(row_expert, num_experts, bm, ws)
+    rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws)
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13)
         _launch_gemm(

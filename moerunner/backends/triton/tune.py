@@ -156,7 +156,7 @@ def tune_tokens(
                 scratch_size(rows, num_experts), dtype=torch.int32, device=dev
             ),
         }
-        layout = X.layout_rows(ids, num_experts, bm, ws)  # as run_kernel_sequence lays them out
+        layout = X.layout_rows(ids, top_k, num_experts, bm, ws)  # as run_kernel_sequence does
         times: dict[str, str] = {}
         fuse = X.fuses_gemm2_input_quant(w2, x, tile)
 
