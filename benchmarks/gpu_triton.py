@@ -11,10 +11,10 @@
 # tune:  searches tiles for the presets and writes them (tar of configs/ under --out); with
 #        --jobs > 1 it first compiles every candidate in parallel processes.
 # warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
-# rowblocks: decode times with and without the alignment step (T = 1..8), to place
-#        experts.ROW_BLOCKS_MAX_TOKENS.
-# pdl:   times with programmatic dependent launch off and on (T = 1, 16, 64, 1024).
-# --no-pdl runs every part with programmatic dependent launch off (e.g. to warm those kernels).
+# rowblocks, pdl, tma: times with one switch off and on, alternately (``_toggles``): row
+#        blocks instead of the alignment at T = 1..8, programmatic dependent launch, weight
+#        tiles through TMA descriptors at prefill sizes.
+# --off NAME runs every part with that switch off (e.g. to warm the kernels an A/B needs).
 # precompile: only that compile step (CPU work; may run beside another process's GPU checks,
 #        so a later "tune --jobs 1" only times).
 # A compact table is printed last; full results go to DIR/results.json.
@@ -377,55 +377,40 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
         torch.cuda.empty_cache()
 
 
-def part_row_blocks(plan, rows):
-    """Decode times with and without the alignment step (``ROW_BLOCKS_MAX_TOKENS`` 0 vs large)
-    at T = 1, 2, 4, 8, in one process, to place the threshold."""
-    saved = X.ROW_BLOCKS_MAX_TOKENS
-    for preset, scheme, _ in plan:
-        H, I, E, k, act_name = tune.PRESETS[preset]
-        weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
-        for T in (1, 2, 4, 8):
-            row = dict(preset=preset, scheme=scheme, T=T, rows=T * k)
-            for name, limit in (("aligned_us", 0), ("row_blocks_us", 1 << 20)):
-                X.ROW_BLOCKS_MAX_TOKENS = limit
-                row[name] = time_fused(prepared, T, k, 8)[0] * 1e3
-            X.ROW_BLOCKS_MAX_TOKENS = saved
-            rows.append(row)
-            print(f"rowblocks {preset:14s} {scheme:9s} T={T} rows={T * k:3d} aligned "
-                  f"{row['aligned_us']:7.1f} us  row blocks {row['row_blocks_us']:7.1f} us",
-                  flush=True)
-        del weights, prepared
-        torch.cuda.empty_cache()
-
-
-def part_pdl(plan, rows):
-    """Times with programmatic dependent launch off and on (``_pdl.ENABLED``) at decode sizes
-    (graph replay) and T = 1024 (eager), in one process."""
+def _toggles():
+    """A/B parts: part -> (module, attribute, (off value, on value), token counts)."""
     from moerunner.backends.triton import _pdl
 
-    saved = _pdl.ENABLED
+    return {
+        # decode with the alignment step (0) or row blocks for up to 8 tokens
+        "rowblocks": (X, "ROW_BLOCKS_MAX_TOKENS", (0, 8), (1, 2, 4, 8)),
+        # programmatic dependent launch off / on
+        "pdl": (_pdl, "ENABLED", (False, True), (1, 16, 64, 1024)),
+        # MMA-sized weight tiles through pointer loads / TMA descriptors
+        "tma": (X, "WEIGHT_TMA", (False, True), (1024, 4096, 16384)),
+    }
+
+
+def part_toggle(plan, rows, part):
+    """Time the fused op with one switch of the backend off and on, alternately in one
+    process (decode sizes graph-replayed), per preset and token count."""
+    module, attr, (off, on), tokens = _toggles()[part]
+    saved = getattr(module, attr)
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
         prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
-        for T in (1, 16, 64, 1024):
-            row = dict(preset=preset, scheme=scheme, T=T)
-            for name, on in (("off_us", False), ("on_us", True)):
-                _pdl.ENABLED = on
+        for T in tokens:
+            row = dict(part=part, preset=preset, scheme=scheme, T=T)
+            for name, value in (("off_us", off), ("on_us", on)):
+                setattr(module, attr, value)
                 row[name] = time_fused(prepared, T, k, 8 if T <= 64 else 2)[0] * 1e3
-            _pdl.ENABLED = saved
+            setattr(module, attr, saved)
             rows.append(row)
-            print(f"pdl {preset:14s} {scheme:9s} T={T:5d} off {row['off_us']:8.1f} us  on "
+            print(f"{part} {preset:14s} {scheme:9s} T={T:5d} off {row['off_us']:8.1f} us  on "
                   f"{row['on_us']:8.1f} us  ({row['off_us'] / row['on_us']:.3f}x)", flush=True)
         del weights, prepared
         torch.cuda.empty_cache()
-
-
-def _pdl_enabled() -> bool:
-    from moerunner.backends.triton import _pdl
-
-    return _pdl.ENABLED
 
 
 def part_warm(plan, jobs: int):
@@ -444,8 +429,9 @@ def part_warm(plan, jobs: int):
                 cmd = [sys.executable, __file__, "--parts", "warm", "--jobs", "1",
                        "--out", tempfile.mkdtemp(), "--presets", f"{preset}:{scheme}",
                        "--tune-tokens", *map(str, tokens)]
-                if not _pdl_enabled():
-                    cmd.append("--no-pdl")
+                for name, (module, attr, (off, _), _) in _toggles().items():
+                    if getattr(module, attr) == off:
+                        cmd += ["--off", name]
                 running.append((f"{preset}:{scheme}", subprocess.Popen(cmd)))
             time.sleep(0.5)
             for item in list(running):
@@ -492,12 +478,12 @@ def main():
     ap.add_argument("--presets", nargs="*", default=None)
     ap.add_argument("--tune-tokens", nargs="*", type=int, default=None)
     ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for tune")
-    ap.add_argument("--no-pdl", action="store_true", help="programmatic dependent launch off")
+    ap.add_argument("--off", action="append", default=[], choices=sorted(_toggles()),
+                    help="run every part with this switch off (repeatable)")
     args = ap.parse_args()
-    if args.no_pdl:
-        from moerunner.backends.triton import _pdl
-
-        _pdl.ENABLED = False
+    for name in args.off:
+        module, attr, (off, _), _ = _toggles()[name]
+        setattr(module, attr, off)
     args.out.mkdir(parents=True, exist_ok=True)
     names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
     if args.presets is None:
@@ -517,12 +503,9 @@ def main():
     for part in args.parts:  # in the order given, each saved as soon as it is done
         if part == "check":
             result["check"] = part_check()
-        elif part == "pdl":
-            result["pdl"] = []
-            part_pdl(plan, result["pdl"])
-        elif part == "rowblocks":
-            result["row_blocks"] = []
-            part_row_blocks(plan, result["row_blocks"])
+        elif part in _toggles():
+            result.setdefault("toggles", [])
+            part_toggle(plan, result["toggles"], part)
         elif part == "warm":
             part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs)
         elif part in ("tune", "precompile"):
@@ -538,7 +521,7 @@ def main():
         else:
             raise SystemExit(
                 f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf, "
-                "rowblocks, pdl")
+                f"{', '.join(_toggles())}")
         save()
     save()
     print("\n== summary ==", result["device"], result["date"])
