@@ -11,9 +11,8 @@
 # tune:  searches tiles for the presets and writes them (tar of configs/ under --out); with
 #        --jobs > 1 it first compiles every candidate in parallel processes.
 # warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
-# rowblocks, pdl, tma: times with one switch off and on, alternately (``_toggles``): row
-#        blocks instead of the alignment at T = 1..8, programmatic dependent launch, weight
-#        tiles through TMA descriptors at prefill sizes.
+# rowblocks, pdl: times with one switch off and on, alternately (``_toggles``): row blocks
+#        instead of the alignment at T = 1..8, programmatic dependent launch.
 # --off NAME runs every part with that switch off (e.g. to warm the kernels an A/B needs).
 # precompile: only that compile step (CPU work; may run beside another process's GPU checks,
 #        so a later "tune --jobs 1" only times).
@@ -386,8 +385,6 @@ def _toggles():
         "rowblocks": (X, "ROW_BLOCKS_MAX_TOKENS", (0, 8), (1, 2, 4, 8)),
         # programmatic dependent launch off / on
         "pdl": (_pdl, "ENABLED", (False, True), (1, 16, 64, 1024)),
-        # MMA-sized weight tiles through pointer loads / TMA descriptors
-        "tma": (X, "WEIGHT_TMA", (False, True), (1024, 4096, 16384)),
     }
 
 

@@ -66,9 +66,8 @@ def _signature(scale_ty: str, a_ty: str, w_ty: str, out_ty: str) -> dict[str, st
     return sig
 
 
-def compile_variant(spec: str, arch: int, tma: bool = False):
-    """Compile one variant; returns (compiled kernel, its constexprs). ``tma``: plain and fp8
-    weight tiles through a TMA descriptor, as the launcher does on Hopper for BLOCK_M >= 64."""
+def compile_variant(spec: str, arch: int):
+    """Compile one variant; returns (compiled kernel, its constexprs)."""
     scheme, gemm, bm, bn, bk, warps, stages = spec.split(":")
     # "fp8_block_pc": per-column weight block scales (no UNIFORM_WS alignment).
     uniform = scheme != "fp8_block_pc"
@@ -90,19 +89,12 @@ def compile_variant(spec: str, arch: int, tma: bool = False):
                   # fp8_block GEMM1 quantizes GEMM2's input itself when its tile holds whole
                   # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
                   OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
-                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90,
-                  W_TMA=tma and (wf == K.WF_PLAIN or qdot))
+                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90)
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
     sig = _signature(scale_ty, fp8 if qdot else "*bf16",
                      "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"),
                      fp8 if consts["OUT_QUANT"] else "*bf16")
-    if consts["W_TMA"]:
-        box = f"1,{2 if gemm1 else 1},{bn},{bk}"
-        sig["w_desc"] = f"tensordesc<{'fp8e4nv' if qdot else 'bf16'}[{box}]>"
-    else:
-        sig["w_desc"] = "constexpr"
-        consts["w_desc"] = None
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes.
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
              or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")]
@@ -117,9 +109,9 @@ def compile_variant(spec: str, arch: int, tma: bool = False):
                                                        "num_stages": int(stages)}), consts
 
 
-def report(spec: str, arch: int, sass_dir: Path | None, tma: bool = False) -> dict:
+def report(spec: str, arch: int, sass_dir: Path | None) -> dict:
     """Resources and the SASS opcode histogram of one variant."""
-    ck, _ = compile_variant(spec, arch, tma)
+    ck, _ = compile_variant(spec, arch)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(ck.asm["cubin"])
@@ -164,10 +156,9 @@ def main() -> None:
                                                     "mxfp4u:1:16:64:64:4:3"])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", type=Path, default=None, help="write each variant's SASS here")
-    ap.add_argument("--tma", action="store_true", help="plain/fp8 weight tiles through TMA")
     args = ap.parse_args()
     for v in args.variants:
-        r = report(v, args.arch, args.sass, args.tma)
+        r = report(v, args.arch, args.sass)
         top = ", ".join(f"{op} {n}" for op, n in r["loop_ops"].most_common(10))
         print(f"{v:24s} regs {r['registers']:3d} spill {r['spill_bytes']:3d} B "
               f"smem {r['shared']:6d} B  loop {r['loop_instructions']:4d} instr: {top}")

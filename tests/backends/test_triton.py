@@ -192,51 +192,6 @@ def test_block_fp8_scales_per_row_or_per_element(activation, inter, block_n, uni
     assert _rel(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "scheme,activation,inter",
-    [
-        ("fp32", "silu", 96),  # gate rows then up rows; I ends in a partial tile
-        ("fp32", "swiglu_oai", 80),  # interleaved gate/up rows, biases
-        ("fp32", "relu2", 96),  # not gated
-        ("fp8_block", "silu", 128),  # e4m3 weights fed to the MMA, block scales
-    ],
-)
-def test_weight_tiles_through_tma_descriptors(scheme, activation, inter, monkeypatch):
-    """The kernel's TMA path (weight tiles as boxes of an [E, P, Q, K] view, zeros past the
-    ends) equals its pointer-load path, for every weight row order; H = 208 leaves a partial
-    K step."""
-    torch.manual_seed(7)
-    act = moerunner.Activation(activation)
-    T, H, E, k = 40, 208, 4, 2
-    n13 = 2 * inter if act.gated else inter
-    w13 = torch.randn(E, n13, H, device=DEVICE) / H**0.5
-    w2 = torch.randn(E, H, inter, device=DEVICE) / inter**0.5
-    if scheme != "fp32":
-        w13, w2 = moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
-    interleaved = activation == "swiglu_oai"
-    b13 = torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None
-    b2 = torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None
-    weights = ExpertWeights(w13, w2, b13, b2, interleaved)
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
-    x = torch.randn(T, H, device=DEVICE)
-    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
-    wts = torch.rand(T, k, device=DEVICE)
-    bk = 128 if scheme == "fp8_block" else 64
-    tiles = tile_config.MoeTiles(*[tile_config.TileConfig(64, 64, bk, 8, 4, 2)] * 2)
-    spec = prepared.spec
-    x_in = x.to(torch.float32)
-    monkeypatch.setattr(experts, "WEIGHT_TMA_OFF_GPU", True)
-    assert experts.weight_descriptor(
-        prepared.tensors["w13"], x_in, tiles.gemm1, inter, act.gated, interleaved
-    )
-    tma = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
-    monkeypatch.setattr(experts, "WEIGHT_TMA_OFF_GPU", False)
-    pointers = experts.fused_standard(x, wts, ids, prepared, tiles)
-    assert spec.intermediate_size == inter
-    assert _rel(tma, pointers) < 1e-6
-    assert _rel(pointers, _run("torch", x, weights, act, wts, ids)) < 1e-5
-
-
 @pytest.mark.parametrize("inter", [128, 192])
 def test_gemm1_epilogue_quantizes_gemm2_input(inter, monkeypatch):
     """fp8_block with a GEMM1 tile of whole 128-column groups: GEMM1 stores GEMM2's e4m3 input

@@ -355,7 +355,6 @@ def moe_gemm_kernel(
     a_ptr,
     a_scale_ptr,
     w_ptr,
-    w_desc,
     w_scale_ptr,
     w_zp_ptr,
     w_gscale_ptr,
@@ -421,7 +420,6 @@ def moe_gemm_kernel(
     INTER_DTYPE: tl.constexpr,
     FP8_ROUND_FIRST: tl.constexpr,
     PDL: tl.constexpr,
-    W_TMA: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -436,8 +434,6 @@ def moe_gemm_kernel(
     the standalone quantization would make it from the stored intermediate
     (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
     PDL: launched with programmatic dependent launch (``_pdl``).
-    W_TMA: plain or qdot weight tiles come through ``w_desc`` (a TMA descriptor of the
-    weights viewed as [E, P, Q, K], see ``experts.weight_descriptor``), not pointer loads.
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
@@ -469,26 +465,30 @@ def moe_gemm_kernel(
     a_rows = tl.where(row_mask, rows_out // a_row_div, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N_OUT
-    # Weight rows of this tile. Gated: the gate and the up rows of the tile's output columns
-    # side by side, so one MMA of 2 * BLOCK_N columns covers both and the accumulator splits
-    # into the two halves in registers after the K loop. Wide MMAs matter on Hopper: a wgmma
-    # of 64 columns reading A from shared memory is bound by shared-memory bandwidth, one of
-    # 128-256 is not. The column order follows the weight layout so that the tile is one box
-    # of it (W_TMA): interleaved gate/up rows give tile column 2j gate and 2j + 1 up of output
-    # column j; gate rows then up rows give gate columns [0, BLOCK_N), up [BLOCK_N, 2 BLOCK_N).
-    # Masked columns read an in-bounds row (or the TMA's zeros) and are not stored.
+    # Weight rows of this tile. Gated: the gate and the up row of each output column side by
+    # side (tile column 2j gate, 2j + 1 up), so one MMA of 2 * BLOCK_N columns covers both and
+    # the accumulator splits into the two halves in registers after the K loop. Wide MMAs
+    # matter on Hopper: a wgmma of 64 columns reading A from shared memory is bound by
+    # shared-memory bandwidth, one of 128-256 is not. Masked columns read an in-bounds row and
+    # are not stored.
     WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     offs_w = tl.arange(0, WIDTH)
-    if GATED and INTERLEAVED:
-        is_gate_col = offs_w % 2 == 0
-        rows_w = 2 * ((pid_n * BLOCK_N + offs_w // 2) % N_OUT) + offs_w % 2
-        row_g0 = 2 * pid_n * BLOCK_N  # first gate and up weight row (UNIFORM_WS block scales)
+    if GATED:
+        col = (pid_n * BLOCK_N + offs_w // 2) % N_OUT
+        if INTERLEAVED:
+            rows_w = 2 * col + offs_w % 2
+        else:
+            rows_w = col + (offs_w % 2) * N_OUT
+    else:
+        rows_w = offs_n % N_OUT
+    # First gate and up weight row of the tile (UNIFORM_WS block scales).
+    if INTERLEAVED:
+        row_g0 = 2 * pid_n * BLOCK_N
         row_u0 = row_g0 + 1
     else:
-        is_gate_col = offs_w < BLOCK_N
-        rows_w = (pid_n * BLOCK_N + offs_w % BLOCK_N) % N_OUT + tl.where(is_gate_col, 0, N_OUT)
         row_g0 = pid_n * BLOCK_N
         row_u0 = row_g0 + N_OUT
+    is_gate_col = offs_w % 2 == 0
 
     COMPUTE: tl.constexpr = a_ptr.dtype.element_ty
     IS_INT: tl.constexpr = QDOT and W_FORMAT == 2
@@ -556,37 +556,28 @@ def moe_gemm_kernel(
                 a = tl.load(
                     a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0.0
                 )
-            if W_TMA:
-                # The weight tile as one TMA box of the [E, P, Q, K] view of the launcher
-                # (zeros past the ends): straight into shared memory, no address arithmetic.
-                if GATED and INTERLEAVED:
-                    box = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, 0, k0])
-                else:
-                    box = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k0])
-                b = tl.trans(tl.reshape(box, (WIDTH, BLOCK_K)))
-            else:
-                b = _weight_tile(
-                    w_base,
-                    s_base,
-                    z_base,
-                    rows_w,
-                    k0,
-                    K,
-                    stride_wn,
-                    stride_wk,
-                    sg_stride_n,
-                    stride_sk,
-                    stride_zn,
-                    stride_zk,
-                    COMPUTE,
-                    W_FORMAT,
-                    QDOT,
-                    GROUP_K if DEQ_GROUP else 0,
-                    SCALE_FMT,
-                    HAS_ZP,
-                    BLOCK_K,
-                    EVEN_K,
-                )
+            b = _weight_tile(
+                w_base,
+                s_base,
+                z_base,
+                rows_w,
+                k0,
+                K,
+                stride_wn,
+                stride_wk,
+                sg_stride_n,
+                stride_sk,
+                stride_zn,
+                stride_zk,
+                COMPUTE,
+                W_FORMAT,
+                QDOT,
+                GROUP_K if DEQ_GROUP else 0,
+                SCALE_FMT,
+                HAS_ZP,
+                BLOCK_K,
+                EVEN_K,
+            )
             if IN_LOOP_QSCALE:
                 # Block scales change every 128 along K: promote each step's product to the
                 # float32 accumulator with its A-row and weight-block scales.
@@ -624,10 +615,8 @@ def moe_gemm_kernel(
         acc = acc + tl.load(bias_ptr + expert * stride_be + rows_w * stride_bn)[None, :].to(
             tl.float32
         )
-    if GATED and INTERLEAVED:
+    if GATED:
         g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    elif GATED:
-        g, u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     else:
         g = acc
         u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...config import ExpertSpec
 from ...errors import MoeInputError
@@ -251,48 +250,6 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-#: Weight tiles of the MMA-sized GEMMs (BLOCK_M >= 64) come through TMA descriptors on
-#: Hopper; off the GPU only when the second flag is set (tests set it to run the descriptor
-#: path of the kernel in the interpreter).
-WEIGHT_TMA = True
-WEIGHT_TMA_OFF_GPU = False
-
-
-def weight_descriptor(
-    w: KernelWeight, a: torch.Tensor, tile: TileConfig, n_out: int, gated: bool, interleaved: bool
-) -> TensorDescriptor | None:
-    """A TMA descriptor of plain or MMA-fed (fp8, int8) weights for one launch, or None for
-    pointer loads. The weights ``[E, N, K]`` are viewed as ``[E, P, Q, K]`` so that one box
-    ``[1, p, q, BLOCK_K]`` is the kernel's tile in its column order: ``[E, I, 2, K]`` for
-    interleaved gate/up rows, ``[E, 2, I, K]`` for gate rows then up rows, ``[E, 1, N, K]``
-    for GEMM2. Needs 16-byte aligned rows and, on the GPU, at most 128 bytes of K per box."""
-    c = w.constexprs
-    if not (c["W_FORMAT"] == K.WF_PLAIN or c["QDOT"]):
-        return None
-    elem = w.data.element_size()
-    if (w.shape[2] * elem) % 16 or w.data.data_ptr() % 16:
-        return None
-    if a.is_cuda:
-        if not (
-            WEIGHT_TMA
-            and tile.block_m >= 64
-            and torch.cuda.get_device_capability(a.device)[0] >= 9
-            and tile.block_k * elem <= 128
-        ):
-            return None
-    elif not WEIGHT_TMA_OFF_GPU:
-        return None
-    e, n, k = w.data.shape
-    if gated and interleaved:
-        shape, box = [e, n_out, 2, k], [1, tile.block_n, 2, tile.block_k]
-    elif gated:
-        shape, box = [e, 2, n_out, k], [1, 2, tile.block_n, tile.block_k]
-    else:
-        shape, box = [e, 1, n, k], [1, 1, tile.block_n, tile.block_k]
-    strides = [shape[1] * shape[2] * k, shape[2] * k, k, 1]
-    return TensorDescriptor(w.data, shape, strides, box)
-
-
 #: Off the GPU GEMM1 leaves GEMM2's input quantization to the PyTorch twin (the path every
 #: other input takes there) unless this is set; tests set it to check the epilogue's logic.
 FUSE_INPUT_QUANT_OFF_GPU = False
@@ -410,8 +367,6 @@ def _launch_gemm(
     dev = a.device
     dummy = _dummy(dev)
     k = w.shape[2]
-    gated = spec is not None and spec.gated
-    interleaved = gated and spec.gate_up_interleaved
     consts = dict(w.constexprs)
     if consts["QDOT"] and consts["GROUP_K"] > 0 and 128 % tile.block_k:
         raise MoeInputError(f"block_k {tile.block_k} must divide 128 for block-scaled fp8")
@@ -438,6 +393,8 @@ def _launch_gemm(
     )
     b = bias if bias is not None else dummy
     b_strides = (b.stride(0), b.stride(1)) if bias is not None else (0, 0)
+    gated = spec is not None and spec.gated
+    interleaved = gated and spec.gate_up_interleaved
     num_m_blocks = rows.num_blocks
     grid = (num_m_blocks * triton.cdiv(n_out, tile.block_n),)
     act = spec.activation if spec is not None else None
@@ -449,14 +406,12 @@ def _launch_gemm(
             f"intermediate, got block_n {tile.block_n} and {inter_dtype}"
         )
     pdl = _pdl.enabled(a)
-    w_desc = weight_descriptor(w, a, tile, n_out, gated, interleaved)
     o_s = out_scale if out_scale is not None else dummy
     o_s_strides = (o_s.stride(0), o_s.stride(1)) if out_scale is not None else (0, 0)
     K.moe_gemm_kernel[grid](
         a,
         a_s,
         w.data,
-        w_desc,
         scale,
         zp,
         gs,
@@ -511,7 +466,6 @@ def _launch_gemm(
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
         PDL=pdl,
-        W_TMA=w_desc is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
