@@ -13,6 +13,7 @@
 # warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
 # rowblocks, pdl: times with one switch off and on, alternately (``_toggles``): row blocks
 #        instead of the alignment at T = 1..8, programmatic dependent launch.
+# host:  CPU cost of the eager launch path per call (back to back, from idle, profiled).
 # --off NAME runs every part with that switch off (e.g. to warm the kernels an A/B needs).
 # precompile: only that compile step (CPU work; may run beside another process's GPU checks,
 #        so a later "tune --jobs 1" only times).
@@ -410,6 +411,56 @@ def part_toggle(plan, rows, part):
         torch.cuda.empty_cache()
 
 
+def part_host(plan, rows, calls: int = 50):
+    """Host cost of the eager launch path: CPU seconds per call issued back to back (no
+    sync), wall time per call, the span of one call started from an idle GPU (as moerunner
+    bench's eager timing sees it), and a profile of where the CPU time goes."""
+    import cProfile
+    import io as _io
+    import pstats
+
+    for preset, scheme, _ in plan:
+        H, I, E, k, act_name = tune.PRESETS[preset]
+        weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
+        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        for T in (1, 1024):
+            x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+            w, i = routing(T, E, k)
+            X.fused_standard(x, w, i, prepared)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                X.fused_standard(x, w, i, prepared)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            spans = []
+            for _ in range(10):
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                X.fused_standard(x, w, i, prepared)
+                end.record()
+                end.synchronize()
+                spans.append(start.elapsed_time(end) * 1e3)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                X.fused_standard(x, w, i, prepared)
+            prof.disable()
+            torch.cuda.synchronize()
+            text = _io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+            row = dict(preset=preset, scheme=scheme, T=T, cpu_us=(t1 - t0) / calls * 1e6,
+                       wall_us=(t2 - t0) / calls * 1e6, idle_span_us=sorted(spans)[5],
+                       profile=text.getvalue())
+            rows.append(row)
+            print(f"host {preset:14s} {scheme:9s} T={T:5d} cpu {row['cpu_us']:7.1f} us/call  "
+                  f"wall {row['wall_us']:7.1f} us/call  span from idle "
+                  f"{row['idle_span_us']:7.1f} us", flush=True)
+        del weights, prepared
+        torch.cuda.empty_cache()
+
+
 def part_warm(plan, jobs: int):
     """Compile the kernels ``perf`` will launch (one untimed call per token count), one
     process per (preset, scheme) when ``jobs`` > 1: compilation is CPU work, and a perf run
@@ -500,6 +551,9 @@ def main():
     for part in args.parts:  # in the order given, each saved as soon as it is done
         if part == "check":
             result["check"] = part_check()
+        elif part == "host":
+            result["host"] = []
+            part_host(plan, result["host"])
         elif part in _toggles():
             result.setdefault("toggles", [])
             part_toggle(plan, result["toggles"], part)
@@ -517,7 +571,7 @@ def main():
             part_perf(result["peaks"], plan, result["perf"], save)
         else:
             raise SystemExit(
-                f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf, "
+                f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf, host, "
                 f"{', '.join(_toggles())}")
         save()
     save()
