@@ -4,9 +4,10 @@
 # format and its core for the grouped layout in the default registry. Both run the one kernel
 # sequence of ``experts.run_kernel_sequence``. Layout of the package:
 #   experts.py       public launcher: validates, allocates (cached workspaces), launches
-#   _align.py        expert alignment kernel (+ PyTorch twin) and the top-k reduction kernel
+#   _align.py        expert alignment kernels and the top-k reduction kernel
 #   _gemm_kernel.py  the grouped GEMM kernel (all schemes, fused activation)
 #   _quant_kernel.py GEMM-input quantization (fp8 per token / per 128, int8) on the GPU
+#   _pdl.py          programmatic dependent launch: how each kernel waits for its predecessor
 #   tile_config.py   heuristic tiles and tuned JSON files in configs/
 #   tune.py          ``moerunner tune``: searches tiles on the current GPU and writes them
 
