@@ -205,7 +205,6 @@ def test_gemm1_epilogue_quant_is_bit_exact(inter):
     (I = 704 ends in a partial group)."""
     from moerunner.backends.triton import TritonBackend
     from moerunner.backends.triton import experts as X
-    from moerunner.backends.triton._align import max_padded_rows, scratch_size
     from moerunner.backends.triton._quant_kernel import quantize_rows
     from moerunner.backends.triton.tile_config import TileConfig
 
@@ -223,14 +222,7 @@ def test_gemm1_epilogue_quant_is_bit_exact(inter):
     ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int().reshape(-1)
     tile = TileConfig(64, 128, 128, 8, 4, 3)
     rows = T * k
-    mp = max_padded_rows(rows, E, 64)
-    ws = {
-        "sorted_rows": torch.empty(mp, dtype=torch.int32, device=dev),
-        "block_expert": torch.empty(mp // 64, dtype=torch.int32, device=dev),
-        "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
-        "align_scratch": torch.empty(scratch_size(rows, E), dtype=torch.int32, device=dev),
-    }
-    layout = X.layout_rows(ids, k, E, 64, ws)
+    layout = X.layout_rows(ids, k, E, 64, X.alignment_workspace(rows, E, 64, dev))
     a, a_s = X._quantize_input(x, w13)
     groups = -(-inter // 128)
     q = torch.full((rows, inter), 7, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)

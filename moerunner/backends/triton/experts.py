@@ -289,6 +289,22 @@ class RowLayout:
         return self.block_expert.shape[0]
 
 
+def alignment_workspace(
+    num_rows: int, num_experts: int, block_m: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The buffers ``layout_rows`` aligns into: sorted_rows, block_expert, num_padded and the
+    multi-program scratch, sized for the worst case of ``num_rows`` rows."""
+    max_padded = max_padded_rows(num_rows, num_experts, block_m)
+    return {
+        "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=device),
+        "block_expert": torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
+        "num_padded": torch.empty(1, dtype=torch.int32, device=device),
+        "align_scratch": torch.empty(
+            scratch_size(num_rows, num_experts), dtype=torch.int32, device=device
+        ),
+    }
+
+
 def layout_rows(
     row_expert: torch.Tensor,
     rows_per_token: int,
@@ -298,7 +314,7 @@ def layout_rows(
 ) -> RowLayout:
     """The row layout of one call: the row ids as blocks for at most
     ``ROW_BLOCKS_MAX_TOKENS`` tokens (of ``rows_per_token`` rows each), else the device-side
-    alignment into ``ws`` (sorted_rows, block_expert, num_padded, align_scratch)."""
+    alignment into ``ws`` (from ``alignment_workspace``)."""
     if row_expert.shape[0] <= ROW_BLOCKS_MAX_TOKENS * rows_per_token:
         return RowLayout(row_expert, row_expert, row_expert, True)
     align_rows(
@@ -308,7 +324,7 @@ def layout_rows(
         ws["sorted_rows"],
         ws["block_expert"],
         ws["num_padded"],
-        ws.get("align_scratch"),
+        ws["align_scratch"],
     )
     return RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
 
@@ -530,19 +546,11 @@ def run_kernel_sequence(
             dtype_bytes=w13.data.element_size(),
         )
     bm = tiles.gemm1.block_m
-    max_padded = max_padded_rows(num_rows, num_experts, bm)
     fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1)
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
 
     def make() -> dict[str, torch.Tensor]:
-        ws = {
-            "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=dev),
-            "block_expert": torch.empty(max_padded // bm, dtype=torch.int32, device=dev),
-            "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
-            "align_scratch": torch.empty(
-                scratch_size(num_rows, num_experts), dtype=torch.int32, device=dev
-            ),
-        }
+        ws = alignment_workspace(num_rows, num_experts, bm, dev)
         if fuse:
             ws["inter"] = torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=dev)
             ws["inter_scale"] = torch.empty(num_rows, triton.cdiv(inter, 128), device=dev)

@@ -46,6 +46,7 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these)."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     packed = get_scheme(scheme).packed
+    quant8 = scheme.startswith(("fp8", "int8"))  # 8-bit operands fed to the MMA
     bks = (128,) if scheme.startswith("fp8_block") or packed else (64, 128)
     out = []
     if packed and rows_per_expert <= 16:
@@ -71,7 +72,6 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
         # Also search the wide GEMM2 tile and, near 128 rows per expert, BLOCK_M 128: masked
         # padding rows cost MMA time but are never loaded, so a half-empty 128-row block
         # moves fewer bytes than two 64-row blocks, and its tile runs two warpgroups.
-        quant8 = scheme.startswith(("fp8", "int8"))
         for bm in (16, 32, 64):
             for bn in (64, 128, 256) if bm == 64 and rows_per_expert > 32 else (64, 128):
                 for bk in bks:
@@ -87,7 +87,6 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
         # 128 suit it, 256 suits GEMM2. Block-scaled fp8 keeps a second accumulator-sized
         # product per K step, so its 4-warp tiles also try a deeper pipeline, and its
         # 256-wide GEMM2 tile only with 64 rows (two 128 x 256 fp32 tiles do not fit).
-        quant8 = scheme.startswith(("fp8", "int8"))
         for bm in (64, 128):
             for bn in (64, 128) if quant8 and bm == 128 else (64, 128, 256):
                 for bk in (128,) if quant8 else bks[:1]:
@@ -119,7 +118,6 @@ def tune_tokens(
     nothing; it returns (None, nan).
     """
     from . import experts as X
-    from ._align import max_padded_rows, scratch_size
 
     spec = prepared.spec
     w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
@@ -138,8 +136,10 @@ def tune_tokens(
     route_w = torch.rand(num_tokens * top_k, device=dev)
     rows = num_tokens * top_k
     inter_buf = torch.empty(rows, inter, device=dev, dtype=dtype)
-    inter_q = torch.empty(rows, inter, device=dev, dtype=torch.float8_e4m3fn)
-    inter_s = torch.empty(rows, -(-inter // 128), device=dev)
+    inter_q = inter_s = None  # GEMM2's input as GEMM1's epilogue makes it (fp8_group128)
+    if w2.activation_format == "fp8_group128":
+        inter_q = torch.empty(rows, inter, device=dev, dtype=torch.float8_e4m3fn)
+        inter_s = torch.empty(rows, -(-inter // 128), device=dev)
     out_buf = torch.empty(rows, hidden, device=dev, dtype=dtype)
     graph = num_tokens * top_k <= 4096
     a1, s1 = X._quantize_input(x, w13)
@@ -147,15 +147,7 @@ def tune_tokens(
     best: dict[int, dict[str, tuple[float, TileConfig]]] = {}
     for i, tile in enumerate(cands):
         bm = tile.block_m
-        mp = max_padded_rows(rows, num_experts, bm)
-        ws = {
-            "sorted_rows": torch.empty(mp, dtype=torch.int32, device=dev),
-            "block_expert": torch.empty(mp // bm, dtype=torch.int32, device=dev),
-            "num_padded": torch.empty(1, dtype=torch.int32, device=dev),
-            "align_scratch": torch.empty(
-                scratch_size(rows, num_experts), dtype=torch.int32, device=dev
-            ),
-        }
+        ws = X.alignment_workspace(rows, num_experts, bm, dev)
         layout = X.layout_rows(ids, top_k, num_experts, bm, ws)  # as run_kernel_sequence does
         times: dict[str, str] = {}
         fuse = X.fuses_gemm2_input_quant(w2, x, tile)
