@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -18,9 +20,15 @@ import triton.language as tl
 ENABLED = True
 
 
+@functools.cache
+def _supported(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def enabled(x: torch.Tensor) -> bool:
-    """Whether kernels working on ``x`` launch with PDL (CUDA, compute capability >= 9)."""
-    return ENABLED and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    """Whether kernels working on ``x`` launch with PDL (CUDA, compute capability >= 9).
+    Asked before every launch, so the capability is looked up once per device."""
+    return ENABLED and x.is_cuda and _supported(x.device)
 
 
 def launch_options(pdl: bool) -> dict[str, bool]:
