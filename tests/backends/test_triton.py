@@ -192,6 +192,42 @@ def test_block_fp8_scales_per_row_or_per_element(activation, inter, block_n, uni
     assert _rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("block_k", [64, 256])
+def test_block_fp8_k_steps_of_part_or_several_scale_groups(block_k):
+    """A block-scaled fp8 K step may cover part of a 128-wide scale group or several groups
+    (one MMA and promotion each); with K = 384 and I = 192 a 256-wide step ends in a group
+    past K (scales load as 0) or a partial one. Both must equal the torch backend."""
+    torch.manual_seed(6)
+    act = moerunner.Activation("silu")
+    T, H, inter, E, k = 9, 384, 192, 3, 2
+    w13 = moerunner.quantize(torch.randn(E, 2 * inter, H, device=DEVICE) / H**0.5, "fp8_block")
+    w2 = moerunner.quantize(torch.randn(E, H, inter, device=DEVICE) / inter**0.5, "fp8_block")
+    weights = ExpertWeights(w13, w2)
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    tile = tile_config.TileConfig(16, 64, block_k, 1, 4, 2)
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(T, k, device=DEVICE)
+    out = experts.fused_standard(x, wts, ids, prepared, tile_config.MoeTiles(tile, tile))
+    assert _rel(out, _run("torch", x, weights, act, wts, ids)) < 1e-5
+
+
+def test_block_fp8_rejects_a_k_step_that_splits_groups_unevenly():
+    """block_k 192 neither divides 128 nor is a multiple of it: a clear error, not a wrong sum."""
+    act = moerunner.Activation("silu")
+    w13 = moerunner.quantize(torch.randn(2, 256, 256, device=DEVICE), "fp8_block")
+    w2 = moerunner.quantize(torch.randn(2, 256, 128, device=DEVICE), "fp8_block")
+    weights = ExpertWeights(w13, w2)
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    tile = tile_config.TileConfig(16, 64, 192, 1, 4, 2)
+    x = torch.randn(3, 256, device=DEVICE)
+    ids = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(MoeInputError, match="block_k 192"):
+        experts.fused_standard(
+            x, torch.ones(3, 1, device=DEVICE), ids, prepared, tile_config.MoeTiles(tile, tile)
+        )
+
+
 @pytest.mark.parametrize("inter", [128, 192])
 def test_gemm1_epilogue_quantizes_gemm2_input(inter, monkeypatch):
     """fp8_block with a GEMM1 tile of whole 128-column groups: GEMM1 stores GEMM2's e4m3 input

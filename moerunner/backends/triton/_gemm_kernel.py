@@ -548,6 +548,54 @@ def moe_gemm_kernel(
                 )
                 acc = _mma(a_lo, w_lo, acc, False, IEEE)
                 acc = _mma(a_hi, w_hi, acc, False, IEEE)
+        elif IN_LOOP_QSCALE:
+            # Block scales change every GROUP_K along K: promote each group's product to the
+            # float32 accumulator with its A-row and weight-block scales. A step of several
+            # groups issues one MMA per group, so the promotion of one group overlaps the MMA
+            # of the next (Triton waits for a non-accumulating MMA before its first use).
+            SUB_K: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
+            for sub in tl.static_range(BLOCK_K // SUB_K):
+                kq = k0 + sub * SUB_K
+                offs_q = kq + tl.arange(0, SUB_K)
+                if EVEN_K:
+                    a = tl.load(a_row_ptrs + offs_q[None, :] * stride_ak)
+                else:
+                    a = tl.load(
+                        a_row_ptrs + offs_q[None, :] * stride_ak,
+                        mask=offs_q[None, :] < K,
+                        other=0.0,
+                    )
+                b = _plain_tile(w_base, rows_w, kq, K, stride_wn, stride_wk, SUB_K, EVEN_K)
+                # A group past K (last step of an uneven K) has no scales: they load as 0,
+                # against a product of masked zeros.
+                q_in = (kq < K) | EVEN_K
+                a_s = tl.load(
+                    a_scale_ptr + a_rows * stride_asm + (kq // GROUP_K) * stride_ask,
+                    mask=q_in,
+                    other=0.0,
+                )
+                s_k = s_base + (kq // GROUP_K) * stride_sk
+                if UNIFORM_WS:
+                    # The tile's gate rows share one scale block and so do its up rows: a
+                    # scale per A row (and gate/up column), not an outer product per element.
+                    w_g = tl.load(
+                        s_k + (row_g0 // SCALE_ROW_BLOCK) * stride_sn, mask=q_in, other=0.0
+                    )
+                    s_g = a_s * w_g
+                    if GATED:
+                        w_u = tl.load(
+                            s_k + (row_u0 // SCALE_ROW_BLOCK) * stride_sn, mask=q_in, other=0.0
+                        )
+                        s_u = a_s * w_u
+                        scale = tl.where(is_gate_col[None, :], s_g[:, None], s_u[:, None])
+                    else:
+                        scale = s_g[:, None]
+                else:
+                    w_s = tl.load(
+                        s_k + (rows_w // SCALE_ROW_BLOCK) * stride_sn, mask=q_in, other=0.0
+                    )
+                    scale = a_s[:, None] * w_s[None, :]
+                acc += tl.dot(a, b) * scale
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -578,26 +626,7 @@ def moe_gemm_kernel(
                 BLOCK_K,
                 EVEN_K,
             )
-            if IN_LOOP_QSCALE:
-                # Block scales change every 128 along K: promote each step's product to the
-                # float32 accumulator with its A-row and weight-block scales.
-                a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // GROUP_K) * stride_ask)
-                s_k = s_base + (k0 // GROUP_K) * stride_sk
-                if UNIFORM_WS:
-                    # The tile's gate rows share one scale block and so do its up rows: a
-                    # scale per A row (and gate/up column), not an outer product per element.
-                    s_g = a_s * tl.load(s_k + (row_g0 // SCALE_ROW_BLOCK) * stride_sn)
-                    if GATED:
-                        s_u = a_s * tl.load(s_k + (row_u0 // SCALE_ROW_BLOCK) * stride_sn)
-                        scale = tl.where(is_gate_col[None, :], s_g[:, None], s_u[:, None])
-                    else:
-                        scale = s_g[:, None]
-                else:
-                    w_s = tl.load(s_k + (rows_w // SCALE_ROW_BLOCK) * stride_sn)
-                    scale = a_s[:, None] * w_s[None, :]
-                acc += tl.dot(a, b) * scale
-            else:
-                acc = _mma(a, b, acc, IS_INT, IEEE)
+            acc = _mma(a, b, acc, IS_INT, IEEE)
 
     acc = acc.to(tl.float32)
     # Scales that are constant along K are applied once, after the loop.

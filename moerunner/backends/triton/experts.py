@@ -384,8 +384,10 @@ def _launch_gemm(
     dummy = _dummy(dev)
     k = w.shape[2]
     consts = dict(w.constexprs)
-    if consts["QDOT"] and consts["GROUP_K"] > 0 and 128 % tile.block_k:
-        raise MoeInputError(f"block_k {tile.block_k} must divide 128 for block-scaled fp8")
+    if consts["QDOT"] and consts["GROUP_K"] > 0 and 128 % tile.block_k and tile.block_k % 128:
+        raise MoeInputError(
+            f"block_k {tile.block_k} must divide 128 or be a multiple of it for block-scaled fp8"
+        )
     half = consts["HALF"]
     if half:  # packed 4-bit: whole chunks of the split layout per K step
         chunk = 2 * half

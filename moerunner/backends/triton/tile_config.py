@@ -104,7 +104,7 @@ def load_config_file(path: str) -> dict[int, MoeTiles] | None:
 
 def _scheme_block_k(scheme: str, k: int) -> int:
     if scheme.startswith("fp8_block"):
-        return 128  # one activation/weight scale per 128 along K: BLOCK_K must divide 128
+        return 128  # one scale per 128 along K: BLOCK_K divides 128 or is a multiple of it
     return 128 if k >= 128 else 64
 
 

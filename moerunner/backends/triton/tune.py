@@ -92,6 +92,12 @@ def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) 
                 for bk in (128,) if quant8 else bks[:1]:
                     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
+    if scheme.startswith("fp8_block") and rows_per_expert > 64:
+        # Two scale groups per K step: the promotion of the first overlaps the second's MMA.
+        for bm in (64, 128):
+            for bn in (64, 128):
+                for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
+                    out.append(TileConfig(bm, bn, 256, 8, warps, stages))
     return out
 
 
