@@ -379,13 +379,15 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
 
 def _toggles():
     """A/B parts: part -> (module, attribute, (off value, on value), token counts)."""
-    from moerunner.backends.triton import _pdl
+    from moerunner.backends.triton import _launch, _pdl
 
     return {
         # decode with the alignment step (0) or row blocks for up to 8 tokens
         "rowblocks": (X, "ROW_BLOCKS_MAX_TOKENS", (0, 8), (1, 2, 4, 8)),
         # programmatic dependent launch off / on
         "pdl": (_pdl, "ENABLED", (False, True), (1, 16, 64, 1024)),
+        # kernels launched through Triton's JIT launch (off) or the compiled-kernel cache
+        "launchcache": (_launch, "ENABLED", (False, True), (1, 1024)),
     }
 
 
@@ -414,11 +416,36 @@ def part_toggle(plan, rows, part):
 def part_host(plan, rows, calls: int = 50):
     """Host cost of the eager launch path: CPU seconds per call issued back to back (no
     sync), wall time per call, the span of one call started from an idle GPU (as moerunner
-    bench's eager timing sees it), and a profile of where the CPU time goes."""
+    bench's eager timing sees it), each with kernels launched through Triton's JIT launch
+    and through the compiled-kernel cache (``_launch``) in turn (best of 5 alternations:
+    the host's other work only adds time), and a profile of where the CPU time goes with
+    the cache. At large T the GPU falls behind and back-pressure enters the CPU figure."""
     import cProfile
     import io as _io
     import pstats
 
+    from moerunner.backends.triton import _launch
+
+    def measure(x, w, i, prepared):
+        X.fused_standard(x, w, i, prepared)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            X.fused_standard(x, w, i, prepared)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        spans = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            start.record()
+            X.fused_standard(x, w, i, prepared)
+            end.record()
+            end.synchronize()
+            spans.append(start.elapsed_time(end) * 1e3)
+        return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6, sorted(spans)[5]
+
+    saved = _launch.ENABLED
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
@@ -426,22 +453,14 @@ def part_host(plan, rows, calls: int = 50):
         for T in (1, 1024):
             x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
             w, i = routing(T, E, k)
-            X.fused_standard(x, w, i, prepared)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                X.fused_standard(x, w, i, prepared)
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            spans = []
-            for _ in range(10):
-                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-                start.record()
-                X.fused_standard(x, w, i, prepared)
-                end.record()
-                end.synchronize()
-                spans.append(start.elapsed_time(end) * 1e3)
+            row = dict(preset=preset, scheme=scheme, T=T)
+            for _ in range(5):  # alternately, keeping each mode's fastest (least disturbed)
+                for cached in (False, True):
+                    _launch.ENABLED = cached
+                    tag = "" if cached else "_jit"
+                    got = measure(x, w, i, prepared)
+                    for name, v in zip(("cpu_us", "wall_us", "idle_span_us"), got, strict=True):
+                        row[name + tag] = min(row.get(name + tag, float("inf")), v)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
@@ -450,15 +469,15 @@ def part_host(plan, rows, calls: int = 50):
             torch.cuda.synchronize()
             text = _io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-            row = dict(preset=preset, scheme=scheme, T=T, cpu_us=(t1 - t0) / calls * 1e6,
-                       wall_us=(t2 - t0) / calls * 1e6, idle_span_us=sorted(spans)[5],
-                       profile=text.getvalue())
+            row["profile"] = text.getvalue()
             rows.append(row)
-            print(f"host {preset:14s} {scheme:9s} T={T:5d} cpu {row['cpu_us']:7.1f} us/call  "
-                  f"wall {row['wall_us']:7.1f} us/call  span from idle "
-                  f"{row['idle_span_us']:7.1f} us", flush=True)
+            print(f"host {preset:14s} {scheme:9s} T={T:5d} cpu {row['cpu_us_jit']:6.1f} -> "
+                  f"{row['cpu_us']:6.1f} us/call  wall {row['wall_us_jit']:6.1f} -> "
+                  f"{row['wall_us']:6.1f}  span from idle {row['idle_span_us_jit']:6.1f} -> "
+                  f"{row['idle_span_us']:6.1f} us (JIT launch -> cached)", flush=True)
         del weights, prepared
         torch.cuda.empty_cache()
+    _launch.ENABLED = saved
 
 
 def part_warm(plan, jobs: int):

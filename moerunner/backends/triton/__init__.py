@@ -8,6 +8,7 @@
 #   _gemm_kernel.py  the grouped GEMM kernel (all schemes, fused activation)
 #   _quant_kernel.py GEMM-input quantization (fp8 per token / per 128, int8) on the GPU
 #   _pdl.py          programmatic dependent launch: how each kernel waits for its predecessor
+#   _launch.py       every kernel launch: compiled kernels cached per argument key (eager cost)
 #   tile_config.py   heuristic tiles and tuned JSON files in configs/
 #   tune.py          ``moerunner tune``: searches tiles on the current GPU and writes them
 

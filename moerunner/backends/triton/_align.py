@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _pdl
+from . import _launch, _pdl
+from ._launch import cdiv as _cdiv
+from ._launch import next_power_of_2 as _pow2
 
 # Up to this many rows one program aligns everything (one launch: decode); above it the
 # work is spread over programs of ROWS_PER_PROGRAM rows each (three launches, all on device).
@@ -26,18 +28,18 @@ ROWS_PER_PROGRAM = 1024
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     """Upper bound of ``num_padded``: at most min(E, rows) segments, each padded < BLOCK_M."""
     bound = num_rows + min(num_experts, num_rows) * (block_m - 1)
-    return triton.cdiv(bound, block_m) * block_m
+    return _cdiv(bound, block_m) * block_m
 
 
 def _e_pow2(num_experts: int) -> int:
-    return max(16, triton.next_power_of_2(num_experts))
+    return max(16, _pow2(num_experts))
 
 
 def scratch_size(num_rows: int, num_experts: int, rows_per_program: int = ROWS_PER_PROGRAM) -> int:
     """int32 elements of the scratch that the multi-program alignment needs (0: none)."""
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
         return 0
-    return (triton.cdiv(num_rows, rows_per_program) + 2) * _e_pow2(num_experts)
+    return (_cdiv(num_rows, rows_per_program) + 2) * _e_pow2(num_experts)
 
 
 @triton.jit
@@ -258,7 +260,9 @@ def align_rows(
     pdl = _pdl.enabled(row_expert)
     chunk = max(16, min(64, 8192 // e_pow2))
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
-        _align_kernel[(1,)](
+        _launch.launch(
+            _align_kernel,
+            (1,),
             row_expert,
             sorted_rows,
             block_expert,
@@ -282,8 +286,10 @@ def align_rows(
             f"scratch must be int32 with >= {need} elements, got "
             f"{scratch.dtype} with {scratch.numel()}"
         )
-    programs = triton.cdiv(num_rows, rows_per_program)
-    _align_count_kernel[(programs,)](
+    programs = _cdiv(num_rows, rows_per_program)
+    _launch.launch(
+        _align_count_kernel,
+        (programs,),
         row_expert,
         scratch,
         sorted_rows,
@@ -298,7 +304,9 @@ def align_rows(
         num_warps=4,
         **_pdl.launch_options(pdl),
     )
-    _align_scan_kernel[(1,)](
+    _launch.launch(
+        _align_scan_kernel,
+        (1,),
         scratch,
         num_padded,
         num_experts,
@@ -310,7 +318,9 @@ def align_rows(
         num_warps=4,
         **_pdl.launch_options(pdl),
     )
-    _align_scatter_kernel[(programs,)](
+    _launch.launch(
+        _align_scatter_kernel,
+        (programs,),
         row_expert,
         scratch,
         sorted_rows,
@@ -318,7 +328,7 @@ def align_rows(
         num_rows,
         num_experts,
         programs,
-        triton.cdiv(block_expert.shape[0], programs),
+        _cdiv(block_expert.shape[0], programs),
         ROWS=rows_per_program,
         BLOCK_M=block_m,
         E_POW2=e_pow2,
@@ -364,9 +374,11 @@ def topk_sum(
     ``[0, num_experts)``) are skipped."""
     num_tokens, top_k = ids_TK.shape
     hidden = out_TH.shape[1]
-    block_h = min(1024, triton.next_power_of_2(hidden))
+    block_h = min(1024, _pow2(hidden))
     pdl = _pdl.enabled(src_PH)
-    _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+    _launch.launch(
+        _topk_sum_kernel,
+        (num_tokens, _cdiv(hidden, block_h)),
         src_PH,
         ids_TK,
         out_TH,

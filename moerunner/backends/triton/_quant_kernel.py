@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _pdl
+from . import _launch, _pdl
+from ._launch import cdiv as _cdiv
+from ._launch import next_power_of_2 as _pow2
 
 # Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest
 # integer, ties to even (the hardware's rounding of the add).
@@ -128,9 +130,11 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
     if fmt == "fp8_group128":
         # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
         # flight per program without a grid of millions of one-warp programs.
-        groups = min(8, triton.next_power_of_2(triton.cdiv(k, 128)))
-        grid = (triton.cdiv(rows, 4), triton.cdiv(k, groups * 128))
-        _quant_groups_kernel[grid](
+        groups = min(8, _pow2(_cdiv(k, 128)))
+        grid = (_cdiv(rows, 4), _cdiv(k, groups * 128))
+        _launch.launch(
+            _quant_groups_kernel,
+            grid,
             x,
             q_out,
             s_out,
@@ -147,10 +151,12 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
             **_pdl.launch_options(pdl),
         )
         return
-    group = min(1024, triton.next_power_of_2(k))
-    chunks = triton.cdiv(k, group)
+    group = min(1024, _pow2(k))
+    chunks = _cdiv(k, group)
     to_fp8 = fmt != "int8_token"
-    _quant_rows_kernel[(rows, 1)](
+    _launch.launch(
+        _quant_rows_kernel,
+        (rows, 1),
         x,
         q_out,
         s_out,

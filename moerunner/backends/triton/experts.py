@@ -25,8 +25,9 @@ from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
-from . import _pdl
+from . import _launch, _pdl
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
+from ._launch import cdiv as _cdiv
 from ._quant_kernel import quantize_rows
 from .tile_config import MoeTiles, TileConfig, lookup_tiles
 
@@ -340,7 +341,7 @@ def _quantize_input(x: torch.Tensor, w: KernelWeight) -> tuple[torch.Tensor, tor
         return fake_quantize_activation(x, w.scheme).to(x.dtype), None
     if x.is_cuda:  # one launch; the interpreter rounds fp8 unlike torch, so not off the GPU
         rows, k = x.shape
-        ngroups = triton.cdiv(k, 128)
+        ngroups = _cdiv(k, 128)
         qdtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
         bufs = WORKSPACES.get(
             (x.device, "act_quant", fmt, rows, k),
@@ -414,7 +415,7 @@ def _launch_gemm(
     gated = spec is not None and spec.gated
     interleaved = gated and spec.gate_up_interleaved
     num_m_blocks = rows.num_blocks
-    grid = (num_m_blocks * triton.cdiv(n_out, tile.block_n),)
+    grid = (num_m_blocks * _cdiv(n_out, tile.block_n),)
     act = spec.activation if spec is not None else None
     a_s = a_scale if a_scale is not None else dummy
     a_s_strides = (a_s.stride(0), a_s.stride(1) if a_s.dim() > 1 else 0)
@@ -426,7 +427,9 @@ def _launch_gemm(
     pdl = _pdl.enabled(a)
     o_s = out_scale if out_scale is not None else dummy
     o_s_strides = (o_s.stride(0), o_s.stride(1)) if out_scale is not None else (0, 0)
-    K.moe_gemm_kernel[grid](
+    _launch.launch(
+        K.moe_gemm_kernel,
+        grid,
         a,
         a_s,
         w.data,
@@ -555,7 +558,7 @@ def run_kernel_sequence(
         ws = alignment_workspace(num_rows, num_experts, bm, dev)
         if fuse:
             ws["inter"] = torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=dev)
-            ws["inter_scale"] = torch.empty(num_rows, triton.cdiv(inter, 128), device=dev)
+            ws["inter_scale"] = torch.empty(num_rows, _cdiv(inter, 128), device=dev)
         else:
             ws["inter"] = torch.empty(num_rows, inter, dtype=a_RH.dtype, device=dev)
         return ws

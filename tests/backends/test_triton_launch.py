@@ -1,0 +1,93 @@
+"""The triton backend's cached kernel launches (``_launch``).
+
+The key must separate every case Triton compiles apart (dtype, 16-byte alignment, integers
+equal to 1 or divisible by 16, integer width); the GPU tests check that a cached launch
+computes what Triton's own launch does, also for an argument that changes specialisation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerunner.backends.triton import _launch  # noqa: E402
+
+
+def test_key_separates_what_triton_specialises_on():
+    buf = torch.zeros(64, dtype=torch.float32)
+    aligned, offset = buf[:16], buf[1:17]  # data pointers 0 and 4 bytes past a 16-byte line
+
+    def key(*args):
+        return _launch._args_key(args)
+
+    assert key(aligned, 3) != key(offset, 3)
+    assert key(aligned, 3) != key(aligned.to(torch.bfloat16), 3)
+    assert key(aligned, 3) == key(torch.zeros(8), 3)  # another aligned fp32 tensor
+    # scalars by value: finer than "equal to 1 / divisible by 16 / fits in 32 bits"
+    for a, b in ((1, 2), (16, 32), (17, 18), (1 << 31, 1 << 30), (0.5, 2.0)):
+        assert key(aligned, a) != key(aligned, b)
+
+
+def test_host_arithmetic_matches_triton():
+    import triton
+
+    for n in range(0, 1100):
+        assert _launch.next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 128):
+            assert _launch.cdiv(n, d) == triton.cdiv(n, d)
+
+
+def test_installed_launch_hooks_are_detected():
+    from triton.knobs import HookChain
+
+    chain = HookChain()
+    assert not _launch._hooked(None) and not _launch._hooked(chain)
+    chain.add(print)
+    assert _launch._hooked(chain) and _launch._hooked(print)
+
+
+def test_without_a_gpu_the_jit_launch_runs(monkeypatch):
+    """CPU tensors (the interpreter) never reach the cache."""
+    calls = []
+    cached = len(_launch._compiled)
+
+    class Kernel:
+        params = []
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append((grid, a, k))
+
+    _launch.launch(Kernel(), (2,), torch.zeros(4), 3, BLOCK=8)
+    assert calls == [((2,), (calls[0][1][0], 3), {"BLOCK": 8})]
+    assert len(_launch._compiled) == cached
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cached_launch_equals_jit_launch_and_keys_alignment_apart():
+    from moerunner.backends.triton._align import topk_sum
+
+    dev = torch.device("cuda")
+    T, k, H, E = 37, 4, 1000, 8
+    ids = torch.randint(-1, E, (T, k), dtype=torch.int32, device=dev)
+    buf = torch.randn(T * k * H + 1, device=dev, dtype=torch.bfloat16)
+    ref_in = buf[: T * k * H].view(T * k, H)
+    valid = ((ids >= 0) & (ids < E)).reshape(T * k, 1)
+    ref = (ref_in.float() * valid).view(T, k, H).sum(1)
+    _launch.clear()
+    for src in (ref_in, buf[1:].view(T * k, H), ref_in):  # aligned, 2 bytes off, aligned
+        want = (src.float() * valid).view(T, k, H).sum(1)
+        outs = []
+        for enabled in (False, True, True):  # JIT launch, first cached (compiles), cache hit
+            _launch.ENABLED = enabled
+            out = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+            topk_sum(src, ids, out, E)
+            outs.append(out.float())
+        _launch.ENABLED = True
+        for out in outs:
+            torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+    # one compiled kernel per alignment of the source, reused on the third pass
+    assert len(_launch._compiled) == 2
+    torch.testing.assert_close(outs[-1], ref, rtol=1e-2, atol=1e-2)
