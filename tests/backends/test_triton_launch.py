@@ -91,3 +91,29 @@ def test_cached_launch_equals_jit_launch_and_keys_alignment_apart():
     # one compiled kernel per alignment of the source, reused on the third pass
     assert len(_launch._compiled) == 2
     torch.testing.assert_close(outs[-1], ref, rtol=1e-2, atol=1e-2)
+
+
+def test_launches_switch_to_the_inputs_gpu(monkeypatch):
+    """A layer on another GPU than the current one (transformers' device_map) launches there:
+    the entry points enter that device first; on the current device or CPU they do not."""
+    import contextlib
+    import types
+
+    from moerunner.backends.triton import experts
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "device", lambda d: entered.append(d) or contextlib.nullcontext()
+    )
+
+    def fake(index):
+        return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", index))
+
+    with experts._on_device(fake(1)):
+        pass
+    with experts._on_device(fake(0)):
+        pass
+    with experts._on_device(torch.zeros(1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -622,6 +623,15 @@ def _check_hidden(hidden: torch.Tensor, prepared: PreparedWeights, name: str) ->
         raise TypeError(f"{name} dtype {hidden.dtype} differs from the weights' {w13.data.dtype}")
 
 
+def _on_device(x: torch.Tensor):
+    """Context that makes ``x``'s GPU the current device for the launches: Triton compiles
+    for and launches on the current device, and a model spread over GPUs (transformers'
+    ``device_map``) calls each layer without switching it."""
+    if x.is_cuda and x.device.index is not None and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
 def fused_standard(
     hidden_TH: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -655,9 +665,10 @@ def fused_standard(
             "y": torch.empty(num_rows, prepared.spec.hidden_size, dtype=hidden_TH.dtype, device=dev)
         },
     )
-    run_kernel_sequence(hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles)
-    with trace_range("combine"):
-        topk_sum(cache["y"], ids, out, prepared.spec.num_experts)
+    with _on_device(hidden_TH):
+        run_kernel_sequence(hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles)
+        with trace_range("combine"):
+            topk_sum(cache["y"], ids, out, prepared.spec.num_experts)
     return out
 
 
@@ -685,5 +696,6 @@ def grouped_core(
     ends = expert_offsets[1:].to(device=x_MH.device, dtype=torch.int64)
     row_expert = torch.searchsorted(ends, row_ids, right=True)
     row_expert = torch.where(row_expert < num_experts, row_expert, -1).to(torch.int32)
-    run_kernel_sequence(x_MH.contiguous(), row_expert, 1, None, prepared, y, tiles)
+    with _on_device(x_MH):
+        run_kernel_sequence(x_MH.contiguous(), row_expert, 1, None, prepared, y, tiles)
     return y
