@@ -93,6 +93,37 @@ def test_cached_launch_equals_jit_launch_and_keys_alignment_apart():
     torch.testing.assert_close(outs[-1], ref, rtol=1e-2, atol=1e-2)
 
 
+def test_a_launcher_with_another_signature_falls_back_to_the_jit_launch(monkeypatch):
+    """If a future Triton's compiled launcher rejects the arguments, the cache turns itself
+    off and the launch goes the JIT way (no launch is lost)."""
+    jit_calls = []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *args):
+            raise TypeError("launcher takes other arguments")
+
+    class Kernel:
+        params = []
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: jit_calls.append(grid)
+
+    kernel = Kernel()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU suite runs under the interpreter
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 0, raising=False)
+    monkeypatch.setattr(_launch, "_layouts", {kernel: (1, [])})
+    monkeypatch.setattr(_launch, "_compiled", {})
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    x = torch.zeros(4)
+    _launch._compiled[(kernel, 0, (), _launch._args_key((x,)))] = (Compiled(), ())
+    _launch.launch(kernel, (3,), x)
+    assert jit_calls == [(3,)] and not _launch.ENABLED and not _launch._compiled
+
+
 def test_launches_switch_to_the_inputs_gpu(monkeypatch):
     """A layer on another GPU than the current one (transformers' device_map) launches there:
     the entry points enter that device first; on the current device or CPU they do not."""
