@@ -55,6 +55,7 @@ def test_without_a_gpu_the_jit_launch_runs(monkeypatch):
 
     class Kernel:
         params = []
+        arg_names = []
 
         def __getitem__(self, grid):
             return lambda *a, **k: calls.append((grid, a, k))
@@ -106,6 +107,7 @@ def test_a_launcher_with_another_signature_falls_back_to_the_jit_launch(monkeypa
 
     class Kernel:
         params = []
+        arg_names = []
 
         def __getitem__(self, grid):
             return lambda *a, **k: jit_calls.append(grid)

@@ -257,7 +257,6 @@ def align_rows(
     """
     num_rows = row_expert.shape[0]
     e_pow2 = _e_pow2(num_experts)
-    pdl = _pdl.enabled(row_expert)
     chunk = max(16, min(64, 8192 // e_pow2))
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
         _launch.launch(
@@ -273,9 +272,7 @@ def align_rows(
             E_POW2=e_pow2,
             CHUNK=chunk,
             FILL=1024,
-            PDL=pdl,
             num_warps=4,
-            **_pdl.launch_options(pdl),
         )
         return
     need = scratch_size(num_rows, num_experts, rows_per_program)
@@ -300,9 +297,7 @@ def align_rows(
         E_POW2=e_pow2,
         CHUNK=chunk,
         FILL=1024,
-        PDL=pdl,
         num_warps=4,
-        **_pdl.launch_options(pdl),
     )
     _launch.launch(
         _align_scan_kernel,
@@ -314,9 +309,7 @@ def align_rows(
         BLOCK_M=block_m,
         E_POW2=e_pow2,
         PT=max(1, 4096 // e_pow2),
-        PDL=pdl,
         num_warps=4,
-        **_pdl.launch_options(pdl),
     )
     _launch.launch(
         _align_scatter_kernel,
@@ -333,9 +326,7 @@ def align_rows(
         BLOCK_M=block_m,
         E_POW2=e_pow2,
         CHUNK=chunk,
-        PDL=pdl,
         num_warps=4,
-        **_pdl.launch_options(pdl),
     )
 
 
@@ -375,7 +366,6 @@ def topk_sum(
     num_tokens, top_k = ids_TK.shape
     hidden = out_TH.shape[1]
     block_h = min(1024, _pow2(hidden))
-    pdl = _pdl.enabled(src_PH)
     _launch.launch(
         _topk_sum_kernel,
         (num_tokens, _cdiv(hidden, block_h)),
@@ -388,7 +378,5 @@ def topk_sum(
         out_TH.stride(0),
         TOP_K=top_k,
         BLOCK_H=block_h,
-        PDL=pdl,
         num_warps=4,
-        **_pdl.launch_options(pdl),
     )

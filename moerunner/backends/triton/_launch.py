@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from triton import knobs
 
+from . import _pdl
+
 #: Launch through the cache (False: always through Triton's JIT launch).
 ENABLED = True
 
@@ -28,6 +30,8 @@ _layouts: dict = {}
 # (kernel, device, constexprs and options, runtime-argument key)
 #   -> (compiled kernel, constexpr values in parameter order)
 _compiled: dict = {}
+# kernel -> whether it takes the PDL constexpr
+_pdl_kernels: dict = {}
 
 
 def _layout(kernel):
@@ -61,19 +65,35 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _takes_pdl(kernel) -> bool:
+    """Whether ``kernel`` has the ``PDL`` constexpr of ``_pdl.enter``."""
+    if kernel not in _pdl_kernels:
+        _pdl_kernels[kernel] = "PDL" in kernel.arg_names
+    return _pdl_kernels[kernel]
+
+
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` with the compiled kernel cached (module comment).
 
-    ``args`` are the runtime arguments in parameter order, ``kwargs`` the constexprs and
-    Triton's launch options (num_warps, num_stages, launch_pdl)."""
+    ``args`` are the runtime arguments in parameter order, the first a tensor on the
+    launch's device; ``kwargs`` the constexprs and Triton's launch options (num_warps,
+    num_stages). A kernel with a ``PDL`` constexpr gets it here, with the matching launch
+    option: programmatic dependent launch where ``args[0]``'s GPU has it (``_pdl``)."""
+    if _takes_pdl(kernel):
+        pdl = _pdl.enabled(args[0])
+        kwargs["PDL"] = pdl
+        if pdl:
+            kwargs["launch_pdl"] = True
     rt = knobs.runtime
     layout = _layout(kernel) if ENABLED and not rt.interpret and not rt.debug else None
-    hooks = _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
-    if layout is None or hooks or len(args) != layout[0] or not isinstance(args[0], torch.Tensor):
-        kernel[grid](*args, **kwargs)
-        return
-    device = args[0].device
-    if device.type != "cuda":
+    if (
+        layout is None
+        or len(args) != layout[0]
+        or not isinstance(args[0], torch.Tensor)
+        or args[0].device.type != "cuda"
+        or _hooked(rt.launch_enter_hook)
+        or _hooked(rt.launch_exit_hook)
+    ):
         kernel[grid](*args, **kwargs)
         return
     index = torch.cuda.current_device()
@@ -114,7 +134,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
 def _disable() -> None:
     global ENABLED
     ENABLED = False
-    _compiled.clear()
+    clear()
 
 
 def cdiv(a: int, b: int) -> int:

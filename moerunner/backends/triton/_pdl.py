@@ -27,13 +27,9 @@ def _supported(device: torch.device) -> bool:
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether kernels working on ``x`` launch with PDL (CUDA, compute capability >= 9).
-    Asked before every launch, so the capability is looked up once per device."""
+    Asked by ``_launch.launch`` before every launch, so the capability is looked up once per
+    device."""
     return ENABLED and x.is_cuda and _supported(x.device)
-
-
-def launch_options(pdl: bool) -> dict[str, bool]:
-    """Launch keyword arguments for a kernel taking the ``PDL`` constexpr."""
-    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit

@@ -126,7 +126,6 @@ def _quant_groups_kernel(
 def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
     """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
     rows, k = x.shape
-    pdl = _pdl.enabled(x)
     if fmt == "fp8_group128":
         # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
         # flight per program without a grid of millions of one-warp programs.
@@ -146,9 +145,7 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
             ROWS=4,
             GROUPS=groups,
             GROUP=128,
-            PDL=pdl,
             num_warps=4,
-            **_pdl.launch_options(pdl),
         )
         return
     group = min(1024, _pow2(k))
@@ -168,7 +165,5 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
         NUM_CHUNKS=chunks,
         QMAX=448.0 if to_fp8 else 127.0,
         TO_FP8=to_fp8,
-        PDL=pdl,
         num_warps=4 if group >= 512 else 1,
-        **_pdl.launch_options(pdl),
     )

@@ -26,7 +26,7 @@ from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from . import _gemm_kernel as K
-from . import _launch, _pdl
+from . import _launch
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._launch import cdiv as _cdiv
 from ._quant_kernel import quantize_rows
@@ -425,7 +425,6 @@ def _launch_gemm(
             f"quantizing in the epilogue needs block_n a multiple of 128 and a bf16/fp16/fp32 "
             f"intermediate, got block_n {tile.block_n} and {inter_dtype}"
         )
-    pdl = _pdl.enabled(a)
     o_s = out_scale if out_scale is not None else dummy
     o_s_strides = (o_s.stride(0), o_s.stride(1)) if out_scale is not None else (0, 0)
     _launch.launch(
@@ -487,11 +486,9 @@ def _launch_gemm(
         OUT_QUANT=out_scale is not None,
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
-        PDL=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
-        **_pdl.launch_options(pdl),
     )
 
 
