@@ -253,6 +253,17 @@ def _split_halves(
 
 
 @triton.jit
+def _a_tile(a_row_ptrs, k0, K, stride_ak, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] A tile of the block's rows from ``k0`` (zeros past K)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
+    else:
+        a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0.0)
+    return a
+
+
+@triton.jit
 def _weight_tile(
     w_base,
     s_base,
@@ -556,15 +567,7 @@ def moe_gemm_kernel(
             SUB_K: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
             for sub in tl.static_range(BLOCK_K // SUB_K):
                 kq = k0 + sub * SUB_K
-                offs_q = kq + tl.arange(0, SUB_K)
-                if EVEN_K:
-                    a = tl.load(a_row_ptrs + offs_q[None, :] * stride_ak)
-                else:
-                    a = tl.load(
-                        a_row_ptrs + offs_q[None, :] * stride_ak,
-                        mask=offs_q[None, :] < K,
-                        other=0.0,
-                    )
+                a = _a_tile(a_row_ptrs, kq, K, stride_ak, SUB_K, EVEN_K)
                 b = _plain_tile(w_base, rows_w, kq, K, stride_wn, stride_wk, SUB_K, EVEN_K)
                 # A group past K (last step of an uneven K) has no scales: they load as 0,
                 # against a product of masked zeros.
@@ -597,13 +600,7 @@ def moe_gemm_kernel(
                     scale = a_s[:, None] * w_s[None, :]
                 acc += tl.dot(a, b) * scale
         else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
-            else:
-                a = tl.load(
-                    a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0.0
-                )
+            a = _a_tile(a_row_ptrs, k0, K, stride_ak, BLOCK_K, EVEN_K)
             b = _weight_tile(
                 w_base,
                 s_base,
