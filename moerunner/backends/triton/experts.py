@@ -307,6 +307,19 @@ def alignment_workspace(
     }
 
 
+def intermediate_buffers(
+    num_rows: int, inter: int, dtype: torch.dtype, fused_quant: bool, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """GEMM1's output: ``inter`` [rows, I] in ``dtype``, or with ``fused_quant`` (see
+    ``fuses_gemm2_input_quant``) e4m3 codes and ``inter_scale`` [rows, ceil(I / 128)]."""
+    if not fused_quant:
+        return {"inter": torch.empty(num_rows, inter, dtype=dtype, device=device)}
+    return {
+        "inter": torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=device),
+        "inter_scale": torch.empty(num_rows, _cdiv(inter, 128), device=device),
+    }
+
+
 def layout_rows(
     row_expert: torch.Tensor,
     rows_per_token: int,
@@ -552,16 +565,13 @@ def run_kernel_sequence(
     fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1)
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
 
-    def make() -> dict[str, torch.Tensor]:
-        ws = alignment_workspace(num_rows, num_experts, bm, dev)
-        if fuse:
-            ws["inter"] = torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=dev)
-            ws["inter_scale"] = torch.empty(num_rows, _cdiv(inter, 128), device=dev)
-        else:
-            ws["inter"] = torch.empty(num_rows, inter, dtype=a_RH.dtype, device=dev)
-        return ws
-
-    ws = WORKSPACES.get(key, make)
+    ws = WORKSPACES.get(
+        key,
+        lambda: {
+            **alignment_workspace(num_rows, num_experts, bm, dev),
+            **intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
+        },
+    )
     rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws)
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13)

@@ -141,11 +141,11 @@ def tune_tokens(
     ids = ids.to(torch.int32).reshape(-1).contiguous()
     route_w = torch.rand(num_tokens * top_k, device=dev)
     rows = num_tokens * top_k
-    inter_buf = torch.empty(rows, inter, device=dev, dtype=dtype)
+    inter_buf = X.intermediate_buffers(rows, inter, dtype, False, dev)["inter"]
     inter_q = inter_s = None  # GEMM2's input as GEMM1's epilogue makes it (fp8_group128)
     if w2.activation_format == "fp8_group128":
-        inter_q = torch.empty(rows, inter, device=dev, dtype=torch.float8_e4m3fn)
-        inter_s = torch.empty(rows, -(-inter // 128), device=dev)
+        fused = X.intermediate_buffers(rows, inter, dtype, True, dev)
+        inter_q, inter_s = fused["inter"], fused["inter_scale"]
     out_buf = torch.empty(rows, hidden, device=dev, dtype=dtype)
     graph = num_tokens * top_k <= 4096
     a1, s1 = X._quantize_input(x, w13)
