@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton.testing as tt  # noqa: E402
+from gpu_triton import routing  # noqa: E402  (same random routing as the recorded runs)
 
 from moerunner import Activation  # noqa: E402
 from moerunner.backends.triton import TritonBackend, tune  # noqa: E402
@@ -57,8 +58,7 @@ def main() -> None:
     out = []
     for T in args.tokens:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
-        w = torch.softmax(torch.randn(T, k, device=dev), dim=1)
+        w, ids = routing(T, E, k, dev)
         ms = {"a": [], "b": []}
         for r in range(args.rounds):
             for name, tiles in choices.items():
