@@ -388,6 +388,8 @@ def _toggles():
         "pdl": (_pdl, "ENABLED", (False, True), (1, 16, 64, 1024)),
         # kernels launched through Triton's JIT launch (off) or the compiled-kernel cache
         "launchcache": (_launch, "ENABLED", (False, True), (1, 1024)),
+        # packed 4-bit scale codes loaded in the K step that uses them (off) or one ahead
+        "sprefetch": (X, "SCALE_PREFETCH", (False, True), (1, 16, 64, 256)),
     }
 
 

@@ -89,7 +89,8 @@ def compile_variant(spec: str, arch: int):
                   # fp8_block GEMM1 quantizes GEMM2's input itself when its tile holds whole
                   # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
                   OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
-                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90)
+                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90,
+                  S_PREFETCH=True)
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
     sig = _signature(scale_ty, fp8 if qdot else "*bf16",

@@ -295,13 +295,16 @@ def test_activation_quant_kernel_matches_torch_twin(fmt, rows, k):
     assert torch.equal(got.view(torch.uint8)[checked], want.view(torch.uint8)[checked])
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize(("chunks", "prefetch"), [(1, True), (1, False), (2, True), (4, True)])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", PACKED_SCHEMES)
-def test_packed_k_steps_of_several_chunks(scheme, activation, chunks):
+def test_packed_k_steps_of_several_chunks(scheme, activation, chunks, prefetch, monkeypatch):
     """A K step may cover several chunks of the split layout; chunks starting at or past K
     are skipped. H = I = 96 is 1.5 chunks of 64 for the 32-groups (int4's group of 128 needs
-    whole chunks of 128); fp32 throughout, against the torch backend's emulation."""
+    whole chunks of 128); fp32 throughout, against the torch backend's emulation. Steps of
+    one chunk load their scale codes a step ahead (``prefetch``; the last step's prefetch
+    lies past K) or in the step itself."""
+    monkeypatch.setattr(experts, "SCALE_PREFETCH", prefetch)
     torch.manual_seed(3)
     act = moerunner.Activation(activation)
     size = 128 if scheme == "int4" else 96

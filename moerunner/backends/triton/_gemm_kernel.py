@@ -174,6 +174,20 @@ def _scale_bf16(s, SCALE_FMT: tl.constexpr, MERGED: tl.constexpr):
 
 
 @triton.jit
+def _half_scale_codes(
+    s_base, rows, k0, K, stride_sn, stride_sk, GROUP_K: tl.constexpr, HALF: tl.constexpr
+):
+    """Scale codes [BLOCK_N] of the two halves of the split-layout chunk at ``k0`` (code 0
+    for a group past K)."""
+    n_groups = (K + GROUP_K - 1) // GROUP_K
+    g_lo = k0 // GROUP_K
+    g_hi = (k0 + HALF) // GROUP_K
+    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
+    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
+    return s_lo, s_hi
+
+
+@triton.jit
 def _split_halves(
     w_base,
     s_base,
@@ -196,6 +210,9 @@ def _split_halves(
     BF16_FP4: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
     MASK_K: tl.constexpr,
+    s_lo_in,
+    s_hi_in,
+    PRELOADED: tl.constexpr,
 ):
     """Dequantized halves [HALF, BLOCK_N] of one packed 4-bit chunk of 2 * HALF along K, in
     ``COMPUTE`` (the MMA's right operand): each value times its group scale.
@@ -217,8 +234,11 @@ def _split_halves(
     n_groups = (K + GROUP_K - 1) // GROUP_K
     g_lo = k0 // GROUP_K
     g_hi = (k0 + HALF) // GROUP_K
-    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
-    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
+    if PRELOADED:
+        s_lo = s_lo_in
+        s_hi = s_hi_in
+    else:
+        s_lo, s_hi = _half_scale_codes(s_base, rows, k0, K, stride_sn, stride_sk, GROUP_K, HALF)
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
             packed,
@@ -431,6 +451,7 @@ def moe_gemm_kernel(
     INTER_DTYPE: tl.constexpr,
     FP8_ROUND_FIRST: tl.constexpr,
     PDL: tl.constexpr,
+    S_PREFETCH: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -445,6 +466,7 @@ def moe_gemm_kernel(
     the standalone quantization would make it from the stored intermediate
     (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
     PDL: launched with programmatic dependent launch (``_pdl``).
+    S_PREFETCH: packed weights with one chunk per K step load the scale codes a step ahead.
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
@@ -519,8 +541,24 @@ def moe_gemm_kernel(
         sg_stride_n = 0
     a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
     PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
+    # S_PREFETCH with one chunk per K step: the step's scale codes were loaded by the step
+    # before, so they are not a global load the step waits on. (Triton does not pipeline
+    # these loads: one byte per thread is below its asynchronous-copy width.)
+    PREFETCH: tl.constexpr = S_PREFETCH and PACKED and BLOCK_K == 2 * HALF
+    s_lo_n = 0
+    s_hi_n = 0
+    if PREFETCH:
+        s_lo_n, s_hi_n = _half_scale_codes(
+            s_base, rows_w, 0, K, stride_sn, stride_sk, GROUP_K, HALF
+        )
     for k0 in range(0, K, BLOCK_K):
         if PACKED:
+            s_lo_c = s_lo_n
+            s_hi_c = s_hi_n
+            if PREFETCH:
+                s_lo_n, s_hi_n = _half_scale_codes(
+                    s_base, rows_w, k0 + BLOCK_K, K, stride_sn, stride_sk, GROUP_K, HALF
+                )
             # Split layout, BLOCK_K // (2 * HALF) chunks per step: A's two contiguous halves of
             # each chunk meet its low and high nibbles.
             for c in tl.static_range(BLOCK_K // (2 * HALF)):
@@ -556,6 +594,9 @@ def moe_gemm_kernel(
                     BF16_FP4,
                     MERGED_SCALE,
                     c > 0,
+                    s_lo_c,
+                    s_hi_c,
+                    PREFETCH,
                 )
                 acc = _mma(a_lo, w_lo, acc, False, IEEE)
                 acc = _mma(a_hi, w_hi, acc, False, IEEE)

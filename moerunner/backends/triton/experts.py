@@ -274,6 +274,9 @@ def fuses_gemm2_input_quant(w2: KernelWeight, x: torch.Tensor, tile1: TileConfig
 #: H200 row blocks saved 3-5 us at T = 1 on every preset and cost up to 2x on Mixtral-8x7B's
 #: 8 experts at T = 2-8, where the alignment groups the repeats).
 ROW_BLOCKS_MAX_TOKENS = 1
+# Packed 4-bit weights with one split-layout chunk per K step load the next step's scale
+# codes one step ahead, so the loop does not wait on a global load (see the kernel).
+SCALE_PREFETCH = True
 
 
 @dataclass(frozen=True)
@@ -499,6 +502,7 @@ def _launch_gemm(
         OUT_QUANT=out_scale is not None,
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
+        S_PREFETCH=SCALE_PREFETCH,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
