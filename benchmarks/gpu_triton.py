@@ -390,6 +390,9 @@ def _toggles():
         "launchcache": (_launch, "ENABLED", (False, True), (1, 1024)),
         # packed 4-bit scale codes loaded in the K step that uses them (off) or one ahead
         "sprefetch": (X, "SCALE_PREFETCH", (False, True), (1, 16, 64, 256)),
+        # packed 4-bit scale codes of a K step of several chunks loaded per chunk (off) or as
+        # one pipelined tile
+        "stiles": (X, "SCALE_TILES", (False, True), (1, 1024, 4096, 16384)),
     }
 
 

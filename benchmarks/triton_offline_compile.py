@@ -90,7 +90,7 @@ def compile_variant(spec: str, arch: int):
                   # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
                   OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
                   INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90,
-                  S_PREFETCH=True)
+                  S_PREFETCH=True, S_TILE=True)
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
     sig = _signature(scale_ty, fp8 if qdot else "*bf16",
@@ -98,9 +98,12 @@ def compile_variant(spec: str, arch: int):
                      fp8 if consts["OUT_QUANT"] else "*bf16")
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes.
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
-             or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")]
+             or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K",
+                         "stride_se", "stride_sn")]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    for name in ("stride_ak", "stride_wk", "stride_on"):  # unit strides are specialised to 1
+    # Unit strides are specialised to 1 (group scales too: packed ones are padded to whole
+    # 16-byte rows at prepare time, so their row stride is 16-divisible as well).
+    for name in ("stride_ak", "stride_wk", "stride_on", "stride_sk"):
         sig[name] = "constexpr"
         consts[name] = 1
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},

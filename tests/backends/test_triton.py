@@ -448,6 +448,26 @@ def test_shipped_tile_files_follow_the_schema():
             tile_config.MoeTiles.from_dict(entry)
 
 
+@pytest.mark.parametrize(
+    ("scheme", "k", "groups"),
+    [("mxfp4", 96, 16), ("mxfp4", 512, 16), ("mxfp4", 576, 32), ("nvfp4", 96, 16),
+     ("int4_g32", 96, 8), ("int4", 384, None)],
+)  # fmt: skip
+def test_packed_group_scales_are_padded_for_step_tiles(scheme, k, groups):
+    """Group scales of packed weights with one group per half are zero-padded to whole
+    16-byte rows of a multiple of 8 groups (what the kernel's per-step scale tiles read);
+    int4's 128-groups span two halves and keep their shape."""
+    w = moerunner.quantize(torch.randn(2, 8, k, device=DEVICE), scheme)
+    kw = experts.kernel_weight(w)
+    raw = experts._as_bytes(w.scale)
+    if groups is None:
+        assert kw.scale.shape == raw.shape and not experts.scale_tiles_ok(kw)
+        return
+    assert kw.scale.shape[-1] == groups and experts.scale_tiles_ok(kw)
+    assert torch.equal(kw.scale[..., : raw.shape[-1]], raw)
+    assert not kw.scale[..., raw.shape[-1] :].any()
+
+
 @pytest.mark.parametrize("k,half", [(128, 16), (96, 32), (256, 64)])
 def test_split_layout_keeps_every_nibble(k, half):
     """Byte j of chunk c holds k = c*2*half + j (low) and c*2*half + half + j (high)."""

@@ -188,6 +188,43 @@ def _half_scale_codes(
 
 
 @triton.jit
+def _step_scale_codes(
+    s_base, rows, k0, stride_sn, stride_sk, GROUP_K: tl.constexpr, G_STEP: tl.constexpr
+):
+    """Scale codes [BLOCK_N, G_STEP] of the G_STEP groups from ``k0`` on, unmasked: the
+    launcher passes scales whose group count is padded to a multiple of G_STEP with 16-byte
+    aligned rows, so Triton copies this tile to shared memory asynchronously with the
+    weights (a load of one byte per thread is below its copy width and is not pipelined)."""
+    offs_g = k0 // GROUP_K + tl.arange(0, G_STEP)
+    return tl.load(s_base + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk)
+
+
+@triton.jit
+def _split_columns(t, ODD: tl.constexpr):
+    """Even (or ODD) columns of a [N, 2m] tile: [N, m], or [N] for m = 1. tl.split keeps
+    each pair in one thread, so this moves no data between threads."""
+    if t.shape[1] == 2:
+        even, odd = tl.split(t)
+    else:
+        even, odd = tl.split(tl.reshape(t, (t.shape[0], t.shape[1] // 2, 2)))
+    if ODD:
+        out = odd
+    else:
+        out = even
+    return out
+
+
+@triton.jit
+def _column(t, j: tl.constexpr, G: tl.constexpr):
+    """Column ``j`` of a [N, G] tile (G = 4 or 8) as [N]."""
+    t = _split_columns(t, j % 2 == 1)
+    t = _split_columns(t, (j // 2) % 2 == 1)
+    if G == 8:
+        t = _split_columns(t, j // 4 == 1)
+    return t
+
+
+@triton.jit
 def _split_halves(
     w_base,
     s_base,
@@ -452,6 +489,7 @@ def moe_gemm_kernel(
     FP8_ROUND_FIRST: tl.constexpr,
     PDL: tl.constexpr,
     S_PREFETCH: tl.constexpr,
+    S_TILE: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -467,6 +505,8 @@ def moe_gemm_kernel(
     (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
     PDL: launched with programmatic dependent launch (``_pdl``).
     S_PREFETCH: packed weights with one chunk per K step load the scale codes a step ahead.
+    S_TILE: packed weights with one scale group per half and 2 or 4 chunks per K step load the
+    step's scale codes as one tile (scales padded by the launcher, see ``_step_scale_codes``).
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
     """
@@ -545,6 +585,10 @@ def moe_gemm_kernel(
     # before, so they are not a global load the step waits on. (Triton does not pipeline
     # these loads: one byte per thread is below its asynchronous-copy width.)
     PREFETCH: tl.constexpr = S_PREFETCH and PACKED and BLOCK_K == 2 * HALF
+    # S_TILE with two or four chunks per K step (one scale group per half): the step's scale
+    # codes are one [WIDTH, G_STEP] tile, pipelined with the weights.
+    G_STEP: tl.constexpr = BLOCK_K // HALF if PACKED else 1
+    STILE: tl.constexpr = S_TILE and PACKED and HALF == GROUP_K and (G_STEP == 4 or G_STEP == 8)
     s_lo_n = 0
     s_hi_n = 0
     if PREFETCH:
@@ -555,6 +599,10 @@ def moe_gemm_kernel(
         if PACKED:
             s_lo_c = s_lo_n
             s_hi_c = s_hi_n
+            if STILE:
+                s_step = _step_scale_codes(
+                    s_base, rows_w, k0, stride_sn, stride_sk, GROUP_K, G_STEP
+                )
             if PREFETCH:
                 s_lo_n, s_hi_n = _half_scale_codes(
                     s_base, rows_w, k0 + BLOCK_K, K, stride_sn, stride_sk, GROUP_K, HALF
@@ -563,6 +611,9 @@ def moe_gemm_kernel(
             # each chunk meet its low and high nibbles.
             for c in tl.static_range(BLOCK_K // (2 * HALF)):
                 kc = k0 + c * 2 * HALF
+                if STILE:
+                    s_lo_c = _column(s_step, 2 * c, G_STEP)
+                    s_hi_c = _column(s_step, 2 * c + 1, G_STEP)
                 offs_h = kc + tl.arange(0, HALF)
                 a_lo = tl.load(
                     a_row_ptrs + offs_h[None, :] * stride_ak, mask=offs_h[None, :] < K, other=0
@@ -596,7 +647,7 @@ def moe_gemm_kernel(
                     c > 0,
                     s_lo_c,
                     s_hi_c,
-                    PREFETCH,
+                    PREFETCH or STILE,
                 )
                 acc = _mma(a_lo, w_lo, acc, False, IEEE)
                 acc = _mma(a_hi, w_hi, acc, False, IEEE)

@@ -174,8 +174,37 @@ def kernel_weight(w: Any) -> KernelWeight:
         consts["MERGED_SCALE"] = scheme.scale_format == "e8m0" and (
             w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128
         )
+    scale = _as_bytes(w.scale)
+    if scheme.packed and consts["HALF"] == group_k:
+        scale = pad_scale_groups(scale)
     return KernelWeight(
-        data, _as_bytes(w.scale), _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
+        data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
+    )
+
+
+# Group scales of packed weights are padded to a multiple of this many groups (and to rows of
+# a multiple of 16 bytes), so a K step of up to four chunks reads its scales as one aligned,
+# in-bounds tile. Padded groups meet the zero-padded nibbles of ``split_packed``.
+SCALE_GROUP_MULTIPLE = 8
+
+
+def pad_scale_groups(scale: torch.Tensor) -> torch.Tensor:
+    """``[E, N, G]`` group scales zero-padded along G to whole 16-byte rows of at least
+    ``SCALE_GROUP_MULTIPLE`` groups' granularity (once, at prepare time)."""
+    multiple = max(SCALE_GROUP_MULTIPLE, 16 // scale.element_size())
+    pad = -scale.shape[-1] % multiple
+    return torch.nn.functional.pad(scale, (0, pad)) if pad else scale
+
+
+def scale_tiles_ok(w: KernelWeight) -> bool:
+    """True when ``w``'s group scales are padded for the kernel's per-step scale tiles."""
+    s = w.scale
+    return (
+        w.constexprs["HALF"] > 0
+        and s is not None
+        and s.dim() == 3
+        and s.shape[-1] % max(SCALE_GROUP_MULTIPLE, 16 // s.element_size()) == 0
+        and s.stride(-1) == 1
     )
 
 
@@ -277,6 +306,9 @@ ROW_BLOCKS_MAX_TOKENS = 1
 # Packed 4-bit weights with one split-layout chunk per K step load the next step's scale
 # codes one step ahead, so the loop does not wait on a global load (see the kernel).
 SCALE_PREFETCH = True
+# Packed 4-bit weights whose halves have one scale group each and K steps of 2 or 4 chunks
+# load the step's scale codes as one tile (needs the padded scales of ``pad_scale_groups``).
+SCALE_TILES = True
 
 
 @dataclass(frozen=True)
@@ -503,6 +535,7 @@ def _launch_gemm(
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
         S_PREFETCH=SCALE_PREFETCH,
+        S_TILE=SCALE_TILES and scale_tiles_ok(w),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
