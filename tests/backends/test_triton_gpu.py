@@ -161,16 +161,21 @@ def test_fp4_packed_decode_is_exact(scale_format):
         assert torch.equal(out[ok].view(torch.int16), want[ok].view(torch.int16))
 
 
+@pytest.mark.parametrize("scales", ["ahead", "per_chunk"])
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("scheme", PACKED_SCHEMES)
-def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks):
+def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales, monkeypatch):
     """bf16 activations (the inline-PTX fp4 decode, merged scales for mxfp4): one, two and
     four chunks of the split layout per K step, with H and I leaving a partial last chunk
     (except for int4's group of 128), against the float64 reference within the bf16 bound of
-    the scheme matrix above."""
-    from moerunner.backends.triton import TritonBackend
+    the scheme matrix above. Scale codes loaded ahead (a step early, or as one pipelined
+    tile of the padded scales; the last step's tile reaches into the padding) or per chunk."""
+    from moerunner.backends.triton import TritonBackend, experts
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
+
+    monkeypatch.setattr(experts, "SCALE_PREFETCH", scales == "ahead")
+    monkeypatch.setattr(experts, "SCALE_TILES", scales == "ahead")
 
     dev = torch.device("cuda")
     torch.manual_seed(chunks)
