@@ -174,17 +174,17 @@ def _scale_bf16(s, SCALE_FMT: tl.constexpr, MERGED: tl.constexpr):
 
 
 @triton.jit
-def _half_scale_codes(
-    s_base, rows, k0, K, stride_sn, stride_sk, GROUP_K: tl.constexpr, HALF: tl.constexpr
+def _half_group_codes(
+    base, rows, k0, K, stride_n, stride_k, GROUP_K: tl.constexpr, HALF: tl.constexpr
 ):
-    """Scale codes [BLOCK_N] of the two halves of the split-layout chunk at ``k0`` (code 0
-    for a group past K)."""
+    """Per-row group values (scale or zero-point codes) [BLOCK_N] of the two halves of the
+    split-layout chunk at ``k0`` (0 for a group past K)."""
     n_groups = (K + GROUP_K - 1) // GROUP_K
     g_lo = k0 // GROUP_K
     g_hi = (k0 + HALF) // GROUP_K
-    s_lo = tl.load(s_base + rows * stride_sn + g_lo * stride_sk, mask=g_lo < n_groups, other=0)
-    s_hi = tl.load(s_base + rows * stride_sn + g_hi * stride_sk, mask=g_hi < n_groups, other=0)
-    return s_lo, s_hi
+    lo = tl.load(base + rows * stride_n + g_lo * stride_k, mask=g_lo < n_groups, other=0)
+    hi = tl.load(base + rows * stride_n + g_hi * stride_k, mask=g_hi < n_groups, other=0)
+    return lo, hi
 
 
 @triton.jit
@@ -268,14 +268,11 @@ def _split_halves(
         packed = tl.load(ptrs, mask=k0 < K, other=0)
     else:
         packed = tl.load(ptrs)
-    n_groups = (K + GROUP_K - 1) // GROUP_K
-    g_lo = k0 // GROUP_K
-    g_hi = (k0 + HALF) // GROUP_K
     if PRELOADED:
         s_lo = s_lo_in
         s_hi = s_hi_in
     else:
-        s_lo, s_hi = _half_scale_codes(s_base, rows, k0, K, stride_sn, stride_sk, GROUP_K, HALF)
+        s_lo, s_hi = _half_group_codes(s_base, rows, k0, K, stride_sn, stride_sk, GROUP_K, HALF)
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
             packed,
@@ -288,12 +285,11 @@ def _split_halves(
         hi = (packed >> 4) & 0xF
         if W_FORMAT == 3:
             if HAS_ZP:
-                z_lo = tl.load(
-                    z_base + rows * stride_zn + g_lo * stride_zk, mask=g_lo < n_groups, other=0
-                ).to(tl.float32)[None, :]
-                z_hi = tl.load(
-                    z_base + rows * stride_zn + g_hi * stride_zk, mask=g_hi < n_groups, other=0
-                ).to(tl.float32)[None, :]
+                z_lo, z_hi = _half_group_codes(
+                    z_base, rows, k0, K, stride_zn, stride_zk, GROUP_K, HALF
+                )
+                z_lo = z_lo.to(tl.float32)[None, :]
+                z_hi = z_hi.to(tl.float32)[None, :]
             else:
                 z_lo = 8.0
                 z_hi = 8.0
@@ -592,7 +588,7 @@ def moe_gemm_kernel(
     s_lo_n = 0
     s_hi_n = 0
     if PREFETCH:
-        s_lo_n, s_hi_n = _half_scale_codes(
+        s_lo_n, s_hi_n = _half_group_codes(
             s_base, rows_w, 0, K, stride_sn, stride_sk, GROUP_K, HALF
         )
     for k0 in range(0, K, BLOCK_K):
@@ -604,7 +600,7 @@ def moe_gemm_kernel(
                     s_base, rows_w, k0, stride_sn, stride_sk, GROUP_K, G_STEP
                 )
             if PREFETCH:
-                s_lo_n, s_hi_n = _half_scale_codes(
+                s_lo_n, s_hi_n = _half_group_codes(
                     s_base, rows_w, k0 + BLOCK_K, K, stride_sn, stride_sk, GROUP_K, HALF
                 )
             # Split layout, BLOCK_K // (2 * HALF) chunks per step: A's two contiguous halves of
