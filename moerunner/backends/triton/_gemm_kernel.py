@@ -191,10 +191,10 @@ def _half_group_codes(
 def _step_scale_codes(
     s_base, rows, k0, stride_sn, stride_sk, GROUP_K: tl.constexpr, G_STEP: tl.constexpr
 ):
-    """Scale codes [BLOCK_N, G_STEP] of the G_STEP groups from ``k0`` on, unmasked: the
-    launcher passes scales whose group count is padded to a multiple of G_STEP with 16-byte
-    aligned rows, so Triton copies this tile to shared memory asynchronously with the
-    weights (a load of one byte per thread is below its copy width and is not pipelined)."""
+    """Scale codes [BLOCK_N, G_STEP] of the G_STEP groups from ``k0`` on, unmasked: prepare
+    pads the scales' group count to a multiple of G_STEP with 16-byte aligned rows, so Triton
+    copies this tile to shared memory asynchronously with the weights (a load of one byte per
+    thread is below its copy width and is not pipelined)."""
     offs_g = k0 // GROUP_K + tl.arange(0, G_STEP)
     return tl.load(s_base + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk)
 
@@ -227,15 +227,14 @@ def _column(t, j: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _split_halves(
     w_base,
-    s_base,
+    s_lo,
+    s_hi,
     z_base,
     rows,
     k0,
     K,
     stride_wn,
     stride_wk,
-    stride_sn,
-    stride_sk,
     stride_zn,
     stride_zk,
     COMPUTE: tl.constexpr,
@@ -247,12 +246,10 @@ def _split_halves(
     BF16_FP4: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
     MASK_K: tl.constexpr,
-    s_lo_in,
-    s_hi_in,
-    PRELOADED: tl.constexpr,
 ):
     """Dequantized halves [HALF, BLOCK_N] of one packed 4-bit chunk of 2 * HALF along K, in
-    ``COMPUTE`` (the MMA's right operand): each value times its group scale.
+    ``COMPUTE`` (the MMA's right operand): each value times its group scale, whose codes
+    ``s_lo`` / ``s_hi`` [BLOCK_N] the caller loaded (see the kernel's K loop).
 
     In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
     k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
@@ -268,11 +265,6 @@ def _split_halves(
         packed = tl.load(ptrs, mask=k0 < K, other=0)
     else:
         packed = tl.load(ptrs)
-    if PRELOADED:
-        s_lo = s_lo_in
-        s_hi = s_hi_in
-    else:
-        s_lo, s_hi = _half_group_codes(s_base, rows, k0, K, stride_sn, stride_sk, GROUP_K, HALF)
     if BF16_FP4:
         lo_t, hi_t = _e2m1_halves_bf16(
             packed,
@@ -607,9 +599,15 @@ def moe_gemm_kernel(
             # each chunk meet its low and high nibbles.
             for c in tl.static_range(BLOCK_K // (2 * HALF)):
                 kc = k0 + c * 2 * HALF
+                # The chunk's scale codes: from the step's tile, loaded by the step before
+                # (PREFETCH), or loaded here.
                 if STILE:
                     s_lo_c = _column(s_step, 2 * c, G_STEP)
                     s_hi_c = _column(s_step, 2 * c + 1, G_STEP)
+                elif not PREFETCH:
+                    s_lo_c, s_hi_c = _half_group_codes(
+                        s_base, rows_w, kc, K, stride_sn, stride_sk, GROUP_K, HALF
+                    )
                 offs_h = kc + tl.arange(0, HALF)
                 a_lo = tl.load(
                     a_row_ptrs + offs_h[None, :] * stride_ak, mask=offs_h[None, :] < K, other=0
@@ -621,15 +619,14 @@ def moe_gemm_kernel(
                 )
                 w_lo, w_hi = _split_halves(
                     w_base,
-                    s_base,
+                    s_lo_c,
+                    s_hi_c,
                     z_base,
                     rows_w,
                     kc,
                     K,
                     stride_wn,
                     stride_wk,
-                    stride_sn,
-                    stride_sk,
                     stride_zn,
                     stride_zk,
                     COMPUTE,
@@ -641,9 +638,6 @@ def moe_gemm_kernel(
                     BF16_FP4,
                     MERGED_SCALE,
                     c > 0,
-                    s_lo_c,
-                    s_hi_c,
-                    PREFETCH or STILE,
                 )
                 acc = _mma(a_lo, w_lo, acc, False, IEEE)
                 acc = _mma(a_hi, w_hi, acc, False, IEEE)
