@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,12 @@ class KernelWeight:
     def activation_format(self) -> str:
         """How this GEMM's input is quantized ("none" for plain and weight-only schemes)."""
         return "none" if self.scheme is None else self.scheme.activation_format
+
+    @functools.cached_property
+    def scale_tiles(self) -> bool:
+        """Whether the kernel may read a K step's scale codes as one tile (``scale_tiles_ok``;
+        decided once per weight, not per launch)."""
+        return scale_tiles_ok(self)
 
 
 def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -188,22 +195,27 @@ def kernel_weight(w: Any) -> KernelWeight:
 SCALE_GROUP_MULTIPLE = 8
 
 
+def _scale_group_multiple(scale: torch.Tensor) -> int:
+    """Groups per padded row: a multiple of ``SCALE_GROUP_MULTIPLE`` and of 16 bytes."""
+    return max(SCALE_GROUP_MULTIPLE, 16 // scale.element_size())
+
+
 def pad_scale_groups(scale: torch.Tensor) -> torch.Tensor:
     """``[E, N, G]`` group scales zero-padded along G to whole 16-byte rows of at least
     ``SCALE_GROUP_MULTIPLE`` groups' granularity (once, at prepare time)."""
-    multiple = max(SCALE_GROUP_MULTIPLE, 16 // scale.element_size())
-    pad = -scale.shape[-1] % multiple
+    pad = -scale.shape[-1] % _scale_group_multiple(scale)
     return torch.nn.functional.pad(scale, (0, pad)) if pad else scale
 
 
 def scale_tiles_ok(w: KernelWeight) -> bool:
-    """True when ``w``'s group scales are padded for the kernel's per-step scale tiles."""
+    """True when ``w``'s group scales are padded for the kernel's per-step scale tiles
+    (``KernelWeight.scale_tiles`` keeps the answer per weight)."""
     s = w.scale
     return (
         w.constexprs["HALF"] > 0
         and s is not None
         and s.dim() == 3
-        and s.shape[-1] % max(SCALE_GROUP_MULTIPLE, 16 // s.element_size()) == 0
+        and s.shape[-1] % _scale_group_multiple(s) == 0
         and s.stride(-1) == 1
     )
 
@@ -535,7 +547,7 @@ def _launch_gemm(
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
         S_PREFETCH=SCALE_PREFETCH,
-        S_TILE=SCALE_TILES and scale_tiles_ok(w),
+        S_TILE=SCALE_TILES and w.scale_tiles,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
