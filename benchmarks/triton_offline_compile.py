@@ -96,13 +96,15 @@ def compile_variant(spec: str, arch: int):
     sig = _signature(scale_ty, fp8 if qdot else "*bf16",
                      "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"),
                      fp8 if consts["OUT_QUANT"] else "*bf16")
-    # Pointers and the leading strides are 16-divisible, as at run time for real shapes.
+    # Pointers and the leading strides are 16-divisible, as at run time for real shapes; so
+    # are the scale strides of packed schemes with one group per half, whose scales prepare
+    # pads to whole 16-byte rows (experts.pad_scale_groups).
+    padded = ("stride_se", "stride_sn") if half and half == group_k else ()
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
-             or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K",
-                         "stride_se", "stride_sn")]
+             or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")
+             or name in padded]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    # Unit strides are specialised to 1 (group scales too: packed ones are padded to whole
-    # 16-byte rows at prepare time, so their row stride is 16-divisible as well).
+    # Unit strides are specialised to 1 (group and block scales are contiguous along K).
     for name in ("stride_ak", "stride_wk", "stride_on", "stride_sk"):
         sig[name] = "constexpr"
         consts[name] = 1
