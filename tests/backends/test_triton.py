@@ -131,9 +131,10 @@ def test_row_blocks_equal_the_aligned_layout(scheme, monkeypatch):
     assert _rel(rows, aligned) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", TRITON_QUANT_SCHEMES)
-def test_quantized_schemes_match_torch_backend(scheme, activation):
+def test_quantized_schemes_match_torch_backend(scheme, activation, dtype):
     torch.manual_seed(1)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 5, 128, 128, 4, 2
@@ -144,14 +145,19 @@ def test_quantized_schemes_match_torch_backend(scheme, activation):
     b13 = torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None
     b2 = torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None
     weights = ExpertWeights(w13, w2, b13, b2, interleaved)
-    x = torch.randn(T, H, device=DEVICE)
+    x = torch.randn(T, H, device=DEVICE).to(dtype)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
     ids[1, 0] = -1
     wts = torch.rand(T, k, device=DEVICE)
     out = _run("triton", x, weights, act, wts, ids)
     ref = _run("torch", x, weights, act, wts, ids)
     # fp32 end to end: equal up to accumulation order (activation quantization is shared).
-    assert _rel(out, ref) < 1e-5
+    # fp16: both apply the activation to GEMM1's float32 output and round only its result to
+    # fp16 before quantizing it for GEMM2, so the codes agree; what is left is where each
+    # rounds GEMM2's output and the routing-weighted sum to fp16 (unit roundoff 4.9e-4),
+    # measured up to 6e-4. Rounding GEMM1's output to fp16 first, as the torch backend once
+    # did, moves codes of GEMM2's quantized input by a step: up to 1.2e-2 here.
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else 1e-3)
 
 
 @pytest.mark.parametrize(
