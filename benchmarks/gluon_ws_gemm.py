@@ -2,6 +2,8 @@
 #
 #   python benchmarks/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8]
 #   python benchmarks/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8] --compile-only
+#   python benchmarks/gluon_ws_gemm.py --moe PRESET T [--bm 128 --bn1 128 --bn2 256 --bk 64
+#       --stages1 3 --stages2 3 --warps 8] [--compile-only]
 #
 # C[M, N] = A[M, K] @ B[N, K]^T with bf16 operands and output and fp32 accumulation. Triton's
 # automatic warp specialisation (``tl.range(..., warp_specialize=True)``) never finished on an
@@ -29,9 +31,30 @@
 # <TFLOP/s> TFLOP/s, torch <us> us, err <rel err>", err = ||C - A B^T|| / ||A B^T|| in float64
 # on the CPU, times the median of triton.testing.do_bench. The kernel is checked before it is
 # timed. A synchronisation bug hangs the GPU: run it under ``timeout``.
-# --compile-only needs no GPU: it compiles the kernel for sm_90a and prints its shared memory,
-# its warps (workers included) and the number of wgmma, TMA and mbarrier instructions in
-# the PTX.
+# --moe runs the two expert GEMMs of a MoE layer (model preset, T tokens, plain bf16, silu) on
+# rows already laid out by the library's alignment (expert-sorted, each expert padded to BM
+# rows; block_expert gives each BM block's expert, num_padded the rows in use, both read on
+# the device) and gathered into that order (a_perm) by gpu_ws_gemm.py's gather kernel:
+#
+# * GEMM1 (_moe_gemm1_kernel): inter = silu(a_perm Wg^T) * (a_perm Wu^T). w13 [E, 2I, H] is
+#   re-laid (relayout_w13) so that, per expert and BN1 block, the gate rows are followed by
+#   the up rows: one [2 * BN1, BK] TMA box and one wgmma of width 2 * BN1 per K step give both
+#   halves. Epilogue: bf16 tile to shared memory, gate / up column slices back into
+#   registers, silu(g) * u in fp32, written over the gate half and TMA-stored. I % BN1 == 0
+#   is required (--bn1 64 for I = 2880);
+# * GEMM2 (_moe_gemm2_kernel): y[sorted_rows[pos]] = route_w[row] * (inter[pos] W2[e]^T); the
+#   weighted bf16 tile goes through shared memory into a blocked layout and is scattered with
+#   masked pointer stores (padding rows and columns >= H skipped).
+#
+# Both use the dense kernel's 1-warp TMA loader, ring protocol and persistent GROUP_M tile
+# walk (grid = number of SMs; both partitions load num_padded and walk the same tiles). It
+# prints "gluon-ws moe PRESET T=..: gather, gemm1, gemm2 us | shipped gemm1, gemm2 us (the
+# library's GEMM kernels in the same call, by profiler) | gemms <shipped / ours>x | TFLOP/s
+# | err", err = ||y summed over k - fused_standard|| / ||fused_standard|| (~4.5e-3: the two
+# round the intermediate differently).
+# --compile-only needs no GPU: it compiles the kernel (with --moe: both MoE kernels) for
+# sm_90a and prints its shared memory, its warps (workers included), registers and spills
+# and the number of wgmma, TMA and mbarrier instructions in the PTX.
 
 from __future__ import annotations
 
@@ -41,6 +64,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import triton
 from triton.experimental import gluon
@@ -53,6 +77,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# --moe imports the library (repo root) and the benchmark helpers (this folder).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LOADER_WARPS = gl.constexpr(1)
 LOADER_REGS = gl.constexpr(40)
@@ -194,6 +222,246 @@ def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, NUM_SMS: gl.constexpr,
         mbarrier.invalidate(empty_bars.index(i))
 
 
+# ------------------------------------------------------------------------------ MoE mode
+@gluon.jit
+def _moe_loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars,
+                          num_padded_ptr, block_expert_ptr, b_rows_per_expert, N, K,
+                          BN: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
+                          STAGES: gl.constexpr):
+    """Producer of both MoE GEMMs: TMA loads of the aligned A rows and the expert's B rows.
+
+    The M tiles are the BM-row blocks of the aligned rows in use (cdiv(num_padded, BM), read
+    from device memory); the N tiles are cdiv(N, BN) output column blocks. The B box of
+    output block j of row block m starts at row block_expert[m] * b_rows_per_expert + j *
+    box_rows (box_rows = 2 * BN for the gate/up pairs of GEMM1, BN for GEMM2). Ring stages
+    and phases as in ``_loader_partition``.
+    """
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BOX_N: gl.constexpr = b_desc.block_type.shape[0]
+    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_steps = gl.cdiv(K, BK)
+    count = 0
+    for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        expert = gl.load(block_expert_ptr + pid_m)
+        off_m = pid_m * BM
+        off_b = expert * b_rows_per_expert + pid_n * BOX_N
+        for ki in range(k_steps):
+            stage = count % STAGES
+            phase = (count // STAGES) & 1
+            mbarrier.wait(empty_bars.index(stage), phase ^ 1)
+            ready = ready_bars.index(stage)
+            mbarrier.expect(ready, STAGE_BYTES)
+            tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], ready, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [off_b, ki * BK], ready, b_bufs.index(stage))
+            count += 1
+
+
+@gluon.jit
+def _moe_mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
+                  STAGES: gl.constexpr):
+    """The K loop of one tile (consumer side); returns (acc, count) after all steps.
+
+    Same protocol as ``_mma_epilogue_partition``: one wgmma in flight, the stage of the
+    completed one released after a partition-wide barrier, the last one after the final wait.
+    """
+    for ki in range(k_steps):
+        stage = count % STAGES
+        mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc,
+                            use_acc=ki > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+        count += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gl.thread_barrier()
+    mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+    return acc, count
+
+
+@gluon.jit
+def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem,
+                        num_padded_ptr, N, K, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
+                        STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """GEMM1 consumer: wgmma of width 2 * BN (gate | up), then silu(gate) * up via TMA.
+
+    Epilogue: the fp32 [BM, 2 * BN] tile goes to shared memory as bf16, the gate and up
+    halves come back (column slices) in a blocked layout, silu(g) * u is computed in fp32,
+    written over the gate half as bf16 and TMA-stored to inter[pid_m * BM, pid_n * BN]. The
+    previous tile's store must have read the buffer before it is rewritten.
+    """
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    gl.static_assert(BM % (16 * num_warps) == 0, "BM must be a multiple of 16 * num_warps")
+    gl.static_assert(2 * BN <= 256, "2 * BN (gate and up) must be at most 256")
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * BN, 16])
+    TPW_N: gl.constexpr = BN // 8
+    epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1],
+                                                [1, 0])
+    num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_steps = gl.cdiv(K, BK)
+    gate_smem = epi_smem.slice(0, BN, 1)
+    up_smem = epi_smem.slice(BN, BN, 1)
+    count = 0
+    for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros([BM, 2 * BN], gl.float32, acc_layout)
+        acc, count = _moe_mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
+                                   count, STAGES)
+        # The previous tile's TMA store (issued by one thread) has read the buffer.
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
+        epi_smem.store(acc.to(c_desc.dtype))
+        gl.thread_barrier()
+        g = gate_smem.load(epi_layout).to(gl.float32)
+        u = up_smem.load(epi_layout).to(gl.float32)
+        h = g / (1.0 + gl.exp(-g)) * u
+        # Every warp has read its gate values before any overwrites them.
+        gl.thread_barrier()
+        gate_smem.store(h.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [pid_m * BM, pid_n * BN], gate_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _moe_gemm1_kernel(a_desc, b_desc, c_desc, block_expert_ptr, num_padded_ptr, N, K,
+                      NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """MoE GEMM1: inter = silu(A Wg^T) * (A Wu^T) per BM-row block with that block's expert.
+
+    a_desc: a_perm [max_pad, H] (rows in aligned order), box [BM, BK]; b_desc: the re-laid
+    w13 [E * 2I, H] (per expert and BN block j: the BN gate rows of block j, then its BN up
+    rows), box [2 * BN, BK]; c_desc: inter [max_pad, I], box [BM, BN]. N = I (a multiple of
+    BN), K = H. Warp-specialised and persistent like ``ws_gemm_kernel``.
+    """
+    dtype: gl.constexpr = a_desc.dtype
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # Gate | up tile in bf16; its first BN columns then hold the output tile (same layout).
+    epi_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, 2 * BN], c_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_moe_gemm1_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem,
+                               num_padded_ptr, N, K, NUM_SMS, GROUP_M, STAGES, num_warps)),
+        (_moe_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars,
+                                 num_padded_ptr, block_expert_ptr, 2 * N, N, K, BN, NUM_SMS,
+                                 GROUP_M, STAGES)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready_bars.index(i))
+        mbarrier.invalidate(empty_bars.index(i))
+
+
+@gluon.jit
+def _moe_gemm2_consumer(a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
+                        sorted_rows_ptr, route_w_ptr, num_padded_ptr, num_rows, N, K,
+                        NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        num_warps: gl.constexpr):
+    """GEMM2 consumer: wgmma over the ring, then the weighted scatter of the tile's rows.
+
+    Epilogue: row r of the tile (aligned position pos = pid_m * BM + r) belongs to the
+    (token, slot) row sorted_rows[pos] (num_rows for padding); the fp32 row is scaled by
+    route_w[row], converted to bf16, passed through shared memory into a blocked layout
+    (16-byte vectors along H) and stored to y[row, pid_n * BN:] with a mask for padding
+    rows and columns >= N.
+    """
+    BM: gl.constexpr = epi_smem.type.shape[0]
+    BN: gl.constexpr = epi_smem.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    gl.static_assert(BM % (16 * num_warps) == 0, "BM must be a multiple of 16 * num_warps")
+    gl.static_assert(BN % 8 == 0 and BN <= 256, "BN must be a multiple of 8, at most 256")
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
+    TPW_N: gl.constexpr = BN // 8
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1],
+                                               [1, 0])
+    num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_steps = gl.cdiv(K, BK)
+    count = 0
+    for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        acc, count = _moe_mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
+                                   count, STAGES)
+        pos = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+        rows = gl.load(sorted_rows_ptr + pos)
+        w = gl.load(route_w_ptr + rows, mask=rows < num_rows, other=0.0)
+        out = (acc * gl.expand_dims(w, 1)).to(y_ptr.dtype.element_ty)
+        # The previous tile's reads of epi_smem are done before it is rewritten.
+        gl.thread_barrier()
+        epi_smem.store(out)
+        gl.thread_barrier()
+        v = epi_smem.load(st_layout)
+        pos_s = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, st_layout))
+        rows_s = gl.load(sorted_rows_ptr + pos_s)
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, st_layout))
+        ptrs = (y_ptr + gl.expand_dims(rows_s.to(gl.int64) * N, 1)
+                + gl.expand_dims(cols, 0))
+        mask = gl.expand_dims(rows_s < num_rows, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(ptrs, v, mask=mask)
+
+
+@gluon.jit
+def _moe_gemm2_kernel(a_desc, b_desc, y_ptr, sorted_rows_ptr, block_expert_ptr,
+                      num_padded_ptr, route_w_ptr, num_rows, N, K, BN: gl.constexpr,
+                      NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """MoE GEMM2: y[sorted_rows[pos]] = route_w[row] * (inter[pos] @ W2[e]^T), scattered.
+
+    a_desc: inter [max_pad, I], box [BM, BK]; b_desc: w2 viewed [E * H, I] (expert e's rows
+    e * H ..), box [BN, BK]; y [num_rows, N] contiguous bf16, N = H, K = I. The last N block
+    of an expert may read the next expert's rows (or TMA zero-fill): those columns are
+    masked in the store.
+    """
+    dtype: gl.constexpr = a_desc.dtype
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    epi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+    epi_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], epi_layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_moe_gemm2_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
+                               sorted_rows_ptr, route_w_ptr, num_padded_ptr, num_rows, N, K,
+                               NUM_SMS, GROUP_M, STAGES, num_warps)),
+        (_moe_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars,
+                                 num_padded_ptr, block_expert_ptr, N, N, K, BN, NUM_SMS,
+                                 GROUP_M, STAGES)),
+    ], [LOADER_WARPS], [LOADER_REGS])
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready_bars.index(i))
+        mbarrier.invalidate(empty_bars.index(i))
+
+
 def _layouts(bm: int, bn: int, bk: int):
     """NVMMA shared layouts of the A, B and C tiles (128-byte swizzle where the rows allow)."""
     return (gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
@@ -275,13 +543,128 @@ def ws_gemm(a, b, bm=128, bn=128, bk=64, stages=4, warps=4, group_m=8, num_sms=N
     return c
 
 
-def compile_offline(bm, bn, bk, stages, warps, group_m=8, num_sms=H200_SMS, arch=90):
-    """Compile the kernel for sm_<arch>a without a GPU; returns the compiled kernel."""
+def moe_smem_bytes(bm: int, bn: int, bk: int, stages: int, gated: bool) -> int:
+    """Shared memory of a MoE GEMM: the ring (B box 2 * BN rows if gated), epilogue, barriers."""
+    box_n = 2 * bn if gated else bn
+    return stages * (bm + box_n) * bk * 2 + bm * box_n * 2 + 2 * stages * 8
+
+
+def check_moe_config(bm: int, bn: int, bk: int, stages: int, warps: int,
+                     gated: bool) -> list[str]:
+    """Problems of a MoE GEMM block configuration (BN: output columns; GEMM1's wgmma is 2 BN)."""
+    box_n = 2 * bn if gated else bn
+    problems = []
+    if bm % (16 * warps):
+        problems.append(f"BM={bm} is not a multiple of 16 * warps = {16 * warps}")
+    if bn < 8 or bn & (bn - 1) or box_n > 256:
+        problems.append(f"BN={bn}: a power of two >= 8 with {'2 * ' if gated else ''}BN <= 256")
+    if bk % 16:
+        problems.append(f"BK={bk}: a multiple of 16")
+    if stages < 2:
+        problems.append("STAGES must be >= 2")
+    smem = moe_smem_bytes(bm, bn, bk, stages, gated)
+    if smem > SMEM_LIMIT:
+        problems.append(f"shared memory {smem} B > {SMEM_LIMIT} B")
+    acc_regs = bm * box_n // (32 * warps)
+    if acc_regs > 128:
+        problems.append(f"{acc_regs} fp32 accumulator registers per thread (> 128 spills)")
+    return problems
+
+
+def relayout_w13(w13, bn: int):
+    """w13 [E, 2I, H] (gate rows, then up rows) -> [E * 2I, H] with, per expert and BN block
+    j, the BN gate rows of block j followed by its BN up rows (one [2 * BN, BK] TMA box)."""
+    E, two_i, H = w13.shape
+    inter = two_i // 2
+    if inter % bn:
+        raise ValueError(f"MoE GEMM1 needs I % BN1 == 0 (I={inter}, BN1={bn}); "
+                         "pick --bn1 dividing I (64 for I=2880)")
+    gate = w13[:, :inter].reshape(E, inter // bn, 1, bn, H)
+    up = w13[:, inter:].reshape(E, inter // bn, 1, bn, H)
+    import torch
+
+    return torch.cat((gate, up), dim=2).reshape(E * two_i, H).contiguous()
+
+
+def _launch_opts(warps: int) -> dict:
+    opts = {"num_warps": warps}
+    if _maxnreg(warps) is not None:
+        opts["maxnreg"] = _maxnreg(warps)
+    return opts
+
+
+def moe_gemm1(a_perm, w13_t, inter, block_expert, num_padded, bm=128, bn=128, bk=64,
+              stages=3, warps=8, group_m=8, num_sms=None, compile_only=False):
+    """inter[pos] = silu(a_perm[pos] Wg[e]^T) * (a_perm[pos] Wu[e]^T), e = expert of pos's
+    BM block; w13_t from ``relayout_w13(w13, bn)``; a_perm [max_pad, H], inter [max_pad, I].
+
+    Grid = number of SMs; the programs read the number of row blocks in use from num_padded.
+    """
+    import torch
+
+    I, H = inter.shape[1], a_perm.shape[1]
+    problems = check_moe_config(bm, bn, bk, stages, warps, gated=True)
+    if I % bn:
+        problems.append(f"I={I} is not a multiple of BN1={bn}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    assert w13_t.shape[1] == H and w13_t.shape[0] % (2 * I) == 0
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(a_perm.device).multi_processor_count
+    a_l, b_l, c_l = _layouts(bm, 2 * bn, bk)
+    c_l = gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16)
+    a_desc = TensorDescriptor.from_tensor(a_perm, [bm, bk], a_l)
+    b_desc = TensorDescriptor.from_tensor(w13_t, [2 * bn, bk], b_l)
+    c_desc = TensorDescriptor.from_tensor(inter, [bm, bn], c_l)
+    args = (a_desc, b_desc, c_desc, block_expert, num_padded, I, H, num_sms, group_m, stages)
+    if compile_only:
+        _moe_gemm1_kernel.warmup(*args, grid=(num_sms,), **_launch_opts(warps))
+    else:
+        _moe_gemm1_kernel[(num_sms,)](*args, **_launch_opts(warps))
+    return inter
+
+
+def moe_gemm2(inter, w2_2d, y, sorted_rows, block_expert, num_padded, route_w, bm=128,
+              bn=256, bk=64, stages=3, warps=8, group_m=8, num_sms=None, compile_only=False):
+    """y[sorted_rows[pos]] = route_w[row] * (inter[pos] @ W2[e]^T) for the aligned rows in use
+    (padding skipped); w2_2d = w2.reshape(E * H, I), y [num_rows, H] contiguous."""
+    import torch
+
+    num_rows, H = y.shape
+    I = inter.shape[1]
+    problems = check_moe_config(bm, bn, bk, stages, warps, gated=False)
+    if problems:
+        raise ValueError("; ".join(problems))
+    assert y.is_contiguous() and w2_2d.shape[1] == I and w2_2d.shape[0] % H == 0
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(inter.device).multi_processor_count
+    a_l, b_l, _ = _layouts(bm, bn, bk)
+    a_desc = TensorDescriptor.from_tensor(inter, [bm, bk], a_l)
+    b_desc = TensorDescriptor.from_tensor(w2_2d, [bn, bk], b_l)
+    args = (a_desc, b_desc, y, sorted_rows, block_expert, num_padded, route_w, num_rows, H, I,
+            bn, num_sms, group_m, stages)
+    if compile_only:
+        _moe_gemm2_kernel.warmup(*args, grid=(num_sms,), **_launch_opts(warps))
+    else:
+        _moe_gemm2_kernel[(num_sms,)](*args, **_launch_opts(warps))
+    return y
+
+
+def _compile_gluon(fn, sig, consts, warps, arch=90, divisible=()):
+    """Compile Gluon kernel ``fn`` for sm_<arch>a without a GPU; ``divisible`` names the
+    arguments to treat as multiples of 16 (as a launch specialises aligned pointers / ints)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                              for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_launch_opts(warps))
+
+
+def compile_offline(bm, bn, bk, stages, warps, group_m=8, num_sms=H200_SMS, arch=90):
+    """Compile the kernel for sm_<arch>a without a GPU; returns the compiled kernel."""
     a_l, b_l, c_l = _layouts(bm, bn, bk)
-    fn = ws_gemm_kernel
     sig = {"a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
            "b_desc": f"tensordesc<bf16[{bn},{bk}],{b_l!r}>",
            "c_desc": f"tensordesc<bf16[{bm},{bn}],{c_l!r}>",
@@ -289,12 +672,34 @@ def compile_offline(bm, bn, bk, stages, warps, group_m=8, num_sms=H200_SMS, arch
            "NUM_SMS": "constexpr", "GROUP_M": "constexpr", "STAGES": "constexpr",
            "num_warps": "constexpr"}
     consts = {"NUM_SMS": num_sms, "GROUP_M": group_m, "STAGES": stages, "num_warps": warps}
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                              for k, v in consts.items()})
-    opts = {"num_warps": warps}
-    if _maxnreg(warps) is not None:
-        opts["maxnreg"] = _maxnreg(warps)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+    return _compile_gluon(ws_gemm_kernel, sig, consts, warps, arch)
+
+
+def compile_moe_offline(gemm, bm, bn, bk, stages, warps, group_m=8, num_sms=H200_SMS, arch=90):
+    """Compile MoE GEMM ``gemm`` (1 or 2) for sm_<arch>a without a GPU (pointers and sizes
+    taken as multiples of 16, as for the presets); returns the compiled kernel."""
+    consts = {"NUM_SMS": num_sms, "GROUP_M": group_m, "STAGES": stages, "num_warps": warps}
+    if gemm == 1:
+        a_l, b_l, _ = _layouts(bm, 2 * bn, bk)
+        c_l = gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16)
+        sig = {"a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
+               "b_desc": f"tensordesc<bf16[{2 * bn},{bk}],{b_l!r}>",
+               "c_desc": f"tensordesc<bf16[{bm},{bn}],{c_l!r}>",
+               "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "N": "i32", "K": "i32"}
+        fn, divisible = _moe_gemm1_kernel, ("block_expert_ptr", "num_padded_ptr", "N", "K")
+    else:
+        a_l, b_l, _ = _layouts(bm, bn, bk)
+        sig = {"a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
+               "b_desc": f"tensordesc<bf16[{bn},{bk}],{b_l!r}>",
+               "y_ptr": "*bf16", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
+               "num_padded_ptr": "*i32", "route_w_ptr": "*fp32",
+               "num_rows": "i32", "N": "i32", "K": "i32", "BN": "constexpr"}
+        consts["BN"] = bn
+        fn = _moe_gemm2_kernel
+        divisible = ("y_ptr", "sorted_rows_ptr", "block_expert_ptr", "num_padded_ptr",
+                     "route_w_ptr", "num_rows", "N", "K")
+    sig.update({k: "constexpr" for k in ("NUM_SMS", "GROUP_M", "STAGES", "num_warps")})
+    return _compile_gluon(fn, sig, consts, warps, arch, divisible)
 
 
 def _ptxas_info(ptx: str, arch: int = 90) -> str:
@@ -315,9 +720,8 @@ def _ptxas_info(ptx: str, arch: int = 90) -> str:
     return f"regs {regs.group(1)}, spills {spill.group(1)}/{spill.group(2)} B"
 
 
-def _compile_report(bm, bn, bk, stages, warps, group_m, num_sms) -> str:
-    """One line describing the sm_90a build of a configuration."""
-    ck = compile_offline(bm, bn, bk, stages, warps, group_m, num_sms)
+def _describe_build(ck, label: str, warps: int, problems: list[str]) -> str:
+    """One line describing a compiled kernel: shared memory, warps, registers, PTX counts."""
     ptx = ck.asm["ptx"]
     counts = {name: len(re.findall(re.escape(name), ptx))
               for name in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier")}
@@ -325,14 +729,39 @@ def _compile_report(bm, bn, bk, stages, warps, group_m, num_sms) -> str:
     total_warps = int(m.group(1)) // 32 if m else ck.metadata.num_warps
     regs = sorted({f"{op} {n}" for op, n in
                    re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
-    problems = check_config(bm, bn, bk, stages, warps)
-    return (f"gluon-ws compile sm_90a bm{bm} bn{bn} bk{bk} s{stages} w{warps}: "
+    return (f"gluon-ws compile sm_90a {label} w{warps}: "
             f"shared {ck.metadata.shared} B, num_warps {total_warps} "
             f"({warps} consumer + {LOADER_WARPS.value} loader, padded to a warpgroup), "
             f"maxnreg {_maxnreg(warps)}, setmaxnreg {{{', '.join(regs)}}}, "
             f"{_ptxas_info(ptx)}; PTX: "
             + ", ".join(f"{k} {v}" for k, v in counts.items())
             + ("; NOT RUNNABLE: " + "; ".join(problems) if problems else ""))
+
+
+def _compile_report(bm, bn, bk, stages, warps, group_m, num_sms) -> str:
+    """One line describing the sm_90a build of a configuration."""
+    ck = compile_offline(bm, bn, bk, stages, warps, group_m, num_sms)
+    return _describe_build(ck, f"bm{bm} bn{bn} bk{bk} s{stages}", warps,
+                           check_config(bm, bn, bk, stages, warps))
+
+
+def _moe_compile_report(preset, cfg, group_m, num_sms) -> list[str]:
+    """Lines describing the sm_90a builds of both MoE GEMMs for a preset's configuration."""
+    from moerunner.bench.presets import PRESETS
+
+    p = PRESETS[preset]
+    lines = []
+    for gemm, bn, stages, n, gated in ((1, cfg.bn1, cfg.stages1, p.intermediate_size, True),
+                                       (2, cfg.bn2, cfg.stages2, p.hidden_size, False)):
+        problems = check_moe_config(cfg.bm, bn, cfg.bk, stages, cfg.warps, gated)
+        if gated and n % bn:
+            problems.append(f"{preset}: I={n} is not a multiple of BN1={bn}")
+        ck = compile_moe_offline(gemm, cfg.bm, bn, cfg.bk, stages, cfg.warps, group_m, num_sms)
+        wgmma_n = 2 * bn if gated else bn
+        label = (f"moe gemm{gemm} {preset} bm{cfg.bm} bn{bn} (wgmma n{wgmma_n}) bk{cfg.bk} "
+                 f"s{stages}")
+        lines.append(_describe_build(ck, label, cfg.warps, problems))
+    return lines
 
 
 def _dense(M, N, K, bm, bn, bk, stages, warps, group_m, num_sms) -> str:
@@ -368,28 +797,144 @@ def _dense(M, N, K, bm, bn, bk, stages, warps, group_m, num_sms) -> str:
             f"err {err:.2e}")
 
 
+def _moe(preset, T, cfg, group_m, num_sms) -> str:
+    """The --moe run on a GPU: check both GEMMs against the library's fused op, then time."""
+    import torch
+    import triton.testing as tt
+
+    if not torch.cuda.is_available():
+        sys.exit("--moe needs a CUDA GPU (use --compile-only to build without one)")
+    import gpu_triton as G
+    from gpu_ws_gemm import _gather_rows_kernel
+
+    from moerunner.backends.triton import TritonBackend
+    from moerunner.backends.triton import experts as X
+    from moerunner.bench.presets import PRESETS
+    from moerunner.config import Activation
+    from moerunner.weights import ExpertWeights
+
+    p = PRESETS[preset]
+    H, I, E, k = p.hidden_size, p.intermediate_size, p.num_experts, p.top_k
+    problems = check_moe_config(cfg.bm, cfg.bn1, cfg.bk, cfg.stages1, cfg.warps, True)
+    problems += check_moe_config(cfg.bm, cfg.bn2, cfg.bk, cfg.stages2, cfg.warps, False)
+    if I % cfg.bn1:
+        problems.append(f"{preset}: I={I} is not a multiple of BN1={cfg.bn1} (try --bn1 64)")
+    if problems:
+        sys.exit("; ".join(problems))
+    dev = torch.device("cuda")
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    torch.manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, device=dev) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=dev) * 0.02).to(torch.bfloat16)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
+    wts = torch.softmax(torch.randn(T, k, device=dev), dim=1).float()
+    num_rows = T * k
+
+    bufs = X.alignment_workspace(num_rows, E, cfg.bm, dev)
+    rows = X.layout_rows(ids.reshape(-1), k, E, cfg.bm, bufs)
+    max_pad = bufs["sorted_rows"].shape[0]
+    a_perm = torch.zeros(max_pad, H, device=dev, dtype=torch.bfloat16)
+    inter = torch.zeros(max_pad, I, device=dev, dtype=torch.bfloat16)
+    y = torch.zeros(num_rows, H, device=dev, dtype=torch.bfloat16)
+    w13_t = relayout_w13(w13, cfg.bn1)
+    w2_2d = w2.reshape(E * H, I)
+    route_w = wts.reshape(-1).contiguous()
+
+    def gather():
+        _gather_rows_kernel[(triton.cdiv(max_pad, 64),)](
+            x, a_perm, rows.sorted_rows, rows.num_padded, num_rows, k, H,
+            BLOCK_R=64, BLOCK_H=128, num_warps=4)
+
+    kw1 = dict(bm=cfg.bm, bn=cfg.bn1, bk=cfg.bk, stages=cfg.stages1, warps=cfg.warps,
+               group_m=group_m, num_sms=num_sms)
+    kw2 = dict(bm=cfg.bm, bn=cfg.bn2, bk=cfg.bk, stages=cfg.stages2, warps=cfg.warps,
+               group_m=group_m, num_sms=num_sms)
+
+    def gemm1():
+        moe_gemm1(a_perm, w13_t, inter, rows.block_expert, rows.num_padded, **kw1)
+
+    def gemm2():
+        moe_gemm2(inter, w2_2d, y, rows.sorted_rows, rows.block_expert, rows.num_padded,
+                  route_w, **kw2)
+
+    print(f"moe {preset} T={T}: compiling", file=sys.stderr, flush=True)
+    moe_gemm1(a_perm, w13_t, inter, rows.block_expert, rows.num_padded, compile_only=True,
+              **kw1)
+    moe_gemm2(inter, w2_2d, y, rows.sorted_rows, rows.block_expert, rows.num_padded, route_w,
+              compile_only=True, **kw2)
+    print("compiled; first launches (a hang from here on is a synchronisation bug)",
+          file=sys.stderr, flush=True)
+    gather()
+    torch.cuda.synchronize()
+    gemm1()
+    torch.cuda.synchronize()
+    print("gemm1 finished", file=sys.stderr, flush=True)
+    gemm2()
+    torch.cuda.synchronize()
+    print("gemm2 finished", file=sys.stderr, flush=True)
+
+    spec = ExpertWeights(w13, w2).spec(Activation("silu"))
+    prepared = TritonBackend().prepare_weights(ExpertWeights(w13, w2), spec)
+    ref = X.fused_standard(x, wts, ids, prepared).double().cpu()
+    out = y.view(T, k, H).float().sum(1).double().cpu()
+    err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
+
+    def bench(fn):
+        return tt.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
+
+    us_gather, us1, us2 = bench(gather), bench(gemm1), bench(gemm2)
+    shipped = G.stage_breakdown(prepared, T, k)
+    s1, s2 = shipped["gemm1"], shipped["gemm2"]
+    tflops = 2.0 * num_rows * 3 * I * H / ((us1 + us2) * 1e-6) / 1e12
+    return (f"gluon-ws moe {preset} T={T}: gather {us_gather:.1f} gemm1 {us1:.1f} "
+            f"gemm2 {us2:.1f} | shipped gemm1 {s1:.1f} gemm2 {s2:.1f} | "
+            f"gemms {(s1 + s2) / (us1 + us2):.2f}x | {tflops:.0f} TFLOP/s | err {err:.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Warp-specialised persistent Gluon GEMM (Hopper).")
-    ap.add_argument("--dense", nargs=7, type=int, required=True,
-                    metavar=("M", "N", "K", "BM", "BN", "BK", "STAGES"))
-    ap.add_argument("--warps", type=int, default=4, choices=(4, 8),
-                    help="consumer warps: one or two warpgroups")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--dense", nargs=7, type=int,
+                      metavar=("M", "N", "K", "BM", "BN", "BK", "STAGES"))
+    mode.add_argument("--moe", nargs=2, metavar=("PRESET", "T"),
+                      help="the two expert GEMMs of a MoE layer (model preset, tokens)")
+    ap.add_argument("--warps", type=int, default=None, choices=(4, 8),
+                    help="consumer warps: one or two warpgroups (default 4 dense, 8 moe)")
     ap.add_argument("--group-m", type=int, default=8)
     ap.add_argument("--num-sms", type=int, default=None,
                     help="persistent programs (default: the GPU's SM count; 132 offline)")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile for sm_90a without a GPU and report the build")
+    moe = ap.add_argument_group("--moe blocks")
+    moe.add_argument("--bm", type=int, default=128)
+    moe.add_argument("--bn1", type=int, default=128, help="GEMM1 output columns (wgmma 2x)")
+    moe.add_argument("--bn2", type=int, default=256)
+    moe.add_argument("--bk", type=int, default=64)
+    moe.add_argument("--stages1", type=int, default=3)
+    moe.add_argument("--stages2", type=int, default=3)
     args = ap.parse_args()
+    if args.compile_only and os.environ.get("TRITON_INTERPRET"):
+        sys.exit("unset TRITON_INTERPRET: --compile-only compiles for the GPU")
+    if args.moe:
+        args.warps = args.warps or 8
+        preset, T = args.moe[0], int(args.moe[1])
+        if args.compile_only:
+            for line in _moe_compile_report(preset, args, args.group_m,
+                                            args.num_sms or H200_SMS):
+                print(line)
+            return
+        print(_moe(preset, T, args, args.group_m, args.num_sms), flush=True)
+        return
+    args.warps = args.warps or 4
     M, N, K, bm, bn, bk, stages = args.dense
     if args.compile_only:
-        if os.environ.get("TRITON_INTERPRET"):
-            sys.exit("unset TRITON_INTERPRET: --compile-only compiles for the GPU")
         print(_compile_report(bm, bn, bk, stages, args.warps, args.group_m,
                               args.num_sms or H200_SMS))
         return
     print(_dense(M, N, K, bm, bn, bk, stages, args.warps, args.group_m, args.num_sms),
           flush=True)
-
 
 if __name__ == "__main__":
     main()
