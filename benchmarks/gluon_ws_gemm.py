@@ -84,6 +84,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LOADER_WARPS = gl.constexpr(1)
 LOADER_REGS = gl.constexpr(40)
+# The loader's tile walk: dense rows, or the aligned rows of the MoE GEMMs (_loader_partition).
+DENSE_TILES = gl.constexpr(False)
+GROUPED_TILES = gl.constexpr(True)
 H200_SMS = 132
 # Hopper: 227 KB of shared memory per block at most.
 SMEM_LIMIT = 232448
@@ -100,8 +103,27 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _ring_init(ready_bars, empty_bars, STAGES: gl.constexpr):
+    """One "ready" (TMA bytes) and one "empty" (one arrive) mbarrier per ring stage."""
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)
+    # Make the initialised barriers visible to the async proxy (TMA) before any use.
+    fence_async_shared()
+
+
+@gluon.jit
+def _ring_free(ready_bars, empty_bars, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready_bars.index(i))
+        mbarrier.invalidate(empty_bars.index(i))
+
+
+@gluon.jit
 def _loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K,
-                      NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                      num_padded_ptr, block_expert_ptr, b_rows_per_expert,
+                      BN: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
+                      STAGES: gl.constexpr, GROUPED: gl.constexpr):
     """Producer (worker partition): TMA loads of A and B tiles into the shared-memory ring.
 
     Walks the same tiles and K steps as the consumer. For K step number ``count`` (counted
@@ -109,12 +131,20 @@ def _loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M,
     has released it. The wait on "empty" uses the inverted phase: a fresh mbarrier counts
     the phase before its first as complete, so the first pass over the ring does not wait,
     and pass p >= 1 waits for the consumer's p-th release of the stage.
+
+    Dense: M rows, B box j at row j * BN. GROUPED (the MoE GEMMs): the M tiles are the BM-row
+    blocks of the aligned rows in use (cdiv(num_padded, BM), read from device memory), and the
+    B box of output block j of row block m starts at row block_expert[m] * b_rows_per_expert
+    + j * box_rows (box_rows = 2 * BN for the gate/up pairs of GEMM1, BN otherwise).
     """
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
+    BOX_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    num_pid_m = gl.cdiv(M, BM)
+    if GROUPED:
+        num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
+    else:
+        num_pid_m = gl.cdiv(M, BM)
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     k_steps = gl.cdiv(K, BK)
@@ -122,7 +152,9 @@ def _loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M,
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BM
-        off_n = pid_n * BN
+        off_b = pid_n * BOX_N
+        if GROUPED:
+            off_b += gl.load(block_expert_ptr + pid_m) * b_rows_per_expert
         for ki in range(k_steps):
             stage = count % STAGES
             phase = (count // STAGES) & 1
@@ -131,8 +163,36 @@ def _loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M,
             # Out-of-bounds parts of a box are zero-filled and still count towards the bytes.
             mbarrier.expect(ready, STAGE_BYTES)
             tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], ready, a_bufs.index(stage))
-            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BK], ready, b_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [off_b, ki * BK], ready, b_bufs.index(stage))
             count += 1
+
+
+@gluon.jit
+def _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
+              STAGES: gl.constexpr):
+    """The K loop of one tile (consumer side); returns (acc, count) after all steps.
+
+    One wgmma stays in flight: after issuing step ``count`` it waits until at most one wgmma
+    is pending, which means step ``count - 1`` has finished reading its stage, and releases
+    that stage. The last step of a tile is released after the final wait. The arrive is made
+    by one thread, so a partition-wide thread barrier first makes sure every warp (with 8
+    warps: both warpgroups) has seen its wgmma complete.
+    """
+    for ki in range(k_steps):
+        stage = count % STAGES
+        mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
+        # B is stored [BN, BK] (K-major); the transposed view is the [BK, BN] operand.
+        acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc,
+                            use_acc=ki > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        gl.thread_barrier()
+        # Step count - 1 (same tile) is complete: hand its stage back to the loader.
+        mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES), pred=ki > 0)
+        count += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gl.thread_barrier()
+    mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+    return acc, count
 
 
 @gluon.jit
@@ -163,21 +223,8 @@ def _mma_epilogue_partition(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_sm
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        for ki in range(k_steps):
-            stage = count % STAGES
-            mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
-            # B is stored [BN, BK] (K-major); the transposed view is the [BK, BN] operand.
-            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc,
-                                use_acc=ki > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # Every warp has seen its wgmma complete before the one-thread arrive below.
-            gl.thread_barrier()
-            # Step count - 1 (same tile) is complete: hand its stage back to the loader.
-            mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES), pred=ki > 0)
-            count += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()
-        mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
+                               STAGES)
 
         # Epilogue: the previous tile's TMA store must have read c_smem before it is rewritten.
         out = acc.to(c_desc.dtype)
@@ -199,91 +246,25 @@ def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, NUM_SMS: gl.constexpr,
     TMA loader worker (1 warp).
     """
     dtype: gl.constexpr = a_desc.dtype
+    BN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=1)
-    # Make the initialised barriers visible to the async proxy (TMA) before any use.
-    fence_async_shared()
+    _ring_init(ready_bars, empty_bars, STAGES)
 
     gl.warp_specialize([
         (_mma_epilogue_partition, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_smem,
                                    M, N, K, NUM_SMS, GROUP_M, STAGES, num_warps)),
         (_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K,
-                             NUM_SMS, GROUP_M, STAGES)),
+                             M, M, N, BN, NUM_SMS, GROUP_M, STAGES, DENSE_TILES)),
     ], [LOADER_WARPS], [LOADER_REGS])
 
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready_bars.index(i))
-        mbarrier.invalidate(empty_bars.index(i))
+    _ring_free(ready_bars, empty_bars, STAGES)
 
 
 # ------------------------------------------------------------------------------ MoE mode
-@gluon.jit
-def _moe_loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars,
-                          num_padded_ptr, block_expert_ptr, b_rows_per_expert, N, K,
-                          BN: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                          STAGES: gl.constexpr):
-    """Producer of both MoE GEMMs: TMA loads of the aligned A rows and the expert's B rows.
-
-    The M tiles are the BM-row blocks of the aligned rows in use (cdiv(num_padded, BM), read
-    from device memory); the N tiles are cdiv(N, BN) output column blocks. The B box of
-    output block j of row block m starts at row block_expert[m] * b_rows_per_expert + j *
-    box_rows (box_rows = 2 * BN for the gate/up pairs of GEMM1, BN for GEMM2). Ring stages
-    and phases as in ``_loader_partition``.
-    """
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BOX_N: gl.constexpr = b_desc.block_type.shape[0]
-    STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
-    k_steps = gl.cdiv(K, BK)
-    count = 0
-    for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        expert = gl.load(block_expert_ptr + pid_m)
-        off_m = pid_m * BM
-        off_b = expert * b_rows_per_expert + pid_n * BOX_N
-        for ki in range(k_steps):
-            stage = count % STAGES
-            phase = (count // STAGES) & 1
-            mbarrier.wait(empty_bars.index(stage), phase ^ 1)
-            ready = ready_bars.index(stage)
-            mbarrier.expect(ready, STAGE_BYTES)
-            tma.async_copy_global_to_shared(a_desc, [off_m, ki * BK], ready, a_bufs.index(stage))
-            tma.async_copy_global_to_shared(b_desc, [off_b, ki * BK], ready, b_bufs.index(stage))
-            count += 1
-
-
-@gluon.jit
-def _moe_mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
-                  STAGES: gl.constexpr):
-    """The K loop of one tile (consumer side); returns (acc, count) after all steps.
-
-    Same protocol as ``_mma_epilogue_partition``: one wgmma in flight, the stage of the
-    completed one released after a partition-wide barrier, the last one after the final wait.
-    """
-    for ki in range(k_steps):
-        stage = count % STAGES
-        mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc,
-                            use_acc=ki > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        gl.thread_barrier()
-        mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES), pred=ki > 0)
-        count += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    gl.thread_barrier()
-    mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
-    return acc, count
-
-
 @gluon.jit
 def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem,
                         num_padded_ptr, N, K, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
@@ -315,7 +296,7 @@ def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([BM, 2 * BN], gl.float32, acc_layout)
-        acc, count = _moe_mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
+        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
                                    count, STAGES)
         # The previous tile's TMA store (issued by one thread) has read the buffer.
         tma.store_wait(pendings=0)
@@ -354,22 +335,17 @@ def _moe_gemm1_kernel(a_desc, b_desc, c_desc, block_expert_ptr, num_padded_ptr, 
     epi_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, 2 * BN], c_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=1)
-    fence_async_shared()
+    _ring_init(ready_bars, empty_bars, STAGES)
 
     gl.warp_specialize([
         (_moe_gemm1_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem,
                                num_padded_ptr, N, K, NUM_SMS, GROUP_M, STAGES, num_warps)),
-        (_moe_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars,
-                                 num_padded_ptr, block_expert_ptr, 2 * N, N, K, BN, NUM_SMS,
-                                 GROUP_M, STAGES)),
+        (_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, N, N, K,
+                             num_padded_ptr, block_expert_ptr, 2 * N, BN, NUM_SMS, GROUP_M,
+                             STAGES, GROUPED_TILES)),
     ], [LOADER_WARPS], [LOADER_REGS])
 
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready_bars.index(i))
-        mbarrier.invalidate(empty_bars.index(i))
+    _ring_free(ready_bars, empty_bars, STAGES)
 
 
 @gluon.jit
@@ -403,7 +379,7 @@ def _moe_gemm2_consumer(a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        acc, count = _moe_mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
+        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
                                    count, STAGES)
         pos = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
         rows = gl.load(sorted_rows_ptr + pos)
@@ -443,23 +419,18 @@ def _moe_gemm2_kernel(a_desc, b_desc, y_ptr, sorted_rows_ptr, block_expert_ptr,
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], epi_layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=1)
-    fence_async_shared()
+    _ring_init(ready_bars, empty_bars, STAGES)
 
     gl.warp_specialize([
         (_moe_gemm2_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
                                sorted_rows_ptr, route_w_ptr, num_padded_ptr, num_rows, N, K,
                                NUM_SMS, GROUP_M, STAGES, num_warps)),
-        (_moe_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars,
-                                 num_padded_ptr, block_expert_ptr, N, N, K, BN, NUM_SMS,
-                                 GROUP_M, STAGES)),
+        (_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, N, N, K,
+                             num_padded_ptr, block_expert_ptr, N, BN, NUM_SMS, GROUP_M,
+                             STAGES, GROUPED_TILES)),
     ], [LOADER_WARPS], [LOADER_REGS])
 
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready_bars.index(i))
-        mbarrier.invalidate(empty_bars.index(i))
+    _ring_free(ready_bars, empty_bars, STAGES)
 
 
 def _layouts(bm: int, bn: int, bk: int):
