@@ -102,6 +102,26 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     return first_pid_m + in_group % group_rows, in_group // group_rows
 
 
+@gluon.constexpr_function
+def _acc_layout(BM, WIDTH, num_warps):
+    """Register layout of a [BM, WIDTH] wgmma accumulator: 16-row atoms per warp, warps
+    stacked along M, one instruction spanning all WIDTH columns."""
+    if BM % (16 * num_warps):
+        raise ValueError(f"BM={BM} must be a multiple of 16 * num_warps = {16 * num_warps}")
+    if WIDTH % 8 or WIDTH > 256:
+        raise ValueError(f"a wgmma is a multiple of 8 and at most 256 wide, got {WIDTH}")
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, WIDTH, 16])
+
+
+@gluon.jit
+def _tile_counts(rows, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """(M tiles, N tiles, all tiles, K steps) of a [rows, N] output with K-deep inputs."""
+    num_pid_m = gl.cdiv(rows, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    return num_pid_m, num_pid_n, num_pid_m * num_pid_n, gl.cdiv(K, BK)
+
+
 @gluon.jit
 def _ring_init(ready_bars, empty_bars, STAGES: gl.constexpr):
     """One "ready" (TMA bytes) and one "empty" (one arrive) mbarrier per ring stage."""
@@ -142,12 +162,10 @@ def _loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M,
     BOX_N: gl.constexpr = b_desc.block_type.shape[0]
     STAGE_BYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     if GROUPED:
-        num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
+        m_rows = gl.load(num_padded_ptr)
     else:
-        num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
-    k_steps = gl.cdiv(K, BK)
+        m_rows = M
+    num_pid_m, num_pid_n, num_tiles, k_steps = _tile_counts(m_rows, N, K, BM, BN, BK)
     count = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -210,15 +228,8 @@ def _mma_epilogue_partition(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_sm
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    # wgmma: 16-row atoms per warp, warps stacked along M; one instruction spans all of BN.
-    gl.static_assert(BM % (16 * num_warps) == 0, "BM must be a multiple of 16 * num_warps")
-    gl.static_assert(BN % 8 == 0 and BN <= 256, "BN must be a multiple of 8, at most 256")
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
-    num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
-    k_steps = gl.cdiv(K, BK)
+    acc_layout: gl.constexpr = _acc_layout(BM, BN, num_warps)
+    num_pid_m, num_pid_n, num_tiles, k_steps = _tile_counts(M, N, K, BM, BN, BK)
     count = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -279,17 +290,12 @@ def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    gl.static_assert(BM % (16 * num_warps) == 0, "BM must be a multiple of 16 * num_warps")
-    gl.static_assert(2 * BN <= 256, "2 * BN (gate and up) must be at most 256")
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * BN, 16])
+    acc_layout: gl.constexpr = _acc_layout(BM, 2 * BN, num_warps)  # gate and up columns
     TPW_N: gl.constexpr = BN // 8
     epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1],
                                                 [1, 0])
-    num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
-    k_steps = gl.cdiv(K, BK)
+    m_rows = gl.load(num_padded_ptr)
+    num_pid_m, num_pid_n, num_tiles, k_steps = _tile_counts(m_rows, N, K, BM, BN, BK)
     gate_smem = epi_smem.slice(0, BN, 1)
     up_smem = epi_smem.slice(BN, BN, 1)
     count = 0
@@ -364,17 +370,12 @@ def _moe_gemm2_consumer(a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
     BM: gl.constexpr = epi_smem.type.shape[0]
     BN: gl.constexpr = epi_smem.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    gl.static_assert(BM % (16 * num_warps) == 0, "BM must be a multiple of 16 * num_warps")
-    gl.static_assert(BN % 8 == 0 and BN <= 256, "BN must be a multiple of 8, at most 256")
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
+    acc_layout: gl.constexpr = _acc_layout(BM, BN, num_warps)
     TPW_N: gl.constexpr = BN // 8
     st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1],
                                                [1, 0])
-    num_pid_m = gl.cdiv(gl.load(num_padded_ptr), BM)
-    num_pid_n = gl.cdiv(N, BN)
-    num_tiles = num_pid_m * num_pid_n
-    k_steps = gl.cdiv(K, BK)
+    m_rows = gl.load(num_padded_ptr)
+    num_pid_m, num_pid_n, num_tiles, k_steps = _tile_counts(m_rows, N, K, BM, BN, BK)
     count = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
