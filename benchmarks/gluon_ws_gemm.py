@@ -441,16 +441,22 @@ def _layouts(bm: int, bn: int, bk: int):
             gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16))
 
 
+# Programs meant to be resident on one SM at a time (--programs-per-sm): the register cap
+# below is shared between them and the persistent grid is this many times the SM count.
+PROGRAMS_PER_SM = 1
+
+
 def _maxnreg(warps: int) -> int | None:
-    """Register cap per thread: 64K registers over the consumer and the padded loader group.
+    """Register cap per thread: 64K registers over the consumer and the padded loader group
+    of each of the PROGRAMS_PER_SM programs.
 
     The compiler splits the cap with setmaxnreg: the loader warpgroup drops to LOADER_REGS
     and the consumer gets the rest. 4 consumer warps + 4 loader warps fit at 256 (no cap);
     with 8 consumer warps (384 threads) the cap is 168 and the consumer gets 232.
     """
-    if warps <= 4:
+    if warps <= 4 and PROGRAMS_PER_SM == 1:
         return None
-    threads = (warps + 4) * 32
+    threads = (warps + 4) * 32 * PROGRAMS_PER_SM
     return min(255, (65536 // threads) // 8 * 8)
 
 
@@ -744,7 +750,7 @@ def _dense(M, N, K, bm, bn, bk, stages, warps, group_m, num_sms) -> str:
         sys.exit("--dense needs a CUDA GPU (use --compile-only to build without one)")
     dev = torch.device("cuda")
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count * PROGRAMS_PER_SM
     torch.manual_seed(0)
     a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     b = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
@@ -795,7 +801,7 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
         sys.exit("; ".join(problems))
     dev = torch.device("cuda")
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count * PROGRAMS_PER_SM
     torch.manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device=dev) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=dev) * 0.02).to(torch.bfloat16)
@@ -877,6 +883,8 @@ def main() -> None:
     ap.add_argument("--group-m", type=int, default=8)
     ap.add_argument("--num-sms", type=int, default=None,
                     help="persistent programs (default: the GPU's SM count; 132 offline)")
+    ap.add_argument("--programs-per-sm", type=int, default=1,
+                    help="--moe: persistent programs per SM (registers capped to fit them)")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile for sm_90a without a GPU and report the build")
     moe = ap.add_argument_group("--moe blocks")
@@ -889,6 +897,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.compile_only and os.environ.get("TRITON_INTERPRET"):
         sys.exit("unset TRITON_INTERPRET: --compile-only compiles for the GPU")
+    global PROGRAMS_PER_SM
+    PROGRAMS_PER_SM = args.programs_per_sm
     if args.moe:
         args.warps = args.warps or 8
         preset, T = args.moe[0], int(args.moe[1])
