@@ -123,13 +123,21 @@ def _tile_counts(rows, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexp
 
 
 @gluon.jit
-def _ring_init(ready_bars, empty_bars, STAGES: gl.constexpr):
-    """One "ready" (TMA bytes) and one "empty" (one arrive) mbarrier per ring stage."""
+def _ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """The shared-memory ring: STAGES A and B tiles, and per stage one "ready" (TMA bytes)
+    and one "empty" (one arrive) mbarrier, initialised. Returns (a_bufs, b_bufs, ready_bars,
+    empty_bars)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
     # Make the initialised barriers visible to the async proxy (TMA) before any use.
     fence_async_shared()
+    return a_bufs, b_bufs, ready_bars, empty_bars
 
 
 @gluon.jit
@@ -256,14 +264,9 @@ def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, NUM_SMS: gl.constexpr,
     arrive), then forks into the MMA / epilogue default partition (num_warps warps) and the
     TMA loader worker (1 warp).
     """
-    dtype: gl.constexpr = a_desc.dtype
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _ring_init(ready_bars, empty_bars, STAGES)
 
     gl.warp_specialize([
         (_mma_epilogue_partition, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_smem,
@@ -332,16 +335,11 @@ def _moe_gemm1_kernel(a_desc, b_desc, c_desc, block_expert_ptr, num_padded_ptr, 
     rows), box [2 * BN, BK]; c_desc: inter [max_pad, I], box [BM, BN]. N = I (a multiple of
     BN), K = H. Warp-specialised and persistent like ``ws_gemm_kernel``.
     """
-    dtype: gl.constexpr = a_desc.dtype
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES)
     # Gate | up tile in bf16; its first BN columns then hold the output tile (same layout).
     epi_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, 2 * BN], c_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _ring_init(ready_bars, empty_bars, STAGES)
 
     gl.warp_specialize([
         (_moe_gemm1_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem,
@@ -412,15 +410,10 @@ def _moe_gemm2_kernel(a_desc, b_desc, y_ptr, sorted_rows_ptr, block_expert_ptr,
     of an expert may read the next expert's rows (or TMA zero-fill): those columns are
     masked in the store.
     """
-    dtype: gl.constexpr = a_desc.dtype
     BM: gl.constexpr = a_desc.block_type.shape[0]
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES)
     epi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], epi_layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    _ring_init(ready_bars, empty_bars, STAGES)
 
     gl.warp_specialize([
         (_moe_gemm2_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
@@ -493,10 +486,13 @@ def ws_gemm(a, b, bm=128, bn=128, bk=64, stages=4, warps=4, group_m=8, num_sms=N
     """
     import torch
 
-    assert a.dtype == b.dtype == torch.bfloat16 and a.shape[1] == b.shape[1]
+    if not (a.dtype == b.dtype == torch.bfloat16 and a.shape[1] == b.shape[1]):
+        raise ValueError(f"a and b must be bf16 [M, K] and [N, K], got {a.dtype} "
+                         f"{list(a.shape)} and {b.dtype} {list(b.shape)}")
     M, K = a.shape
     N = b.shape[0]
-    assert K > 0, "K must be positive"
+    if K <= 0:
+        raise ValueError("K must be positive")
     problems = check_config(bm, bn, bk, stages, warps)
     if problems:
         raise ValueError("; ".join(problems))
@@ -586,7 +582,9 @@ def moe_gemm1(a_perm, w13_t, inter, block_expert, num_padded, bm=128, bn=128, bk
         problems.append(f"I={I} is not a multiple of BN1={bn}")
     if problems:
         raise ValueError("; ".join(problems))
-    assert w13_t.shape[1] == H and w13_t.shape[0] % (2 * I) == 0
+    if w13_t.shape[1] != H or w13_t.shape[0] % (2 * I):
+        raise ValueError(f"w13_t must be [E * 2I, H] = [E * {2 * I}, {H}], got "
+                         f"{list(w13_t.shape)}")
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a_perm.device).multi_processor_count
     a_l, b_l, c_l = _layouts(bm, 2 * bn, bk)
@@ -613,7 +611,9 @@ def moe_gemm2(inter, w2_2d, y, sorted_rows, block_expert, num_padded, route_w, b
     problems = check_moe_config(bm, bn, bk, stages, warps, gated=False)
     if problems:
         raise ValueError("; ".join(problems))
-    assert y.is_contiguous() and w2_2d.shape[1] == I and w2_2d.shape[0] % H == 0
+    if not y.is_contiguous() or w2_2d.shape[1] != I or w2_2d.shape[0] % H:
+        raise ValueError(f"y must be contiguous and w2_2d [E * H, I] = [E * {H}, {I}], got "
+                         f"{list(w2_2d.shape)}")
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(inter.device).multi_processor_count
     a_l, b_l, _ = _layouts(bm, bn, bk)
