@@ -27,6 +27,7 @@ import functools
 import io
 import json
 import math
+import statistics
 import sys
 import tarfile
 import time
@@ -399,12 +400,16 @@ def _toggles():
         # packed 4-bit scale codes of a K step of several chunks loaded per chunk (off) or as
         # one pipelined tile
         "stiles": (X, "SCALE_TILES", (False, True), (1, 1024, 4096, 16384)),
+        # 128-row blocks whose second half is padding run a 64-row tile (off: never)
+        "split": (X, "SPLIT_MIN_BLOCK_M", (None, 128), (4096, 16384)),
     }
 
 
-def part_toggle(plan, rows, part):
+def part_toggle(plan, rows, part, rounds: int = 1):
     """Time the fused op with one switch of the backend off and on, alternately in one
-    process (decode sizes graph-replayed), per preset and token count."""
+    process (decode sizes graph-replayed), per preset and token count; with several rounds
+    (the order alternating, so that neither side always runs first) the row holds the median
+    of each and of the per-round ratios."""
     module, attr, (off, on), tokens = _toggles()[part]
     saved = getattr(module, attr)
     for preset, scheme, _ in plan:
@@ -412,14 +417,21 @@ def part_toggle(plan, rows, part):
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
         prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
         for T in tokens:
-            row = dict(part=part, preset=preset, scheme=scheme, T=T)
-            for name, value in (("off_us", off), ("on_us", on)):
-                setattr(module, attr, value)
-                row[name] = time_fused(prepared, T, k, 8 if T <= 64 else 2)[0] * 1e3
+            times = {"off_us": [], "on_us": []}
+            for r in range(rounds):  # off first in even rounds, on first in odd ones
+                for name, value in (("off_us", off), ("on_us", on))[:: 1 - 2 * (r % 2)]:
+                    setattr(module, attr, value)
+                    times[name].append(time_fused(prepared, T, k, 8 if T <= 64 else 2)[0] * 1e3)
             setattr(module, attr, saved)
+            ratios = [a / b for a, b in zip(times["off_us"], times["on_us"], strict=True)]
+            row = dict(part=part, preset=preset, scheme=scheme, T=T, rounds=rounds,
+                       off_us=statistics.median(times["off_us"]),
+                       on_us=statistics.median(times["on_us"]),
+                       ratio=statistics.median(ratios), ratios=ratios)
             rows.append(row)
             print(f"{part} {preset:14s} {scheme:9s} T={T:5d} off {row['off_us']:8.1f} us  on "
-                  f"{row['on_us']:8.1f} us  ({row['off_us'] / row['on_us']:.3f}x)", flush=True)
+                  f"{row['on_us']:8.1f} us  ({row['ratio']:.3f}x, rounds "
+                  f"{min(ratios):.3f}-{max(ratios):.3f})", flush=True)
         del weights, prepared
         torch.cuda.empty_cache()
 
@@ -555,6 +567,7 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--presets", nargs="*", default=None)
     ap.add_argument("--tune-tokens", nargs="*", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=1, help="off/on rounds of a switch's A/B")
     ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for tune")
     ap.add_argument("--off", action="append", default=[], choices=sorted(_toggles()),
                     help="run every part with this switch off (repeatable)")
@@ -586,7 +599,7 @@ def main():
             part_host(plan, result["host"])
         elif part in _toggles():
             result.setdefault("toggles", [])
-            part_toggle(plan, result["toggles"], part)
+            part_toggle(plan, result["toggles"], part, args.rounds)
         elif part == "warm":
             part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs)
         elif part in ("tune", "precompile"):

@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
+from moerunner.backends.triton import experts as X  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, MERGED_SCALE, scale pointer type)
@@ -91,6 +92,7 @@ def compile_variant(spec: str, arch: int):
                   OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
                   INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90,
                   S_PREFETCH=True, S_TILE=True)
+    consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm))
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
     sig = _signature(scale_ty, fp8 if qdot else "*bf16",

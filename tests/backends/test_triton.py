@@ -131,6 +131,76 @@ def test_row_blocks_equal_the_aligned_layout(scheme, monkeypatch):
     assert _rel(rows, aligned) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "scheme,activation,block_n",
+    [
+        ("fp32", "silu", 32),
+        ("fp32", "swiglu_oai", 32),  # interleaved gate/up with biases
+        ("fp8_channel", "relu2", 32),  # fp8 operands, per-row A scales after the loop
+        ("int8", "silu", 32),  # int8 operands, int32 accumulator
+        ("fp8_block", "silu", 32),  # block scales promoted per K step
+        ("fp8_block", "silu", 128),  # GEMM1 quantizes GEMM2's input in its epilogue
+    ],
+)
+def test_half_row_tiles_equal_whole_blocks(scheme, activation, block_n, monkeypatch):
+    """Blocks whose second half is padding run a tile of half the rows (``SPLIT_M``); the
+    result must equal the whole-block tiles. With 32-row blocks, experts of 45, 40, 3 and 16
+    rows end in short blocks of 13, 8, 3 and 16 rows (the last: row 16 is the first padding
+    row); 45 and 40 also have a full block before."""
+    torch.manual_seed(6)
+    act = moerunner.Activation(activation)
+    H, I, E, k = 64, 128, 4, 2
+    counts = [45, 40, 3, 16]
+    slots = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    T = slots.numel() // k
+    # Token t takes slots t and t + T of the expert-sorted list: always two experts.
+    ids = torch.stack([slots[:T], slots[T:]], dim=1).to(DEVICE)
+    assert (ids[:, 0] != ids[:, 1]).all()
+    assert torch.bincount(ids.flatten().long(), minlength=E).tolist() == counts
+    n13 = 2 * I if act.gated else I
+    w13 = torch.randn(E, n13, H, device=DEVICE) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEVICE) / I**0.5
+    if scheme != "fp32":
+        w13, w2 = moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
+    interleaved = activation == "swiglu_oai"
+    b13 = torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None
+    b2 = torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None
+    weights = ExpertWeights(w13, w2, b13, b2, interleaved)
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    x = torch.randn(T, H, device=DEVICE)
+    wts = torch.rand(T, k, device=DEVICE)
+    tile = tile_config.TileConfig(32, block_n, 64, 1, 4, 2)
+    tiles = tile_config.MoeTiles(tile, tile)
+    monkeypatch.setattr(experts, "FUSE_INPUT_QUANT_OFF_GPU", block_n == 128)
+    monkeypatch.setattr(experts, "SPLIT_MIN_BLOCK_M", 32)
+    assert experts.splits_blocks(32, prepared.tensors["w13"].constexprs, T * k / E)
+    # Fresh workspaces: rows a wrong kernel skipped must not find an earlier case's values.
+    monkeypatch.setattr(experts, "WORKSPACES", type(experts.WORKSPACES)())
+    split = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
+    monkeypatch.setattr(experts, "SPLIT_MIN_BLOCK_M", None)
+    whole = experts.fused_standard(x, wts, ids, prepared, tiles)
+    assert _rel(split, whole) < 1e-6
+    assert _rel(split, _run("torch", x, weights, act, wts, ids)) < 1e-5
+
+
+def test_half_row_tiles_only_where_they_pay(monkeypatch):
+    """Weight-only schemes decode every weight whatever the row count, and experts of many
+    blocks have few short ones: both keep one tile."""
+    monkeypatch.setattr(experts, "SPLIT_MIN_BLOCK_M", 128)
+    consts = {
+        s: experts.kernel_weight(moerunner.quantize(torch.randn(2, 64, 128), s)).constexprs
+        for s in ("fp8_block", "int8", "mxfp4", "int4")
+    }
+    consts["bf16"] = experts.kernel_weight(torch.randn(2, 64, 128)).constexprs
+    assert experts.splits_blocks(128, consts["bf16"], 128)
+    assert experts.splits_blocks(128, consts["fp8_block"], 512)
+    assert not experts.splits_blocks(128, consts["bf16"], 4096)  # 32 blocks per expert
+    assert not experts.splits_blocks(64, consts["bf16"], 128)
+    assert not experts.splits_blocks(128, consts["bf16"], 128, row_blocks=True)
+    assert not experts.splits_blocks(128, consts["mxfp4"], 128)
+    assert not experts.splits_blocks(128, consts["int4"], 128)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", TRITON_QUANT_SCHEMES)

@@ -407,7 +407,10 @@ def _activate(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def moe_gemm_kernel(
+def _gemm_block(
+    rows_out,
+    expert,
+    pid_n,
     a_ptr,
     a_scale_ptr,
     w_ptr,
@@ -417,15 +420,10 @@ def moe_gemm_kernel(
     bias_ptr,
     out_ptr,
     out_scale_ptr,
-    sorted_rows_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
     route_w_ptr,
     N_OUT,
     K,
     num_rows,
-    num_m_blocks,
-    num_experts,
     a_row_div,
     alpha,
     limit,
@@ -451,7 +449,6 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     GATED: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -471,57 +468,15 @@ def moe_gemm_kernel(
     HALF: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
     UNIFORM_WS: tl.constexpr,
-    ROW_BLOCKS: tl.constexpr,
     OUT_QUANT: tl.constexpr,
     INTER_DTYPE: tl.constexpr,
     FP8_ROUND_FIRST: tl.constexpr,
-    PDL: tl.constexpr,
     S_PREFETCH: tl.constexpr,
     S_TILE: tl.constexpr,
 ):
-    """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
-
-    GATED: two accumulators over w13 rows (gate, up), activation fused, N_OUT = I.
-    SCALE_ROW_BLOCK: rows sharing one weight scale (1 per channel, 128 for fp8_block,
-    0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
-    UNIFORM_WS: block-scaled fp8 whose tile's gate rows lie in one scale block and up rows in
-    one (the launcher checks the alignment), so the scale is per row, not per element.
-    ROW_BLOCKS: one block per row, experts read from the row ids (no alignment step).
-    OUT_QUANT: GEMM1 only, BLOCK_N a multiple of 128: store e4m3 codes and per-(row, 128
-    columns) scales of the output rounded to INTER_DTYPE, i.e. GEMM2's fp8_group128 input as
-    the standalone quantization would make it from the stored intermediate
-    (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
-    PDL: launched with programmatic dependent launch (``_pdl``).
-    S_PREFETCH: packed weights with one chunk per K step load the scale codes a step ahead.
-    S_TILE: packed weights with one scale group per half and 2 or 4 chunks per K step load the
-    step's scale codes as one tile (scales padded by the launcher, see ``_step_scale_codes``).
-    HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
-    packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
-    """
-    _pdl.enter(PDL)
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
-    # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
-    per_group = GROUP_M * num_n_blocks
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    if ROW_BLOCKS:
-        # Few rows (decode): block pid_m is row pid_m alone and ``block_expert_ptr`` holds
-        # each row's expert id, so no alignment launch precedes this one. A row whose id is
-        # -1 (or out of range) has nothing to compute.
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        if (expert < 0) | (expert >= num_experts):
-            return
-        rows_out = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
-    else:
-        num_padded = tl.load(num_padded_ptr)
-        if pid_m * BLOCK_M >= num_padded:
-            return
-        rows_out = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    """One output tile: rows ``rows_out`` (BLOCK_M of them; ``num_rows`` marks padding) of
+    expert ``expert`` times weight columns block ``pid_n``, K loop and epilogue (see
+    ``moe_gemm_kernel`` for the parameters)."""
     row_mask = rows_out < num_rows
     a_rows = tl.where(row_mask, rows_out // a_row_div, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -749,3 +704,205 @@ def moe_gemm_kernel(
         )
     else:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    w_zp_ptr,
+    w_gscale_ptr,
+    bias_ptr,
+    out_ptr,
+    out_scale_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    route_w_ptr,
+    N_OUT,
+    K,
+    num_rows,
+    num_m_blocks,
+    num_experts,
+    a_row_div,
+    alpha,
+    limit,
+    stride_am,
+    stride_ak,
+    stride_asm,
+    stride_ask,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_ze,
+    stride_zn,
+    stride_zk,
+    stride_be,
+    stride_bn,
+    stride_om,
+    stride_on,
+    stride_osm,
+    stride_osg,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTE_W: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    QDOT: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_ROW_BLOCK: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_GSCALE: tl.constexpr,
+    IEEE: tl.constexpr,
+    BF16_FP4: tl.constexpr,
+    HALF: tl.constexpr,
+    MERGED_SCALE: tl.constexpr,
+    UNIFORM_WS: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
+    OUT_QUANT: tl.constexpr,
+    INTER_DTYPE: tl.constexpr,
+    FP8_ROUND_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
+    S_PREFETCH: tl.constexpr,
+    S_TILE: tl.constexpr,
+    SPLIT_M: tl.constexpr,
+):
+    """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
+
+    GATED: two accumulators over w13 rows (gate, up), activation fused, N_OUT = I.
+    SCALE_ROW_BLOCK: rows sharing one weight scale (1 per channel, 128 for fp8_block,
+    0 for one scale per expert). GROUP_K: K elements sharing one scale (0: none along K).
+    UNIFORM_WS: block-scaled fp8 whose tile's gate rows lie in one scale block and up rows in
+    one (the launcher checks the alignment), so the scale is per row, not per element.
+    ROW_BLOCKS: one block per row, experts read from the row ids (no alignment step).
+    OUT_QUANT: GEMM1 only, BLOCK_N a multiple of 128: store e4m3 codes and per-(row, 128
+    columns) scales of the output rounded to INTER_DTYPE, i.e. GEMM2's fp8_group128 input as
+    the standalone quantization would make it from the stored intermediate
+    (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
+    PDL: launched with programmatic dependent launch (``_pdl``).
+    S_PREFETCH: packed weights with one chunk per K step load the scale codes a step ahead.
+    S_TILE: packed weights with one scale group per half and 2 or 4 chunks per K step load the
+    step's scale codes as one tile (scales padded by the launcher, see ``_step_scale_codes``).
+    SPLIT_M: blocks of aligned rows whose second half is padding run a BLOCK_M // 2-row
+    tile (an expert's last block: with ~BLOCK_M rows per expert about a third of all blocks).
+    HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
+    packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
+    """
+    _pdl.enter(PDL)
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+    # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    if ROW_BLOCKS:
+        # Few rows (decode): block pid_m is row pid_m alone and ``block_expert_ptr`` holds
+        # each row's expert id, so no alignment launch precedes this one. A row whose id is
+        # -1 (or out of range) has nothing to compute.
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if (expert < 0) | (expert >= num_experts):
+            return
+        first = sorted_rows_ptr
+        short = False
+    else:
+        num_padded = tl.load(num_padded_ptr)
+        if pid_m * BLOCK_M >= num_padded:
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        first = sorted_rows_ptr + pid_m * BLOCK_M
+        short = False
+        if SPLIT_M:
+            # An expert's padding rows end its segment, so a block whose middle row is
+            # padding has all its rows in the first half.
+            short = tl.load(first + BLOCK_M // 2) >= num_rows
+    # One instance of the tile per row count: BLOCK_M, and BLOCK_M // 2 for short blocks.
+    for half in tl.static_range(1 + SPLIT_M):
+        if short == (half == 1):
+            BM: tl.constexpr = BLOCK_M >> half
+            if ROW_BLOCKS:
+                rows_out = tl.where(tl.arange(0, BM) == 0, pid_m, num_rows)
+            else:
+                rows_out = tl.load(first + tl.arange(0, BM))
+            _gemm_block(
+                rows_out,
+                expert,
+                pid_n,
+                a_ptr,
+                a_scale_ptr,
+                w_ptr,
+                w_scale_ptr,
+                w_zp_ptr,
+                w_gscale_ptr,
+                bias_ptr,
+                out_ptr,
+                out_scale_ptr,
+                route_w_ptr,
+                N_OUT,
+                K,
+                num_rows,
+                a_row_div,
+                alpha,
+                limit,
+                stride_am,
+                stride_ak,
+                stride_asm,
+                stride_ask,
+                stride_we,
+                stride_wn,
+                stride_wk,
+                stride_se,
+                stride_sn,
+                stride_sk,
+                stride_ze,
+                stride_zn,
+                stride_zk,
+                stride_be,
+                stride_bn,
+                stride_om,
+                stride_on,
+                stride_osm,
+                stride_osg,
+                BM,
+                BLOCK_N,
+                BLOCK_K,
+                EVEN_K,
+                GATED,
+                INTERLEAVED,
+                ACT,
+                HAS_BIAS,
+                MUL_ROUTE_W,
+                W_FORMAT,
+                QDOT,
+                A_SCALE,
+                SCALE_FMT,
+                GROUP_K,
+                SCALE_ROW_BLOCK,
+                HAS_ZP,
+                HAS_GSCALE,
+                IEEE,
+                BF16_FP4,
+                HALF,
+                MERGED_SCALE,
+                UNIFORM_WS,
+                OUT_QUANT,
+                INTER_DTYPE,
+                FP8_ROUND_FIRST,
+                S_PREFETCH,
+                S_TILE,
+            )

@@ -321,6 +321,34 @@ SCALE_PREFETCH = True
 # Packed 4-bit weights whose halves have one scale group each and K steps of 2 or 4 chunks
 # load the step's scale codes as one tile (needs the padded scales of ``pad_scale_groups``).
 SCALE_TILES = True
+#: Aligned blocks of at least this many rows run a tile of half the rows when their second
+#: half is padding (an expert's last block; ``None``: never), if the experts average at most
+#: ``SPLIT_MAX_BLOCKS_PER_EXPERT`` blocks. Near one block per expert a third of the blocks
+#: are such, and their padding rows would otherwise cost full MMAs: on an H200, bf16 at
+#: T = 4096 ran 1.07-1.10x faster on Qwen3-30B-A3B, GPT-OSS-120B and DeepSeek-V3. With many
+#: blocks per expert there is little to gain and the second tile costs a little (Mixtral-8x7B
+#: at T = 16384, 32 blocks per expert: 0.98x). Below 128 rows the half tile would fall under
+#: the 64 rows of Hopper's warpgroup MMA.
+SPLIT_MIN_BLOCK_M: int | None = 128
+SPLIT_MAX_BLOCKS_PER_EXPERT = 4
+
+
+def splits_blocks(
+    block_m: int, consts: dict, rows_per_expert: float, row_blocks: bool = False
+) -> bool:
+    """Whether a GEMM launch with ``block_m``-row blocks, the weight constexprs ``consts`` and
+    ``rows_per_expert`` rows per expert on average compiles the half-row tile: only where the
+    weights reach the MMA as stored (plain, or fp8/int8 with a quantized A). A weight-only
+    decode costs the same per weight at any row count, so half the rows would save little and
+    add a second decode loop."""
+    as_stored = consts["W_FORMAT"] == K.WF_PLAIN or consts["QDOT"]
+    return (
+        as_stored
+        and not row_blocks
+        and SPLIT_MIN_BLOCK_M is not None
+        and block_m >= SPLIT_MIN_BLOCK_M
+        and rows_per_expert <= SPLIT_MAX_BLOCKS_PER_EXPERT * block_m
+    )
 
 
 @dataclass(frozen=True)
@@ -548,6 +576,7 @@ def _launch_gemm(
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
         S_PREFETCH=SCALE_PREFETCH,
         S_TILE=SCALE_TILES and w.scale_tiles,
+        SPLIT_M=splits_blocks(tile.block_m, consts, num_rows / w.shape[0], rows.row_blocks),
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
