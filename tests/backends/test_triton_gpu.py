@@ -314,8 +314,11 @@ def test_half_row_tiles_equal_whole_blocks(scheme, monkeypatch):
     prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     wts = torch.rand(T, k, device=dev)
-    bk = 64 if scheme == "bf16" else 256
-    tiles = MoeTiles(TileConfig(128, 128, bk, 8, 8, 3), TileConfig(128, 128, bk, 8, 8, 3))
+    # The H200 prefill tiles of each scheme.
+    if scheme == "bf16":
+        tiles = MoeTiles(TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4))
+    else:
+        tiles = MoeTiles(TileConfig(128, 64, 256, 8, 8, 3), TileConfig(128, 128, 256, 8, 8, 3))
     assert X.splits_blocks(128, prepared.tensors["w13"].constexprs, T * k / E)
     split = X.fused_standard(x, wts, ids, prepared, tiles).clone()
     monkeypatch.setattr(X, "SPLIT_MIN_BLOCK_M", None)
