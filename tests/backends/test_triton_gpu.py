@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 
 import moerunner  # noqa: E402
 from moerunner.backends.base import MoeProblem  # noqa: E402
-from moerunner.backends.triton._gemm_kernel import _e2m1_halves_bf16, _scale_bf16  # noqa: E402
+from moerunner.backends.triton._weight_decode import _e2m1_halves_bf16, _scale_bf16  # noqa: E402
 from moerunner.dispatch.formats import StandardDispatchOutput  # noqa: E402
 from moerunner.routing import TopK  # noqa: E402
 from moerunner.weights import ExpertWeights  # noqa: E402

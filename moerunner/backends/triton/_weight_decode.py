@@ -1,0 +1,261 @@
+# Stage "experts" of the triton backend: weight decoding for the grouped GEMM (private).
+#
+# Scale codes (e8m0, e4m3, fp32) to multipliers, and packed 4-bit weights (int4, fp4 e2m1) in
+# the split layout of ``experts.split_packed`` to the MMA's operand type: on the GPU through
+# packed integer PTX for fp4 with bf16 activations, elsewhere in float32. ``_gemm_kernel``
+# calls these from its K loop.
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_scale(s, SCALE_FMT: tl.constexpr):
+    """Turn loaded scale storage into float32 multipliers."""
+    if SCALE_FMT == 2:
+        # e8m0: 2^(e - 127) built from bits (exact; ``tl.exp2`` is an approximation on the
+        # GPU): code 0 is the fp32 subnormal 2^-127, 255 is NaN per the OCP MX spec.
+        e = s.to(tl.int32)
+        bits = tl.where(e == 0, 0x00400000, tl.where(e == 255, 0x7FC00000, e << 23))
+        out = bits.to(tl.float32, bitcast=True)
+    elif SCALE_FMT == 3:
+        out = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        out = s.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _decode_e2m1(q):
+    """Nibble (uint8 0..15) -> float32 value of an fp4 e2m1 element."""
+    sign = tl.where((q & 8) != 0, -1.0, 1.0)
+    exp = ((q >> 1) & 3).to(tl.float32)
+    man = (q & 1).to(tl.float32)
+    mag = tl.where(exp == 0.0, 0.5 * man, (1.0 + 0.5 * man) * tl.exp2(exp - 1.0))
+    return sign * mag
+
+
+def _e2m1_place_ptx(select: str) -> str:
+    """PTX: two bytes of the packed word ``$in`` (picked by the prmt pattern ``select``) to two
+    bf16x2 registers, ``lo`` (low nibbles) and ``hi`` (high nibbles). prmt puts the bytes in
+    bits 8-15 and 24-31; a nibble's sign goes to bit 15 of its half-word and its 3
+    exponent/mantissa bits to bits 6-8, which is the bf16 pattern of the e2m1 value times
+    2^-126 (code 1 lands on the subnormal 2^-127 = 0.5 * 2^-126)."""
+    return f"""
+        prmt.b32 t, $in, 0, {select};
+        shl.b32 lo, t, 4;
+        and.b32 lo, lo, 0x80008000;
+        shr.b32 v, t, 2;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 lo, lo, v;
+        and.b32 hi, t, 0x80008000;
+        shr.b32 v, t, 6;
+        and.b32 v, v, 0x01C001C0;
+        or.b32 hi, hi, v;"""
+
+
+def _e2m1_bf16_asm(merged: bool) -> str:
+    """Four packed bytes ($4) and bf16x2 scales ($5, $6 for the low nibbles, $7, $8 for the
+    high ones) -> bf16x2 low-nibble values times scale ($0, $1) and high ones ($2, $3).
+
+    bf16x2 FMAs keep subnormals, and the addend ``nz`` = -0 keeps the sign of zeros. Unmerged,
+    one FMA by ``bias`` = 2^126 gives the exact e2m1 value, a second the scale; ``merged``
+    scales already carry the 2^126 and one FMA does both."""
+    bodies = []
+    for select, lo_out, hi_out, s_lo, s_hi in (
+        ("0x1404", "$0", "$2", "$5", "$7"),
+        ("0x3424", "$1", "$3", "$6", "$8"),
+    ):
+        body = _e2m1_place_ptx(select)
+        if not merged:
+            body += """
+        fma.rn.bf16x2 lo, lo, bias, nz;
+        fma.rn.bf16x2 hi, hi, bias, nz;"""
+        bodies.append(
+            body
+            + f"""
+        fma.rn.bf16x2 {lo_out}, lo, {s_lo}, nz;
+        fma.rn.bf16x2 {hi_out}, hi, {s_hi}, nz;"""
+        )
+    return (
+        "{\n.reg .b32 t, lo, hi, v, bias, nz;\nmov.b32 bias, 0x7E807E80;\n"
+        "mov.b32 nz, 0x80008000;" + "".join(bodies).replace("$in", "$4") + "\n}"
+    )
+
+
+_E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm(merged=False))
+_E2M1_BF16_MERGED_ASM = tl.constexpr(_e2m1_bf16_asm(merged=True))
+
+
+@triton.jit
+def _e2m1_halves_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
+    """Packed bytes -> (low nibbles * scale_lo, high nibbles * scale_hi) in bf16, on the GPU.
+
+    Four bytes per instance in packed integer ops (``_e2m1_bf16_asm``). Products of e2m1 with
+    e8m0 or e4m3 scales are exact in bf16. The scales are bf16 tensors of packed's shape, from
+    ``_scale_bf16`` with the same ``MERGED``.
+    """
+    if MERGED:
+        out = tl.inline_asm_elementwise(
+            asm=_E2M1_BF16_MERGED_ASM,
+            constraints="=r,=r,=r,=r,r,r,r,r,r",
+            args=[packed, scale_lo, scale_hi],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        out = tl.inline_asm_elementwise(
+            asm=_E2M1_BF16_ASM,
+            constraints="=r,=r,=r,=r,r,r,r,r,r",
+            args=[packed, scale_lo, scale_hi],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    return out
+
+
+@triton.jit
+def _scale_bf16(s, SCALE_FMT: tl.constexpr, MERGED: tl.constexpr):
+    """e8m0 or e4m3 scale storage -> the same value in bf16 (exact for both).
+
+    ``MERGED`` (e8m0 codes <= 128 only, checked when the weights are prepared): the scale
+    times 2^126, 2^(e - 1), which then is a normal bf16 for every code."""
+    if SCALE_FMT == 2:
+        e = s.to(tl.uint16)
+        if MERGED:
+            bits = (e + 126) << 7
+        else:
+            # 2^(e - 127) as bf16 bits; code 0 is the subnormal 2^-127, 255 is NaN.
+            bits = tl.where(e == 0, 0x40, tl.where(e == 255, 0x7FC0, e << 7))
+        out = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = s.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def _half_group_codes(
+    base, rows, k0, K, stride_n, stride_k, GROUP_K: tl.constexpr, HALF: tl.constexpr
+):
+    """Per-row group values (scale or zero-point codes) [BLOCK_N] of the two halves of the
+    split-layout chunk at ``k0`` (0 for a group past K)."""
+    n_groups = (K + GROUP_K - 1) // GROUP_K
+    g_lo = k0 // GROUP_K
+    g_hi = (k0 + HALF) // GROUP_K
+    lo = tl.load(base + rows * stride_n + g_lo * stride_k, mask=g_lo < n_groups, other=0)
+    hi = tl.load(base + rows * stride_n + g_hi * stride_k, mask=g_hi < n_groups, other=0)
+    return lo, hi
+
+
+@triton.jit
+def _step_scale_codes(
+    s_base, rows, k0, stride_sn, stride_sk, GROUP_K: tl.constexpr, G_STEP: tl.constexpr
+):
+    """Scale codes [BLOCK_N, G_STEP] of the G_STEP groups from ``k0`` on, unmasked: prepare
+    pads the scales' group count to a multiple of G_STEP with 16-byte aligned rows, so Triton
+    copies this tile to shared memory asynchronously with the weights (a load of one byte per
+    thread is below its copy width and is not pipelined)."""
+    offs_g = k0 // GROUP_K + tl.arange(0, G_STEP)
+    return tl.load(s_base + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk)
+
+
+@triton.jit
+def _split_columns(t, ODD: tl.constexpr):
+    """Even (or ODD) columns of a [N, 2m] tile: [N, m], or [N] for m = 1. tl.split keeps
+    each pair in one thread, so this moves no data between threads."""
+    if t.shape[1] == 2:
+        even, odd = tl.split(t)
+    else:
+        even, odd = tl.split(tl.reshape(t, (t.shape[0], t.shape[1] // 2, 2)))
+    if ODD:
+        out = odd
+    else:
+        out = even
+    return out
+
+
+@triton.jit
+def _column(t, j: tl.constexpr, G: tl.constexpr):
+    """Column ``j`` of a [N, G] tile (G = 4 or 8) as [N]."""
+    t = _split_columns(t, j % 2 == 1)
+    t = _split_columns(t, (j // 2) % 2 == 1)
+    if G == 8:
+        t = _split_columns(t, j // 4 == 1)
+    return t
+
+
+@triton.jit
+def _split_halves(
+    w_base,
+    s_lo,
+    s_hi,
+    z_base,
+    rows,
+    k0,
+    K,
+    stride_wn,
+    stride_wk,
+    stride_zn,
+    stride_zk,
+    COMPUTE: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HALF: tl.constexpr,
+    BF16_FP4: tl.constexpr,
+    MERGED_SCALE: tl.constexpr,
+    MASK_K: tl.constexpr,
+):
+    """Dequantized halves [HALF, BLOCK_N] of one packed 4-bit chunk of 2 * HALF along K, in
+    ``COMPUTE`` (the MMA's right operand): each value times its group scale, whose codes
+    ``s_lo`` / ``s_hi`` [BLOCK_N] the caller loaded (see the kernel's K loop).
+
+    In the split layout made by ``prepare`` byte j of a chunk holds k = k0 + j (low nibble) and
+    k = k0 + HALF + j (high nibble), and HALF divides the scale group, so each half has one
+    scale (and zero point) per row: no interleave or broadcast along K is needed in registers.
+    ``split_packed`` zero-pads K to whole chunks, so every byte of a chunk that starts below K
+    exists (a byte past (K + 1) // 2 may still hold a real low nibble); ``MASK_K`` (a K step
+    of several chunks) skips chunks that start at or past K. Padded nibbles meet A's masked
+    zeros; a scale group past the end loads as code 0.
+    """
+    offs_j = k0 // 2 + tl.arange(0, HALF)
+    ptrs = w_base + offs_j[:, None] * stride_wk + rows[None, :] * stride_wn
+    if MASK_K:
+        packed = tl.load(ptrs, mask=k0 < K, other=0)
+    else:
+        packed = tl.load(ptrs)
+    if BF16_FP4:
+        lo_t, hi_t = _e2m1_halves_bf16(
+            packed,
+            tl.broadcast_to(_scale_bf16(s_lo, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
+            tl.broadcast_to(_scale_bf16(s_hi, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
+            MERGED_SCALE,
+        )
+    else:
+        lo = packed & 0xF
+        hi = (packed >> 4) & 0xF
+        if W_FORMAT == 3:
+            if HAS_ZP:
+                z_lo, z_hi = _half_group_codes(
+                    z_base, rows, k0, K, stride_zn, stride_zk, GROUP_K, HALF
+                )
+                z_lo = z_lo.to(tl.float32)[None, :]
+                z_hi = z_hi.to(tl.float32)[None, :]
+            else:
+                z_lo = 8.0
+                z_hi = 8.0
+            # code -> float as (2^23 + code) - (2^23 + zero point): an OR into the mantissa of
+            # 2^23 and one add (exact for 4-bit codes), instead of an int-to-float conversion.
+            lo_v = (lo.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_lo)
+            hi_v = (hi.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z_hi)
+        else:
+            lo_v = _decode_e2m1(lo)
+            hi_v = _decode_e2m1(hi)
+        lo_t = (lo_v * _decode_scale(s_lo, SCALE_FMT)[None, :]).to(COMPUTE)
+        hi_t = (hi_v * _decode_scale(s_hi, SCALE_FMT)[None, :]).to(COMPUTE)
+    return lo_t, hi_t
