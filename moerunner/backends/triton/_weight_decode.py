@@ -97,25 +97,14 @@ def _e2m1_halves_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
     e8m0 or e4m3 scales are exact in bf16. The scales are bf16 tensors of packed's shape, from
     ``_scale_bf16`` with the same ``MERGED``.
     """
-    if MERGED:
-        out = tl.inline_asm_elementwise(
-            asm=_E2M1_BF16_MERGED_ASM,
-            constraints="=r,=r,=r,=r,r,r,r,r,r",
-            args=[packed, scale_lo, scale_hi],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        out = tl.inline_asm_elementwise(
-            asm=_E2M1_BF16_ASM,
-            constraints="=r,=r,=r,=r,r,r,r,r,r",
-            args=[packed, scale_lo, scale_hi],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-    return out
+    return tl.inline_asm_elementwise(
+        asm=_E2M1_BF16_MERGED_ASM if MERGED else _E2M1_BF16_ASM,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[packed, scale_lo, scale_hi],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
