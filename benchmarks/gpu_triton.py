@@ -260,15 +260,19 @@ def measure_peaks():
 
 
 def expert_bytes(prepared) -> float:
+    """Bytes of one expert as stored before prepare (weights, scales, zero points, biases):
+    what the roofline counts. Padding a layout adds (rows and K of the fragment layout, scale
+    groups of the split one) is read but not counted."""
+    src = prepared.source
     total = 0
-    for key in ("w13", "w2"):
-        w = prepared.tensors[key]
-        for t in (w.data, w.scale, w.zero_point, w.global_scale):
+    for w in (src.w13, src.w2):
+        parts = (w.data, w.scale, w.zero_point, w.global_scale) if hasattr(w, "scale") else (w,)
+        for t in parts:
             if t is not None:
                 total += t.numel() * t.element_size()
-    for key in ("w13_bias", "w2_bias"):
-        if prepared.tensors[key] is not None:
-            total += prepared.tensors[key].numel() * 4
+    for b in (src.w13_bias, src.w2_bias):
+        if b is not None:
+            total += b.numel() * b.element_size()
     return total / prepared.spec.num_experts
 
 
@@ -363,7 +367,8 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
                        tiles=str(X.lookup_tiles(T, k, E, I, H, scheme,
                                                 torch.cuda.get_device_name(),
                                                 dtype_bytes=prepared.tensors["w13"].data
-                                                .element_size())))
+                                                .element_size(),
+                                                layout=X.weight_layout(prepared.tensors["w13"]))))
             if T >= 1024:
                 try:
                     row["stages_us"] = stage_breakdown(prepared, T, k)
@@ -402,7 +407,13 @@ def _toggles():
         "stiles": (X, "SCALE_TILES", (False, True), (1, 1024, 4096, 16384)),
         # 128-row blocks whose second half is padding run a 64-row tile (off: never)
         "split": (X, "SPLIT_MIN_BLOCK_M", (None, 128), (4096, 16384)),
+        # e2m1 weights in the split layout (off) or the fragment layout (on); prepare-time
+        "fragment": (X, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096)),
     }
+
+
+# Switches read when weights are prepared: their A/B prepares the weights once per value.
+PREPARE_TIME_TOGGLES = {"fragment"}
 
 
 def part_toggle(plan, rows, part, rounds: int = 1):
@@ -415,13 +426,23 @@ def part_toggle(plan, rows, part, rounds: int = 1):
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        spec = weights.spec(Activation(act_name))
+        if part in PREPARE_TIME_TOGGLES:
+            prepared = {}
+            for value in (off, on):
+                setattr(module, attr, value)
+                prepared[value] = TritonBackend().prepare_weights(weights, spec)
+            setattr(module, attr, saved)
+        else:
+            one = TritonBackend().prepare_weights(weights, spec)
+            prepared = {off: one, on: one}
         for T in tokens:
             times = {"off_us": [], "on_us": []}
             for r in range(rounds):  # off first in even rounds, on first in odd ones
                 for name, value in (("off_us", off), ("on_us", on))[:: 1 - 2 * (r % 2)]:
                     setattr(module, attr, value)
-                    times[name].append(time_fused(prepared, T, k, 8 if T <= 64 else 2)[0] * 1e3)
+                    ms = time_fused(prepared[value], T, k, 8 if T <= 64 else 2)[0]
+                    times[name].append(ms * 1e3)
             setattr(module, attr, saved)
             ratios = [a / b for a, b in zip(times["off_us"], times["on_us"], strict=True)]
             row = dict(part=part, preset=preset, scheme=scheme, T=T, rounds=rounds,

@@ -35,14 +35,17 @@ from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-# (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, MERGED_SCALE, scale pointer type)
+# (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, MERGED_SCALE, scale pointer type,
+#  FRAG); e2m1 schemes as prepared (fragment layout), and "...s" in the split layout.
 SCHEMES = {
-    "mxfp4": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, True, "*u8"),
-    "mxfp4u": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, False, "*u8"),
-    "nvfp4": (K.WF_E2M1, K.SF_E4M3, 16, 16, False, True, False, "*u8"),
-    "int4": (K.WF_UINT4, K.SF_FP32, 128, 64, False, False, False, "*fp32"),
-    "bf16": (K.WF_PLAIN, K.SF_NONE, 0, 0, False, False, False, "*fp32"),
-    "fp8_block": (K.WF_FP8, K.SF_FP32, 128, 0, False, False, False, "*fp32"),
+    "mxfp4": (K.WF_E2M1, K.SF_E8M0, 32, 0, False, False, True, "*u8", True),
+    "mxfp4u": (K.WF_E2M1, K.SF_E8M0, 32, 0, False, False, False, "*u8", True),
+    "nvfp4": (K.WF_E2M1, K.SF_E4M3, 16, 0, False, True, False, "*u8", True),
+    "mxfp4s": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, True, "*u8", False),
+    "nvfp4s": (K.WF_E2M1, K.SF_E4M3, 16, 16, False, True, False, "*u8", False),
+    "int4": (K.WF_UINT4, K.SF_FP32, 128, 64, False, False, False, "*fp32", False),
+    "bf16": (K.WF_PLAIN, K.SF_NONE, 0, 0, False, False, False, "*fp32", False),
+    "fp8_block": (K.WF_FP8, K.SF_FP32, 128, 0, False, False, False, "*fp32", False),
 }
 
 
@@ -73,11 +76,11 @@ def compile_variant(spec: str, arch: int):
     # "fp8_block_pc": per-column weight block scales (no UNIFORM_WS alignment).
     uniform = scheme != "fp8_block_pc"
     scheme = scheme.removesuffix("_pc")
-    wf, sf, group_k, half, zp, gscale, merged, scale_ty = SCHEMES[scheme]
+    wf, sf, group_k, half, zp, gscale, merged, scale_ty, frag = SCHEMES[scheme]
     gemm1 = gemm == "1"
     # Packed schemes model GPT-OSS (interleaved gate/up, biases, swiglu_oai); the others a
     # DeepSeek/Qwen-style layer (gate rows then up rows, silu, no biases).
-    gpt_oss = half > 0
+    gpt_oss = wf in (K.WF_E2M1, K.WF_UINT4)
     qdot = wf == K.WF_FP8
     consts = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), BLOCK_K=int(bk), GROUP_M=8, EVEN_K=True,
                   GATED=gemm1, INTERLEAVED=gemm1 and gpt_oss,
@@ -91,7 +94,7 @@ def compile_variant(spec: str, arch: int):
                   # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
                   OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
                   INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90,
-                  S_PREFETCH=True, S_TILE=True)
+                  S_PREFETCH=True, S_TILE=True, FRAG=frag)
     consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm))
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"

@@ -381,6 +381,7 @@ def test_packed_k_steps_of_several_chunks(scheme, activation, chunks, prefetch, 
     one chunk load their scale codes a step ahead (``prefetch``; the last step's prefetch
     lies past K) or in the step itself."""
     monkeypatch.setattr(experts, "SCALE_PREFETCH", prefetch)
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
     torch.manual_seed(3)
     act = moerunner.Activation(activation)
     size = 128 if scheme == "int4" else 96
@@ -518,7 +519,7 @@ def test_shipped_tile_files_follow_the_schema():
         assert doc["schema"] == tile_config.SCHEMA
         key = doc["key"]
         assert path.name == tile_config.config_file_name(
-            key["E"], key["N"], key["K"], key["scheme"], key["device"]
+            key["E"], key["N"], key["K"], key["scheme"], key["device"], key.get("layout")
         )
         for entry in doc["by_tokens"].values():
             tile_config.MoeTiles.from_dict(entry)
@@ -529,10 +530,11 @@ def test_shipped_tile_files_follow_the_schema():
     [("mxfp4", 96, 16), ("mxfp4", 512, 16), ("mxfp4", 576, 32), ("nvfp4", 96, 16),
      ("int4_g32", 96, 8), ("int4", 384, None)],
 )  # fmt: skip
-def test_packed_group_scales_are_padded_for_step_tiles(scheme, k, groups):
-    """Group scales of packed weights with one group per half are zero-padded to whole
-    16-byte rows of a multiple of 8 groups (what the kernel's per-step scale tiles read);
-    int4's 128-groups span two halves and keep their shape."""
+def test_packed_group_scales_are_padded_for_step_tiles(scheme, k, groups, monkeypatch):
+    """Group scales of packed weights in the split layout with one group per half are
+    zero-padded to whole 16-byte rows of a multiple of 8 groups (what the kernel's per-step
+    scale tiles read); int4's 128-groups span two halves and keep their shape."""
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)
     w = moerunner.quantize(torch.randn(2, 8, k, device=DEVICE), scheme)
     kw = experts.kernel_weight(w)
     raw = experts._as_bytes(w.scale)
@@ -584,3 +586,105 @@ def test_backend_declares_interpreter_bf16_limit():
     ok, reason = backend.supports(problem)
     if triton_pkg.interpreted():
         assert not ok and "interpreter" in reason
+
+
+def _fragment_codes(storage: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of ``experts.fragment_packed`` written from its documented layout, element by
+    element: storage row 8b + g, byte t*32 + a*4 + r*2 + j of chunk q holds weight row
+    16b + 8r + g at k = 128q + 16a + 2t + j (low nibble) and k + 8 (high nibble)."""
+    e, rows2, kp = storage.shape
+    out = torch.full((e, 2 * rows2, kp), 255, dtype=torch.uint8)
+    for b in range(rows2 // 8):
+        for g in range(8):
+            for q in range(kp // 128):
+                for t in range(4):
+                    for a in range(8):
+                        for r in range(2):
+                            for j in range(2):
+                                byte = storage[:, 8 * b + g, 128 * q + 32 * t + 4 * a + 2 * r + j]
+                                row, kk = 16 * b + 8 * r + g, 128 * q + 16 * a + 2 * t + j
+                                out[:, row, kk] = byte & 0xF
+                                out[:, row, kk + 8] = byte >> 4
+    assert (out != 255).all()  # every (row, k) written once is checked by the comparison
+    return out
+
+
+@pytest.mark.parametrize("n,k,pairs", [(32, 128, False), (48, 160, True), (300, 96, False)])
+def test_fragment_layout_keeps_every_nibble(n, k, pairs):
+    """The fragment layout holds every code of the packed weight at its documented place,
+    rows in gate/up pair order when asked, and zeros in the row and K padding."""
+    gen = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(0, 16, (2, n, k), dtype=torch.uint8, generator=gen)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    order = experts.gate_up_pair_order(n) if pairs else None
+    storage = experts.fragment_packed(packed, k, order)
+    n_pad, k_pad = -(-n // 256) * 256, -(-k // 128) * 128
+    assert storage.shape == (2, n_pad // 2, k_pad)
+    got = _fragment_codes(storage, n, k)
+    want = codes if order is None else codes[:, order]
+    if pairs:  # (gate c, up c): rows c and c + n / 2 of the stored weight
+        assert torch.equal(want[:, 1], codes[:, n // 2]) and torch.equal(want[:, 2], codes[:, 1])
+    assert torch.equal(got[:, :n, :k], want)
+    assert not got[:, n:].any() and not got[:, :, k:].any()
+
+
+def test_fragment_scales_follow_the_rows():
+    """Scale codes in the fragment layout: the weight's row order, zero-padded rows and
+    groups (whole 128-wide K chunks)."""
+    s = torch.randint(1, 255, (2, 6, 3), dtype=torch.uint8)
+    order = experts.gate_up_pair_order(6)
+    out = experts.fragment_scales(s, 96, 32, order)
+    assert out.shape == (2, 256, 4)
+    assert torch.equal(out[:, :6, :3], s[:, order]) and not out[:, 6:].any()
+    assert not out[:, :, 3:].any()
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 64, 128])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
+def test_fragment_layout_matches_torch_backend(scheme, activation, block_n):
+    """e2m1 weights in the fragment layout (the default for them): tiles of 16 to 256 weight
+    rows, gate rows then up rows (silu, stored as pairs), interleaved gate/up with biases
+    (swiglu) and non-gated (relu2); H = 96 and I = 160 leave partial K chunks and row tiles,
+    one id is -1. fp32 throughout, against the torch backend's emulation."""
+    torch.manual_seed(block_n)
+    act = moerunner.Activation(activation)
+    T, H, I, E, k = 6, 96, 160, 3, 2
+    n13 = 2 * I if act.gated else I
+    inter = activation == "swiglu_oai"
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, n13, H, device=DEVICE) / H**0.5, scheme),
+        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme),
+        torch.randn(E, n13, device=DEVICE) * 0.1 if inter else None,
+        torch.randn(E, H, device=DEVICE) * 0.1 if inter else None,
+        inter,
+    )
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    assert prepared.tensors["w13"].constexprs["FRAG"]
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    ids[3, 1] = -1
+    wts = torch.rand(T, k, device=DEVICE)
+    g1 = tile_config.TileConfig(16, block_n, 128, 1, 4, 2)
+    g2 = tile_config.TileConfig(16, 2 * block_n, 64, 1, 4, 2)  # block_k: 128 is forced
+    out = experts.fused_standard(x, wts, ids, prepared, tiles=tile_config.MoeTiles(g1, g2))
+    assert _rel(out, _run("torch", x, weights, act, wts, ids)) < 1e-5
+
+
+def test_fragment_layout_rejects_a_tile_it_cannot_take():
+    """A gated tile of 2 * 256 weight rows exceeds the layout's row padding: a clear error
+    naming the limit, not an out-of-bounds read."""
+    act = moerunner.Activation("silu")
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(2, 64, 32, device=DEVICE), "mxfp4"),
+        moerunner.quantize(torch.randn(2, 32, 32, device=DEVICE), "mxfp4"),
+    )
+    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    tile = tile_config.TileConfig(16, 256, 128, 1, 4, 2)
+    x = torch.randn(3, 32, device=DEVICE)
+    ids = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(MoeInputError, match="fragment layout.*512 rows"):
+        experts.fused_standard(
+            x, torch.ones(3, 1, device=DEVICE), ids, prepared,
+            tiles=tile_config.MoeTiles(tile, tile),
+        )  # fmt: skip

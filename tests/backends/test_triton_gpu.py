@@ -178,6 +178,7 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales, monkeypat
 
     monkeypatch.setattr(experts, "SCALE_PREFETCH", scales == "ahead")
     monkeypatch.setattr(experts, "SCALE_TILES", scales == "ahead")
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
 
     dev = torch.device("cuda")
     torch.manual_seed(chunks)
@@ -203,6 +204,58 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales, monkeypat
     ref = moerunner.reference_moe(x, weights, wts, ids, act)
     assert not torch.isnan(out).any()
     assert _rel(out, ref) < (3e-2 if scheme == "mxfp4_mxfp8" else 2e-2)
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n,warps,stages",
+    [(16, 32, 4, 3), (16, 64, 4, 4), (16, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+)
+@pytest.mark.parametrize("activation", ["swiglu_oai", "silu"])
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4", "mxfp4_mxfp8"])
+def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stages, monkeypatch):
+    """e2m1 weights in the fragment layout with bf16 activations: the inline-PTX decode
+    feeding the MMA's register operand, over decode and prefill tiles of 32 to 256 weight rows
+    and one or two warpgroups. GPT-OSS-style (interleaved gate/up, biases, swiglu) and gate
+    rows then up rows (silu); H = 352 and I = 160 end in partial K chunks and row tiles.
+    Against the float64 reference within the scheme matrix's bf16 bound, and against the
+    split layout (the same exactly decoded weights; accumulation order and bf16 rounding of
+    the intermediate differ)."""
+    from moerunner.backends.triton import TritonBackend, experts
+    from moerunner.backends.triton.experts import fused_standard
+    from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
+
+    dev = torch.device("cuda")
+    torch.manual_seed(block_n + block_m)
+    H, I, E, T, k = 352, 160, 8, 37, 4
+    act = moerunner.Activation(activation)
+    inter = activation == "swiglu_oai"
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, scheme),
+        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, scheme),
+        torch.randn(E, 2 * I, device=dev) * 0.1 if inter else None,
+        torch.randn(E, H, device=dev) * 0.1 if inter else None,
+        inter,
+    )
+    frag = TritonBackend().prepare_weights(weights, weights.spec(act))
+    assert frag.tensors["w13"].constexprs["FRAG"] and frag.tensors["w2"].constexprs["FRAG"]
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)
+    split = TritonBackend().prepare_weights(weights, weights.spec(act))
+    x = torch.randn(T, H, device=dev).bfloat16()
+    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
+    ids[::5, 1] = -1
+    wts = torch.rand(T, k, device=dev)
+    tile = TileConfig(block_m, block_n, 128, 1, warps, stages)
+    out = fused_standard(x, wts, ids, frag, tiles=MoeTiles(tile, tile))
+    assert not torch.isnan(out).any()
+    ref = moerunner.reference_moe(x, weights, wts, ids, act)
+    assert _rel(out, ref) < (3e-2 if scheme == "mxfp4_mxfp8" else 2e-2)
+    small = TileConfig(16, 64, 128, 1, 4, 3)
+    base = fused_standard(x, wts, ids, split, tiles=MoeTiles(small, small))
+    # Both layouts decode the same weights exactly; the rest is bf16 rounding of the
+    # intermediate and output in a different summation order (~1e-2 of one bf16 ulp apart
+    # per element on average), and for mxfp4_mxfp8 the fp8 codes of GEMM2's input that such
+    # a rounding difference moves.
+    assert _rel(out, base) < (2e-2 if scheme == "mxfp4_mxfp8" else 5e-3)
 
 
 @pytest.mark.parametrize("inter", [2048, 704])

@@ -24,6 +24,7 @@ from ._quant_kernel import quant_groups_e4m3
 from ._weight_decode import (
     _column,
     _decode_scale,
+    _fragment_tile,
     _half_group_codes,
     _split_halves,
     _step_scale_codes,
@@ -231,6 +232,7 @@ def _gemm_block(
     FP8_ROUND_FIRST: tl.constexpr,
     S_PREFETCH: tl.constexpr,
     S_TILE: tl.constexpr,
+    FRAG: tl.constexpr,
 ):
     """One output tile: rows ``rows_out`` (BLOCK_M of them; ``num_rows`` marks padding) of
     expert ``expert`` times weight columns block ``pid_n``, K loop and epilogue (see
@@ -281,7 +283,7 @@ def _gemm_block(
     else:
         sg_stride_n = 0
     a_row_ptrs = a_ptr + a_rows[:, None] * stride_am
-    PACKED: tl.constexpr = W_FORMAT == 3 or W_FORMAT == 4
+    PACKED: tl.constexpr = (W_FORMAT == 3 or W_FORMAT == 4) and HALF > 0  # split layout
     # S_PREFETCH with one chunk per K step: the step's scale codes were loaded by the step
     # before, so they are not a global load the step waits on. (Triton does not pipeline
     # these loads: one byte per thread is below its asynchronous-copy width.)
@@ -296,8 +298,29 @@ def _gemm_block(
         s_lo_n, s_hi_n = _half_group_codes(
             s_base, rows_w, 0, K, stride_sn, stride_sk, GROUP_K, HALF
         )
+    if FRAG:
+        # Weights as the MMA's left operand, decoded in registers: acc^T = W @ A^T.
+        acc_t = tl.zeros((WIDTH, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if PACKED:
+        if FRAG:
+            w_t = _fragment_tile(
+                w_base,
+                s_base,
+                pid_n * WIDTH,
+                k0,
+                stride_wn,
+                stride_sn,
+                stride_sk,
+                COMPUTE,
+                WIDTH,
+                GROUP_K,
+                SCALE_FMT,
+                BF16_FP4,
+                MERGED_SCALE,
+            )
+            a = _a_tile(a_row_ptrs, k0, K, stride_ak, BLOCK_K, EVEN_K)
+            acc_t = _mma(w_t, tl.trans(a), acc_t, False, IEEE)
+        elif PACKED:
             s_lo_c = s_lo_n
             s_hi_c = s_hi_n
             if STILE:
@@ -420,6 +443,8 @@ def _gemm_block(
             )
             acc = _mma(a, b, acc, IS_INT, IEEE)
 
+    if FRAG:
+        acc = tl.trans(acc_t)
     acc = acc.to(tl.float32)
     # Scales that are constant along K are applied once, after the loop.
     if A_SCALE == 1:
@@ -537,6 +562,7 @@ def moe_gemm_kernel(
     S_PREFETCH: tl.constexpr,
     S_TILE: tl.constexpr,
     SPLIT_M: tl.constexpr,
+    FRAG: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -558,6 +584,9 @@ def moe_gemm_kernel(
     tile (an expert's last block: with ~BLOCK_M rows per expert about a third of all blocks).
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
+    FRAG: e2m1 weights in the fragment layout (``experts.fragment_packed``; BLOCK_K 128): the
+    tile's weight rows are rows pid_n * WIDTH on of that layout (w13 as gate/up row pairs),
+    decoded in registers as the MMA's left operand against the transposed A tile.
     """
     _pdl.enter(PDL)
     pid = tl.program_id(0)
@@ -663,4 +692,5 @@ def moe_gemm_kernel(
                 FP8_ROUND_FIRST,
                 S_PREFETCH,
                 S_TILE,
+                FRAG,
             )

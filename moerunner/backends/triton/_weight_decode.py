@@ -248,3 +248,50 @@ def _split_halves(
         lo_t = (lo_v * _decode_scale(s_lo, SCALE_FMT)[None, :]).to(COMPUTE)
         hi_t = (hi_v * _decode_scale(s_hi, SCALE_FMT)[None, :]).to(COMPUTE)
     return lo_t, hi_t
+
+
+@triton.jit
+def _fragment_tile(
+    w_base,
+    s_base,
+    row0,
+    k0,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    COMPUTE: tl.constexpr,
+    WIDTH: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    BF16_FP4: tl.constexpr,
+    MERGED_SCALE: tl.constexpr,
+):
+    """Dequantized ``[WIDTH, 128]`` tile (weight rows ``row0`` on, K from ``k0``) of e2m1
+    weights in the fragment layout of ``experts.fragment_packed``, in ``COMPUTE``: the MMA's
+    left operand. The reshapes and permutes below only rename elements: with the tile as an
+    MMA operand in registers, each thread's loaded bytes decode into its own fragments."""
+    # Storage rows hold weight rows (g, g + 8) of each 16-row block; a chunk's 128 bytes per
+    # storage row are (t, a, r, j) with the MMA's thread-in-group t outermost.
+    srows = row0 // 2 + tl.arange(0, WIDTH // 2)
+    q = tl.load(w_base + srows[:, None] * stride_wn + (k0 + tl.arange(0, 128))[None, :])
+    q = tl.permute(tl.reshape(q, (WIDTH // 16, 8, 4, 8, 2, 2)), (0, 4, 1, 2, 3, 5))
+    packed = tl.reshape(q, (WIDTH, 64))  # row, byte (t, a, j)
+    # One scale group of GROUP_K (16 or 32) spans 16 // G_STEP consecutive bytes of a t.
+    G_STEP: tl.constexpr = 128 // GROUP_K
+    rows = row0 + tl.arange(0, WIDTH)
+    offs_g = k0 // GROUP_K + tl.arange(0, G_STEP)
+    s = tl.load(s_base + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk)
+    if BF16_FP4:
+        s = _scale_bf16(s, SCALE_FMT, MERGED_SCALE)
+    else:
+        s = _decode_scale(s, SCALE_FMT)
+    s = tl.broadcast_to(tl.reshape(s, (WIDTH, 1, G_STEP, 1)), (WIDTH, 4, G_STEP, 16 // G_STEP))
+    s = tl.reshape(s, (WIDTH, 64))
+    if BF16_FP4:
+        lo, hi = _e2m1_halves_bf16(packed, s, s, MERGED_SCALE)
+    else:
+        lo = (_decode_e2m1(packed & 0xF) * s).to(COMPUTE)
+        hi = (_decode_e2m1(packed >> 4) * s).to(COMPUTE)
+    # (t, a, j, nibble) -> k = 16a + 8 * nibble + 2t + j
+    w = tl.permute(tl.reshape(tl.join(lo, hi), (WIDTH, 4, 8, 2, 2)), (0, 2, 4, 1, 3))
+    return tl.reshape(w, (WIDTH, 128))

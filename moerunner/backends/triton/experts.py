@@ -116,8 +116,12 @@ def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.contiguous()
 
 
-def kernel_weight(w: Any) -> KernelWeight:
-    """Describe a plain or quantized weight for the kernel (done once, in prepare)."""
+def kernel_weight(w: Any, gate_up_pairs: bool = False) -> KernelWeight:
+    """Describe a plain or quantized weight for the kernel (done once, in prepare).
+
+    ``gate_up_pairs``: ``w`` is a gated w13 stored gate rows then up rows; layouts that keep
+    a tile's rows contiguous (``fragment_packed``) store it as (gate, up) row pairs instead,
+    the column order of the kernel's gated tile."""
     if not is_quantized(w):
         return KernelWeight(
             w.contiguous(),
@@ -137,6 +141,7 @@ def kernel_weight(w: Any) -> KernelWeight:
                 HAS_GSCALE=False,
                 HALF=0,
                 MERGED_SCALE=False,
+                FRAG=False,
             ),
         )
     scheme = w.scheme
@@ -166,6 +171,7 @@ def kernel_weight(w: Any) -> KernelWeight:
         HAS_GSCALE=w.global_scale is not None,
         HALF=0,
         MERGED_SCALE=False,
+        FRAG=False,
     )
     if qdot and gran == "block" and group_k != 128:
         raise MoeInputError(
@@ -173,17 +179,23 @@ def kernel_weight(w: Any) -> KernelWeight:
         )
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = w.data.contiguous()
+    scale = _as_bytes(w.scale)
     if scheme.packed:
-        consts["HALF"] = split_half(scheme)
-        data = split_packed(data, w.shape[2], consts["HALF"])
         # e8m0 scales up to 2^1 can carry the fp4 decode's 2^126 in bf16: one multiply per
         # weight pair instead of two (real checkpoints' scales are far below that).
         consts["MERGED_SCALE"] = scheme.scale_format == "e8m0" and (
             w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128
         )
-    scale = _as_bytes(w.scale)
-    if scheme.packed and consts["HALF"] == group_k:
-        scale = pad_scale_groups(scale)
+        if fragment_ok(scheme):
+            consts["FRAG"] = True
+            order = gate_up_pair_order(w.shape[1]) if gate_up_pairs else None
+            data = fragment_packed(data, w.shape[2], order)
+            scale = fragment_scales(scale, w.shape[2], group_k, order)
+        else:
+            consts["HALF"] = split_half(scheme)
+            data = split_packed(data, w.shape[2], consts["HALF"])
+            if consts["HALF"] == group_k:
+                scale = pad_scale_groups(scale)
     return KernelWeight(
         data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
     )
@@ -244,11 +256,93 @@ def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
     return out
 
 
+# The fragment layout of packed e2m1 weights (mxfp4, nvfp4). The kernel computes
+# acc^T = W @ A^T with the dequantized weights as the MMA's left operand held in registers
+# (Hopper's wgmma takes A from registers), so each thread decodes exactly the values of its
+# own MMA fragments: no shared-memory round trip or register shuffle between the decode and
+# the MMA. For 16-bit operands a thread's fragment of rows (g, g + 8) of a 16-row block and
+# a 16-wide K step is k = 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4, g = lane // 4). Within a
+# chunk of FRAGMENT_K = 128 along K this layout stores, per pair of rows (g, g + 8) of each
+# 16-row block, the 32 bytes of each t contiguously; byte (a, r, j) of a run (a = 0..7, r =
+# 0 for row g and 1 for g + 8, j = 0, 1) holds k = 16a + 2t + j in its low nibble and
+# k = 16a + 8 + 2t + j in its high one. So a 4-byte word decodes (``_e2m1_halves_bf16``)
+# into four bf16x2 registers that are MMA fragments as they stand, its 8 values share one
+# scale group of 16 or 32 per row, and a thread loads its bytes 16 at a time.
+FRAGMENT_K = 128
+# Rows are zero-padded to a multiple of the widest tile (2 * BLOCK_N <= 256 rows).
+FRAGMENT_ROWS = 256
+#: Packed e2m1 weights are prepared in the fragment layout (else the split layout).
+FRAGMENT_E2M1 = True
+
+
+def fragment_ok(scheme: Any) -> bool:
+    """Whether ``scheme``'s weights are prepared in the fragment layout: e2m1 with scale
+    groups of 16 or 32 (one group per decoded word), while ``FRAGMENT_E2M1`` is on."""
+    return (
+        FRAGMENT_E2M1
+        and scheme.weight_format == "e2m1"
+        and scheme.granularity == "group"
+        and scheme.block_shape[1] in (16, 32)
+    )
+
+
+def weight_layout(w: KernelWeight) -> str | None:
+    """Name of ``w``'s prepared layout where its tiles are tuned apart from the scheme's
+    default: "fragment" for e2m1 in the fragment layout, else None."""
+    return "fragment" if w.constexprs["FRAG"] else None
+
+
+def gate_up_pair_order(rows: int) -> torch.Tensor:
+    """Row order of a gated w13 (gate rows, then up rows) as (gate c, up c) pairs."""
+    half = torch.arange(rows // 2)
+    return torch.stack((half, half + rows // 2), dim=1).reshape(-1)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def fragment_packed(
+    data: torch.Tensor, k: int, row_order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Packed e2m1 ``[E, N, K/2]`` (byte j: k = 2j low nibble, 2j + 1 high) to the fragment
+    layout ``[E, N_pad / 2, K_pad]`` (module comment above): rows taken in ``row_order``
+    (default: as stored) and zero-padded to a multiple of ``FRAGMENT_ROWS``, K zero-padded
+    to a multiple of ``FRAGMENT_K``. Storage row ``8b + g`` holds weight rows ``16b + g``
+    and ``16b + g + 8``. Done once per expert at prepare time."""
+    e, n, _ = data.shape
+    n_pad, k_pad = _round_up(n, FRAGMENT_ROWS), _round_up(k, FRAGMENT_K)
+    out = torch.empty(e, n_pad // 2, k_pad, dtype=torch.uint8, device=data.device)
+    for i in range(e):
+        codes = torch.stack((data[i] & 0xF, data[i] >> 4), dim=-1).reshape(n, -1)[:, :k]
+        if row_order is not None:
+            codes = codes[row_order.to(codes.device)]
+        codes = torch.nn.functional.pad(codes, (0, k_pad - k, 0, n_pad - n))
+        # rows (block, r, g), k (chunk, a, nibble, t, j)
+        c = codes.view(n_pad // 16, 2, 8, k_pad // FRAGMENT_K, 8, 2, 4, 2)
+        byte = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # block, r, g, chunk, a, t, j
+        out[i] = byte.permute(0, 2, 3, 5, 4, 1, 6).reshape(n_pad // 2, k_pad)
+    return out
+
+
+def fragment_scales(
+    scale: torch.Tensor, k: int, group_k: int, row_order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Group scale codes ``[E, N, G]`` for the fragment layout: rows in ``row_order`` and
+    zero-padded like ``fragment_packed``'s, groups zero-padded to whole K chunks."""
+    if row_order is not None:
+        scale = scale[:, row_order.to(scale.device)]
+    e, n, g = scale.shape
+    pad_g = _round_up(k, FRAGMENT_K) // group_k - g
+    pad_n = _round_up(n, FRAGMENT_ROWS) - n
+    return torch.nn.functional.pad(scale, (0, pad_g, 0, pad_n)).contiguous()
+
+
 def prepare(weights: ExpertWeights, spec: ExpertSpec, name: str) -> PreparedWeights:
     """Make the kernels' view of the weights once (contiguous, byte views, fp32 biases)."""
     prepared = PreparedWeights(backend=name, source=weights, spec=spec)
     t = prepared.tensors
-    t["w13"] = kernel_weight(weights.w13)
+    t["w13"] = kernel_weight(weights.w13, gate_up_pairs=spec.gated and not spec.gate_up_interleaved)
     t["w2"] = kernel_weight(weights.w2)
     for key, bias in (("w13_bias", weights.w13_bias), ("w2_bias", weights.w2_bias)):
         t[key] = None if bias is None else bias.float().contiguous()
@@ -482,6 +576,16 @@ def _launch_gemm(
     if half:  # packed 4-bit: whole chunks of the split layout per K step
         chunk = 2 * half
         tile = dataclasses.replace(tile, block_k=max(chunk, tile.block_k // chunk * chunk))
+    gated = spec is not None and spec.gated
+    if consts["FRAG"]:  # one chunk of the fragment layout per K step
+        tile = dataclasses.replace(tile, block_k=FRAGMENT_K)
+        width = 2 * tile.block_n if gated else tile.block_n
+        if width % 16 or FRAGMENT_ROWS % width:
+            raise MoeInputError(
+                f"e2m1 weights in the fragment layout need tiles of 16 to {FRAGMENT_ROWS} "
+                f"weight rows, a power of two; got block_n {tile.block_n} "
+                f"({width} rows{' with gate and up' if gated else ''})"
+            )
     group_k = consts["GROUP_K"]
     if (
         group_k
@@ -501,7 +605,6 @@ def _launch_gemm(
     )
     b = bias if bias is not None else dummy
     b_strides = (b.stride(0), b.stride(1)) if bias is not None else (0, 0)
-    gated = spec is not None and spec.gated
     interleaved = gated and spec.gate_up_interleaved
     num_m_blocks = rows.num_blocks
     grid = (num_m_blocks * _cdiv(n_out, tile.block_n),)
@@ -638,6 +741,7 @@ def run_kernel_sequence(
             w13.scheme.name if w13.scheme is not None else _plain(a_RH.dtype),
             _device_name(dev),
             dtype_bytes=w13.data.element_size(),
+            layout=weight_layout(w13),
         )
     bm = tiles.gemm1.block_m
     fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1)

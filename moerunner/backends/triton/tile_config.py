@@ -64,9 +64,13 @@ def device_key(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
 
 
-def config_file_name(num_experts: int, n: int, k: int, scheme: str, device_name: str) -> str:
-    """Name of the tuned file for one shape, scheme and device."""
-    return f"E={num_experts},N={n},K={k},scheme={scheme},device={device_key(device_name)}.json"
+def config_file_name(
+    num_experts: int, n: int, k: int, scheme: str, device_name: str, layout: str | None = None
+) -> str:
+    """Name of the tuned file for one shape, scheme, weight layout (None: the scheme's only
+    or default one) and device."""
+    lay = f",layout={layout}" if layout else ""
+    return f"E={num_experts},N={n},K={k},scheme={scheme}{lay},device={device_key(device_name)}.json"
 
 
 def write_config_file(
@@ -78,11 +82,15 @@ def write_config_file(
     device_name: str,
     tiles_by_tokens: dict[int, MoeTiles],
     extra: dict | None = None,
+    layout: str | None = None,
 ) -> None:
-    """Write one tuned file in the shared schema."""
+    """Write one tuned file in the shared schema (``layout`` as in ``config_file_name``)."""
+    key = {"E": num_experts, "N": n, "K": k, "scheme": scheme, "device": device_name}
+    if layout:
+        key["layout"] = layout
     doc = {
         "schema": SCHEMA,
-        "key": {"E": num_experts, "N": n, "K": k, "scheme": scheme, "device": device_name},
+        "key": key,
         "by_tokens": {str(t): tiles.to_dict() for t, tiles in sorted(tiles_by_tokens.items())},
     }
     if extra:
@@ -146,12 +154,14 @@ def lookup_tiles(
     device_name: str | None,
     config_dir: Path | None = None,
     dtype_bytes: int = 2,
+    layout: str | None = None,
 ) -> MoeTiles:
-    """Tuned tiles for the nearest token count, else ``heuristic_tiles``."""
+    """Tuned tiles for the nearest token count, else ``heuristic_tiles``. ``layout`` names
+    a prepared weight layout whose tiles are tuned apart (``experts.weight_layout``)."""
     if device_name is not None:
         folder = CONFIG_DIR if config_dir is None else Path(config_dir)
         table = load_config_file(
-            str(folder / config_file_name(num_experts, n, k, scheme, device_name))
+            str(folder / config_file_name(num_experts, n, k, scheme, device_name, layout))
         )
         if table:
             nearest = min(table, key=lambda t: (abs(t - num_tokens), t))

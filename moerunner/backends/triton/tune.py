@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...quant import get_scheme
-from .experts import split_half
+from .experts import split_half, weight_layout
 from .tile_config import (
     CONFIG_DIR,
     MoeTiles,
@@ -42,16 +42,27 @@ PRESETS = {  # name: (H, I, E, top_k, activation)
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def candidate_tiles(num_tokens: int, top_k: int, num_experts: int, scheme: str) -> list[TileConfig]:
-    """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these)."""
+def candidate_tiles(
+    num_tokens: int, top_k: int, num_experts: int, scheme: str, layout: str | None = None
+) -> list[TileConfig]:
+    """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these);
+    ``layout`` is the weights' ``experts.weight_layout``."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     packed = get_scheme(scheme).packed
     quant8 = scheme.startswith(("fp8", "int8"))  # 8-bit operands fed to the MMA
     bks = (128,) if scheme.startswith("fp8_block") or packed else (64, 128)
     out = []
+    if packed and rows_per_expert <= 16 and layout == "fragment":
+        # e2m1 in the fragment layout at decode: K steps are one 128-wide chunk, so search the
+        # tile's weight rows (2 * BLOCK_N for the gated GEMM1; tiles the layout cannot take
+        # are skipped when they raise), the warps decoding them and the pipeline depth.
+        for bn in (32, 64, 128, 256):
+            for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4)):
+                out.append(TileConfig(16, bn, 128, 1, warps, stages))
+        return out
     if packed and rows_per_expert <= 16:
-        # Packed 4-bit at decode: the weight decode dominates, so search how many chunks of
-        # the split layout one K step covers (per-step overhead) and the warps decoding them.
+        # Packed 4-bit in the split layout at decode: the weight decode dominates, so search
+        # how many chunks one K step covers (per-step overhead) and the warps decoding them.
         # Beyond decode a K step is 128 elements (whole chunks, see the launcher).
         # BLOCK_N 16 is a 32-column MMA for a gated GEMM1, one n8 slice per warp of four.
         chunk = 2 * split_half(get_scheme(scheme))
@@ -134,7 +145,7 @@ def tune_tokens(
     cands = (
         list(candidates)
         if candidates is not None
-        else candidate_tiles(num_tokens, top_k, num_experts, scheme)
+        else candidate_tiles(num_tokens, top_k, num_experts, scheme, weight_layout(w13))
     )
     x = torch.randn(num_tokens, hidden, device=dev, dtype=dtype)
     ids = torch.rand(num_tokens, num_experts, device=dev).topk(top_k, dim=1).indices
@@ -319,7 +330,8 @@ def tune_preset(
         return None, {}
     name = torch.cuda.get_device_name(dev)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name)
+    layout = weight_layout(prepared.tensors["w13"])
+    path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name, layout)
     if path.is_file():  # keep the token counts not searched this time
         load_config_file.cache_clear()
         earlier = load_config_file(str(path)) or {}
@@ -335,6 +347,7 @@ def tune_preset(
         name,
         found,
         {"gemm_ms": {str(k): v for k, v in sorted(timings.items())}},
+        layout,
     )
     load_config_file.cache_clear()
     return path, timings
