@@ -408,7 +408,7 @@ def _toggles():
         # 128-row blocks whose second half is padding run a 64-row tile (off: never)
         "split": (X, "SPLIT_MIN_BLOCK_M", (None, 128), (4096, 16384)),
         # e2m1 weights in the split layout (off) or the fragment layout (on); prepare-time
-        "fragment": (X, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096)),
+        "fragment": (X, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096, 16384)),
     }
 
 
@@ -540,9 +540,11 @@ def part_warm(plan, jobs: int):
                 cmd = [sys.executable, __file__, "--parts", "warm", "--jobs", "1",
                        "--out", tempfile.mkdtemp(), "--presets", f"{preset}:{scheme}",
                        "--tune-tokens", *map(str, tokens)]
-                for name, (module, attr, (off, _), _) in _toggles().items():
-                    if getattr(module, attr) == off:
+                for name, (module, attr, (_off, on), _) in _toggles().items():
+                    if getattr(module, attr) != on:
                         cmd += ["--off", name]
+                    else:
+                        cmd += ["--on", name]
                 running.append((f"{preset}:{scheme}", subprocess.Popen(cmd)))
             time.sleep(0.5)
             for item in list(running):
@@ -592,10 +594,15 @@ def main():
     ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for tune")
     ap.add_argument("--off", action="append", default=[], choices=sorted(_toggles()),
                     help="run every part with this switch off (repeatable)")
+    ap.add_argument("--on", action="append", default=[], choices=sorted(_toggles()),
+                    help="run every part with this switch on (repeatable)")
     args = ap.parse_args()
     for name in args.off:
         module, attr, (off, _), _ = _toggles()[name]
         setattr(module, attr, off)
+    for name in args.on:
+        module, attr, (_, on), _ = _toggles()[name]
+        setattr(module, attr, on)
     args.out.mkdir(parents=True, exist_ok=True)
     names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
     if args.presets is None:

@@ -642,11 +642,12 @@ def test_fragment_scales_follow_the_rows():
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
-def test_fragment_layout_matches_torch_backend(scheme, activation, block_n):
-    """e2m1 weights in the fragment layout (the default for them): tiles of 16 to 256 weight
+def test_fragment_layout_matches_torch_backend(scheme, activation, block_n, monkeypatch):
+    """e2m1 weights in the fragment layout (``FRAGMENT_E2M1``): tiles of 16 to 256 weight
     rows, gate rows then up rows (silu, stored as pairs), interleaved gate/up with biases
     (swiglu) and non-gated (relu2); H = 96 and I = 160 leave partial K chunks and row tiles,
     one id is -1. fp32 throughout, against the torch backend's emulation."""
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
     torch.manual_seed(block_n)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 6, 96, 160, 3, 2
@@ -671,9 +672,10 @@ def test_fragment_layout_matches_torch_backend(scheme, activation, block_n):
     assert _rel(out, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
 
-def test_fragment_layout_rejects_a_tile_it_cannot_take():
+def test_fragment_layout_rejects_a_tile_it_cannot_take(monkeypatch):
     """A gated tile of 2 * 256 weight rows exceeds the layout's row padding: a clear error
     naming the limit, not an out-of-bounds read."""
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
     act = moerunner.Activation("silu")
     weights = ExpertWeights(
         moerunner.quantize(torch.randn(2, 64, 32, device=DEVICE), "mxfp4"),
@@ -688,3 +690,23 @@ def test_fragment_layout_rejects_a_tile_it_cannot_take():
             x, torch.ones(3, 1, device=DEVICE), ids, prepared,
             tiles=tile_config.MoeTiles(tile, tile),
         )  # fmt: skip
+
+
+def test_fragment_layout_is_opt_in_and_tunes_apart(monkeypatch):
+    """e2m1 weights keep the split layout unless ``FRAGMENT_E2M1`` is on; then their tiles
+    are looked up under layout=fragment, and the tuner's candidates are the 128-deep K steps
+    that layout runs."""
+    w = moerunner.quantize(torch.randn(2, 64, 128, device=DEVICE), "mxfp4")
+    split = experts.kernel_weight(w)
+    assert not split.constexprs["FRAG"] and experts.weight_layout(split) is None
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
+    frag = experts.kernel_weight(w)
+    assert frag.constexprs["FRAG"] and experts.weight_layout(frag) == "fragment"
+    name = tile_config.config_file_name(128, 2880, 2880, "mxfp4", "NVIDIA H200", "fragment")
+    assert name == "E=128,N=2880,K=2880,scheme=mxfp4,layout=fragment,device=NVIDIA_H200.json"
+    from moerunner.backends.triton import tune
+
+    for t in (16, 4096):
+        cands = tune.candidate_tiles(t, 4, 128, "mxfp4", "fragment")
+        assert cands and all(c.block_k == 128 for c in cands)
+        assert len(set(cands)) == len(cands)

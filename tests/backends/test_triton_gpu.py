@@ -236,6 +236,7 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
         torch.randn(E, H, device=dev) * 0.1 if inter else None,
         inter,
     )
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
     frag = TritonBackend().prepare_weights(weights, weights.spec(act))
     assert frag.tensors["w13"].constexprs["FRAG"] and frag.tensors["w2"].constexprs["FRAG"]
     monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)

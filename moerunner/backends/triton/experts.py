@@ -271,8 +271,15 @@ def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
 FRAGMENT_K = 128
 # Rows are zero-padded to a multiple of the widest tile (2 * BLOCK_N <= 256 rows).
 FRAGMENT_ROWS = 256
-#: Packed e2m1 weights are prepared in the fragment layout (else the split layout).
-FRAGMENT_E2M1 = True
+#: Packed e2m1 weights (mxfp4, nvfp4) are prepared in the fragment layout when this is on
+#: (when weights are prepared; else the split layout). It pays from ~16 rows per expert on:
+#: GPT-OSS-120B mxfp4 on an H200, tiles tuned for each layout, same process: 1.08x at
+#: T = 64, 1.11x at 256, 1.19x at 1024, 1.09x at 4096. Below that it costs: 0.94x at T = 16
+#: and 0.63x at T = 1, because ptxas waits for every 16-deep wgmma whose operand comes from
+#: registers before the next fragment is decoded (Triton splits such a dot along K), which
+#: a step of few rows cannot hide. So it is for throughput serving, off by default (batch-1
+#: generation keeps the split layout); ``moerunner tune --fragment`` tunes its tiles.
+FRAGMENT_E2M1 = False
 
 
 def fragment_ok(scheme: Any) -> bool:

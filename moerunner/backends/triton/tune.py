@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -109,6 +110,8 @@ def candidate_tiles(
             for bn in (64, 128):
                 for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
                     out.append(TileConfig(bm, bn, 256, 8, warps, stages))
+    if layout == "fragment":  # K steps are one 128-wide chunk whatever block_k says
+        out = list(dict.fromkeys(dataclasses.replace(t, block_k=128) for t in out))
     return out
 
 
@@ -366,6 +369,10 @@ def precompile(
     import subprocess
     import tempfile
 
+    from . import experts
+
+    # The processes prepare weights as this one does (the e2m1 layout is a prepare switch).
+    layout = ["--fragment"] if experts.FRAGMENT_E2M1 else []
     pending = [
         [
             sys.executable,
@@ -376,6 +383,7 @@ def precompile(
             "--scheme",
             scheme,
             "--compile-only",
+            *layout,
             "--tokens",
             str(t),
         ]
@@ -425,7 +433,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compile every candidate (fills the kernel cache), time and write nothing",
     )
+    p.add_argument(
+        "--fragment",
+        action="store_true",
+        help="prepare e2m1 weights in the fragment layout (experts.FRAGMENT_E2M1) and tune "
+        "its tiles (files keyed layout=fragment)",
+    )
     args = p.parse_args(argv)
+    if args.fragment:
+        from . import experts
+
+        experts.FRAGMENT_E2M1 = True
     if not torch.cuda.is_available():
         print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
         return 2
