@@ -409,6 +409,9 @@ def _toggles():
         "split": (X, "SPLIT_MIN_BLOCK_M", (None, 128), (4096, 16384)),
         # e2m1 weights in the split layout (off) or the fragment layout (on); prepare-time
         "fragment": (X, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096, 16384)),
+        # the fragment layout's register-operand wgmmas serialized by ptxas (off) or kept in
+        # flight (on; K_NONEMPTY); meaningful with --on fragment
+        "fragasync": (X, "FRAGMENT_ASYNC_MMA", (False, True), (1, 16, 64, 256, 1024, 4096)),
     }
 
 

@@ -257,6 +257,54 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
     # per element on average), and for mxfp4_mxfp8 the fp8 codes of GEMM2's input that such
     # a rounding difference moves.
     assert _rel(out, base) < (2e-2 if scheme == "mxfp4_mxfp8" else 5e-3)
+    # The wgmmas kept in flight (the default) against the same kernel serialized by ptxas:
+    # the same MMAs in the same order, so any difference is a register race.
+    monkeypatch.setattr(experts, "FRAGMENT_ASYNC_MMA", False)
+    serial = fused_standard(x, wts, ids, frag, tiles=MoeTiles(tile, tile))
+    assert torch.equal(out, serial)
+
+
+@pytest.mark.parametrize(
+    "block_m,block_n,warps,stages",
+    [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (32, 64, 4, 3), (128, 64, 8, 3)],
+)
+def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages, monkeypatch):
+    """GPT-OSS-sized K (2880: 23 chunks, so every register-operand wgmma of a step is still
+    in flight while the next step decodes) with the wgmmas kept in flight and serialized:
+    bit-identical outputs over fresh inputs, else the decode overwrote fragment registers an
+    MMA was still reading."""
+    from moerunner.backends.triton import TritonBackend, experts
+    from moerunner.backends.triton.experts import fused_standard
+    from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
+
+    dev = torch.device("cuda")
+    torch.manual_seed(block_m * block_n + warps)
+    H = I = 2880
+    E, T, k = 8, 64, 4
+    act = moerunner.Activation("swiglu_oai")
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, "mxfp4"),
+        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, "mxfp4"),
+        torch.randn(E, 2 * I, device=dev) * 0.1,
+        torch.randn(E, H, device=dev) * 0.1,
+        True,
+    )
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
+    frag = TritonBackend().prepare_weights(weights, weights.spec(act))
+    tile = TileConfig(block_m, block_n, 128, 1, warps, stages)
+    tiles = MoeTiles(tile, TileConfig(block_m, 2 * block_n, 128, 1, warps, stages))
+    for _ in range(3):
+        x = torch.randn(T, H, device=dev).bfloat16()
+        ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
+        wts = torch.rand(T, k, device=dev)
+        monkeypatch.setattr(experts, "FRAGMENT_ASYNC_MMA", True)
+        out = fused_standard(x, wts, ids, frag, tiles=tiles)
+        monkeypatch.setattr(experts, "FRAGMENT_ASYNC_MMA", False)
+        serial = fused_standard(x, wts, ids, frag, tiles=tiles)
+        assert not torch.isnan(out).any()
+        assert torch.equal(out, serial)
+    ref = moerunner.reference_moe(x, weights, wts, ids, act)
+    assert _rel(out, ref) < 2e-2
 
 
 @pytest.mark.parametrize("inter", [2048, 704])

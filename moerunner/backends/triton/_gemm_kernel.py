@@ -563,6 +563,7 @@ def moe_gemm_kernel(
     S_TILE: tl.constexpr,
     SPLIT_M: tl.constexpr,
     FRAG: tl.constexpr,
+    K_NONEMPTY: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -587,7 +588,13 @@ def moe_gemm_kernel(
     FRAG: e2m1 weights in the fragment layout (``experts.fragment_packed``; BLOCK_K 128): the
     tile's weight rows are rows pid_n * WIDTH on of that layout (w13 as gate/up row pairs),
     decoded in registers as the MMA's left operand against the transposed A tile.
+    K_NONEMPTY: K > 0, so the K loop runs at least once. The compiler then drops the loop's
+    zero-trip path, which sets the accumulator outside the loop; with that path in place
+    ptxas serializes every wgmma whose left operand comes from registers (its advisory
+    C7515): the fragment layout's K loop waited for each 16-deep MMA before the next.
     """
+    if K_NONEMPTY:
+        tl.assume(K > 0)
     _pdl.enter(PDL)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)

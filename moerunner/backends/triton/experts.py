@@ -280,6 +280,9 @@ FRAGMENT_ROWS = 256
 #: a step of few rows cannot hide. So it is for throughput serving, off by default (batch-1
 #: generation keeps the split layout); ``moerunner tune --fragment`` tunes its tiles.
 FRAGMENT_E2M1 = False
+#: The fragment layout's GEMMs tell the compiler that K > 0 (``K_NONEMPTY``), so ptxas keeps
+#: their register-operand wgmmas in flight instead of waiting after each (off: as before).
+FRAGMENT_ASYNC_MMA = True
 
 
 def fragment_ok(scheme: Any) -> bool:
@@ -687,6 +690,7 @@ def _launch_gemm(
         S_PREFETCH=SCALE_PREFETCH,
         S_TILE=SCALE_TILES and w.scale_tiles,
         SPLIT_M=splits_blocks(tile.block_m, consts, num_rows / w.shape[0], rows.row_blocks),
+        K_NONEMPTY=consts["FRAG"] and FRAGMENT_ASYNC_MMA and k > 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **consts,
