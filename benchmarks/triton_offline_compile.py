@@ -94,7 +94,8 @@ def compile_variant(spec: str, arch: int):
                   # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
                   OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
                   INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90,
-                  S_PREFETCH=True, S_TILE=True, FRAG=frag)
+                  S_PREFETCH=True, S_TILE=True, FRAG=frag,
+                  K_NONEMPTY=frag and X.FRAGMENT_ASYNC_MMA)
     consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm))
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
@@ -102,9 +103,10 @@ def compile_variant(spec: str, arch: int):
                      "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"),
                      fp8 if consts["OUT_QUANT"] else "*bf16")
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes; so
-    # are the scale strides of packed schemes with one group per half, whose scales prepare
-    # pads to whole 16-byte rows (experts.pad_scale_groups).
-    padded = ("stride_se", "stride_sn") if half and half == group_k else ()
+    # are the scale strides of packed schemes with one group per half and of the fragment
+    # layout, whose scales prepare pads to whole 16-byte rows (experts.pad_scale_groups,
+    # experts.fragment_scales).
+    padded = ("stride_se", "stride_sn") if (half and half == group_k) or frag else ()
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
              or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")
              or name in padded]

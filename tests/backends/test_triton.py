@@ -630,11 +630,13 @@ def test_fragment_layout_keeps_every_nibble(n, k, pairs):
 
 def test_fragment_scales_follow_the_rows():
     """Scale codes in the fragment layout: the weight's row order, zero-padded rows and
-    groups (whole 128-wide K chunks)."""
+    groups (whole 128-wide K chunks, then 16-byte rows, so each K step's scale tile is an
+    aligned load the kernel's pipeline can copy)."""
     s = torch.randint(1, 255, (2, 6, 3), dtype=torch.uint8)
     order = experts.gate_up_pair_order(6)
     out = experts.fragment_scales(s, 96, 32, order)
-    assert out.shape == (2, 256, 4)
+    assert out.shape == (2, 256, 16) and out.stride(1) % 16 == 0
+    assert experts.fragment_scales(s, 96 + 17 * 128, 32).shape[-1] == 80  # 18 chunks: 72 -> 80
     assert torch.equal(out[:, :6, :3], s[:, order]) and not out[:, 6:].any()
     assert not out[:, :, 3:].any()
 

@@ -339,11 +339,14 @@ def fragment_scales(
     scale: torch.Tensor, k: int, group_k: int, row_order: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Group scale codes ``[E, N, G]`` for the fragment layout: rows in ``row_order`` and
-    zero-padded like ``fragment_packed``'s, groups zero-padded to whole K chunks."""
+    zero-padded like ``fragment_packed``'s, groups zero-padded to whole K chunks and then to
+    16-byte rows. With rows 16-byte aligned, each K step's [rows, 128 / group_k] scale tile is
+    a 4- or 8-byte aligned load per row, which Triton copies asynchronously with the weights
+    (unaligned, it was a global load each step waited on)."""
     if row_order is not None:
         scale = scale[:, row_order.to(scale.device)]
     e, n, g = scale.shape
-    pad_g = _round_up(k, FRAGMENT_K) // group_k - g
+    pad_g = _round_up(_round_up(k, FRAGMENT_K) // group_k, _scale_group_multiple(scale)) - g
     pad_n = _round_up(n, FRAGMENT_ROWS) - n
     return torch.nn.functional.pad(scale, (0, pad_g, 0, pad_n)).contiguous()
 
