@@ -694,16 +694,18 @@ def test_fragment_layout_rejects_a_tile_it_cannot_take(monkeypatch):
         )  # fmt: skip
 
 
-def test_fragment_layout_is_opt_in_and_tunes_apart(monkeypatch):
-    """e2m1 weights keep the split layout unless ``FRAGMENT_E2M1`` is on; then their tiles
-    are looked up under layout=fragment, and the tuner's candidates are the 128-deep K steps
-    that layout runs."""
+def test_fragment_layout_is_the_default_and_tunes_apart(monkeypatch):
+    """e2m1 weights are prepared in the fragment layout unless ``FRAGMENT_E2M1`` is off (then
+    the split layout); fragment tiles are looked up under layout=fragment, and the tuner's
+    candidates are the 128-deep K steps that layout runs. ``moerunner tune --e2m1-layout``
+    sets the switch for the search."""
     w = moerunner.quantize(torch.randn(2, 64, 128, device=DEVICE), "mxfp4")
-    split = experts.kernel_weight(w)
-    assert not split.constexprs["FRAG"] and experts.weight_layout(split) is None
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
     frag = experts.kernel_weight(w)
     assert frag.constexprs["FRAG"] and experts.weight_layout(frag) == "fragment"
+    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)
+    split = experts.kernel_weight(w)
+    assert not split.constexprs["FRAG"] and experts.weight_layout(split) is None
+    assert not experts.kernel_weight(moerunner.quantize(w.dequantize(), "int4")).constexprs["FRAG"]
     name = tile_config.config_file_name(128, 2880, 2880, "mxfp4", "NVIDIA H200", "fragment")
     assert name == "E=128,N=2880,K=2880,scheme=mxfp4,layout=fragment,device=NVIDIA_H200.json"
     from moerunner.backends.triton import tune
@@ -712,3 +714,9 @@ def test_fragment_layout_is_opt_in_and_tunes_apart(monkeypatch):
         cands = tune.candidate_tiles(t, 4, 128, "mxfp4", "fragment")
         assert cands and all(c.block_k == 128 for c in cands)
         assert len(set(cands)) == len(cands)
+    # without a GPU the command stops before tuning, after setting the layout it was given
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tune.main(["--preset", "gpt-oss-20b", "--scheme", "mxfp4", "--e2m1-layout", "split"])
+    assert experts.FRAGMENT_E2M1 is False
+    with pytest.raises(SystemExit):
+        tune.main(["--preset", "gpt-oss-20b", "--e2m1-layout", "marlin"])

@@ -272,14 +272,13 @@ FRAGMENT_K = 128
 # Rows are zero-padded to a multiple of the widest tile (2 * BLOCK_N <= 256 rows).
 FRAGMENT_ROWS = 256
 #: Packed e2m1 weights (mxfp4, nvfp4) are prepared in the fragment layout when this is on
-#: (when weights are prepared; else the split layout). It pays from ~16 rows per expert on:
-#: GPT-OSS-120B mxfp4 on an H200, tiles tuned for each layout, same process: 1.08x at
-#: T = 64, 1.11x at 256, 1.19x at 1024, 1.09x at 4096. Below that it costs: 0.94x at T = 16
-#: and 0.63x at T = 1, because ptxas waits for every 16-deep wgmma whose operand comes from
-#: registers before the next fragment is decoded (Triton splits such a dot along K), which
-#: a step of few rows cannot hide. So it is for throughput serving, off by default (batch-1
-#: generation keeps the split layout); ``moerunner tune --fragment`` tunes its tiles.
-FRAGMENT_E2M1 = False
+#: (read when weights are prepared; off: the split layout). GPT-OSS-120B mxfp4 on an H100,
+#: tiles tuned for each layout on it, same process: 1.20x at T = 16, 1.26x at 64, 1.26x at
+#: 256, 1.27x at 1024, 1.33x at 4096, 1.35x at 16384, and 0.87x at T = 1, where one token's
+#: four experts give too few programs to hide the K loop's latency. Batch-1 generation that
+#: wants those microseconds back turns it off before preparing the weights; ``moerunner tune
+#: --e2m1-layout`` tunes either layout.
+FRAGMENT_E2M1 = True
 #: The fragment layout's GEMMs tell the compiler that K > 0 (``K_NONEMPTY``), so ptxas keeps
 #: their register-operand wgmmas in flight instead of waiting after each (off: as before).
 FRAGMENT_ASYNC_MMA = True

@@ -372,7 +372,7 @@ def precompile(
     from . import experts
 
     # The processes prepare weights as this one does (the e2m1 layout is a prepare switch).
-    layout = ["--fragment"] if experts.FRAGMENT_E2M1 else []
+    layout = ["--e2m1-layout", "fragment" if experts.FRAGMENT_E2M1 else "split"]
     pending = [
         [
             sys.executable,
@@ -434,16 +434,17 @@ def main(argv: list[str] | None = None) -> int:
         help="compile every candidate (fills the kernel cache), time and write nothing",
     )
     p.add_argument(
-        "--fragment",
-        action="store_true",
-        help="prepare e2m1 weights in the fragment layout (experts.FRAGMENT_E2M1) and tune "
-        "its tiles (files keyed layout=fragment)",
+        "--e2m1-layout",
+        choices=("fragment", "split"),
+        default=None,
+        help="layout mxfp4/nvfp4 weights are prepared in, and tuned for (experts.FRAGMENT_E2M1;"
+        " default: fragment, whose files are keyed layout=fragment)",
     )
     args = p.parse_args(argv)
-    if args.fragment:
+    if args.e2m1_layout is not None:
         from . import experts
 
-        experts.FRAGMENT_E2M1 = True
+        experts.FRAGMENT_E2M1 = args.e2m1_layout == "fragment"
     if not torch.cuda.is_available():
         print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
         return 2
