@@ -610,11 +610,13 @@ def main():
     names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
     if args.presets is None:
         plan = PERF_PLAN
-    else:  # in the order given
-        unknown = [n for n in args.presets if n not in names]
-        if unknown:
-            raise SystemExit(f"unknown presets {unknown}; accepted: {', '.join(names)}")
-        plan = [names[n] for n in args.presets]
+    else:  # in the order given; any preset of tune.PRESETS with a scheme beyond the plan's
+        for n in args.presets:
+            preset, _, scheme = n.partition(":")
+            if n not in names and (preset not in tune.PRESETS or not scheme):
+                raise SystemExit(f"unknown preset {n!r}; accepted: PRESET:SCHEME with PRESET "
+                                 f"one of {', '.join(tune.PRESETS)} (the plan: {', '.join(names)})")
+        plan = [names.get(n) or (*n.split(":"), tune.DEFAULT_TOKENS) for n in args.presets]
     result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                   torch=torch.__version__, triton=triton.__version__)
     t0 = time.time()
