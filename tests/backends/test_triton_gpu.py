@@ -430,3 +430,25 @@ def test_half_row_tiles_equal_whole_blocks(scheme, monkeypatch):
     ref = _run("torch", x, weights, act, wts, ids)
     # bf16: the dtype's bound of the matrix above; fp8_block: as the K-step test above.
     assert _rel(split, ref) < (2e-2 if scheme == "bf16" else 3e-2)
+
+
+def test_tune_tokens_times_decode_over_several_routings():
+    """The tile search at decode sizes times each candidate over ``tune.ROUTINGS`` routings
+    in turn (so few tokens' experts are not timed from L2) and returns one of the candidates
+    with a finite per-call time."""
+    from moerunner.backends.triton import TritonBackend, tune
+    from moerunner.backends.triton.tile_config import TileConfig
+
+    dev = torch.device("cuda")
+    H, I, E, k = 512, 256, 16, 4
+    act = moerunner.Activation("silu")
+    weights = ExpertWeights(
+        torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.05,
+        torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.05,
+    )
+    prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
+    cands = [TileConfig(16, 32, 64, 1, 4, 3), TileConfig(16, 64, 64, 1, 4, 3)]
+    log = []
+    tiles, ms = tune.tune_tokens(prepared, 1, k, cands, progress=log.append)
+    assert tiles.gemm1 in cands and tiles.gemm2 in cands
+    assert 0 < ms < 10 and len(log) == len(cands)
