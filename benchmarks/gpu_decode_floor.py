@@ -64,23 +64,17 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
             E, I, H, "mxfp4", "NVIDIA H200", "fragment" if layout == "fragment" else None
         )
         table = tile_config.load_config_file(str(tile_config.CONFIG_DIR / name))
-        per_expert = G.expert_bytes(prepared)
         for T in tokens:
             tiles = table[min(table, key=lambda t: (abs(t - T), t))]
-            lookup = X.lookup_tiles
-            X.lookup_tiles = lambda *a, _t=tiles, **kw: _t  # noqa: E731 - pin the tiles
-            try:
-                ms, uniq = G.time_fused(prepared, T, k, 8 if T <= 64 else 2)
-                stages = G.stage_breakdown(prepared, T, k)
-            finally:
-                X.lookup_tiles = lookup
+            ms, uniq = G.time_fused(prepared, T, k, tiles=tiles)
+            stages = G.stage_breakdown(prepared, T, k, tiles=tiles)
             row = dict(
                 decode=decode,
                 layout=layout,
                 T=T,
                 us=ms * 1e3,
                 experts_hit=uniq,
-                bytes=uniq * per_expert + 2 * T * H * 2,
+                bytes=G.fused_bytes(prepared, uniq, T),
                 tiles=str(tiles),
                 gemm1_us=stages.get("gemm1"),
                 gemm2_us=stages.get("gemm2"),

@@ -40,11 +40,15 @@ def candidates():
 
 
 def _setup(num_experts: int | None = None):
-    """The preset's prepared weights (``num_experts`` of them: compiling needs few)."""
+    """The preset's prepared weights in the split layout (``num_experts`` of them: compiling
+    needs few)."""
     import torch
 
     from moerunner.backends.triton import TritonBackend, tune
+    from moerunner.backends.triton import experts as X
     from moerunner.config import Activation
+
+    X.FRAGMENT_E2M1 = False  # this study is of the split layout's decode tiles
 
     torch.manual_seed(0)
     H, I, E, k, act = tune.PRESETS[PRESET]
@@ -84,7 +88,6 @@ def main() -> None:
 
     prepared, k = _setup()
     H, I, E = prepared.spec.hidden_size, prepared.spec.intermediate_size, prepared.spec.num_experts
-    per_expert = G.expert_bytes(prepared)
     read_bw = G.measure_peaks()["read_bytes_per_s"]
     dev = torch.cuda.get_device_name()
     result = dict(device=dev, read_bytes_per_s=read_bw, rows=[])
@@ -93,17 +96,12 @@ def main() -> None:
         best, gemm_ms = tune.tune_tokens(prepared, T, k, candidates(), progress=log.append)
         shipped = X.lookup_tiles(T, k, E, I, H, SCHEME, dev, dtype_bytes=1)
         times = {"shipped": [], "best": []}
-        lookup = X.lookup_tiles
         for r in range(args.rounds):
             for name in ("shipped", "best")[:: 1 - 2 * (r % 2)]:
                 tiles = shipped if name == "shipped" else best
-                X.lookup_tiles = lambda *a, _t=tiles, **kw: _t  # noqa: E731 - pin the tiles
-                try:
-                    ms, uniq = G.time_fused(prepared, T, k, 8)
-                finally:
-                    X.lookup_tiles = lookup
+                ms, uniq = G.time_fused(prepared, T, k, 8, tiles)
                 times[name].append(ms * 1e3)
-        nbytes = uniq * per_expert + 2 * T * H * 2
+        nbytes = G.fused_bytes(prepared, uniq, T)
         row = dict(
             T=T,
             shipped=str(shipped),

@@ -276,7 +276,15 @@ def expert_bytes(prepared) -> float:
     return total / prepared.spec.num_experts
 
 
-def time_fused(prepared, T, k, rotations):
+def fused_bytes(prepared, experts_hit: float, T: int) -> float:
+    """Bytes the roofline counts for one fused call: the experts hit, hidden in and out."""
+    return experts_hit * expert_bytes(prepared) + 2 * T * prepared.spec.hidden_size * 2
+
+
+def time_fused(prepared, T, k, rotations=None, tiles=None):
+    """(ms per call, experts hit per call) over ``rotations`` routings (default 8 at decode
+    sizes, else 2), graph-replayed up to T = 256; ``tiles``: these instead of the lookup."""
+    rotations = rotations or (8 if T <= 64 else 2)
     H = prepared.spec.hidden_size
     E = prepared.spec.num_experts
     xs = [torch.randn(T, H, device=DEV, dtype=torch.bfloat16) for _ in range(rotations)]
@@ -284,11 +292,11 @@ def time_fused(prepared, T, k, rotations):
     uniq = sum(torch.unique(r[1][r[1] >= 0]).numel() for r in rs) / rotations
     if T <= 256:
         for x, (w, i) in zip(xs, rs, strict=True):
-            X.fused_standard(x, w, i, prepared)
+            X.fused_standard(x, w, i, prepared, tiles)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for x, (w, i) in zip(xs, rs, strict=True):
-                X.fused_standard(x, w, i, prepared)
+                X.fused_standard(x, w, i, prepared, tiles)
         ms = tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / rotations
     else:
         state = {"n": 0}
@@ -296,24 +304,24 @@ def time_fused(prepared, T, k, rotations):
         def step():
             j = state["n"] % rotations
             state["n"] += 1
-            X.fused_standard(xs[j], rs[j][0], rs[j][1], prepared)
+            X.fused_standard(xs[j], rs[j][0], rs[j][1], prepared, tiles)
 
         ms = tt.do_bench(step, warmup=10, rep=200, return_mode="median")
     return ms, uniq
 
 
-def stage_breakdown(prepared, T, k, calls=3):
+def stage_breakdown(prepared, T, k, calls=3, tiles=None):
     """Device microseconds per call by kernel name, from the profiler over ``calls`` calls
     (both GEMMs share the kernel name and are told apart by their launch order)."""
     H, E = prepared.spec.hidden_size, prepared.spec.num_experts
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
     w, i = routing(T, E, k)
-    X.fused_standard(x, w, i, prepared)
+    X.fused_standard(x, w, i, prepared, tiles)
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(calls):
-            X.fused_standard(x, w, i, prepared)
+            X.fused_standard(x, w, i, prepared, tiles)
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
@@ -348,15 +356,14 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
         act = Activation(act_name)
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
         prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
-        per_expert = expert_bytes(prepared)
         for T in tokens:
             try:
-                ms, uniq = time_fused(prepared, T, k, 8 if T <= 64 else 2)
+                ms, uniq = time_fused(prepared, T, k)
             except Exception as exc:
                 traceback.print_exc()
                 rows.append(dict(preset=preset, scheme=scheme, T=T, error=repr(exc)))
                 continue
-            nbytes = uniq * per_expert + 2 * T * H * 2
+            nbytes = fused_bytes(prepared, uniq, T)
             flops = 2 * T * k * H * ((2 if act.gated else 1) * I + I)
             roof = nbytes / peaks["read_bytes_per_s"]
             peak = peaks["fp8_flops"] if scheme == "fp8_block" else peaks["bf16_flops"]
@@ -444,7 +451,7 @@ def part_toggle(plan, rows, part, rounds: int = 1):
             for r in range(rounds):  # off first in even rounds, on first in odd ones
                 for name, value in (("off_us", off), ("on_us", on))[:: 1 - 2 * (r % 2)]:
                     setattr(module, attr, value)
-                    ms = time_fused(prepared[value], T, k, 8 if T <= 64 else 2)[0]
+                    ms = time_fused(prepared[value], T, k)[0]
                     times[name].append(ms * 1e3)
             setattr(module, attr, saved)
             ratios = [a / b for a, b in zip(times["off_us"], times["on_us"], strict=True)]
