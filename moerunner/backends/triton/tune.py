@@ -156,9 +156,10 @@ def tune_tokens(
     graph = rows <= 4096
     # Decode-sized calls are timed over ROUTINGS different routings in turn, as moerunner bench
     # and the GPU benchmark time them: with one routing a few tokens' experts stay in L2 from
-    # one replay to the next (GPT-OSS-120B at T = 1: 4 experts of 12.4 MB against a 50 MB L2)
-    # and the search favours tiles that only win on cached weights.
-    rotations = ROUTINGS if graph else 1
+    # one replay to the next (GPT-OSS-120B at T = 1: 4 experts of 12.4 MB against a 50 MB L2),
+    # which could favour tiles that win only on cached weights (on an H100 the GPT-OSS mxfp4
+    # and nvfp4 searches chose the same tiles either way). Compiling needs one launch.
+    rotations = ROUTINGS if graph and not compile_only else 1
     routings = []
     for _ in range(rotations):
         ids = torch.rand(num_tokens, num_experts, device=dev).topk(top_k, dim=1).indices
