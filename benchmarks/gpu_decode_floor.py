@@ -48,8 +48,7 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
 
     import gpu_triton as G
 
-    from moerunner.backends.triton import TritonBackend, tile_config, tune
-    from moerunner.backends.triton import experts as X
+    from moerunner.backends.triton import TritonBackend, _prepare, tile_config, tune
     from moerunner.config import Activation
 
     H, I, E, k, act_name = tune.PRESETS["gpt-oss-120b"]
@@ -58,7 +57,7 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
     read_bw = G.measure_peaks()["read_bytes_per_s"] if decode == "real" else None
     rows = []
     for layout in ("split", "fragment"):
-        X.FRAGMENT_E2M1 = layout == "fragment"
+        _prepare.FRAGMENT_E2M1 = layout == "fragment"
         prepared = TritonBackend().prepare_weights(weights, spec)
         name = tile_config.config_file_name(
             E, I, H, "mxfp4", "NVIDIA H200", "fragment" if layout == "fragment" else None

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moerunner.backends.base import MoeProblem  # noqa: E402
 from moerunner.backends.triton import (  # noqa: E402
     TritonBackend,  # noqa: E402
+    _prepare,  # noqa: E402
     tile_config,
     tune,
 )
@@ -375,7 +376,7 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
                                                 torch.cuda.get_device_name(),
                                                 dtype_bytes=prepared.tensors["w13"].data
                                                 .element_size(),
-                                                layout=X.weight_layout(prepared.tensors["w13"]))))
+                                                layout=_prepare.weight_layout(prepared.tensors["w13"]))))
             if T >= 1024:
                 try:
                     row["stages_us"] = stage_breakdown(prepared, T, k)
@@ -415,7 +416,7 @@ def _toggles():
         # 128-row blocks whose second half is padding run a 64-row tile (off: never)
         "split": (X, "SPLIT_MIN_BLOCK_M", (None, 128), (4096, 16384)),
         # e2m1 weights in the split layout (off) or the fragment layout (on); prepare-time
-        "fragment": (X, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096, 16384)),
+        "fragment": (_prepare, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096, 16384)),
         # the fragment layout's register-operand wgmmas serialized by ptxas (off) or kept in
         # flight (on; K_NONEMPTY); meaningful with --on fragment
         "fragasync": (X, "FRAGMENT_ASYNC_MMA", (False, True), (1, 16, 64, 256, 1024, 4096)),

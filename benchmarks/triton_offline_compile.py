@@ -104,8 +104,8 @@ def compile_variant(spec: str, arch: int):
                      fp8 if consts["OUT_QUANT"] else "*bf16")
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes; so
     # are the scale strides of packed schemes with one group per half and of the fragment
-    # layout, whose scales prepare pads to whole 16-byte rows (experts.pad_scale_groups,
-    # experts.fragment_scales).
+    # layout, whose scales prepare pads to whole 16-byte rows (_prepare.pad_scale_groups,
+    # _prepare.fragment_scales).
     padded = ("stride_se", "stride_sn") if (half and half == group_k) or frag else ()
     div16 = [name for name in fn.arg_names if sig[name].startswith("*")
              or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")

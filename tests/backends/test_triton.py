@@ -24,7 +24,7 @@ from moerunner.weights import ExpertWeights
 
 triton_pkg = pytest.importorskip("moerunner.backends.triton")
 
-from moerunner.backends.triton import _align, experts, tile_config  # noqa: E402
+from moerunner.backends.triton import _align, _prepare, experts, tile_config  # noqa: E402
 
 if not triton_pkg.interpreted() and not torch.cuda.is_available():
     pytest.skip("triton backend cannot run here", allow_module_level=True)
@@ -188,10 +188,10 @@ def test_half_row_tiles_only_where_they_pay(monkeypatch):
     blocks have few short ones: both keep one tile."""
     monkeypatch.setattr(experts, "SPLIT_MIN_BLOCK_M", 128)
     consts = {
-        s: experts.kernel_weight(moerunner.quantize(torch.randn(2, 64, 128), s)).constexprs
+        s: _prepare.kernel_weight(moerunner.quantize(torch.randn(2, 64, 128), s)).constexprs
         for s in ("fp8_block", "int8", "mxfp4", "int4")
     }
-    consts["bf16"] = experts.kernel_weight(torch.randn(2, 64, 128)).constexprs
+    consts["bf16"] = _prepare.kernel_weight(torch.randn(2, 64, 128)).constexprs
     assert experts.splits_blocks(128, consts["bf16"], 128)
     assert experts.splits_blocks(128, consts["fp8_block"], 512)
     assert not experts.splits_blocks(128, consts["bf16"], 4096)  # 32 blocks per expert
@@ -381,7 +381,7 @@ def test_packed_k_steps_of_several_chunks(scheme, activation, chunks, prefetch, 
     one chunk load their scale codes a step ahead (``prefetch``; the last step's prefetch
     lies past K) or in the step itself."""
     monkeypatch.setattr(experts, "SCALE_PREFETCH", prefetch)
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
     torch.manual_seed(3)
     act = moerunner.Activation(activation)
     size = 128 if scheme == "int4" else 96
@@ -410,11 +410,11 @@ def test_merged_fp4_scale_only_for_small_e8m0_scales():
     """One bf16 multiply can carry both the fp4 decode's 2^126 and an e8m0 scale only when the
     scale is at most 2^1 (code 128); the flag is decided per weight when it is prepared."""
     w = moerunner.quantize(torch.randn(2, 8, 64, device=DEVICE), "mxfp4")
-    assert experts.kernel_weight(w).constexprs["MERGED_SCALE"]
+    assert _prepare.kernel_weight(w).constexprs["MERGED_SCALE"]
     w.scale.view(torch.uint8)[1, 3, 0] = 129
-    assert not experts.kernel_weight(w).constexprs["MERGED_SCALE"]
+    assert not _prepare.kernel_weight(w).constexprs["MERGED_SCALE"]
     nv = moerunner.quantize(torch.randn(2, 8, 64, device=DEVICE), "nvfp4")
-    assert not experts.kernel_weight(nv).constexprs["MERGED_SCALE"]
+    assert not _prepare.kernel_weight(nv).constexprs["MERGED_SCALE"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -534,14 +534,14 @@ def test_packed_group_scales_are_padded_for_step_tiles(scheme, k, groups, monkey
     """Group scales of packed weights in the split layout with one group per half are
     zero-padded to whole 16-byte rows of a multiple of 8 groups (what the kernel's per-step
     scale tiles read); int4's 128-groups span two halves and keep their shape."""
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)
     w = moerunner.quantize(torch.randn(2, 8, k, device=DEVICE), scheme)
-    kw = experts.kernel_weight(w)
-    raw = experts._as_bytes(w.scale)
+    kw = _prepare.kernel_weight(w)
+    raw = _prepare._as_bytes(w.scale)
     if groups is None:
-        assert kw.scale.shape == raw.shape and not experts.scale_tiles_ok(kw)
+        assert kw.scale.shape == raw.shape and not _prepare.scale_tiles_ok(kw)
         return
-    assert kw.scale.shape[-1] == groups and experts.scale_tiles_ok(kw)
+    assert kw.scale.shape[-1] == groups and _prepare.scale_tiles_ok(kw)
     assert torch.equal(kw.scale[..., : raw.shape[-1]], raw)
     assert not kw.scale[..., raw.shape[-1] :].any()
 
@@ -551,7 +551,7 @@ def test_split_layout_keeps_every_nibble(k, half):
     """Byte j of chunk c holds k = c*2*half + j (low) and c*2*half + half + j (high)."""
     codes = torch.randint(0, 16, (2, 3, k), dtype=torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    split = experts.split_packed(packed, k, half)
+    split = _prepare.split_packed(packed, k, half)
     lo, hi = split & 0xF, split >> 4
     chunk = 2 * half
     for c in range(-(-k // chunk)):
@@ -589,7 +589,7 @@ def test_backend_declares_interpreter_bf16_limit():
 
 
 def _fragment_codes(storage: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of ``experts.fragment_packed`` written from its documented layout, element by
+    """Inverse of ``_prepare.fragment_packed`` written from its documented layout, element by
     element: storage row 8b + g, byte t*32 + a*4 + r*2 + j of chunk q holds weight row
     16b + 8r + g at k = 128q + 16a + 2t + j (low nibble) and k + 8 (high nibble)."""
     e, rows2, kp = storage.shape
@@ -616,8 +616,8 @@ def test_fragment_layout_keeps_every_nibble(n, k, pairs):
     gen = torch.Generator().manual_seed(n + k)
     codes = torch.randint(0, 16, (2, n, k), dtype=torch.uint8, generator=gen)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    order = experts.gate_up_pair_order(n) if pairs else None
-    storage = experts.fragment_packed(packed, k, order)
+    order = _prepare.gate_up_pair_order(n) if pairs else None
+    storage = _prepare.fragment_packed(packed, k, order)
     n_pad, k_pad = -(-n // 256) * 256, -(-k // 128) * 128
     assert storage.shape == (2, n_pad // 2, k_pad)
     got = _fragment_codes(storage, n, k)
@@ -633,10 +633,10 @@ def test_fragment_scales_follow_the_rows():
     groups (whole 128-wide K chunks, then 16-byte rows, so each K step's scale tile is an
     aligned load the kernel's pipeline can copy)."""
     s = torch.randint(1, 255, (2, 6, 3), dtype=torch.uint8)
-    order = experts.gate_up_pair_order(6)
-    out = experts.fragment_scales(s, 96, 32, order)
+    order = _prepare.gate_up_pair_order(6)
+    out = _prepare.fragment_scales(s, 96, 32, order)
     assert out.shape == (2, 256, 16) and out.stride(1) % 16 == 0
-    assert experts.fragment_scales(s, 96 + 17 * 128, 32).shape[-1] == 80  # 18 chunks: 72 -> 80
+    assert _prepare.fragment_scales(s, 96 + 17 * 128, 32).shape[-1] == 80  # 18 chunks: 72 -> 80
     assert torch.equal(out[:, :6, :3], s[:, order]) and not out[:, 6:].any()
     assert not out[:, :, 3:].any()
 
@@ -649,7 +649,7 @@ def test_fragment_layout_matches_torch_backend(scheme, activation, block_n, monk
     rows, gate rows then up rows (silu, stored as pairs), interleaved gate/up with biases
     (swiglu) and non-gated (relu2); H = 96 and I = 160 leave partial K chunks and row tiles,
     one id is -1. fp32 throughout, against the torch backend's emulation."""
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
     torch.manual_seed(block_n)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 6, 96, 160, 3, 2
@@ -677,7 +677,7 @@ def test_fragment_layout_matches_torch_backend(scheme, activation, block_n, monk
 def test_fragment_layout_rejects_a_tile_it_cannot_take(monkeypatch):
     """A gated tile of 2 * 256 weight rows exceeds the layout's row padding: a clear error
     naming the limit, not an out-of-bounds read."""
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
     act = moerunner.Activation("silu")
     weights = ExpertWeights(
         moerunner.quantize(torch.randn(2, 64, 32, device=DEVICE), "mxfp4"),
@@ -700,12 +700,12 @@ def test_fragment_layout_is_the_default_and_tunes_apart(monkeypatch):
     candidates are the 128-deep K steps that layout runs. ``moerunner tune --e2m1-layout``
     sets the switch for the search."""
     w = moerunner.quantize(torch.randn(2, 64, 128, device=DEVICE), "mxfp4")
-    frag = experts.kernel_weight(w)
-    assert frag.constexprs["FRAG"] and experts.weight_layout(frag) == "fragment"
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)
-    split = experts.kernel_weight(w)
-    assert not split.constexprs["FRAG"] and experts.weight_layout(split) is None
-    assert not experts.kernel_weight(moerunner.quantize(w.dequantize(), "int4")).constexprs["FRAG"]
+    frag = _prepare.kernel_weight(w)
+    assert frag.constexprs["FRAG"] and _prepare.weight_layout(frag) == "fragment"
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)
+    split = _prepare.kernel_weight(w)
+    assert not split.constexprs["FRAG"] and _prepare.weight_layout(split) is None
+    assert not _prepare.kernel_weight(moerunner.quantize(w.dequantize(), "int4")).constexprs["FRAG"]
     name = tile_config.config_file_name(128, 2880, 2880, "mxfp4", "NVIDIA H200", "fragment")
     assert name == "E=128,N=2880,K=2880,scheme=mxfp4,layout=fragment,device=NVIDIA_H200.json"
     from moerunner.backends.triton import tune
@@ -717,6 +717,6 @@ def test_fragment_layout_is_the_default_and_tunes_apart(monkeypatch):
     # without a GPU the command stops before tuning, after setting the layout it was given
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tune.main(["--preset", "gpt-oss-20b", "--scheme", "mxfp4", "--e2m1-layout", "split"])
-    assert experts.FRAGMENT_E2M1 is False
+    assert _prepare.FRAGMENT_E2M1 is False
     with pytest.raises(SystemExit):
         tune.main(["--preset", "gpt-oss-20b", "--e2m1-layout", "marlin"])

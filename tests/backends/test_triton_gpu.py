@@ -172,13 +172,13 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales, monkeypat
     (except for int4's group of 128), against the float64 reference within the bf16 bound of
     the scheme matrix above. Scale codes loaded ahead (a step early, or as one pipelined
     tile of the padded scales; the last step's tile reaches into the padding) or per chunk."""
-    from moerunner.backends.triton import TritonBackend, experts
+    from moerunner.backends.triton import TritonBackend, _prepare, experts
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
     monkeypatch.setattr(experts, "SCALE_PREFETCH", scales == "ahead")
     monkeypatch.setattr(experts, "SCALE_TILES", scales == "ahead")
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
 
     dev = torch.device("cuda")
     torch.manual_seed(chunks)
@@ -220,7 +220,7 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
     Against the float64 reference within the scheme matrix's bf16 bound, and against the
     split layout (the same exactly decoded weights; accumulation order and bf16 rounding of
     the intermediate differ)."""
-    from moerunner.backends.triton import TritonBackend, experts
+    from moerunner.backends.triton import TritonBackend, _prepare, experts
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
@@ -236,10 +236,10 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
         torch.randn(E, H, device=dev) * 0.1 if inter else None,
         inter,
     )
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
     frag = TritonBackend().prepare_weights(weights, weights.spec(act))
     assert frag.tensors["w13"].constexprs["FRAG"] and frag.tensors["w2"].constexprs["FRAG"]
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", False)
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)
     split = TritonBackend().prepare_weights(weights, weights.spec(act))
     x = torch.randn(T, H, device=dev).bfloat16()
     ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
@@ -273,7 +273,7 @@ def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages, m
     in flight while the next step decodes) with the wgmmas kept in flight and serialized:
     bit-identical outputs over fresh inputs, else the decode overwrote fragment registers an
     MMA was still reading."""
-    from moerunner.backends.triton import TritonBackend, experts
+    from moerunner.backends.triton import TritonBackend, _prepare, experts
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
@@ -289,7 +289,7 @@ def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages, m
         torch.randn(E, H, device=dev) * 0.1,
         True,
     )
-    monkeypatch.setattr(experts, "FRAGMENT_E2M1", True)
+    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
     frag = TritonBackend().prepare_weights(weights, weights.spec(act))
     tile = TileConfig(block_m, block_n, 128, 1, warps, stages)
     tiles = MoeTiles(tile, TileConfig(block_m, 2 * block_n, 128, 1, warps, stages))

@@ -4,6 +4,7 @@
 # format and its core for the grouped layout in the default registry. Both run the one kernel
 # sequence of ``experts.run_kernel_sequence``. Layout of the package:
 #   experts.py       public launcher: validates, allocates (cached workspaces), launches
+#   _prepare.py      each weight described for the kernel and re-laid once (prepare time)
 #   _align.py        expert alignment kernels and the top-k reduction kernel
 #   _gemm_kernel.py  the grouped GEMM kernel (all schemes, fused activation)
 #   _quant_kernel.py GEMM-input quantization (fp8 per token / per 128, int8) on the GPU
@@ -23,7 +24,8 @@ from ...runner import DEFAULT_REGISTRY
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem
 from . import _gemm_kernel
-from .experts import SUPPORTED_SCHEMES, fused_standard, grouped_core, prepare
+from ._prepare import SUPPORTED_SCHEMES, prepare
+from .experts import fused_standard, grouped_core
 
 NAME = "triton"
 

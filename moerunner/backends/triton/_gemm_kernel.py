@@ -585,7 +585,7 @@ def moe_gemm_kernel(
     tile (an expert's last block: with ~BLOCK_M rows per expert about a third of all blocks).
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
-    FRAG: e2m1 weights in the fragment layout (``experts.fragment_packed``; BLOCK_K 128): the
+    FRAG: e2m1 weights in the fragment layout (``_prepare.fragment_packed``; BLOCK_K 128): the
     tile's weight rows are rows pid_n * WIDTH on of that layout (w13 as gate/up row pairs),
     decoded in registers as the MMA's left operand against the transposed A tile.
     K_NONEMPTY: K > 0, so the K loop runs at least once. The compiler then drops the loop's

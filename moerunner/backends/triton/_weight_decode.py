@@ -1,7 +1,7 @@
 # Stage "experts" of the triton backend: weight decoding for the grouped GEMM (private).
 #
 # Scale codes (e8m0, e4m3, fp32) to multipliers, and packed 4-bit weights (int4, fp4 e2m1) in
-# the split layout of ``experts.split_packed`` to the MMA's operand type: on the GPU through
+# the split layout of ``_prepare.split_packed`` to the MMA's operand type: on the GPU through
 # packed integer PTX for fp4 with bf16 activations, elsewhere in float32. ``_gemm_kernel``
 # calls these from its K loop.
 
@@ -267,7 +267,7 @@ def _fragment_tile(
     MERGED_SCALE: tl.constexpr,
 ):
     """Dequantized ``[WIDTH, 128]`` tile (weight rows ``row0`` on, K from ``k0``) of e2m1
-    weights in the fragment layout of ``experts.fragment_packed``, in ``COMPUTE``: the MMA's
+    weights in the fragment layout of ``_prepare.fragment_packed``, in ``COMPUTE``: the MMA's
     left operand. The reshapes and permutes below only rename elements: with the tile as an
     MMA operand in registers, each thread's loaded bytes decode into its own fragments."""
     # Storage rows hold weight rows (g, g + 8) of each 16-row block; a chunk's 128 bytes per

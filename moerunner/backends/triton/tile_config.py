@@ -157,7 +157,7 @@ def lookup_tiles(
     layout: str | None = None,
 ) -> MoeTiles:
     """Tuned tiles for the nearest token count, else ``heuristic_tiles``. ``layout`` names
-    a prepared weight layout whose tiles are tuned apart (``experts.weight_layout``)."""
+    a prepared weight layout whose tiles are tuned apart (``_prepare.weight_layout``)."""
     if device_name is not None:
         folder = CONFIG_DIR if config_dir is None else Path(config_dir)
         table = load_config_file(

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ...quant import get_scheme
-from .experts import split_half, weight_layout
+from . import _prepare
+from ._prepare import split_half, weight_layout
 from .tile_config import (
     CONFIG_DIR,
     MoeTiles,
@@ -48,7 +49,7 @@ def candidate_tiles(
     num_tokens: int, top_k: int, num_experts: int, scheme: str, layout: str | None = None
 ) -> list[TileConfig]:
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these);
-    ``layout`` is the weights' ``experts.weight_layout``."""
+    ``layout`` is the weights' ``_prepare.weight_layout``."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     packed = get_scheme(scheme).packed
     quant8 = scheme.startswith(("fp8", "int8"))  # 8-bit operands fed to the MMA
@@ -385,10 +386,8 @@ def precompile(
     import subprocess
     import tempfile
 
-    from . import experts
-
     # The processes prepare weights as this one does (the e2m1 layout is a prepare switch).
-    layout = ["--e2m1-layout", "fragment" if experts.FRAGMENT_E2M1 else "split"]
+    layout = ["--e2m1-layout", "fragment" if _prepare.FRAGMENT_E2M1 else "split"]
     pending = [
         [
             sys.executable,
@@ -453,14 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         "--e2m1-layout",
         choices=("fragment", "split"),
         default=None,
-        help="layout mxfp4/nvfp4 weights are prepared in, and tuned for (experts.FRAGMENT_E2M1;"
+        help="layout mxfp4/nvfp4 weights are prepared in, and tuned for (_prepare.FRAGMENT_E2M1;"
         " default: fragment, whose files are keyed layout=fragment)",
     )
     args = p.parse_args(argv)
     if args.e2m1_layout is not None:
-        from . import experts
-
-        experts.FRAGMENT_E2M1 = args.e2m1_layout == "fragment"
+        _prepare.FRAGMENT_E2M1 = args.e2m1_layout == "fragment"
     if not torch.cuda.is_available():
         print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
         return 2

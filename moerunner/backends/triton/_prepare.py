@@ -1,0 +1,333 @@
+# Stage "prepare" of the triton backend (private): each weight described for the GEMM kernel
+# and re-laid once, when weights are prepared, never per call.
+#
+# ``kernel_weight`` turns a plain or quantized weight into a ``KernelWeight``: the tensors the
+# kernel reads (fp8 kept as fp8, scale codes as bytes) and the constexprs that describe them.
+# Packed 4-bit weights are re-laid: int4 (and e2m1 with ``FRAGMENT_E2M1`` off) into the split
+# layout (``split_packed``), e2m1 (mxfp4, nvfp4) into the fragment layout
+# (``fragment_packed``), with their scales padded to match. ``prepare`` does both weights.
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...config import ExpertSpec
+from ...errors import MoeInputError
+from ...weights import ExpertWeights, PreparedWeights, is_quantized
+from . import _gemm_kernel as K
+
+_SCALE_FMT = {"none": K.SF_NONE, "fp32": K.SF_FP32, "e8m0": K.SF_E8M0, "e4m3": K.SF_E4M3}
+_W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.WF_E2M1}
+# Activation formats fed to the MMA quantized ("qdot"); the others are emulated by feeding
+# the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
+_QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
+
+#: Scheme names the kernels implement (static activation scales are not claimed).
+SUPPORTED_SCHEMES = frozenset(
+    {
+        "bf16",
+        "fp16",
+        "fp32",
+        "fp8_tensor",
+        "fp8_channel",
+        "fp8_block",
+        "mxfp8",
+        "mxfp4",
+        "mxfp4_mxfp8",
+        "nvfp4",
+        "int8",
+        "int8_w8a16",
+        "int4",
+        "int4_zp",
+        "int4_g32",
+        "int4_g64",
+        "int4_g128",
+        "int4_g32_zp",
+        "int4_g64_zp",
+        "int4_g128_zp",
+    }
+)
+
+
+@dataclass(frozen=True)
+class KernelWeight:
+    """One weight (w13 or w2) as the GEMM kernel reads it, with its constexpr description."""
+
+    data: torch.Tensor  # [E, N, K] in the storage dtype (e4m3 stays fp8) or packed [E, N, K/2]
+    scale: torch.Tensor | None
+    zero_point: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    scheme: Any  # QuantScheme or None for plain weights
+    shape: tuple[int, int, int]
+    constexprs: dict[str, int | bool]
+
+    @property
+    def activation_format(self) -> str:
+        """How this GEMM's input is quantized ("none" for plain and weight-only schemes)."""
+        return "none" if self.scheme is None else self.scheme.activation_format
+
+    @functools.cached_property
+    def scale_tiles(self) -> bool:
+        """Whether the kernel may read a K step's scale codes as one tile (``scale_tiles_ok``;
+        decided once per weight, not per launch)."""
+        return scale_tiles_ok(self)
+
+
+def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Scales and zero points as the kernel decodes them: 8-bit floats viewed as bytes.
+
+    MMA operands (weights, quantized activations) keep their fp8 dtype instead: a load that
+    yields fp8 goes from the shared-memory copy straight into the MMA, while a byte load
+    bitcast in registers forces a round trip through registers on every K step."""
+    if t is None:
+        return None
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        return t.contiguous().view(torch.uint8)
+    return t.contiguous()
+
+
+def kernel_weight(w: Any, gate_up_pairs: bool = False) -> KernelWeight:
+    """Describe a plain or quantized weight for the kernel (done once, in prepare).
+
+    ``gate_up_pairs``: ``w`` is a gated w13 stored gate rows then up rows; layouts that keep
+    a tile's rows contiguous (``fragment_packed``) store it as (gate, up) row pairs instead,
+    the column order of the kernel's gated tile."""
+    if not is_quantized(w):
+        return KernelWeight(
+            w.contiguous(),
+            None,
+            None,
+            None,
+            None,
+            tuple(w.shape),
+            dict(
+                W_FORMAT=K.WF_PLAIN,
+                QDOT=False,
+                A_SCALE=K.AS_NONE,
+                SCALE_FMT=K.SF_NONE,
+                GROUP_K=0,
+                SCALE_ROW_BLOCK=1,
+                HAS_ZP=False,
+                HAS_GSCALE=False,
+                HALF=0,
+                MERGED_SCALE=False,
+                FRAG=False,
+            ),
+        )
+    scheme = w.scheme
+    if scheme.name not in SUPPORTED_SCHEMES:
+        raise MoeInputError(
+            f"scheme {scheme.name!r} is not supported by the triton backend; "
+            f"accepted: {', '.join(sorted(SUPPORTED_SCHEMES))}"
+        )
+    act = scheme.activation_format
+    qdot = act in _QDOT_ACT
+    gran = scheme.granularity
+    group_k = scheme.block_shape[1] if gran in ("block", "group") else 0
+    row_block = {
+        "tensor": 0,
+        "channel": 1,
+        "block": scheme.block_shape[0] if scheme.block_shape else 1,
+        "group": 1,
+    }[gran]
+    consts = dict(
+        W_FORMAT=_W_FORMAT[scheme.weight_format],
+        QDOT=qdot,
+        A_SCALE=_QDOT_ACT.get(act, K.AS_NONE),
+        SCALE_FMT=_SCALE_FMT[scheme.scale_format],
+        GROUP_K=group_k,
+        SCALE_ROW_BLOCK=row_block,
+        HAS_ZP=w.zero_point is not None,
+        HAS_GSCALE=w.global_scale is not None,
+        HALF=0,
+        MERGED_SCALE=False,
+        FRAG=False,
+    )
+    if qdot and gran == "block" and group_k != 128:
+        raise MoeInputError(
+            f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, got {scheme.block_shape}"
+        )
+    gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
+    data = w.data.contiguous()
+    scale = _as_bytes(w.scale)
+    if scheme.packed:
+        # e8m0 scales up to 2^1 can carry the fp4 decode's 2^126 in bf16: one multiply per
+        # weight pair instead of two (real checkpoints' scales are far below that).
+        consts["MERGED_SCALE"] = scheme.scale_format == "e8m0" and (
+            w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128
+        )
+        if fragment_ok(scheme):
+            consts["FRAG"] = True
+            order = gate_up_pair_order(w.shape[1]) if gate_up_pairs else None
+            data = fragment_packed(data, w.shape[2], order)
+            scale = fragment_scales(scale, w.shape[2], group_k, order)
+        else:
+            consts["HALF"] = split_half(scheme)
+            data = split_packed(data, w.shape[2], consts["HALF"])
+            if consts["HALF"] == group_k:
+                scale = pad_scale_groups(scale)
+    return KernelWeight(
+        data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
+    )
+
+
+# Group scales of packed weights are padded to a multiple of this many groups (and to rows of
+# a multiple of 16 bytes), so a K step of up to four chunks reads its scales as one aligned,
+# in-bounds tile. Padded groups meet the zero-padded nibbles of ``split_packed``.
+SCALE_GROUP_MULTIPLE = 8
+
+
+def _scale_group_multiple(scale: torch.Tensor) -> int:
+    """Groups per padded row: a multiple of ``SCALE_GROUP_MULTIPLE`` and of 16 bytes."""
+    return max(SCALE_GROUP_MULTIPLE, 16 // scale.element_size())
+
+
+def pad_scale_groups(scale: torch.Tensor) -> torch.Tensor:
+    """``[E, N, G]`` group scales zero-padded along G to whole 16-byte rows of at least
+    ``SCALE_GROUP_MULTIPLE`` groups' granularity (once, at prepare time)."""
+    pad = -scale.shape[-1] % _scale_group_multiple(scale)
+    return torch.nn.functional.pad(scale, (0, pad)) if pad else scale
+
+
+def scale_tiles_ok(w: KernelWeight) -> bool:
+    """True when ``w``'s group scales are padded for the kernel's per-step scale tiles
+    (``KernelWeight.scale_tiles`` keeps the answer per weight)."""
+    s = w.scale
+    return (
+        w.constexprs["HALF"] > 0
+        and s is not None
+        and s.dim() == 3
+        and s.shape[-1] % _scale_group_multiple(s) == 0
+        and s.stride(-1) == 1
+    )
+
+
+def split_half(scheme: Any) -> int:
+    """HALF of a packed scheme's split layout: its scale group along K, at most 64, so each
+    half of a chunk has one scale per row."""
+    return min(scheme.block_shape[1], 64)
+
+
+def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
+    """Packed 4-bit ``[E, N, K/2]`` (byte j: k = 2j, 2j + 1) to the split layout.
+
+    K is cut into chunks of ``2 * half``; byte j of chunk c holds k = c*2*half + j (low nibble)
+    and k = c*2*half + half + j (high nibble). K is zero-padded to whole chunks. Done once per
+    expert at prepare time, so the kernel reads A in two contiguous halves with one scale each.
+    """
+    e, n, _ = data.shape
+    chunk = 2 * half
+    padded = -(-k // chunk) * chunk
+    out = torch.empty(e, n, padded // 2, dtype=torch.uint8, device=data.device)
+    for i in range(e):
+        codes = torch.stack((data[i] & 0xF, data[i] >> 4), dim=-1).reshape(n, -1)[:, :k]
+        codes = torch.nn.functional.pad(codes, (0, padded - k)).view(n, -1, 2, half)
+        out[i] = (codes[:, :, 0, :] | (codes[:, :, 1, :] << 4)).reshape(n, -1)
+    return out
+
+
+# The fragment layout of packed e2m1 weights (mxfp4, nvfp4). The kernel computes
+# acc^T = W @ A^T with the dequantized weights as the MMA's left operand held in registers
+# (Hopper's wgmma takes A from registers), so each thread decodes exactly the values of its
+# own MMA fragments: no shared-memory round trip or register shuffle between the decode and
+# the MMA. For 16-bit operands a thread's fragment of rows (g, g + 8) of a 16-row block and
+# a 16-wide K step is k = 2t, 2t + 1, 2t + 8, 2t + 9 (t = lane % 4, g = lane // 4). Within a
+# chunk of FRAGMENT_K = 128 along K this layout stores, per pair of rows (g, g + 8) of each
+# 16-row block, the 32 bytes of each t contiguously; byte (a, r, j) of a run (a = 0..7, r =
+# 0 for row g and 1 for g + 8, j = 0, 1) holds k = 16a + 2t + j in its low nibble and
+# k = 16a + 8 + 2t + j in its high one. So a 4-byte word decodes (``_e2m1_halves_bf16``)
+# into four bf16x2 registers that are MMA fragments as they stand, its 8 values share one
+# scale group of 16 or 32 per row, and a thread loads its bytes 16 at a time.
+FRAGMENT_K = 128
+# Rows are zero-padded to a multiple of the widest tile (2 * BLOCK_N <= 256 rows).
+FRAGMENT_ROWS = 256
+#: Packed e2m1 weights (mxfp4, nvfp4) are prepared in the fragment layout when this is on
+#: (read when weights are prepared; off: the split layout). GPT-OSS-120B mxfp4 on an H100,
+#: tiles tuned for each layout on it, same process: 1.20x at T = 16, 1.26x at 64, 1.26x at
+#: 256, 1.27x at 1024, 1.33x at 4096, 1.35x at 16384, and 0.87x at T = 1, where one token's
+#: four experts give too few programs to hide the K loop's latency. Batch-1 generation that
+#: wants those microseconds back turns it off before preparing the weights; ``moerunner tune
+#: --e2m1-layout`` tunes either layout.
+FRAGMENT_E2M1 = True
+
+
+def fragment_ok(scheme: Any) -> bool:
+    """Whether ``scheme``'s weights are prepared in the fragment layout: e2m1 with scale
+    groups of 16 or 32 (one group per decoded word), while ``FRAGMENT_E2M1`` is on."""
+    return (
+        FRAGMENT_E2M1
+        and scheme.weight_format == "e2m1"
+        and scheme.granularity == "group"
+        and scheme.block_shape[1] in (16, 32)
+    )
+
+
+def weight_layout(w: KernelWeight) -> str | None:
+    """Name of ``w``'s prepared layout where its tiles are tuned apart from the scheme's
+    default: "fragment" for e2m1 in the fragment layout, else None."""
+    return "fragment" if w.constexprs["FRAG"] else None
+
+
+def gate_up_pair_order(rows: int) -> torch.Tensor:
+    """Row order of a gated w13 (gate rows, then up rows) as (gate c, up c) pairs."""
+    half = torch.arange(rows // 2)
+    return torch.stack((half, half + rows // 2), dim=1).reshape(-1)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def fragment_packed(
+    data: torch.Tensor, k: int, row_order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Packed e2m1 ``[E, N, K/2]`` (byte j: k = 2j low nibble, 2j + 1 high) to the fragment
+    layout ``[E, N_pad / 2, K_pad]`` (module comment above): rows taken in ``row_order``
+    (default: as stored) and zero-padded to a multiple of ``FRAGMENT_ROWS``, K zero-padded
+    to a multiple of ``FRAGMENT_K``. Storage row ``8b + g`` holds weight rows ``16b + g``
+    and ``16b + g + 8``. Done once per expert at prepare time."""
+    e, n, _ = data.shape
+    n_pad, k_pad = _round_up(n, FRAGMENT_ROWS), _round_up(k, FRAGMENT_K)
+    out = torch.empty(e, n_pad // 2, k_pad, dtype=torch.uint8, device=data.device)
+    for i in range(e):
+        codes = torch.stack((data[i] & 0xF, data[i] >> 4), dim=-1).reshape(n, -1)[:, :k]
+        if row_order is not None:
+            codes = codes[row_order.to(codes.device)]
+        codes = torch.nn.functional.pad(codes, (0, k_pad - k, 0, n_pad - n))
+        # rows (block, r, g), k (chunk, a, nibble, t, j)
+        c = codes.view(n_pad // 16, 2, 8, k_pad // FRAGMENT_K, 8, 2, 4, 2)
+        byte = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # block, r, g, chunk, a, t, j
+        out[i] = byte.permute(0, 2, 3, 5, 4, 1, 6).reshape(n_pad // 2, k_pad)
+    return out
+
+
+def fragment_scales(
+    scale: torch.Tensor, k: int, group_k: int, row_order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Group scale codes ``[E, N, G]`` for the fragment layout: rows in ``row_order`` and
+    zero-padded like ``fragment_packed``'s, groups zero-padded to whole K chunks and then to
+    16-byte rows. With rows 16-byte aligned, each K step's [rows, 128 / group_k] scale tile is
+    a 4- or 8-byte aligned load per row, which Triton copies asynchronously with the weights
+    (unaligned, it was a global load each step waited on)."""
+    if row_order is not None:
+        scale = scale[:, row_order.to(scale.device)]
+    e, n, g = scale.shape
+    pad_g = _round_up(_round_up(k, FRAGMENT_K) // group_k, _scale_group_multiple(scale)) - g
+    pad_n = _round_up(n, FRAGMENT_ROWS) - n
+    return torch.nn.functional.pad(scale, (0, pad_g, 0, pad_n)).contiguous()
+
+
+def prepare(weights: ExpertWeights, spec: ExpertSpec, name: str) -> PreparedWeights:
+    """Make the kernels' view of the weights once (contiguous, byte views, fp32 biases)."""
+    prepared = PreparedWeights(backend=name, source=weights, spec=spec)
+    t = prepared.tensors
+    t["w13"] = kernel_weight(weights.w13, gate_up_pairs=spec.gated and not spec.gate_up_interleaved)
+    t["w2"] = kernel_weight(weights.w2)
+    for key, bias in (("w13_bias", weights.w13_bias), ("w2_bias", weights.w2_bias)):
+        t[key] = None if bias is None else bias.float().contiguous()
+    prepared.notes.append("weights viewed in their stored layout; biases as float32")
+    return prepared
