@@ -44,11 +44,10 @@ def _setup(num_experts: int | None = None):
     needs few)."""
     import torch
 
-    from moerunner.backends.triton import TritonBackend, tune
-    from moerunner.backends.triton import experts as X
+    from moerunner.backends.triton import TritonBackend, _prepare, tune
     from moerunner.config import Activation
 
-    X.FRAGMENT_E2M1 = False  # this study is of the split layout's decode tiles
+    _prepare.FRAGMENT_E2M1 = False  # this study is of the split layout's decode tiles
 
     torch.manual_seed(0)
     H, I, E, k, act = tune.PRESETS[PRESET]
