@@ -107,9 +107,9 @@ def backend_paths(dispatch_format: str = STANDARD):
         ok, _ = backend.available()
         if not ok:
             continue
-        if (dispatch_format, name) in registry.fused_ops:
+        if dispatch_format in backend.fused_ops:
             result.append((name, False))
-        if name in registry.cores:
+        if backend.core is not None:
             result.append((name, True))
     return result
 

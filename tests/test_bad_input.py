@@ -131,12 +131,9 @@ def test_unsupported_request_names_every_backend():
             frozenset({"silu"}),
         )
 
-    local = moerunner.Registry(
-        permutes=dict(registry.permutes), cores={"torch": registry.cores["torch"]}
-    )
+    local = moerunner.Registry(permutes=dict(registry.permutes))
     local.register_backend(registry.backends["torch"])
-    local.register_backend(CudaOnly())
-    local.register_core("cuda_only")(lambda *a: None)
+    local.register_backend(CudaOnly().variant(core=lambda *a: None))
     from moerunner.backends.base import MoeProblem
 
     w = moerunner.ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))

@@ -1,15 +1,20 @@
 """What a backend is: a named kernel family that declares what it can serve.
 
-A backend provides ``available()`` (can it run on this machine at all), ``supports(problem)``
-(can it serve this request, and if not, why) and ``prepare_weights`` (convert the canonical
-weights once into its own form). Its compute functions — a fused op per dispatch format and/or
-a core between permutes — are registered in ``moerunner.runner.Registry``; which dispatch
-formats a backend serves is derived from that registry, never declared twice.
+A backend is one object that provides ``available()`` (can it run on this machine at all),
+``supports(problem)`` (can it serve this request, and if not, why), ``prepare_weights`` (convert
+the canonical weights once into its own form) and its compute functions: ``fused_ops``, a fused
+op per dispatch format, and/or ``core``, the experts on the grouped layout between the
+format's permutes. It registers once, by object, in ``moerunner.registry``; which dispatch
+formats it serves is derived from these two attributes, never declared twice.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -81,11 +86,41 @@ class MoeProblem:
         )
 
 
+# ``fn(dispatch_output, prepared) -> output``, or None to decline the call (it then takes the
+# permute path); ``fn(x_MH, expert_offsets, prepared) -> y_MH`` on the grouped layout.
+FusedOp = Callable[[Any, PreparedWeights], "torch.Tensor | None"]
+Core = Callable[[torch.Tensor, torch.Tensor, PreparedWeights], torch.Tensor]
+
+
 class Backend:
-    """Base class. Subclasses set ``name`` and ``capabilities`` and may override the rest."""
+    """Base class. Subclasses set ``name`` and ``capabilities``, and ``fused_ops`` and/or
+    ``core`` on the instance (in ``__init__``: a function stored on the class would bind as a
+    method), and may override the rest."""
 
     name: str = ""
     capabilities: Capabilities
+    fused_ops: Mapping[str, FusedOp] = MappingProxyType({})  # dispatch format -> fused op
+    core: Core | None = None  # experts on the grouped layout (between permutes)
+
+    def variant(
+        self,
+        *,
+        name: str | None = None,
+        fused_ops: Mapping[str, FusedOp] | None = None,
+        core: Any = ...,  # a Core or None; ... keeps the current one
+        capabilities: Capabilities | None = None,
+    ) -> Backend:
+        """A copy with some parts replaced (tests, experiments, a backend under another name)."""
+        other = copy.copy(self)
+        if name is not None:
+            other.name = name
+        if fused_ops is not None:
+            other.fused_ops = MappingProxyType(dict(fused_ops))
+        if core is not ...:
+            other.core = core
+        if capabilities is not None:
+            other.capabilities = capabilities
+        return other
 
     def available(self) -> tuple[bool, str]:
         """Whether this machine can run the backend at all, and why not."""

@@ -35,7 +35,7 @@ from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
 from ..dispatch.permute import group_pairs
-from ..runner import DEFAULT_REGISTRY
+from ..registry import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized
 from .base import Backend, Capabilities
 
@@ -63,6 +63,8 @@ class TorchBackend(Backend):
             schemes=frozenset({"bf16", "fp16", "fp32"}) | _quant_schemes(),
             activations=frozenset(ACTIVATIONS),
         )
+        self.fused_ops = {STANDARD: torch_fused_standard}
+        self.core = torch_core
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
         """Plain weights are used as they are; quantized ones are dequantized once to fp32."""
@@ -323,7 +325,6 @@ def _grouped_forward(
     return y_MH
 
 
-@DEFAULT_REGISTRY.register_fused_op(STANDARD, NAME)
 def torch_fused_standard(
     dispatch_output: StandardDispatchOutput, prepared: PreparedWeights
 ) -> torch.Tensor | None:
@@ -349,7 +350,6 @@ def torch_fused_standard(
     return torch.empty_like(x_TH).copy_(acc.T if columns else acc)
 
 
-@DEFAULT_REGISTRY.register_core(NAME)
 def torch_core(
     x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
 ) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from ..distributed import collective_device, raise_on_every_rank, rank_and_size
 from ..errors import MoeInputError
 from ..routing import TopK
+from .base import weighted_row_sum
 from .expert_map import ExpertPlacement
 from .formats import PERMUTED, PermutedDispatchOutput
 
@@ -73,6 +74,7 @@ class AllToAllDispatcher:
     """
 
     dispatch_format = PERMUTED  # what dispatch returns (``dispatch.formats``)
+    accepts_quantized = False  # moves activations in the hidden dtype
 
     def __init__(
         self, placement: ExpertPlacement, group=None, *, combine_dtype: torch.dtype | None = None
@@ -200,18 +202,13 @@ class AllToAllDispatcher:
                 f"output must have the dispatched shape {list(dispatch_output.hidden_states.shape)}"
                 f", got {list(output.shape)}"
             )
-        partial = torch.zeros(
-            (sum(h.recv_splits), hidden_size), dtype=torch.float32, device=output.device
-        )
-        partial.index_add_(0, h.row_of_pair, output.float() * h.weight_of_pair[:, None])
+        partial = weighted_row_sum(output, h.row_of_pair, h.weight_of_pair, sum(h.recv_splits))
         wire = self.combine_dtype or output.dtype
         back = partial.new_empty((len(h.token_of_row), hidden_size), dtype=wire)
         dist.all_to_all_single(
             back, partial.to(wire), h.send_splits, h.recv_splits, group=self.group
         )
-        out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
-        out.index_add_(0, h.token_of_row, back.float())
-        return out.to(h.dtype)
+        return weighted_row_sum(back, h.token_of_row, None, h.num_tokens).to(h.dtype)
 
     def _check_world(self, table: torch.Tensor) -> None:
         """Every rank evaluates the same gathered header table and raises the same error."""

@@ -39,6 +39,7 @@ from ..distributed import (
 from ..errors import CapacityOverflowError, MoeInputError
 from ..routing import TopK
 from .all_to_all import DTYPE_CODES, _check_local
+from .base import weighted_row_sum
 from .expert_map import ExpertPlacement
 from .formats import MASKED, MaskedDispatchOutput
 
@@ -83,6 +84,7 @@ class MaskedDispatcher:
     """
 
     dispatch_format = MASKED  # what dispatch returns (``dispatch.formats``)
+    accepts_quantized = False  # moves activations in the hidden dtype
 
     def __init__(
         self,
@@ -233,9 +235,7 @@ class MaskedDispatcher:
         dist.all_to_all_single(returned, back, group=self.group)
         rows = torch.cat([returned, zero_row])[h.send_index]
         token = torch.arange(h.num_tokens * h.top_k, device=output.device) // h.top_k
-        out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
-        out.index_add_(0, token, rows.float() * h.token_weight[:, None])
-        return out.to(h.dtype)
+        return weighted_row_sum(rows, token, h.token_weight, h.num_tokens).to(h.dtype)
 
     def _check_world(self, table: torch.Tensor, overflow: bool) -> None:
         """Same table, same verdict on every rank (``on_overflow="raise"`` only)."""

@@ -1,8 +1,8 @@
 # Backend "triton": fused MoE kernels for CUDA GPUs (and the Triton interpreter on CPU).
 #
-# Importing this package registers the backend, its fused op for the "standard" dispatch
-# format and its core for the grouped layout in the default registry. Both run the one kernel
-# sequence of ``experts.run_kernel_sequence``. Layout of the package:
+# Importing this package registers the backend object (its fused op for the "standard"
+# dispatch format and its core for the grouped layout) in the default registry. Both run the
+# one kernel sequence of ``experts.run_kernel_sequence``. Layout of the package:
 #   experts.py       public launcher: validates, allocates (cached workspaces), launches
 #   _prepare.py      each weight described for the kernel and re-laid once (prepare time)
 #   _align.py        expert alignment kernels and the top-k reduction kernel
@@ -20,7 +20,7 @@ import triton
 
 from ...config import ACTIVATIONS, ExpertSpec
 from ...dispatch.formats import STANDARD
-from ...runner import DEFAULT_REGISTRY
+from ...registry import DEFAULT_REGISTRY
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem
 from . import _gemm_kernel
@@ -50,6 +50,8 @@ class TritonBackend(Backend):
             schemes=SUPPORTED_SCHEMES,
             activations=frozenset(ACTIVATIONS),
         )
+        self.fused_ops = {STANDARD: triton_fused_standard}
+        self.core = triton_core
 
     def available(self) -> tuple[bool, str]:
         """Runs on a CUDA GPU, or on CPU in the Triton interpreter."""
@@ -69,14 +71,12 @@ class TritonBackend(Backend):
         return prepare(weights, spec, NAME)
 
 
-@DEFAULT_REGISTRY.register_fused_op(STANDARD, NAME)
 def triton_fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.Tensor:
     """Standard format in one kernel sequence: ``[T, H]`` weighted and reduced over k."""
     topk = dispatch_output.topk
     return fused_standard(dispatch_output.hidden_states, topk.weights, topk.ids, prepared)
 
 
-@DEFAULT_REGISTRY.register_core(NAME)
 def triton_core(
     x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
 ) -> torch.Tensor:
