@@ -16,6 +16,7 @@ process-global "current backend".
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,8 @@ from .dispatch.formats import MASKED, PERMUTED, STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 from .profiling import trace_range
 from .weights import ExpertWeights, PreparedWeights
+
+_log = logging.getLogger(__name__)
 
 FusedOp = Callable[[Any, PreparedWeights], "torch.Tensor | None"]  # None: declined
 Core = Callable[[torch.Tensor, torch.Tensor, PreparedWeights], torch.Tensor]
@@ -129,6 +132,7 @@ class Registry:
             return cached
         selection = self._select(problem, requested, preference)
         self._selections[key] = selection
+        _log.debug("backend %r selected (%s) for %s", selection.backend, selection.reason, problem)
         return selection
 
     def _select(
@@ -297,6 +301,7 @@ def prepared_for(
     backend = runner.select(problem).backend
     key = (
         backend.name,
+        backend.options,
         id(weights.w2),
         id(weights.w13_bias),
         id(weights.w2_bias),

@@ -10,6 +10,7 @@ formats a backend serves is derived from that registry, never declared twice.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,10 +83,14 @@ class MoeProblem:
 
 
 class Backend:
-    """Base class. Subclasses set ``name`` and ``capabilities`` and may override the rest."""
+    """Base class. Subclasses set ``name`` and ``capabilities`` and may override the rest.
+
+    ``options``: the backend's own options value (frozen, hashable; None where it has none),
+    which its ``prepare_weights`` records in the prepared weights for its kernels."""
 
     name: str = ""
     capabilities: Capabilities
+    options: Any = None
 
     def available(self) -> tuple[bool, str]:
         """Whether this machine can run the backend at all, and why not."""
