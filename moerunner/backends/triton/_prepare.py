@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 
 from ...config import ExpertSpec
 from ...errors import MoeInputError
-from ...weights import ExpertWeights, PreparedWeights, is_quantized
+from ...weights import ExpertWeights, PreparedWeights, is_quantized, scheme_name
 from . import _gemm_kernel as K
 from .options import DEFAULT_OPTIONS, TritonOptions
 from .tile_config import device_name, find_tiles
@@ -72,7 +71,7 @@ class KernelWeight:
     scheme: Any  # QuantScheme or None for plain weights
     shape: tuple[int, int, int]
     constexprs: dict[str, int | bool]
-    layout: WeightLayout = dataclasses.field(default_factory=lambda: STORED)
+    layout: WeightLayout  # how data and scale were re-laid (``WeightLayout.invert`` undoes it)
 
     @property
     def activation_format(self) -> str:
@@ -129,6 +128,7 @@ def kernel_weight(
                 MERGED_SCALE=False,
                 FRAG=False,
             ),
+            STORED,
         )
     scheme = w.scheme
     if scheme.name not in SUPPORTED_SCHEMES:
@@ -166,26 +166,23 @@ def kernel_weight(
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = w.data.contiguous()
     scale = _as_bytes(w.scale)
+    layout = STORED
     if scheme.packed:
         # e8m0 scales up to 2^1 can carry the fp4 decode's 2^126 in bf16: one multiply per
         # weight pair instead of two (real checkpoints' scales are far below that).
         consts["MERGED_SCALE"] = scheme.scale_format == "e8m0" and (
             w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128
         )
+        n, k = w.shape[1], w.shape[2]
         if fragment_ok(scheme, options):
             consts["FRAG"] = True
-            layout = WeightLayout("fragment", w.shape[1], w.shape[2], group_k=group_k,
-                                  gate_up_pairs=gate_up_pairs)  # fmt: skip
+            layout = WeightLayout("fragment", n, k, group_k=group_k, gate_up_pairs=gate_up_pairs)
         else:
-            consts["HALF"] = split_half(scheme)
-            layout = WeightLayout("split", w.shape[1], w.shape[2], half=consts["HALF"],
-                                  pad_scales=consts["HALF"] == group_k)  # fmt: skip
+            half = consts["HALF"] = split_half(scheme)
+            layout = WeightLayout("split", n, k, half=half, pad_scales=half == group_k)
         data, scale = layout.apply(data, scale)
-        return KernelWeight(
-            data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts, layout
-        )
     return KernelWeight(
-        data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
+        data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts, layout
     )
 
 
@@ -449,7 +446,7 @@ def prepare(
         spec.num_experts,
         spec.intermediate_size,
         spec.hidden_size,
-        w13.scheme.name if w13.scheme is not None else _PLAIN[w13.data.dtype],
+        scheme_name(weights.w13),
         device_name(w13.data.device),
         dtype_bytes=w13.data.element_size(),
         layout=w13.layout.tile_key,
@@ -462,6 +459,3 @@ def prepare(
     )
     _log.debug("%s: prepared %s; %s", name, spec, prepared.notes[-1])
     return prepared
-
-
-_PLAIN = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
