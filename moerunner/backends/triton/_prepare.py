@@ -23,7 +23,7 @@ from ...errors import MoeInputError
 from ...weights import ExpertWeights, PreparedWeights, is_quantized, scheme_name
 from . import _gemm_kernel as K
 from .options import DEFAULT_OPTIONS, TritonOptions
-from .tile_config import device_name, find_tiles
+from .tile_config import find_tiles, gpu_name
 
 _log = logging.getLogger(__name__)
 
@@ -447,7 +447,7 @@ def prepare(
         spec.intermediate_size,
         spec.hidden_size,
         scheme_name(weights.w13),
-        device_name(w13.data.device),
+        gpu_name(w13.data.device),
         dtype_bytes=w13.data.element_size(),
         layout=w13.layout.tile_key,
         tile_dirs=options.tile_dirs,

@@ -170,7 +170,7 @@ def heuristic_tiles(
     return MoeTiles(g1, g2)
 
 
-def device_name(device: torch.device) -> str | None:
+def gpu_name(device: torch.device) -> str | None:
     """The name tile files are keyed by: the GPU's, or None off CUDA (heuristic tiles)."""
     if device.type != "cuda":
         return None
