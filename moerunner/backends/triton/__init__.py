@@ -31,7 +31,7 @@ from ..base import Backend, Capabilities, MoeProblem
 from . import _gemm_kernel
 from ._prepare import SUPPORTED_SCHEMES, WeightLayout, prepare
 from .experts import fused_standard, grouped_core
-from .options import DEFAULT_OPTIONS, TritonOptions
+from .options import DEFAULT_OPTIONS, PREPARE_TIME_FIELDS, TritonOptions
 
 NAME = "triton"
 
@@ -117,8 +117,9 @@ def with_options(prepared: PreparedWeights, options: TritonOptions) -> PreparedW
         raise ValueError(f"prepared weights of backend {prepared.backend!r} have no triton options")
     if options.differs_at_prepare(prepared.options):
         raise ValueError(
-            "options differ from the prepared weights' in a prepare time field "
-            "(e2m1_layout, tile_dirs): prepare the weights with a backend of these options"
+            f"options differ from the prepared weights' in a prepare time field "
+            f"({', '.join(PREPARE_TIME_FIELDS)}): prepare the weights with a backend of "
+            f"these options"
         )
     return dataclasses.replace(prepared, options=options)
 
