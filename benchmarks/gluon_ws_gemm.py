@@ -785,7 +785,7 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
     import gpu_triton as G
     from gpu_ws_gemm import _gather_rows_kernel
 
-    from moerunner.backends.triton import TritonBackend
+    from moerunner.backends.triton import TritonBackend, TritonOptions
     from moerunner.backends.triton import experts as X
     from moerunner.bench.presets import PRESETS
     from moerunner.config import Activation
@@ -811,7 +811,7 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
     num_rows = T * k
 
     bufs = X.alignment_workspace(num_rows, E, cfg.bm, dev)
-    rows = X.layout_rows(ids.reshape(-1), k, E, cfg.bm, bufs)
+    rows = X.layout_rows(ids.reshape(-1), k, E, cfg.bm, bufs, TritonOptions())
     max_pad = bufs["sorted_rows"].shape[0]
     a_perm = torch.zeros(max_pad, H, device=dev, dtype=torch.bfloat16)
     inter = torch.zeros(max_pad, I, device=dev, dtype=torch.bfloat16)

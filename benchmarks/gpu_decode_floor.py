@@ -48,7 +48,7 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
 
     import gpu_triton as G
 
-    from moerunner.backends.triton import TritonBackend, _prepare, tile_config, tune
+    from moerunner.backends.triton import TritonBackend, TritonOptions, tile_config, tune
     from moerunner.config import Activation
 
     H, I, E, k, act_name = tune.PRESETS["gpt-oss-120b"]
@@ -57,12 +57,12 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
     read_bw = G.measure_peaks()["read_bytes_per_s"] if decode == "real" else None
     rows = []
     for layout in ("split", "fragment"):
-        _prepare.FRAGMENT_E2M1 = layout == "fragment"
-        prepared = TritonBackend().prepare_weights(weights, spec)
+        options = TritonOptions(e2m1_layout=layout)
+        prepared = TritonBackend(options).prepare_weights(weights, spec)
         name = tile_config.config_file_name(
             E, I, H, "mxfp4", "NVIDIA H200", "fragment" if layout == "fragment" else None
         )
-        table = tile_config.load_config_file(str(tile_config.CONFIG_DIR / name))
+        table = tile_config.load_config_file(str(tile_config.SHIPPED_DIR / name))
         for T in tokens:
             tiles = table[min(table, key=lambda t: (abs(t - T), t))]
             ms, uniq = G.time_fused(prepared, T, k, tiles=tiles)

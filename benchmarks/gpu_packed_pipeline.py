@@ -44,16 +44,17 @@ def _setup(num_experts: int | None = None):
     needs few)."""
     import torch
 
-    from moerunner.backends.triton import TritonBackend, _prepare, tune
+    from moerunner.backends.triton import TritonBackend, TritonOptions, tune
     from moerunner.config import Activation
 
-    _prepare.FRAGMENT_E2M1 = False  # this study is of the split layout's decode tiles
+    # This study is of the split layout's decode tiles, against the shipped ones.
+    split = TritonOptions(e2m1_layout="split", tile_dirs=())
 
     torch.manual_seed(0)
     H, I, E, k, act = tune.PRESETS[PRESET]
     E = num_experts or E
     weights = tune.random_weights(H, I, E, act, SCHEME, torch.device("cuda"))
-    return TritonBackend().prepare_weights(weights, weights.spec(Activation(act))), k
+    return TritonBackend(split).prepare_weights(weights, weights.spec(Activation(act))), k
 
 
 def _compile(args):
@@ -82,18 +83,16 @@ def main() -> None:
     import gpu_triton as G
     import torch
 
-    from moerunner.backends.triton import experts as X
     from moerunner.backends.triton import tune
 
     prepared, k = _setup()
-    H, I, E = prepared.spec.hidden_size, prepared.spec.intermediate_size, prepared.spec.num_experts
     read_bw = G.measure_peaks()["read_bytes_per_s"]
     dev = torch.cuda.get_device_name()
     result = dict(device=dev, read_bytes_per_s=read_bw, rows=[])
     for T in args.tokens:
         log = []
         best, gemm_ms = tune.tune_tokens(prepared, T, k, candidates(), progress=log.append)
-        shipped = X.lookup_tiles(T, k, E, I, H, SCHEME, dev, dtype_bytes=1)
+        shipped = prepared.tensors["tiles"].lookup(T, k)
         times = {"shipped": [], "best": []}
         for r in range(args.rounds):
             for name in ("shipped", "best")[:: 1 - 2 * (r % 2)]:

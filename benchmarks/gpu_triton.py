@@ -15,6 +15,9 @@
 #        instead of the alignment at T = 1..8, programmatic dependent launch.
 # host:  CPU cost of the eager launch path per call (back to back, from idle, profiled).
 # --off NAME runs every part with that switch off (e.g. to warm the kernels an A/B needs).
+# Switches are fields of the backend's ``TritonOptions``: --off / --on build the options every
+# part runs with (the check part through the registered "triton" backend, re-registered with
+# them), and an A/B part times two options values side by side.
 # precompile: only that compile step (CPU work; may run beside another process's GPU checks,
 #        so a later "tune --jobs 1" only times).
 # A compact table is printed last; full results go to DIR/results.json.
@@ -22,6 +25,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import io
@@ -44,11 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moerunner.backends.base import MoeProblem  # noqa: E402
 from moerunner.backends.triton import (  # noqa: E402
     TritonBackend,  # noqa: E402
-    _prepare,  # noqa: E402
+    TritonOptions,
+    register,
     tile_config,
     tune,
+    with_options,
 )
 from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.backends.triton.options import PREPARE_TIME_FIELDS  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
 from moerunner.dispatch.formats import StandardDispatchOutput  # noqa: E402
 from moerunner.quant import quantize  # noqa: E402
@@ -132,14 +139,14 @@ def check_case(name, scheme, act_name, T=37, H=256, I=256, E=8, k=2, dtype=torch
                 err_vs_ref=e_r, torch_vs_ref=e_tr, tol=tol, tol_ref=tol_ref, ok=bool(ok))
 
 
-def graph_case():
+def graph_case(options: TritonOptions):
     """Capture a decode call in a CUDA graph, replay with new inputs, compare with eager."""
     E, H, I, k, T = 16, 512, 256, 4, 8
     act = Activation("silu")
     weights = ExpertWeights(torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.05,
                             torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.05)
     spec = weights.spec(act)
-    prepared = TritonBackend().prepare_weights(weights, spec)
+    prepared = TritonBackend(options).prepare_weights(weights, spec)
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
     wts, ids = routing(T, E, k)
     X.fused_standard(x, wts, ids, prepared)  # compile outside capture
@@ -160,7 +167,9 @@ def graph_case():
                 tol=0.0, ok=max(errs) == 0.0)
 
 
-def part_check():
+def part_check(options: TritonOptions):
+    """The "triton" backend runs the matrix as registered (main registers it with the
+    options of --off / --on); the CUDA-graph case prepares with ``options``."""
     rows = []
     quant = ["fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16", "int4",
              "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
@@ -201,7 +210,7 @@ def part_check():
               f"torch={r.get('err_vs_torch', -1):.2e} ref={r.get('err_vs_ref', -1):.2e}",
               flush=True)
     try:
-        rows.append(graph_case())
+        rows.append(graph_case(options))
     except Exception as exc:
         traceback.print_exc()
         rows.append(dict(case="cuda_graph_replay", ok=False, error=repr(exc)))
@@ -349,14 +358,14 @@ def time_torch(weights, act, T, k):
                        return_mode="median")
 
 
-def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
+def part_perf(peaks, plan, rows, checkpoint, options: TritonOptions, with_torch=True):
     """Append a row per (preset, scheme, T) to ``rows`` as it is measured, then ``checkpoint()``
     (so a run cut off by its time limit keeps what it measured)."""
     for preset, scheme, tokens in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         act = Activation(act_name)
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
+        prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))
         for T in tokens:
             try:
                 ms, uniq = time_fused(prepared, T, k)
@@ -372,11 +381,8 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
                        bytes=nbytes, pct_roofline=100 * roof / (ms * 1e-3),
                        tflops=flops / (ms * 1e-3) / 1e12,
                        pct_peak=100 * flops / (ms * 1e-3) / peak,
-                       tiles=str(X.lookup_tiles(T, k, E, I, H, scheme,
-                                                torch.cuda.get_device_name(),
-                                                dtype_bytes=prepared.tensors["w13"].data
-                                                .element_size(),
-                                                layout=_prepare.weight_layout(prepared.tensors["w13"]))))
+                       tiles=str(prepared.tensors["tiles"].lookup(T, k)),
+                       tile_file=prepared.tensors["tiles"].describe())
             if T >= 1024:
                 try:
                     row["stages_us"] = stage_breakdown(prepared, T, k)
@@ -398,63 +404,59 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
 
 
 def _toggles():
-    """A/B parts: part -> (module, attribute, (off value, on value), token counts)."""
-    from moerunner.backends.triton import _launch, _pdl
-
+    """A/B parts: part -> (``TritonOptions`` field, (off value, on value), token counts)."""
     return {
         # decode with the alignment step (0) or row blocks for up to 8 tokens
-        "rowblocks": (X, "ROW_BLOCKS_MAX_TOKENS", (0, 8), (1, 2, 4, 8)),
+        "rowblocks": ("row_blocks_max_tokens", (0, 8), (1, 2, 4, 8)),
         # programmatic dependent launch off / on
-        "pdl": (_pdl, "ENABLED", (False, True), (1, 16, 64, 1024)),
+        "pdl": ("pdl", (False, True), (1, 16, 64, 1024)),
         # kernels launched through Triton's JIT launch (off) or the compiled-kernel cache
-        "launchcache": (_launch, "ENABLED", (False, True), (1, 1024)),
+        "launchcache": ("launch_cache", (False, True), (1, 1024)),
         # packed 4-bit scale codes loaded in the K step that uses them (off) or one ahead
-        "sprefetch": (X, "SCALE_PREFETCH", (False, True), (1, 16, 64, 256)),
+        "sprefetch": ("scale_prefetch", (False, True), (1, 16, 64, 256)),
         # packed 4-bit scale codes of a K step of several chunks loaded per chunk (off) or as
         # one pipelined tile
-        "stiles": (X, "SCALE_TILES", (False, True), (1, 1024, 4096, 16384)),
+        "stiles": ("scale_tiles", (False, True), (1, 1024, 4096, 16384)),
         # 128-row blocks whose second half is padding run a 64-row tile (off: never)
-        "split": (X, "SPLIT_MIN_BLOCK_M", (None, 128), (4096, 16384)),
+        "split": ("split_min_block_m", (None, 128), (4096, 16384)),
         # e2m1 weights in the split layout (off) or the fragment layout (on); prepare-time
-        "fragment": (_prepare, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096, 16384)),
+        "fragment": ("e2m1_layout", ("split", "fragment"), (1, 16, 64, 256, 1024, 4096, 16384)),
         # the fragment layout's register-operand wgmmas serialized by ptxas (off) or kept in
         # flight (on; K_NONEMPTY); meaningful with --on fragment
-        "fragasync": (X, "FRAGMENT_ASYNC_MMA", (False, True), (1, 16, 64, 256, 1024, 4096)),
+        "fragasync": ("fragment_async_mma", (False, True), (1, 16, 64, 256, 1024, 4096)),
     }
 
 
-# Switches read when weights are prepared: their A/B prepares the weights once per value.
-PREPARE_TIME_TOGGLES = {"fragment"}
+def switched(options: TritonOptions, part: str, on: bool) -> TritonOptions:
+    """``options`` with the switch of A/B part ``part`` off or on."""
+    field, values, _ = _toggles()[part]
+    return dataclasses.replace(options, **{field: values[on]})
 
 
-def part_toggle(plan, rows, part, rounds: int = 1):
+def part_toggle(plan, rows, part, options: TritonOptions, rounds: int = 1):
     """Time the fused op with one switch of the backend off and on, alternately in one
     process (decode sizes graph-replayed), per preset and token count; with several rounds
     (the order alternating, so that neither side always runs first) the row holds the median
-    of each and of the per-round ratios."""
-    module, attr, (off, on), tokens = _toggles()[part]
-    saved = getattr(module, attr)
+    of each and of the per-round ratios. Switches read when weights are prepared
+    (``PREPARE_TIME_FIELDS``) prepare the weights once per value; the others share them."""
+    field, _, tokens = _toggles()[part]
+    variants = {"off_us": switched(options, part, False), "on_us": switched(options, part, True)}
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
         spec = weights.spec(Activation(act_name))
-        if part in PREPARE_TIME_TOGGLES:
-            prepared = {}
-            for value in (off, on):
-                setattr(module, attr, value)
-                prepared[value] = TritonBackend().prepare_weights(weights, spec)
-            setattr(module, attr, saved)
+        if field in PREPARE_TIME_FIELDS:
+            prepared = {name: TritonBackend(o).prepare_weights(weights, spec)
+                        for name, o in variants.items()}
         else:
-            one = TritonBackend().prepare_weights(weights, spec)
-            prepared = {off: one, on: one}
+            one = TritonBackend(options).prepare_weights(weights, spec)
+            prepared = {name: with_options(one, o) for name, o in variants.items()}
         for T in tokens:
             times = {"off_us": [], "on_us": []}
             for r in range(rounds):  # off first in even rounds, on first in odd ones
-                for name, value in (("off_us", off), ("on_us", on))[:: 1 - 2 * (r % 2)]:
-                    setattr(module, attr, value)
-                    ms = time_fused(prepared[value], T, k)[0]
+                for name in ("off_us", "on_us")[:: 1 - 2 * (r % 2)]:
+                    ms = time_fused(prepared[name], T, k)[0]
                     times[name].append(ms * 1e3)
-            setattr(module, attr, saved)
             ratios = [a / b for a, b in zip(times["off_us"], times["on_us"], strict=True)]
             row = dict(part=part, preset=preset, scheme=scheme, T=T, rounds=rounds,
                        off_us=statistics.median(times["off_us"]),
@@ -468,7 +470,7 @@ def part_toggle(plan, rows, part, rounds: int = 1):
         torch.cuda.empty_cache()
 
 
-def part_host(plan, rows, calls: int = 50):
+def part_host(plan, rows, options: TritonOptions, calls: int = 50):
     """Host cost of the eager launch path: CPU seconds per call issued back to back (no
     sync), wall time per call, the span of one call started from an idle GPU (as moerunner
     bench's eager timing sees it), each with kernels launched through Triton's JIT launch
@@ -478,8 +480,6 @@ def part_host(plan, rows, calls: int = 50):
     import cProfile
     import io as _io
     import pstats
-
-    from moerunner.backends.triton import _launch
 
     def measure(x, w, i, prepared):
         X.fused_standard(x, w, i, prepared)
@@ -500,26 +500,27 @@ def part_host(plan, rows, calls: int = 50):
             spans.append(start.elapsed_time(end) * 1e3)
         return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6, sorted(spans)[5]
 
-    saved = _launch.ENABLED
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        spec = weights.spec(Activation(act_name))
+        prepared = TritonBackend(options).prepare_weights(weights, spec)
+        by_mode = {cached: with_options(prepared, switched(options, "launchcache", cached))
+                   for cached in (False, True)}
         for T in (1, 1024):
             x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
             w, i = routing(T, E, k)
             row = dict(preset=preset, scheme=scheme, T=T)
             for _ in range(5):  # alternately, keeping each mode's fastest (least disturbed)
                 for cached in (False, True):
-                    _launch.ENABLED = cached
                     tag = "" if cached else "_jit"
-                    got = measure(x, w, i, prepared)
+                    got = measure(x, w, i, by_mode[cached])
                     for name, v in zip(("cpu_us", "wall_us", "idle_span_us"), got, strict=True):
                         row[name + tag] = min(row.get(name + tag, float("inf")), v)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
-                X.fused_standard(x, w, i, prepared)
+                X.fused_standard(x, w, i, by_mode[True])
             prof.disable()
             torch.cuda.synchronize()
             text = _io.StringIO()
@@ -530,12 +531,11 @@ def part_host(plan, rows, calls: int = 50):
                   f"{row['cpu_us']:6.1f} us/call  wall {row['wall_us_jit']:6.1f} -> "
                   f"{row['wall_us']:6.1f}  span from idle {row['idle_span_us_jit']:6.1f} -> "
                   f"{row['idle_span_us']:6.1f} us (JIT launch -> cached)", flush=True)
-        del weights, prepared
+        del weights, prepared, by_mode
         torch.cuda.empty_cache()
-    _launch.ENABLED = saved
 
 
-def part_warm(plan, jobs: int):
+def part_warm(plan, jobs: int, options: TritonOptions):
     """Compile the kernels ``perf`` will launch (one untimed call per token count), one
     process per (preset, scheme) when ``jobs`` > 1: compilation is CPU work, and a perf run
     on a cold kernel cache otherwise compiles every tile serially between its timings."""
@@ -551,11 +551,8 @@ def part_warm(plan, jobs: int):
                 cmd = [sys.executable, __file__, "--parts", "warm", "--jobs", "1",
                        "--out", tempfile.mkdtemp(), "--presets", f"{preset}:{scheme}",
                        "--tune-tokens", *map(str, tokens)]
-                for name, (module, attr, (_off, on), _) in _toggles().items():
-                    if getattr(module, attr) != on:
-                        cmd += ["--off", name]
-                    else:
-                        cmd += ["--on", name]
+                for name, (field, (_off, on), _) in _toggles().items():
+                    cmd += ["--off" if getattr(options, field) != on else "--on", name]
                 running.append((f"{preset}:{scheme}", subprocess.Popen(cmd)))
             time.sleep(0.5)
             for item in list(running):
@@ -566,7 +563,8 @@ def part_warm(plan, jobs: int):
     for preset, scheme, tokens in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        spec = weights.spec(Activation(act_name))
+        prepared = TritonBackend(options).prepare_weights(weights, spec)
         for T in tokens:
             w, i = routing(T, E, k)
             X.fused_standard(torch.randn(T, H, device=DEV, dtype=torch.bfloat16), w, i, prepared)
@@ -575,15 +573,16 @@ def part_warm(plan, jobs: int):
         torch.cuda.empty_cache()
 
 
-def part_tune(plan, out_dir: Path, jobs: int):
-    cfg_dir = tile_config.CONFIG_DIR
+def part_tune(plan, out_dir: Path, jobs: int, options: TritonOptions):
+    cfg_dir = tile_config.SHIPPED_DIR  # this run tunes the files shipped with the package
     written = []
     if jobs > 1:  # compile every candidate in parallel first; the search below only times
-        tune.precompile(plan, jobs, progress=lambda s: print(s, flush=True))
+        tune.precompile(plan, jobs, progress=lambda s: print(s, flush=True),
+                        e2m1_layout=options.e2m1_layout)
     for preset, scheme, tokens in plan:
         H, I, E, k, act = tune.PRESETS[preset]
         path, _ = tune.tune_preset(H, I, E, k, act, scheme, tokens, cfg_dir,
-                                   progress=lambda s: print(s, flush=True))
+                                   progress=lambda s: print(s, flush=True), options=options)
         written.append(path)
         torch.cuda.empty_cache()
         buf = io.BytesIO()
@@ -608,12 +607,13 @@ def main():
     ap.add_argument("--on", action="append", default=[], choices=sorted(_toggles()),
                     help="run every part with this switch on (repeatable)")
     args = ap.parse_args()
+    options = TritonOptions()
     for name in args.off:
-        module, attr, (off, _), _ = _toggles()[name]
-        setattr(module, attr, off)
+        options = switched(options, name, False)
     for name in args.on:
-        module, attr, (_, on), _ = _toggles()[name]
-        setattr(module, attr, on)
+        options = switched(options, name, True)
+    if options != TritonOptions():  # the check part's "triton" runs with them too
+        register(TritonBackend(options))
     args.out.mkdir(parents=True, exist_ok=True)
     names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
     if args.presets is None:
@@ -626,7 +626,7 @@ def main():
                                  f"one of {', '.join(tune.PRESETS)} (the plan: {', '.join(names)})")
         plan = [names.get(n) or (*n.split(":"), tune.DEFAULT_TOKENS) for n in args.presets]
     result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, triton=triton.__version__)
+                  torch=torch.__version__, triton=triton.__version__, options=repr(options))
     t0 = time.time()
     def save():
         result["seconds"] = time.time() - t0
@@ -634,25 +634,26 @@ def main():
 
     for part in args.parts:  # in the order given, each saved as soon as it is done
         if part == "check":
-            result["check"] = part_check()
+            result["check"] = part_check(options)
         elif part == "host":
             result["host"] = []
-            part_host(plan, result["host"])
+            part_host(plan, result["host"], options)
         elif part in _toggles():
             result.setdefault("toggles", [])
-            part_toggle(plan, result["toggles"], part, args.rounds)
+            part_toggle(plan, result["toggles"], part, options, args.rounds)
         elif part == "warm":
-            part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs)
+            part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs, options)
         elif part in ("tune", "precompile"):
             tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan]
             if part == "precompile":  # compile only: can overlap GPU checks of other processes
-                tune.precompile(tune_plan, args.jobs, progress=lambda s: print(s, flush=True))
+                tune.precompile(tune_plan, args.jobs, progress=lambda s: print(s, flush=True),
+                                e2m1_layout=options.e2m1_layout)
             else:
-                result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs)
+                result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs, options)
         elif part == "perf":
             result["peaks"] = measure_peaks()
             result["perf"] = []
-            part_perf(result["peaks"], plan, result["perf"], save)
+            part_perf(result["peaks"], plan, result["perf"], save, options)
         else:
             raise SystemExit(
                 f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf, host, "

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_triton as G  # noqa: E402
 
-from moerunner.backends.triton import TritonBackend  # noqa: E402
+from moerunner.backends.triton import TritonBackend, TritonOptions  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.bench.presets import PRESETS  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
@@ -120,7 +120,7 @@ def ws_call(x, w13_2d, w2_2d, wts, ids, E, inter, hidden, cfg, ws_on, bufs):
     bm, bn1, bn2, bk, stages = cfg
     T, k = ids.shape
     num_rows = T * k
-    rows = X.layout_rows(ids.reshape(-1), k, E, bm, bufs)
+    rows = X.layout_rows(ids.reshape(-1), k, E, bm, bufs, TritonOptions())
     max_pad = bufs["sorted_rows"].shape[0]
     a_perm, inter_buf, y = bufs["a_perm"], bufs["inter"], bufs["y"]
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count

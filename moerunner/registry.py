@@ -16,6 +16,7 @@ Backend choice travels as arguments: there is no process-global "current backend
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,8 @@ __all__ = [
     "Registry",
     "Selection",
 ]
+
+_log = logging.getLogger("moerunner")
 
 DispatcherFactory = Callable[[DispatchSetup], "Dispatcher"]
 
@@ -149,6 +152,7 @@ class Registry:
             return cached
         selection = self._select(problem, requested, preference)
         self._selections[key] = selection
+        _log.debug("backend %r selected (%s) for %s", selection.backend, selection.reason, problem)
         return selection
 
     def _select(

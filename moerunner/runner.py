@@ -155,6 +155,7 @@ def prepared_for(
     backend = runner.select(problem).backend
     key = (
         backend.name,
+        backend.options,
         id(weights.w2),
         id(weights.w13_bias),
         id(weights.w2_bias),

@@ -142,7 +142,9 @@ class PreparedWeights:
     """A backend's own form of one layer's weights, made once by ``prepare_weights``.
 
     ``tensors`` holds whatever the backend's kernels read; ``notes`` records what preparation
-    did (padding, reordering) so it can be inspected and tested.
+    did (padding, reordering) so it can be inspected and tested; ``options`` the options of
+    the backend that prepared them (None for a backend without options), which its kernels
+    read per call.
     """
 
     backend: str
@@ -150,3 +152,4 @@ class PreparedWeights:
     spec: ExpertSpec
     tensors: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    options: Any = None

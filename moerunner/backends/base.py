@@ -95,12 +95,16 @@ Core = Callable[[torch.Tensor, torch.Tensor, PreparedWeights], torch.Tensor]
 class Backend:
     """Base class. Subclasses set ``name`` and ``capabilities``, and ``fused_ops`` and/or
     ``core`` on the instance (in ``__init__``: a function stored on the class would bind as a
-    method), and may override the rest."""
+    method), and may override the rest.
+
+    ``options``: the backend's own options value (frozen, hashable; None where it has none),
+    which its ``prepare_weights`` records in the prepared weights for its kernels."""
 
     name: str = ""
     capabilities: Capabilities
     fused_ops: Mapping[str, FusedOp] = MappingProxyType({})  # dispatch format -> fused op
     core: Core | None = None  # experts on the grouped layout (between permutes)
+    options: Any = None
 
     def variant(
         self,

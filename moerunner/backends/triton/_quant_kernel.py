@@ -18,6 +18,7 @@ import triton.language as tl
 from . import _launch, _pdl
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
+from .options import TritonOptions
 
 # Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest
 # integer, ties to even (the hardware's rounding of the add).
@@ -123,8 +124,16 @@ def _quant_groups_kernel(
     tl.store(s_ptr + rows * stride_sm + offs_g[None, :], scale, mask=g_mask)
 
 
-def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
-    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
+def quantize_rows(
+    x: torch.Tensor,
+    fmt: str,
+    q_out: torch.Tensor,
+    s_out: torch.Tensor,
+    *,
+    options: TritonOptions,
+) -> None:
+    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32);
+    ``options``: the backend's (launches)."""
     rows, k = x.shape
     if fmt == "fp8_group128":
         # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
@@ -146,6 +155,7 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
             GROUPS=groups,
             GROUP=128,
             num_warps=4,
+            options=options,
         )
         return
     group = min(1024, _pow2(k))
@@ -166,4 +176,5 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
         QMAX=448.0 if to_fp8 else 127.0,
         TO_FP8=to_fp8,
         num_warps=4 if group >= 512 else 1,
+        options=options,
     )

@@ -1,21 +1,47 @@
 # Tile configurations of the triton backend's grouped GEMMs: heuristic default + tuned files.
 #
 # A tuned file covers one (E, N = I, K = H, scheme, device name) and maps token counts to a
-# pair of tiles (GEMM1, GEMM2) sharing BLOCK_M (the alignment step pads to it). All files live
-# in ``configs/`` beside this module and follow one schema (SCHEMA below); ``moerunner tune``
-# (``tune.py``) writes them. Lookup takes the entry whose token count is nearest to the call's;
-# with no file the heuristic below answers. Nothing here reads the environment.
+# pair of tiles (GEMM1, GEMM2) sharing BLOCK_M (the alignment step pads to it). Files follow
+# one schema (SCHEMA below); ``moerunner tune`` (``tune.py``) writes them, by default into the
+# user tile folder (``user_tile_dir``). Weights look their file up once, when prepared
+# (``find_tiles``): in the folders of ``TritonOptions.tile_dirs`` (default: the user tile
+# folder), then in ``configs/`` shipped beside this module; the first file found is used
+# whole. A call takes the entry whose token count is nearest to its own; with no file the
+# heuristic below answers. The environment is read in one place: where the user's cache
+# folder is (``user_tile_dir``).
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 SCHEMA = "moerunner.triton.tiles/1"
-CONFIG_DIR = Path(__file__).with_name("configs")
+#: Tile files shipped with the package (searched after the user's folders).
+SHIPPED_DIR = Path(__file__).with_name("configs")
+
+
+def user_tile_dir() -> Path:
+    """The user tile folder: ``$XDG_CACHE_HOME/moerunner/tiles``, or
+    ``~/.cache/moerunner/tiles`` where that variable is unset (the XDG base directory
+    convention). ``moerunner tune`` writes there by default and the runtime reads it first
+    (``TritonOptions.tile_dirs=None``)."""
+    cache = os.environ.get("XDG_CACHE_HOME")
+    base = Path(cache) if cache else Path.home() / ".cache"
+    return base / "moerunner" / "tiles"
+
+
+def tile_folders(tile_dirs: Sequence[str | os.PathLike] | None) -> tuple[Path, ...]:
+    """Folders searched for tuned files, in order: ``tile_dirs`` (None: the user tile
+    folder), then the shipped ones."""
+    first = (user_tile_dir(),) if tile_dirs is None else tuple(Path(d) for d in tile_dirs)
+    return (*first, SHIPPED_DIR)
 
 
 @dataclass(frozen=True)
@@ -144,6 +170,64 @@ def heuristic_tiles(
     return MoeTiles(g1, g2)
 
 
+def gpu_name(device: torch.device) -> str | None:
+    """The name tile files are keyed by: the GPU's, or None off CUDA (heuristic tiles)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+@dataclass(frozen=True)
+class TileSource:
+    """Where one prepared layer's tiles come from: a tuned file's table (``path``) or, with
+    none found, the heuristic. Found once per prepared weights (``find_tiles``); a call only
+    picks the entry nearest to its token count."""
+
+    num_experts: int
+    n: int
+    k: int
+    scheme: str
+    dtype_bytes: int = 2
+    path: Path | None = None
+    table: dict[int, MoeTiles] | None = field(default=None, compare=False, repr=False)
+
+    def lookup(self, num_tokens: int, top_k: int) -> MoeTiles:
+        """Tuned tiles for the nearest token count, else ``heuristic_tiles``."""
+        if self.table:
+            nearest = min(self.table, key=lambda t: (abs(t - num_tokens), t))
+            return self.table[nearest]
+        return heuristic_tiles(
+            num_tokens, top_k, self.num_experts, self.n, self.k, self.scheme, self.dtype_bytes
+        )
+
+    def describe(self) -> str:
+        """The file used, or why the heuristic answers."""
+        return str(self.path) if self.path is not None else "heuristic (no tuned file)"
+
+
+def find_tiles(
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str,
+    device_name: str | None,
+    dtype_bytes: int = 2,
+    layout: str | None = None,
+    tile_dirs: Sequence[str | os.PathLike] | None = None,
+) -> TileSource:
+    """The tiles of one shape, scheme and weight layout on ``device_name`` (None: off the
+    GPU, heuristic only): the first tuned file in ``tile_folders(tile_dirs)``. ``layout``
+    names a prepared weight layout whose tiles are tuned apart (``WeightLayout.tile_key``)."""
+    if device_name is not None:
+        name = config_file_name(num_experts, n, k, scheme, device_name, layout)
+        for folder in tile_folders(tile_dirs):
+            path = folder / name
+            table = load_config_file(str(path))
+            if table:
+                return TileSource(num_experts, n, k, scheme, dtype_bytes, path, table)
+    return TileSource(num_experts, n, k, scheme, dtype_bytes)
+
+
 def lookup_tiles(
     num_tokens: int,
     top_k: int,
@@ -152,18 +236,11 @@ def lookup_tiles(
     k: int,
     scheme: str,
     device_name: str | None,
-    config_dir: Path | None = None,
+    tile_dirs: Sequence[str | os.PathLike] | None = None,
     dtype_bytes: int = 2,
     layout: str | None = None,
 ) -> MoeTiles:
-    """Tuned tiles for the nearest token count, else ``heuristic_tiles``. ``layout`` names
-    a prepared weight layout whose tiles are tuned apart (``_prepare.weight_layout``)."""
-    if device_name is not None:
-        folder = CONFIG_DIR if config_dir is None else Path(config_dir)
-        table = load_config_file(
-            str(folder / config_file_name(num_experts, n, k, scheme, device_name, layout))
-        )
-        if table:
-            nearest = min(table, key=lambda t: (abs(t - num_tokens), t))
-            return table[nearest]
-    return heuristic_tiles(num_tokens, top_k, num_experts, n, k, scheme, dtype_bytes)
+    """``find_tiles(...).lookup(num_tokens, top_k)`` in one call (prepared weights keep
+    their ``TileSource`` in ``tensors["tiles"]``)."""
+    source = find_tiles(num_experts, n, k, scheme, device_name, dtype_bytes, layout, tile_dirs)
+    return source.lookup(num_tokens, top_k)
