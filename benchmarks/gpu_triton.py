@@ -613,7 +613,7 @@ def main():
     for name in args.on:
         options = switched(options, name, True)
     if options != TritonOptions():  # the check part's "triton" runs with them too
-        register(TritonBackend(options))
+        register(TritonBackend(options), replace=True)
     args.out.mkdir(parents=True, exist_ok=True)
     names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
     if args.presets is None:
