@@ -5,7 +5,7 @@
 # difference bounds what a leaner decode could gain. The stand-in computes wrong values: its
 # numbers are a bound, never a result.
 #
-#   python benchmarks/gpu_decode_floor.py [--decode real floor] [--tokens 1 16 64 256]
+#   python benchmarks/experiments/gpu_decode_floor.py [--decode real floor] [--tokens 1 16 64 256]
 #
 # Each decode runs in its own process (the decode is a compile-time constant of the kernel).
 # Tiles are the H200-tuned ones of each layout, so both layouts run the same tile shapes on
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 FLOOR_ASM = """{
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
     if args.child:
         print("ROWS " + json.dumps(run_one(args.decode[0], args.tokens)), flush=True)
         return

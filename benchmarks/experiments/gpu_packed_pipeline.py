@@ -1,7 +1,7 @@
 # Deeper pipelines and longer K steps for packed 4-bit decode tiles (mxfp4 W4A16, split
 # layout), beyond the tuner's decode candidates (K steps of 1-4 chunks, at most 4 stages).
 #
-#   python benchmarks/gpu_packed_pipeline.py [--tokens 16 64] [--jobs 12] [--out DIR]
+#   python benchmarks/experiments/gpu_packed_pipeline.py [--tokens 16 64] [--jobs 12] [--out DIR]
 #
 # Why: with the fp4 decode replaced by a stand-in of less than half its instructions
 # (gpu_decode_floor.py) the T = 16/64 decode of GPT-OSS-120B hardly moved on an H100, so the
@@ -21,9 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
 
 PRESET, SCHEME = "gpt-oss-120b", "mxfp4"
 

@@ -1,6 +1,6 @@
 # Kernel-level proof for the triton backend on one GPU: correctness, then speed.
 #
-#   python benchmarks/gpu_triton.py [--parts check perf tune] [--out DIR]
+#   python benchmarks/experiments/gpu_triton.py [--parts check perf tune] [--out DIR]
 #
 # check: every claimed scheme x activation (plus edge cases: T = 0 and 1, one expert for all,
 #        top_k = E, -1 ids, I = 961, the grouped core, CUDA-graph replay) against the torch
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 import triton.testing as tt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moerunner.backends.base import MoeProblem  # noqa: E402
 from moerunner.backends.triton import (  # noqa: E402

@@ -1,6 +1,6 @@
 # Experiment: how fast can GEMM-shaped tile reads stream expert weights from HBM?
 #
-#   python benchmarks/gpu_weight_stream.py [--rows 1048576] [--k 7168] [--out DIR]
+#   python benchmarks/experiments/gpu_weight_stream.py [--rows 1048576] [--k 7168] [--out DIR]
 #
 # The prefill GEMMs at T=4096 on 128/256-expert models stream their weights at ~2.9 of the
 # 4.2 TB/s that ``torch.sum`` reads (results page, "Why the misses remain"), even with a
