@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ...bench import presets as _model_shapes
 from ...quant import get_scheme
 from . import _prepare
 from ._prepare import split_half, weight_layout
@@ -32,13 +33,10 @@ from .tile_config import (
     write_config_file,
 )
 
-PRESETS = {  # name: (H, I, E, top_k, activation)
-    "mixtral-8x7b": (4096, 14336, 8, 2, "silu"),
-    "qwen3-30b-a3b": (2048, 768, 128, 8, "silu"),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8, "silu"),
-    "deepseek-v3": (7168, 2048, 256, 8, "silu"),
-    "gpt-oss-20b": (2880, 2880, 32, 4, "swiglu_oai"),
-    "gpt-oss-120b": (2880, 2880, 128, 4, "swiglu_oai"),
+# name: (H, I, E, top_k, activation), read from the project's one table of model shapes.
+PRESETS = {
+    name: (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, s.activation)
+    for name, s in ((n, _model_shapes.PRESETS[n]) for n in _model_shapes.MODEL_PRESETS)
 }
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 # Routings a decode-sized search times in turn (``tune_tokens``).
