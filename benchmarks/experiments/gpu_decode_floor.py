@@ -54,7 +54,7 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
     H, I, E, k, act_name = tune.PRESETS["gpt-oss-120b"]
     weights = tune.random_weights(H, I, E, act_name, "mxfp4", G.DEV)
     spec = weights.spec(Activation(act_name))
-    read_bw = G.measure_peaks()["read_bytes_per_s"] if decode == "real" else None
+    copy_bw = G.measure_peaks()["copy_bytes_per_s"] if decode == "real" else None
     rows = []
     for layout in ("split", "fragment"):
         _prepare.FRAGMENT_E2M1 = layout == "fragment"
@@ -73,13 +73,13 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
                 T=T,
                 us=ms * 1e3,
                 experts_hit=uniq,
-                bytes=G.fused_bytes(prepared, uniq, T),
+                bytes=G.fused_cost(prepared, uniq, T, k).bytes,
                 tiles=str(tiles),
                 gemm1_us=stages.get("gemm1"),
                 gemm2_us=stages.get("gemm2"),
             )
-            if read_bw:
-                row["read_bytes_per_s"] = read_bw
+            if copy_bw:
+                row["copy_bytes_per_s"] = copy_bw
             rows.append(row)
             print(
                 f"{decode:5s} {layout:8s} T={T:4d} {row['us']:8.1f} us  gemm1 "
@@ -120,11 +120,11 @@ def main() -> None:
                 rows += json.loads(line[5:])
             else:
                 print(line, flush=True)
-    bw = next((r["read_bytes_per_s"] for r in rows if "read_bytes_per_s" in r), None)
+    bw = next((r["copy_bytes_per_s"] for r in rows if "copy_bytes_per_s" in r), None)
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "?"
-    print(f"\n== decode floor, {dev}, read {bw / 1e12 if bw else float('nan'):.2f} TB/s ==")
+    print(f"\n== decode floor, {dev}, copy {bw / 1e12 if bw else float('nan'):.2f} TB/s ==")
     print(f"{'layout':8s} {'T':>5s} " + " ".join(f"{d:>22s}" for d in args.decode))
     for layout in ("split", "fragment"):
         for T in args.tokens:

@@ -5,9 +5,11 @@
 # check: every claimed scheme x activation (plus edge cases: T = 0 and 1, one expert for all,
 #        top_k = E, -1 ids, I = 961, the grouped core, CUDA-graph replay) against the torch
 #        backend and the float64 reference, with fresh random inputs.
-# perf:  measures the device's copy bandwidth and bf16/fp8 matmul peaks, then times the fused
-#        op on the model presets (decode through CUDA-graph replay over 8 rotated routings,
-#        prefill with triton.testing.do_bench) and reports % of roofline / peak.
+# perf:  measures the device's ceilings with moerunner.bench.roofline (copy bandwidth, bf16/fp8
+#        matmul peaks), then times the fused op on the model presets (decode through CUDA-graph
+#        replay over 8 rotated routings, prefill with triton.testing.do_bench) and reports the
+#        roofline's memory floor (%R) and compute floor (%P) over the time. Records before
+#        2026-11-25 used this script's own read bandwidth (torch.sum) and byte count instead.
 # tune:  searches tiles for the presets and writes them (tar of configs/ under --out); with
 #        --jobs > 1 it first compiles every candidate in parallel processes.
 # warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import io
 import json
 import math
@@ -49,6 +50,8 @@ from moerunner.backends.triton import (  # noqa: E402
     tune,
 )
 from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.bench import roofline  # noqa: E402
+from moerunner.bench.presets import BenchShape  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
 from moerunner.dispatch.formats import StandardDispatchOutput  # noqa: E402
 from moerunner.quant import quantize  # noqa: E402
@@ -237,49 +240,36 @@ def l2_read_bandwidth(mib: int = 16, passes: int = 32) -> float:
 
 
 def measure_peaks():
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = tt.do_bench(functools.partial(dst.copy_, src), warmup=25, rep=200,
-                     return_mode="median")
-    copy_bw = 2 * n / (ms * 1e-3)
-    big = src.view(torch.float32)
-    ms = tt.do_bench(functools.partial(torch.sum, big), warmup=25, rep=200,
-                     return_mode="median")
-    read_bw = n / (ms * 1e-3)
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    ms = tt.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    bf16 = 2 * 8192 ** 3 / (ms * 1e-3)
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
-    one = torch.ones((), device=DEV)
-    ms = tt.do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
-                     warmup=25, rep=200, return_mode="median")
-    fp8 = 2 * 8192 ** 3 / (ms * 1e-3)
-    return dict(copy_bytes_per_s=copy_bw, read_bytes_per_s=read_bw, bf16_flops=bf16,
-                fp8_flops=fp8, l2_read_bytes_per_s=l2_read_bandwidth())
+    """The ceilings of the project's one roofline (``moerunner.bench.roofline``: copy bandwidth,
+    bf16/fp8 matmul peaks) in this script's units, and the L2 read rate (a diagnostic the
+    roofline does not use)."""
+    c = roofline.measure_ceilings(DEV)
+    return dict(copy_bytes_per_s=c.copy_gbps * 1e9, bf16_flops=c.peak_for("bf16") * 1e12,
+                fp8_flops=c.peak_for("fp8") * 1e12, method=c.method,
+                l2_read_bytes_per_s=l2_read_bandwidth())
 
 
-def expert_bytes(prepared) -> float:
-    """Bytes of one expert as stored before prepare (weights, scales, zero points, biases):
-    what the roofline counts. Padding a layout adds (rows and K of the fragment layout, scale
-    groups of the split one) is read but not counted."""
-    src = prepared.source
-    total = 0
-    for w in (src.w13, src.w2):
-        parts = (w.data, w.scale, w.zero_point, w.global_scale) if hasattr(w, "scale") else (w,)
-        for t in parts:
-            if t is not None:
-                total += t.numel() * t.element_size()
-    for b in (src.w13_bias, src.w2_bias):
-        if b is not None:
-            total += b.numel() * b.element_size()
-    return total / prepared.spec.num_experts
+def _ceilings(peaks) -> roofline.DeviceCeilings:
+    return roofline.DeviceCeilings(DEV.type, peaks["copy_bytes_per_s"] / 1e9,
+                                   {"bf16": peaks["bf16_flops"] / 1e12,
+                                    "fp8": peaks["fp8_flops"] / 1e12})
 
 
-def fused_bytes(prepared, experts_hit: float, T: int) -> float:
-    """Bytes the roofline counts for one fused call: the experts hit, hidden in and out."""
-    return experts_hit * expert_bytes(prepared) + 2 * T * prepared.spec.hidden_size * 2
+def fused_cost(prepared, experts_hit: float, T: int, k: int) -> roofline.RowCost:
+    """Bytes and flops of one fused call by ``roofline.row_cost`` (weights of the experts hit
+    at their stored scheme, hidden in and out, routing; no -1 ids)."""
+    spec, w13 = prepared.spec, prepared.source.w13
+    scheme = w13.scheme.name if hasattr(w13, "scheme") else "bf16"
+    shape = BenchShape("fused", spec.num_experts, spec.hidden_size, spec.intermediate_size, k,
+                       spec.activation.name, bias=prepared.source.w13_bias is not None,
+                       gate_up_interleaved=spec.gate_up_interleaved)
+    return roofline.row_cost(shape, scheme, T, experts_hit, T * k, torch.bfloat16)
+
+
+def floor_pcts(cost: roofline.RowCost, peaks, scheme: str, ms: float) -> tuple[float, float]:
+    """(% memory floor, % compute floor) of a call of ``ms`` milliseconds."""
+    t_mem, t_flop = roofline.floor_parts(cost, _ceilings(peaks), roofline.compute_format(scheme))
+    return 100 * t_mem / (ms * 1e-3), 100 * t_flop / (ms * 1e-3)
 
 
 def time_fused(prepared, T, k, rotations=None, tiles=None):
@@ -364,14 +354,11 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
                 traceback.print_exc()
                 rows.append(dict(preset=preset, scheme=scheme, T=T, error=repr(exc)))
                 continue
-            nbytes = fused_bytes(prepared, uniq, T)
-            flops = 2 * T * k * H * ((2 if act.gated else 1) * I + I)
-            roof = nbytes / peaks["read_bytes_per_s"]
-            peak = peaks["fp8_flops"] if scheme == "fp8_block" else peaks["bf16_flops"]
+            cost = fused_cost(prepared, uniq, T, k)
+            pct_mem, pct_flop = floor_pcts(cost, peaks, scheme, ms)
             row = dict(preset=preset, scheme=scheme, T=T, us=ms * 1e3, experts_hit=uniq,
-                       bytes=nbytes, pct_roofline=100 * roof / (ms * 1e-3),
-                       tflops=flops / (ms * 1e-3) / 1e12,
-                       pct_peak=100 * flops / (ms * 1e-3) / peak,
+                       bytes=cost.bytes, pct_roofline=pct_mem,
+                       tflops=cost.flops / (ms * 1e-3) / 1e12, pct_peak=pct_flop,
                        tiles=str(X.lookup_tiles(T, k, E, I, H, scheme,
                                                 torch.cuda.get_device_name(),
                                                 dtype_bytes=prepared.tensors["w13"].data
@@ -668,8 +655,7 @@ def main():
                              ("case", "scheme", "act", "err_vs_torch", "err_vs_ref", "error")})
     if "peaks" in result:
         p = result["peaks"]
-        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  read "
-              f"{p['read_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
+        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
               f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s  L2 read "
               f"{p.get('l2_read_bytes_per_s', float('nan')) / 1e12:.2f} TB/s")
         print(f"{'preset':14s} {'scheme':9s} " + " ".join(f"{t:>13d}" for t in tune.DEFAULT_TOKENS))
