@@ -453,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         help="layout mxfp4/nvfp4 weights are prepared in, and tuned for (_prepare.FRAGMENT_E2M1;"
         " default: fragment, whose files are keyed layout=fragment)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="with --preset: compile every candidate first in this many parallel processes "
+        "(compiling is CPU work; the search then only times)",
+    )
     args = p.parse_args(argv)
     if args.e2m1_layout is not None:
         _prepare.FRAGMENT_E2M1 = args.e2m1_layout == "fragment"
@@ -465,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden, inter, experts, top_k, act = PRESETS[args.preset]
     else:
         (hidden, inter, experts, top_k), act = args.shape, "silu"
+    if args.jobs > 1 and args.preset is not None and not args.compile_only:
+        precompile([(args.preset, args.scheme, args.tokens)], args.jobs)
     path, _ = tune_preset(
         hidden,
         inter,
