@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_triton
 
 import torch  # noqa: E402
 import triton.testing as tt  # noqa: E402
