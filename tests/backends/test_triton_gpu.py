@@ -1,7 +1,7 @@
 """Triton backend on a CUDA GPU: every claimed scheme x activation, and CUDA-graph replay.
 
 Skipped without CUDA (marker ``gpu``). The CPU interpreter suite is ``test_triton.py``;
-``benchmarks/gpu_triton.py`` runs the larger matrix and the timings.
+``benchmarks/experiments/gpu_triton.py`` runs the larger matrix and the timings.
 """
 
 from __future__ import annotations

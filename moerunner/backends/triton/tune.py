@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...bench import presets as _model_shapes
 from ...quant import get_scheme
 from ._prepare import split_half, weight_layout
 from .options import E2M1_LAYOUTS, TritonOptions
@@ -35,13 +36,10 @@ from .tile_config import (
     write_config_file,
 )
 
-PRESETS = {  # name: (H, I, E, top_k, activation)
-    "mixtral-8x7b": (4096, 14336, 8, 2, "silu"),
-    "qwen3-30b-a3b": (2048, 768, 128, 8, "silu"),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8, "silu"),
-    "deepseek-v3": (7168, 2048, 256, 8, "silu"),
-    "gpt-oss-20b": (2880, 2880, 32, 4, "swiglu_oai"),
-    "gpt-oss-120b": (2880, 2880, 128, 4, "swiglu_oai"),
+# name: (H, I, E, top_k, activation), read from the project's one table of model shapes.
+PRESETS = {
+    name: (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, s.activation)
+    for name, s in ((n, _model_shapes.PRESETS[n]) for n in _model_shapes.MODEL_PRESETS)
 }
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 # Routings a decode-sized search times in turn (``tune_tokens``).
@@ -481,6 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         help="layout mxfp4/nvfp4 weights are prepared in, and tuned for "
         "(TritonOptions.e2m1_layout; default: fragment, whose files are keyed layout=fragment)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="with --preset: compile every candidate first in this many parallel processes "
+        "(compiling is CPU work; the search then only times)",
+    )
     args = p.parse_args(argv)
     options = TritonOptions(e2m1_layout=args.e2m1_layout)
     if not torch.cuda.is_available():
@@ -492,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden, inter, experts, top_k, act = PRESETS[args.preset]
     else:
         (hidden, inter, experts, top_k), act = args.shape, "silu"
+    if args.jobs > 1 and args.preset is not None and not args.compile_only:
+        precompile([(args.preset, args.scheme, args.tokens)], args.jobs)
     path, _ = tune_preset(
         hidden,
         inter,

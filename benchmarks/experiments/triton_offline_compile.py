@@ -1,7 +1,7 @@
 # Compile the triton backend's GEMM kernel for a Hopper GPU without one, and report what the
 # compiler made of it: registers, spills, shared memory and the K loop's instruction mix.
 #
-#   python benchmarks/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
+#   python benchmarks/experiments/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
 #
 # A variant is "scheme:gemm:BLOCK_M:BLOCK_N:BLOCK_K:warps:stages", e.g. "mxfp4:1:16:64:128:4:3"
 # (gemm 1 = w13 with the gated epilogue, 2 = w2 with the routing weight; scheme mxfp4, mxfp4u
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("unset TRITON_INTERPRET: this script compiles for the GPU")
 

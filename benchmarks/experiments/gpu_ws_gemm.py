@@ -1,7 +1,7 @@
 # Experiment: does Triton's automatic warp specialisation on Hopper close the bf16 prefill gap?
 #
-#   python benchmarks/gpu_ws_gemm.py [--tokens 4096 16384] [--presets ...] [--ws] [--out DIR]
-#   python benchmarks/gpu_ws_gemm.py --dense M N K BM BN BK STAGES WS PERSISTENT
+#   python benchmarks/experiments/gpu_ws_gemm.py [--tokens 4096 16384] [--presets ...] [--ws] [--out DIR]
+#   python benchmarks/experiments/gpu_ws_gemm.py --dense M N K BM BN BK STAGES WS PERSISTENT
 #
 # The shipped GEMM gathers its A rows with pointer loads and runs one tile per program, so a
 # program's weight loads and MMAs alternate instead of overlapping across tiles (results page,
@@ -36,7 +36,7 @@ import triton.language as tl
 import triton.testing as tt
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_triton as G  # noqa: E402

@@ -1,8 +1,8 @@
 # Prototype: an explicitly warp-specialised, persistent bf16 GEMM for Hopper, in Gluon.
 #
-#   python benchmarks/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8]
-#   python benchmarks/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8] --compile-only
-#   python benchmarks/gluon_ws_gemm.py --moe PRESET T [--bm 128 --bn1 128 --bn2 256 --bk 64
+#   python benchmarks/experiments/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8]
+#   python benchmarks/experiments/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8] --compile-only
+#   python benchmarks/experiments/gluon_ws_gemm.py --moe PRESET T [--bm 128 --bn1 128 --bn2 256 --bk 64
 #       --stages1 3 --stages2 3 --warps 8] [--compile-only]
 #
 # C[M, N] = A[M, K] @ B[N, K]^T with bf16 operands and output and fp32 accumulation. Triton's
@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # --moe imports the library (repo root) and the benchmark helpers (this folder).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LOADER_WARPS = gl.constexpr(1)
