@@ -542,7 +542,9 @@ def fused_standard(
             f"{list(topk_ids.shape)} must have one shape"
         )
     num_tokens, top_k = topk_ids.shape
-    out = torch.empty_like(hidden_TH)
+    # Row-major whatever the input's strides: the top-k reduction stores row t at
+    # t * stride(0) + column (a transposed input's empty_like would be column-major).
+    out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=hidden_TH.device)
     if num_tokens == 0:
         return out
     hidden_TH = hidden_TH.contiguous()
@@ -580,7 +582,7 @@ def grouped_core(
             f"expert_offsets must be [E+1={num_experts + 1}], got {list(expert_offsets.shape)}"
         )
     rows = x_MH.shape[0]
-    y = torch.empty_like(x_MH)
+    y = torch.empty(x_MH.shape, dtype=x_MH.dtype, device=x_MH.device)  # row-major
     if rows == 0:
         return y
     row_ids = torch.arange(rows, device=x_MH.device)
