@@ -96,6 +96,8 @@ def kernel_weight(w: Any, gate_up_pairs: bool = False) -> KernelWeight:
     ``gate_up_pairs``: ``w`` is a gated w13 stored gate rows then up rows; layouts that keep
     a tile's rows contiguous (``fragment_packed``) store it as (gate, up) row pairs instead,
     the column order of the kernel's gated tile."""
+    if is_quantized(w) and not w.scheme.is_quantized:  # quantize(w, "bf16"/"fp16"/"fp32")
+        w = w.data
     if not is_quantized(w):
         return KernelWeight(
             w.contiguous(),
