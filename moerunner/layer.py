@@ -4,7 +4,9 @@
 plain weights the expert step is the ``moerunner::fused_experts`` custom op, so the layer
 compiles with ``torch.compile(fullgraph=True)``. The layer is for inference: no gradients flow
 through the experts. ``quantize_(scheme)`` swaps the weights for
-quantized ones (done once); the backend then runs that scheme.
+quantized ones (done once); the backend then runs that scheme. The quantized copy follows
+the float parameters: after an in-place edit, ``load_state_dict`` or ``.data`` assignment of
+``w13`` / ``w2`` the next forward quantizes them again (a host-side check, no device sync).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class MoE(nn.Module):
             else None
         )
         self.quantized: ExpertWeights | None = None
+        self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
 
     def quantize_(self, scheme) -> MoE:
         """Replace the expert weights by quantized ones in ``scheme`` (name or value)."""
@@ -65,7 +68,13 @@ class MoE(nn.Module):
                 self.w2_bias,
                 self.config.gate_up_interleaved,
             )
+        self._quantized_from = (scheme, self._float_state())
         return self
+
+    def _float_state(self) -> tuple:
+        return tuple(
+            (p.data_ptr(), p.dtype, tuple(p.shape), p._version) for p in (self.w13, self.w2)
+        )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``hidden_states [..., H]``, ``router_logits [..., E]`` -> ``[..., H]``."""
@@ -79,6 +88,13 @@ class MoE(nn.Module):
                 f"router_logits leading shape {list(router_logits.shape[:-1])} differs from "
                 f"hidden_states' {list(hidden_states.shape[:-1])}"
             )
+        if router_logits.shape[-1] != cfg.num_experts:
+            raise MoeInputError(
+                f"router_logits last dim must be num_experts E={cfg.num_experts}, "
+                f"got {router_logits.shape[-1]}"
+            )
+        if self._quantized_from is not None and self._quantized_from[1] != self._float_state():
+            self.quantize_(self._quantized_from[0])  # w13 / w2 changed since quantize_
         x = hidden_states.reshape(-1, cfg.hidden_size)
         r = cfg.routing
         topk = select_experts(
