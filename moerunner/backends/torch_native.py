@@ -34,7 +34,7 @@ import torch
 from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
-from ..dispatch.permute import group_pairs
+from ..dispatch.permute import group_pairs, is_scratch
 from ..runner import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized
 from .base import Backend, Capabilities
@@ -354,12 +354,19 @@ def torch_fused_standard(
 def torch_core(
     x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
 ) -> torch.Tensor:
-    """Experts on the grouped layout: rows ``offsets[e]:offsets[e+1]`` go to expert ``e``."""
+    """Experts on the grouped layout: rows ``offsets[e]:offsets[e+1]`` go to expert ``e``.
+
+    Rows a pre-permute gathered for this call (``permute.is_scratch``) take the output in
+    place: each expert (or chunk) reads its rows before writing them, so the permute path
+    holds one ``[M, H]`` buffer, not two (the grouped-GEMM path allocates its own)."""
     if _use_grouped_mm(x_MH, prepared):
         return _grouped_forward(x_MH, expert_offsets, prepared)
-    y_MH = torch.empty(
-        (x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype, device=x_MH.device
-    )
+    if is_scratch(x_MH) and x_MH.shape[1] == prepared.spec.hidden_size:
+        y_MH = x_MH
+    else:
+        y_MH = torch.empty(
+            (x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype, device=x_MH.device
+        )
     bounds = expert_offsets.tolist()
     if x_MH.device.type == "cpu":
         columns = _cpu_columns(x_MH.dtype, bounds, prepared.spec.num_experts)

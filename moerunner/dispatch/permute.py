@@ -8,6 +8,10 @@ garbage that ``post`` never reads (standard) or masks out (masked, permuted).
 
 The standard post-permute weights and sums each token's k rows in float32, a block of tokens
 at a time, so no float32 copy of all ``[M, H]`` rows is made and the block stays in cache.
+
+The grouped rows that the standard and masked pre-permutes gather are private to the call
+(``is_scratch``): a core may write its output over them, so the permute path holds one
+``[T*k, H]`` buffer instead of two. Rows of a dispatcher's own output are never marked.
 """
 
 from __future__ import annotations
@@ -30,6 +34,20 @@ class PermuteContext:
     # points at row 0 (its weight in ``pair_weight`` is 0), never at a padding row.
     pair_row: torch.Tensor | None = None
     pair_weight: torch.Tensor | None = None  # [T, k] float32 routing weights, 0 for -1 ids
+
+
+_SCRATCH_ATTR = "_moerunner_scratch"
+
+
+def _scratch(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` (a fresh gather nobody else holds) as writable by the core."""
+    setattr(t, _SCRATCH_ATTR, True)
+    return t
+
+
+def is_scratch(t: torch.Tensor) -> bool:
+    """True for grouped rows a pre-permute gathered for this call only (see module doc)."""
+    return getattr(t, _SCRATCH_ATTR, False)
 
 
 def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +85,7 @@ def pre_permute_standard(
     )
     pair_row = torch.where(valid_TK, row_of_pair.view(valid_TK.shape), 0)
     grouped = PermutedDispatchOutput(
-        hidden_states=dispatch_output.hidden_states[token], expert_offsets=offsets
+        hidden_states=_scratch(dispatch_output.hidden_states[token]), expert_offsets=offsets
     )
     ctx = PermuteContext(
         source_row=token,
@@ -129,7 +147,8 @@ def pre_permute_masked(
     key = torch.where(valid_EC, expert_EC, num_experts).reshape(-1)
     order, offsets = _group_rows(key, num_experts)
     grouped = PermutedDispatchOutput(
-        hidden_states=hidden_ECH.reshape(-1, hidden_size)[order], expert_offsets=offsets
+        hidden_states=_scratch(hidden_ECH.reshape(-1, hidden_size)[order]),
+        expert_offsets=offsets,
     )
     return grouped, PermuteContext(source_row=order, row_weight=None, num_valid=offsets[-1])
 
