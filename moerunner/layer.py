@@ -53,6 +53,8 @@ class MoE(nn.Module):
             if config.routing.correction_bias
             else None
         )
+        if self.correction_bias is not None:  # checked where it is set, not per forward
+            self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
         self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
 
@@ -143,3 +145,11 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"config={self.config!r}, backend={self.backend!r}"
+
+
+def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:
+    """A NaN correction bias routes every token to its expert: rejected at load time (one
+    read of E values), since checking a GPU bias per forward would synchronise."""
+    from .routing import check_correction_bias_values
+
+    check_correction_bias_values(module.correction_bias)

@@ -342,6 +342,14 @@ def test_d11_nan_correction_bias_is_rejected():
     with pytest.raises(MoeInputError, match="NaN"):
         check_correction_bias_values(bias)
     check_correction_bias_values(torch.zeros(8))
+    # The layer checks its bias where it is set (load_state_dict), not per forward.
+    routing = moerunner.RoutingConfig("sigmoid", True, correction_bias=True)
+    cfg = moerunner.MoeConfig(8, H, I, 2, routing=routing)
+    layer = moerunner.MoE(cfg, backend="torch")
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(MoeInputError, match="correction_bias has NaN"):
+        layer.load_state_dict({**state, "correction_bias": bias})
+    layer.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------------------------
