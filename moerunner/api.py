@@ -191,10 +191,11 @@ def validate_call(
                 f"topk_ids must be in [-1, E={num_experts}), got values in [{low}, {high}]"
             )
         checked = True
-    if not checked and topk_ids.numel():
-        # Unchecked ids: every id outside [0, E) becomes -1 (skipped) before the int32 cast,
-        # so a large int64 id cannot wrap into range, and every backend skips it alike.
-        topk_ids = torch.where((topk_ids >= 0) & (topk_ids < num_experts), topk_ids, -1)
+    if not checked and topk_ids.dtype == torch.int64:
+        # Unchecked ids: every backend skips ids outside [0, E); clamped before the int32
+        # cast, an int64 id outside int32 cannot wrap into range (int32 and narrower ids need
+        # no extra op).
+        topk_ids = topk_ids.clamp(min=-1, max=num_experts)
     return TopK(weights=topk_weights.float(), ids=topk_ids.to(torch.int32))
 
 

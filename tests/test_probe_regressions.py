@@ -311,12 +311,19 @@ def test_d9_plain_scheme_quantized_weight_triton(scheme, dtype):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_d10_unchecked_ids_are_skipped_not_wrapped(backend):
+@pytest.mark.parametrize("force_permute", [False, True])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_d10_unchecked_ids_are_skipped_not_wrapped(backend, force_permute, dtype, monkeypatch):
     if backend == "triton":
         _triton()
+    if force_permute:  # the permute path (what the torch backend runs off the CPU)
+        real = moerunner.api.MoeRunner
+        monkeypatch.setattr(moerunner.api, "MoeRunner", lambda b: real(b, force_permute=True))
     x, w13, w2, tk = _problem(tokens=6)
-    ids = tk.ids.long()
-    ids[0, 0] = 2**32 + 1  # int32 wrap-around would make it expert 1
+    ids = tk.ids.to(dtype)
+    if dtype == torch.int64:
+        ids[4, 0] = 2**32 + 1  # int32 wrap-around would make it expert 1
+        ids[5, 1] = -(2**32) + 2  # ... and this one expert 2
     ids[1, 1] = E  # just past the last expert
     ids[2, 0] = E + 5
     ids[3, 1] = -7
