@@ -11,7 +11,9 @@ On one process, with plain weights, the expert step is the ``moerunner::fused_ex
 op while ``torch.compile`` traces, so the layer compiles with ``fullgraph=True``; eager calls
 go straight to the held runner. The layer is for inference: no gradients flow through the
 experts. ``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend
-then runs that scheme.
+then runs that scheme. The quantized copy follows the float parameters: after an in-place
+edit, ``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2`` the next forward
+quantizes them again (a host-side check, no device sync).
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import validate_call
+from .api import run_experts
 from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
-from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .profiling import trace_range
 from .registry import Registry
@@ -91,7 +92,10 @@ class MoE(nn.Module):
             else None
         )
         self.routes = True
+        if self.correction_bias is not None:  # checked where it is set, not per forward
+            self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
+        self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -257,6 +261,7 @@ class MoE(nn.Module):
         )
         self.correction_bias = None
         self.routes = False
+        self._quantized_from = None  # given weights: nothing to re-quantize from
         self.quantized = weights  # held as given (plain or quantized), not as parameters
         self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
 
@@ -272,7 +277,13 @@ class MoE(nn.Module):
                 self.w2_bias,
                 self.config.gate_up_interleaved,
             )
+        self._quantized_from = (scheme, self._float_state())
         return self
+
+    def _float_state(self) -> tuple:
+        return tuple(
+            (p.data_ptr(), p.dtype, tuple(p.shape), p._version) for p in (self.w13, self.w2)
+        )
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -308,6 +319,8 @@ class MoE(nn.Module):
             topk = self._route(hidden_states, router_logits, x.shape[0])
         elif not isinstance(topk, TopK):
             raise TypeError(f"topk must be a TopK, got {type(topk).__name__}")
+        if self._quantized_from is not None and self._quantized_from[1] != self._float_state():
+            self.quantize_(self._quantized_from[0])  # w13 / w2 changed since quantize_
         if self._single_process():
             out = self._run_local(x, topk)
         else:
@@ -331,8 +344,8 @@ class MoE(nn.Module):
             )
         if router_logits.shape[-1] != cfg.num_experts:
             raise MoeInputError(
-                f"router_logits must have num_experts={cfg.num_experts} columns, got "
-                f"{router_logits.shape[-1]}"
+                f"router_logits last dim must be num_experts E={cfg.num_experts}, "
+                f"got {router_logits.shape[-1]}"
             )
         r = cfg.routing
         return select_experts(
@@ -385,16 +398,17 @@ class MoE(nn.Module):
                 self.config.gate_up_interleaved,
                 self.backend,
             )
-        weights = self.expert_weights()
-        topk = validate_call(x, weights, topk.weights, topk.ids, act)
-        dispatched = StandardDispatchOutput(hidden_states=x, topk=topk)
-        return self.runner.run(dispatched, self._prepared(x, weights, dispatched.format))
+        # Inference only: no gradients flow through the experts.
+        return run_experts(
+            self.runner, self.expert_weights(), x.detach(), topk.weights, topk.ids, act
+        )
 
     def _run_dispatched(self, x: torch.Tensor, topk: TopK, timer) -> torch.Tensor:
         """Expert parallel: dispatch -> experts -> combine through the dispatcher."""
         from contextlib import nullcontext
 
         stage = timer if timer is not None else (lambda name: nullcontext())
+        x = x.detach()  # inference only
         weights = self.expert_weights()
         prepared = self._prepared(x, weights, self.dispatcher.dispatch_format)
         with stage("dispatch"), trace_range("moerunner.dispatch"):
@@ -423,3 +437,11 @@ class MoE(nn.Module):
         if not self._single_process():
             parts.append(f"dispatcher={self.dispatcher_kind!r}, rank={self.rank}")
         return ", ".join(parts)
+
+
+def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:
+    """A NaN correction bias routes every token to its expert: rejected at load time (one
+    read of E values), since checking a GPU bias per forward would synchronise."""
+    from .routing import check_correction_bias_values
+
+    check_correction_bias_values(module.correction_bias)

@@ -151,7 +151,9 @@ class _PreparedCache(dict):
 def prepared_for(
     runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
 ) -> PreparedWeights:
-    """``runner.prepare`` memoised on the weight objects and their in-place version."""
+    """``runner.prepare`` memoised on the weight objects and on the state of every tensor
+    they consist of (see ``_tensor_state``): an in-place edit, a ``.data`` assignment or a
+    replaced ``QuantizedWeight`` field prepares again."""
     backend = runner.select(problem).backend
     key = (
         backend.name,
@@ -160,8 +162,10 @@ def prepared_for(
         id(weights.w13_bias),
         id(weights.w2_bias),
         spec,
-        _version(weights.w13),
-        _version(weights.w2),
+        _tensor_state(weights.w13),
+        _tensor_state(weights.w2),
+        _tensor_state(weights.w13_bias),
+        _tensor_state(weights.w2_bias),
     )
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
@@ -188,8 +192,22 @@ def prepare_for_backend(
     return prepared
 
 
-def _version(weight: Any) -> int:
-    return weight._version if isinstance(weight, torch.Tensor) else 0
+def _tensor_state(weight: Any) -> tuple:
+    """Host-side identity of a weight's contents, no device sync: per tensor (a plain tensor,
+    or each component of a quantized weight) its storage address, dtype, shape and in-place
+    version counter. ``.data`` assignment changes the address; in-place edits the version
+    (inference tensors keep none: their in-place edits inside ``inference_mode`` go unseen)."""
+    if weight is None:
+        return ()
+    if isinstance(weight, torch.Tensor):
+        tensors = (weight,)
+    else:
+        parts = weight.tensors() if hasattr(weight, "tensors") else {}
+        tensors = tuple(t for t in parts.values() if isinstance(t, torch.Tensor))
+    return tuple(
+        (t.data_ptr(), t.dtype, tuple(t.shape), -1 if t.is_inference() else t._version)
+        for t in tensors
+    )
 
 
 def check_activation(

@@ -71,7 +71,8 @@ class ExpertWeights:
 
     @property
     def scheme(self) -> str:
-        """Scheme name of w13 (w2 is checked to match)."""
+        """Scheme name of w13. w2 may use another scheme (e.g. w13 fp8_block, w2 mxfp4):
+        backends that serve w13's scheme read each weight by its own scheme."""
         return scheme_name(self.w13)
 
     def intermediate_size(self, activation: Activation) -> int:
@@ -123,6 +124,8 @@ class ExpertWeights:
                 raise TypeError(f"w13 dtype {self.w13.dtype} differs from w2 dtype {self.w2.dtype}")
         if is_quantized(self.w13) != is_quantized(self.w2):
             raise TypeError("w13 and w2 must both be plain tensors or both be quantized")
+        if self.w2.device != self.w13.device:
+            raise MoeInputError(f"w2 is on {self.w2.device} but w13 on {self.w13.device}")
         for name, bias, shape in (
             ("w13_bias", self.w13_bias, (e13, n13)),
             ("w2_bias", self.w2_bias, (e2, h2)),
@@ -135,6 +138,8 @@ class ExpertWeights:
                 raise MoeInputError(f"{name} must have shape {list(shape)}, got {list(bias.shape)}")
             if not bias.is_floating_point():
                 raise TypeError(f"{name} must be floating, got {bias.dtype}")
+            if bias.device != self.w13.device:
+                raise MoeInputError(f"{name} is on {bias.device} but w13 on {self.w13.device}")
 
 
 @dataclass

@@ -57,10 +57,13 @@ BAD = [
         "topk_ids",
     ),
     (
-        "topk_gt_E",
-        dict(topk_weights=torch.rand(T, E + 1), topk_ids=torch.zeros(T, E + 1, dtype=torch.int32)),
+        # top_k > E itself is accepted (an expert-parallel shard); its ids are still checked.
+        "topk_gt_E_ids_out_of_range",
+        dict(
+            topk_weights=torch.rand(T, E + 1), topk_ids=torch.full((T, E + 1), E, dtype=torch.int32)
+        ),
         MoeInputError,
-        "top_k",
+        "topk_ids",
     ),
     ("shape_mismatch", dict(topk_weights=torch.rand(T, K + 1)), MoeInputError, "topk_weights"),
     (

@@ -6,7 +6,7 @@ dispatch(hidden_TH, topk with global ids) -> ``AllToAllDispatchOutput`` (format 
   1. every (token, slot) with an id >= 0 gets a destination rank and a local expert id from
      the ``ExpertPlacement``; a token travels *once* to each rank owning any of its experts,
      its row carrying the k local ids (-1 where another rank owns the slot) and weights;
-  2. one ``all_gather`` exchanges a small header (T, H, dtype, largest id) and every rank's
+  2. one ``all_gather`` exchanges a small header (T, H, dtype, extreme ids) and every rank's
      row counts per destination and pair counts per (destination, local expert): every rank
      checks the world the same way and reads the split sizes on the host (this path
      synchronises once per call, as all variable-size all-to-all exchanges must);
@@ -38,7 +38,7 @@ __all__ = ["AllToAllDispatchOutput", "AllToAllDispatcher", "DTYPE_CODES"]
 
 # dtype <-> small int, so headers of several ranks can be compared in one int tensor.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_HEADER = ("num_tokens", "hidden_size", "dtype", "max_expert_id")
+_HEADER = ("num_tokens", "hidden_size", "dtype", "max_expert_id", "min_expert_id")
 
 
 @dataclass(frozen=True)
@@ -132,12 +132,13 @@ class AllToAllDispatcher:
         pair_counts.scatter_add_(0, pair_key, torch.ones_like(pair_key))
 
         header = torch.tensor(
-            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype], -1],
+            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype], -1, -1],
             dtype=torch.int64,
             device=device,
         )
         if ids_TK.numel():
             header[3] = ids_TK.max()
+            header[4] = ids_TK.min()
         row = torch.cat([header, visits_TW.sum(0), pair_counts[: world * slots]])
         table = _all_gather_rows(row.to(collective_device(self.group)), self.group).cpu()
         self._check_world(table)
@@ -223,6 +224,12 @@ class AllToAllDispatcher:
             problems.append(
                 f"expert ids must be < {self.placement.num_total} (routed + shared experts of "
                 f"the placement); ranks saw maxima {max_ids}"
+            )
+        min_ids = table[:, 4].tolist()
+        if min(min_ids) < -1:
+            problems.append(
+                f"expert ids must be >= -1 (-1: slot unused), as fused_moe accepts; ranks saw "
+                f"minima {min_ids}"
             )
         raise_on_every_rank(problems, "all_to_all dispatch")
 

@@ -264,6 +264,7 @@ def load_gpt_oss_mxfp4(
                 f"load_gpt_oss_mxfp4: layer {layer_name(module)} is not a GPT-OSS experts layer"
             )
         found = gpt_oss_experts_from_safetensors(paths, path + ".", scheme=scheme)
+        _check_checkpoint_shapes(module, layout, found, path)
         device = module.down_proj.device
         bias_dtype = module.down_proj_bias.dtype if layout.has_bias else torch.float32
         b13, b2 = (
@@ -284,6 +285,29 @@ def load_gpt_oss_mxfp4(
     if not done:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
     return done
+
+
+def _check_checkpoint_shapes(module, layout, found: dict, path: str) -> None:
+    """The checkpoint's experts must have the model's E, H and I (an E mismatch would drop
+    or invent experts silently: the forward skips ids outside the weights)."""
+    expected = {}
+    num_experts = getattr(module, "num_experts", None)
+    if isinstance(num_experts, int):
+        expected["E"] = num_experts
+    down = getattr(module, "down_proj", None)
+    if isinstance(down, torch.Tensor) and down.dim() == 3:  # float weights not yet released
+        e, a, b = down.shape
+        h, i = (b, a) if layout.transposed else (a, b)
+        expected.update(E=e, H=h, I=i)
+    e, h, i = found["w2"].shape
+    got = {"E": e, "H": h, "I": i}
+    wrong = [f"{k}={got[k]} (model: {v})" for k, v in expected.items() if got[k] != v]
+    if wrong:
+        raise MoeInputError(
+            f"load_gpt_oss_mxfp4: the checkpoint's layer {path} has "
+            + ", ".join(wrong)
+            + "; load the checkpoint of this model"
+        )
 
 
 def _to(qweight, device: torch.device):

@@ -109,6 +109,50 @@ def _check_shape(shape: object) -> tuple[int, int, int]:
     return (int(shape[0]), int(shape[1]), int(shape[2]))
 
 
+def check_scale_values(
+    fields: Mapping[str, torch.Tensor | None],
+    names: Mapping[str, str] | None = None,
+    *,
+    e8m0_nan: bool = True,
+) -> None:
+    """Raise ValueError for scale values that would silently corrupt the weight.
+
+    fp32 scales (``scale``, ``global_scale``, ``input_scale``) must be finite and > 0: zero
+    makes an expert vanish, a negative one flips its sign (quantizing a weight with NaN/Inf
+    gives such a scale). e4m3 block scales (NVFP4) must be finite and >= 0 (0 is what an
+    all-zero block quantizes to). e8m0 code 255 is the OCP MX encoding of a NaN block (what
+    quantizing a block with a NaN gives; it dequantizes to NaN on every backend): accepted
+    unless ``e8m0_nan=False`` (checkpoint import). ``names`` maps a field to the name the
+    caller knows it by (a checkpoint key). Reads values (one reduction per tensor): call it
+    at construction or import, never per forward; skipped for meta tensors and while
+    compiling or capturing a CUDA graph.
+    """
+    if torch.compiler.is_compiling() or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    ):
+        return
+    for field in ("scale", "global_scale", "input_scale"):
+        t = fields.get(field)
+        if t is None or t.is_meta or t.numel() == 0:
+            continue
+        name = (names or {}).get(field, field)
+        if t.dtype == torch.uint8:  # e8m0 codes
+            if not e8m0_nan and bool((t == 255).any()):
+                raise ValueError(f"{name}: e8m0 code 255 (NaN) is not a valid scale")
+            continue
+        v = t.float()
+        if t.dtype == torch.float8_e4m3fn:
+            bad, rule = torch.isnan(v) | (v < 0), "finite and >= 0 (e4m3 block scales)"
+        else:
+            bad, rule = ~torch.isfinite(v) | (v <= 0), "finite and > 0"
+        if bool(bad.any()):
+            index = [int(i) for i in torch.nonzero(bad)[0]]
+            raise ValueError(
+                f"{name}: scales must be {rule}; got {v[tuple(index)].item()} at index {index}"
+                " (a weight with NaN or Inf quantizes to such a scale)"
+            )
+
+
 class QuantizedWeight:
     """A quantized expert weight of logical shape ``(E, N, K)`` (out rows N, reduction dim K).
 
@@ -177,6 +221,7 @@ class QuantizedWeight:
                 )
             if value.device != device:
                 raise ValueError(f"{field} is on {value.device} but data is on {device}")
+        check_scale_values(self.tensors())
 
     def _static(self) -> bool:
         return self.scheme.activation_scales == "static"
@@ -437,7 +482,12 @@ def quantize(
                 "scale; accepted only for activation formats fp8_token, int8_token, nvfp4"
             )
         input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=weight.device)
-        input_scale = input_scale.expand(shape[0]).contiguous()
+        if input_scale.numel() not in (1, shape[0]):
+            raise ValueError(
+                f"input_scale must be a scalar or one value per expert (E={shape[0]}), got "
+                f"shape {list(input_scale.shape)}"
+            )
+        input_scale = input_scale.reshape(-1).expand(shape[0]).contiguous()
     kind = _kind(s)
     w = weight.float()
     bs = s.block_shape

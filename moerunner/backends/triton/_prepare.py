@@ -107,6 +107,8 @@ def kernel_weight(
     a tile's rows contiguous (``fragment_packed``) store it as (gate, up) row pairs instead,
     the column order of the kernel's gated tile. ``options``: the backend's (the e2m1
     layout)."""
+    if is_quantized(w) and not w.scheme.is_quantized:  # quantize(w, "bf16"/"fp16"/"fp32")
+        w = w.data
     if not is_quantized(w):
         return KernelWeight(
             w.contiguous(),

@@ -8,13 +8,15 @@
 #   -> GEMM2 (+bias, routing weight) into per-row outputs.
 # ``fused_standard`` feeds it (token, slot) rows and reduces the k rows of each token;
 # ``grouped_core`` feeds it the rows of the grouped ("permuted") layout as they are.
-# Workspaces are cached per (device, shapes, dtype) and reused across calls. Switches come
-# from the prepared weights' ``TritonOptions`` (``prepared.options``), read per call.
+# Workspaces are cached per (caller thread and CUDA stream, device, shapes, dtype), bounded in
+# bytes (``WORKSPACES.max_bytes``), and reused across calls. Switches come from the prepared
+# weights' ``TritonOptions`` (``prepared.options``), read per call.
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -54,20 +56,66 @@ _TL_DTYPES = {
 # Workspaces: reused across calls with the same shapes (LRU), never allocated per call.
 
 
+#: Default bound of the workspace cache: buffers of recent shapes kept for reuse.
+WORKSPACE_LIMIT_BYTES = 256 << 20
+
+
+def _caller_key(device: torch.device) -> tuple:
+    """Who may share a workspace: one thread on one CUDA stream. Two threads (or two streams
+    of one thread) calling at once would otherwise write the same buffers; on one stream
+    calls are ordered, so reuse there is safe. Host-side lookups only (no sync)."""
+    thread = threading.get_ident()
+    if device.type != "cuda":
+        return (thread,)
+    return (thread, torch.cuda.current_stream(device).stream_id)
+
+
 class _Workspaces:
-    def __init__(self, capacity: int = 16) -> None:
+    """LRU cache of per-call buffers, bounded in entries and in bytes, keyed per caller.
+
+    ``get(key, make)`` returns the buffers of ``key`` for the calling thread and its current
+    CUDA stream (see ``_caller_key``), making them with ``make()`` on a miss. Least recently
+    used entries are evicted until at most ``capacity`` entries and ``max_bytes`` bytes
+    remain; buffers larger than ``max_bytes`` on their own are made per call and not kept.
+    A buffer in use is never freed under its user: eviction only drops the cache's reference.
+    """
+
+    def __init__(self, capacity: int = 16, max_bytes: int = WORKSPACE_LIMIT_BYTES) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.entries: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+        self.sizes: dict[tuple, int] = {}
+        self.nbytes = 0
+        self._lock = threading.Lock()
 
     def get(self, key: tuple, make) -> dict[str, torch.Tensor]:
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = make()
-            while len(self.entries) > self.capacity:
-                self.entries.popitem(last=False)
-        else:
-            self.entries.move_to_end(key)
+        device = key[0] if key and isinstance(key[0], torch.device) else torch.device("cpu")
+        full = (_caller_key(device), *key)
+        with self._lock:
+            entry = self.entries.get(full)
+            if entry is not None:
+                self.entries.move_to_end(full)
+                return entry
+        entry = make()
+        size = sum(t.numel() * t.element_size() for t in entry.values())
+        if size > self.max_bytes:
+            return entry
+        with self._lock:
+            if full in self.entries:  # made meanwhile by this caller: keep the first
+                return self.entries[full]
+            self.entries[full], self.sizes[full] = entry, size
+            self.nbytes += size
+            while len(self.entries) > self.capacity or self.nbytes > self.max_bytes:
+                old, _ = self.entries.popitem(last=False)
+                self.nbytes -= self.sizes.pop(old)
         return entry
+
+    def clear(self) -> None:
+        """Drop every cached buffer."""
+        with self._lock:
+            self.entries.clear()
+            self.sizes.clear()
+            self.nbytes = 0
 
 
 WORKSPACES = _Workspaces()
@@ -515,7 +563,9 @@ def fused_standard(
             f"{list(topk_ids.shape)} must have one shape"
         )
     num_tokens, top_k = topk_ids.shape
-    out = torch.empty_like(hidden_TH)
+    # Row-major whatever the input's strides: the top-k reduction stores row t at
+    # t * stride(0) + column (a transposed input's empty_like would be column-major).
+    out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=hidden_TH.device)
     if num_tokens == 0:
         return out
     hidden_TH = hidden_TH.contiguous()
@@ -553,7 +603,7 @@ def grouped_core(
             f"expert_offsets must be [E+1={num_experts + 1}], got {list(expert_offsets.shape)}"
         )
     rows = x_MH.shape[0]
-    y = torch.empty_like(x_MH)
+    y = torch.empty(x_MH.shape, dtype=x_MH.dtype, device=x_MH.device)  # row-major
     if rows == 0:
         return y
     row_ids = torch.arange(rows, device=x_MH.device)
