@@ -143,7 +143,7 @@ def test_layer_prepares_once_and_follows_weight_edits():
 def test_layer_checks_router_width_and_routing_arguments():
     layer = _layer()
     x = torch.randn(4, 32)
-    with pytest.raises(MoeInputError, match="router_logits last dim must be num_experts E=6, got 4"):
+    with pytest.raises(MoeInputError, match="last dim must be num_experts E=6, got 4"):
         layer(x, torch.randn(4, 4))
     with pytest.raises(MoeInputError, match="exactly one of router_logits and topk"):
         layer(x)
