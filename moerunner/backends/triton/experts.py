@@ -23,6 +23,7 @@ import triton
 from ...config import ExpertSpec
 from ...errors import MoeInputError
 from ...profiling import trace_range
+from ...quant.schemes import plain_scheme
 from ...weights import PreparedWeights
 from . import _gemm_kernel as K
 from . import _launch
@@ -440,7 +441,7 @@ def run_kernel_sequence(
             num_experts,
             inter,
             hidden,
-            w13.scheme.name if w13.scheme is not None else _plain(a_RH.dtype),
+            w13.scheme if w13.scheme is not None else plain_scheme(a_RH.dtype),
             _device_name(dev),
             dtype_bytes=w13.data.element_size(),
             layout=weight_layout(w13),
@@ -494,10 +495,6 @@ def run_kernel_sequence(
             hidden,
             None,
         )
-
-
-def _plain(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def _check_hidden(hidden: torch.Tensor, prepared: PreparedWeights, name: str) -> None:
