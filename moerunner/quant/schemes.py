@@ -219,6 +219,10 @@ def _int4(group_size: int, zero_point: bool, name: str) -> QuantScheme:
     )
 
 
+def _fp8_blocks(rows: int, cols: int, name: str) -> QuantScheme:
+    return QuantScheme(name, "e4m3", "fp32", "block", (rows, cols), activation_format="fp8_group")
+
+
 _NAMED: dict[str, QuantScheme] = {
     s.name: s
     for s in (
@@ -238,6 +242,9 @@ _NAMED: dict[str, QuantScheme] = {
         QuantScheme(
             "fp8_block", "e4m3", "fp32", "block", (128, 128), activation_format="fp8_group128"
         ),
+        _fp8_blocks(64, 64, "fp8_block_64x64"),
+        _fp8_blocks(64, 128, "fp8_block_64x128"),
+        _fp8_blocks(128, 64, "fp8_block_128x64"),
         QuantScheme("mxfp8", "e4m3", "e8m0", "group", (1, 32), activation_format="mxfp8"),
         QuantScheme("mxfp4", "e2m1", "e8m0", "group", (1, 32)),
         QuantScheme("mxfp4_mxfp8", "e2m1", "e8m0", "group", (1, 32), activation_format="mxfp8"),
@@ -274,8 +281,8 @@ _NAMED: dict[str, QuantScheme] = {
 }
 
 #: Every name `get_scheme` accepts, in documentation order. "int4" is int4_g128 (symmetric);
-#: "int4_zp" is int4_g128_zp. Any group size that is a positive even int is also accepted as
-#: "int4_g<size>" or "int4_g<size>_zp".
+#: "int4_zp" is int4_g128_zp. Parametrised names are accepted too: "int4_g<even size>[_zp]"
+#: and "fp8_block_<rows>x<cols>".
 SCHEME_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 
@@ -285,8 +292,15 @@ def _int4_named(match: re.Match, key: str) -> QuantScheme | None:
     return _int4(size, match.group(2) is not None, key) if size % 2 == 0 else None
 
 
-_PATTERNS = ((re.compile(r"int4_g([1-9][0-9]*)(_zp)?"), _int4_named),)
-_PATTERN_NAMES = "'int4_g<even size>[_zp]'"
+def _fp8_named(match: re.Match, key: str) -> QuantScheme:
+    return _fp8_blocks(int(match.group(1)), int(match.group(2)), key)
+
+
+_PATTERNS = (
+    (re.compile(r"int4_g([1-9][0-9]*)(_zp)?"), _int4_named),
+    (re.compile(r"fp8_block_([1-9][0-9]*)x([1-9][0-9]*)"), _fp8_named),
+)
+_PATTERN_NAMES = "'int4_g<even size>[_zp]', 'fp8_block_<rows>x<cols>'"
 _BY_FORMAT = {s.format_key: s.name for s in reversed(_NAMED.values())}
 
 

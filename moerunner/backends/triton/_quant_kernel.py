@@ -123,14 +123,18 @@ def _quant_groups_kernel(
     tl.store(s_ptr + rows * stride_sm + offs_g[None, :], scale, mask=g_mask)
 
 
-def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
-    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
+def quantize_rows(
+    x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor, group: int = 128
+) -> None:
+    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/group)] fp32;
+    ``group``: K per scale of fp8_group128 (128) and fp8_group (the weight's K block, a
+    power of two))."""
     rows, k = x.shape
-    if fmt == "fp8_group128":
+    if fmt in ("fp8_group128", "fp8_group"):
         # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
         # flight per program without a grid of millions of one-warp programs.
-        groups = min(8, _pow2(_cdiv(k, 128)))
-        grid = (_cdiv(rows, 4), _cdiv(k, groups * 128))
+        groups = min(8 * 128 // group, _pow2(_cdiv(k, group)))
+        grid = (_cdiv(rows, 4), _cdiv(k, groups * group))
         _launch.launch(
             _quant_groups_kernel,
             grid,
@@ -144,7 +148,7 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
             s_out.stride(0),
             ROWS=4,
             GROUPS=groups,
-            GROUP=128,
+            GROUP=group,
             num_warps=4,
         )
         return
