@@ -31,6 +31,8 @@ TRITON_QUANT_SCHEMES = [
     "mxfp8",
     "fp8_block_64x64",
     "fp8_block_128x64",
+    "int8_g64",
+    "int8_g128_zp",
 ]
 
 

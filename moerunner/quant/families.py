@@ -238,27 +238,52 @@ class Nvfp4Codec(FamilyCodec):
 
 
 class Int8Codec(FamilyCodec):
-    """int8 with an fp32 scale per output row."""
+    """int8 with an fp32 scale per output row, or per K group with an optional int8 zero
+    point (value (q - zero) * scale)."""
 
     name = "int8"
-    summary = "int8 with fp32 scales per channel"
+    summary = "int8 with fp32 scales per channel or per group (optional zero point)"
 
     def accepts(self, scheme: QuantScheme) -> bool:
         return (
             scheme.weight_format == "int8"
             and scheme.scale_format == "fp32"
-            and scheme.granularity == "channel"
+            and scheme.granularity in ("channel", "group")
         )
 
+    def k_multiple(self, scheme: QuantScheme) -> int | None:
+        return scheme.group_size
+
     def layout(self, scheme: QuantScheme, shape: tuple[int, int, int]) -> Layout:
-        return {"data": (torch.int8, shape), "scale": (torch.float32, shape[:2])}
+        if scheme.granularity == "channel":
+            return {"data": (torch.int8, shape), "scale": (torch.float32, shape[:2])}
+        groups = _groups(scheme, shape)
+        return {
+            "data": (torch.int8, shape),
+            "scale": (torch.float32, groups),
+            "zero_point": (torch.int8, groups) if scheme.zero_point else None,
+        }
 
     def quantize(self, scheme: QuantScheme, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        data, scale = integer.quantize_int8_rows(weight.float())
-        return {"data": data, "scale": scale}
+        if scheme.granularity == "channel":
+            data, scale = integer.quantize_int8_rows(weight.float())
+            return {"data": data, "scale": scale}
+        data, scale, zero = integer.quantize_int8_groups(
+            weight.float(), scheme.group_size, scheme.zero_point
+        )
+        return {"data": data, "scale": scale, "zero_point": zero}
 
     def dequantize(self, qw: QuantizedWeight) -> torch.Tensor:
-        return qw.data.float() * qw.scale[:, :, None]
+        if qw.scheme.granularity == "channel":
+            return qw.data.float() * qw.scale[:, :, None]
+        return integer.dequantize_int8_groups(
+            qw.data, qw.scale, qw.zero_point, qw.scheme.group_size
+        )
+
+    def pad_fill(self, scheme: QuantScheme) -> dict[str, float]:
+        # A zero group with zero point: range [0, 0], zero -128 and every q -128.
+        fill = -128.0 if scheme.zero_point else 0.0
+        return {"data": fill, "scale": 1.0, "zero_point": fill}
 
 
 class Int4Codec(FamilyCodec):

@@ -219,6 +219,17 @@ def _int4(group_size: int, zero_point: bool, name: str) -> QuantScheme:
     )
 
 
+def _int8_groups(group_size: int, zero_point: bool, name: str) -> QuantScheme:
+    return QuantScheme(
+        name=name,
+        weight_format="int8",
+        scale_format="fp32",
+        granularity="group",
+        block_shape=(1, group_size),
+        zero_point=zero_point,
+    )
+
+
 def _fp8_blocks(rows: int, cols: int, name: str) -> QuantScheme:
     return QuantScheme(name, "e4m3", "fp32", "block", (rows, cols), activation_format="fp8_group")
 
@@ -269,6 +280,10 @@ _NAMED: dict[str, QuantScheme] = {
             activation_scales="static",
         ),
         QuantScheme("int8_w8a16", "int8", "fp32", "channel"),
+        _int8_groups(64, False, "int8_g64"),
+        _int8_groups(128, False, "int8_g128"),
+        _int8_groups(64, True, "int8_g64_zp"),
+        _int8_groups(128, True, "int8_g128_zp"),
         _int4(128, False, "int4"),
         _int4(128, True, "int4_zp"),
         _int4(32, False, "int4_g32"),
@@ -281,8 +296,8 @@ _NAMED: dict[str, QuantScheme] = {
 }
 
 #: Every name `get_scheme` accepts, in documentation order. "int4" is int4_g128 (symmetric);
-#: "int4_zp" is int4_g128_zp. Parametrised names are accepted too: "int4_g<even size>[_zp]"
-#: and "fp8_block_<rows>x<cols>".
+#: "int4_zp" is int4_g128_zp. Parametrised names are accepted too: "int4_g<even size>[_zp]",
+#: "int8_g<size>[_zp]" and "fp8_block_<rows>x<cols>".
 SCHEME_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 
@@ -292,15 +307,20 @@ def _int4_named(match: re.Match, key: str) -> QuantScheme | None:
     return _int4(size, match.group(2) is not None, key) if size % 2 == 0 else None
 
 
+def _int8_named(match: re.Match, key: str) -> QuantScheme:
+    return _int8_groups(int(match.group(1)), match.group(2) is not None, key)
+
+
 def _fp8_named(match: re.Match, key: str) -> QuantScheme:
     return _fp8_blocks(int(match.group(1)), int(match.group(2)), key)
 
 
 _PATTERNS = (
     (re.compile(r"int4_g([1-9][0-9]*)(_zp)?"), _int4_named),
+    (re.compile(r"int8_g([1-9][0-9]*)(_zp)?"), _int8_named),
     (re.compile(r"fp8_block_([1-9][0-9]*)x([1-9][0-9]*)"), _fp8_named),
 )
-_PATTERN_NAMES = "'int4_g<even size>[_zp]', 'fp8_block_<rows>x<cols>'"
+_PATTERN_NAMES = "'int4_g<even size>[_zp]', 'int8_g<size>[_zp]', 'fp8_block_<rows>x<cols>'"
 _BY_FORMAT = {s.format_key: s.name for s in reversed(_NAMED.values())}
 
 

@@ -122,6 +122,17 @@ def _weight_tile(
                     tl.broadcast_to(s[:, None, :], (SPT, SPAN, rows.shape[0])),
                     (BLOCK_K, rows.shape[0]),
                 )
+                if HAS_ZP:  # group-wise int8 with zero point: (q - zero) * scale
+                    z = tl.load(
+                        z_base + offs_s[:, None] * stride_zk + rows[None, :] * stride_zn,
+                        mask=s_mask,
+                        other=0,
+                    ).to(tl.float32)
+                    z = tl.reshape(
+                        tl.broadcast_to(z[:, None, :], (SPT, SPAN, rows.shape[0])),
+                        (BLOCK_K, rows.shape[0]),
+                    )
+                    v = v - z
                 v = v * s
             tile = v.to(COMPUTE)
     return tile
