@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...quant.schemes import QuantScheme, get_scheme, registered_name
-from ._prepare import mma_operand
 
 SCHEMA = "moerunner.triton.tiles/1"
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -131,12 +130,16 @@ def load_config_file(path: str) -> dict[int, MoeTiles] | None:
 def mma_8bit(scheme: str | QuantScheme) -> bool:
     """Whether the kernels feed ``scheme``'s GEMMs to the MMA as 8-bit operands (fp8 or
     int8 weights with quantized inputs); weight-only schemes run it in the hidden dtype."""
+    from ._prepare import mma_operand  # here: _prepare may import this module
+
     return mma_operand(get_scheme(scheme)) in ("fp8", "int8")
 
 
 def k_blocked(scheme: str | QuantScheme) -> bool:
     """Whether ``scheme``'s weight scales change along K inside the MMA (block-scaled fp8):
     BLOCK_K then divides the K block or is a multiple of it."""
+    from ._prepare import mma_operand
+
     s = get_scheme(scheme)
     return mma_operand(s) == "fp8" and s.granularity in ("block", "group")
 
