@@ -21,6 +21,7 @@ import torch
 
 from .config import Activation, ExpertSpec
 from .errors import MoeInputError
+from .quant.schemes import QuantScheme, plain_scheme
 
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,13 +36,23 @@ def weight_shape(weight: Any) -> tuple[int, ...]:
     return tuple(weight.shape)
 
 
+def weight_scheme(weight: Any) -> QuantScheme:
+    """The weight's `QuantScheme`: its own, or for a plain tensor the scheme of its dtype."""
+    if is_quantized(weight):
+        return weight.scheme
+    if isinstance(weight, torch.Tensor) and weight.dtype in PLAIN_DTYPES:
+        return plain_scheme(weight.dtype)
+    raise TypeError(
+        f"weight dtype {getattr(weight, 'dtype', type(weight).__name__)} is not accepted: use "
+        "bf16/fp16/fp32 or a quantized weight from moerunner.quantize"
+    )
+
+
 def scheme_name(weight: Any) -> str:
     """Name of the weight's scheme: the dtype name for plain tensors (``bf16``...)."""
-    if is_quantized(weight):
-        return weight.scheme.name
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        weight.dtype, str(weight.dtype)
-    )
+    if isinstance(weight, torch.Tensor) and weight.dtype not in PLAIN_DTYPES:
+        return str(weight.dtype)
+    return weight_scheme(weight).name
 
 
 @dataclass(frozen=True)
@@ -70,10 +81,23 @@ class ExpertWeights:
         return self.w13.device
 
     @property
+    def w13_scheme(self) -> QuantScheme:
+        """`QuantScheme` of w13 (of its dtype for a plain tensor)."""
+        return weight_scheme(self.w13)
+
+    @property
+    def w2_scheme(self) -> QuantScheme:
+        """`QuantScheme` of w2 (of its dtype for a plain tensor)."""
+        return weight_scheme(self.w2)
+
+    @property
     def scheme(self) -> str:
-        """Scheme name of w13. w2 may use another scheme (e.g. w13 fp8_block, w2 mxfp4):
-        backends that serve w13's scheme read each weight by its own scheme."""
-        return scheme_name(self.w13)
+        """Readable name of the weights' scheme: w13's, or "w13 <a>, w2 <b>" when the two
+        differ in format (see ``w13_scheme`` / ``w2_scheme`` for the values)."""
+        a, b = scheme_name(self.w13), scheme_name(self.w2)
+        if a == b or self.w13_scheme.same_format(self.w2_scheme):
+            return a
+        return f"w13 {a}, w2 {b}"
 
     def intermediate_size(self, activation: Activation) -> int:
         """I, from w13's rows and whether the activation is gated."""

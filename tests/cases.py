@@ -29,6 +29,10 @@ TRITON_QUANT_SCHEMES = [
     "int8_w8a16",
     *PACKED_SCHEMES,
     "mxfp8",
+    "fp8_block_64x64",
+    "fp8_block_128x64",
+    "int8_g64",
+    "int8_g128_zp",
 ]
 
 

@@ -626,7 +626,8 @@ def test_observation_mixed_schemes(backend):
     x = torch.randn(5, 128)
     q13, q2 = moerunner.quantize(w13, "fp8_channel"), moerunner.quantize(w2, "int8")
     weights = ExpertWeights(q13, q2)
-    assert weights.scheme == "fp8_channel"
+    assert weights.scheme == "w13 fp8_channel, w2 int8"  # both named, each used by its GEMM
+    assert (weights.w13_scheme.name, weights.w2_scheme.name) == ("fp8_channel", "int8")
     out = moerunner.fused_moe(x, q13, q2, tk.weights, tk.ids, backend=backend)
     ref = moerunner.reference_moe(x, weights, tk.weights, tk.ids)
     assert_close(out, ref, error_bound(torch.float32, True))

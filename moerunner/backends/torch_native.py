@@ -35,20 +35,13 @@ from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
 from ..dispatch.permute import group_pairs, is_scratch
+from ..quant.families import CODECS
 from ..registry import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized
-from .base import Backend, Capabilities
+from .base import Backend, Capabilities, SchemeSupport
 
 NAME = "torch"
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
-
-
-def _quant_schemes() -> frozenset[str]:
-    try:
-        from ..quant import SCHEME_NAMES
-    except ImportError:
-        return frozenset()
-    return frozenset(SCHEME_NAMES)
 
 
 class TorchBackend(Backend):
@@ -60,7 +53,9 @@ class TorchBackend(Backend):
         self.capabilities = Capabilities(
             devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
             dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
-            schemes=frozenset({"bf16", "fp16", "fp32"}) | _quant_schemes(),
+            # Every family with a codec, mixed w13/w2 schemes included: weights are
+            # dequantized and each GEMM quantizes its input by its own weight's scheme.
+            schemes=SchemeSupport(frozenset(c.name for c in CODECS), mixed=True),
             activations=frozenset(ACTIVATIONS),
         )
         self.fused_ops = {STANDARD: torch_fused_standard}

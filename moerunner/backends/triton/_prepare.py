@@ -20,7 +20,9 @@ import torch
 
 from ...config import ExpertSpec
 from ...errors import MoeInputError
-from ...weights import ExpertWeights, PreparedWeights, is_quantized, scheme_name
+from ...quant.schemes import QuantScheme
+from ...weights import ExpertWeights, PreparedWeights, is_quantized
+from ..base import SchemeSupport
 from . import _gemm_kernel as K
 from .options import DEFAULT_OPTIONS, TritonOptions
 from .tile_config import find_tiles, gpu_name
@@ -31,32 +33,59 @@ _SCALE_FMT = {"none": K.SF_NONE, "fp32": K.SF_FP32, "e8m0": K.SF_E8M0, "e4m3": K
 _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.WF_E2M1}
 # Activation formats fed to the MMA quantized ("qdot"); the others are emulated by feeding
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
-_QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
+_QDOT_ACT = {
+    "fp8_token": K.AS_ROW,
+    "fp8_group128": K.AS_GROUP,
+    "fp8_group": K.AS_GROUP,
+    "int8_token": K.AS_ROW,
+}
 
-#: Scheme names the kernels implement (static activation scales are not claimed).
-SUPPORTED_SCHEMES = frozenset(
-    {
-        "bf16",
-        "fp16",
-        "fp32",
-        "fp8_tensor",
-        "fp8_channel",
-        "fp8_block",
-        "mxfp8",
-        "mxfp4",
-        "mxfp4_mxfp8",
-        "nvfp4",
-        "int8",
-        "int8_w8a16",
-        "int4",
-        "int4_zp",
-        "int4_g32",
-        "int4_g64",
-        "int4_g128",
-        "int4_g32_zp",
-        "int4_g64_zp",
-        "int4_g128_zp",
-    }
+#: K groups of weight-only int4 / int8 group scales the kernels implement.
+_WEIGHT_GROUPS = (32, 64, 128)
+#: K blocks of block-scaled fp8 the kernels implement (activations grouped alike).
+_FP8_K_BLOCKS = (64, 128)
+_FP8_GROUP_ACT = ("fp8_group128", "fp8_group")
+
+
+def _scheme_rule(s: QuantScheme) -> str:
+    """What the kernels cannot compute of ``s`` ("" when they can), from its fields alone."""
+    if s.activation_scales != "dynamic":
+        return "static activation scales are not implemented"
+    family, act, gran = s.family, s.activation_format, s.granularity
+    if family == "fp8" and gran in ("tensor", "channel"):
+        return "" if act == "fp8_token" else "fp8 per tensor / channel needs fp8_token inputs"
+    if family == "fp8":
+        if act not in _FP8_GROUP_ACT or s.activation_group_size != s.block_shape[1]:
+            return "block-scaled fp8 needs fp8 inputs grouped by the weight's K block"
+        if s.block_shape[1] not in _FP8_K_BLOCKS:
+            return f"block-scaled fp8 needs K blocks of {' or '.join(map(str, _FP8_K_BLOCKS))}"
+        return ""
+    if family == "mx":
+        accepted = ("mxfp8",) if s.weight_format == "e4m3" else ("none", "mxfp8")
+        return "" if act in accepted else f"{s.weight_format} MX weights need inputs {accepted}"
+    if family == "int8" and gran == "channel":
+        return "" if act in ("int8_token", "none") else "int8 needs int8_token or bf16 inputs"
+    if act != "none":
+        return f"{family} weights are weight-only here (activation_format 'none')"
+    if family in ("int4", "int8") and s.block_shape[1] not in _WEIGHT_GROUPS:
+        return f"weight-only group scales need groups of {_WEIGHT_GROUPS} along K"
+    return ""
+
+
+def mma_operand(scheme: QuantScheme) -> str:
+    """Operand type the kernels feed ``scheme``'s MMA: "fp8" or "int8" (weights as stored,
+    against a quantized input), else "compute" (weights decoded to the hidden dtype)."""
+    if scheme.activation_format not in _QDOT_ACT:
+        return "compute"
+    return {"e4m3": "fp8", "int8": "int8"}.get(scheme.weight_format, "compute")
+
+
+#: The schemes the kernels implement, as a predicate over scheme fields (static activation
+#: scales are not claimed; w13 and w2 share one scheme).
+# Mixed w13 / w2 schemes: each GEMM reads its weight (and quantizes its input) by that
+# weight's own scheme, so any two supported schemes pair.
+SUPPORTED_SCHEMES = SchemeSupport(
+    frozenset({"plain", "fp8", "mx", "nvfp4", "int8", "int4"}), _scheme_rule, mixed=True
 )
 
 
@@ -133,10 +162,11 @@ def kernel_weight(
             STORED,
         )
     scheme = w.scheme
-    if scheme.name not in SUPPORTED_SCHEMES:
+    why = SUPPORTED_SCHEMES.check(scheme)
+    if why:
         raise MoeInputError(
-            f"scheme {scheme.name!r} is not supported by the triton backend; "
-            f"accepted: {', '.join(sorted(SUPPORTED_SCHEMES))}"
+            f"the triton backend cannot compute this weight: {why}; supported: "
+            f"{', '.join(SUPPORTED_SCHEMES.names())} and schemes with their fields"
         )
     act = scheme.activation_format
     qdot = act in _QDOT_ACT
@@ -161,10 +191,6 @@ def kernel_weight(
         MERGED_SCALE=False,
         FRAG=False,
     )
-    if qdot and gran == "block" and group_k != 128:
-        raise MoeInputError(
-            f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, got {scheme.block_shape}"
-        )
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = w.data.contiguous()
     scale = _as_bytes(w.scale)
@@ -448,7 +474,7 @@ def prepare(
         spec.num_experts,
         spec.intermediate_size,
         spec.hidden_size,
-        scheme_name(weights.w13),
+        weights.w13_scheme,
         gpu_name(w13.data.device),
         dtype_bytes=w13.data.element_size(),
         layout=w13.layout.tile_key,

@@ -129,17 +129,19 @@ def quantize_rows(
     fmt: str,
     q_out: torch.Tensor,
     s_out: torch.Tensor,
+    group: int = 128,
     *,
     options: TritonOptions,
 ) -> None:
-    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32);
-    ``options``: the backend's (launches)."""
+    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/group)] fp32;
+    ``group``: K per scale of fp8_group128 (128) and fp8_group (the weight's K block, a
+    power of two)); ``options``: the backend's (launches)."""
     rows, k = x.shape
-    if fmt == "fp8_group128":
+    if fmt in ("fp8_group128", "fp8_group"):
         # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
         # flight per program without a grid of millions of one-warp programs.
-        groups = min(8, _pow2(_cdiv(k, 128)))
-        grid = (_cdiv(rows, 4), _cdiv(k, groups * 128))
+        groups = min(8 * 128 // group, _pow2(_cdiv(k, group)))
+        grid = (_cdiv(rows, 4), _cdiv(k, groups * group))
         _launch.launch(
             _quant_groups_kernel,
             grid,
@@ -153,7 +155,7 @@ def quantize_rows(
             s_out.stride(0),
             ROWS=4,
             GROUPS=groups,
-            GROUP=128,
+            GROUP=group,
             num_warps=4,
             options=options,
         )

@@ -251,20 +251,20 @@ def _quantize_input(
         return fake_quantize_activation(x, w.scheme).to(x.dtype), None
     if x.is_cuda:  # one launch; the interpreter rounds fp8 unlike torch, so not off the GPU
         rows, k = x.shape
-        ngroups = _cdiv(k, 128)
+        group = w.scheme.activation_group_size  # None: one scale per row
         qdtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
         bufs = WORKSPACES.get(
-            (x.device, "act_quant", fmt, rows, k),
+            (x.device, "act_quant", fmt, group, rows, k),
             lambda: {
                 "q": torch.empty(rows, k, dtype=qdtype, device=x.device),
                 "s": torch.empty(
-                    (rows, ngroups) if fmt == "fp8_group128" else (rows,),
+                    (rows, _cdiv(k, group)) if group else (rows,),
                     dtype=torch.float32,
                     device=x.device,
                 ),
             },
         )
-        quantize_rows(x, fmt, bufs["q"], bufs["s"], options=options)
+        quantize_rows(x, fmt, bufs["q"], bufs["s"], group or 128, options=options)
         return bufs["q"], bufs["s"]
     qx = quantize_activation(x, w.scheme)
     return qx.data.contiguous(), qx.scale.float().contiguous()
@@ -297,9 +297,11 @@ def _launch_gemm(
     dummy = _dummy(dev)
     k = w.shape[2]
     consts = dict(w.constexprs)
-    if consts["QDOT"] and consts["GROUP_K"] > 0 and 128 % tile.block_k and tile.block_k % 128:
+    group_k = consts["GROUP_K"]
+    if consts["QDOT"] and group_k > 0 and group_k % tile.block_k and tile.block_k % group_k:
         raise MoeInputError(
-            f"block_k {tile.block_k} must divide 128 or be a multiple of it for block-scaled fp8"
+            f"block_k {tile.block_k} must divide the K block {group_k} or be a multiple of it "
+            "for block-scaled fp8"
         )
     half = consts["HALF"]
     if half:  # packed 4-bit: whole chunks of the split layout per K step
@@ -315,7 +317,6 @@ def _launch_gemm(
                 f"weight rows, a power of two; got block_n {tile.block_n} "
                 f"({width} rows{' with gate and up' if gated else ''})"
             )
-    group_k = consts["GROUP_K"]
     if (
         group_k
         and not consts["QDOT"]

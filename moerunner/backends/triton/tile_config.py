@@ -9,6 +9,10 @@
 # whole. A call takes the entry whose token count is nearest to its own; with no file the
 # heuristic below answers. The environment is read in one place: where the user's cache
 # folder is (``user_tile_dir``).
+#
+# Files name a scheme by ``registered_name`` (schemes with equal fields share files). The
+# heuristic keys on scheme fields: the MMA's operand type (``_prepare.mma_operand``) and
+# whether weight scales change along K inside a tile (block-scaled fp8).
 
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from ...quant.schemes import QuantScheme, get_scheme, registered_name
 
 SCHEMA = "moerunner.triton.tiles/1"
 #: Tile files shipped with the package (searched after the user's folders).
@@ -90,13 +96,24 @@ def device_key(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
 
 
+def scheme_key(scheme: str | QuantScheme) -> str:
+    """How files name a scheme: the registered name of its fields (``registered_name``)."""
+    return registered_name(get_scheme(scheme))
+
+
 def config_file_name(
-    num_experts: int, n: int, k: int, scheme: str, device_name: str, layout: str | None = None
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str | QuantScheme,
+    device_name: str,
+    layout: str | None = None,
 ) -> str:
     """Name of the tuned file for one shape, scheme, weight layout (None: the scheme's only
     or default one) and device."""
     lay = f",layout={layout}" if layout else ""
-    return f"E={num_experts},N={n},K={k},scheme={scheme}{lay},device={device_key(device_name)}.json"
+    key = scheme_key(scheme)
+    return f"E={num_experts},N={n},K={k},scheme={key}{lay},device={device_key(device_name)}.json"
 
 
 def write_config_file(
@@ -104,14 +121,14 @@ def write_config_file(
     num_experts: int,
     n: int,
     k: int,
-    scheme: str,
+    scheme: str | QuantScheme,
     device_name: str,
     tiles_by_tokens: dict[int, MoeTiles],
     extra: dict | None = None,
     layout: str | None = None,
 ) -> None:
     """Write one tuned file in the shared schema (``layout`` as in ``config_file_name``)."""
-    key = {"E": num_experts, "N": n, "K": k, "scheme": scheme, "device": device_name}
+    key = {"E": num_experts, "N": n, "K": k, "scheme": scheme_key(scheme), "device": device_name}
     if layout:
         key["layout"] = layout
     doc = {
@@ -136,23 +153,48 @@ def load_config_file(path: str) -> dict[int, MoeTiles] | None:
     return {int(t): MoeTiles.from_dict(v) for t, v in doc["by_tokens"].items()}
 
 
-def _scheme_block_k(scheme: str, k: int) -> int:
-    if scheme.startswith("fp8_block"):
-        return 128  # one scale per 128 along K: BLOCK_K divides 128 or is a multiple of it
+def mma_8bit(scheme: str | QuantScheme) -> bool:
+    """Whether the kernels feed ``scheme``'s GEMMs to the MMA as 8-bit operands (fp8 or
+    int8 weights with quantized inputs); weight-only schemes run it in the hidden dtype."""
+    from ._prepare import mma_operand  # here: _prepare may import this module
+
+    return mma_operand(get_scheme(scheme)) in ("fp8", "int8")
+
+
+def k_blocked(scheme: str | QuantScheme) -> bool:
+    """Whether ``scheme``'s weight scales change along K inside the MMA (block-scaled fp8):
+    BLOCK_K then divides the K block or is a multiple of it."""
+    from ._prepare import mma_operand
+
+    s = get_scheme(scheme)
+    return mma_operand(s) == "fp8" and s.granularity in ("block", "group")
+
+
+def _scheme_block_k(scheme: QuantScheme, k: int) -> int:
+    if k_blocked(scheme):
+        return 128  # K blocks of 128 or a divisor: BLOCK_K divides it or is a multiple of it
     return 128 if k >= 128 else 64
 
 
 def heuristic_tiles(
-    num_tokens: int, top_k: int, num_experts: int, n: int, k: int, scheme: str, dtype_bytes: int = 2
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str | QuantScheme,
+    dtype_bytes: int = 2,
 ) -> MoeTiles:
     """A sane default: small row blocks for decode (weight streaming), large MMA tiles after.
 
-    ``n`` is I, ``k`` is H. Rows per active expert decide between the regimes.
+    ``n`` is I, ``k`` is H. Rows per active expert decide between the regimes; 8-bit MMA
+    operands (``mma_8bit``, with ``dtype_bytes`` 1) take the quantized tiles.
     """
     pairs = max(1, num_tokens * top_k)
     rows_per_expert = pairs / max(1, min(num_experts, pairs))
+    scheme = get_scheme(scheme)
     bk = _scheme_block_k(scheme, k)
-    quant8 = scheme.startswith(("fp8", "int8")) and dtype_bytes == 1
+    quant8 = mma_8bit(scheme) and dtype_bytes == 1
     if rows_per_expert <= 16:
         g1 = TileConfig(16, 64, bk, 1, 4, 4)
         g2 = TileConfig(16, 64, bk, 1, 4, 4)
@@ -163,7 +205,7 @@ def heuristic_tiles(
         g1 = TileConfig(64, 64, min(bk, 64) if not quant8 else bk, 8, 4, 4)
         g2 = TileConfig(64, 128, min(bk, 64) if not quant8 else bk, 8, 4, 4)
     else:
-        bk_large = bk if quant8 or scheme.startswith("fp8_block") else 64
+        bk_large = bk if quant8 or k_blocked(scheme) else 64
         # Two fp32 accumulators (gate, up): keep quantized tiles narrow to avoid spills.
         g1 = TileConfig(128, 64 if quant8 else 128, bk_large, 8, 8, 3)
         g2 = TileConfig(128, 128, bk_large, 8, 8, 3)
@@ -186,7 +228,7 @@ class TileSource:
     num_experts: int
     n: int
     k: int
-    scheme: str
+    scheme: str | QuantScheme
     dtype_bytes: int = 2
     path: Path | None = None
     table: dict[int, MoeTiles] | None = field(default=None, compare=False, repr=False)
@@ -209,7 +251,7 @@ def find_tiles(
     num_experts: int,
     n: int,
     k: int,
-    scheme: str,
+    scheme: str | QuantScheme,
     device_name: str | None,
     dtype_bytes: int = 2,
     layout: str | None = None,
@@ -234,7 +276,7 @@ def lookup_tiles(
     num_experts: int,
     n: int,
     k: int,
-    scheme: str,
+    scheme: str | QuantScheme,
     device_name: str | None,
     tile_dirs: Sequence[str | os.PathLike] | None = None,
     dtype_bytes: int = 2,

@@ -25,13 +25,16 @@ import torch
 
 from ...bench import presets as _model_shapes
 from ...quant import get_scheme
+from ...quant.schemes import QuantScheme, plain_scheme
 from ._prepare import split_half, weight_layout
 from .options import E2M1_LAYOUTS, TritonOptions
 from .tile_config import (
     MoeTiles,
     TileConfig,
     config_file_name,
+    k_blocked,
     load_config_file,
+    mma_8bit,
     user_tile_dir,
     write_config_file,
 )
@@ -47,14 +50,18 @@ ROUTINGS = 8
 
 
 def candidate_tiles(
-    num_tokens: int, top_k: int, num_experts: int, scheme: str, layout: str | None = None
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    scheme: str | QuantScheme,
+    layout: str | None = None,
 ) -> list[TileConfig]:
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these);
     ``layout`` is the weights' ``_prepare.weight_layout``."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     packed = get_scheme(scheme).packed
-    quant8 = scheme.startswith(("fp8", "int8"))  # 8-bit operands fed to the MMA
-    bks = (128,) if scheme.startswith("fp8_block") or packed else (64, 128)
+    quant8 = mma_8bit(scheme)  # 8-bit operands fed to the MMA
+    bks = (128,) if k_blocked(scheme) or packed else (64, 128)
     out = []
     if packed and rows_per_expert <= 16 and layout == "fragment":
         # e2m1 in the fragment layout at decode: K steps are one 128-wide chunk, so search the
@@ -107,7 +114,7 @@ def candidate_tiles(
                 for bk in (128,) if quant8 else bks[:1]:
                     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
-    if scheme.startswith("fp8_block") and rows_per_expert > 64:
+    if k_blocked(scheme) and rows_per_expert > 64:
         # Two scale groups per K step: the promotion of the first overlaps the second's MMA.
         for bm in (64, 128):
             for bn in (64, 128):
@@ -147,7 +154,7 @@ def tune_tokens(
     w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
     dev = w13.data.device
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
-    scheme = w13.scheme.name if w13.scheme is not None else "bf16"
+    scheme = w13.scheme if w13.scheme is not None else plain_scheme(torch.bfloat16)
     dtype = torch.bfloat16
     cands = (
         list(candidates)
@@ -277,10 +284,10 @@ def random_weights(
     n13 = 2 * inter if gated else inter
 
     def one(n: int, k: int):
-        if scheme in ("bf16", "fp16"):
-            dt = torch.bfloat16 if scheme == "bf16" else torch.float16
-            return torch.randn(num_experts, n, k, device=device, dtype=dt) * 0.02
         s = get_scheme(scheme)
+        if not s.is_quantized:
+            dt = torch.float16 if s.weight_format == "fp16" else torch.bfloat16
+            return torch.randn(num_experts, n, k, device=device, dtype=dt) * 0.02
         e = num_experts
         if s.weight_format == "e4m3":
             data = (torch.randn(e, n, k, device=device, dtype=torch.bfloat16)).to(
@@ -306,7 +313,8 @@ def random_weights(
             else:
                 scale = torch.rand(shape, device=device) * 1e-3 + 1e-3
         if s.zero_point:
-            kw["zero_point"] = torch.randint(6, 10, scale.shape, device=device, dtype=torch.uint8)
+            zp_dtype = torch.int8 if s.weight_format == "int8" else torch.uint8
+            kw["zero_point"] = torch.randint(6, 10, scale.shape, device=device, dtype=zp_dtype)
         return QuantizedWeight(scheme, (e, n, k), data, scale, **kw)
 
     w13, w2 = one(n13, hidden), one(hidden, inter)
