@@ -7,9 +7,10 @@ is the plain layer; expert parallelism is the same module with another dispatche
 placement (``MoE(config, dispatcher="all_to_all", placement=..., group=...)`` holds only this
 rank's experts). Pre-routed calls pass ``topk=`` instead of router logits.
 
-On one process, with plain weights, the expert step is the ``moerunner::fused_experts`` custom
-op while ``torch.compile`` traces, so the layer compiles with ``fullgraph=True``; eager calls
-go straight to the held runner. The layer is for inference: no gradients flow through the
+On one process, the expert step is a custom op while ``torch.compile`` traces
+(``moerunner::fused_experts`` for plain weights, ``moerunner::fused_experts_quantized`` for
+quantized ones), so the layer compiles with ``fullgraph=True``; eager calls go straight to the
+held runner. The layer is for inference: no gradients flow through the
 experts. ``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend
 then runs that scheme.
 """
@@ -28,11 +29,12 @@ from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
+from .ops import adopt_quantized, call_fused_experts
 from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
 from .runner import MoeRunner, prepared_for
-from .weights import ExpertWeights
+from .weights import ExpertWeights, is_quantized
 
 __all__ = ["MoE"]
 
@@ -258,6 +260,9 @@ class MoE(nn.Module):
         self.correction_bias = None
         self.routes = False
         self.quantized = weights  # held as given (plain or quantized), not as parameters
+        if is_quantized(weights.w13):
+            adopt_quantized(weights.w13)
+            adopt_quantized(weights.w2)
         self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
 
     def quantize_(self, scheme) -> MoE:
@@ -272,6 +277,8 @@ class MoE(nn.Module):
                 self.w2_bias,
                 self.config.gate_up_interleaved,
             )
+        adopt_quantized(self.quantized.w13)
+        adopt_quantized(self.quantized.w2)
         return self
 
     # -- forward ---------------------------------------------------------------------------
@@ -369,12 +376,13 @@ class MoE(nn.Module):
     def _run_local(self, x: torch.Tensor, topk: TopK) -> torch.Tensor:
         """One process: the fused path (the custom op while compiling)."""
         act = self.config.activation
-        if self.quantized is None and torch.compiler.is_compiling():
-            b13, b2 = (None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
-            return torch.ops.moerunner.fused_experts(
+        if torch.compiler.is_compiling():
+            w = self if self.quantized is None else self.quantized  # plain, or as held
+            b13, b2 = (None if b is None else b.detach() for b in (w.w13_bias, w.w2_bias))
+            return call_fused_experts(
                 x.detach(),
-                self.w13.detach(),
-                self.w2.detach(),
+                w.w13,
+                w.w2,
                 topk.weights,
                 topk.ids,
                 b13,
