@@ -114,7 +114,7 @@ def _view_key(t: torch.Tensor | None) -> tuple | None:
     )
 
 
-def _memoised(anchor: torch.Tensor, key: tuple, build):
+def _memoised(anchor, key: tuple, build):
     """``build()`` memoised on ``anchor`` under ``key`` (one entry: a new key replaces it)."""
     memo = getattr(anchor, _MEMO_ATTR, None)
     if memo is None:
@@ -317,8 +317,10 @@ def canonical_from_transposed(
     w13_t: torch.Tensor, w2_t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``w13 [E, N, H]`` and ``w2 [E, H, I]`` from weights stored ``[E, H, N]`` / ``[E, I, H]``
-    (GPT-OSS), copied once per source tensors: memoised on ``w13_t`` (a change of either
-    source's identity, memory or in-place version copies again), detached."""
+    (GPT-OSS), copied once per source tensors (a change of either source's memory or in-place
+    version copies again), detached. Memoised on ``w13_t``'s storage, so every view of the
+    parameter (a traced graph may pass a fresh one per call) finds the copies; they hold no
+    reference to that storage, so they die with it."""
     key = ("transposed", _view_key(w13_t), _view_key(w2_t))
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,7 +330,7 @@ def canonical_from_transposed(
                 w2_t.detach().transpose(1, 2).contiguous(),
             )
 
-    return _memoised(w13_t, key, build)
+    return _memoised(w13_t.untyped_storage(), key, build)
 
 
 @torch.library.custom_op("moerunner::fused_experts_transposed", mutates_args=())
