@@ -110,7 +110,7 @@ def _view_key(t: torch.Tensor | None) -> tuple | None:
         tuple(t.stride()),
         t.dtype,
         t.device,
-        t._version,
+        None if t.is_inference() else t._version,  # inference tensors keep no version
     )
 
 

@@ -155,3 +155,20 @@ def test_transposed_op_copies_once_and_passes_opcheck():
         args,
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.parametrize("scheme", [None, "int8_w8a16"])
+def test_layer_from_weights_compiles_fullgraph_with_pre_routed_calls(scheme):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    w13, w2 = torch.randn(6, 48, 32) * 0.2, torch.randn(6, 32, 24) * 0.2
+    if scheme is not None:
+        w13, w2 = quantize(w13, scheme), quantize(w2, scheme)
+    layer = moerunner.MoE.from_weights(moerunner.ExpertWeights(w13, w2))
+    compiled = torch.compile(layer, fullgraph=True)
+    for tokens in (4, 0):
+        x = torch.randn(tokens, 32)
+        topk = moerunner.select_experts(torch.randn(tokens, 6), 2)
+        out = compiled(x, topk=topk)
+        assert out.shape == (tokens, 32)
+        torch.testing.assert_close(out, layer(x, topk=topk), rtol=1e-5, atol=1e-5)
