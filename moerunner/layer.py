@@ -7,13 +7,15 @@ is the plain layer; expert parallelism is the same module with another dispatche
 placement (``MoE(config, dispatcher="all_to_all", placement=..., group=...)`` holds only this
 rank's experts). Pre-routed calls pass ``topk=`` instead of router logits.
 
-On one process, with plain weights, the expert step is the ``moerunner::fused_experts`` custom
-op while ``torch.compile`` traces, so the layer compiles with ``fullgraph=True``; eager calls
-go straight to the held runner. The layer is for inference: no gradients flow through the
+On one process, the expert step is a custom op while ``torch.compile`` traces
+(``moerunner::fused_experts`` for plain weights, ``moerunner::fused_experts_quantized`` for
+quantized ones), so the layer compiles with ``fullgraph=True``; eager calls go straight to the
+held runner. The layer is for inference: no gradients flow through the
 experts. ``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend
 then runs that scheme. The quantized copy follows the float parameters: after an in-place
-edit, ``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2`` the next forward
-quantizes them again (a host-side check, no device sync).
+edit, ``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2`` the next eager forward
+quantizes them again (a host-side check, no device sync; a compiled layer does not check:
+call ``quantize_`` again after such edits).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from .config import Activation, MoeConfig
 from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
 from .errors import MoeInputError
+from .ops import adopt_quantized, call_fused_experts
 from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
 from .runner import MoeRunner, prepared_for
-from .weights import ExpertWeights
+from .weights import ExpertWeights, is_quantized
 
 __all__ = ["MoE"]
 
@@ -263,6 +266,9 @@ class MoE(nn.Module):
         self.routes = False
         self._quantized_from = None  # given weights: nothing to re-quantize from
         self.quantized = weights  # held as given (plain or quantized), not as parameters
+        if is_quantized(weights.w13):
+            adopt_quantized(weights.w13)
+            adopt_quantized(weights.w2)
         self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
 
     def quantize_(self, scheme) -> MoE:
@@ -278,6 +284,8 @@ class MoE(nn.Module):
                 self.config.gate_up_interleaved,
             )
         self._quantized_from = (scheme, self._float_state())
+        adopt_quantized(self.quantized.w13)
+        adopt_quantized(self.quantized.w2)
         return self
 
     def _float_state(self) -> tuple:
@@ -319,7 +327,11 @@ class MoE(nn.Module):
             topk = self._route(hidden_states, router_logits, x.shape[0])
         elif not isinstance(topk, TopK):
             raise TypeError(f"topk must be a TopK, got {type(topk).__name__}")
-        if self._quantized_from is not None and self._quantized_from[1] != self._float_state():
+        if (
+            self._quantized_from is not None
+            and not torch.compiler.is_compiling()  # traced: call quantize_ again after edits
+            and self._quantized_from[1] != self._float_state()
+        ):
             self.quantize_(self._quantized_from[0])  # w13 / w2 changed since quantize_
         if self._single_process():
             out = self._run_local(x, topk)
@@ -382,12 +394,13 @@ class MoE(nn.Module):
     def _run_local(self, x: torch.Tensor, topk: TopK) -> torch.Tensor:
         """One process: the fused path (the custom op while compiling)."""
         act = self.config.activation
-        if self.quantized is None and torch.compiler.is_compiling():
-            b13, b2 = (None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
-            return torch.ops.moerunner.fused_experts(
+        if torch.compiler.is_compiling():
+            w = self if self.quantized is None else self.quantized  # plain, or as held
+            b13, b2 = (None if b is None else b.detach() for b in (w.w13_bias, w.w2_bias))
+            return call_fused_experts(
                 x.detach(),
-                self.w13.detach(),
-                self.w2.detach(),
+                w.w13,
+                w.w2,
                 topk.weights,
                 topk.ids,
                 b13,
