@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -24,7 +23,6 @@ from ...quant import get_scheme
 from . import _prepare
 from ._prepare import split_half, weight_layout
 from .tile_config import (
-    CONFIG_DIR,
     MoeTiles,
     TileConfig,
     config_file_name,
@@ -429,58 +427,10 @@ def precompile(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``moerunner tune --preset deepseek-v3 --scheme fp8_block [--tokens 1 16 ...]``."""
-    p = argparse.ArgumentParser(prog="moerunner tune", description=__doc__)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset")
-    p.add_argument(
-        "--shape",
-        nargs=4,
-        type=int,
-        metavar=("H", "I", "E", "TOPK"),
-        help="explicit shape instead of a preset",
-    )
-    p.add_argument("--activation", default=None, help="activation (default: the preset's)")
-    p.add_argument("--scheme", default="bf16", help="weight scheme (bf16, fp8_block, mxfp4...)")
-    p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
-    p.add_argument("--out", type=Path, default=CONFIG_DIR, help="folder for the JSON files")
-    p.add_argument(
-        "--compile-only",
-        action="store_true",
-        help="compile every candidate (fills the kernel cache), time and write nothing",
-    )
-    p.add_argument(
-        "--e2m1-layout",
-        choices=("fragment", "split"),
-        default=None,
-        help="layout mxfp4/nvfp4 weights are prepared in, and tuned for (_prepare.FRAGMENT_E2M1;"
-        " default: fragment, whose files are keyed layout=fragment)",
-    )
-    args = p.parse_args(argv)
-    if args.e2m1_layout is not None:
-        _prepare.FRAGMENT_E2M1 = args.e2m1_layout == "fragment"
-    if not torch.cuda.is_available():
-        print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if args.preset is None and args.shape is None:
-        p.error("give --preset or --shape")
-    if args.preset is not None:
-        hidden, inter, experts, top_k, act = PRESETS[args.preset]
-    else:
-        (hidden, inter, experts, top_k), act = args.shape, "silu"
-    path, _ = tune_preset(
-        hidden,
-        inter,
-        experts,
-        top_k,
-        args.activation or act,
-        args.scheme,
-        args.tokens,
-        args.out,
-        progress=lambda s: print(s, flush=True),
-        compile_only=args.compile_only,
-    )
-    print("compiled every candidate" if path is None else f"wrote {path}")
-    return 0
+    """``moerunner tune``; its flags are parsed in ``moerunner.cli.tune``."""
+    from ...cli.tune import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
