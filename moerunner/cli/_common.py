@@ -191,6 +191,14 @@ def _written_by_moerunner(path: Path, kind: str) -> bool:
         except (UnicodeDecodeError, json.JSONDecodeError):
             return False
         return isinstance(record, dict) and str(record.get("schema", "")).startswith("moerunner")
+    if kind == "ceilings":  # the cache of bench.roofline: {device key: DeviceCeilings fields}
+        try:
+            cache = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        return isinstance(cache, dict) and all(
+            isinstance(v, dict) and "copy_gbps" in v for v in cache.values()
+        )
     if kind == "md":
         return data.startswith(b"# moerunner ")
     if kind == "png":
