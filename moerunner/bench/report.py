@@ -73,10 +73,8 @@ def environment(device: torch.device) -> dict:
 
 
 def have_transformers() -> bool:
-    """Whether transformers is importable (else the baselines are plain-PyTorch stand-ins)."""
-    import importlib.util
-
-    return importlib.util.find_spec("transformers") is not None
+    """Whether transformers imports (else the baselines are plain-PyTorch stand-ins)."""
+    return _version("transformers") is not None
 
 
 def impl_label(impl: str, transformers_version: str | None | bool = True) -> str:

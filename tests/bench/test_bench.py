@@ -274,7 +274,8 @@ def test_cli_end_to_end_on_cpu(tmp_path, capsys):
 
 
 def test_cli_rejects_bad_input(capsys):
-    assert cli_bench.main(["--preset", "nope", "--device", "cpu", "--quiet"]) == 2
-    assert "accepted" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error
+        cli_bench.main(["--preset", "nope", "--device", "cpu", "--quiet"])
+    assert exc.value.code == 2 and "accepted" in capsys.readouterr().err
     assert cli_bench.main(["--ep-size", "2", "--quiet"]) == 2
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
