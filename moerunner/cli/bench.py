@@ -42,6 +42,12 @@ _csv = _common.csv
 SPREAD_WARN_PCT = 10.0
 
 
+def _dispatchers() -> list[str]:
+    from ..distributed_moe import DISPATCHERS
+
+    return list(DISPATCHERS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used by tests)."""
     p = _common.parser(
@@ -157,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--dispatcher",
-        type=_csv,
+        type=_common.name_list(_dispatchers, "dispatcher"),
         default=None,
         help="with --ep-size: standard, all_to_all, masked (comma-separated; default all_to_all)",
     )
@@ -220,6 +226,22 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     for s in list(args.schemes) + [s for _, group in extra for s in group]:
         get_scheme(s)  # raises naming the accepted schemes
     baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
+    from ..bench.baselines import BASELINES
+    from ..runner import default_registry
+
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise ValueError(
+            f"--baselines: unknown {', '.join(map(repr, unknown))}; accepted: "
+            f"{', '.join(BASELINES)} or 'none'"
+        )
+    registered = list(default_registry().backends)
+    unknown = [b for b in args.backends or () if b not in registered]
+    if unknown:
+        raise ValueError(
+            f"--backends: unknown {', '.join(map(repr, unknown))}; registered: "
+            f"{', '.join(registered)}"
+        )
     tokens = args.tokens or (
         (1, 16, 64, 256, 1024, 4096, 16384) if device == "cuda" else (1, 16, 64, 256, 1024)
     )
@@ -414,7 +436,7 @@ def main_expert_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     if n < 1 or world is None or world != str(n):
         found = f"this launch has WORLD_SIZE={world}" if world else "not launched by torchrun"
         print(
-            f"moerunner bench: --ep-size {n} needs one process per rank ({found}); launch "
+            f"moerunner bench: error: --ep-size {n} needs one process per rank ({found}); launch "
             f"with: torchrun --nproc-per-node {max(n, 1)} -m moerunner bench --ep-size "
             f"{max(n, 1)} [other flags]",
             file=sys.stderr,
@@ -432,7 +454,8 @@ def main_expert_parallel(args: argparse.Namespace, argv: list[str]) -> int:
         problems.append(str(exc))
     if problems:
         print(
-            f"moerunner bench: {'; '.join(problems)} (dispatchers: {', '.join(DISPATCHERS)})",
+            f"moerunner bench: error: {'; '.join(problems)} (dispatchers: "
+            f"{', '.join(DISPATCHERS)})",
             file=sys.stderr,
         )
         return 2
