@@ -202,7 +202,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     shapes = [get_preset(n) for n in (args.preset or [])]
     shapes += [parse_shape(s, args.activation) for s in args.shape]
     if not shapes:
-        shapes = [get_preset("qwen3-30b-a3b" if device == "cuda" else "cpu-small")]
+        shapes = [get_preset("qwen3-30b-a3b" if device.startswith("cuda") else "cpu-small")]
     if args.tp != 1:
         shapes = [shard_intermediate(s, args.tp) for s in shapes]
     for r in args.routing:
@@ -243,7 +243,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             f"{', '.join(registered)}"
         )
     tokens = args.tokens or (
-        (1, 16, 64, 256, 1024, 4096, 16384) if device == "cuda" else (1, 16, 64, 256, 1024)
+        (1, 16, 64, 256, 1024, 4096, 16384) if device.startswith("cuda") else (1, 16, 64, 256, 1024)
     )
     return BenchConfig(
         shapes=tuple(shapes),
@@ -258,7 +258,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         graph_max_tokens=args.graph_max_tokens,
         min_time_s=args.min_time
         if args.min_time is not None
-        else (0.2 if device == "cuda" else 0.5),
+        else (0.2 if device.startswith("cuda") else 0.5),
         max_reps=args.max_reps,
         rotations=args.rotations,
         zipf_exponent=args.zipf_exponent,
