@@ -58,3 +58,296 @@ def test_every_subcommand_prints_its_help(name, capsys):
         main([name, "--help"])
     assert exc.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+# --- usage errors, one flag vocabulary, outputs (issue 24 item 5, probe D7 / D16) -------------
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from moerunner.cli import bench as cli_bench  # noqa: E402
+from moerunner.cli import tune as cli_tune  # noqa: E402
+
+
+def run(argv, capsys):
+    """``moerunner ARGV`` in process: (exit status, stdout, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(code, err, command):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"moerunner {command}: error: " if command else "moerunner: error:")
+
+
+BAD = [
+    # D16: tracebacks
+    "demo --tokens -5",
+    "demo --hidden -8",
+    "demo --repeats 0",
+    "demo --repeats -1",
+    "demo --device cuda",
+    "demo --device bogus",
+    "check --tokens -1",
+    "check --experts 0",
+    "check --top-k 0",
+    "check --top-k 99",
+    "check --hidden 0",
+    "check --hidden 48 --schemes mxfp4",
+    "check --device cuda",
+    "bench --replay {tmp}/missing.json",
+    "bench --replay {tmp}/notes.txt",
+    "bench --device cuda",
+    "bench --device bogus",
+    "bench --threads -2",
+    # D16: values silently replaced or ignored
+    "demo --hidden 0",
+    "demo --intermediate 0",
+    "bench --preset cpu-tiny --preset-schemes nosuch=fp8_block",
+    "bench --dispatcher masked",
+    "bench --capacity-factor 2",
+    "bench --zipf-exponent -1",
+    "bench --capacity-factor -1",
+    "bench --min-time -1",
+    # the rest of the vocabulary
+    "check --schemes nosuch",
+    "check --backends nosuch",
+    "bench --schemes nosuch",
+    "bench --routing nosuch",
+    "bench --backends nosuch",
+    "bench --baselines nosuch",
+    "bench --ep-size 2 --dispatcher nosuch",
+    "bench --tokens -1",
+    "bench --shape 8,64,64",
+    "bench --preset nope",
+    "tune",
+    "tune --preset nosuch",
+    "tune --shape 8,64,64",
+    "tune --shape 2,64,64,8",
+    "tune --preset qwen3-30b-a3b --tokens 0",
+    "info --bogus",
+]
+
+
+@pytest.mark.parametrize("line", BAD)
+def test_bad_argument_is_a_one_line_usage_error(line, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # same on a GPU machine
+    (tmp_path / "notes.txt").write_text("notes\n")
+    argv = line.format(tmp=tmp_path).split()
+    code, _, err = run(argv, capsys)
+    assert_usage_error(code, err, argv[0] if argv else "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
+
+
+def test_unknown_command_is_one_line(capsys):
+    code, _, err = run(["frobnicate"], capsys)
+    assert_usage_error(code, err, "")
+    assert "info, demo, check, bench, tune" in err
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["info", "--version"], ["bench", "--version"]])
+def test_version(argv, capsys):
+    from moerunner import __version__
+
+    code, out, _ = run(argv, capsys)
+    assert code == 0 and out.strip() == f"moerunner {__version__}"
+
+
+def test_one_vocabulary_across_subcommands():
+    parsers = {
+        "check": __import__("moerunner.cli.check", fromlist=["x"]).build_parser(),
+        "bench": cli_bench.build_parser(),
+        "tune": cli_tune.build_parser(),
+    }
+    flags = {name: set(p._option_string_actions) for name, p in parsers.items()}
+    for name in ("check", "bench", "tune"):
+        assert "--schemes" in flags[name], name
+        assert "--version" in flags[name], name
+    for name in ("check", "bench"):
+        assert {"--json", "--device", "--backends"} <= flags[name], name
+    # lists are comma-separated everywhere; --shape is E,H,I,K in bench and tune
+    bench = parsers["bench"].parse_args(["--shape", "8,64,96,2", "--tokens", "1,16"])
+    tune = parsers["tune"].parse_args(["--shape", "8,64,96,2", "--tokens", "1,16"])
+    assert cli_bench.config_from_args(bench).shapes[0].num_experts == 8
+    assert cli_tune._shapes(parsers["tune"], tune)[0][1][:4] == (64, 96, 8, 2)
+    assert cli_tune._tokens(parsers["tune"], tune.tokens) == bench.tokens == (1, 16)
+
+
+def test_tune_new_and_deprecated_flags_reach_the_search(tmp_path, capsys, monkeypatch):
+    from moerunner.backends.triton import tune as search
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        search, "tune_preset", lambda *a, **k: calls.append((a, k)) or (tmp_path / "f.json", {})
+    )
+    new = ["tune", "--shape", "8,4096,1024,2", "--schemes", "bf16,fp8_block"]
+    code, _, err = run([*new, "--tokens", "1,16", "--out-dir", str(tmp_path)], capsys)
+    assert code == 0 and "warning" not in err
+    assert [c[0][:8] for c in calls] == [
+        (4096, 1024, 8, 2, "silu", s, (1, 16), tmp_path) for s in ("bf16", "fp8_block")
+    ]
+    calls.clear()
+    old = ["tune", "--shape", "4096", "1024", "8", "2", "--scheme", "bf16", "--tokens", "1", "16"]
+    code, _, err = run([*old, "--out", str(tmp_path)], capsys)
+    assert code == 0 and err.count("deprecated") == 4  # --shape, --scheme, --tokens, --out
+    assert [c[0][:8] for c in calls] == [(4096, 1024, 8, 2, "silu", "bf16", (1, 16), tmp_path)]
+
+
+def test_tune_checks_triton_and_the_gpu_before_any_work(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    code, _, err = run(["tune", "--preset", "qwen3-30b-a3b"], capsys)
+    assert_usage_error(code, err, "tune")
+    assert "needs triton" in err and "moerunner[triton]" in err
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run(["tune", "--preset", "qwen3-30b-a3b"], capsys)
+    assert_usage_error(code, err, "tune")
+    assert "needs a CUDA GPU" in err
+
+
+def test_bench_png_needs_matplotlib_before_the_work(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    code, _, err = run(["bench", "--png", str(tmp_path / "p.png")], capsys)
+    assert_usage_error(code, err, "bench")
+    assert "moerunner[bench]" in err and not list(tmp_path.iterdir())
+
+
+def test_check_plain_scheme_runs_in_its_dtype_and_says_when_nothing_ran(capsys):
+    small = ["--hidden", "64", "--intermediate", "64", "--tokens", "4", "--backends", "torch"]
+    code, out, err = run(["check", "--schemes", "bf16", *small], capsys)
+    assert code == 0 and out.count("pass") == 1 and "hidden bfloat16" in out
+    code, out, err = run(["check", "--schemes", "bf16", "--dtype", "fp32", *small], capsys)
+    assert code == 1
+    assert "skipped: plain bf16 weights with --dtype fp32" in out
+    assert "nothing was checked" in err
+
+
+@pytest.mark.parametrize("command", ["info", "check", "demo"])
+def test_json_to_stdout(command, capsys):
+    extra = {
+        "info": [],
+        "check": ["--schemes", "fp32", "--backends", "torch", "--hidden", "64", "--tokens", "4"],
+        "demo": ["--tokens", "4", "--hidden", "64", "--intermediate", "32", "--repeats", "1"],
+    }[command]
+    code, out, _ = run([command, *extra, "--json", "-"], capsys)
+    assert code == 0
+    record = json.loads(out)  # nothing but the JSON on stdout
+    assert record["schema"] == f"moerunner-{command}/1"
+    if command == "info":
+        assert record["backends"]["torch"]["available"] is True
+    else:
+        assert record["rows"] and record["rows"][0]["backend"] == "torch"
+
+
+def test_outputs_only_where_flags_point_and_never_over_foreign_files(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    small = ["check", "--schemes", "fp32", "--backends", "torch", "--hidden", "64", "--tokens", "4"]
+    assert run(small, capsys)[0] == 0
+    assert not list(tmp_path.iterdir())  # no flag, no file
+    assert run([*small, "--json", "c.json"], capsys)[0] == 0
+    first = (tmp_path / "c.json").read_text()
+    assert json.loads(first)["schema"] == "moerunner-check/1"
+    assert run([*small, "--json", "c.json"], capsys)[0] == 0  # its own file: rewritten
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    (tmp_path / "notes.md").write_text("# my notes\n")
+    for flag, name in (("--json", "notes.json"), ("--md", "notes.md"), ("--json", "notes.md")):
+        command = small if name.endswith("json") else ["bench", "--quiet"]
+        code, _, err = run([*command, flag, name], capsys)
+        assert_usage_error(code, err, command[0])
+        assert "refusing to overwrite" in err
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+    assert (tmp_path / "notes.md").read_text() == "# my notes\n"
+    code, _, err = run(["bench", "--json", "same", "--md", "same"], capsys)
+    assert_usage_error(code, err, "bench")
+
+
+def _ceilings(path):
+    from moerunner.bench import roofline
+
+    key = roofline.device_key(torch.device("cpu"))
+    path.write_text(
+        json.dumps({key: {"device": key, "copy_gbps": 10.0, "peak_tflops": {"fp32": 0.1}}})
+    )
+    return path
+
+
+TINY_BENCH = [
+    "bench", "--shape", "8,64,64,2", "--tokens", "1", "--backends", "torch", "--routing",
+    "uniform", "--min-time", "0.001", "--max-reps", "3", "--rotations", "1", "--quiet",
+]  # fmt: skip
+
+
+def test_d7_ceilings_never_overwrite_a_foreign_file(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("notes\n")
+    code, _, err = run([*TINY_BENCH, "--baselines", "none", "--ceilings", str(notes)], capsys)
+    assert_usage_error(code, err, "bench")
+    assert notes.read_text() == "notes\n"
+    from moerunner.bench import roofline
+
+    for text in ("notes\n", '{"a": 1}', "[1, 2]"):
+        notes.write_text(text)
+        with pytest.raises(ValueError, match="not a moerunner ceilings cache"):
+            roofline.load_or_measure(torch.device("cpu"), notes)
+        assert notes.read_text() == text
+
+
+def test_replay_never_writes_the_file_it_replays(tmp_path, capsys):
+    cache = _ceilings(tmp_path / "ceilings.json")
+    record = tmp_path / "run.json"
+    argv = [*TINY_BENCH[1:], "--baselines", "none", "--ceilings", str(cache)]
+    code, out, _ = run(
+        ["bench", *argv, "--json", str(record), "--md", str(tmp_path / "r.md")], capsys
+    )
+    assert code == 0 and "spread%" in out
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, _ = run(["bench", "--replay", str(record)], capsys)
+    assert code == 0 and "shape-8x64x64x2" in out and "wrote" not in out
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    code, _, err = run(["bench", "--replay", str(record), "--json", str(record)], capsys)
+    assert_usage_error(code, err, "bench")
+    code, out, _ = run(
+        ["bench", "--replay", str(record), "--json", str(tmp_path / "b.json")], capsys
+    )
+    assert code == 0 and (tmp_path / "b.json").exists()
+    assert json.loads((tmp_path / "b.json").read_text())["argv"][-2:] == [
+        "--json",
+        str(tmp_path / "b.json"),
+    ]
+
+
+def test_baselines_without_transformers_are_not_labelled_transformers(
+    tmp_path, capsys, monkeypatch
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    cache = _ceilings(tmp_path / "ceilings.json")
+    argv = [*TINY_BENCH, "--baselines", "eager", "--ceilings", str(cache)]
+    code, out, err = run([*argv, "--md", str(tmp_path / "r.md")], capsys)
+    assert code == 0
+    assert "torch-eq:eager" in out and "hf:" not in out
+    assert "transformers is not installed" in err
+    md = (tmp_path / "r.md").read_text()
+    assert "hf:" not in md and "stand-ins" in md

@@ -72,6 +72,34 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def have_transformers() -> bool:
+    """Whether transformers imports (else the baselines are plain-PyTorch stand-ins)."""
+    return _version("transformers") is not None
+
+
+def impl_label(impl: str, transformers_version: str | None | bool = True) -> str:
+    """A row's implementation as shown: backends by name, baselines as ``hf:<impl>`` when they
+    are transformers' modules and ``torch-eq:<impl>`` when transformers was absent and they
+    are plain-PyTorch stand-ins."""
+    if not impl.startswith("baseline:"):
+        return impl
+    return ("hf:" if transformers_version else "torch-eq:") + impl[len("baseline:") :]
+
+
+def spread_warning(rows: list[Row], threshold_pct: float) -> str | None:
+    """A warning naming the rows whose timing spread (IQR, % of median) exceeds the threshold."""
+    noisy = [r for r in rows if r.spread_pct == r.spread_pct and r.spread_pct > threshold_pct]
+    if not noisy:
+        return None
+    worst = max(noisy, key=lambda r: r.spread_pct)
+    return (
+        f"{len(noisy)} of {len(rows)} rows have a timing spread (IQR) above {threshold_pct:g}% "
+        f"of their median (worst {worst.spread_pct:.0f}%: {worst.preset} {worst.scheme} "
+        f"{worst.impl} T={worst.tokens}); the machine may be busy, compare with care or rerun "
+        "with a larger --min-time"
+    )
+
+
 def to_json(
     path: Path,
     argv: list[str],
@@ -91,8 +119,12 @@ def to_json(
         "skipped_backends": skipped,
         "rows": [asdict(r) for r in rows],
     }
+    text = json.dumps(record, indent=1, default=str)
+    if str(path) == "-":
+        sys.stdout.write(text + "\n")
+        return record
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, default=str))
+    path.write_text(text)
     return record
 
 
@@ -128,8 +160,14 @@ def align_table(lines: list[list[str]], left: set[int]) -> str:
     return "\n".join(out)
 
 
-def table(rows: list[Row], baselines: tuple[str, ...]) -> str:
-    """Fixed-width text table, one line per row."""
+def table(
+    rows: list[Row], baselines: tuple[str, ...], transformers_version: str | None | bool = None
+) -> str:
+    """Fixed-width text table, one line per row; ``spread`` is the timing samples'
+    interquartile range as % of the median. ``transformers_version``: of the run (None:
+    whether transformers is importable now), for the baselines' labels."""
+    if transformers_version is None:
+        transformers_version = have_transformers()
     head = [
         "preset",
         "scheme",
@@ -138,10 +176,11 @@ def table(rows: list[Row], baselines: tuple[str, ...]) -> str:
         "T",
         "hit",
         "time us",
+        "spread%",
         "TFLOP/s",
         "GB/s",
         "%roof",
-        *[f"x{b}" for b in baselines],
+        *[f"x{impl_label('baseline:' + b, transformers_version)}" for b in baselines],
         "max err",
         "status",
     ]
@@ -151,11 +190,12 @@ def table(rows: list[Row], baselines: tuple[str, ...]) -> str:
             [
                 r.preset,
                 r.scheme,
-                r.impl.replace("baseline:", "hf:"),
+                impl_label(r.impl, transformers_version),
                 r.routing,
                 str(r.tokens),
                 fmt_cell(r.experts_hit, ".0f"),
                 fmt_cell(r.time_us, ".1f"),
+                fmt_cell(r.spread_pct, ".0f"),
                 fmt_cell(r.tflops, ".2f"),
                 fmt_cell(r.gbps, ".0f"),
                 fmt_cell(r.pct_roofline, ".1f"),
@@ -167,10 +207,14 @@ def table(rows: list[Row], baselines: tuple[str, ...]) -> str:
     return align_table(lines, left={0, 1, 2, 3})
 
 
-def plot(path: Path, rows: list[Row], title: str) -> None:
+def plot(
+    path: Path, rows: list[Row], title: str, transformers_version: str | None | bool = None
+) -> None:
     """% of roofline vs tokens: one panel per preset, one line per implementation and scheme."""
     import matplotlib
 
+    if transformers_version is None:
+        transformers_version = have_transformers()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -189,7 +233,9 @@ def plot(path: Path, rows: list[Row], title: str) -> None:
             points.sort()
             style = "--" if impl.startswith("baseline:") else "-"
             marker = "o" if routing == "uniform" else "x"
-            label = f"{impl.replace('baseline:', 'transformers ')} {scheme} ({routing})"
+            shown = impl_label(impl, transformers_version)
+            shown = shown.replace("hf:", "transformers ").replace("torch-eq:", "torch stand-in ")
+            label = f"{shown} {scheme} ({routing})"
             ax.plot(
                 [p[0] for p in points], [p[1] for p in points], style, marker=marker, label=label
             )
@@ -204,7 +250,7 @@ def plot(path: Path, rows: list[Row], title: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": "moerunner bench"})
     plt.close(fig)
 
 
@@ -224,11 +270,18 @@ def markdown(
             f"- measured ceilings: copy {ceilings.copy_gbps:.0f} GB/s; {peaks} ({ceilings.method})",
             f"- command: `moerunner bench {' '.join(argv)}`",
             "- % roof = roofline floor (max of min bytes / copy bandwidth, flops / peak) / time; "
-            "x<baseline> = baseline time / this time (transformers experts modules, same weights, "
-            "same process).",
+            "spread% = interquartile range of the timing samples / median; "
+            "x<baseline> = baseline time / this time ("
+            + (
+                "transformers experts modules"
+                if env.get("transformers")
+                else "plain-PyTorch stand-ins for transformers' experts modules, which were "
+                "not installed"
+            )
+            + ", same weights, same process).",
             "",
             "```",
-            table(rows, config.baselines),
+            table(rows, config.baselines, env.get("transformers") or False),
             "```",
             "",
         ]

@@ -246,17 +246,41 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
     )
 
 
+def read_cache(cache_path: Path) -> dict:
+    """The ceilings cache at ``cache_path`` ({} when absent).
+
+    Raises ValueError naming the file when it exists but is not a ceilings cache (JSON object
+    of device key -> ceilings): such a file is someone else's, and must not be written over.
+    """
+    if not cache_path.exists():
+        return {}
+    if not cache_path.is_file():
+        raise ValueError(f"ceilings cache {cache_path}: exists and is not a file")
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        cache = None
+    except OSError as exc:
+        raise ValueError(f"ceilings cache {cache_path}: cannot be read ({exc})") from None
+    if not isinstance(cache, dict) or not all(
+        isinstance(v, dict) and "copy_gbps" in v for v in cache.values()
+    ):
+        raise ValueError(
+            f"ceilings cache {cache_path}: not a moerunner ceilings cache (JSON of device -> "
+            "ceilings); refusing to overwrite it (remove it or choose another path)"
+        )
+    return cache
+
+
 def load_or_measure(
     device: torch.device, cache_path: Path | None, remeasure: bool = False
 ) -> DeviceCeilings:
-    """Ceilings of ``device`` from ``cache_path`` (JSON keyed by device), measured if absent."""
+    """Ceilings of ``device`` from ``cache_path`` (JSON keyed by device), measured if absent.
+
+    Raises ValueError (before measuring) if ``cache_path`` exists and is not a ceilings cache.
+    """
     key = device_key(device)
-    cache: dict = {}
-    if cache_path is not None and cache_path.exists():
-        try:
-            cache = json.loads(cache_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cache = {}
+    cache = read_cache(cache_path) if cache_path is not None else {}
     if not remeasure and key in cache:
         return DeviceCeilings(**cache[key])
     ceilings = measure_ceilings(device)

@@ -96,6 +96,10 @@ class Row:
     checked_tokens: int = 0
     timing: str = ""
     samples: int = 0
+    # spread of the timing samples: interquartile range as % of the median, min and max
+    spread_pct: float = float("nan")
+    min_us: float = float("nan")
+    max_us: float = float("nan")
 
 
 def act_dtype_for(scheme: str, dtype: str) -> torch.dtype:
@@ -520,6 +524,11 @@ class Sweep:
         row.bytes = sum(k.bytes for k in costs) / len(costs)
         row.flops = sum(k.flops for k in costs) / len(costs)
         row.time_us = timing.seconds * 1e6
+        row.spread_pct, row.min_us, row.max_us = (
+            timing.iqr_pct,
+            timing.min_s * 1e6,
+            timing.max_s * 1e6,
+        )
         row.tflops = row.flops / timing.seconds / 1e12
         row.gbps = row.bytes / timing.seconds / 1e9
         floor = sum(

@@ -4,6 +4,9 @@
 has its own freshly drawn routing and input, and its own weight copy when copies fit), so
 consecutive repetitions do not find the same experts' weights in the cache.
 
+Every ``Timing`` also carries the spread of its samples (min, quartiles, max), so a noisy
+measurement can be told from a clean one.
+
 - CPU: ``time.perf_counter`` around each call; median. ``time_interleaved_cpu`` times
   several implementations in alternating rounds (what the sweep uses on CPU).
 - GPU, eager: CUDA events around each call; median.
@@ -25,12 +28,45 @@ import torch
 
 @dataclass(frozen=True)
 class Timing:
-    """Median seconds per call, how many samples it took and how it was measured."""
+    """Median seconds per call, how many samples it took and how it was measured, and the
+    spread of the samples (seconds per call: min, first and third quartile, max; NaN if
+    unknown)."""
 
     seconds: float
     samples: int
     mode: str
     note: str = ""
+    min_s: float = float("nan")
+    q1_s: float = float("nan")
+    q3_s: float = float("nan")
+    max_s: float = float("nan")
+
+    @property
+    def iqr_pct(self) -> float:
+        """Interquartile range as % of the median (NaN if unknown)."""
+        if not self.seconds > 0:
+            return float("nan")
+        return 100.0 * (self.q3_s - self.q1_s) / self.seconds
+
+
+def summarize(samples: list[float], mode: str, note: str = "", count: int | None = None) -> Timing:
+    """A ``Timing`` of per-call seconds ``samples``: median and spread (``count``: samples
+    to report, when one sample covers several calls)."""
+    ordered = sorted(samples)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1 = q3 = ordered[0]
+    return Timing(
+        statistics.median(ordered),
+        len(ordered) if count is None else count,
+        mode,
+        note,
+        ordered[0],
+        q1,
+        q3,
+        ordered[-1],
+    )
 
 
 def _reps_for(estimate_s: float, min_time_s: float, min_reps: int, max_reps: int) -> int:
@@ -86,10 +122,7 @@ def time_interleaved_cpu(
             runs[key](call % n_cases)
             samples[key].append(time.perf_counter() - t0)
             call += 1
-    return {
-        key: Timing(statistics.median(v), len(v), "cpu perf_counter, interleaved")
-        for key, v in samples.items()
-    }
+    return {key: summarize(v, "cpu perf_counter, interleaved") for key, v in samples.items()}
 
 
 def _time_cuda_eager(
@@ -117,7 +150,7 @@ def _time_cuda_eager(
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
-    return Timing(statistics.median(samples), len(samples), "cuda events, eager", note)
+    return summarize(samples, "cuda events, eager", note)
 
 
 def _time_cuda_graph(
@@ -151,10 +184,8 @@ def _time_cuda_graph(
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / n_cases)
     del graph
-    return Timing(
-        statistics.median(samples),
-        len(samples) * n_cases,
-        f"cuda graph replay of {n_cases} rotated calls",
+    return summarize(
+        samples, f"cuda graph replay of {n_cases} rotated calls", count=len(samples) * n_cases
     )
 
 

@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module with a ``main(argv) -> int``. This is the edge of the
 program: configuration (flags, and environment where a subcommand documents it) is read here
-and travels into the library as arguments.
+and travels into the library as arguments. The flag vocabulary the subcommands share (comma
+lists, ``--shape E,H,I,K``, ``--json``, ``--device``, usage errors) is in ``_common``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ SUBCOMMANDS = {
     ),
     "check": ("moerunner.cli.check", "error of each backend and scheme against the reference"),
     "bench": ("moerunner.cli.bench", "benchmark backends and baselines against the roofline"),
-    "tune": ("moerunner.backends.triton.tune", "search Triton tile configs on this GPU"),
+    "tune": ("moerunner.cli.tune", "search Triton tile configs on this GPU"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: moerunner <command> [options]", "", "commands:"]
+    lines = ["usage: moerunner [--version] <command> [options]", "", "commands:"]
     lines += [f"  {name:<6} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines.append("\n'moerunner <command> --help' shows a command's options.")
     return "\n".join(lines)
@@ -35,9 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] == "--version":
+        from .. import __version__
+
+        print(f"moerunner {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"moerunner: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(
+            f"moerunner: error: unknown command {name!r}; accepted: {', '.join(SUBCOMMANDS)} "
+            "(see 'moerunner --help')",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)

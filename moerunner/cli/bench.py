@@ -6,7 +6,7 @@ Examples::
     moerunner bench --preset qwen3-30b-a3b,deepseek-v3 --schemes bf16,fp8_block \\
         --tokens 1,16,64,256,1024,4096 --routing uniform,zipf --json out.json --png out.png
     moerunner bench --shape 64,4096,2048,6 --tp 2 --activation silu
-    moerunner bench --replay out.json                                # same command again
+    moerunner bench --replay out.json --json again.json              # same command again
 
 Expert parallel (one process per rank, NCCL on GPUs, gloo on CPUs)::
 
@@ -16,6 +16,12 @@ Expert parallel (one process per rank, NCCL on GPUs, gloo on CPUs)::
 Environment read here (the edge): ``XDG_CACHE_HOME`` for the default ceilings cache
 (``<cache>/moerunner/ceilings.json``; ``--ceilings`` overrides it); with ``--ep-size``,
 torchrun's ``WORLD_SIZE`` and ``LOCAL_RANK``.
+
+Output files are written only where ``--json``, ``--png``, ``--md`` (and ``--ceilings``, the
+cache) point, never over a file moerunner did not write; ``--replay`` drops the recorded
+command's output flags, so a replay never writes over the file it replays. Each row's timing
+spread (interquartile range of the samples, % of the median) is shown, with a warning when it
+is large.
 """
 
 from __future__ import annotations
@@ -30,136 +36,150 @@ import torch
 
 from ..bench.presets import PRESETS, get_preset, parse_shape, shard_intermediate
 from ..bench.sweep import DTYPES, ROUTINGS, BenchConfig
+from . import _common
+
+_csv = _common.csv
+SPREAD_WARN_PCT = 10.0
 
 
-def _csv(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
+def _dispatchers() -> list[str]:
+    from ..distributed_moe import DISPATCHERS
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(p) for p in _csv(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative ints, got {text!r}")
-    return values
+    return list(DISPATCHERS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used by tests)."""
-    p = argparse.ArgumentParser(
-        prog="moerunner bench",
-        description=__doc__.split("\n\n")[0],
+    p = _common.parser(
+        "bench",
+        __doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--preset", type=_csv, default=None, help=f"comma-separated presets: {', '.join(PRESETS)}"
+        "--preset",
+        type=_common.name_list(list(PRESETS), "preset"),
+        default=None,
+        help=f"comma-separated presets: {', '.join(PRESETS)}",
     )
     p.add_argument(
         "--shape",
         action="append",
         default=[],
-        help="custom E,H,I,k (I = the model's full intermediate size); repeatable",
+        help="custom E,H,I,K (I = the model's full intermediate size); repeatable",
     )
     p.add_argument("--activation", default="silu", help="activation of --shape rows")
     p.add_argument(
         "--tp",
-        type=int,
+        type=_common.int_type(1),
         default=1,
         help="tensor-parallel size: each rank holds I/tp (must divide I)",
     )
     p.add_argument(
         "--tokens",
-        type=_ints,
+        type=_common.int_list(0),
         default=None,
-        help="token counts (default 1,16,64,256,1024 on CPU; up to 16384 on GPU)",
+        help="comma-separated token counts (default 1,16,64,256,1024 on CPU; up to 16384 on GPU)",
     )
+    schemes = _common.name_list(_common.scheme_names, "scheme")
     p.add_argument(
         "--schemes",
-        type=_csv,
-        default=["bf16"],
-        help="weight schemes (bf16, fp16, fp32, fp8_block, mxfp4, ...)",
+        type=schemes,
+        default=None,
+        help="comma-separated weight schemes (default bf16): bf16, fp16, fp32, fp8_block, ...",
     )
+    p.add_argument("--scheme", type=schemes, action="append", help="deprecated: --schemes")
     p.add_argument(
         "--backends",
         type=_csv,
         default=None,
-        help="backends to time (default: every backend available here)",
+        help="comma-separated backends to time (default: every backend available here)",
     )
     p.add_argument(
         "--baselines",
         default="eager,grouped_mm",
-        help="transformers baselines: eager,grouped_mm or 'none'",
+        help="transformers baselines: eager,grouped_mm or 'none' (without transformers: "
+        "plain-PyTorch stand-ins, labelled torch-eq)",
     )
     p.add_argument(
         "--routing",
-        type=_csv,
+        type=_common.name_list(list(ROUTINGS), "routing"),
         default=["uniform", "zipf"],
-        help=f"routing distributions: {', '.join(ROUTINGS)}",
+        help=f"comma-separated routing distributions: {', '.join(ROUTINGS)}",
     )
     p.add_argument(
         "--preset-schemes",
         action="append",
         default=[],
-        help="extra schemes for one preset, e.g. deepseek-v3=fp8_block (repeatable)",
+        help="extra schemes for one preset of this run, e.g. deepseek-v3=fp8_block (repeatable)",
     )
-    p.add_argument("--zipf-exponent", type=float, default=1.2)
+    p.add_argument(
+        "--zipf-exponent", type=_common.float_type(0.0), default=1.2, help="s >= 0 (default 1.2)"
+    )
     p.add_argument(
         "--dtype",
         default="bf16",
         choices=sorted(DTYPES),
         help="activation dtype for quantized schemes",
     )
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    _common.add_device(p)
     p.add_argument("--eager", action="store_true", help="no CUDA-graph replay on GPUs")
     p.add_argument(
         "--graph-max-tokens",
-        type=int,
+        type=_common.int_type(0),
         default=256,
         help="largest T timed by CUDA-graph replay (decode sizes)",
     )
     p.add_argument(
         "--min-time",
-        type=float,
+        type=_common.float_type(0.0),
         default=None,
         help="seconds of samples per row (default 0.2 GPU, 0.5 CPU)",
     )
-    p.add_argument("--max-reps", type=int, default=200)
+    p.add_argument("--max-reps", type=_common.int_type(1), default=200)
     p.add_argument(
         "--rotations",
-        type=int,
+        type=_common.int_type(1),
         default=4,
         help="rotated cases per row (fresh routing, input, weight copy if it fits)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ceilings", type=Path, default=None, help="ceilings cache JSON")
     p.add_argument("--remeasure", action="store_true", help="re-measure the device ceilings")
-    p.add_argument("--json", type=Path, default=None, help="write the replayable JSON here")
-    p.add_argument("--png", type=Path, default=None, help="write the %% of roofline plot here")
+    p.add_argument(
+        "--json", type=Path, default=None, help="write the replayable JSON here ('-': stdout)"
+    )
+    p.add_argument(
+        "--png", type=Path, default=None, help="write the %% of roofline plot here (matplotlib)"
+    )
     p.add_argument("--md", type=Path, default=None, help="write a markdown summary here")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=_common.int_type(1), default=None, help="torch CPU threads")
     p.add_argument(
         "--ep-size",
-        type=int,
+        type=_common.int_type(1),
         default=1,
         help="expert-parallel ranks: launch under torchrun with one process per rank, e.g. "
         "torchrun --nproc-per-node 2 -m moerunner bench --ep-size 2",
     )
     p.add_argument(
         "--dispatcher",
-        type=_csv,
-        default=["all_to_all"],
-        help="with --ep-size: standard, all_to_all, masked (comma-separated)",
+        type=_common.name_list(_dispatchers, "dispatcher"),
+        default=None,
+        help="with --ep-size: standard, all_to_all, masked (comma-separated; default all_to_all)",
     )
     p.add_argument(
         "--capacity-factor",
-        type=float,
-        default=2.0,
-        help="with --ep-size and masked: capacity = factor x expected rows per expert + 16",
+        type=_common.float_type(0.0, strict=True),
+        default=None,
+        help="with --ep-size and masked: capacity = factor x expected rows per expert + 16 "
+        "(default 2)",
     )
     p.add_argument(
-        "--replay", type=Path, default=None, help="re-run the command recorded in a bench JSON"
+        "--replay",
+        type=Path,
+        default=None,
+        help="re-run the command recorded in a bench JSON (its output flags are dropped; "
+        "give new ones)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -174,10 +194,15 @@ def default_cache_path() -> Path:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Turn parsed flags into a ``BenchConfig`` (validating presets, shapes and --tp)."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.scheme:
+        args.schemes = list(
+            dict.fromkeys((args.schemes or []) + [s for g in args.scheme for s in g])
+        )
+    args.schemes = args.schemes or ["bf16"]
     shapes = [get_preset(n) for n in (args.preset or [])]
     shapes += [parse_shape(s, args.activation) for s in args.shape]
     if not shapes:
-        shapes = [get_preset("qwen3-30b-a3b" if device == "cuda" else "cpu-small")]
+        shapes = [get_preset("qwen3-30b-a3b" if device.startswith("cuda") else "cpu-small")]
     if args.tp != 1:
         shapes = [shard_intermediate(s, args.tp) for s in shapes]
     for r in args.routing:
@@ -191,11 +216,34 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if not sep or not schemes:
             raise ValueError(f"--preset-schemes wants PRESET=SCHEME[,SCHEME], got {item!r}")
         extra.append((name.strip(), tuple(_csv(schemes))))
+    run_names = [shape.name for shape in shapes]
+    for name, _ in extra:
+        if name not in run_names:
+            raise ValueError(
+                f"--preset-schemes {name}=...: {name!r} is not a preset of this run "
+                f"({', '.join(run_names)})"
+            )
     for s in list(args.schemes) + [s for _, group in extra for s in group]:
         get_scheme(s)  # raises naming the accepted schemes
     baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
+    from ..bench.baselines import BASELINES
+    from ..runner import default_registry
+
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise ValueError(
+            f"--baselines: unknown {', '.join(map(repr, unknown))}; accepted: "
+            f"{', '.join(BASELINES)} or 'none'"
+        )
+    registered = list(default_registry().backends)
+    unknown = [b for b in args.backends or () if b not in registered]
+    if unknown:
+        raise ValueError(
+            f"--backends: unknown {', '.join(map(repr, unknown))}; registered: "
+            f"{', '.join(registered)}"
+        )
     tokens = args.tokens or (
-        (1, 16, 64, 256, 1024, 4096, 16384) if device == "cuda" else (1, 16, 64, 256, 1024)
+        (1, 16, 64, 256, 1024, 4096, 16384) if device.startswith("cuda") else (1, 16, 64, 256, 1024)
     )
     return BenchConfig(
         shapes=tuple(shapes),
@@ -210,7 +258,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         graph_max_tokens=args.graph_max_tokens,
         min_time_s=args.min_time
         if args.min_time is not None
-        else (0.2 if device == "cuda" else 0.5),
+        else (0.2 if device.startswith("cuda") else 0.5),
         max_reps=args.max_reps,
         rotations=args.rotations,
         zipf_exponent=args.zipf_exponent,
@@ -219,14 +267,81 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+_OUTPUT_FLAGS = ("--json", "--png", "--md", "--replay")
+
+
+def _strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``flags`` and their values (``--flag VALUE`` or ``--flag=VALUE``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not any(arg.startswith(f + "=") for f in flags):
+            out.append(arg)
+    return out
+
+
+def _replayed_argv(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]):
+    """The recorded command of ``--replay FILE`` (without its output flags) + this one's flags."""
+    path = args.replay
+    if not path.is_file():
+        p.error(f"--replay {path}: no such file")
+    try:
+        recorded = json.loads(path.read_text())["argv"]
+        if not isinstance(recorded, list) or not all(isinstance(a, str) for a in recorded):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        p.error(f"--replay {path}: not a moerunner bench JSON record (no recorded command)")
+    replay = path.expanduser().resolve()
+    for flag in ("--json", "--png", "--md", "--ceilings"):
+        out = getattr(args, flag[2:])
+        if out is not None and str(out) != _common.STDOUT and out.expanduser().resolve() == replay:
+            p.error(f"{flag} {out}: is the file being replayed; choose another path")
+    return _strip_flags(recorded, _OUTPUT_FLAGS) + _strip_flags(argv, ("--replay",))
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+    """Every check that needs no work: device, flag combinations, outputs, dependencies."""
+    device = _common.resolve_device(p, args.device)
+    args.device = str(device)
+    if args.ep_size == 1:
+        for flag, value in (
+            ("--dispatcher", args.dispatcher),
+            ("--capacity-factor", args.capacity_factor),
+        ):
+            if value is not None:
+                p.error(f"{flag} applies to expert-parallel runs only: add --ep-size N")
+    if args.scheme:
+        _common.deprecated(p, "--scheme", "--schemes")
+    for flag in ("--preset-schemes",):
+        for item in args.preset_schemes:
+            _, sep, schemes = item.partition("=")
+            if not sep or not _csv(schemes):
+                p.error(f"{flag} wants PRESET=SCHEME[,SCHEME], got {item!r}")
+    if args.png is not None:
+        _common.require_module(p, "matplotlib", "--png", "bench")
+    _common.check_outputs(
+        p,
+        {
+            "--json": (args.json, "json"),
+            "--png": (args.png, "png"),
+            "--md": (args.md, "md"),
+            "--ceilings": (args.ceilings, "ceilings"),
+        },
+    )
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; write JSON / PNG / markdown when asked."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     if args.replay is not None:
-        recorded = json.loads(args.replay.read_text())["argv"]
-        keep = [a for a in argv if a not in ("--replay", str(args.replay))]
-        return main([a for a in recorded] + keep)
+        return main(_replayed_argv(p, args, argv))
+    device = _validate(p, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.ep_size != 1:
@@ -234,16 +349,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
     except (ValueError, TypeError) as exc:
-        print(f"moerunner bench: {exc}", file=sys.stderr)
-        return 2
+        p.error(str(exc))
     from ..bench import report
     from ..bench.roofline import load_or_measure
     from ..bench.sweep import Sweep, fill_speedups
 
-    device = torch.device(config.device)
+    to_stdout = str(args.json) == _common.STDOUT
+    out = sys.stderr if to_stdout else sys.stdout
+    if config.baselines and not report.have_transformers():
+        print(
+            "moerunner bench: transformers is not installed: the baselines are plain-PyTorch "
+            "stand-ins (torch-eq:eager, torch-eq:grouped_mm), not transformers' modules",
+            file=sys.stderr,
+        )
     if not args.quiet:
         print(f"measuring ceilings of {device} (cached) ...", file=sys.stderr)
-    ceilings = load_or_measure(device, args.ceilings or default_cache_path(), args.remeasure)
+    try:
+        ceilings = load_or_measure(device, args.ceilings or default_cache_path(), args.remeasure)
+    except ValueError as exc:
+        p.error(str(exc))
     bar = None
     sweep = Sweep(config, ceilings)
     if not args.quiet:
@@ -260,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     env = report.environment(device)
 
     def checkpoint(rows_so_far) -> None:  # a partial record survives an interrupted run
-        if args.json is not None:
+        if args.json is not None and not to_stdout:
             fill_speedups(rows_so_far)
             report.to_json(
                 args.json, argv, config, ceilings, env, rows_so_far, sweep.skipped_backends
@@ -272,19 +396,26 @@ def main(argv: list[str] | None = None) -> int:
     fill_speedups(rows)
     print(
         f"{env['device']}: copy {ceilings.copy_gbps:.0f} GB/s, peaks "
-        + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in ceilings.peak_tflops.items())
+        + ", ".join(f"{k} {v:.1f} TFLOP/s" for k, v in ceilings.peak_tflops.items()),
+        file=out,
     )
-    print(report.table(rows, config.baselines))
+    print(report.table(rows, config.baselines, env.get("transformers") or False), file=out)
+    warning = report.spread_warning(rows, SPREAD_WARN_PCT)
+    if warning:
+        print(f"moerunner bench: warning: {warning}", file=sys.stderr)
     if args.json is not None:
         report.to_json(args.json, argv, config, ceilings, env, rows, sweep.skipped_backends)
-        print(f"wrote {args.json}")
+        if not to_stdout:
+            print(f"wrote {args.json}")
     if args.png is not None:
-        report.plot(args.png, rows, f"{env['device']} {env['date'][:10]}")
-        print(f"wrote {args.png}")
+        report.plot(
+            args.png, rows, f"{env['device']} {env['date'][:10]}", env.get("transformers") or False
+        )
+        print(f"wrote {args.png}", file=out)
     if args.md is not None:
         args.md.parent.mkdir(parents=True, exist_ok=True)
         args.md.write_text(report.markdown(rows, env, ceilings, config, argv))
-        print(f"wrote {args.md}")
+        print(f"wrote {args.md}", file=out)
     return 1 if any(r.status == "wrong" for r in rows) else 0
 
 
@@ -305,12 +436,15 @@ def main_expert_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     if n < 1 or world is None or world != str(n):
         found = f"this launch has WORLD_SIZE={world}" if world else "not launched by torchrun"
         print(
-            f"moerunner bench: --ep-size {n} needs one process per rank ({found}); launch "
+            f"moerunner bench: error: --ep-size {n} needs one process per rank ({found}); launch "
             f"with: torchrun --nproc-per-node {max(n, 1)} -m moerunner bench --ep-size "
             f"{max(n, 1)} [other flags]",
             file=sys.stderr,
         )
         return 2
+    args.dispatcher = args.dispatcher or ["all_to_all"]
+    if args.capacity_factor is None:
+        args.capacity_factor = 2.0
     problems = [f"--dispatcher: unknown {d!r}" for d in args.dispatcher if d not in DISPATCHERS]
     if args.tp != 1:
         problems.append("--tp and --ep-size cannot be combined (experts are split by ownership)")
@@ -320,7 +454,8 @@ def main_expert_parallel(args: argparse.Namespace, argv: list[str]) -> int:
         problems.append(str(exc))
     if problems:
         print(
-            f"moerunner bench: {'; '.join(problems)} (dispatchers: {', '.join(DISPATCHERS)})",
+            f"moerunner bench: error: {'; '.join(problems)} (dispatchers: "
+            f"{', '.join(DISPATCHERS)})",
             file=sys.stderr,
         )
         return 2

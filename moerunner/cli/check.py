@@ -1,13 +1,17 @@
 """``moerunner check``: each backend x scheme available here against the float64 reference.
 
 For every backend that runs on this machine and every scheme it claims (or those named with
-``--scheme``), quantizes one random MoE layer, runs it through the backend and prints the error
+``--schemes``), quantizes one random MoE layer, runs it through the backend and prints the error
 against the reference with pass/fail against the scheme's bound (``moerunner.testing``).
+Plain schemes (bf16, fp16, fp32) run with hidden states of their own dtype unless ``--dtype``
+says otherwise. Exit status: 0 all checked cases pass, 1 a case fails or nothing was checked,
+2 a usage error.
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -22,8 +26,10 @@ from ..routing import select_experts
 from ..runner import default_registry
 from ..testing import compare, error_bound
 from ..weights import ExpertWeights
+from . import _common
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCHEMA = "moerunner-check/1"
 
 
 def _layer(args, device, dtype, scheme_name: str, gen: torch.Generator):
@@ -38,73 +44,146 @@ def _layer(args, device, dtype, scheme_name: str, gen: torch.Generator):
             quantize(w13, scheme, input_scale=s13).to(device),
             quantize(w2, scheme, input_scale=s2).to(device),
         )
-    plain = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[scheme_name]
-    if plain != dtype:
+    return ExpertWeights(w13.to(device, dtype), w2.to(device, dtype))
+
+
+def _quantizable(args, scheme_name: str) -> str | None:
+    """Why a layer of these sizes cannot be stored in the scheme (None: it can)."""
+    scheme = get_scheme(scheme_name)
+    if not scheme.is_quantized:
         return None
-    return ExpertWeights(w13.to(device, plain), w2.to(device, plain))
+    e, h, i = 1, args.hidden, args.intermediate
+    try:
+        quantize(torch.zeros(e, 2 * i, h), scheme)
+        quantize(torch.zeros(e, h, i), scheme)
+    except (ValueError, TypeError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
 
 
-def main(argv: list[str]) -> int:
-    """Run the check; returns 1 if any combination misses its bound."""
-    parser = argparse.ArgumentParser(prog="moerunner check", description=__doc__)
+def build_parser() -> _common.Parser:
+    """The argument parser (also used by tests)."""
+    parser = _common.parser("check", __doc__)
+    schemes = _common.name_list(_common.scheme_names, "scheme")
     parser.add_argument(
-        "--scheme",
-        action="append",
-        choices=SCHEME_NAMES,
-        help="scheme(s) to check (default: every scheme each backend claims)",
+        "--schemes",
+        type=schemes,
+        default=None,
+        help="comma-separated schemes to check (default: every scheme each backend claims)",
     )
-    parser.add_argument("--backend", action="append", help="backend(s) (default: all available)")
+    parser.add_argument("--scheme", action="append", type=schemes, help="deprecated: --schemes")
+    parser.add_argument(
+        "--backends", type=_common.name_list(what="backend"), default=None,
+        help="comma-separated backends (default: all available)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--backend", action="append", type=_common.name_list(what="backend"),
+        help="deprecated: --backends",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
         default=None,
-        help="hidden dtype (default: fp32 on CPU, bf16 on GPU)",
+        help="hidden dtype (default: a plain scheme's own; else fp32 on CPU, bf16 on GPU)",
     )
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=256)
-    parser.add_argument("--top-k", type=int, default=2)
-    args = parser.parse_args(argv)
+    _common.add_device(parser)
+    positive = _common.int_type(1)
+    parser.add_argument("--tokens", type=positive, default=16, help="T (default 16)")
+    parser.add_argument("--experts", type=positive, default=8, help="E (default 8)")
+    parser.add_argument("--hidden", type=positive, default=256, help="H (default 256)")
+    parser.add_argument("--intermediate", type=positive, default=256, help="I (default 256)")
+    parser.add_argument("--top-k", type=positive, default=2, help="K, at most E (default 2)")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the result as JSON here ('-': stdout)"
+    )
+    return parser
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+
+def main(argv: list[str]) -> int:
+    """Run the check; returns 1 if any combination misses its bound or nothing was checked."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.scheme:
+        _common.deprecated(parser, "--scheme", "--schemes")
+    if args.backend:
+        _common.deprecated(parser, "--backend", "--backends")
+    requested_schemes = None
+    if args.schemes or args.scheme:
+        requested_schemes = list(
+            dict.fromkeys((args.schemes or []) + [s for g in args.scheme or [] for s in g])
+        )
+    if args.top_k > args.experts:
+        parser.error(f"--top-k {args.top_k} is more than --experts {args.experts}")
+    device = _common.resolve_device(parser, args.device)
     registry = default_registry()
-    names = args.backend or list(registry.backends)
-    unknown = sorted(set(names) - set(registry.backends))
+    names = args.backends or []
+    names = list(dict.fromkeys(names + [b for g in args.backend or [] for b in g])) or list(
+        registry.backends
+    )
+    unknown = [n for n in names if n not in registry.backends]
     if unknown:
-        parser.error(f"unknown backend(s) {unknown}; registered: {sorted(registry.backends)}")
+        parser.error(
+            f"--backends: unknown {', '.join(map(repr, unknown))}; "
+            f"registered: {', '.join(registry.backends)}"
+        )
+    for scheme_name in requested_schemes or []:
+        why = _quantizable(args, scheme_name)
+        if why is not None:
+            parser.error(
+                f"--schemes {scheme_name}: a layer with --hidden {args.hidden} and "
+                f"--intermediate {args.intermediate} cannot be stored in it ({why})"
+            )
+    _common.check_outputs(parser, {"--json": (args.json, "json")})
+    to_stdout = str(args.json) == _common.STDOUT
+    out = sys.stderr if to_stdout else sys.stdout
+    default_dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+
+    def dtype_of(scheme_name: str) -> torch.dtype:
+        scheme = get_scheme(scheme_name)
+        if scheme.is_quantized or args.dtype is not None:
+            return default_dtype
+        return DTYPES[scheme_name]
+
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.tokens, args.hidden, generator=gen).to(device, dtype)
+    x32 = torch.randn(args.tokens, args.hidden, generator=gen)
     topk = select_experts(
         torch.randn(args.tokens, args.experts, generator=gen).to(device),
         args.top_k,
         renormalize=True,
     )
     act = Activation("silu")
-    jobs = []
+    jobs, rows, failed = [], [], False
     for name in names:
         backend = registry.backends[name]
         ok, reason = backend.available()
         if not ok:
-            print(f"{name}: not available here ({reason})")
+            print(f"{name}: not available here ({reason})", file=out)
             continue
-        schemes = args.scheme or sorted(backend.capabilities.schemes & set(SCHEME_NAMES))
-        jobs += [(name, s) for s in schemes]
-    rows, failed = [], False
-    for name, scheme_name in tqdm(jobs, desc="check", unit="case"):
+        schemes = requested_schemes or sorted(backend.capabilities.schemes & set(SCHEME_NAMES))
+        for scheme_name in schemes:
+            why = None if requested_schemes else _quantizable(args, scheme_name)
+            if why is not None:
+                rows.append((name, scheme_name, "-", "-", f"skipped: {why}"))
+                continue
+            jobs.append((name, scheme_name))
+    for name, scheme_name in tqdm(jobs, desc="check", unit="case", file=sys.stderr):
+        scheme = get_scheme(scheme_name)
+        dtype = dtype_of(scheme_name)
+        if not scheme.is_quantized and DTYPES[scheme_name] != dtype:
+            rows.append(
+                (name, scheme_name, "-", "-",
+                 f"skipped: plain {scheme_name} weights with --dtype {args.dtype} hidden states")
+            )  # fmt: skip
+            continue
         weights = _layer(args, device, dtype, scheme_name, gen)
-        if weights is None:
-            continue
+        x = x32.to(device, dtype)
         problem = MoeProblem.of(x, weights, weights.spec(act), STANDARD)
         ok, reason = registry.backends[name].supports(problem)
         if not ok:
             rows.append((name, scheme_name, "-", "-", f"skipped: {reason}"))
             continue
-        out = fused_moe(x, weights.w13, weights.w2, topk.weights, topk.ids, backend=name)
-        report = compare(out, reference_moe(x, weights, topk.weights, topk.ids, act))
-        scheme = get_scheme(scheme_name)
+        result = fused_moe(x, weights.w13, weights.w2, topk.weights, topk.ids, backend=name)
+        report = compare(result, reference_moe(x, weights, topk.weights, topk.ids, act))
         bound = error_bound(dtype, scheme.is_quantized and scheme.activation_format != "none")
         passed = report.nonfinite == 0 and report.max_rel <= bound
         failed |= not passed
@@ -120,9 +199,38 @@ def main(argv: list[str]) -> int:
     header = ("backend", "scheme", "max rel err", "bound", "result")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)))
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)), file=out)
+    hidden_dtypes = sorted({str(dtype_of(s)).replace("torch.", "") for _, s in jobs}) or [
+        str(default_dtype).replace("torch.", "")
+    ]
     print(
         f"(T={args.tokens}, E={args.experts}, k={args.top_k}, H={args.hidden}, "
-        f"I={args.intermediate}, hidden {str(dtype).replace('torch.', '')} on {device})"
+        f"I={args.intermediate}, hidden {'/'.join(hidden_dtypes)} on {device})",
+        file=out,
     )
+    checked = sum(r[4] in ("pass", "FAIL") for r in rows)
+    if args.json is not None:
+        from .. import __version__
+
+        record = {
+            "schema": SCHEMA,
+            "moerunner": __version__,
+            "argv": list(argv),
+            "device": str(device),
+            "shape": {"T": args.tokens, "E": args.experts, "K": args.top_k,
+                      "H": args.hidden, "I": args.intermediate},
+            "rows": [dict(zip(("backend", "scheme", "max_rel_err", "bound", "result"), r,
+                              strict=True)) for r in rows],
+            "checked": checked,
+        }  # fmt: skip
+        _common.write_json(args.json, record)
+        if not to_stdout:
+            print(f"wrote {args.json}")
+    if checked == 0:
+        print(
+            "moerunner check: nothing was checked: every case was skipped or no backend is "
+            "available here (see the lines above and 'moerunner info')",
+            file=sys.stderr,
+        )
+        return 1
     return 1 if failed else 0

@@ -8,9 +8,10 @@ and median time.
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -24,6 +25,7 @@ from ..routing import select_experts
 from ..runner import default_registry
 from ..testing import compare
 from ..weights import ExpertWeights
+from . import _common
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,23 +45,30 @@ def _time_ms(fn, repeats: int, device: torch.device) -> float:
 
 def main(argv: list[str]) -> int:
     """Run the demo; returns 1 if any backend misses its error bound."""
-    parser = argparse.ArgumentParser(prog="moerunner demo", description=__doc__)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=None, help="H (default 512 CPU, 2048 GPU)")
-    parser.add_argument("--intermediate", type=int, default=None, help="I (default 192/768)")
+    parser = _common.parser("demo", __doc__)
+    positive = _common.int_type(1)
+    parser.add_argument("--tokens", type=positive, default=64, help="T (default 64)")
+    parser.add_argument(
+        "--hidden", type=positive, default=None, help="H (default 512 CPU, 2048 GPU)"
+    )
+    parser.add_argument("--intermediate", type=positive, default=None, help="I (default 192/768)")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on GPU"
     )
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--repeats", type=int, default=5)
+    _common.add_device(parser)
+    parser.add_argument("--repeats", type=positive, default=5, help="timed calls per backend")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the result as JSON here ('-': stdout)"
+    )
     args = parser.parse_args(argv)
+    device = _common.resolve_device(parser, args.device)
+    _common.check_outputs(parser, {"--json": (args.json, "json")})
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
-    hidden = args.hidden or (2048 if on_gpu else 512)
-    inter = args.intermediate or (768 if on_gpu else 192)
+    hidden = args.hidden if args.hidden is not None else (2048 if on_gpu else 512)
+    inter = args.intermediate if args.intermediate is not None else (768 if on_gpu else 192)
     experts, top_k = 128, 8
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -74,7 +83,9 @@ def main(argv: list[str]) -> int:
     logits = torch.randn(args.tokens, experts, generator=gen).to(device)
     topk = select_experts(logits, top_k, renormalize=True)
     act = Activation("silu")
-    print(
+    to_stdout = str(args.json) == _common.STDOUT
+    say = (lambda *a: print(*a, file=sys.stderr)) if to_stdout else print
+    say(
         f"demo: Qwen3-30B-A3B-shaped MoE (E={experts}, k={top_k}, H={hidden}, I={inter}), "
         f"T={args.tokens}, {str(dtype).replace('torch.', '')} on {device}"
     )
@@ -105,6 +116,23 @@ def main(argv: list[str]) -> int:
     header = ("backend", "path", "max rel err", "median ms", "status")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)))
-    print(f"(error: max |out - ref| / max |ref|, ref in float64; bound for this dtype {bound})")
+        say("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)))
+    say(f"(error: max |out - ref| / max |ref|, ref in float64; bound for this dtype {bound})")
+    if args.json is not None:
+        from .. import __version__
+
+        record = {
+            "schema": "moerunner-demo/1",
+            "moerunner": __version__,
+            "argv": list(argv),
+            "shape": {"E": experts, "H": hidden, "I": inter, "K": top_k, "T": args.tokens},
+            "dtype": str(dtype).replace("torch.", ""),
+            "device": str(device),
+            "bound": bound,
+            "rows": [dict(zip(("backend", "path", "max_rel_err", "median_ms", "status"), r,
+                              strict=True)) for r in rows],
+        }  # fmt: skip
+        _common.write_json(args.json, record)
+        if not to_stdout:
+            print(f"wrote {args.json}")
     return 1 if failed else 0

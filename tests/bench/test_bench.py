@@ -274,7 +274,26 @@ def test_cli_end_to_end_on_cpu(tmp_path, capsys):
 
 
 def test_cli_rejects_bad_input(capsys):
-    assert cli_bench.main(["--preset", "nope", "--device", "cpu", "--quiet"]) == 2
-    assert "accepted" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error
+        cli_bench.main(["--preset", "nope", "--device", "cpu", "--quiet"])
+    assert exc.value.code == 2 and "accepted" in capsys.readouterr().err
     assert cli_bench.main(["--ep-size", "2", "--quiet"]) == 2
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+def test_timing_spread_and_its_warning():
+    t = timing.summarize([1.0, 2.0, 3.0, 4.0, 100.0], "cpu")
+    assert (t.seconds, t.min_s, t.max_s, t.samples) == (3.0, 1.0, 100.0, 5)
+    assert (t.q1_s, t.q3_s) == (2.0, 4.0) and t.iqr_pct == pytest.approx(200 / 3)
+    assert timing.summarize([2.0], "cpu").iqr_pct == 0.0
+    from moerunner.bench import report
+    from moerunner.bench.sweep import Row
+
+    calm = Row("p", "bf16", "bf16", "torch", "uniform", 1, time_us=3.0, spread_pct=2.0)
+    noisy = Row("p", "bf16", "bf16", "baseline:eager", "uniform", 1, time_us=3.0, spread_pct=40.0)
+    assert report.spread_warning([calm], 10.0) is None
+    warning = report.spread_warning([calm, noisy], 10.0)
+    assert "1 of 2 rows" in warning and "40%" in warning
+    text = report.table([calm, noisy], ("eager",), transformers_version=False)
+    assert "spread%" in text.splitlines()[0] and "torch-eq:eager" in text and "hf:" not in text
+    assert "hf:eager" in report.table([noisy], ("eager",), transformers_version="5.0")

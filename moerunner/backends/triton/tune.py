@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -35,7 +34,6 @@ from .tile_config import (
     k_blocked,
     load_config_file,
     mma_8bit,
-    user_tile_dir,
     write_config_file,
 )
 
@@ -420,7 +418,7 @@ def precompile(
             __name__,
             "--preset",
             preset,
-            "--scheme",
+            "--schemes",
             scheme,
             "--compile-only",
             *layout,
@@ -454,74 +452,10 @@ def precompile(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: ``moerunner tune --preset deepseek-v3 --scheme fp8_block [--tokens 1 16 ...]``."""
-    p = argparse.ArgumentParser(prog="moerunner tune", description=__doc__)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="model shape preset")
-    p.add_argument(
-        "--shape",
-        nargs=4,
-        type=int,
-        metavar=("H", "I", "E", "TOPK"),
-        help="explicit shape instead of a preset",
-    )
-    p.add_argument("--activation", default=None, help="activation (default: the preset's)")
-    p.add_argument("--scheme", default="bf16", help="weight scheme (bf16, fp8_block, mxfp4...)")
-    p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="folder for the JSON files (default: the user tile folder, "
-        "$XDG_CACHE_HOME/moerunner/tiles or ~/.cache/moerunner/tiles, read before the "
-        "shipped files)",
-    )
-    p.add_argument(
-        "--compile-only",
-        action="store_true",
-        help="compile every candidate (fills the kernel cache), time and write nothing",
-    )
-    p.add_argument(
-        "--e2m1-layout",
-        choices=E2M1_LAYOUTS,
-        default="fragment",
-        help="layout mxfp4/nvfp4 weights are prepared in, and tuned for "
-        "(TritonOptions.e2m1_layout; default: fragment, whose files are keyed layout=fragment)",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="with --preset: compile every candidate first in this many parallel processes "
-        "(compiling is CPU work; the search then only times)",
-    )
-    args = p.parse_args(argv)
-    options = TritonOptions(e2m1_layout=args.e2m1_layout)
-    if not torch.cuda.is_available():
-        print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if args.preset is None and args.shape is None:
-        p.error("give --preset or --shape")
-    if args.preset is not None:
-        hidden, inter, experts, top_k, act = PRESETS[args.preset]
-    else:
-        (hidden, inter, experts, top_k), act = args.shape, "silu"
-    if args.jobs > 1 and args.preset is not None and not args.compile_only:
-        precompile([(args.preset, args.scheme, args.tokens)], args.jobs)
-    path, _ = tune_preset(
-        hidden,
-        inter,
-        experts,
-        top_k,
-        args.activation or act,
-        args.scheme,
-        args.tokens,
-        user_tile_dir() if args.out is None else args.out,
-        progress=lambda s: print(s, flush=True),
-        compile_only=args.compile_only,
-        options=options,
-    )
-    print("compiled every candidate" if path is None else f"wrote {path}")
-    return 0
+    """``moerunner tune``; its flags are parsed in ``moerunner.cli.tune``."""
+    from ...cli.tune import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,244 @@
+"""The flag vocabulary every subcommand shares, and its checks.
+
+- Lists are comma-separated (``--tokens 1,16,64``, ``--schemes bf16,fp8_block``).
+- A shape is ``--shape E,H,I,K`` (experts, hidden, intermediate, top-k).
+- ``--json PATH`` writes the machine-readable result (``-``: to stdout, instead of the table).
+- ``--device`` is checked before any work: unknown names and devices this machine lacks are
+  usage errors.
+- Usage errors print one line, ``moerunner <command>: error: <what>``, and exit with status 2.
+- An output file is only written where an output flag points, and never over a file that
+  moerunner did not write (checked before the work starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+STDOUT = "-"
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message: str):  # noqa: D401  (argparse's hook)
+        message = " ".join(str(message).split())
+        sys.stderr.write(f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        raise SystemExit(2)
+
+
+def parser(command: str, doc: str | None, **kw) -> Parser:
+    """A subcommand's parser, with ``--version``."""
+    from .. import __version__
+
+    p = Parser(prog=f"moerunner {command}", description=doc, **kw)
+    p.add_argument("--version", action="version", version=f"moerunner {__version__}")
+    return p
+
+
+def deprecated(p: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Warn (one line on stderr) that flag ``old`` is a deprecated alias of ``new``."""
+    sys.stderr.write(f"{p.prog}: warning: {old} is deprecated, use {new}\n")
+
+
+def csv(text: str) -> list[str]:
+    """``"a,b, c"`` -> ``["a", "b", "c"]`` (empty items dropped)."""
+    return [part.strip() for part in str(text).split(",") if part.strip()]
+
+
+def int_type(minimum: int, what: str = "int") -> Callable[[str], int]:
+    """argparse type: an int >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = what
+    return parse
+
+
+def float_type(minimum: float, *, strict: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite float >= ``minimum`` (> with ``strict``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        bad = value != value or value in (float("inf"), float("-inf"))
+        bad = bad or (value <= minimum if strict else value < minimum)
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"expected a number {'>' if strict else '>='} {minimum:g}, got {text!r}"
+            )
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
+    """argparse type: comma-separated ints, each >= ``minimum``."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(p) for p in csv(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated ints, got {text!r}"
+            ) from None
+        if not values or any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated ints >= {minimum}, got {text!r}"
+            )
+        return values
+
+    parse.__name__ = "int list"
+    return parse
+
+
+def name_list(accepted: Callable[[], list[str]] | list[str] | None = None, what: str = "name"):
+    """argparse type: comma-separated names, each one of ``accepted`` (when given)."""
+
+    def parse(text: str) -> list[str]:
+        names = csv(text)
+        if not names:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}s, got {text!r}")
+        if accepted is not None:
+            known = list(accepted() if callable(accepted) else accepted)
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {what} {', '.join(map(repr, unknown))}; accepted: {', '.join(known)}"
+                )
+        return names
+
+    parse.__name__ = f"{what} list"
+    return parse
+
+
+def shape_type(text: str) -> tuple[int, int, int, int]:
+    """argparse type: ``E,H,I,K`` (experts, hidden, intermediate, top-k), all positive."""
+    parts = csv(text)
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 4 or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected four positive ints E,H,I,K, got {text!r}")
+    e, h, i, k = values
+    if k > e:
+        raise argparse.ArgumentTypeError(f"top-k {k} is more than the {e} experts in {text!r}")
+    return e, h, i, k
+
+
+def scheme_names() -> list[str]:
+    from ..quant import SCHEME_NAMES
+
+    return list(SCHEME_NAMES)
+
+
+def add_device(p: argparse.ArgumentParser, default_help: str = "cuda if available, else cpu"):
+    p.add_argument("--device", default=None, help=f"cpu, cuda or cuda:N (default: {default_help})")
+
+
+def resolve_device(p: argparse.ArgumentParser, text: str | None) -> torch.device:
+    """``--device`` (or the default): a device this machine has, else a usage error."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        p.error(f"--device: unknown device {text!r}; accepted: cpu, cuda, cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {text}: no CUDA GPU is available here (torch {torch.__version__})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            p.error(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    elif device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        available = getattr(module, "is_available", None)
+        if available is None or not available():
+            p.error(f"--device {text}: {device.type} is not available here")
+    return device
+
+
+def require_module(p: argparse.ArgumentParser, module: str, flag: str, extra: str) -> None:
+    """Usage error unless ``module`` imports: ``flag`` needs it (install hint: the extra)."""
+    if importlib.util.find_spec(module) is None:
+        p.error(f"{flag} needs {module}, which is not installed (pip install 'moerunner[{extra}]')")
+
+
+def _written_by_moerunner(path: Path, kind: str) -> bool:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if kind == "json":
+        try:
+            record = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        return isinstance(record, dict) and str(record.get("schema", "")).startswith("moerunner")
+    if kind == "ceilings":  # the cache of bench.roofline: {device key: DeviceCeilings fields}
+        try:
+            cache = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        return isinstance(cache, dict) and all(
+            isinstance(v, dict) and "copy_gbps" in v for v in cache.values()
+        )
+    if kind == "md":
+        return data.startswith(b"# moerunner ")
+    if kind == "png":
+        return data.startswith(b"\x89PNG") and b"moerunner" in data[:4096]
+    return False
+
+
+def check_outputs(p: argparse.ArgumentParser, outputs: dict[str, tuple[Path | None, str]]) -> None:
+    """Before any work: every output path (flag -> (path, kind)) is writable here and is not
+    an existing file moerunner did not write; no two flags share a path."""
+    seen: dict[Path, str] = {}
+    for flag, (path, kind) in outputs.items():
+        if path is None or str(path) == STDOUT:
+            continue
+        resolved = Path(path).expanduser().resolve()
+        if resolved in seen:
+            p.error(f"{flag} and {seen[resolved]} name the same file {str(path)!r}")
+        seen[resolved] = flag
+        if resolved.exists():
+            if not resolved.is_file():
+                p.error(f"{flag} {path}: exists and is not a file")
+            if not _written_by_moerunner(resolved, kind):
+                p.error(
+                    f"{flag} {path}: refusing to overwrite a file moerunner did not write "
+                    "(remove it or choose another path)"
+                )
+        else:
+            parent = resolved.parent
+            while not parent.exists():
+                parent = parent.parent
+            if not parent.is_dir():
+                p.error(f"{flag} {path}: {parent} is not a directory")
+
+
+def write_json(path: str | Path, record: dict) -> None:
+    """``--json``: the record to a file, or to stdout for ``-``."""
+    text = json.dumps(record, indent=1, default=str)
+    if str(path) == STDOUT:
+        sys.stdout.write(text + "\n")
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
