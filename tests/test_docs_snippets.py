@@ -103,10 +103,11 @@ def _quick_start() -> list[str]:
 
 def test_ci_runs_the_readme_quick_start_as_written():
     commands = _quick_start()
-    # the torch wheel first (so nothing resolves a different one), then the project, then use
-    assert commands[1].split()[-2:] == ["install", "torch==2.13.0"]
-    assert commands[2].endswith('install -e ".[test]"')
-    assert any(c.endswith("moerunner demo") for c in commands)
+    # two commands: install (the torch wheel pinned in the same resolution as the project, so
+    # nothing resolves a different one) and run the demo; then the tests
+    assert len(commands) == 2
+    assert 'pip install torch==2.13.0 -e ".[test]"' in commands[0]
+    assert commands[0].endswith("moerunner demo")
     assert commands[-1].endswith("-m pytest -n 2 -q tests")
     ci = (ROOT / ".ci" / "run").read_text()
     extract = re.search(r'commands="\$\((awk .*README\.md)\)"', ci)
