@@ -48,12 +48,19 @@ def group_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The T*k (token, slot) pairs of ``topk`` grouped by expert, in their order within an
     expert: (order of the pairs, token of each grouped row, expert offsets [E+1], routing
-    weights [T, k] in float32 with 0 for -1 ids). Pairs with id -1 sort past offsets[E]."""
-    ids_flat = topk.ids.reshape(-1).long()
-    key = torch.where(ids_flat >= 0, ids_flat, num_experts)
+    weights [T, k] in float32 with 0 for -1 ids). Pairs with id -1 sort past offsets[E]; so
+    do ids outside [0, E), which the id check reports after the call on a GPU (it does not
+    wait for the device), as the triton kernels skip them."""
+    valid_TK = _valid_ids(topk.ids, num_experts)
+    key = torch.where(valid_TK.reshape(-1), topk.ids.reshape(-1).long(), num_experts)
     order, offsets = _group_rows(key, num_experts)
-    weight_TK = torch.where(topk.ids >= 0, topk.weights.float(), 0.0)
+    weight_TK = torch.where(valid_TK, topk.weights.float(), 0.0)
     return order, order // topk.ids.shape[1], offsets, weight_TK
+
+
+def _valid_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Slots whose id names an expert: ``0 <= id < num_experts``."""
+    return (ids >= 0) & (ids < num_experts)
 
 
 def pre_permute_standard(
@@ -61,7 +68,7 @@ def pre_permute_standard(
 ) -> tuple[PermutedDispatchOutput, PermuteContext]:
     """Group the T*k (token, slot) pairs by expert; -1 ids become padding rows."""
     order, token, offsets, weight_TK = group_pairs(dispatch_output.topk, num_experts)
-    valid_TK = dispatch_output.topk.ids >= 0
+    valid_TK = _valid_ids(dispatch_output.topk.ids, num_experts)
     row_of_pair = torch.empty_like(order).scatter_(
         0, order, torch.arange(order.shape[0], device=order.device)
     )
