@@ -12,6 +12,7 @@ import torch
 
 from .backends.base import MoeProblem
 from .config import Activation
+from .device_checks import check_ids_async
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .routing import TopK
@@ -50,9 +51,10 @@ def fused_moe(
         gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints).
         swiglu_alpha, swiglu_limit: ``swiglu_oai`` parameters (defaults 1.702 and 7.0).
         backend: a backend name or ``"auto"``.
-        check_ids: verify ``-1 <= ids < E`` (one host read on a GPU). Callers whose ids come
-            from ``select_experts`` may pass False; kernels then still skip ids outside
-            ``[0, E)``, but silently.
+        check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
+            raising at a later call or at ``moerunner.check_errors()``
+            (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
+            pass False; kernels then still skip ids outside ``[0, E)``, but silently.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype: sum over slots of weight x expert(x).
@@ -124,12 +126,8 @@ def validate_call(
         )
     if top_k > weights.num_experts:
         raise MoeInputError(f"top_k={top_k} exceeds the number of experts E={weights.num_experts}")
-    if check_ids and num_tokens and _may_sync():
-        low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()  # one host read
-        if low < -1 or high >= weights.num_experts:
-            raise MoeInputError(
-                f"topk_ids must be in [-1, E={weights.num_experts}), got values in [{low}, {high}]"
-            )
+    if check_ids and num_tokens:
+        check_ids_async(topk_ids, weights.num_experts, where="fused_moe")  # no host sync
     return TopK(weights=topk_weights.float(), ids=topk_ids.to(torch.int32))
 
 
