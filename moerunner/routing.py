@@ -24,6 +24,7 @@ kernel of ``backends/triton/_routing.py``) gives the same bits:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,11 @@ def _use_kernel(router_logits: torch.Tensor, backend: str) -> bool:
         raise MoeInputError(f"backend: got {backend!r}; accepted: {ROUTING_BACKENDS}")
     if not router_logits.is_cuda or torch.compiler.is_compiling():
         return False
+    return _kernel_importable()
+
+
+@functools.cache
+def _kernel_importable() -> bool:
     try:
         from .backends.triton import _routing  # noqa: F401
     except ImportError:

@@ -27,7 +27,7 @@ from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
 
 # Below every key: the smallest real key (-inf) is about -2^63 + 2^55.
-_MIN_KEY = -9223372036854775807
+_MIN_KEY = tl.constexpr(-9223372036854775807)
 # Elements of one program's [BLOCK_T, E_POW2] tile.
 _TILE = 2048
 
@@ -44,8 +44,9 @@ def _ordered(v):
 
 @triton.jit
 def _index_of(key, POW2: tl.constexpr):
-    """The index that a key of ``_ordered(v) << 32 | (POW2 - 1 - index)`` carries."""
-    return (POW2 - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+    """The index that a key of ``_ordered(v) << 32 | (POW2 - 1 - index)`` carries (its low
+    half: the arithmetic shift floors, so the difference is in [0, 2^32))."""
+    return (POW2 - 1 - (key - ((key >> 32) << 32))).to(tl.int32)
 
 
 @triton.jit
