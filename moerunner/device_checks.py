@@ -7,11 +7,12 @@ their range check works like this:
 - CPU tensors: checked at once (reading host memory costs nothing); a bad id raises
   ``MoeInputError`` from the call that passed it.
 - CUDA tensors: the call queues the check on the device (the ids' min and max, copied without
-  blocking into pinned host memory, then an event) and returns. An earlier call's result is
-  read once its event has completed (``event.query()``, which never waits), at the start of
-  the next check; a bad id then raises ``MoeInputError`` naming the call, ``topk_ids``, the
-  valid range and the values seen. That earlier call's output is wrong: the kernels skip ids
-  outside ``[0, E)``. ``check_errors()`` waits for every queued check (it synchronises with
+  blocking into pinned host memory, then an event), then reads the queued checks whose event
+  has completed (``event.query()``, which never waits) and returns. A bad id raises
+  ``MoeInputError`` naming the call, ``topk_ids``, the valid range and the values seen, from
+  the first check call after the device ran it (usually a later call). The output of the
+  call given the bad ids is wrong: the kernels skip ids outside ``[0, E)``. Buffers and
+  events of read checks are reused. ``check_errors()`` waits for every queued check (it synchronises with
   the GPU) and raises the first error: call it where a synchronisation is acceptable, e.g. at
   the end of a step or of a test.
 - While a CUDA graph is being captured or ``torch.compile`` traces, no check runs (and none is
@@ -40,15 +41,38 @@ class PendingCheck:
     event: Any
     num_experts: int
     where: str
+    # Device-side [min, max] and its two 0-d views: reused with ``stats`` and ``event`` by a
+    # later check once this one has been read.
+    device_stats: tuple | None = None
+
+
+# Buffers kept for reuse per (device, dtype): enough for the checks in flight of a few steps.
+_MAX_FREE = 32
 
 
 class CheckQueue:
     """Queued device checks, read in submission order without waiting (``poll``) or waiting
-    (``drain``)."""
+    (``drain``). A check's buffers and event are reused once it has been read."""
 
     def __init__(self) -> None:
         self._pending: deque[PendingCheck] = deque()
         self._lock = threading.Lock()
+        self._free: dict[tuple, list] = {}
+
+    def take_buffers(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
+        """``(device_stats, host stats, event)`` of a check already read, or None."""
+        with self._lock:
+            free = self._free.get((device, dtype))
+            return free.pop() if free else None
+
+    def _recycle(self, check: PendingCheck) -> None:
+        if check.device_stats is None:
+            return
+        key = (check.device_stats[0].device, check.device_stats[0].dtype)
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if len(free) < _MAX_FREE:
+                free.append((check.device_stats, check.stats, check.event))
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -66,7 +90,7 @@ class CheckQueue:
                 if not self._pending or not self._pending[0].event.query():
                     return
                 check = self._pending.popleft()
-            _raise_if_bad(check, lazily=True)
+            self._read(check)
 
     def drain(self) -> None:
         """Wait for every queued check and raise the first bad one. Synchronises."""
@@ -76,12 +100,18 @@ class CheckQueue:
                     return
                 check = self._pending.popleft()
             check.event.synchronize()
-            _raise_if_bad(check, lazily=True)
+            self._read(check)
+
+    def _read(self, check: PendingCheck) -> None:
+        bounds = check.stats.tolist()  # host memory, written by the completed copy
+        self._recycle(check)
+        _raise_if_bad(bounds, check, lazily=True)
 
     def clear(self) -> None:
         """Forget every queued check unread."""
         with self._lock:
             self._pending.clear()
+            self._free.clear()
 
 
 #: The queue of the library's own checks.
@@ -123,28 +153,33 @@ def check_ids_async(
         return
     queue = QUEUE if queue is None else queue
     if make_event is None and not topk_ids.is_cuda:  # CPU (or a device without events here)
-        low, high = torch.aminmax(topk_ids)
-        _raise_if_bad(PendingCheck(torch.stack([low, high]), None, num_experts, where), False)
+        check = PendingCheck(torch.stack(torch.aminmax(topk_ids)), None, num_experts, where)
+        _raise_if_bad(check.stats.tolist(), check, lazily=False)
         return
-    stats = torch.empty(2, dtype=topk_ids.dtype, device=topk_ids.device)
-    torch.aminmax(topk_ids, out=(stats[0], stats[1]))
-    host = torch.empty(2, dtype=topk_ids.dtype, pin_memory=topk_ids.is_cuda)
-    host.copy_(stats, non_blocking=True)
-    event = (make_event or _cuda_event)(topk_ids)
-    queue.submit(PendingCheck(host, event, num_experts, where))
+    device, dtype = topk_ids.device, topk_ids.dtype
+    reused = queue.take_buffers(device, dtype)
+    if reused is None:
+        stats = torch.empty(2, dtype=dtype, device=device)
+        device_stats = (stats, stats[0], stats[1])
+        host = torch.empty(2, dtype=dtype, pin_memory=topk_ids.is_cuda)
+        event = None
+    else:
+        device_stats, host, event = reused
+    torch.aminmax(topk_ids, out=device_stats[1:])
+    host.copy_(device_stats[0], non_blocking=True)
+    if make_event is not None:
+        event = make_event(topk_ids)
+    else:
+        event = event if event is not None else torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    queue.submit(PendingCheck(host, event, num_experts, where, device_stats))
     # Earlier checks that have completed (this call's own is queued first, so an earlier
     # error raising here leaves it to a later read).
     queue.poll()
 
 
-def _cuda_event(ids: torch.Tensor) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(ids.device))
-    return event
-
-
-def _raise_if_bad(check: PendingCheck, lazily: bool) -> None:
-    low, high = (int(v) for v in check.stats.tolist())
+def _raise_if_bad(bounds: list, check: PendingCheck, lazily: bool) -> None:
+    low, high = (int(v) for v in bounds)
     if low >= -1 and high < check.num_experts:
         return
     message = (
@@ -153,7 +188,7 @@ def _raise_if_bad(check: PendingCheck, lazily: bool) -> None:
     )
     if lazily:
         message += (
-            " (found after that call returned: the check does not wait for the GPU; that "
-            "call's output skipped the ids outside [0, E) and is wrong)"
+            " (checked on the device and read once it completed, possibly calls later: the "
+            "call given these ids skipped those outside [0, E), its output is wrong)"
         )
     raise MoeInputError(message)

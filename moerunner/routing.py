@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import MoeInputError
+from .errors import BackendUnavailableError, MoeInputError
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 ROUTING_BACKENDS = ("auto", "torch", "triton")
@@ -81,9 +81,8 @@ def select_experts(
     _check_routing_args(
         router_logits, top_k, scoring_func, correction_bias, num_expert_group, topk_group
     )
-    if _use_kernel(router_logits, backend):
-        from .backends.triton._routing import route
-
+    route = _kernel(router_logits, backend)
+    if route is not None:
         return route(
             router_logits,
             top_k,
@@ -132,26 +131,31 @@ def _top(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def _use_kernel(router_logits: torch.Tensor, backend: str) -> bool:
-    """Whether ``select_experts`` runs the Triton routing kernel (see its ``backend``)."""
+def _kernel(router_logits: torch.Tensor, backend: str):
+    """The Triton routing function when ``select_experts`` runs it (see its ``backend``),
+    else None."""
     if backend == "torch":
-        return False
+        return None
     if backend == "triton":
-        return True
+        route = _kernel_route()
+        if route is None:
+            raise BackendUnavailableError("backend='triton': triton is not importable here")
+        return route
     if backend != "auto":
         raise MoeInputError(f"backend: got {backend!r}; accepted: {ROUTING_BACKENDS}")
     if not router_logits.is_cuda or torch.compiler.is_compiling():
-        return False
-    return _kernel_importable()
+        return None
+    return _kernel_route()
 
 
 @functools.cache
-def _kernel_importable() -> bool:
+def _kernel_route():
+    """``backends.triton._routing.route``, imported once (None without triton)."""
     try:
-        from .backends.triton import _routing  # noqa: F401
+        from .backends.triton._routing import route
     except ImportError:
-        return False
-    return True
+        return None
+    return route
 
 
 def _check_routing_args(

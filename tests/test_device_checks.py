@@ -48,7 +48,7 @@ def test_cpu_ids_are_checked_at_once(bad, low, high):
     with pytest.raises(MoeInputError, match=rf"topk_ids must be in \[-1, E={E}\)") as info:
         check_ids_async(_ids(*bad), E, where="fused_moe")
     assert f"[{low}, {high}]" in str(info.value) and "fused_moe" in str(info.value)
-    assert "after" not in str(info.value)
+    assert "completed" not in str(info.value)
     check_ids_async(_ids(-1, E - 1), E)  # the valid extremes
     check_ids_async(torch.zeros(0, 2, dtype=torch.int32), E)  # nothing to check
     assert len(QUEUE) == 0
@@ -77,7 +77,7 @@ def test_deferred_check_raises_at_the_next_call_once_its_event_completed():
     check(2, 3)
     assert len(queue) == 3
     events[0].done = True
-    with pytest.raises(MoeInputError, match=r"found after that call returned") as info:
+    with pytest.raises(MoeInputError, match=r"read once it completed") as info:
         check(3, 4)
     assert f"topk_ids must be in [-1, E={E}), got values in [0, {E + 3}]" in str(info.value)
     # The bad check is consumed; the good completed one is read without error, the rest wait.
@@ -102,6 +102,27 @@ def test_drain_waits_and_raises_the_first_error():
         queue.drain()
     queue.drain()
     assert len(queue) == 0
+
+
+def test_buffers_are_reused_once_read():
+    queue, submitted = CheckQueue(), []
+    submit = queue.submit
+    queue.submit = lambda check: (submitted.append(check), submit(check))
+
+    def done_event(ids):
+        event = FakeEvent()
+        event.done = True  # the device has run it by the time the queue is read
+        return event
+
+    def check(*values):
+        check_ids_async(_ids(*values), E, "fused_moe", queue=queue, make_event=done_event)
+
+    check(0, 1)  # queued, then read at once by the same call (its event has completed)
+    assert len(queue) == 0
+    with pytest.raises(MoeInputError, match=rf"\[0, {E}\]"):
+        check(0, E)  # bad: reuses the first check's buffers; read (and raised) by the same call
+    assert submitted[1].stats is submitted[0].stats
+    assert submitted[1].device_stats is submitted[0].device_stats
 
 
 def test_check_errors_with_nothing_queued_returns():

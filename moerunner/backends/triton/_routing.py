@@ -197,8 +197,10 @@ def route(
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
     if num_tokens == 0:
         return TopK(weights=weights, ids=ids)
-    if router_logits.stride(1) != 1:
+    stride_t, stride_e = router_logits.stride()
+    if stride_e != 1:
         router_logits = router_logits.contiguous()
+        stride_t = router_logits.stride(0)
     bias = router_logits if correction_bias is None else correction_bias.contiguous()
     e_pow2 = _pow2(num_experts)
     block_t = max(1, min(_pow2(num_tokens), _TILE // e_pow2))
@@ -212,7 +214,7 @@ def route(
         weights,
         ids,
         num_tokens,
-        router_logits.stride(0),
+        stride_t,
         float(routed_scaling_factor),
         NUM_EXPERTS=num_experts,
         TOP_K=top_k,
