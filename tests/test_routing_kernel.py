@@ -186,6 +186,15 @@ def test_auto_uses_the_kernel_only_for_cuda_logits(monkeypatch):
     assert len(calls) == (1 if DEVICE == "cuda" else 0)
 
 
+def test_triton_backend_without_triton_is_named(monkeypatch):
+    from moerunner import BackendUnavailableError, routing
+
+    monkeypatch.setattr(routing, "_kernel_route", lambda: None)
+    with pytest.raises(BackendUnavailableError, match="triton"):
+        select_experts(torch.randn(3, 8), 2, backend="triton")
+    select_experts(torch.randn(3, 8, device=DEVICE), 2)  # auto: the torch path
+
+
 def test_bad_backend_is_named():
     with pytest.raises(MoeInputError, match="backend"):
         select_experts(torch.randn(3, 8), 2, backend="cuda")
