@@ -94,7 +94,8 @@ def select_experts(
             routed_scaling_factor=routed_scaling_factor,
         )
     num_tokens, num_experts = router_logits.shape
-    logits = router_logits.double()
+    wide = _wide_dtype(router_logits.device)
+    logits = router_logits.to(wide)
     if scoring_func == "softmax":
         exps = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
         scores = (exps / exps.sum(dim=-1, keepdim=True)).float()
@@ -115,14 +116,20 @@ def select_experts(
     ids = _top(choice, top_k)
     weights = scores.gather(1, ids)
     if renormalize:
-        wide = weights.double()
-        denominator = wide.sum(dim=-1, keepdim=True)
+        widened = weights.to(wide)
+        denominator = widened.sum(dim=-1, keepdim=True)
         if scoring_func == "sigmoid":
             denominator = denominator + 1e-20
-        weights = (wide / denominator).float()
+        weights = (widened / denominator).float()
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return TopK(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+
+
+def _wide_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the score math; float32 where the device has no float64 (Apple MPS: there
+    the results are not bit-identical to other devices)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _top(values: torch.Tensor, k: int) -> torch.Tensor:
