@@ -95,12 +95,10 @@ def select_experts(
         )
     num_tokens, num_experts = router_logits.shape
     wide = _wide_dtype(router_logits.device)
-    logits = router_logits.to(wide)
     if scoring_func == "softmax":
-        exps = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-        scores = (exps / exps.sum(dim=-1, keepdim=True)).float()
+        scores = torch.softmax(router_logits, dim=-1, dtype=wide).float()
     else:
-        scores = torch.sigmoid(logits).float()
+        scores = torch.sigmoid(router_logits.to(wide)).float()
 
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group is not None and num_tokens > 0:
