@@ -12,9 +12,9 @@ their range check works like this:
   ``MoeInputError`` naming the call, ``topk_ids``, the valid range and the values seen, from
   the first check call after the device ran it (usually a later call). The output of the
   call given the bad ids is wrong: the kernels skip ids outside ``[0, E)``. Buffers and
-  events of read checks are reused. ``check_errors()`` waits for every queued check (it synchronises with
-  the GPU) and raises the first error: call it where a synchronisation is acceptable, e.g. at
-  the end of a step or of a test.
+  events of read checks are reused. ``check_errors()`` waits for every queued check (it
+  synchronises with the GPU) and raises the first error: call it where a synchronisation is
+  acceptable, e.g. at the end of a step or of a test.
 - While a CUDA graph is being captured or ``torch.compile`` traces, no check runs (and none is
   read): the captured or compiled code stays free of host work.
 """
