@@ -6,14 +6,14 @@ thread count. Each output is first checked against the float64 reference; then t
 are timed together in interleaved rounds (``moerunner.bench.timing.time_interleaved_cpu``:
 rotating order, fresh routing per call, every implementation warmed up, medians), and that
 is repeated ``--repeats`` times: a ratio is reported as its median over the repeats, with
-its range. The CPU's ceilings are measured in the same process, before and after the rows:
-the matmul peak per dtype (square GEMMs) and the streaming read bandwidth (an fp32
-matrix-vector product over a 1 GiB matrix). Each row is placed against its compute floor
+its range. The CPU's ceilings are measured in the same process, before and after the rows,
+by ``moerunner.bench.roofline.measure_ceilings`` (the project's one roofline: matmul peak per
+dtype from square GEMMs, copy bandwidth). Each row is placed against its compute floor
 (flops / peak) and memory floor (bytes of the experts hit, activations and routing /
-bandwidth). The CPU time other processes used during each repeat is measured (from the
-kernel's counters where readable); a repeat during which they used more than
-``--max-other-cpus`` CPUs is discarded (all implementations alike) and done again after a
-pause, and the discarded ones are recorded.
+bandwidth), both from ``roofline.row_cost`` and ``roofline.floor_parts``. The CPU time other
+processes used during each repeat is measured (from the kernel's counters where readable); a
+repeat during which they used more than ``--max-other-cpus`` CPUs is discarded (all
+implementations alike) and done again after a pause, and the discarded ones are recorded.
 
     python benchmarks/cpu_torch_vs_transformers.py [--out benchmarks/results] [--repeats 3]
 """
@@ -21,6 +21,7 @@ pause, and the discarded ones are recorded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -34,9 +35,10 @@ import torch
 
 import moerunner
 from moerunner.backends.base import MoeProblem
+from moerunner.bench import roofline
 from moerunner.bench.baselines import build_baseline
 from moerunner.bench.presets import get_preset
-from moerunner.bench.roofline import matmul_tflops, median_seconds, row_cost
+from moerunner.bench.roofline import DeviceCeilings, row_cost
 from moerunner.bench.sweep import check_against_reference, draw_routing, make_weights
 from moerunner.bench.timing import time_interleaved_cpu
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
@@ -44,32 +46,21 @@ from moerunner.testing import DTYPE_BOUND
 from moerunner.weights import ExpertWeights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SHAPE = get_preset("qwen3-30b-a3b")
 IMPLS = ("torch", "eager", "grouped_mm")
 BASELINES = IMPLS[1:]
 
 
 def measure_ceilings(args) -> dict:
-    """``_ceilings()`` on a quiet CPU (measured again while other processes are busy)."""
+    """``roofline.measure_ceilings`` on a quiet CPU (measured again while other processes are
+    busy)."""
     for _ in range(args.max_discarded):
         with OtherLoad() as load:
-            ceilings = _ceilings()
+            ceilings = roofline.measure_ceilings(torch.device("cpu"))
         if load.cpus is None or load.cpus <= args.max_other_cpus:
-            return ceilings | {"other_cpus": load.cpus}
+            return dataclasses.asdict(ceilings) | {"other_cpus": load.cpus}
         time.sleep(args.busy_wait)
     raise SystemExit("the CPU stayed busy while measuring its ceilings; try again later")
-
-
-def _ceilings() -> dict:
-    """Matmul peak per dtype (best of square sizes) and streaming read bandwidth."""
-    cpu = torch.device("cpu")
-    peaks = {
-        name: max(matmul_tflops(cpu, n, dtype, 5) for n in (2048, 4096))
-        for name, dtype in DTYPES.items()
-    }
-    w = torch.ones(1 << 14, 1 << 14)  # 1 GiB fp32: far larger than any cache
-    v = torch.ones(1 << 14)
-    read_gbps = w.numel() * 4 / median_seconds(lambda: torch.mv(w, v), cpu, 7) / 1e9
-    return {"peak_tflops": peaks, "read_gbps": read_gbps}
 
 
 class OtherLoad:
@@ -99,7 +90,7 @@ class OtherLoad:
 
 
 def run_dtype(name: str, tokens: list[int], args, gen: torch.Generator) -> list[dict]:
-    dtype, shape = DTYPES[name], get_preset("qwen3-30b-a3b")
+    dtype, shape = DTYPES[name], SHAPE
     w = make_weights(shape, dtype, torch.device("cpu"), args.seed)
     weights = ExpertWeights(w["w13"], w["w2"])
     spec = weights.spec(moerunner.Activation(shape.activation))
@@ -169,18 +160,19 @@ def run_dtype(name: str, tokens: list[int], args, gen: torch.Generator) -> list[
     return rows
 
 
-def place(rows: list[dict], ceilings: dict) -> None:
+def place(rows: list[dict], ceilings: DeviceCeilings) -> None:
     """Each implementation's median time against the compute and memory floors."""
     for row in rows:
-        peak = ceilings["peak_tflops"][row["dtype"]] * 1e12
-        compute_floor = row["flops"] / peak
-        memory_floor = row["bytes"] / (ceilings["read_gbps"] * 1e9)
+        cost = roofline.RowCost(row["bytes"], row["flops"], row["experts_hit"])
+        memory_floor, compute_floor = roofline.floor_parts(
+            cost, ceilings, roofline.compute_format(row["dtype"])
+        )
         row["compute_floor_s"], row["memory_floor_s"] = compute_floor, memory_floor
         for r in row["impls"].values():
             s = statistics.median(r["seconds"])
             r["median_s"] = s
             r["pct_compute_peak"] = 100 * compute_floor / s
-            r["pct_read_bandwidth"] = 100 * memory_floor / s
+            r["pct_bandwidth"] = 100 * memory_floor / s
             r["pct_floor"] = 100 * max(compute_floor, memory_floor) / s
 
 
@@ -190,7 +182,7 @@ def _ratio(values: list[float]) -> str:
 
 HEADER = (
     "| dtype | T | hit | torch ms | eager ms | grouped_mm ms | torch vs eager | "
-    "torch vs grouped_mm | torch % compute peak | torch % read bw | other CPUs | max err |"
+    "torch vs grouped_mm | torch % compute peak | torch % bandwidth | other CPUs | max err |"
 )
 
 
@@ -208,7 +200,7 @@ def _line(row: dict) -> str:
         _ratio(row["ratios"]["eager"]),
         _ratio(row["ratios"]["grouped_mm"]),
         f"{torch_row['pct_compute_peak']:.1f}",
-        f"{torch_row['pct_read_bandwidth']:.1f}",
+        f"{torch_row['pct_bandwidth']:.1f}",
         f"{max(other):.2f}" if other else "n/a",
         f"{torch_row['max_rel_err']:.1e}",
     ]
@@ -241,15 +233,16 @@ def markdown(result: dict) -> str:
         "",
         f"- {env['machine']} ({env['cpu_capability']}), {env['threads']} threads, "
         f"torch {env['torch']}, transformers {env['transformers']}",
-        f"- shape: Qwen3-30B-A3B experts (E=128, k=8, H=2048, I=768), uniform routing, "
+        f"- shape: {SHAPE.name} experts (E={SHAPE.num_experts}, k={SHAPE.top_k}, "
+        f"H={SHAPE.hidden_size}, I={SHAPE.intermediate_size}), uniform routing, "
         f"{result['config']['rotations']} routings per row taken in turn, "
         f"{result['config']['repeats']} repeats of the interleaved timing",
         f"- ceilings (best of before / after): matmul peak fp32 "
         f"{used['peak_tflops']['fp32']:.3f} TFLOP/s, bf16 {used['peak_tflops']['bf16']:.3f} "
-        f"TFLOP/s (square GEMMs); read bandwidth {used['read_gbps']:.1f} GB/s (fp32 GEMV over "
-        "1 GiB)",
+        f"TFLOP/s; copy bandwidth {used['copy_gbps']:.1f} GB/s ({used['method']})",
         "- ratio = baseline time / torch time: median over repeats [range]; "
-        "% compute peak = flops / peak / time; % read bw = bytes / bandwidth / time; "
+        "% compute peak = flops / peak / time; % bandwidth = bytes / copy bandwidth / time "
+        "(moerunner.bench.roofline); "
         "other CPUs = the most CPU time other processes used during a kept repeat, in CPUs "
         f"(repeats above {result['config']['max_other_cpus']} were done again: "
         f"{sum(len(r['discarded_other_cpus']) for r in result['rows'])} in this run)",
@@ -292,10 +285,12 @@ def main() -> int:
         gc.collect()  # the dtype's weights and baselines go before the next ones are made
     after = measure_ceilings(args)
     used = {
+        "device": after["device"],
         "peak_tflops": {k: max(before["peak_tflops"][k], after["peak_tflops"][k]) for k in DTYPES},
-        "read_gbps": max(before["read_gbps"], after["read_gbps"]),
+        "copy_gbps": max(before["copy_gbps"], after["copy_gbps"]),
+        "method": after["method"] + "; best of before / after the rows",
     }
-    place(rows, used)
+    place(rows, DeviceCeilings(**used))
     result = {
         "argv": ["python", "benchmarks/cpu_torch_vs_transformers.py", *sys.argv[1:]],
         "config": {k: v for k, v in vars(args).items() if k != "out"},

@@ -23,17 +23,29 @@ from pathlib import Path
 import torch
 
 import moerunner.integrations.transformers as mt
+from moerunner.bench.presets import get_preset
 
-# Real per-layer shapes from the published configs; vocab reduced (LM head is not the subject).
+
+def _moe_dims(preset: str, experts_key: str, inter_key: str) -> dict:
+    """The MoE layer's H, I, E and k under a transformers config's names, from the project's
+    one preset table (``moerunner.bench.presets``)."""
+    s = get_preset(preset)
+    return {
+        "hidden_size": s.hidden_size,
+        inter_key: s.intermediate_size,
+        experts_key: s.num_experts,
+        "num_experts_per_tok": s.top_k,
+    }
+
+
+# Real per-layer shapes: the MoE dimensions from the presets, the rest (attention, the dense
+# MLP size) from the published configs; vocab reduced (LM head is not the subject).
 SHAPES = {
     "qwen3-30b-a3b": (
         "qwen3_moe",
         dict(
-            hidden_size=2048,
-            moe_intermediate_size=768,
+            **_moe_dims("qwen3-30b-a3b", "num_experts", "moe_intermediate_size"),
             intermediate_size=6144,
-            num_experts=128,
-            num_experts_per_tok=8,
             norm_topk_prob=True,
             num_attention_heads=32,
             num_key_value_heads=4,
@@ -43,10 +55,7 @@ SHAPES = {
     "gpt-oss-120b": (
         "gpt_oss",
         dict(
-            hidden_size=2880,
-            intermediate_size=2880,
-            num_local_experts=128,
-            num_experts_per_tok=4,
+            **_moe_dims("gpt-oss-120b", "num_local_experts", "intermediate_size"),
             num_attention_heads=64,
             num_key_value_heads=8,
             head_dim=64,

@@ -45,7 +45,9 @@ def fused_moe(
             states' dtype or a quantized weight (``moerunner.quantize``).
         w2: ``[E, H, I]``, same kind as ``w13``.
         topk_weights: ``[T, k]`` floating routing weights.
-        topk_ids: ``[T, k]`` integer expert ids in ``[0, E)`` or -1 (slot skipped).
+        topk_ids: ``[T, k]`` integer expert ids in ``[0, E)`` or -1 (slot skipped). k may
+            exceed E (an expert-parallel rank's shard holds fewer experts than a token's
+            slots): slots naming the same expert each add its output.
         activation: ``silu``, ``gelu``, ``gelu_tanh``, ``swiglu_oai`` (gated) or ``relu2``.
         w13_bias, w2_bias: optional ``[E, 2I]`` (or ``[E, I]``) and ``[E, H]``.
         gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints).
@@ -54,20 +56,84 @@ def fused_moe(
         check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
             raising at a later call or at ``moerunner.check_errors()``
             (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
-            pass False; kernels then still skip ids outside ``[0, E)``, but silently.
+            pass False; every backend then skips ids outside ``[0, E)`` (any integer dtype,
+            no wrap-around), silently.
 
     Returns:
-        ``[T, H]`` in ``hidden_states``' dtype: sum over slots of weight x expert(x).
+        ``[T, H]`` in ``hidden_states``' dtype (contiguous): sum over slots of weight x
+        expert(x). ``top_k = 0`` or ``E = 0`` gives zeros, ``H = 0`` an empty ``[T, 0]``.
+
+    Gradients: with grad mode on and a tensor argument that requires grad, the call runs the
+    torch backend's differentiable path (``backend="auto"`` or ``"torch"``; plain weights);
+    other backends raise ``MoeInputError`` (use ``torch.no_grad()`` or ``backend="torch"``).
     """
     act = check_activation(activation, swiglu_alpha, swiglu_limit)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, bool(gate_up_interleaved))
+    return run_experts(
+        MoeRunner(backend), weights, hidden_states, topk_weights, topk_ids, act, check_ids
+    )
+
+
+def run_experts(
+    runner: MoeRunner,
+    weights: ExpertWeights,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Activation,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """``fused_moe`` with a runner the caller holds (the ``MoE`` layer's): validate, then run
+    the standard format on weights prepared once per weight version."""
     topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act, check_ids)
-    runner = MoeRunner(backend)
     spec = weights.spec(act)
+    if topk.top_k == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
+        # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
+        return hidden_states.new_zeros(hidden_states.shape)
     dispatch_output = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
     problem = MoeProblem.of(hidden_states, weights, spec, dispatch_output.format)
+    if _needs_grad(hidden_states, weights, topk):
+        return _differentiable(
+            runner, runner.requested, problem, hidden_states, weights, topk, spec
+        )
     prepared = prepared_for(runner, weights, problem, spec)
     return runner.run(dispatch_output, prepared)
+
+
+def _needs_grad(hidden_states: torch.Tensor, weights: ExpertWeights, topk: TopK) -> bool:
+    """Grad mode is on and some argument takes part in autograd (host metadata only)."""
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [hidden_states, topk.weights, weights.w13_bias, weights.w2_bias]
+    tensors += [w for w in (weights.w13, weights.w2) if isinstance(w, torch.Tensor)]
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+def _differentiable(
+    runner: MoeRunner,
+    backend: str,
+    problem: MoeProblem,
+    hidden_states: torch.Tensor,
+    weights: ExpertWeights,
+    topk: TopK,
+    spec,
+) -> torch.Tensor:
+    """The torch backend's autograd-friendly path; a clear error where it cannot serve."""
+    from .backends import torch_native
+
+    hint = "wrap the call in torch.no_grad() (or pass detached tensors) for inference"
+    if backend not in ("auto", torch_native.NAME):
+        raise MoeInputError(
+            f"backend {backend!r} has no backward: a tensor argument requires grad and grad "
+            f"mode is on; {hint}, or pass backend='torch' to train through the experts"
+        )
+    if is_quantized(weights.w13):
+        raise MoeInputError(
+            f"quantized weights ({weights.scheme}) have no backward: a tensor argument requires "
+            f"grad and grad mode is on; {hint}, or use plain bf16/fp16/fp32 weights"
+        )
+    MoeRunner(torch_native.NAME, registry=runner.registry).select(problem)  # raises if unfit
+    return torch_native.differentiable_forward(hidden_states, weights, topk, spec)
 
 
 def validate_call(
@@ -108,6 +174,12 @@ def validate_call(
         raise MoeInputError(
             f"weights are on {weights.device} but hidden_states on {hidden_states.device}"
         )
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != hidden_states.device:
+            raise MoeInputError(
+                f"{name} is on {t.device} but hidden_states on {hidden_states.device}: "
+                "every tensor of a call must be on one device"
+            )
     if topk_ids.dim() != 2:
         raise MoeInputError(f"topk_ids must be 2-D [T, k], got shape {list(topk_ids.shape)}")
     if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool or topk_ids.is_complex():
@@ -124,10 +196,23 @@ def validate_call(
         raise MoeInputError(
             f"topk_ids has T={num_tokens} rows but hidden_states has T={hidden_states.shape[0]}"
         )
-    if top_k > weights.num_experts:
-        raise MoeInputError(f"top_k={top_k} exceeds the number of experts E={weights.num_experts}")
-    if check_ids and num_tokens:
-        check_ids_async(topk_ids, weights.num_experts, where="fused_moe")  # no host sync
+    if weights.intermediate_size(act) == 0 and weights.num_experts and weights.hidden_size:
+        raise MoeInputError(
+            "the intermediate size I must be >= 1: w13 has no rows and w2 no columns "
+            f"(w13 {list(weights.w13.shape)}, w2 {list(weights.w2.shape)})"
+        )
+    # top_k may exceed E: an expert-parallel rank's shard holds fewer experts than k.
+    num_experts = weights.num_experts
+    checked = False
+    if check_ids and topk_ids.numel():
+        # CPU: checked here; GPU: checked on the device, raised later (no host sync).
+        check_ids_async(topk_ids, num_experts, where="fused_moe")
+        checked = topk_ids.device.type == "cpu"
+    if not checked and topk_ids.dtype == torch.int64:
+        # Unchecked (or not yet checked) ids: every backend skips ids outside [0, E); clamped
+        # before the int32 cast, an int64 id outside int32 cannot wrap into range (int32 and
+        # narrower ids need no extra op).
+        topk_ids = topk_ids.clamp(min=-1, max=num_experts)
     return TopK(weights=topk_weights.float(), ids=topk_ids.to(torch.int32))
 
 

@@ -7,6 +7,7 @@ frozen dataclasses whose ``repr`` can be pasted back to rebuild them, so benchma
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import MoeInputError
@@ -23,6 +24,15 @@ ACTIVATIONS: dict[str, bool] = {
 
 SWIGLU_OAI_DEFAULT_ALPHA = 1.702
 SWIGLU_OAI_DEFAULT_LIMIT = 7.0
+
+
+def _real(name: str, value: object, default: float) -> float:
+    """``value`` as a float (``default`` for None); TypeError naming ``name`` otherwise."""
+    if value is None:
+        return default
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"{name} must be a number or None, got {type(value).__name__} {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -49,8 +59,10 @@ class Activation:
                 f"got them with activation {self.name!r}"
             )
         if self.name == "swiglu_oai":
-            alpha = SWIGLU_OAI_DEFAULT_ALPHA if self.alpha is None else float(self.alpha)
-            limit = SWIGLU_OAI_DEFAULT_LIMIT if self.limit is None else float(self.limit)
+            alpha = _real("swiglu_alpha", self.alpha, SWIGLU_OAI_DEFAULT_ALPHA)
+            limit = _real("swiglu_limit", self.limit, SWIGLU_OAI_DEFAULT_LIMIT)
+            if not math.isfinite(alpha):
+                raise MoeInputError(f"swiglu_alpha must be a finite number, got {alpha}")
             if not limit > 0:
                 raise MoeInputError(f"swiglu_limit must be > 0, got {limit}")
             object.__setattr__(self, "alpha", alpha)

@@ -1,9 +1,10 @@
 """Layer-level expert parallelism: dispatch -> experts -> combine on this rank of a group.
 
 Stages 2-4 for one MoE layer whose experts are spread over the ranks of a
-``torch.distributed`` process group. ``ExpertParallelMoE`` holds this rank's expert weights
-(prepared once for the chosen backend), a dispatcher and a ``MoeRunner``; ``forward(hidden,
-topk)`` takes routing with *global* expert ids and returns this rank's ``[T, H]`` output.
+``torch.distributed`` process group. ``ExpertParallelMoE`` is the ``MoE`` module built from
+this rank's expert weights (prepared once for the chosen backend), with a dispatcher from the
+registry and the layer's ``MoeRunner``; ``forward(hidden, topk)`` takes routing with *global*
+expert ids and returns this rank's ``[T, H]`` output.
 
 Dispatchers (``DISPATCHERS``):
 
@@ -21,22 +22,17 @@ the same pass. ``forward(..., timer=StageTimer(...))`` times the three stages.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
-from .backends.base import MoeProblem
 from .config import Activation
-from .dispatch.all_to_all import AllToAllDispatcher
 from .dispatch.expert_map import ExpertPlacement, shard_expert_weights
-from .dispatch.masked import MaskedDispatcher
-from .dispatch.standard import StandardDispatcher
 from .dispatch.tensor_parallel import shard_intermediate
-from .distributed import check_consistent, rank_and_size
+from .distributed import rank_and_size
 from .errors import MoeInputError
-from .profiling import trace_range
+from .layer import MoE
 from .routing import TopK
-from .runner import MoeRunner
 from .weights import ExpertWeights
 
 __all__ = ["DISPATCHERS", "ExpertParallelMoE", "StageTimer", "time_stages"]
@@ -76,8 +72,11 @@ class StageTimer:
         return {k: (e - s) * 1e3 for k, (s, e) in self._marks.items()}
 
 
-class ExpertParallelMoE:
-    """This rank's part of one expert-parallel MoE layer.
+class ExpertParallelMoE(MoE):
+    """This rank's part of one expert-parallel MoE layer, built from local weights.
+
+    The same module as ``MoE`` (route -> dispatch -> experts -> combine), constructed from
+    the experts this rank holds and called with routing: ``forward(hidden_states, topk)``.
 
     Args:
         local_weights: the experts this rank holds, in its local-slot order (see
@@ -85,12 +84,13 @@ class ExpertParallelMoE:
         placement: expert ownership, equal on every rank (for ``shard="intermediate"``: a
             placement with every expert on every rank is implied; pass ``None``).
         group: the ``torch.distributed`` process group (``None``: default group).
-        dispatcher: one of ``DISPATCHERS``.
+        dispatcher: a registered dispatcher (``DISPATCHERS``).
         activation: expert activation (name or ``Activation``).
         backend: runner backend name or ``"auto"``.
         capacity: rows per local expert for ``"masked"`` (required there).
         on_overflow: ``"raise"`` or ``"flag"`` for ``"masked"``.
-        dtype: hidden-state dtype the layer will see (selects the backend).
+        dtype: hidden-state dtype the layer will see (the backend is chosen and the weights
+            prepared at construction, so an unservable request fails here on every rank).
     """
 
     def __init__(
@@ -108,60 +108,29 @@ class ExpertParallelMoE:
     ) -> None:
         if dispatcher not in DISPATCHERS:
             raise MoeInputError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
-        act = Activation.of(activation)
-        local_weights.validate(act)
-        self.rank, self.world_size = rank_and_size(group)
-        if group is None:  # StandardDispatcher reads None as "no group": name the default one
+        if placement is None and dispatcher != "standard":
+            raise MoeInputError(f"dispatcher {dispatcher!r} needs an ExpertPlacement")
+        if group is None:  # name the default group, so the layer is distributed
             import torch.distributed as dist
 
             group = dist.group.WORLD
-        self.group, self.kind, self.activation = group, dispatcher, act
-        hidden_size = local_weights.hidden_size
-        check_consistent(
-            group,
-            f"ExpertParallelMoE({dispatcher!r})",
-            {
-                "dispatcher": DISPATCHERS.index(dispatcher),
-                "hidden_size": hidden_size,
-                "intermediate_size": local_weights.intermediate_size(act),
-                "placement": -1 if placement is None else placement.fingerprint(),
-            },
+        self._init_from_weights(
+            local_weights,
+            activation=activation,
+            num_experts=None,
+            backend=backend,
+            dispatcher=dispatcher,
+            placement=placement,
+            group=group,
+            capacity=capacity,
+            on_overflow=on_overflow,
+            registry=None,
         )
-        if placement is None:
-            if dispatcher != "standard":
-                raise MoeInputError(f"dispatcher {dispatcher!r} needs an ExpertPlacement")
-            self.dispatcher = StandardDispatcher(
-                group=group, num_local_experts=local_weights.num_experts
-            )
-        else:
-            expected = placement.num_local(self.rank)
-            if local_weights.num_experts != expected:
-                raise MoeInputError(
-                    f"rank {self.rank} holds {expected} local experts in the placement but "
-                    f"local_weights has {local_weights.num_experts}"
-                )
-            if dispatcher == "standard":
-                self.dispatcher = StandardDispatcher(placement.expert_map(self.rank), group)
-            elif dispatcher == "all_to_all":
-                self.dispatcher = AllToAllDispatcher(placement, group)
-            else:
-                if capacity is None:
-                    raise MoeInputError("dispatcher 'masked' needs capacity=")
-                self.dispatcher = MaskedDispatcher(
-                    placement, capacity, hidden_size, group, on_overflow=on_overflow
-                )
-        self.placement = placement
+        self.kind = dispatcher
+        self.activation = self.config.activation
         self.weights = local_weights
-        self.last_overflow: torch.Tensor | None = None
-        self.runner = MoeRunner(backend)
-        spec = local_weights.spec(act)
-        probe = torch.empty(
-            (0, hidden_size),
-            device=local_weights.device,
-            dtype=dtype or _plain_dtype(local_weights),
-        )
-        problem = MoeProblem.of(probe, local_weights, spec, self.dispatcher.dispatch_format)
-        self.prepared = self.runner.prepare(local_weights, problem, spec)
+        _, self.world_size = rank_and_size(group)
+        self.prepare(dtype or _plain_dtype(local_weights))
 
     @classmethod
     def from_global(
@@ -203,17 +172,7 @@ class ExpertParallelMoE:
         masked dispatcher, ``self.last_overflow`` is the step's overflow flag (0-d bool on
         the device; check it after the step in ``on_overflow="flag"`` mode).
         """
-        stage = timer if timer is not None else (lambda name: nullcontext())
-        with stage("dispatch"), trace_range("moerunner.dispatch"):
-            dispatched = self.dispatcher.dispatch(hidden_states, topk)
-        # masked, on_overflow="flag": the step's device-side overflow flag (else None)
-        self.last_overflow = getattr(dispatched, "overflow", None)
-        with stage("experts"):
-            out = self.runner.run(dispatched, self.prepared)
-        with stage("combine"), trace_range("moerunner.combine"):
-            return self.dispatcher.combine(out, dispatched)
-
-    __call__ = forward
+        return super().forward(hidden_states, topk=topk, timer=timer)
 
 
 def time_stages(

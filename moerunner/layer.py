@@ -1,32 +1,63 @@
-"""``MoE``: an ``nn.Module`` holding one layer's expert weights, routing settings and runner.
+"""``MoE``: one ``nn.Module`` for all four stages of a MoE layer.
 
-``forward(hidden_states, router_logits)`` runs route -> dispatch -> experts -> combine. With
-plain weights the expert step is the ``moerunner::fused_experts`` custom op, so the layer
-compiles with ``torch.compile(fullgraph=True)``. The layer is for inference: no gradients flow
-through the experts. ``quantize_(scheme)`` swaps the weights for
-quantized ones (done once); the backend then runs that scheme.
+``forward(hidden_states, router_logits)`` routes (``select_experts``), dispatches (a
+dispatcher from the registry), runs the experts (a ``MoeRunner`` the layer holds, on weights
+prepared once per weight version) and combines. One process with the ``standard`` dispatcher
+is the plain layer; expert parallelism is the same module with another dispatcher and a
+placement (``MoE(config, dispatcher="all_to_all", placement=..., group=...)`` holds only this
+rank's experts). Pre-routed calls pass ``topk=`` instead of router logits.
+
+On one process, the expert step is a custom op while ``torch.compile`` traces
+(``moerunner::fused_experts`` for plain weights, ``moerunner::fused_experts_quantized`` for
+quantized ones), so the layer compiles with ``fullgraph=True``; eager calls go straight to the
+held runner. The layer is for inference: no gradients flow through the
+experts. ``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend
+then runs that scheme. The quantized copy follows the float parameters: after an in-place
+edit, ``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2`` the next eager forward
+quantizes them again (a host-side check, no device sync; a compiled layer does not check:
+call ``quantize_`` again after such edits).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from .api import fused_moe
-from .config import MoeConfig
+from .api import run_experts
+from .backends.base import MoeProblem
+from .config import Activation, MoeConfig
+from .dispatch.base import DispatchSetup
+from .dispatch.expert_map import ExpertPlacement
 from .errors import MoeInputError
-from .routing import select_experts
-from .weights import ExpertWeights
+from .ops import adopt_quantized, call_fused_experts
+from .profiling import trace_range
+from .registry import Registry
+from .routing import TopK, select_experts
+from .runner import MoeRunner, prepared_for
+from .weights import ExpertWeights, is_quantized
+
+__all__ = ["MoE"]
 
 
 class MoE(nn.Module):
-    """One MoE layer.
+    """One MoE layer: route -> dispatch -> experts -> combine.
 
     Args:
-        config: shapes, activation, biases and routing (``MoeConfig``).
+        config: shapes, activation, biases and routing (``MoeConfig``); ``num_experts`` is the
+            number of routed experts of the whole layer.
         backend: backend name or ``"auto"``.
         dtype, device: of the parameters (random-initialised; load real ones with
             ``load_state_dict`` or assign ``w13`` / ``w2``).
+        dispatcher: a dispatcher registered in ``registry`` (``"standard"``, ``"all_to_all"``,
+            ``"masked"``).
+        placement: expert ownership over the ranks of ``group`` (``ExpertPlacement``); the
+            layer then holds ``placement.num_local(rank)`` experts. ``None``: every expert.
+        group: the ``torch.distributed`` process group (``None`` with a placement: the
+            default group; ``None`` without one: a single process).
+        capacity, on_overflow: the ``masked`` dispatcher's capacity and overflow policy.
+        registry: where backends and dispatchers are looked up (default: the global one).
     """
 
     def __init__(
@@ -36,22 +67,209 @@ class MoE(nn.Module):
         backend: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        dispatcher: str = "standard",
+        placement: ExpertPlacement | None = None,
+        group: Any = None,
+        capacity: int | None = None,
+        on_overflow: str = "raise",
+        registry: Registry | None = None,
     ):
         super().__init__()
+        if not isinstance(config, MoeConfig):
+            raise TypeError(f"config must be a MoeConfig, got {type(config).__name__}")
         self.config = config
         self.backend = backend
+        self.runner = MoeRunner(backend, registry=registry)
+        num_local = self._setup_dispatch(
+            dispatcher, placement, group, capacity, on_overflow, config.num_experts, config
+        )
         kw = {"dtype": dtype, "device": device}
-        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        e, h, i = num_local, config.hidden_size, config.intermediate_size
         self.w13 = nn.Parameter(torch.randn(e, config.w13_rows, h, **kw) * h**-0.5)
         self.w2 = nn.Parameter(torch.randn(e, h, i, **kw) * i**-0.5)
         self.w13_bias = nn.Parameter(torch.zeros(e, config.w13_rows, **kw)) if config.bias else None
         self.w2_bias = nn.Parameter(torch.zeros(e, h, **kw)) if config.bias else None
         self.correction_bias = (
-            nn.Buffer(torch.zeros(e, dtype=torch.float32, device=device))
+            nn.Buffer(torch.zeros(config.num_experts, dtype=torch.float32, device=device))
             if config.routing.correction_bias
             else None
         )
+        self.routes = True
+        if self.correction_bias is not None:  # checked where it is set, not per forward
+            self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
+        self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _setup_dispatch(
+        self,
+        dispatcher: str,
+        placement: ExpertPlacement | None,
+        group: Any,
+        capacity: int | None,
+        on_overflow: str,
+        num_experts: int,
+        config: MoeConfig | None,
+        num_local: int | None = None,
+    ) -> int:
+        """Build the dispatcher; return how many experts this rank holds."""
+        if not isinstance(dispatcher, str):
+            raise TypeError(f"dispatcher must be a str, got {type(dispatcher).__name__}")
+        if placement is not None and not isinstance(placement, ExpertPlacement):
+            raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
+        distributed = placement is not None or group is not None
+        rank = 0
+        if distributed:
+            import torch.distributed as dist
+
+            from .distributed import rank_and_size
+
+            if group is None:  # dispatchers read None as "no group": name the default one
+                group = dist.group.WORLD
+            rank, _ = rank_and_size(group)
+        if placement is not None:
+            if placement.num_experts != num_experts:
+                raise MoeInputError(
+                    f"placement has {placement.num_experts} routed experts but the layer "
+                    f"{num_experts} (config.num_experts)"
+                )
+            expected = placement.num_local(rank)
+            if num_local is not None and num_local != expected:
+                raise MoeInputError(
+                    f"rank {rank} holds {expected} local experts in the placement but the "
+                    f"weights have {num_local}"
+                )
+            num_local = expected
+        elif num_local is None:
+            num_local = num_experts
+        registry = self.runner.registry
+        if dispatcher not in registry.dispatchers:
+            raise MoeInputError(
+                f"dispatcher must be one of {sorted(registry.dispatchers)}, got {dispatcher!r}"
+            )
+        if distributed:
+            from .distributed import check_consistent
+
+            names = sorted(registry.dispatchers)
+            check_consistent(
+                group,
+                f"MoE(dispatcher={dispatcher!r})",
+                {
+                    "dispatcher": names.index(dispatcher),
+                    "hidden_size": config.hidden_size if config else -1,
+                    "intermediate_size": config.intermediate_size if config else -1,
+                    "placement": -1 if placement is None else placement.fingerprint(),
+                },
+            )
+        self.dispatcher_kind = dispatcher
+        self.placement = placement
+        self.group = group
+        self.rank = rank
+        self.dispatcher = registry.make_dispatcher(
+            dispatcher,
+            DispatchSetup(
+                num_local_experts=num_local,
+                hidden_size=config.hidden_size,
+                placement=placement,
+                group=group,
+                rank=rank,
+                capacity=capacity,
+                on_overflow=on_overflow,
+            ),
+        )
+        self.last_overflow: torch.Tensor | None = None
+        self._weights_key: tuple | None = None
+        self._weights_view: ExpertWeights | None = None
+        return num_local
+
+    @classmethod
+    def from_weights(
+        cls,
+        weights: ExpertWeights,
+        *,
+        activation: Activation | str = "silu",
+        num_experts: int | None = None,
+        backend: str = "auto",
+        dispatcher: str = "standard",
+        placement: ExpertPlacement | None = None,
+        group: Any = None,
+        capacity: int | None = None,
+        on_overflow: str = "raise",
+        registry: Registry | None = None,
+    ) -> MoE:
+        """A layer over given (this rank's) expert weights, plain or quantized, that takes
+        pre-routed calls (``forward(hidden_states, topk=...)``).
+
+        ``num_experts``: routed experts of the whole layer (default: the placement's, or the
+        weights' count).
+        """
+        layer = cls.__new__(cls)
+        layer._init_from_weights(
+            weights,
+            activation=activation,
+            num_experts=num_experts,
+            backend=backend,
+            dispatcher=dispatcher,
+            placement=placement,
+            group=group,
+            capacity=capacity,
+            on_overflow=on_overflow,
+            registry=registry,
+        )
+        return layer
+
+    def _init_from_weights(
+        self,
+        weights: ExpertWeights,
+        *,
+        activation: Activation | str,
+        num_experts: int | None,
+        backend: str,
+        dispatcher: str,
+        placement: ExpertPlacement | None,
+        group: Any,
+        capacity: int | None,
+        on_overflow: str,
+        registry: Registry | None,
+    ) -> None:
+        nn.Module.__init__(self)
+        if not isinstance(weights, ExpertWeights):
+            raise TypeError(f"weights must be ExpertWeights, got {type(weights).__name__}")
+        act = Activation.of(activation)
+        weights.validate(act)
+        if num_experts is None:
+            num_experts = placement.num_experts if placement is not None else weights.num_experts
+        config = MoeConfig(
+            num_experts=num_experts,
+            hidden_size=weights.hidden_size,
+            intermediate_size=weights.intermediate_size(act),
+            top_k=1,  # unused: a layer built from weights does not route
+            activation=act,
+            bias=weights.w13_bias is not None or weights.w2_bias is not None,
+            gate_up_interleaved=weights.gate_up_interleaved,
+        )
+        self.config = config
+        self.backend = backend
+        self.runner = MoeRunner(backend, registry=registry)
+        self._setup_dispatch(
+            dispatcher,
+            placement,
+            group,
+            capacity,
+            on_overflow,
+            num_experts,
+            config,
+            num_local=weights.num_experts,
+        )
+        self.correction_bias = None
+        self.routes = False
+        self._quantized_from = None  # given weights: nothing to re-quantize from
+        self.quantized = weights  # held as given (plain or quantized), not as parameters
+        if is_quantized(weights.w13):
+            adopt_quantized(weights.w13)
+            adopt_quantized(weights.w2)
+        self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
 
     def quantize_(self, scheme) -> MoE:
         """Replace the expert weights by quantized ones in ``scheme`` (name or value)."""
@@ -65,24 +283,85 @@ class MoE(nn.Module):
                 self.w2_bias,
                 self.config.gate_up_interleaved,
             )
+        self._quantized_from = (scheme, self._float_state())
+        adopt_quantized(self.quantized.w13)
+        adopt_quantized(self.quantized.w2)
         return self
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [..., H]``, ``router_logits [..., E]`` -> ``[..., H]``."""
+    def _float_state(self) -> tuple:
+        return tuple(
+            (p.data_ptr(), p.dtype, tuple(p.shape), p._version) for p in (self.w13, self.w2)
+        )
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None = None,
+        *,
+        topk: TopK | None = None,
+        timer=None,
+    ) -> torch.Tensor:
+        """``hidden_states [..., H]`` with ``router_logits [..., E]`` (or ``topk``: routing
+        with global expert ids, ``[T, k]``) -> ``[..., H]``.
+
+        ``timer``: optional callable ``timer(stage)`` returning a context manager, entered
+        around ``dispatch``, ``experts`` and ``combine`` (see ``distributed_moe.StageTimer``).
+        With the masked dispatcher, ``self.last_overflow`` is the step's overflow flag.
+        """
         cfg = self.config
-        if hidden_states.shape[-1] != cfg.hidden_size:
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(
+                f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}"
+            )
+        if hidden_states.dim() == 0 or hidden_states.shape[-1] != cfg.hidden_size:
             raise MoeInputError(
-                f"hidden_states last dim must be H={cfg.hidden_size}, got {hidden_states.shape[-1]}"
+                f"hidden_states last dim must be H={cfg.hidden_size}, "
+                f"got shape {list(hidden_states.shape)}"
+            )
+        x = hidden_states.reshape(-1, cfg.hidden_size)
+        if (router_logits is None) == (topk is None):
+            raise MoeInputError("pass exactly one of router_logits and topk=")
+        if topk is None:
+            topk = self._route(hidden_states, router_logits, x.shape[0])
+        elif not isinstance(topk, TopK):
+            raise TypeError(f"topk must be a TopK, got {type(topk).__name__}")
+        if (
+            self._quantized_from is not None
+            and not torch.compiler.is_compiling()  # traced: call quantize_ again after edits
+            and self._quantized_from[1] != self._float_state()
+        ):
+            self.quantize_(self._quantized_from[0])  # w13 / w2 changed since quantize_
+        if self._single_process():
+            out = self._run_local(x, topk)
+        else:
+            out = self._run_dispatched(x, topk, timer)
+        return out.reshape(hidden_states.shape)
+
+    def _route(self, hidden_states, router_logits, tokens: int) -> TopK:
+        cfg = self.config
+        if not self.routes:
+            raise MoeInputError(
+                "this layer was built from weights without routing settings: pass topk="
+            )
+        if not isinstance(router_logits, torch.Tensor):
+            raise TypeError(
+                f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}"
             )
         if router_logits.shape[:-1] != hidden_states.shape[:-1]:
             raise MoeInputError(
                 f"router_logits leading shape {list(router_logits.shape[:-1])} differs from "
                 f"hidden_states' {list(hidden_states.shape[:-1])}"
             )
-        x = hidden_states.reshape(-1, cfg.hidden_size)
+        if router_logits.shape[-1] != cfg.num_experts:
+            raise MoeInputError(
+                f"router_logits last dim must be num_experts E={cfg.num_experts}, "
+                f"got {router_logits.shape[-1]}"
+            )
         r = cfg.routing
-        topk = select_experts(
-            router_logits.reshape(x.shape[0], router_logits.shape[-1]),
+        return select_experts(
+            router_logits.reshape(tokens, cfg.num_experts),
             cfg.top_k,
             scoring_func=r.scoring_func,
             renormalize=r.renormalize,
@@ -91,28 +370,37 @@ class MoE(nn.Module):
             topk_group=r.topk_group,
             routed_scaling_factor=r.routed_scaling_factor,
         )
-        act = cfg.activation
+
+    def _single_process(self) -> bool:
+        return self.group is None and self.placement is None and self.dispatcher_kind == "standard"
+
+    def expert_weights(self) -> ExpertWeights:
+        """The weights the experts run on: the quantized ones, or detached views of the
+        parameters (rebuilt only when a parameter is replaced, moved or edited in place, so
+        the runner's prepared weights are reused across calls)."""
         if self.quantized is not None:
-            q = self.quantized
-            out = fused_moe(
-                x,
-                q.w13,
-                q.w2,
-                topk.weights,
-                topk.ids,
-                activation=act,
-                w13_bias=q.w13_bias,
-                w2_bias=q.w2_bias,
-                gate_up_interleaved=q.gate_up_interleaved,
-                backend=self.backend,
-            )
-        else:
-            # Inference only: the op has no backward, so weights enter detached.
-            b13, b2 = (None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
-            out = torch.ops.moerunner.fused_experts(
+            return self.quantized
+        params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
+        key = tuple(
+            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
+            for p in params
+        )
+        if key != self._weights_key:
+            w13, w2, b13, b2 = (None if p is None else p.detach() for p in params)
+            self._weights_view = ExpertWeights(w13, w2, b13, b2, self.config.gate_up_interleaved)
+            self._weights_key = key
+        return self._weights_view
+
+    def _run_local(self, x: torch.Tensor, topk: TopK) -> torch.Tensor:
+        """One process: the fused path (the custom op while compiling)."""
+        act = self.config.activation
+        if torch.compiler.is_compiling():
+            w = self if self.quantized is None else self.quantized  # plain, or as held
+            b13, b2 = (None if b is None else b.detach() for b in (w.w13_bias, w.w2_bias))
+            return call_fused_experts(
                 x.detach(),
-                self.w13.detach(),
-                self.w2.detach(),
+                w.w13,
+                w.w2,
                 topk.weights,
                 topk.ids,
                 b13,
@@ -120,10 +408,53 @@ class MoE(nn.Module):
                 act.name,
                 act.alpha,
                 act.limit,
-                cfg.gate_up_interleaved,
+                self.config.gate_up_interleaved,
                 self.backend,
             )
-        return out.reshape(hidden_states.shape)
+        # Inference only: no gradients flow through the experts.
+        return run_experts(
+            self.runner, self.expert_weights(), x.detach(), topk.weights, topk.ids, act
+        )
+
+    def _run_dispatched(self, x: torch.Tensor, topk: TopK, timer) -> torch.Tensor:
+        """Expert parallel: dispatch -> experts -> combine through the dispatcher."""
+        from contextlib import nullcontext
+
+        stage = timer if timer is not None else (lambda name: nullcontext())
+        x = x.detach()  # inference only
+        weights = self.expert_weights()
+        prepared = self._prepared(x, weights, self.dispatcher.dispatch_format)
+        with stage("dispatch"), trace_range("moerunner.dispatch"):
+            dispatched = self.dispatcher.dispatch(x, topk)
+        # masked, on_overflow="flag": the step's device-side overflow flag (else None)
+        self.last_overflow = getattr(dispatched, "overflow", None)
+        with stage("experts"):
+            out = self.runner.run(dispatched, prepared)
+        with stage("combine"), trace_range("moerunner.combine"):
+            return self.dispatcher.combine(out, dispatched)
+
+    def _prepared(self, x: torch.Tensor, weights: ExpertWeights, dispatch_format: str):
+        spec = weights.spec(self.config.activation)
+        problem = MoeProblem.of(x, weights, spec, dispatch_format)
+        return prepared_for(self.runner, weights, problem, spec)
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Choose the backend and prepare the weights for hidden states of ``dtype`` now
+        (else the first call does): an unservable request raises here, on every rank."""
+        weights = self.expert_weights()
+        probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
+        self._prepared(probe, weights, self.dispatcher.dispatch_format)
 
     def extra_repr(self) -> str:
-        return f"config={self.config!r}, backend={self.backend!r}"
+        parts = [f"config={self.config!r}", f"backend={self.backend!r}"]
+        if not self._single_process():
+            parts.append(f"dispatcher={self.dispatcher_kind!r}, rank={self.rank}")
+        return ", ".join(parts)
+
+
+def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:
+    """A NaN correction bias routes every token to its expert: rejected at load time (one
+    read of E values), since checking a GPU bias per forward would synchronise."""
+    from .routing import check_correction_bias_values
+
+    check_correction_bias_values(module.correction_bias)

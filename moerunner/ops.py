@@ -1,8 +1,14 @@
-"""``torch.library`` custom op so MoE layers compile with ``torch.compile(fullgraph=True)``.
+"""``torch.library`` custom ops so MoE layers compile with ``torch.compile(fullgraph=True)``.
 
-The op wraps ``fused_moe`` for plain (unquantized) weights; its fake implementation only
-describes the output (``[T, H]`` in the hidden dtype), so the compiler never traces into the
-backends' data-dependent code (host reads of expert offsets, Triton launches).
+- ``moerunner::fused_experts``: ``fused_moe`` on plain (unquantized) weights;
+- ``moerunner::fused_experts_quantized``: on quantized weights, passed as their component
+  tensors, scheme names and shapes (the ``QuantizedWeight`` is rebuilt once, not per call);
+- ``moerunner::fused_experts_transposed``: on plain weights stored ``[E, in, out]`` (GPT-OSS),
+  made canonical once, not per call.
+
+Each fake implementation only describes the output (``[T, H]`` in the hidden dtype), so the
+compiler never traces into the backends' data-dependent code (host reads of expert offsets,
+Triton launches). ``call_fused_experts`` picks the op for a pair of weights.
 """
 
 from __future__ import annotations
@@ -63,4 +69,325 @@ def _fused_experts_fake(
     backend,
     check_ids=True,
 ):
-    return torch.empty_like(hidden_states)
+    return hidden_states.new_empty(hidden_states.shape)  # row-major, as every backend returns
+
+
+# -- quantized weights --------------------------------------------------------------------
+#
+# A custom op's schema takes tensors, not Python objects, so a ``QuantizedWeight`` crosses
+# the graph boundary as its component tensors, scheme name and logical shape. Inside, the
+# object is rebuilt once per set of source tensors and memoised on the data tensor: the
+# runner memoises prepared weights on that object, so a replayed step neither rebuilds nor
+# re-prepares. ``adopt_quantized`` seeds the memo with the caller's own object, so compiled
+# and eager calls share one set of prepared weights.
+
+#: Order of a quantized weight's component tensors in the ops' ``Tensor?[]`` arguments.
+QUANTIZED_FIELDS = ("data", "scale", "global_scale", "zero_point", "input_scale")
+
+_MEMO_ATTR = "_moerunner_op_memo"
+
+
+class _Memo(dict):
+    """Per-tensor memo of objects rebuilt from it. Derived data: a copy of the tensor
+    (``copy.deepcopy``, pickling) starts empty instead of duplicating it."""
+
+    def __deepcopy__(self, memo: dict) -> _Memo:
+        return _Memo()
+
+    def __reduce__(self):
+        return (_Memo, ())
+
+
+def _view_key(t: torch.Tensor | None) -> tuple | None:
+    """Which memory a tensor views, and its in-place version. The storage object lives as
+    long as any tensor on it, and memoised values hold their tensors, so its id is unique."""
+    if t is None:
+        return None
+    return (
+        id(t.untyped_storage()),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+        None if t.is_inference() else t._version,  # inference tensors keep no version
+    )
+
+
+def _memoised(anchor, key: tuple, build):
+    """``build()`` memoised on ``anchor`` under ``key`` (one entry: a new key replaces it)."""
+    memo = getattr(anchor, _MEMO_ATTR, None)
+    if memo is None:
+        memo = _Memo()
+        try:
+            setattr(anchor, _MEMO_ATTR, memo)
+        except (AttributeError, TypeError, RuntimeError):  # no attributes: build every call
+            return build()
+    value = memo.get(key)
+    if value is None:
+        memo.clear()
+        value = memo[key] = build()
+    return value
+
+
+def quantized_tensors(weight) -> list[torch.Tensor | None]:
+    """A ``QuantizedWeight``'s component tensors in ``QUANTIZED_FIELDS`` order (None if unset)."""
+    return [getattr(weight, f) for f in QUANTIZED_FIELDS]
+
+
+def _quantized_key(scheme: str, shape, tensors) -> tuple:
+    return (scheme, tuple(shape), tuple(_view_key(t) for t in tensors))
+
+
+def adopt_quantized(weight) -> None:
+    """Let ``fused_experts_quantized`` use ``weight`` itself (and the prepared weights the
+    runner memoised on it) when it is called with ``weight``'s tensors, instead of an
+    equivalent rebuilt object; and mark those tensors as static inputs for CUDA graphs
+    (``torch.compile(mode="reduce-overhead")`` then does not copy them per replay). Call it
+    outside the compiled region, once per weight (``MoE.quantize_`` and the transformers
+    integration do)."""
+    tensors = quantized_tensors(weight)
+    if not isinstance(tensors[0], torch.Tensor):
+        raise TypeError(f"weight must be a QuantizedWeight, got {type(weight).__name__}")
+    key = _quantized_key(weight.scheme.name, weight.shape, tensors)
+    memo = _Memo()
+    memo[key] = weight
+    try:
+        setattr(tensors[0], _MEMO_ATTR, memo)
+    except (AttributeError, TypeError, RuntimeError):
+        return
+    for t in tensors:
+        if t is not None and t.device.type == "cuda":
+            torch._dynamo.mark_static_address(t)
+
+
+def _rebuilt(scheme: str, shape, tensors):
+    from .quant import QuantizedWeight
+
+    fields = dict(zip(QUANTIZED_FIELDS, tensors, strict=True))
+    return QuantizedWeight(scheme, [int(v) for v in shape], **fields)
+
+
+def _check_quantized_args(name: str, tensors, shape) -> None:
+    if len(tensors) != len(QUANTIZED_FIELDS):
+        raise ValueError(
+            f"{name}: expected {len(QUANTIZED_FIELDS)} tensors in the order {QUANTIZED_FIELDS}"
+            f" (None where unset), got {len(tensors)}"
+        )
+    if not isinstance(tensors[0], torch.Tensor):
+        raise TypeError(f"{name}: the data tensor (first entry) must be a torch.Tensor")
+    if len(shape) != 3:
+        raise ValueError(f"{name}_shape must be (E, N, K), got {list(shape)}")
+
+
+def quantized_weight(scheme: str, shape, tensors):
+    """The ``QuantizedWeight`` of these component tensors, rebuilt once per source tensors
+    (memoised on the data tensor; any change of a component's identity, memory or in-place
+    version rebuilds it)."""
+    key = _quantized_key(scheme, shape, tensors)
+    return _memoised(tensors[0], key, lambda: _rebuilt(scheme, shape, tensors))
+
+
+@torch.library.custom_op("moerunner::fused_experts_quantized", mutates_args=())
+def fused_experts_quantized(
+    hidden_states: torch.Tensor,
+    w13: list[torch.Tensor | None],
+    w2: list[torch.Tensor | None],
+    w13_scheme: str,
+    w13_shape: list[int],
+    w2_scheme: str,
+    w2_shape: list[int],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float | None,
+    swiglu_limit: float | None,
+    gate_up_interleaved: bool,
+    backend: str,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """``fused_moe`` on quantized weights as an opaque graph node.
+
+    ``w13`` / ``w2``: a ``QuantizedWeight``'s tensors in ``QUANTIZED_FIELDS`` order
+    (``quantized_tensors(weight)``), with its scheme name and logical shape ``(E, N, K)``.
+    """
+    _check_quantized_args("w13", w13, w13_shape)
+    _check_quantized_args("w2", w2, w2_shape)
+    out = fused_moe(
+        hidden_states,
+        quantized_weight(w13_scheme, w13_shape, w13),
+        quantized_weight(w2_scheme, w2_shape, w2),
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        gate_up_interleaved=gate_up_interleaved,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+        backend=backend,
+        check_ids=check_ids,
+    )
+    return out if out.numel() else out.clone()
+
+
+@fused_experts_quantized.register_fake
+def _fused_experts_quantized_fake(
+    hidden_states,
+    w13,
+    w2,
+    w13_scheme,
+    w13_shape,
+    w2_scheme,
+    w2_shape,
+    topk_weights,
+    topk_ids,
+    w13_bias,
+    w2_bias,
+    activation,
+    swiglu_alpha,
+    swiglu_limit,
+    gate_up_interleaved,
+    backend,
+    check_ids=True,
+):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+def call_fused_experts(
+    hidden_states: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float | None,
+    swiglu_limit: float | None,
+    gate_up_interleaved: bool,
+    backend: str,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """The custom op that runs these weights (plain tensors or ``QuantizedWeight``s), called
+    with their tensors: what a traced caller uses in place of ``fused_moe``."""
+    if isinstance(w13, torch.Tensor):
+        return torch.ops.moerunner.fused_experts(
+            hidden_states,
+            w13.detach(),
+            w2.detach(),
+            topk_weights,
+            topk_ids,
+            w13_bias,
+            w2_bias,
+            activation,
+            swiglu_alpha,
+            swiglu_limit,
+            gate_up_interleaved,
+            backend,
+            check_ids,
+        )
+    return torch.ops.moerunner.fused_experts_quantized(
+        hidden_states,
+        quantized_tensors(w13),
+        quantized_tensors(w2),
+        w13.scheme.name,
+        list(w13.shape),
+        w2.scheme.name,
+        list(w2.shape),
+        topk_weights,
+        topk_ids,
+        w13_bias,
+        w2_bias,
+        activation,
+        swiglu_alpha,
+        swiglu_limit,
+        gate_up_interleaved,
+        backend,
+        check_ids,
+    )
+
+
+# -- weights stored transposed ------------------------------------------------------------
+
+
+def canonical_from_transposed(
+    w13_t: torch.Tensor, w2_t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w13 [E, N, H]`` and ``w2 [E, H, I]`` from weights stored ``[E, H, N]`` / ``[E, I, H]``
+    (GPT-OSS), copied once per source tensors (a change of either source's memory or in-place
+    version copies again), detached. Memoised on ``w13_t``'s storage, so every view of the
+    parameter (a traced graph may pass a fresh one per call) finds the copies; they hold no
+    reference to that storage, so they die with it."""
+    key = ("transposed", _view_key(w13_t), _view_key(w2_t))
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return (
+                w13_t.detach().transpose(1, 2).contiguous(),
+                w2_t.detach().transpose(1, 2).contiguous(),
+            )
+
+    return _memoised(w13_t.untyped_storage(), key, build)
+
+
+@torch.library.custom_op("moerunner::fused_experts_transposed", mutates_args=())
+def fused_experts_transposed(
+    hidden_states: torch.Tensor,
+    w13_t: torch.Tensor,
+    w2_t: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float | None,
+    swiglu_limit: float | None,
+    gate_up_interleaved: bool,
+    backend: str,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """``fused_experts`` on weights stored transposed (``w13_t [E, H, N]``, ``w2_t [E, I, H]``,
+    as GPT-OSS checkpoints do): the canonical copy is made once per source tensors
+    (``canonical_from_transposed``), not per call."""
+    for name, t in (("w13_t", w13_t), ("w2_t", w2_t)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [E, in, out], got shape {list(t.shape)}")
+    w13, w2 = canonical_from_transposed(w13_t, w2_t)
+    out = fused_moe(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        gate_up_interleaved=gate_up_interleaved,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+        backend=backend,
+        check_ids=check_ids,
+    )
+    return out if out.numel() else out.clone()
+
+
+@fused_experts_transposed.register_fake
+def _fused_experts_transposed_fake(
+    hidden_states,
+    w13_t,
+    w2_t,
+    topk_weights,
+    topk_ids,
+    w13_bias,
+    w2_bias,
+    activation,
+    swiglu_alpha,
+    swiglu_limit,
+    gate_up_interleaved,
+    backend,
+    check_ids=True,
+):
+    return hidden_states.new_empty(hidden_states.shape)

@@ -186,12 +186,13 @@ def _check_routing_args(
         raise MoeInputError(f"top_k must be in [1, E={num_experts}], got {top_k}")
     if scoring_func not in SCORING_FUNCS:
         raise MoeInputError(f"scoring_func: got {scoring_func!r}; accepted: {SCORING_FUNCS}")
-    if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
-        raise MoeInputError(
-            f"correction_bias must have shape [E={num_experts}], got {tuple(correction_bias.shape)}"
-        )
+    if correction_bias is not None:
+        _check_correction_bias(correction_bias, num_experts, router_logits.device)
     if (num_expert_group is None) != (topk_group is None):
         raise MoeInputError("num_expert_group and topk_group must be given together")
+    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
     if num_expert_group is not None:
         if num_expert_group < 1 or num_experts % num_expert_group:
             raise MoeInputError(f"num_expert_group={num_expert_group} must divide E={num_experts}")
@@ -204,3 +205,38 @@ def _check_routing_args(
                 f"top_k={top_k} exceeds the experts in the {topk_group} kept groups "
                 f"({topk_group * (num_experts // num_expert_group)})"
             )
+
+
+def _check_correction_bias(bias: object, num_experts: int, device: torch.device) -> None:
+    """Type, shape and device always; NaN values only where that needs no device sync.
+
+    A NaN bias entry would win every comparison of the top-k (every token routed to it, with
+    finite weights), so a CPU bias with NaN is rejected here. On a GPU reading the values
+    would synchronise every call: validate the bias where it is set
+    (``check_correction_bias_values``)."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(
+            f"correction_bias must be a torch.Tensor [E={num_experts}] or None, "
+            f"got {type(bias).__name__}"
+        )
+    if tuple(bias.shape) != (num_experts,):
+        raise MoeInputError(
+            f"correction_bias must have shape [E={num_experts}], got {tuple(bias.shape)}"
+        )
+    if not bias.is_floating_point():
+        raise TypeError(f"correction_bias must be a floating tensor, got {bias.dtype}")
+    if bias.device != device:
+        raise MoeInputError(f"correction_bias is on {bias.device} but router_logits on {device}")
+    if bias.device.type == "cpu":
+        check_correction_bias_values(bias)
+
+
+def check_correction_bias_values(bias: torch.Tensor) -> None:
+    """Raise ``MoeInputError`` if ``bias`` has a NaN entry (reads values: on a GPU this
+    synchronises; call it where the bias is set, not per forward)."""
+    if bool(torch.isnan(bias).any()):
+        bad = torch.nonzero(torch.isnan(bias)).flatten().tolist()
+        raise MoeInputError(
+            f"correction_bias has NaN at experts {bad[:8]}: a NaN bias would route every token "
+            "to that expert; use finite values"
+        )

@@ -1,9 +1,10 @@
-"""Stage 3, experts: the registry of kernel paths and the runner that walks it.
+"""Stage 3, experts: the runner that walks the registry's kernel paths.
 
-The ``Registry`` is the one place that knows which (dispatch format, backend) pairs exist:
+The registry (``moerunner.registry``) holds the backend objects and the permutes; for a
+dispatch output of some format and the chosen backend:
 
-- a *fused op* registered for (format, backend) handles that format whole in one call (it may
-  decline a call by returning None, e.g. off the device it is built for);
+- the backend's *fused op* for the format handles it whole in one call (it may decline a call
+  by returning None, e.g. off the device it is built for);
 - otherwise the format's *pre-permute* brings tokens into the grouped layout, the backend's
   *core* computes the experts, and the format's *post-permute* brings them back.
 
@@ -16,170 +17,29 @@ process-global "current backend".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from . import backends as _backends  # noqa: F401  (importing registers every backend)
 from .backends.base import Backend, MoeProblem
 from .backends.prepare import pad_to_alignment
 from .config import Activation, ExpertSpec
-from .dispatch import permute
-from .dispatch.formats import MASKED, PERMUTED, STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 from .profiling import trace_range
+from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, Registry, Selection
 from .weights import ExpertWeights, PreparedWeights
 
-FusedOp = Callable[[Any, PreparedWeights], "torch.Tensor | None"]  # None: declined
-Core = Callable[[torch.Tensor, torch.Tensor, PreparedWeights], torch.Tensor]
-
-# Measured order of preference per device type (see benchmarks/results/): the first backend
-# that is available and supports a request wins under backend="auto".
-DEFAULT_PREFERENCE: dict[str, tuple[str, ...]] = {
-    "cuda": ("triton", "flashinfer", "torch"),
-    "cpu": ("torch", "triton"),
-}
-
-
-@dataclass
-class Registry:
-    """Backends and their compute functions, filled at import by each backend module."""
-
-    backends: dict[str, Backend] = field(default_factory=dict)
-    fused_ops: dict[tuple[str, str], FusedOp] = field(default_factory=dict)
-    cores: dict[str, Core] = field(default_factory=dict)
-    permutes: dict[str, tuple[Callable, Callable]] = field(default_factory=dict)
-    # Selections memoised per (problem, request, preference); cleared by every register_*.
-    _selections: dict = field(default_factory=dict, repr=False)
-
-    def register_backend(self, backend: Backend) -> Backend:
-        """Add a backend object under its ``name``."""
-        if not backend.name:
-            raise ValueError("a backend needs a non-empty name")
-        self._selections.clear()
-        self.backends[backend.name] = backend
-        return backend
-
-    def register_fused_op(self, dispatch_format: str, backend: str) -> Callable[[FusedOp], FusedOp]:
-        """Decorator: ``fn(dispatch_output, prepared) -> output`` for (format, backend); a
-        fused op returns None to decline a call, which then takes the permute path."""
-
-        def wrap(fn: FusedOp) -> FusedOp:
-            self._selections.clear()
-            self.fused_ops[(dispatch_format, backend)] = fn
-            return fn
-
-        return wrap
-
-    def register_core(self, backend: str) -> Callable[[Core], Core]:
-        """Decorator: ``fn(x_MH, expert_offsets, prepared) -> y_MH`` for a backend."""
-
-        def wrap(fn: Core) -> Core:
-            self._selections.clear()
-            self.cores[backend] = fn
-            return fn
-
-        return wrap
-
-    def register_permute(self, dispatch_format: str, pre: Callable, post: Callable) -> None:
-        """Pre- and post-permute between ``dispatch_format`` and the grouped layout."""
-        self._selections.clear()
-        self.permutes[dispatch_format] = (pre, post)
-
-    def paths(self, backend: str) -> dict[str, str]:
-        """For each dispatch format the backend serves: ``"fused"`` or ``"permute"``."""
-        result = {}
-        for fmt in self.permutes:
-            if (fmt, backend) in self.fused_ops:
-                result[fmt] = "fused"
-            elif backend in self.cores:
-                result[fmt] = "permute"
-        return result
-
-    def has_both_paths(self, dispatch_format: str, backend: str) -> bool:
-        """True when a fused op and the permute path exist for the pair."""
-        return (dispatch_format, backend) in self.fused_ops and backend in self.cores
-
-    def verdicts(self, problem: MoeProblem) -> dict[str, tuple[bool, str]]:
-        """Each backend's (can serve, reason if not) for ``problem``."""
-        result = {}
-        for name, backend in self.backends.items():
-            ok, reason = backend.available()
-            if ok and problem.dispatch_format not in self.paths(name):
-                ok, reason = False, f"no path for dispatch format {problem.dispatch_format!r}"
-            if ok:
-                ok, reason = backend.supports(problem)
-            result[name] = (ok, reason)
-        return result
-
-    def select(
-        self,
-        problem: MoeProblem,
-        requested: str = "auto",
-        preference: dict[str, tuple[str, ...]] | None = None,
-    ) -> Selection:
-        """Pick a backend for ``problem``; raise naming every backend and why it was not taken.
-
-        Successful choices are memoised (a decode step asks the same question every layer).
-        """
-        key = (problem, requested, None if preference is None else tuple(preference.items()))
-        cached = self._selections.get(key)
-        if cached is not None:
-            return cached
-        selection = self._select(problem, requested, preference)
-        self._selections[key] = selection
-        return selection
-
-    def _select(
-        self,
-        problem: MoeProblem,
-        requested: str,
-        preference: dict[str, tuple[str, ...]] | None,
-    ) -> Selection:
-        if requested != "auto" and requested not in self.backends:
-            raise BackendUnavailableError(
-                f"backend {requested!r} is not registered; registered: "
-                f"{', '.join(sorted(self.backends))} or 'auto'"
-            )
-        verdicts = self.verdicts(problem)
-        if requested != "auto":
-            ok, reason = verdicts[requested]
-            if not ok:
-                raise BackendUnavailableError(_explain(problem, verdicts, requested))
-            return Selection(self.backends[requested], verdicts, "requested")
-        order = (preference or DEFAULT_PREFERENCE).get(problem.device_type, ())
-        ranked = [n for n in order if n in verdicts] + sorted(set(verdicts) - set(order))
-        for name in ranked:
-            if verdicts[name][0]:
-                return Selection(self.backends[name], verdicts, f"first of {ranked} that serves")
-        raise BackendUnavailableError(_explain(problem, verdicts, "auto"))
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The chosen backend and every backend's verdict (for ``info`` and error messages)."""
-
-    backend: Backend
-    verdicts: dict[str, tuple[bool, str]]
-    reason: str
-
-
-def _explain(problem: MoeProblem, verdicts: dict[str, tuple[bool, str]], requested: str) -> str:
-    lines = [f"no backend can serve this request (asked for {requested!r}): {problem}"]
-    for name, (ok, reason) in sorted(verdicts.items()):
-        lines.append(f"  {name}: {'can serve' if ok else 'rejected: ' + reason}")
-    return "\n".join(lines)
-
-
-DEFAULT_REGISTRY = Registry()
-DEFAULT_REGISTRY.register_permute(
-    STANDARD, permute.pre_permute_standard, permute.post_permute_standard
-)
-DEFAULT_REGISTRY.register_permute(
-    PERMUTED, permute.pre_permute_permuted, permute.post_permute_permuted
-)
-DEFAULT_REGISTRY.register_permute(MASKED, permute.pre_permute_masked, permute.post_permute_masked)
+__all__ = [
+    "DEFAULT_PREFERENCE",
+    "DEFAULT_REGISTRY",
+    "MoeRunner",
+    "Registry",
+    "Selection",
+    "default_registry",
+    "prepare_for_backend",
+    "prepared_for",
+]
 
 
 def empty_output(dispatch_output: Any) -> torch.Tensor:
@@ -245,13 +105,13 @@ class MoeRunner:
     def _run(self, dispatch_output: Any, prepared: PreparedWeights) -> torch.Tensor:
         fmt = dispatch_output.format
         name = prepared.backend
-        fused = None if self.force_permute else self.registry.fused_ops.get((fmt, name))
+        fused = None if self.force_permute else self.registry.fused_op(fmt, name)
         if fused is not None:
             with trace_range(f"moerunner.{name}.fused"):
                 out = fused(dispatch_output, prepared)
             if out is not None:
                 return out
-        core = self.registry.cores.get(name)
+        core = self.registry.core(name)
         if core is None or fmt not in self.registry.permutes:
             raise BackendUnavailableError(
                 f"backend {name!r} has no fused op for format {fmt!r} and no core to permute into"
@@ -267,8 +127,6 @@ class MoeRunner:
 
 def default_registry() -> Registry:
     """The registry filled at import with every backend this installation has."""
-    from . import backends  # noqa: F401  (importing registers the backends)
-
     return DEFAULT_REGISTRY
 
 
@@ -293,16 +151,21 @@ class _PreparedCache(dict):
 def prepared_for(
     runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
 ) -> PreparedWeights:
-    """``runner.prepare`` memoised on the weight objects and their in-place version."""
+    """``runner.prepare`` memoised on the weight objects and on the state of every tensor
+    they consist of (see ``_tensor_state``): an in-place edit, a ``.data`` assignment or a
+    replaced ``QuantizedWeight`` field prepares again."""
     backend = runner.select(problem).backend
     key = (
         backend.name,
+        backend.options,
         id(weights.w2),
         id(weights.w13_bias),
         id(weights.w2_bias),
         spec,
-        _version(weights.w13),
-        _version(weights.w2),
+        _tensor_state(weights.w13),
+        _tensor_state(weights.w2),
+        _tensor_state(weights.w13_bias),
+        _tensor_state(weights.w2_bias),
     )
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
@@ -329,8 +192,22 @@ def prepare_for_backend(
     return prepared
 
 
-def _version(weight: Any) -> int:
-    return weight._version if isinstance(weight, torch.Tensor) else 0
+def _tensor_state(weight: Any) -> tuple:
+    """Host-side identity of a weight's contents, no device sync: per tensor (a plain tensor,
+    or each component of a quantized weight) its storage address, dtype, shape and in-place
+    version counter. ``.data`` assignment changes the address; in-place edits the version
+    (inference tensors keep none: their in-place edits inside ``inference_mode`` go unseen)."""
+    if weight is None:
+        return ()
+    if isinstance(weight, torch.Tensor):
+        tensors = (weight,)
+    else:
+        parts = weight.tensors() if hasattr(weight, "tensors") else {}
+        tensors = tuple(t for t in parts.values() if isinstance(t, torch.Tensor))
+    return tuple(
+        (t.data_ptr(), t.dtype, tuple(t.shape), -1 if t.is_inference() else t._version)
+        for t in tensors
+    )
 
 
 def check_activation(

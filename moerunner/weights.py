@@ -21,6 +21,7 @@ import torch
 
 from .config import Activation, ExpertSpec
 from .errors import MoeInputError
+from .quant.schemes import QuantScheme, plain_scheme
 
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,13 +36,23 @@ def weight_shape(weight: Any) -> tuple[int, ...]:
     return tuple(weight.shape)
 
 
+def weight_scheme(weight: Any) -> QuantScheme:
+    """The weight's `QuantScheme`: its own, or for a plain tensor the scheme of its dtype."""
+    if is_quantized(weight):
+        return weight.scheme
+    if isinstance(weight, torch.Tensor) and weight.dtype in PLAIN_DTYPES:
+        return plain_scheme(weight.dtype)
+    raise TypeError(
+        f"weight dtype {getattr(weight, 'dtype', type(weight).__name__)} is not accepted: use "
+        "bf16/fp16/fp32 or a quantized weight from moerunner.quantize"
+    )
+
+
 def scheme_name(weight: Any) -> str:
     """Name of the weight's scheme: the dtype name for plain tensors (``bf16``...)."""
-    if is_quantized(weight):
-        return weight.scheme.name
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        weight.dtype, str(weight.dtype)
-    )
+    if isinstance(weight, torch.Tensor) and weight.dtype not in PLAIN_DTYPES:
+        return str(weight.dtype)
+    return weight_scheme(weight).name
 
 
 @dataclass(frozen=True)
@@ -70,9 +81,23 @@ class ExpertWeights:
         return self.w13.device
 
     @property
+    def w13_scheme(self) -> QuantScheme:
+        """`QuantScheme` of w13 (of its dtype for a plain tensor)."""
+        return weight_scheme(self.w13)
+
+    @property
+    def w2_scheme(self) -> QuantScheme:
+        """`QuantScheme` of w2 (of its dtype for a plain tensor)."""
+        return weight_scheme(self.w2)
+
+    @property
     def scheme(self) -> str:
-        """Scheme name of w13 (w2 is checked to match)."""
-        return scheme_name(self.w13)
+        """Readable name of the weights' scheme: w13's, or "w13 <a>, w2 <b>" when the two
+        differ in format (see ``w13_scheme`` / ``w2_scheme`` for the values)."""
+        a, b = scheme_name(self.w13), scheme_name(self.w2)
+        if a == b or self.w13_scheme.same_format(self.w2_scheme):
+            return a
+        return f"w13 {a}, w2 {b}"
 
     def intermediate_size(self, activation: Activation) -> int:
         """I, from w13's rows and whether the activation is gated."""
@@ -123,6 +148,8 @@ class ExpertWeights:
                 raise TypeError(f"w13 dtype {self.w13.dtype} differs from w2 dtype {self.w2.dtype}")
         if is_quantized(self.w13) != is_quantized(self.w2):
             raise TypeError("w13 and w2 must both be plain tensors or both be quantized")
+        if self.w2.device != self.w13.device:
+            raise MoeInputError(f"w2 is on {self.w2.device} but w13 on {self.w13.device}")
         for name, bias, shape in (
             ("w13_bias", self.w13_bias, (e13, n13)),
             ("w2_bias", self.w2_bias, (e2, h2)),
@@ -135,6 +162,8 @@ class ExpertWeights:
                 raise MoeInputError(f"{name} must have shape {list(shape)}, got {list(bias.shape)}")
             if not bias.is_floating_point():
                 raise TypeError(f"{name} must be floating, got {bias.dtype}")
+            if bias.device != self.w13.device:
+                raise MoeInputError(f"{name} is on {bias.device} but w13 on {self.w13.device}")
 
 
 @dataclass
@@ -142,7 +171,9 @@ class PreparedWeights:
     """A backend's own form of one layer's weights, made once by ``prepare_weights``.
 
     ``tensors`` holds whatever the backend's kernels read; ``notes`` records what preparation
-    did (padding, reordering) so it can be inspected and tested.
+    did (padding, reordering) so it can be inspected and tested; ``options`` the options of
+    the backend that prepared them (None for a backend without options), which its kernels
+    read per call.
     """
 
     backend: str
@@ -150,3 +181,4 @@ class PreparedWeights:
     spec: ExpertSpec
     tensors: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    options: Any = None

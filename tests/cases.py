@@ -29,6 +29,10 @@ TRITON_QUANT_SCHEMES = [
     "int8_w8a16",
     *PACKED_SCHEMES,
     "mxfp8",
+    "fp8_block_64x64",
+    "fp8_block_128x64",
+    "int8_g64",
+    "int8_g128_zp",
 ]
 
 
@@ -107,9 +111,9 @@ def backend_paths(dispatch_format: str = STANDARD):
         ok, _ = backend.available()
         if not ok:
             continue
-        if (dispatch_format, name) in registry.fused_ops:
+        if dispatch_format in backend.fused_ops:
             result.append((name, False))
-        if name in registry.cores:
+        if backend.core is not None:
             result.append((name, True))
     return result
 

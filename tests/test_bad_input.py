@@ -57,10 +57,13 @@ BAD = [
         "topk_ids",
     ),
     (
-        "topk_gt_E",
-        dict(topk_weights=torch.rand(T, E + 1), topk_ids=torch.zeros(T, E + 1, dtype=torch.int32)),
+        # top_k > E itself is accepted (an expert-parallel shard); its ids are still checked.
+        "topk_gt_E_ids_out_of_range",
+        dict(
+            topk_weights=torch.rand(T, E + 1), topk_ids=torch.full((T, E + 1), E, dtype=torch.int32)
+        ),
         MoeInputError,
-        "top_k",
+        "topk_ids",
     ),
     ("shape_mismatch", dict(topk_weights=torch.rand(T, K + 1)), MoeInputError, "topk_weights"),
     (
@@ -131,12 +134,9 @@ def test_unsupported_request_names_every_backend():
             frozenset({"silu"}),
         )
 
-    local = moerunner.Registry(
-        permutes=dict(registry.permutes), cores={"torch": registry.cores["torch"]}
-    )
+    local = moerunner.Registry(permutes=dict(registry.permutes))
     local.register_backend(registry.backends["torch"])
-    local.register_backend(CudaOnly())
-    local.register_core("cuda_only")(lambda *a: None)
+    local.register_backend(CudaOnly().variant(core=lambda *a: None))
     from moerunner.backends.base import MoeProblem
 
     w = moerunner.ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))

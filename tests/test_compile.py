@@ -1,10 +1,13 @@
-"""torch.compile(fullgraph=True) of the MoE layer on CPU, against eager."""
+"""torch.compile(fullgraph=True) of the MoE layer on CPU, against eager; the custom ops."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import moerunner
+from moerunner import ops
+from moerunner.quant import quantize
 
 
 def test_layer_compiles_fullgraph_and_matches_eager():
@@ -36,3 +39,136 @@ def test_fused_experts_op_passes_opcheck():
         (x, w13, w2, topk.weights, topk.ids, None, None, "silu", None, None, False, "torch"),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+def _quantized_layer(scheme: str) -> moerunner.MoE:
+    torch.manual_seed(0)
+    cfg = moerunner.MoeConfig(8, 64, 32, 2, routing=moerunner.RoutingConfig(renormalize=True))
+    return moerunner.MoE(cfg).quantize_(scheme)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_channel", "mxfp4"])
+def test_quantized_layer_compiles_fullgraph_and_matches_eager(scheme):
+    torch._dynamo.reset()
+    layer = _quantized_layer(scheme)
+    compiled = torch.compile(layer, fullgraph=True)
+    for tokens in (5, 0, 3):
+        x, logits = torch.randn(tokens, 64), torch.randn(tokens, 8)
+        out = compiled(x, logits)
+        assert out.shape == (tokens, 64)
+        torch.testing.assert_close(out, layer(x, logits), rtol=1e-5, atol=1e-5)
+    # The op found the layer's own QuantizedWeight objects (no rebuild, no second prepare).
+    for qw in (layer.quantized.w13, layer.quantized.w2):
+        assert list(qw.data._moerunner_op_memo.values()) == [qw]
+
+
+def _op_args(x, w13, w2, topk, act="silu"):
+    return (
+        x,
+        ops.quantized_tensors(w13),
+        ops.quantized_tensors(w2),
+        w13.scheme.name,
+        list(w13.shape),
+        w2.scheme.name,
+        list(w2.shape),
+        topk.weights,
+        topk.ids,
+        None,
+        None,
+        act,
+        None,
+        None,
+        False,
+        "torch",
+    )
+
+
+# opcheck copies and perturbs its inputs with ops that fp8 storage lacks on CPU: schemes
+# without fp8 tensors here (fp8 runs in the compile tests); these cover the optional fields.
+@pytest.mark.parametrize("scheme", ["int8_w8a16", "int8_static", "int4_g32_zp"])
+def test_fused_experts_quantized_op_passes_opcheck(scheme):
+    x = torch.randn(4, 32)
+    static = {"input_scale": 0.05} if scheme.endswith("static") else {}
+    w13 = quantize(torch.randn(3, 64, 32), scheme, **static)
+    w2 = quantize(torch.randn(3, 32, 32), scheme, **static)
+    topk = moerunner.select_experts(torch.randn(4, 3), 2)
+    torch.library.opcheck(
+        torch.ops.moerunner.fused_experts_quantized.default,
+        _op_args(x, w13, w2, topk),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_quantized_op_rebuilds_once_and_follows_in_place_edits():
+    x = torch.randn(5, 32)
+    w13 = quantize(torch.randn(4, 64, 32), "int8_w8a16")
+    w2 = quantize(torch.randn(4, 32, 32), "int8_w8a16")
+    topk = moerunner.select_experts(torch.randn(5, 4), 2)
+    args = _op_args(x, w13, w2, topk)
+    first = torch.ops.moerunner.fused_experts_quantized(*args)
+    torch.testing.assert_close(first, moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids))
+    rebuilt = list(w13.data._moerunner_op_memo.values())
+    torch.ops.moerunner.fused_experts_quantized(*args)
+    assert list(w13.data._moerunner_op_memo.values()) == rebuilt  # same object
+    with torch.no_grad():
+        w2.scale.mul_(2.0)  # an in-place edit of one component must be seen
+    edited = torch.ops.moerunner.fused_experts_quantized(*args)
+    torch.testing.assert_close(edited, 2.0 * first, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_op_names_bad_arguments():
+    x = torch.randn(2, 32)
+    w13 = quantize(torch.randn(2, 64, 32), "fp8_channel")
+    w2 = quantize(torch.randn(2, 32, 32), "fp8_channel")
+    topk = moerunner.select_experts(torch.randn(2, 2), 1)
+    args = list(_op_args(x, w13, w2, topk))
+    args[1] = args[1][:3]
+    with pytest.raises(ValueError, match="w13"):
+        torch.ops.moerunner.fused_experts_quantized(*args)
+    args = list(_op_args(x, w13, w2, topk))
+    args[6] = [2, 32]
+    with pytest.raises(ValueError, match="w2_shape"):
+        torch.ops.moerunner.fused_experts_quantized(*args)
+
+
+def test_transposed_op_copies_once_and_passes_opcheck():
+    x = torch.randn(4, 16)
+    w13_t, w2_t = torch.randn(3, 16, 24), torch.randn(3, 12, 16)  # [E, in, out]
+    topk = moerunner.select_experts(torch.randn(4, 3), 2)
+    args = (x, w13_t, w2_t, topk.weights, topk.ids, None, None, "silu", None, None, False, "torch")
+    out = torch.ops.moerunner.fused_experts_transposed(*args)
+    ref = moerunner.fused_moe(
+        x,
+        w13_t.transpose(1, 2).contiguous(),
+        w2_t.transpose(1, 2).contiguous(),
+        topk.weights,
+        topk.ids,
+    )
+    torch.testing.assert_close(out, ref)
+    memo = w13_t.untyped_storage()._moerunner_op_memo
+    (copies,) = memo.values()
+    torch.ops.moerunner.fused_experts_transposed(*args)
+    (again,) = memo.values()
+    assert again[0] is copies[0] and again[1] is copies[1]  # copied once, not per call
+    torch.library.opcheck(
+        torch.ops.moerunner.fused_experts_transposed.default,
+        args,
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+@pytest.mark.parametrize("scheme", [None, "int8_w8a16"])
+def test_layer_from_weights_compiles_fullgraph_with_pre_routed_calls(scheme):
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    w13, w2 = torch.randn(6, 48, 32) * 0.2, torch.randn(6, 32, 24) * 0.2
+    if scheme is not None:
+        w13, w2 = quantize(w13, scheme), quantize(w2, scheme)
+    layer = moerunner.MoE.from_weights(moerunner.ExpertWeights(w13, w2))
+    compiled = torch.compile(layer, fullgraph=True)
+    for tokens in (4, 0):
+        x = torch.randn(tokens, 32)
+        topk = moerunner.select_experts(torch.randn(tokens, 6), 2)
+        out = compiled(x, topk=topk)
+        assert out.shape == (tokens, 32)
+        torch.testing.assert_close(out, layer(x, topk=topk), rtol=1e-5, atol=1e-5)

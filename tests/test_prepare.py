@@ -27,10 +27,8 @@ class AlignedTorch(TorchBackend):
 
 def _run(case: Case, weights, x, tw, ids, align_h: int, align_i: int):
     base = moerunner.default_registry()
-    registry = moerunner.Registry(
-        permutes=dict(base.permutes), cores={"aligned": base.cores["torch"]}
-    )
-    registry.register_backend(AlignedTorch(align_h, align_i))
+    registry = moerunner.Registry(permutes=dict(base.permutes))
+    registry.register_backend(AlignedTorch(align_h, align_i).variant(fused_ops={}))
     runner = moerunner.MoeRunner("aligned", registry=registry)
     spec = weights.spec(moerunner.Activation(case.activation))
     prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)

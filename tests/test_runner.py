@@ -71,8 +71,9 @@ def test_empty_batch_launches_nothing():
     calls = []
     registry = moerunner.default_registry()
     local = moerunner.Registry(permutes=dict(registry.permutes))
-    local.register_backend(registry.backends["torch"])
-    local.register_core("torch")(lambda *a: calls.append(a))
+    local.register_backend(
+        registry.backends["torch"].variant(fused_ops={}, core=lambda *a: calls.append(a))
+    )
     x, weights, tw, ids = Case("T0", tokens=0).build(torch.float32)
     runner = moerunner.MoeRunner("torch", registry=local)
     prepared = _prepared(runner, x, weights)
@@ -181,11 +182,11 @@ def test_copies_of_weights_start_with_an_empty_prepared_cache():
 
 def test_a_declining_fused_op_hands_the_call_to_the_permute_path():
     registry = moerunner.default_registry()
-    local = moerunner.Registry(permutes=dict(registry.permutes))
-    local.register_backend(registry.backends["torch"])
     declined = []
-    local.register_fused_op("standard", "torch")(lambda d, p: declined.append(d))
-    local.register_core("torch")(registry.cores["torch"])
+    local = moerunner.Registry(permutes=dict(registry.permutes))
+    local.register_backend(
+        registry.backends["torch"].variant(fused_ops={"standard": lambda d, p: declined.append(d)})
+    )
     x, weights, tw, ids = Case("d", tokens=5).build(torch.float32)
     runner = moerunner.MoeRunner("torch", registry=local)
     out = runner.run(StandardDispatchOutput(x, TopK(tw, ids)), _prepared(runner, x, weights))

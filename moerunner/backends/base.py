@@ -1,41 +1,123 @@
 """What a backend is: a named kernel family that declares what it can serve.
 
-A backend provides ``available()`` (can it run on this machine at all), ``supports(problem)``
-(can it serve this request, and if not, why) and ``prepare_weights`` (convert the canonical
-weights once into its own form). Its compute functions — a fused op per dispatch format and/or
-a core between permutes — are registered in ``moerunner.runner.Registry``; which dispatch
-formats a backend serves is derived from that registry, never declared twice.
+A backend is one object that provides ``available()`` (can it run on this machine at all),
+``supports(problem)`` (can it serve this request, and if not, why), ``prepare_weights`` (convert
+the canonical weights once into its own form) and its compute functions: ``fused_ops``, a fused
+op per dispatch format, and/or ``core``, the experts on the grouped layout between the
+format's permutes. It registers once, by object, in ``moerunner.registry``; which dispatch
+formats it serves is derived from these two attributes, never declared twice.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from ..config import ExpertSpec
+from ..quant.schemes import SCHEME_NAMES, QuantScheme, get_scheme
 from ..weights import ExpertWeights, PreparedWeights
 
 
 @dataclass(frozen=True)
+class SchemeSupport:
+    """The weight schemes a backend computes: a predicate over ``QuantScheme`` fields, so a
+    custom scheme with the fields of a supported one is supported too (names never matter).
+
+    ``families``: the ``QuantScheme.family`` values accepted. ``rule``: further limits within
+    them; returns "" for an accepted scheme, else what is not supported. ``mixed``: whether
+    w13 and w2 may differ in format (each GEMM computed in its own scheme).
+    """
+
+    families: frozenset[str]
+    rule: Callable[[QuantScheme], str] | None = None
+    mixed: bool = False
+
+    @classmethod
+    def of_names(cls, names: Iterable[str | QuantScheme], mixed: bool = False) -> SchemeSupport:
+        """Exactly the formats of the given schemes (or registered names)."""
+        schemes = [get_scheme(n) for n in names]
+        formats = frozenset(s.format_key for s in schemes)
+
+        def same_format(scheme: QuantScheme) -> str:
+            return "" if scheme.format_key in formats else "its fields match no supported scheme"
+
+        return cls(frozenset(s.family for s in schemes), same_format, mixed)
+
+    def check(self, scheme: QuantScheme | str) -> str:
+        """ "" when ``scheme`` is supported, else why not (naming the scheme)."""
+        s = get_scheme(scheme)
+        try:
+            family = s.family
+        except ValueError as err:
+            return f"scheme {s.name!r}: {err}"
+        if family not in self.families:
+            return (
+                f"scheme {s.name!r} (family {family!r}) not supported; families: "
+                f"{', '.join(sorted(self.families))}"
+            )
+        why = self.rule(s) if self.rule is not None else ""
+        return f"scheme {s.name!r} not supported: {why}" if why else ""
+
+    def __contains__(self, scheme: object) -> bool:
+        if not isinstance(scheme, (str, QuantScheme)):
+            return False
+        try:
+            return not self.check(scheme)
+        except ValueError:  # an unknown name
+            return False
+
+    def names(self) -> tuple[str, ...]:
+        """The registered scheme names supported, in registration order (for printing)."""
+        return tuple(n for n in SCHEME_NAMES if n in self)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __and__(self, other: Iterable[str]) -> frozenset[str]:
+        return frozenset(self.names()) & frozenset(other)
+
+    __rand__ = __and__
+
+
+@dataclass(frozen=True)
 class Capabilities:
-    """Declared limits of a backend. ``align_h`` / ``align_i``: padding its kernels need."""
+    """Declared limits of a backend. ``align_h`` / ``align_i``: padding its kernels need.
+
+    ``schemes`` is a `SchemeSupport`; a collection of scheme names is accepted and means
+    exactly those schemes' formats (``SchemeSupport.of_names``).
+    """
 
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
-    schemes: frozenset[str]
+    schemes: SchemeSupport
     activations: frozenset[str]
     biases: bool = True
     interleaved: bool = True
     align_h: int = 1
     align_i: int = 1
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.schemes, SchemeSupport):
+            if isinstance(self.schemes, str) or not isinstance(self.schemes, Iterable):
+                raise TypeError(
+                    "schemes must be a SchemeSupport or a collection of scheme names, got "
+                    f"{type(self.schemes).__name__}"
+                )
+            object.__setattr__(self, "schemes", SchemeSupport.of_names(self.schemes))
+
     def describe(self) -> dict[str, object]:
-        """A plain dict for printing."""
+        """A plain dict for printing (registered names for the schemes)."""
         return {
             "devices": sorted(self.devices),
             "dtypes": sorted(str(d).replace("torch.", "") for d in self.dtypes),
-            "schemes": sorted(self.schemes),
+            "schemes": list(self.schemes.names()),
+            "scheme families": sorted(self.schemes.families),
+            "mixed w13/w2 schemes": self.schemes.mixed,
             "activations": sorted(self.activations),
             "biases": self.biases,
             "interleaved gate/up": self.interleaved,
@@ -45,11 +127,15 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class MoeProblem:
-    """One request, as the selector sees it."""
+    """One request, as the selector sees it.
+
+    ``w13_scheme`` / ``w2_scheme``: the weights' `QuantScheme` values (a name is resolved;
+    ``w2_scheme`` None means the same as w13's). Plain weights have the scheme of their dtype.
+    """
 
     device_type: str
     dtype: torch.dtype
-    scheme: str
+    w13_scheme: QuantScheme
     activation: str
     dispatch_format: str
     hidden_size: int
@@ -57,6 +143,12 @@ class MoeProblem:
     num_experts: int
     has_bias: bool = False
     interleaved: bool = False
+    w2_scheme: QuantScheme | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "w13_scheme", get_scheme(self.w13_scheme))
+        w2 = self.w13_scheme if self.w2_scheme is None else get_scheme(self.w2_scheme)
+        object.__setattr__(self, "w2_scheme", w2)
 
     @classmethod
     def of(
@@ -70,7 +162,8 @@ class MoeProblem:
         return cls(
             device_type=hidden_states.device.type,
             dtype=hidden_states.dtype,
-            scheme=weights.scheme,
+            w13_scheme=weights.w13_scheme,
+            w2_scheme=weights.w2_scheme,
             activation=spec.activation.name,
             dispatch_format=dispatch_format,
             hidden_size=spec.hidden_size,
@@ -81,11 +174,59 @@ class MoeProblem:
         )
 
 
+def _scheme_check(support: SchemeSupport, w13: QuantScheme, w2: QuantScheme) -> tuple[bool, str]:
+    """(supported, reason) for the two weights' schemes."""
+    for which, scheme in (("w13", w13), ("w2", w2)):
+        why = support.check(scheme)
+        if why:
+            return False, f"{which} {why}"
+    if not support.mixed and not w13.same_format(w2):
+        return False, (
+            f"w13 scheme {w13.name!r} and w2 scheme {w2.name!r} differ; this backend computes "
+            "both GEMMs in one scheme"
+        )
+    return True, ""
+
+
+# ``fn(dispatch_output, prepared) -> output``, or None to decline the call (it then takes the
+# permute path); ``fn(x_MH, expert_offsets, prepared) -> y_MH`` on the grouped layout.
+FusedOp = Callable[[Any, PreparedWeights], "torch.Tensor | None"]
+Core = Callable[[torch.Tensor, torch.Tensor, PreparedWeights], torch.Tensor]
+
+
 class Backend:
-    """Base class. Subclasses set ``name`` and ``capabilities`` and may override the rest."""
+    """Base class. Subclasses set ``name`` and ``capabilities``, and ``fused_ops`` and/or
+    ``core`` on the instance (in ``__init__``: a function stored on the class would bind as a
+    method), and may override the rest.
+
+    ``options``: the backend's own options value (frozen, hashable; None where it has none),
+    which its ``prepare_weights`` records in the prepared weights for its kernels."""
 
     name: str = ""
     capabilities: Capabilities
+    fused_ops: Mapping[str, FusedOp] = MappingProxyType({})  # dispatch format -> fused op
+    core: Core | None = None  # experts on the grouped layout (between permutes)
+    options: Any = None
+
+    def variant(
+        self,
+        *,
+        name: str | None = None,
+        fused_ops: Mapping[str, FusedOp] | None = None,
+        core: Any = ...,  # a Core or None; ... keeps the current one
+        capabilities: Capabilities | None = None,
+    ) -> Backend:
+        """A copy with some parts replaced (tests, experiments, a backend under another name)."""
+        other = copy.copy(self)
+        if name is not None:
+            other.name = name
+        if fused_ops is not None:
+            other.fused_ops = MappingProxyType(dict(fused_ops))
+        if core is not ...:
+            other.core = core
+        if capabilities is not None:
+            other.capabilities = capabilities
+        return other
 
     def available(self) -> tuple[bool, str]:
         """Whether this machine can run the backend at all, and why not."""
@@ -100,7 +241,7 @@ class Backend:
                 f"device {problem.device_type!r} not in {sorted(caps.devices)}",
             ),
             (problem.dtype in caps.dtypes, f"dtype {problem.dtype} not supported"),
-            (problem.scheme in caps.schemes, f"scheme {problem.scheme!r} not supported"),
+            _scheme_check(caps.schemes, problem.w13_scheme, problem.w2_scheme),
             (
                 problem.activation in caps.activations,
                 f"activation {problem.activation!r} not supported",

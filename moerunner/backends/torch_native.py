@@ -34,21 +34,14 @@ import torch
 from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
-from ..dispatch.permute import group_pairs
-from ..runner import DEFAULT_REGISTRY
+from ..dispatch.permute import group_pairs, is_scratch
+from ..quant.families import CODECS
+from ..registry import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized
-from .base import Backend, Capabilities
+from .base import Backend, Capabilities, SchemeSupport
 
 NAME = "torch"
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
-
-
-def _quant_schemes() -> frozenset[str]:
-    try:
-        from ..quant import SCHEME_NAMES
-    except ImportError:
-        return frozenset()
-    return frozenset(SCHEME_NAMES)
 
 
 class TorchBackend(Backend):
@@ -60,9 +53,13 @@ class TorchBackend(Backend):
         self.capabilities = Capabilities(
             devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
             dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
-            schemes=frozenset({"bf16", "fp16", "fp32"}) | _quant_schemes(),
+            # Every family with a codec, mixed w13/w2 schemes included: weights are
+            # dequantized and each GEMM quantizes its input by its own weight's scheme.
+            schemes=SchemeSupport(frozenset(c.name for c in CODECS), mixed=True),
             activations=frozenset(ACTIVATIONS),
         )
+        self.fused_ops = {STANDARD: torch_fused_standard}
+        self.core = torch_core
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
         """Plain weights are used as they are; quantized ones are dequantized once to fp32."""
@@ -323,7 +320,6 @@ def _grouped_forward(
     return y_MH
 
 
-@DEFAULT_REGISTRY.register_fused_op(STANDARD, NAME)
 def torch_fused_standard(
     dispatch_output: StandardDispatchOutput, prepared: PreparedWeights
 ) -> torch.Tensor | None:
@@ -346,19 +342,26 @@ def torch_fused_standard(
             acc.index_add_(1, tok, y_RH.T.float().mul_(w))
         else:
             acc.index_add_(0, tok, y_RH.float().mul_(w[:, None]))
-    return torch.empty_like(x_TH).copy_(acc.T if columns else acc)
+    out_TH = torch.empty(x_TH.shape, dtype=x_TH.dtype, device=x_TH.device)  # row-major
+    return out_TH.copy_(acc.T if columns else acc)
 
 
-@DEFAULT_REGISTRY.register_core(NAME)
 def torch_core(
     x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
 ) -> torch.Tensor:
-    """Experts on the grouped layout: rows ``offsets[e]:offsets[e+1]`` go to expert ``e``."""
+    """Experts on the grouped layout: rows ``offsets[e]:offsets[e+1]`` go to expert ``e``.
+
+    Rows a pre-permute gathered for this call (``permute.is_scratch``) take the output in
+    place: each expert (or chunk) reads its rows before writing them, so the permute path
+    holds one ``[M, H]`` buffer, not two (the grouped-GEMM path allocates its own)."""
     if _use_grouped_mm(x_MH, prepared):
         return _grouped_forward(x_MH, expert_offsets, prepared)
-    y_MH = torch.empty(
-        (x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype, device=x_MH.device
-    )
+    if is_scratch(x_MH) and x_MH.shape[1] == prepared.spec.hidden_size:
+        y_MH = x_MH
+    else:
+        y_MH = torch.empty(
+            (x_MH.shape[0], prepared.spec.hidden_size), dtype=x_MH.dtype, device=x_MH.device
+        )
     bounds = expert_offsets.tolist()
     if x_MH.device.type == "cpu":
         columns = _cpu_columns(x_MH.dtype, bounds, prepared.spec.num_experts)
@@ -373,3 +376,32 @@ def torch_core(
 
 
 DEFAULT_REGISTRY.register_backend(TorchBackend())
+
+
+def differentiable_forward(
+    hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec
+) -> torch.Tensor:
+    """The experts with autograd: out-of-place PyTorch ops only (no ``out=``, no cached
+    views), so gradients reach the hidden states, the routing weights, the plain weights and
+    the biases. Computes in the fast paths' precision (fp32 activation and sum); one host read
+    of the expert offsets. Used by ``fused_moe`` when grad mode is on and an argument
+    requires grad."""
+    w13, w2, b13, b2 = weights.w13, weights.w2, weights.w13_bias, weights.w2_bias
+    order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
+    bounds = offsets.tolist()
+    weight = weight_TK.reshape(-1)[order]
+    out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
+    for e in range(spec.num_experts):
+        start, end = bounds[e], bounds[e + 1]
+        if end == start:
+            continue
+        tok = token[start:end]
+        h = hidden_TH[tok] @ w13[e].transpose(0, 1)
+        if b13 is not None:
+            h = h.float() + b13[e].float()
+        a = apply_activation(h, spec).to(hidden_TH.dtype)
+        y = a @ w2[e].transpose(0, 1)
+        if b2 is not None:
+            y = y.float() + b2[e].float()
+        out = out.index_add(0, tok, y.float() * weight[start:end, None])
+    return out.to(hidden_TH.dtype)

@@ -1,4 +1,8 @@
-"""Benchmark shapes: one MoE layer of a published model, as its serving engine would shard it.
+"""Model shapes: one MoE layer of a published model, as its serving engine would shard it.
+
+This is the one table of model shapes in the project: ``moerunner bench``, ``moerunner
+tune`` (``backends/triton/tune.py``), the tests and the scripts under ``benchmarks/`` all
+read ``PRESETS`` from here; none keeps its own copy of H, I, E or k.
 
 A ``BenchShape`` is the per-rank expert computation a benchmark row runs: E experts of hidden
 size H and per-expert intermediate size I (already divided by the tensor-parallel size), k
@@ -162,6 +166,11 @@ PRESETS: dict[str, BenchShape] = {
     )
 }
 PRESETS["nemotron-h-tp8"] = shard_intermediate(PRESETS["nemotron-h"], 8)
+
+#: The presets of published models, whole (tp_size 1): the shapes worth tuning a GPU for.
+MODEL_PRESETS = tuple(
+    name for name, s in PRESETS.items() if not name.startswith("cpu-") and s.tp_size == 1
+)
 
 #: The four presets of the GPU performance report.
 GPU_REPORT_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b")

@@ -1,5 +1,10 @@
 """Roofline: this device's measured ceilings and each row's minimum bytes and flops.
 
+This is the project's one roofline: ``moerunner bench`` and the scripts under
+``benchmarks/`` count bytes and flops with ``row_cost`` and place a time against
+``floor_seconds`` (or its two parts, ``floor_parts``) with ceilings from
+``measure_ceilings``; none keeps its own byte count or bandwidth.
+
 Ceilings (``DeviceCeilings``) are measured once per device and cached in a JSON file: copy
 bandwidth (a device-to-device copy of a buffer far larger than any cache, read + write
 bytes), and dense matmul peaks (square GEMMs; bf16, fp32 and, on GPUs that have it, fp8 e4m3
@@ -8,6 +13,18 @@ where the peak is the one of the GEMM inputs' format: fp8 for schemes that quant
 activations to 8 bits, bf16 otherwise (fp32 for fp32). Minimum bytes are the weights of the
 experts actually hit (at the scheme's storage, scales, zero points and biases included), the
 activations in and out, and the routing (fp32 weights + int32 ids).
+
+Which bandwidth, and why the copy. A MoE layer mostly reads (the weights of the experts
+hit), so the ceiling that matters is how fast the memory streams. Before this module was
+the only one, kernel experiments measured it as the read rate of ``torch.sum`` over 1 GiB
+and the CPU benchmark as an fp32 matrix-vector product over 1 GiB; ``moerunner bench`` has
+always used ``Tensor.copy_`` with read + write bytes counted. The copy is kept as the one
+definition: it is a single library call on every device (no custom kernel to trust), every
+``moerunner bench`` record uses it, and where both were measured in one run it was within
+1-3 % of the read stream (H200: copy 4.22-4.25 TB/s, ``torch.sum`` 4.13-4.19 TB/s; H100: copy
+3.00 TB/s, ``torch.sum`` 2.96-2.97 TB/s; the ``*-triton-*`` records in
+``benchmarks/results/``). A kernel that only reads can stream slightly faster than a copy,
+so rows a little above 100 % mean "at the bandwidth limit", not a measurement error.
 """
 
 from __future__ import annotations
@@ -119,11 +136,16 @@ def row_cost(
     return RowCost(experts_hit * per_expert + activations + routing, flops, experts_hit)
 
 
-def floor_seconds(cost: RowCost, ceilings: DeviceCeilings, compute: str) -> float:
-    """The roofline floor: the slower of moving the bytes and doing the flops."""
+def floor_parts(cost: RowCost, ceilings: DeviceCeilings, compute: str) -> tuple[float, float]:
+    """Seconds to move the bytes at the copy bandwidth and to do the flops at the peak."""
     t_mem = cost.bytes / (ceilings.copy_gbps * 1e9)
     t_flop = cost.flops / (ceilings.peak_for(compute) * 1e12)
-    return max(t_mem, t_flop)
+    return t_mem, t_flop
+
+
+def floor_seconds(cost: RowCost, ceilings: DeviceCeilings, compute: str) -> float:
+    """The roofline floor: the slower of moving the bytes and doing the flops."""
+    return max(floor_parts(cost, ceilings, compute))
 
 
 # ---------------------------------------------------------------------------------------------

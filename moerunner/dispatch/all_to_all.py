@@ -6,7 +6,7 @@ dispatch(hidden_TH, topk with global ids) -> ``AllToAllDispatchOutput`` (format 
   1. every (token, slot) with an id >= 0 gets a destination rank and a local expert id from
      the ``ExpertPlacement``; a token travels *once* to each rank owning any of its experts,
      its row carrying the k local ids (-1 where another rank owns the slot) and weights;
-  2. one ``all_gather`` exchanges a small header (T, H, dtype, largest id) and every rank's
+  2. one ``all_gather`` exchanges a small header (T, H, dtype, extreme ids) and every rank's
      row counts per destination and pair counts per (destination, local expert): every rank
      checks the world the same way and reads the split sizes on the host (this path
      synchronises once per call, as all variable-size all-to-all exchanges must);
@@ -30,6 +30,7 @@ import torch
 from ..distributed import collective_device, raise_on_every_rank, rank_and_size
 from ..errors import MoeInputError
 from ..routing import TopK
+from .base import weighted_row_sum
 from .expert_map import ExpertPlacement
 from .formats import PERMUTED, PermutedDispatchOutput
 
@@ -37,7 +38,7 @@ __all__ = ["AllToAllDispatchOutput", "AllToAllDispatcher", "DTYPE_CODES"]
 
 # dtype <-> small int, so headers of several ranks can be compared in one int tensor.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_HEADER = ("num_tokens", "hidden_size", "dtype", "max_expert_id")
+_HEADER = ("num_tokens", "hidden_size", "dtype", "max_expert_id", "min_expert_id")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class AllToAllDispatcher:
     """
 
     dispatch_format = PERMUTED  # what dispatch returns (``dispatch.formats``)
+    accepts_quantized = False  # moves activations in the hidden dtype
 
     def __init__(
         self, placement: ExpertPlacement, group=None, *, combine_dtype: torch.dtype | None = None
@@ -130,12 +132,13 @@ class AllToAllDispatcher:
         pair_counts.scatter_add_(0, pair_key, torch.ones_like(pair_key))
 
         header = torch.tensor(
-            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype], -1],
+            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype], -1, -1],
             dtype=torch.int64,
             device=device,
         )
         if ids_TK.numel():
             header[3] = ids_TK.max()
+            header[4] = ids_TK.min()
         row = torch.cat([header, visits_TW.sum(0), pair_counts[: world * slots]])
         table = _all_gather_rows(row.to(collective_device(self.group)), self.group).cpu()
         self._check_world(table)
@@ -200,18 +203,13 @@ class AllToAllDispatcher:
                 f"output must have the dispatched shape {list(dispatch_output.hidden_states.shape)}"
                 f", got {list(output.shape)}"
             )
-        partial = torch.zeros(
-            (sum(h.recv_splits), hidden_size), dtype=torch.float32, device=output.device
-        )
-        partial.index_add_(0, h.row_of_pair, output.float() * h.weight_of_pair[:, None])
+        partial = weighted_row_sum(output, h.row_of_pair, h.weight_of_pair, sum(h.recv_splits))
         wire = self.combine_dtype or output.dtype
         back = partial.new_empty((len(h.token_of_row), hidden_size), dtype=wire)
         dist.all_to_all_single(
             back, partial.to(wire), h.send_splits, h.recv_splits, group=self.group
         )
-        out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
-        out.index_add_(0, h.token_of_row, back.float())
-        return out.to(h.dtype)
+        return weighted_row_sum(back, h.token_of_row, None, h.num_tokens).to(h.dtype)
 
     def _check_world(self, table: torch.Tensor) -> None:
         """Every rank evaluates the same gathered header table and raises the same error."""
@@ -226,6 +224,12 @@ class AllToAllDispatcher:
             problems.append(
                 f"expert ids must be < {self.placement.num_total} (routed + shared experts of "
                 f"the placement); ranks saw maxima {max_ids}"
+            )
+        min_ids = table[:, 4].tolist()
+        if min(min_ids) < -1:
+            problems.append(
+                f"expert ids must be >= -1 (-1: slot unused), as fused_moe accepts; ranks saw "
+                f"minima {min_ids}"
             )
         raise_on_every_rank(problems, "all_to_all dispatch")
 

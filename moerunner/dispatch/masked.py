@@ -21,6 +21,17 @@ Overflow (an expert would receive more than ``C`` rows, from one source or in to
 syncs: rows beyond capacity contribute zero and ``output.overflow`` (a 0-d bool tensor on the
 device, equal on every rank) is set; the caller checks it after the step (e.g. after a graph
 replay) and reruns that step with the all-to-all dispatcher or a larger capacity.
+
+Invalid expert ids (below -1, or not below the placement's expert count) are never computed
+with another expert: ``"raise"`` raises ``MoeInputError`` on every rank (as the all-to-all
+dispatcher does); ``"flag"`` drops their pairs (they contribute zero) and sets
+``output.overflow``, so a rerun with the all-to-all dispatcher reports them.
+
+Hidden dtype: ``"raise"`` checks on every call that all ranks pass one dtype (the same
+``MoeInputError`` everywhere). ``"flag"`` exchanges rows in one wire dtype, the
+constructor's ``dtype`` or, when that is None, the dtype of the first dispatch (checked on
+every rank then: one host read, so warm up before capturing, or pass ``dtype``); a rank that
+later passes another dtype is converted to the wire dtype and back, never a size mismatch.
 """
 
 from __future__ import annotations
@@ -38,14 +49,15 @@ from ..distributed import (
 )
 from ..errors import CapacityOverflowError, MoeInputError
 from ..routing import TopK
-from .all_to_all import DTYPE_CODES, _check_local
+from .all_to_all import DTYPE_CODES, _check_local, _dtype_name
+from .base import weighted_row_sum
 from .expert_map import ExpertPlacement
 from .formats import MASKED, MaskedDispatchOutput
 
 __all__ = ["MaskedDispatcher", "MaskedEPDispatchOutput", "OVERFLOW_POLICIES"]
 
 OVERFLOW_POLICIES = ("raise", "flag")
-_HEADER = 3  # num_tokens, hidden_size, dtype code
+_HEADER = 4  # num_tokens, hidden_size, dtype code, number of invalid expert ids
 
 
 @dataclass(frozen=True)
@@ -80,9 +92,12 @@ class MaskedDispatcher:
         group: the ``torch.distributed`` process group (``None``: default group).
         on_overflow: ``"raise"`` (one host sync per step, ``CapacityOverflowError`` on every
             rank) or ``"flag"`` (no sync; see the module docstring).
+        dtype: the hidden dtype rows travel in under ``"flag"`` (None: the first call's);
+            equal on every rank.
     """
 
     dispatch_format = MASKED  # what dispatch returns (``dispatch.formats``)
+    accepts_quantized = False  # moves activations in the hidden dtype
 
     def __init__(
         self,
@@ -92,6 +107,7 @@ class MaskedDispatcher:
         group=None,
         *,
         on_overflow: str = "raise",
+        dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(placement, ExpertPlacement):
             raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
@@ -102,6 +118,8 @@ class MaskedDispatcher:
             raise MoeInputError(
                 f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
             )
+        if dtype is not None and dtype not in DTYPE_CODES:
+            raise TypeError(f"dtype must be None or one of {list(DTYPE_CODES)}, got {dtype!r}")
         self.group = group
         self.rank, self.world_size = rank_and_size(group)
         check_consistent(
@@ -113,6 +131,7 @@ class MaskedDispatcher:
                 "capacity": capacity,
                 "hidden_size": hidden_size,
                 "on_overflow": OVERFLOW_POLICIES.index(on_overflow),
+                "dtype": -1 if dtype is None else DTYPE_CODES[dtype],
             },
         )
         if placement.world_size != self.world_size:
@@ -124,6 +143,7 @@ class MaskedDispatcher:
         self.capacity = capacity
         self.hidden_size = hidden_size
         self.on_overflow = on_overflow
+        self.dtype = dtype  # the wire dtype of "flag" mode, once known
         self.num_local_experts = placement.num_local(self.rank)
         self._slots = max(placement.max_local, 1)
         # Placement tables are built from host lists (a host-to-device copy): made here for
@@ -147,13 +167,20 @@ class MaskedDispatcher:
                 f"hidden_states has H={hidden_size}, the dispatcher was built "
                 f"for H={self.hidden_size}"
             )
+        if self.on_overflow == "flag" and self.dtype is None:
+            self.dtype = self._agree_on_dtype(hidden_states.dtype)
+        local_dtype = hidden_states.dtype
+        if self.on_overflow == "flag":
+            hidden_states = hidden_states.to(self.dtype)  # no copy when it is the wire dtype
         device = hidden_states.device
         world, slots, cap = self.world_size, self._slots, self.capacity
         keys = world * slots
         dest_E, local_E = self._routing_table(device)
         ids = topk.ids.reshape(-1).long()
-        valid = ids >= 0
-        safe = torch.where(valid, ids, 0).clamp(min=0, max=self.placement.num_total - 1)
+        in_range = ids < self.placement.num_total
+        valid = (ids >= 0) & in_range
+        invalid = ~in_range | (ids < -1)  # never computed with another expert
+        safe = torch.where(valid, ids, 0)
         key = torch.where(valid, dest_E[safe] * slots + local_E[safe], keys)
         counts = torch.zeros(keys + 1, dtype=torch.int64, device=device)
         counts.scatter_add_(0, key, torch.ones_like(key))
@@ -169,12 +196,15 @@ class MaskedDispatcher:
                 counts.new_full((1,), value)
                 for value in (num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype])
             ]
+            + [invalid.sum().reshape(1)]
         )
         row = torch.cat([header, counts[:keys]]).to(collective_device(self.group))
         table = all_gather_ints(row, self.group).to(device)
         counts_SDL = table[:, _HEADER:].view(world, world, slots)  # [source, dest, local]
         sent_SDL = counts_SDL.clamp(max=cap)
-        overflow = (counts_SDL > cap).any() | (sent_SDL.sum(0) > cap).any()
+        overflow = (
+            (counts_SDL > cap).any() | (sent_SDL.sum(0) > cap).any() | (table[:, 3] > 0).any()
+        )
         if self.on_overflow == "raise":
             self._check_world(table.cpu(), bool(overflow))
 
@@ -204,7 +234,7 @@ class MaskedDispatcher:
 
         weights = torch.where(valid, topk.weights.reshape(-1).float(), 0.0)
         handle = MaskedHandle(
-            send_index, recv_index, weights, num_tokens, topk.ids.shape[1], hidden_states.dtype
+            send_index, recv_index, weights, num_tokens, topk.ids.shape[1], local_dtype
         )
         return MaskedEPDispatchOutput(
             hidden_states=masked[: experts * cap].view(experts, cap, hidden_size),
@@ -233,20 +263,46 @@ class MaskedDispatcher:
         dist.all_to_all_single(returned, back, group=self.group)
         rows = torch.cat([returned, zero_row])[h.send_index]
         token = torch.arange(h.num_tokens * h.top_k, device=output.device) // h.top_k
-        out = torch.zeros((h.num_tokens, hidden_size), dtype=torch.float32, device=output.device)
-        out.index_add_(0, token, rows.float() * h.token_weight[:, None])
-        return out.to(h.dtype)
+        return weighted_row_sum(rows, token, h.token_weight, h.num_tokens).to(h.dtype)
+
+    def _agree_on_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """First "flag" dispatch without a constructor dtype: every rank checks that all
+        passed ``dtype`` (one small all_gather and host read) and takes it as wire dtype."""
+        row = torch.tensor([DTYPE_CODES[dtype]], device=collective_device(self.group))
+        codes = all_gather_ints(row, self.group)[:, 0].cpu().tolist()
+        if len(set(codes)) > 1:
+            raise_on_every_rank(
+                [
+                    "hidden dtype differs across ranks on the first dispatch: "
+                    + ", ".join(f"rank {r} passed {_dtype_name(c)}" for r, c in enumerate(codes))
+                    + "; pass one dtype (or build the dispatcher with dtype=)"
+                ],
+                "masked dispatch",
+            )
+        return dtype
 
     def _check_world(self, table: torch.Tensor, overflow: bool) -> None:
         """Same table, same verdict on every rank (``on_overflow="raise"`` only)."""
         problems = []
-        for col, name in ((1, "hidden size H"), (2, "dtype")):
-            values = table[:, col].tolist()
-            if len(set(values)) > 1 or (col == 1 and values[0] != self.hidden_size):
-                problems.append(
-                    f"{name} differs across ranks or from the dispatcher's "
-                    f"({self.hidden_size} for H): {values}"
-                )
+        sizes = table[:, 1].tolist()
+        if any(h != self.hidden_size for h in sizes):
+            problems.append(
+                f"hidden size H must be the dispatcher's {self.hidden_size} on every rank; "
+                + ", ".join(f"rank {r} passed {h}" for r, h in enumerate(sizes))
+            )
+        dtypes = table[:, 2].tolist()
+        if len(set(dtypes)) > 1:
+            problems.append(
+                "hidden dtype differs across ranks: "
+                + ", ".join(f"rank {r} passed {_dtype_name(c)}" for r, c in enumerate(dtypes))
+            )
+        invalid = table[:, 3].tolist()
+        if any(invalid):
+            problems.append(
+                f"expert ids must be in [-1, {self.placement.num_total}) (routed + shared "
+                "experts of the placement; -1: slot unused); ids outside per rank: "
+                + ", ".join(f"rank {r}: {n}" for r, n in enumerate(invalid))
+            )
         raise_on_every_rank(problems, "masked dispatch")
         if overflow:
             counts = table[:, _HEADER:].view(self.world_size, self.world_size, self._slots)

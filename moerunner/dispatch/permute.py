@@ -8,6 +8,10 @@ garbage that ``post`` never reads (standard) or masks out (masked, permuted).
 
 The standard post-permute weights and sums each token's k rows in float32, a block of tokens
 at a time, so no float32 copy of all ``[M, H]`` rows is made and the block stays in cache.
+
+The grouped rows that the standard and masked pre-permutes gather are private to the call
+(``is_scratch``): a core may write its output over them, so the permute path holds one
+``[T*k, H]`` buffer instead of two. Rows of a dispatcher's own output are never marked.
 """
 
 from __future__ import annotations
@@ -32,6 +36,20 @@ class PermuteContext:
     pair_weight: torch.Tensor | None = None  # [T, k] float32 routing weights, 0 for -1 ids
 
 
+_SCRATCH_ATTR = "_moerunner_scratch"
+
+
+def _scratch(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` (a fresh gather nobody else holds) as writable by the core."""
+    setattr(t, _SCRATCH_ATTR, True)
+    return t
+
+
+def is_scratch(t: torch.Tensor) -> bool:
+    """True for grouped rows a pre-permute gathered for this call only (see module doc)."""
+    return getattr(t, _SCRATCH_ATTR, False)
+
+
 def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable order of rows by ``key`` (``num_experts`` = padding, last) and the offsets."""
     order = torch.argsort(key, stable=True)
@@ -48,18 +66,17 @@ def group_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The T*k (token, slot) pairs of ``topk`` grouped by expert, in their order within an
     expert: (order of the pairs, token of each grouped row, expert offsets [E+1], routing
-    weights [T, k] in float32 with 0 for -1 ids). Pairs with id -1 sort past offsets[E]; so
-    do ids outside [0, E), which the id check reports after the call on a GPU (it does not
-    wait for the device), as the triton kernels skip them."""
+    weights [T, k] in float32 with 0 for skipped ids). Pairs whose id is not in
+    ``[0, num_experts)`` (-1, or unchecked ids out of range) are skipped: they sort past
+    offsets[E]."""
     valid_TK = _valid_ids(topk.ids, num_experts)
-    key = torch.where(valid_TK.reshape(-1), topk.ids.reshape(-1).long(), num_experts)
+    key = torch.where(valid_TK, topk.ids, num_experts).reshape(-1).long()
     order, offsets = _group_rows(key, num_experts)
     weight_TK = torch.where(valid_TK, topk.weights.float(), 0.0)
     return order, order // topk.ids.shape[1], offsets, weight_TK
 
 
 def _valid_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Slots whose id names an expert: ``0 <= id < num_experts``."""
     return (ids >= 0) & (ids < num_experts)
 
 
@@ -74,7 +91,7 @@ def pre_permute_standard(
     )
     pair_row = torch.where(valid_TK, row_of_pair.view(valid_TK.shape), 0)
     grouped = PermutedDispatchOutput(
-        hidden_states=dispatch_output.hidden_states[token], expert_offsets=offsets
+        hidden_states=_scratch(dispatch_output.hidden_states[token]), expert_offsets=offsets
     )
     ctx = PermuteContext(
         source_row=token,
@@ -136,7 +153,8 @@ def pre_permute_masked(
     key = torch.where(valid_EC, expert_EC, num_experts).reshape(-1)
     order, offsets = _group_rows(key, num_experts)
     grouped = PermutedDispatchOutput(
-        hidden_states=hidden_ECH.reshape(-1, hidden_size)[order], expert_offsets=offsets
+        hidden_states=_scratch(hidden_ECH.reshape(-1, hidden_size)[order]),
+        expert_offsets=offsets,
     )
     return grouped, PermuteContext(source_row=order, row_weight=None, num_valid=offsets[-1])
 

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import MoeInputError
 from ..routing import TopK
+from .base import weighted_row_sum
 from .formats import PERMUTED, STANDARD, PermutedDispatchOutput, StandardDispatchOutput
 from .permute import PermuteContext, pre_permute_standard
 
@@ -76,6 +77,7 @@ class StandardDispatcher:
         self.group = group
         self.reduce_dtype = reduce_dtype
         self.num_local_experts = num_local_experts
+        self.accepts_quantized = False  # runs on activations in the hidden dtype
         self.dispatch_format = (
             PERMUTED if group is not None and reduce_dtype is not None else STANDARD
         )
@@ -132,9 +134,6 @@ class StandardDispatcher:
                 f"got {list(output.shape)}"
             )
         # Padding rows carry weight 0 and were zeroed by the runner's post-permute.
-        total = torch.zeros(
-            (d.token_count, output.shape[1]), dtype=torch.float32, device=output.device
-        )
-        total.index_add_(0, d.context.source_row, output.float() * d.context.row_weight[:, None])
+        total = weighted_row_sum(output, d.context.source_row, d.context.row_weight, d.token_count)
         dist.all_reduce(total, group=self.group)
         return total.to(d.dtype)

@@ -24,7 +24,8 @@ import torch
 from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
-from ..weights import ExpertWeights
+from ..ops import adopt_quantized, canonical_from_transposed
+from ..weights import ExpertWeights, is_quantized
 
 # Attributes kept on the experts module (plain attributes: never parameters or buffers).
 _DESCRIPTION = "_moerunner_description"
@@ -179,11 +180,14 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
 
 
 def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:
-    """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` layout, detached, made contiguous once."""
+    """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` layout, detached, made contiguous once.
+
+    A transposed layout is copied through ``canonical_from_transposed``, memoised on the
+    source parameter, so eager calls and the compiled ``moerunner::fused_experts_transposed``
+    op share one copy (and the backend's prepared weights)."""
     w13, w2, b13, b2 = (None if t is None else t.detach() for t in sources)
     if layout.transposed:  # [E, in, out] -> [E, out, in]
-        w13 = w13.transpose(1, 2).contiguous()
-        w2 = w2.transpose(1, 2).contiguous()
+        w13, w2 = canonical_from_transposed(sources[0], sources[1])
     return ExpertWeights(w13, w2, b13, b2, layout.interleaved)
 
 
@@ -197,6 +201,9 @@ def set_quantized(module: torch.nn.Module, weights: ExpertWeights | None) -> Non
     """Pin quantized weights for the module (None: back to its float parameters)."""
     if weights is not None:
         weights.validate(describe(module).activation)
+        if is_quantized(weights.w13):  # compiled calls reuse these objects' prepared weights
+            adopt_quantized(weights.w13)
+            adopt_quantized(weights.w2)
     module.__dict__[_QUANTIZED] = weights
     module.__dict__.pop(_CACHE, None)
 
@@ -204,3 +211,37 @@ def set_quantized(module: torch.nn.Module, weights: ExpertWeights | None) -> Non
 def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
     """The pinned quantized weights, if any."""
     return module.__dict__.get(_QUANTIZED)
+
+
+def _layout_constants(module: torch.nn.Module) -> tuple:
+    """``(activation, alpha, limit, transposed, interleaved, has_bias)``, or ``(reason,)`` when
+    moerunner cannot run the module: the layout as plain constants for a traced caller."""
+    try:
+        layout = describe(module)
+    except UnsupportedExpertsError as exc:
+        return (str(exc),)
+    act = layout.activation
+    return (act.name, act.alpha, act.limit, layout.transposed, layout.interleaved, layout.has_bias)
+
+
+# Run by torch.compile while tracing (outside the graph) when the module was not described by
+# an eager call yet: describing it runs a numeric probe the compiler cannot trace.
+_layout_outside_graph = torch._dynamo.assume_constant_result(_layout_constants)
+
+
+def traced_layout(module: torch.nn.Module) -> tuple:
+    """``_layout_constants(module)`` in a form ``torch.compile`` traces without a graph break:
+    the cached description is read in the graph; a module not yet described is described
+    once at trace time."""
+    cached = module.__dict__.get(_DESCRIPTION)
+    if isinstance(cached, ExpertsLayout):
+        act = cached.activation
+        return (
+            act.name,
+            act.alpha,
+            act.limit,
+            cached.transposed,
+            cached.interleaved,
+            cached.has_bias,
+        )
+    return _layout_outside_graph(module)

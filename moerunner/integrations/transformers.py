@@ -23,6 +23,7 @@ import torch
 
 from ..api import fused_moe
 from ..errors import MoeInputError
+from ..ops import call_fused_experts
 from ..weights import ExpertWeights
 from ._hf_experts import (
     LAYER_NAME,
@@ -33,6 +34,7 @@ from ._hf_experts import (
     layer_name,
     quantized_weights,
     set_quantized,
+    traced_layout,
 )
 
 __all__ = [
@@ -73,6 +75,8 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
         ids = _routing_arg(top_k_index, kwargs, "router_indices", "top_k_index")
         weights = _routing_arg(top_k_weights, kwargs, "routing_weights", "top_k_weights")
         config = getattr(self, "config", None)
+        if torch.compiler.is_compiling():
+            return _traced_experts(self, hidden_states, ids, weights, backend, fallback)
         try:
             expert_w, activation = expert_weights(self)
         except UnsupportedExpertsError:
@@ -105,6 +109,47 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
 
     moerunner_experts_forward.moerunner_backend = backend
     return moerunner_experts_forward
+
+
+def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback: str):
+    """The experts call while ``torch.compile`` traces: the weights enter the graph as the
+    module's own tensors and run in one moerunner custom op; layout conversion and the
+    backend's weight preparation happen inside the op, once (no graph break)."""
+    config = getattr(module, "config", None)
+    layout = traced_layout(module)
+    if len(layout) == 1:  # moerunner cannot run this layer
+        if (getattr(config, FALLBACK_ATTR, None) or fallback) != "eager":
+            raise UnsupportedExpertsError(layout[0])
+        return type(module).forward.__wrapped__(module, hidden_states, ids, weights)
+    act, alpha, limit, transposed, interleaved, has_bias = layout
+    chosen = getattr(config, BACKEND_ATTR, None) or backend
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    quantized = quantized_weights(module)
+    if quantized is not None:
+        w13, w2, b13, b2 = quantized.w13, quantized.w2, quantized.w13_bias, quantized.w2_bias
+        interleaved, num_experts = quantized.gate_up_interleaved, quantized.w13.shape[0]
+    else:
+        gated = act != "relu2"
+        w13 = getattr(module, "gate_up_proj" if gated else "up_proj")
+        w2 = module.down_proj
+        b13 = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
+        b2 = getattr(module, "down_proj_bias", None)
+        if not has_bias:
+            b13 = b2 = None
+        num_experts = w13.shape[0]
+    ids = ids.reshape(x.shape[0], -1)
+    if getattr(module, "_is_expert_parallel", False):
+        ids = torch.where(ids >= num_experts, -1, ids)
+    b13, b2 = (None if b is None else b.detach() for b in (b13, b2))
+    args = (ids, b13, b2, act, alpha, limit, interleaved, chosen, False)
+    if quantized is None and transposed:
+        out = torch.ops.moerunner.fused_experts_transposed(
+            x, w13.detach(), w2.detach(), weights.reshape(ids.shape), *args
+        )
+    else:
+        topk_weights = weights.reshape(ids.shape)
+        out = call_fused_experts(x, w13, w2, topk_weights, *args)
+    return out.reshape(hidden_states.shape)
 
 
 def _routing_arg(value, kwargs: dict, *names: str) -> torch.Tensor:
@@ -264,6 +309,7 @@ def load_gpt_oss_mxfp4(
                 f"load_gpt_oss_mxfp4: layer {layer_name(module)} is not a GPT-OSS experts layer"
             )
         found = gpt_oss_experts_from_safetensors(paths, path + ".", scheme=scheme)
+        _check_checkpoint_shapes(module, layout, found, path)
         device = module.down_proj.device
         bias_dtype = module.down_proj_bias.dtype if layout.has_bias else torch.float32
         b13, b2 = (
@@ -284,6 +330,29 @@ def load_gpt_oss_mxfp4(
     if not done:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
     return done
+
+
+def _check_checkpoint_shapes(module, layout, found: dict, path: str) -> None:
+    """The checkpoint's experts must have the model's E, H and I (an E mismatch would drop
+    or invent experts silently: the forward skips ids outside the weights)."""
+    expected = {}
+    num_experts = getattr(module, "num_experts", None)
+    if isinstance(num_experts, int):
+        expected["E"] = num_experts
+    down = getattr(module, "down_proj", None)
+    if isinstance(down, torch.Tensor) and down.dim() == 3:  # float weights not yet released
+        e, a, b = down.shape
+        h, i = (b, a) if layout.transposed else (a, b)
+        expected.update(E=e, H=h, I=i)
+    e, h, i = found["w2"].shape
+    got = {"E": e, "H": h, "I": i}
+    wrong = [f"{k}={got[k]} (model: {v})" for k, v in expected.items() if got[k] != v]
+    if wrong:
+        raise MoeInputError(
+            f"load_gpt_oss_mxfp4: the checkpoint's layer {path} has "
+            + ", ".join(wrong)
+            + "; load the checkpoint of this model"
+        )
 
 
 def _to(qweight, device: torch.device):

@@ -7,6 +7,7 @@
 #   none          weight-only schemes: x is used as is (fake quantize = cast to float32)
 #   fp8_token     e4m3, one fp32 scale per row: amax / 448 (dynamic) or the static input_scale
 #   fp8_group128  e4m3, one fp32 scale per row per 128 along K (last group partial)
+#   fp8_group     the same per the weight's K block (``QuantScheme.activation_group_size``)
 #   mxfp8         e4m3, one e8m0 scale per 32 along K (OCP MX rule); K % 32 == 0
 #   nvfp4         e2m1 packed, e4m3 scale per 16 along K, fp32 global scale = amax(row) / 2688
 #                 (dynamic, per row, so a token's value never depends on which other tokens
@@ -22,7 +23,7 @@ import torch
 
 from moerunner.quant import fp8, integer, mx, nvfp4
 from moerunner.quant.codecs import encode_e4m3, encode_int8
-from moerunner.quant.schemes import QuantScheme, get_scheme
+from moerunner.quant.schemes import STATIC_ACTIVATION_FORMATS, QuantScheme, get_scheme
 
 __all__ = [
     "QuantizedActivation",
@@ -31,9 +32,8 @@ __all__ = [
     "quantize_activation",
 ]
 
-#: Columns per fp8_group128 activation scale.
-ACT_GROUP = 128
-_STATIC_CAPABLE = ("fp8_token", "int8_token", "nvfp4")
+# Formats with one e4m3 scale per row and K group (the group: ``activation_group_size``).
+_FP8_GROUPS = ("fp8_group128", "fp8_group")
 
 
 class QuantizedActivation(NamedTuple):
@@ -41,8 +41,9 @@ class QuantizedActivation(NamedTuple):
 
     ``data``: e4m3 ``[M, K]`` (fp8_token, fp8_group128, mxfp8), int8 ``[M, K]`` (int8_token),
     packed uint8 ``[M, K/2]`` (nvfp4) or ``x`` itself (format "none").
-    ``scale``: fp32 ``[M]`` (fp8_token, int8_token), fp32 ``[M, ceil(K/128)]``
-    (fp8_group128), uint8 e8m0 ``[M, K/32]`` (mxfp8), e4m3 ``[M, K/16]`` (nvfp4), None (none).
+    ``scale``: fp32 ``[M]`` (fp8_token, int8_token), fp32 ``[M, ceil(K/g)]``
+    (fp8_group128: g = 128; fp8_group: g = the weight's K block), uint8 e8m0 ``[M, K/32]``
+    (mxfp8), e4m3 ``[M, K/16]`` (nvfp4), None (none).
     ``global_scale``: fp32 ``[M]`` for nvfp4 (per row when dynamic), else None.
     """
 
@@ -85,10 +86,10 @@ def quantize_activation(
         raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', x)}")
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K] (2 dims), got shape {list(x.shape)}")
-    if input_scale is not None and fmt not in _STATIC_CAPABLE:
+    if input_scale is not None and fmt not in STATIC_ACTIVATION_FORMATS:
         raise ValueError(
             f"input_scale: activation format {fmt!r} of scheme {s.name!r} has no static scale; "
-            f"accepted only for {_STATIC_CAPABLE}"
+            f"accepted only for {STATIC_ACTIVATION_FORMATS}"
         )
     if input_scale is None and s.activation_scales == "static":
         raise ValueError(
@@ -117,10 +118,10 @@ def quantize_activation(
         scale = _row_scale(input_scale, m, x)
         encode = encode_e4m3 if fmt == "fp8_token" else encode_int8
         return QuantizedActivation(encode(xf / scale.unsqueeze(-1)), scale)
-    if fmt == "fp8_group128":
+    if fmt in _FP8_GROUPS:
         if k == 0:
             return _empty(x, fmt)
-        data, scale = fp8.quantize_fp8_blocks(xf, 1, ACT_GROUP)
+        data, scale = fp8.quantize_fp8_blocks(xf, 1, s.activation_group_size)
         return QuantizedActivation(data, scale)
     if fmt == "mxfp8":
         data, scale = mx.quantize_mx(xf, "e4m3")
@@ -140,7 +141,7 @@ def _empty(x: torch.Tensor, fmt: str) -> QuantizedActivation:
     m = x.shape[0]
     dtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
     data = torch.zeros((m, 0), dtype=torch.float32, device=x.device).to(dtype)
-    shape = (m,) if fmt != "fp8_group128" else (m, 0)
+    shape = (m,) if fmt not in _FP8_GROUPS else (m, 0)
     return QuantizedActivation(data, torch.ones(shape, dtype=torch.float32, device=x.device))
 
 
@@ -154,8 +155,8 @@ def dequantize_activation(qx: QuantizedActivation, scheme: str | QuantScheme) ->
         return qx.data.float()
     if fmt in ("fp8_token", "int8_token"):
         return qx.data.float() * qx.scale.unsqueeze(-1)
-    if fmt == "fp8_group128":
-        return fp8.dequantize_fp8_blocks(qx.data, qx.scale, 1, ACT_GROUP)
+    if fmt in _FP8_GROUPS:
+        return fp8.dequantize_fp8_blocks(qx.data, qx.scale, 1, s.activation_group_size)
     if fmt == "mxfp8":
         return mx.dequantize_mx(qx.data, qx.scale, "e4m3")
     return nvfp4.dequantize_nvfp4(qx.data, qx.scale, qx.global_scale.unsqueeze(-1))

@@ -21,7 +21,7 @@ import torch
 
 from moerunner.quant.codecs import decode_e4m3, encode_e4m3
 from moerunner.quant.schemes import QuantScheme, get_scheme
-from moerunner.quant.weight import QuantizedWeight
+from moerunner.quant.weight import QuantizedWeight, check_scale_values
 
 __all__ = [
     "cat_rows",
@@ -57,6 +57,11 @@ def _stack(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Ten
         raise ValueError(
             f"{name} must be a stacked tensor or a non-empty list of per-expert tensors"
         )
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"{name}[{i}] must be a torch.Tensor (one per expert), got {type(p).__name__}"
+            )
     shapes = {(p.dtype, tuple(p.shape)) for p in parts}
     if len(shapes) != 1:
         raise ValueError(
@@ -95,6 +100,7 @@ def import_gpt_oss_mxfp4(
             f"blocks/scales: expected blocks [E, N, G, 16] and scales [E, N, G], got "
             f"{list(blocks.shape)} and {list(scales.shape)}"
         )
+    check_scale_values({"scale": scales}, {"scale": "scales"}, e8m0_nan=False)
     qw = QuantizedWeight(s, (e, n, 32 * g), blocks.reshape(e, n, 16 * g), scales)
     return qw.select_rows(_deinterleave_index(n, blocks.device)) if deinterleave else qw
 
@@ -117,6 +123,7 @@ def import_deepseek_fp8(
             f"weight_scale_inv: expected fp32 [ceil(N/128), ceil(K/128)] per expert = "
             f"{list(grid)} (stacked) for weight {list(w.shape)}, got {list(s.shape)}"
         )
+    check_scale_values({"scale": s}, {"scale": "weight_scale_inv"})
     return QuantizedWeight("fp8_block", (e, n, k), w, s)
 
 
@@ -156,6 +163,10 @@ def import_modelopt_nvfp4(
     if input_scale is not None and s.activation_format == "nvfp4":
         act_scale = _tensor("input_scale", _stack("input_scale", input_scale), torch.float32)
         act_scale = act_scale.reshape(-1)
+    check_scale_values(
+        {"scale": sc, "global_scale": gs, "input_scale": act_scale},
+        {"scale": "weight_scale", "global_scale": "weight_scale_2", "input_scale": "input_scale"},
+    )
     return QuantizedWeight(s, (e, n, 2 * half_k), w, sc, global_scale=gs, input_scale=act_scale)
 
 
@@ -290,6 +301,21 @@ def gpt_oss_experts_from_safetensors(
 def _per_expert(
     found: dict[str, torch.Tensor], prefix: str, num_experts: int, proj: str, key: str
 ) -> list[torch.Tensor]:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    extra = sorted(
+        int(name.split(".", 1)[0])
+        for name in found
+        if name.endswith(f".{proj}.{key}")
+        and name.split(".", 1)[0].isdigit()
+        and int(name.split(".", 1)[0]) >= num_experts
+    )
+    if extra:
+        raise ValueError(
+            f"num_experts={num_experts}, but the checkpoint also holds {prefix}{extra[0]}."
+            f"{proj}.{key} ({len(extra)} experts numbered >= {num_experts}): pass the "
+            "checkpoint's expert count"
+        )
     return [_need(found, f"{e}.{proj}.{key}", prefix) for e in range(num_experts)]
 
 

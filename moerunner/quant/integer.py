@@ -1,7 +1,10 @@
 # Integer formats: int8 with one fp32 scale per row, int4 with one fp32 scale per K group.
 #
-# int8 (weights per output channel, activations per token): scale = amax / 127, q =
-# round_half_even(x / scale) clamped to [-128, 127]; value = q * scale.
+# int8 (weights per output channel or per K group, activations per token): scale = amax / 127,
+# q = round_half_even(x / scale) clamped to [-128, 127]; value = q * scale. Group-wise int8
+# with zero point: the group range [min(x, 0), max(x, 0)] maps onto [-128, 127]: scale =
+# (max - min) / 255, zero = round_half_even(-min / scale) - 128 (int8), q = round(x / scale) +
+# zero, value = (q - zero) * scale; 0.0 stays exact.
 # int4 is stored unsigned (q in 0..15), two per byte, low nibble = even k; value =
 # (q - zero) * scale. Symmetric: zero = 8 (not stored), scale = amax / 7, so q - 8 spans
 # [-7, 7]. With zero point: the group range [min(x, 0), max(x, 0)] maps onto [0, 15]:
@@ -23,8 +26,10 @@ from moerunner.quant.codecs import (
 __all__ = [
     "INT4_SYMMETRIC_ZERO",
     "dequantize_int4",
+    "dequantize_int8_groups",
     "dequantize_int8_rows",
     "quantize_int4",
+    "quantize_int8_groups",
     "quantize_int8_rows",
 ]
 
@@ -43,11 +48,11 @@ def dequantize_int8_rows(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return data.float() * scale.float().unsqueeze(-1)
 
 
-def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+def _groups(x: torch.Tensor, group_size: int, what: str = "int4") -> torch.Tensor:
     k = x.shape[-1]
     if k % group_size:
         raise ValueError(
-            f"x: int4 with group size {group_size} needs the last dim to be a multiple of it, "
+            f"x: {what} with group size {group_size} needs the last dim to be a multiple of it, "
             f"got {k}; zero-pad it first or pick a group size that divides it"
         )
     return x.reshape(*x.shape[:-1], k // group_size, group_size)
@@ -82,3 +87,32 @@ def dequantize_int4(
     q = _groups(values, group_size)
     z = INT4_SYMMETRIC_ZERO if zero is None else zero.float().unsqueeze(-1)
     return ((q - z) * scale.float().unsqueeze(-1)).reshape(values.shape)
+
+
+def quantize_int8_groups(
+    x: torch.Tensor, group_size: int, zero_point: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``x [..., K]`` to int8 with one fp32 scale per ``group_size`` along K.
+
+    Returns ``(data int8 [..., K], scale fp32 [..., K/g], zero int8 [..., K/g] or None)``.
+    """
+    groups = _groups(x.float(), group_size, "int8")
+    if zero_point:
+        lo = groups.amin(dim=-1).clamp(max=0.0)
+        hi = groups.amax(dim=-1).clamp(min=0.0)
+        scale = absmax_scale(hi - lo, 255.0)
+        zero = encode_int8(torch.round(-lo / scale) - 128.0)
+        q = encode_int8(groups / scale.unsqueeze(-1) + zero.unsqueeze(-1).float())
+        return q.reshape(x.shape), scale, zero
+    scale = absmax_scale(groups.abs().amax(dim=-1), 127.0)
+    return encode_int8(groups / scale.unsqueeze(-1)).reshape(x.shape), scale, None
+
+
+def dequantize_int8_groups(
+    data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    """Float32 value ``(q - zero) * scale`` of int8 ``data`` (zero None means 0)."""
+    q = _groups(data.float(), group_size, "int8")
+    if zero is not None:
+        q = q - zero.float().unsqueeze(-1)
+    return (q * scale.float().unsqueeze(-1)).reshape(data.shape)

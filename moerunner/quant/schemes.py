@@ -16,14 +16,29 @@ __all__ = [
     "ACTIVATION_FORMATS",
     "QuantScheme",
     "SCHEME_NAMES",
+    "STATIC_ACTIVATION_FORMATS",
     "get_scheme",
+    "plain_scheme",
+    "registered_name",
 ]
 
 WEIGHT_FORMATS = ("bf16", "fp16", "fp32", "e4m3", "e2m1", "int8", "int4")
 SCALE_FORMATS = ("none", "fp32", "e8m0", "e4m3")
 GRANULARITIES = ("none", "tensor", "channel", "block", "group")
-ACTIVATION_FORMATS = ("none", "fp8_token", "fp8_group128", "mxfp8", "nvfp4", "int8_token")
+ACTIVATION_FORMATS = (
+    "none",
+    "fp8_token",
+    "fp8_group128",
+    "fp8_group",
+    "mxfp8",
+    "nvfp4",
+    "int8_token",
+)
 ACTIVATION_SCALES = ("dynamic", "static")
+#: Activation formats that may use a static (calibrated) scale instead of a dynamic one.
+STATIC_ACTIVATION_FORMATS = ("fp8_token", "int8_token", "nvfp4")
+# Elements along K per activation scale, for the formats whose group is fixed.
+_ACTIVATION_GROUP = {"fp8_group128": 128, "mxfp8": 32, "nvfp4": 16}
 _UNQUANTIZED = ("bf16", "fp16", "fp32")
 
 
@@ -42,8 +57,11 @@ class QuantScheme:
       ``"channel"`` (one per output row), ``"block"`` (a 2-D block of ``block_shape``) or
       ``"group"`` (``block_shape = (1, group_size)`` along K).
     - ``block_shape``: ``(rows, cols)`` of one scale block for "block" / "group", else None.
-    - ``zero_point``: int4 only: per-group uint8 zero point (asymmetric) instead of zero = 8.
+    - ``zero_point``: int4 / int8 with "group" granularity: a zero point per group
+      (asymmetric) instead of the implicit one (8 for int4, 0 for int8).
     - ``activation_format``: one of ``ACTIVATION_FORMATS``; ``"none"`` for weight-only schemes.
+      ``"fp8_group"`` is e4m3 per ``(1, block_shape[1])`` group of the weight's K blocks; with
+      128-wide blocks it is stored as ``"fp8_group128"`` (one value per format).
     - ``activation_scales``: ``"dynamic"`` (computed per call) or ``"static"`` (the weight
       must carry ``input_scale``).
     """
@@ -101,19 +119,31 @@ class QuantScheme:
                 "QuantScheme block_shape is only accepted with granularity 'block' or 'group', "
                 f"got block_shape={self.block_shape!r} with granularity={self.granularity!r}"
             )
-        if self.zero_point and self.weight_format != "int4":
+        if self.zero_point and (
+            self.weight_format not in ("int4", "int8") or self.granularity != "group"
+        ):
             raise ValueError(
-                f"QuantScheme zero_point=True is only accepted for weight_format 'int4', "
-                f"got {self.weight_format!r}"
+                "QuantScheme zero_point=True is only accepted for weight_format 'int4' or "
+                f"'int8' with granularity 'group', got weight_format={self.weight_format!r}, "
+                f"granularity={self.granularity!r}"
             )
-        if self.activation_scales == "static" and self.activation_format not in (
-            "fp8_token",
-            "int8_token",
-            "nvfp4",
+        if self.activation_format == "fp8_group":
+            if self.granularity not in ("block", "group"):
+                raise ValueError(
+                    "QuantScheme activation_format 'fp8_group' groups activations by the "
+                    "weight's K block and needs granularity 'block' or 'group', got "
+                    f"{self.granularity!r}"
+                )
+            if self.block_shape[1] == _ACTIVATION_GROUP["fp8_group128"]:
+                object.__setattr__(self, "activation_format", "fp8_group128")
+        if (
+            self.activation_scales == "static"
+            and self.activation_format not in STATIC_ACTIVATION_FORMATS
         ):
             raise ValueError(
                 "QuantScheme activation_scales='static' is accepted for activation_format "
-                f"'fp8_token', 'int8_token' or 'nvfp4', got {self.activation_format!r}"
+                f"{' or '.join(map(repr, STATIC_ACTIVATION_FORMATS))}, "
+                f"got {self.activation_format!r}"
             )
 
     @property
@@ -141,6 +171,33 @@ class QuantScheme:
         """True when a kernel quantizes its GEMM input (W8A8, W4A8, W4A4...)."""
         return self.activation_format != "none"
 
+    @property
+    def activation_group_size(self) -> int | None:
+        """K elements sharing one activation scale (None: per row, or not quantized)."""
+        if self.activation_format == "fp8_group":
+            return self.block_shape[1]
+        return _ACTIVATION_GROUP.get(self.activation_format)
+
+    @property
+    def family(self) -> str:
+        """Codec family of the weight: "plain", "fp8", "mx", "nvfp4", "int8", "int4", ...
+
+        Derived from the fields (``moerunner.quant.families``), never from the name; raises
+        ValueError for a combination of fields no codec stores.
+        """
+        from moerunner.quant.families import codec_of
+
+        return codec_of(self).name
+
+    @property
+    def format_key(self) -> tuple:
+        """Every field but ``name``: two schemes with equal formats compute the same thing."""
+        return dataclasses.astuple(self)[1:]
+
+    def same_format(self, other: QuantScheme) -> bool:
+        """True when ``other`` stores and computes like this scheme (names may differ)."""
+        return isinstance(other, QuantScheme) and self.format_key == other.format_key
+
 
 def _check_choice(field: str, value: object, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
@@ -162,6 +219,21 @@ def _int4(group_size: int, zero_point: bool, name: str) -> QuantScheme:
     )
 
 
+def _int8_groups(group_size: int, zero_point: bool, name: str) -> QuantScheme:
+    return QuantScheme(
+        name=name,
+        weight_format="int8",
+        scale_format="fp32",
+        granularity="group",
+        block_shape=(1, group_size),
+        zero_point=zero_point,
+    )
+
+
+def _fp8_blocks(rows: int, cols: int, name: str) -> QuantScheme:
+    return QuantScheme(name, "e4m3", "fp32", "block", (rows, cols), activation_format="fp8_group")
+
+
 _NAMED: dict[str, QuantScheme] = {
     s.name: s
     for s in (
@@ -181,6 +253,9 @@ _NAMED: dict[str, QuantScheme] = {
         QuantScheme(
             "fp8_block", "e4m3", "fp32", "block", (128, 128), activation_format="fp8_group128"
         ),
+        _fp8_blocks(64, 64, "fp8_block_64x64"),
+        _fp8_blocks(64, 128, "fp8_block_64x128"),
+        _fp8_blocks(128, 64, "fp8_block_128x64"),
         QuantScheme("mxfp8", "e4m3", "e8m0", "group", (1, 32), activation_format="mxfp8"),
         QuantScheme("mxfp4", "e2m1", "e8m0", "group", (1, 32)),
         QuantScheme("mxfp4_mxfp8", "e2m1", "e8m0", "group", (1, 32), activation_format="mxfp8"),
@@ -205,6 +280,10 @@ _NAMED: dict[str, QuantScheme] = {
             activation_scales="static",
         ),
         QuantScheme("int8_w8a16", "int8", "fp32", "channel"),
+        _int8_groups(64, False, "int8_g64"),
+        _int8_groups(128, False, "int8_g128"),
+        _int8_groups(64, True, "int8_g64_zp"),
+        _int8_groups(128, True, "int8_g128_zp"),
         _int4(128, False, "int4"),
         _int4(128, True, "int4_zp"),
         _int4(32, False, "int4_g32"),
@@ -217,11 +296,53 @@ _NAMED: dict[str, QuantScheme] = {
 }
 
 #: Every name `get_scheme` accepts, in documentation order. "int4" is int4_g128 (symmetric);
-#: "int4_zp" is int4_g128_zp. Any group size that is a positive even int is also accepted as
-#: "int4_g<size>" or "int4_g<size>_zp".
+#: "int4_zp" is int4_g128_zp. Parametrised names are accepted too: "int4_g<even size>[_zp]",
+#: "int8_g<size>[_zp]" and "fp8_block_<rows>x<cols>".
 SCHEME_NAMES: tuple[str, ...] = tuple(_NAMED)
 
-_INT4_PATTERN = re.compile(r"int4_g([1-9][0-9]*)(_zp)?")
+
+# Parametrised names: (pattern, builder of the scheme from the match, or None to refuse it).
+def _int4_named(match: re.Match, key: str) -> QuantScheme | None:
+    size = int(match.group(1))
+    return _int4(size, match.group(2) is not None, key) if size % 2 == 0 else None
+
+
+def _int8_named(match: re.Match, key: str) -> QuantScheme:
+    return _int8_groups(int(match.group(1)), match.group(2) is not None, key)
+
+
+def _fp8_named(match: re.Match, key: str) -> QuantScheme:
+    return _fp8_blocks(int(match.group(1)), int(match.group(2)), key)
+
+
+_PATTERNS = (
+    (re.compile(r"int4_g([1-9][0-9]*)(_zp)?"), _int4_named),
+    (re.compile(r"int8_g([1-9][0-9]*)(_zp)?"), _int8_named),
+    (re.compile(r"fp8_block_([1-9][0-9]*)x([1-9][0-9]*)"), _fp8_named),
+)
+_PATTERN_NAMES = "'int4_g<even size>[_zp]', 'int8_g<size>[_zp]', 'fp8_block_<rows>x<cols>'"
+_BY_FORMAT = {s.format_key: s.name for s in reversed(_NAMED.values())}
+
+
+def plain_scheme(dtype: object) -> QuantScheme:
+    """The unquantized scheme of a torch dtype (bf16, fp16 or fp32)."""
+    name = str(dtype).replace("torch.", "")
+    name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(name)
+    if name is None:
+        raise TypeError(f"dtype must be torch.bfloat16, float16 or float32, got {dtype}")
+    return _NAMED[name]
+
+
+def registered_name(scheme: QuantScheme) -> str:
+    """Name of the registered scheme with ``scheme``'s format (its own name if none has it).
+
+    Keys that outlive one object (tuned tile files, benchmark rows) use it, so a custom
+    ``QuantScheme`` with the fields of "fp8_block" finds the files tuned for "fp8_block".
+    Where several names share a format ("int4" and "int4_g128") the first registered wins.
+    """
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"scheme must be a QuantScheme, got {type(scheme).__name__}")
+    return _BY_FORMAT.get(scheme.format_key, scheme.name)
 
 
 def get_scheme(name_or_scheme: str | QuantScheme) -> QuantScheme:
@@ -241,10 +362,12 @@ def get_scheme(name_or_scheme: str | QuantScheme) -> QuantScheme:
     found = _NAMED.get(key)
     if found is not None:
         return found
-    match = _INT4_PATTERN.fullmatch(key)
-    if match is not None and int(match.group(1)) % 2 == 0:
-        return _int4(int(match.group(1)), match.group(2) is not None, key)
+    for pattern, build in _PATTERNS:
+        match = pattern.fullmatch(key)
+        scheme = None if match is None else build(match, key)
+        if scheme is not None:
+            return scheme
     raise ValueError(
         f"scheme: unknown quantization scheme {name_or_scheme!r}; accepted names: "
-        f"{', '.join(SCHEME_NAMES)} (and 'int4_g<even size>[_zp]')"
+        f"{', '.join(SCHEME_NAMES)} (and {_PATTERN_NAMES})"
     )

@@ -13,89 +13,34 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from moerunner.quant import fp8, integer, mx, nvfp4
-from moerunner.quant.schemes import QuantScheme, get_scheme
+from moerunner.quant.families import codec_of, pad_rows_cols
+from moerunner.quant.schemes import STATIC_ACTIVATION_FORMATS, QuantScheme, get_scheme
 
 __all__ = ["TENSOR_FIELDS", "QuantizedWeight", "dequantize", "quantize"]
 
 #: Order of the tensor fields in `QuantizedWeight.flat_tensors()` / `from_tensors(sequence)`.
 TENSOR_FIELDS = ("data", "scale", "global_scale", "zero_point", "input_scale")
 
-_PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_STATIC_CAPABLE = ("fp8_token", "int8_token", "nvfp4")
-
-
-def _kind(scheme: QuantScheme) -> str:
-    """Internal family name of a scheme; raises for combinations with no codec."""
-    w, s, g, bs = scheme.weight_format, scheme.scale_format, scheme.granularity, scheme.block_shape
-    if not scheme.is_quantized:
-        return "plain"
-    if w == "e4m3" and s == "fp32" and g in ("tensor", "channel"):
-        return f"fp8_{g}"
-    if w == "e4m3" and s == "fp32" and g in ("block", "group"):
-        return "fp8_block"
-    if w in ("e4m3", "e2m1") and s == "e8m0" and g == "group" and bs == (1, mx.MX_BLOCK):
-        return "mx"
-    if w == "e2m1" and s == "e4m3" and g == "group" and bs == (1, nvfp4.NVFP4_BLOCK):
-        return "nvfp4"
-    if w == "int8" and s == "fp32" and g == "channel":
-        return "int8"
-    if w == "int4" and s == "fp32" and g == "group":
-        return "int4"
-    raise ValueError(
-        f"scheme: no codec for weight_format={w!r}, scale_format={s!r}, granularity={g!r}, "
-        f"block_shape={bs!r}; supported: fp8 e4m3 with fp32 scales per tensor / channel / block, "
-        "e4m3 or e2m1 with e8m0 scales per (1, 32), e2m1 with e4m3 scales per (1, 16), int8 "
-        "per channel, int4 per group"
-    )
-
 
 def _expected_layout(
     scheme: QuantScheme, shape: tuple[int, int, int]
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]] | None]:
     """dtype and shape of every tensor field for ``scheme`` and logical ``shape`` (E, N, K)."""
-    e, n, k = shape
-    kind = _kind(scheme)
-    bs = scheme.block_shape
-    if scheme.packed or kind in ("mx", "int4", "nvfp4"):
-        g = bs[1]
-        if k % g:
-            raise ValueError(
-                f"shape: K={k} must be a multiple of the group size {g} of scheme "
-                f"{scheme.name!r}; zero-pad K before quantizing"
-            )
-    out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(TENSOR_FIELDS)
-    packed_data = (torch.uint8, (e, n, k // 2))
-    if kind == "plain":
-        out["data"] = (_PLAIN_DTYPES[scheme.weight_format], (e, n, k))
-    elif kind == "fp8_tensor":
-        out["data"], out["scale"] = (torch.float8_e4m3fn, (e, n, k)), (torch.float32, (e,))
-    elif kind == "fp8_channel":
-        out["data"], out["scale"] = (torch.float8_e4m3fn, (e, n, k)), (torch.float32, (e, n))
-    elif kind == "fp8_block":
-        grid = (e, math.ceil(n / bs[0]), math.ceil(k / bs[1]))
-        out["data"], out["scale"] = (torch.float8_e4m3fn, (e, n, k)), (torch.float32, grid)
-    elif kind == "mx":
-        out["data"] = (
-            (torch.float8_e4m3fn, (e, n, k)) if scheme.weight_format == "e4m3" else packed_data
+    codec = codec_of(scheme)
+    g = codec.k_multiple(scheme)
+    if g and shape[2] % g:
+        raise ValueError(
+            f"shape: K={shape[2]} must be a multiple of the group size {g} of scheme "
+            f"{scheme.name!r}; zero-pad K before quantizing"
         )
-        out["scale"] = (torch.uint8, (e, n, k // bs[1]))
-    elif kind == "nvfp4":
-        out["data"], out["scale"] = packed_data, (torch.float8_e4m3fn, (e, n, k // bs[1]))
-        out["global_scale"] = (torch.float32, (e,))
-    elif kind == "int8":
-        out["data"], out["scale"] = (torch.int8, (e, n, k)), (torch.float32, (e, n))
-    else:  # int4
-        out["data"], out["scale"] = packed_data, (torch.float32, (e, n, k // bs[1]))
-        if scheme.zero_point:
-            out["zero_point"] = (torch.uint8, (e, n, k // bs[1]))
-    if scheme.activation_format in _STATIC_CAPABLE:
-        out["input_scale"] = (torch.float32, (e,))
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]] | None] = dict.fromkeys(TENSOR_FIELDS)
+    out.update(codec.layout(scheme, shape))
+    if scheme.activation_format in STATIC_ACTIVATION_FORMATS:
+        out["input_scale"] = (torch.float32, (shape[0],))
     return out
 
 
@@ -107,6 +52,50 @@ def _check_shape(shape: object) -> tuple[int, int, int]:
     ):
         raise ValueError(f"shape must be three non-negative ints (E, N, K), got {shape!r}")
     return (int(shape[0]), int(shape[1]), int(shape[2]))
+
+
+def check_scale_values(
+    fields: Mapping[str, torch.Tensor | None],
+    names: Mapping[str, str] | None = None,
+    *,
+    e8m0_nan: bool = True,
+) -> None:
+    """Raise ValueError for scale values that would silently corrupt the weight.
+
+    fp32 scales (``scale``, ``global_scale``, ``input_scale``) must be finite and > 0: zero
+    makes an expert vanish, a negative one flips its sign (quantizing a weight with NaN/Inf
+    gives such a scale). e4m3 block scales (NVFP4) must be finite and >= 0 (0 is what an
+    all-zero block quantizes to). e8m0 code 255 is the OCP MX encoding of a NaN block (what
+    quantizing a block with a NaN gives; it dequantizes to NaN on every backend): accepted
+    unless ``e8m0_nan=False`` (checkpoint import). ``names`` maps a field to the name the
+    caller knows it by (a checkpoint key). Reads values (one reduction per tensor): call it
+    at construction or import, never per forward; skipped for meta tensors and while
+    compiling or capturing a CUDA graph.
+    """
+    if torch.compiler.is_compiling() or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    ):
+        return
+    for field in ("scale", "global_scale", "input_scale"):
+        t = fields.get(field)
+        if t is None or t.is_meta or t.numel() == 0:
+            continue
+        name = (names or {}).get(field, field)
+        if t.dtype == torch.uint8:  # e8m0 codes
+            if not e8m0_nan and bool((t == 255).any()):
+                raise ValueError(f"{name}: e8m0 code 255 (NaN) is not a valid scale")
+            continue
+        v = t.float()
+        if t.dtype == torch.float8_e4m3fn:
+            bad, rule = torch.isnan(v) | (v < 0), "finite and >= 0 (e4m3 block scales)"
+        else:
+            bad, rule = ~torch.isfinite(v) | (v <= 0), "finite and > 0"
+        if bool(bad.any()):
+            index = [int(i) for i in torch.nonzero(bad)[0]]
+            raise ValueError(
+                f"{name}: scales must be {rule}; got {v[tuple(index)].item()} at index {index}"
+                " (a weight with NaN or Inf quantizes to such a scale)"
+            )
 
 
 class QuantizedWeight:
@@ -177,6 +166,7 @@ class QuantizedWeight:
                 )
             if value.device != device:
                 raise ValueError(f"{field} is on {value.device} but data is on {device}")
+        check_scale_values(self.tensors())
 
     def _static(self) -> bool:
         return self.scheme.activation_scales == "static"
@@ -253,32 +243,13 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """Float32 ``[E, N, K]`` value of the weight (see docs/architecture.md for the rules)."""
-        kind = _kind(self.scheme)
-        bs = self.scheme.block_shape
-        if kind == "plain":
-            return self.data.float()
-        if kind == "fp8_tensor":
-            return self.data.float() * self.scale[:, None, None]
-        if kind in ("fp8_channel", "int8"):
-            return self.data.float() * self.scale[:, :, None]
-        if kind == "fp8_block":
-            return fp8.dequantize_fp8_blocks(self.data, self.scale, bs[0], bs[1])
-        if kind == "mx":
-            return mx.dequantize_mx(self.data, self.scale, self.scheme.weight_format)
-        if kind == "nvfp4":
-            return nvfp4.dequantize_nvfp4(self.data, self.scale, self.global_scale[:, None, None])
-        return integer.dequantize_int4(self.data, self.scale, self.zero_point, bs[1])
+        return codec_of(self.scheme).dequantize(self)
 
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Rows ``index`` of N (e.g. de-interleave gate/up); not for 2-D block scales."""
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
             raise TypeError("index must be a 1-D integer tensor of row numbers")
-        kind = _kind(self.scheme)
-        if kind == "fp8_block" and self.scheme.block_shape[0] != 1:
-            raise ValueError(
-                f"index: scheme {self.scheme.name!r} shares one scale across "
-                f"{self.scheme.block_shape[0]} rows, so its rows cannot be reordered"
-            )
+        codec_of(self.scheme).check_select_rows(self.scheme)
         index = index.to(self.device)
         fields = {"data": self.data.index_select(1, index)}
         if self.scale is not None and self.scale.dim() >= 2:
@@ -312,94 +283,25 @@ class QuantizedWeight:
             )
         if not isinstance(k1, int) or k1 < k0:
             raise ValueError(f"k must be an int >= the current K={k0}, got {k1!r}")
-        kind = _kind(self.scheme)
-        if kind in ("mx", "nvfp4", "int4") and k1 % self.scheme.block_shape[1]:
+        codec = codec_of(self.scheme)
+        g = codec.k_multiple(self.scheme)
+        if g and k1 % g:
             raise ValueError(
                 f"k: scheme {self.scheme.name!r} needs K to be a multiple of its group size "
-                f"{self.scheme.block_shape[1]}, got {k1}"
+                f"{g}, got {k1}"
             )
-        fill = _pad_fill(self.scheme, kind)
+        fill = codec.pad_fill(self.scheme)
         unit = 2 if self.scheme.packed else 1
         fields: dict[str, torch.Tensor | None] = {
-            "data": _pad_rows_cols(self.data, segments, r1 - n0, (k1 - k0) // unit, fill["data"])
+            "data": pad_rows_cols(self.data, segments, r1 - n0, (k1 - k0) // unit, fill["data"]),
+            "scale": codec.pad_scale(self, segments, r1, k1),
         }
-        if kind == "fp8_block":
-            fields["scale"] = _pad_block_grid(self.scale, self.scheme, n, segments, r1, k1)
-        elif self.scale is not None and self.scale.dim() == 2:
-            fields["scale"] = _pad_rows_cols(self.scale[..., None], segments, r1 - n0, 0, 1.0)[
-                ..., 0
-            ]
-        elif self.scale is not None and self.scale.dim() == 3:
-            g = self.scheme.block_shape[1]
-            fields["scale"] = _pad_rows_cols(
-                self.scale, segments, r1 - n0, (k1 - k0) // g, fill["scale"]
-            )
         if self.zero_point is not None:
             g = self.scheme.block_shape[1]
-            fields["zero_point"] = _pad_rows_cols(
-                self.zero_point, segments, r1 - n0, (k1 - k0) // g, 0
+            fields["zero_point"] = pad_rows_cols(
+                self.zero_point, segments, r1 - n0, (k1 - k0) // g, fill["zero_point"]
             )
         return self._replace((e, segments * r1, k1), **fields)
-
-
-def _pad_fill(scheme: QuantScheme, kind: str) -> dict[str, float]:
-    """Raw fill values whose dequantized value is 0, matching what quantizing zeros stores."""
-    data_fill = 0.0
-    if kind == "int4" and not scheme.zero_point:
-        data_fill = float(0x88)  # two symmetric-int4 zeros (q = 8)
-    scale_fill = 1.0  # fp32 scales: absmax_scale of an all-zero block
-    if kind in ("mx", "nvfp4"):
-        scale_fill = 0.0  # e8m0 code 0 / e4m3 0.0: what an all-zero block quantizes to
-    return {"data": data_fill, "scale": scale_fill}
-
-
-def _pad_rows_cols(
-    t: torch.Tensor, segments: int, extra_rows: int, extra_cols: int, fill: float
-) -> torch.Tensor:
-    """Pad dim 1 of ``t [E, rows, cols]`` per segment and dim 2 at the end with ``fill``."""
-    if extra_rows == 0 and extra_cols == 0:
-        return t
-    e, rows, cols = t.shape
-    seg = t.reshape(e, segments, rows // segments, cols)
-    out = torch.full(
-        (e, segments, rows // segments + extra_rows, cols + extra_cols),
-        fill,
-        dtype=t.dtype,
-        device=t.device,
-    )
-    out[:, :, : rows // segments, :cols] = seg
-    return out.reshape(e, -1, cols + extra_cols)
-
-
-def _pad_block_grid(
-    scale: torch.Tensor, scheme: QuantScheme, n: int, segments: int, r1: int, k1: int
-) -> torch.Tensor:
-    """New fp8_block scale grid after padding; each new block must map to one old block."""
-    bn, bk = scheme.block_shape
-    n0 = n // segments
-    e, _, kb0 = scale.shape
-    nb1, kb1 = math.ceil(segments * r1 / bn), math.ceil(k1 / bk)
-    rows: list[torch.Tensor] = []
-    for j in range(nb1):
-        sources = set()
-        for i in range(j * bn, min((j + 1) * bn, segments * r1)):
-            seg, local = divmod(i, r1)
-            if local < n0:
-                sources.add((seg * n0 + local) // bn)
-        if len(sources) > 1:
-            raise ValueError(
-                f"rows_per_segment: scheme {scheme.name!r} shares one scale per {bn} rows; "
-                f"padding {segments} segments of {n0} rows to {r1} would put rows of different "
-                f"scale blocks into one block; use segments whose rows are multiples of {bn}"
-            )
-        if sources:
-            rows.append(scale[:, sources.pop(), :])
-        else:
-            rows.append(torch.ones(e, kb0, dtype=scale.dtype, device=scale.device))
-    grid = torch.stack(rows, dim=1) if rows else scale.new_ones(e, 0, kb0)
-    if kb1 > kb0:
-        grid = torch.cat([grid, grid.new_ones(e, nb1, kb1 - kb0)], dim=2)
-    return grid
 
 
 def quantize(
@@ -437,33 +339,17 @@ def quantize(
                 "scale; accepted only for activation formats fp8_token, int8_token, nvfp4"
             )
         input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=weight.device)
-        input_scale = input_scale.expand(shape[0]).contiguous()
-    kind = _kind(s)
-    w = weight.float()
-    bs = s.block_shape
+        if input_scale.numel() not in (1, shape[0]):
+            raise ValueError(
+                f"input_scale must be a scalar or one value per expert (E={shape[0]}), got "
+                f"shape {list(input_scale.shape)}"
+            )
+        input_scale = input_scale.reshape(-1).expand(shape[0]).contiguous()
     fields: dict[str, torch.Tensor | None] = {"input_scale": input_scale}
-    if kind == "plain":
-        fields["data"] = weight.to(_PLAIN_DTYPES[s.weight_format])
-    elif min(shape) == 0:
+    if s.is_quantized and min(shape) == 0:
         fields.update(_empty_fields(layout, weight.device))
-    elif kind == "fp8_tensor":
-        fields["data"], fields["scale"] = fp8.quantize_fp8_tensor(w)
-    elif kind in ("fp8_channel", "int8"):
-        quantize_rows = (
-            fp8.quantize_fp8_rows if kind == "fp8_channel" else integer.quantize_int8_rows
-        )
-        fields["data"], fields["scale"] = quantize_rows(w)
-    elif kind == "fp8_block":
-        fields["data"], fields["scale"] = fp8.quantize_fp8_blocks(w, bs[0], bs[1])
-    elif kind == "mx":
-        fields["data"], fields["scale"] = mx.quantize_mx(w, s.weight_format)
-    elif kind == "nvfp4":
-        gs = nvfp4.nvfp4_global_scale(w.abs().amax(dim=(-2, -1)))
-        fields["data"], fields["scale"] = nvfp4.quantize_nvfp4(w, gs[:, None, None])
-        fields["global_scale"] = gs
     else:
-        data, sc, zero = integer.quantize_int4(w, bs[1], s.zero_point)
-        fields.update(data=data, scale=sc, zero_point=zero)
+        fields.update(codec_of(s).quantize(s, weight))
     return QuantizedWeight(s, shape, **fields)
 
 

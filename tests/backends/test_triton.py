@@ -24,7 +24,16 @@ from moerunner.weights import ExpertWeights
 
 triton_pkg = pytest.importorskip("moerunner.backends.triton")
 
-from moerunner.backends.triton import _align, _prepare, experts, tile_config  # noqa: E402
+from moerunner.backends.triton import (  # noqa: E402
+    TritonBackend,
+    TritonOptions,
+    _align,
+    _prepare,
+    experts,
+    tile_config,
+)
+
+OPTIONS = TritonOptions()
 
 if not triton_pkg.interpreted() and not torch.cuda.is_available():
     pytest.skip("triton backend cannot run here", allow_module_level=True)
@@ -68,45 +77,49 @@ def _align_reference(row_expert, num_experts, block_m, cap):
 @pytest.mark.parametrize(
     "rows,experts,block_m", [(1, 4, 16), (10, 4, 16), (37, 8, 16), (64, 16, 32), (100, 3, 64)]
 )
-def test_alignment_kernel_equals_reference(rows, experts, block_m, multi, monkeypatch):
+def test_alignment_kernel_equals_reference(rows, experts, block_m, multi):
     """Both the one-program and the multi-program (count, scan, scatter) alignment give the
     reference layout exactly; ``multi`` forces the latter with 16-row programs."""
-    if multi:
-        monkeypatch.setattr(_align, "SINGLE_PROGRAM_MAX_ROWS", 0)
+    single_max = 0 if multi else _align.SINGLE_PROGRAM_MAX_ROWS
     gen = torch.Generator().manual_seed(rows)
     ids = torch.randint(-1, experts, (rows,), generator=gen, dtype=torch.int32).to(DEVICE)
     cap = _align.max_padded_rows(rows, experts, block_m)
     s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
     b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
     n = torch.empty(1, dtype=torch.int32, device=DEVICE)
-    _align.align_rows(ids, experts, block_m, s, b, n, rows_per_program=16)
+    _align.align_rows(
+        ids, experts, block_m, s, b, n, rows_per_program=16, options=OPTIONS,
+        single_program_max_rows=single_max,
+    )  # fmt: skip
     used, want_s, want_b = _align_reference(ids, experts, block_m, cap)
     assert int(n) == used and used % block_m == 0
     assert torch.equal(s[:used].cpu(), want_s)
     assert torch.equal(b[: used // block_m].cpu(), want_b)
 
 
-def test_alignment_rejects_small_scratch(monkeypatch):
-    monkeypatch.setattr(_align, "SINGLE_PROGRAM_MAX_ROWS", 0)
+def test_alignment_rejects_small_scratch():
     ids = torch.zeros(40, dtype=torch.int32, device=DEVICE)
     s = torch.empty(64, dtype=torch.int32, device=DEVICE)
     b = torch.empty(4, dtype=torch.int32, device=DEVICE)
     n = torch.empty(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="scratch"):
-        _align.align_rows(ids, 2, 16, s, b, n, torch.empty(3, dtype=torch.int32), 16)
+        _align.align_rows(
+            ids, 2, 16, s, b, n, torch.empty(3, dtype=torch.int32), 16, options=OPTIONS,
+            single_program_max_rows=0,
+        )  # fmt: skip
 
 
 def test_topk_sum_skips_minus_one_and_out_of_range_slots():
     src = torch.randn(6, 40, device=DEVICE)
     ids = torch.tensor([[0, -1], [2, 1], [-1, 3]], dtype=torch.int32, device=DEVICE)
     out = torch.empty(3, 40, device=DEVICE)
-    _align.topk_sum(src, ids, out, num_experts=3)
+    _align.topk_sum(src, ids, out, num_experts=3, options=OPTIONS)
     want = torch.stack([src[0], src[2] + src[3], torch.zeros(40, device=DEVICE)])
     torch.testing.assert_close(out, want)
 
 
 @pytest.mark.parametrize("scheme", ["fp32", "fp8_block", "mxfp4", "int4_g32_zp"])
-def test_row_blocks_equal_the_aligned_layout(scheme, monkeypatch):
+def test_row_blocks_equal_the_aligned_layout(scheme):
     """Row blocks (no alignment: one block per row, expert read from the ids, the layout of a
     single token, here forced for four tokens with a repeated expert) equal the aligned
     layout, and ids -1 or >= E contribute nothing."""
@@ -118,16 +131,16 @@ def test_row_blocks_equal_the_aligned_layout(scheme, monkeypatch):
     if scheme != "fp32":
         w13, w2 = moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
     weights = ExpertWeights(w13, w2)
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
     x = torch.randn(T, H, device=DEVICE)
     ids = torch.tensor(
         [[0, 2, -1], [1, 1, 3], [3, E, 0], [2, 0, 1]], dtype=torch.int32, device=DEVICE
     )
     wts = torch.rand(T, k, device=DEVICE)
-    monkeypatch.setattr(experts, "ROW_BLOCKS_MAX_TOKENS", T)
-    rows = experts.fused_standard(x, wts, ids, prepared)
-    monkeypatch.setattr(experts, "ROW_BLOCKS_MAX_TOKENS", 0)
-    aligned = experts.fused_standard(x, wts, torch.where(ids < E, ids, -1), prepared)
+    as_rows = triton_pkg.with_options(prepared, TritonOptions(row_blocks_max_tokens=T))
+    rows = experts.fused_standard(x, wts, ids, as_rows)
+    as_aligned = triton_pkg.with_options(prepared, TritonOptions(row_blocks_max_tokens=0))
+    aligned = experts.fused_standard(x, wts, torch.where(ids < E, ids, -1), as_aligned)
     assert _rel(rows, aligned) < 1e-6
 
 
@@ -166,39 +179,48 @@ def test_half_row_tiles_equal_whole_blocks(scheme, activation, block_n, monkeypa
     b13 = torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None
     b2 = torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None
     weights = ExpertWeights(w13, w2, b13, b2, interleaved)
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    fuse = block_n == 128
+    options = TritonOptions(fuse_input_quant_off_gpu=fuse, split_min_block_m=32)
+    prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))
     x = torch.randn(T, H, device=DEVICE)
     wts = torch.rand(T, k, device=DEVICE)
     tile = tile_config.TileConfig(32, block_n, 64, 1, 4, 2)
     tiles = tile_config.MoeTiles(tile, tile)
-    monkeypatch.setattr(experts, "FUSE_INPUT_QUANT_OFF_GPU", block_n == 128)
-    monkeypatch.setattr(experts, "SPLIT_MIN_BLOCK_M", 32)
-    assert experts.splits_blocks(32, prepared.tensors["w13"].constexprs, T * k / E)
+    consts = prepared.tensors["w13"].constexprs
+    assert experts.splits_blocks(32, consts, T * k / E, options=options)
     # Fresh workspaces: rows a wrong kernel skipped must not find an earlier case's values.
     monkeypatch.setattr(experts, "WORKSPACES", type(experts.WORKSPACES)())
     split = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
-    monkeypatch.setattr(experts, "SPLIT_MIN_BLOCK_M", None)
-    whole = experts.fused_standard(x, wts, ids, prepared, tiles)
+    whole_options = TritonOptions(fuse_input_quant_off_gpu=fuse, split_min_block_m=None)
+    whole = experts.fused_standard(
+        x, wts, ids, triton_pkg.with_options(prepared, whole_options), tiles
+    )
     assert _rel(split, whole) < 1e-6
     assert _rel(split, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
 
-def test_half_row_tiles_only_where_they_pay(monkeypatch):
+def test_half_row_tiles_only_where_they_pay():
     """Weight-only schemes decode every weight whatever the row count, and experts of many
-    blocks have few short ones: both keep one tile."""
-    monkeypatch.setattr(experts, "SPLIT_MIN_BLOCK_M", 128)
+    blocks have few short ones: both keep one tile (``split_min_block_m`` 128)."""
     consts = {
         s: _prepare.kernel_weight(moerunner.quantize(torch.randn(2, 64, 128), s)).constexprs
         for s in ("fp8_block", "int8", "mxfp4", "int4")
     }
     consts["bf16"] = _prepare.kernel_weight(torch.randn(2, 64, 128)).constexprs
-    assert experts.splits_blocks(128, consts["bf16"], 128)
-    assert experts.splits_blocks(128, consts["fp8_block"], 512)
-    assert not experts.splits_blocks(128, consts["bf16"], 4096)  # 32 blocks per expert
-    assert not experts.splits_blocks(64, consts["bf16"], 128)
-    assert not experts.splits_blocks(128, consts["bf16"], 128, row_blocks=True)
-    assert not experts.splits_blocks(128, consts["mxfp4"], 128)
-    assert not experts.splits_blocks(128, consts["int4"], 128)
+    options = TritonOptions(split_min_block_m=128)
+
+    def splits(block_m, scheme, rows_per_expert, row_blocks=False):
+        return experts.splits_blocks(
+            block_m, consts[scheme], rows_per_expert, row_blocks, options=options
+        )
+
+    assert splits(128, "bf16", 128)
+    assert splits(128, "fp8_block", 512)
+    assert not splits(128, "bf16", 4096)  # 32 blocks per expert
+    assert not splits(64, "bf16", 128)
+    assert not splits(128, "bf16", 128, row_blocks=True)
+    assert not splits(128, "mxfp4", 128)
+    assert not splits(128, "int4", 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -305,7 +327,7 @@ def test_block_fp8_rejects_a_k_step_that_splits_groups_unevenly():
 
 
 @pytest.mark.parametrize("inter", [128, 192])
-def test_gemm1_epilogue_quantizes_gemm2_input(inter, monkeypatch):
+def test_gemm1_epilogue_quantizes_gemm2_input(inter):
     """fp8_block with a GEMM1 tile of whole 128-column groups: GEMM1 stores GEMM2's e4m3 input
     and scales itself (the last group partial at I = 192), and the result equals the unfused
     path's up to accumulation order (codes and scales bit for bit: test_triton_gpu.py)."""
@@ -315,16 +337,16 @@ def test_gemm1_epilogue_quantizes_gemm2_input(inter, monkeypatch):
     w13 = moerunner.quantize(torch.randn(E, 2 * inter, H, device=DEVICE) / H**0.5, "fp8_block")
     w2 = moerunner.quantize(torch.randn(E, H, inter, device=DEVICE) / inter**0.5, "fp8_block")
     weights = ExpertWeights(w13, w2)
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    fusing = TritonOptions(fuse_input_quant_off_gpu=True)
+    prepared = TritonBackend(fusing).prepare_weights(weights, weights.spec(act))
     x = torch.randn(T, H, device=DEVICE)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
     wts = torch.rand(T, k, device=DEVICE)
     tiles = tile_config.MoeTiles(*[tile_config.TileConfig(16, 128, 128, 1, 4, 2)] * 2)
-    monkeypatch.setattr(experts, "FUSE_INPUT_QUANT_OFF_GPU", True)
-    assert experts.fuses_gemm2_input_quant(prepared.tensors["w2"], x, tiles.gemm1)
+    assert experts.fuses_gemm2_input_quant(prepared.tensors["w2"], x, tiles.gemm1, fusing)
     fused = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
-    monkeypatch.setattr(experts, "FUSE_INPUT_QUANT_OFF_GPU", False)
-    plain = experts.fused_standard(x, wts, ids, prepared, tiles)
+    unfused = triton_pkg.with_options(prepared, TritonOptions(fuse_input_quant_off_gpu=False))
+    plain = experts.fused_standard(x, wts, ids, unfused, tiles)
     assert _rel(fused, plain) < 1e-6
     assert _rel(plain, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
@@ -340,7 +362,7 @@ def _activation_quant_case(fmt, rows, k):
     qdtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
     q = torch.empty(rows, k, dtype=qdtype, device=DEVICE)
     s = torch.empty((rows, -(-k // 128)) if fmt == "fp8_group128" else (rows,), device=DEVICE)
-    quantize_rows(x, fmt, q, s)
+    quantize_rows(x, fmt, q, s, options=OPTIONS)
     ref = quantize_activation(x, get_scheme(scheme))
     return q, s, ref
 
@@ -374,14 +396,14 @@ def test_activation_quant_kernel_matches_torch_twin(fmt, rows, k):
 @pytest.mark.parametrize(("chunks", "prefetch"), [(1, True), (1, False), (2, True), (4, True)])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", PACKED_SCHEMES)
-def test_packed_k_steps_of_several_chunks(scheme, activation, chunks, prefetch, monkeypatch):
+def test_packed_k_steps_of_several_chunks(scheme, activation, chunks, prefetch):
     """A K step may cover several chunks of the split layout; chunks starting at or past K
     are skipped. H = I = 96 is 1.5 chunks of 64 for the 32-groups (int4's group of 128 needs
     whole chunks of 128); fp32 throughout, against the torch backend's emulation. Steps of
     one chunk load their scale codes a step ahead (``prefetch``; the last step's prefetch
     lies past K) or in the step itself."""
-    monkeypatch.setattr(experts, "SCALE_PREFETCH", prefetch)
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
+    # e2m1 in the split layout too
+    options = TritonOptions(scale_prefetch=prefetch, e2m1_layout="split")
     torch.manual_seed(3)
     act = moerunner.Activation(activation)
     size = 128 if scheme == "int4" else 96
@@ -399,7 +421,7 @@ def test_packed_k_steps_of_several_chunks(scheme, activation, chunks, prefetch, 
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
     ids[2, 1] = -1
     wts = torch.rand(T, k, device=DEVICE)
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))
     chunk = 2 * prepared.tensors["w13"].constexprs["HALF"]
     tile = tile_config.TileConfig(16, 32, chunks * chunk, 1, 4, 2)
     out = experts.fused_standard(x, wts, ids, prepared, tiles=tile_config.MoeTiles(tile, tile))
@@ -503,18 +525,18 @@ def test_tile_files_round_trip_and_nearest_lookup(tmp_path):
     path = tmp_path / tile_config.config_file_name(8, 96, 64, "bf16", name)
     tile_config.write_config_file(path, 8, 96, 64, "bf16", name, tiles)
     assert json.loads(path.read_text())["schema"] == tile_config.SCHEMA
-    got = tile_config.lookup_tiles(3, 2, 8, 96, 64, "bf16", name, config_dir=tmp_path)
+    got = tile_config.lookup_tiles(3, 2, 8, 96, 64, "bf16", name, tile_dirs=[tmp_path])
     assert got == tiles[1]
-    got = tile_config.lookup_tiles(400, 2, 8, 96, 64, "bf16", name, config_dir=tmp_path)
+    got = tile_config.lookup_tiles(400, 2, 8, 96, 64, "bf16", name, tile_dirs=[tmp_path])
     assert got == tiles[512]
-    fallback = tile_config.lookup_tiles(400, 2, 8, 96, 64, "bf16", "other", config_dir=tmp_path)
+    fallback = tile_config.lookup_tiles(400, 2, 8, 96, 64, "bf16", "other", tile_dirs=[tmp_path])
     assert fallback == tile_config.heuristic_tiles(400, 2, 8, 96, 64, "bf16")
     with pytest.raises(ValueError, match="block_m"):
         tile_config.MoeTiles(tile_config.TileConfig(16, 32, 64), tile_config.TileConfig(32, 32, 64))
 
 
 def test_shipped_tile_files_follow_the_schema():
-    for path in tile_config.CONFIG_DIR.glob("*.json"):
+    for path in tile_config.SHIPPED_DIR.glob("*.json"):
         doc = json.loads(path.read_text())
         assert doc["schema"] == tile_config.SCHEMA
         key = doc["key"]
@@ -530,13 +552,12 @@ def test_shipped_tile_files_follow_the_schema():
     [("mxfp4", 96, 16), ("mxfp4", 512, 16), ("mxfp4", 576, 32), ("nvfp4", 96, 16),
      ("int4_g32", 96, 8), ("int4", 384, None)],
 )  # fmt: skip
-def test_packed_group_scales_are_padded_for_step_tiles(scheme, k, groups, monkeypatch):
+def test_packed_group_scales_are_padded_for_step_tiles(scheme, k, groups):
     """Group scales of packed weights in the split layout with one group per half are
     zero-padded to whole 16-byte rows of a multiple of 8 groups (what the kernel's per-step
     scale tiles read); int4's 128-groups span two halves and keep their shape."""
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)
     w = moerunner.quantize(torch.randn(2, 8, k, device=DEVICE), scheme)
-    kw = _prepare.kernel_weight(w)
+    kw = _prepare.kernel_weight(w, options=TritonOptions(e2m1_layout="split"))
     raw = _prepare._as_bytes(w.scale)
     if groups is None:
         assert kw.scale.shape == raw.shape and not _prepare.scale_tiles_ok(kw)
@@ -644,12 +665,11 @@ def test_fragment_scales_follow_the_rows():
 @pytest.mark.parametrize("block_n", [16, 32, 64, 128])
 @pytest.mark.parametrize("activation", ["silu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
-def test_fragment_layout_matches_torch_backend(scheme, activation, block_n, monkeypatch):
-    """e2m1 weights in the fragment layout (``FRAGMENT_E2M1``): tiles of 16 to 256 weight
+def test_fragment_layout_matches_torch_backend(scheme, activation, block_n):
+    """e2m1 weights in the fragment layout (``e2m1_layout``): tiles of 16 to 256 weight
     rows, gate rows then up rows (silu, stored as pairs), interleaved gate/up with biases
     (swiglu) and non-gated (relu2); H = 96 and I = 160 leave partial K chunks and row tiles,
     one id is -1. fp32 throughout, against the torch backend's emulation."""
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
     torch.manual_seed(block_n)
     act = moerunner.Activation(activation)
     T, H, I, E, k = 6, 96, 160, 3, 2
@@ -662,7 +682,8 @@ def test_fragment_layout_matches_torch_backend(scheme, activation, block_n, monk
         torch.randn(E, H, device=DEVICE) * 0.1 if inter else None,
         inter,
     )
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    backend = TritonBackend(TritonOptions(e2m1_layout="fragment"))
+    prepared = backend.prepare_weights(weights, weights.spec(act))
     assert prepared.tensors["w13"].constexprs["FRAG"]
     x = torch.randn(T, H, device=DEVICE)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
@@ -674,16 +695,16 @@ def test_fragment_layout_matches_torch_backend(scheme, activation, block_n, monk
     assert _rel(out, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
 
-def test_fragment_layout_rejects_a_tile_it_cannot_take(monkeypatch):
+def test_fragment_layout_rejects_a_tile_it_cannot_take():
     """A gated tile of 2 * 256 weight rows exceeds the layout's row padding: a clear error
     naming the limit, not an out-of-bounds read."""
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
     act = moerunner.Activation("silu")
     weights = ExpertWeights(
         moerunner.quantize(torch.randn(2, 64, 32, device=DEVICE), "mxfp4"),
         moerunner.quantize(torch.randn(2, 32, 32, device=DEVICE), "mxfp4"),
     )
-    prepared = triton_pkg.TritonBackend().prepare_weights(weights, weights.spec(act))
+    backend = TritonBackend(TritonOptions(e2m1_layout="fragment"))
+    prepared = backend.prepare_weights(weights, weights.spec(act))
     tile = tile_config.TileConfig(16, 256, 128, 1, 4, 2)
     x = torch.randn(3, 32, device=DEVICE)
     ids = torch.zeros(3, 1, dtype=torch.int32, device=DEVICE)
@@ -694,17 +715,17 @@ def test_fragment_layout_rejects_a_tile_it_cannot_take(monkeypatch):
         )  # fmt: skip
 
 
-def test_fragment_layout_is_the_default_and_tunes_apart(monkeypatch):
-    """e2m1 weights are prepared in the fragment layout unless ``FRAGMENT_E2M1`` is off (then
-    the split layout); fragment tiles are looked up under layout=fragment, and the tuner's
-    candidates are the 128-deep K steps that layout runs. ``moerunner tune --e2m1-layout``
-    sets the switch for the search."""
+def test_fragment_layout_is_the_default_and_tunes_apart():
+    """e2m1 weights are prepared in the fragment layout unless ``e2m1_layout`` is "split";
+    fragment tiles are looked up under layout=fragment, and the tuner's candidates are the
+    128-deep K steps that layout runs."""
     w = moerunner.quantize(torch.randn(2, 64, 128, device=DEVICE), "mxfp4")
     frag = _prepare.kernel_weight(w)
     assert frag.constexprs["FRAG"] and _prepare.weight_layout(frag) == "fragment"
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)
-    split = _prepare.kernel_weight(w)
+    assert frag.layout.kind == "fragment"
+    split = _prepare.kernel_weight(w, options=TritonOptions(e2m1_layout="split"))
     assert not split.constexprs["FRAG"] and _prepare.weight_layout(split) is None
+    assert split.layout.kind == "split"
     assert not _prepare.kernel_weight(moerunner.quantize(w.dequantize(), "int4")).constexprs["FRAG"]
     name = tile_config.config_file_name(128, 2880, 2880, "mxfp4", "NVIDIA H200", "fragment")
     assert name == "E=128,N=2880,K=2880,scheme=mxfp4,layout=fragment,device=NVIDIA_H200.json"
@@ -714,9 +735,24 @@ def test_fragment_layout_is_the_default_and_tunes_apart(monkeypatch):
         cands = tune.candidate_tiles(t, 4, 128, "mxfp4", "fragment")
         assert cands and all(c.block_k == 128 for c in cands)
         assert len(set(cands)) == len(cands)
-    # without a GPU the command stops before tuning, after setting the layout it was given
+
+
+def test_tune_command_passes_options_and_writes_to_the_user_folder(monkeypatch, tmp_path):
+    """``moerunner tune --e2m1-layout`` hands the search a ``TritonOptions`` (no module
+    switch), and by default writes into the user tile folder, never the package's."""
+    from moerunner.backends.triton import tune
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tune.main(["--preset", "gpt-oss-20b", "--scheme", "mxfp4", "--e2m1-layout", "split"])
-    assert _prepare.FRAGMENT_E2M1 is False
+    assert tune.main(["--preset", "gpt-oss-20b", "--scheme", "mxfp4"]) == 2  # needs a GPU
     with pytest.raises(SystemExit):
         tune.main(["--preset", "gpt-oss-20b", "--e2m1-layout", "marlin"])
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune, "tune_preset", lambda *a, **kw: calls.append((a, kw)) or (None, {}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tune.main(["--preset", "gpt-oss-20b", "--scheme", "mxfp4", "--e2m1-layout", "split"])
+    tune.main(["--preset", "gpt-oss-20b", "--scheme", "mxfp4", "--out", str(tmp_path / "x")])
+    (args, kw), (args2, kw2) = calls
+    assert kw["options"] == TritonOptions(e2m1_layout="split")
+    assert args[7] == tmp_path / "moerunner" / "tiles" == tile_config.user_tile_dir()
+    assert kw2["options"] == TritonOptions() and args2[7] == tmp_path / "x"

@@ -1,7 +1,7 @@
 """Triton backend on a CUDA GPU: every claimed scheme x activation, and CUDA-graph replay.
 
 Skipped without CUDA (marker ``gpu``). The CPU interpreter suite is ``test_triton.py``;
-``benchmarks/gpu_triton.py`` runs the larger matrix and the timings.
+``benchmarks/experiments/gpu_triton.py`` runs the larger matrix and the timings.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def test_scheme_activation_matches_torch_backend(scheme, activation):
 
 @pytest.mark.parametrize("T", [1, 8], ids=["row_blocks", "aligned"])
 def test_cuda_graph_capture_and_replay_of_decode_call(T):
-    from moerunner.backends.triton import TritonBackend
-    from moerunner.backends.triton.experts import ROW_BLOCKS_MAX_TOKENS, fused_standard
+    from moerunner.backends.triton import TritonBackend, TritonOptions
+    from moerunner.backends.triton.experts import fused_standard
 
     dev = torch.device("cuda")
     E, H, I, k = 16, 512, 256, 4
-    assert (T <= ROW_BLOCKS_MAX_TOKENS) == (T == 1)
+    assert (T <= TritonOptions().row_blocks_max_tokens) == (T == 1)
     act = moerunner.Activation("silu")
     weights = ExpertWeights(
         torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.05,
@@ -166,19 +166,19 @@ def test_fp4_packed_decode_is_exact(scale_format):
 @pytest.mark.parametrize("scales", ["ahead", "per_chunk"])
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("scheme", PACKED_SCHEMES)
-def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales, monkeypatch):
+def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales):
     """bf16 activations (the inline-PTX fp4 decode, merged scales for mxfp4): one, two and
     four chunks of the split layout per K step, with H and I leaving a partial last chunk
     (except for int4's group of 128), against the float64 reference within the bf16 bound of
     the scheme matrix above. Scale codes loaded ahead (a step early, or as one pipelined
     tile of the padded scales; the last step's tile reaches into the padding) or per chunk."""
-    from moerunner.backends.triton import TritonBackend, _prepare, experts
+    from moerunner.backends.triton import TritonBackend, TritonOptions
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
-    monkeypatch.setattr(experts, "SCALE_PREFETCH", scales == "ahead")
-    monkeypatch.setattr(experts, "SCALE_TILES", scales == "ahead")
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)  # e2m1 in the split layout too
+    ahead = scales == "ahead"
+    # e2m1 in the split layout too
+    options = TritonOptions(scale_prefetch=ahead, scale_tiles=ahead, e2m1_layout="split")
 
     dev = torch.device("cuda")
     torch.manual_seed(chunks)
@@ -191,7 +191,7 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales, monkeypat
         torch.randn(E, H, device=dev) * 0.1,
         True,
     )
-    prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
+    prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))
     if scheme.startswith("mxfp4"):
         assert prepared.tensors["w13"].constexprs["MERGED_SCALE"]
     chunk = 2 * prepared.tensors["w13"].constexprs["HALF"]
@@ -212,7 +212,7 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales, monkeypat
 )
 @pytest.mark.parametrize("activation", ["swiglu_oai", "silu"])
 @pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4", "mxfp4_mxfp8"])
-def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stages, monkeypatch):
+def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stages):
     """e2m1 weights in the fragment layout with bf16 activations: the inline-PTX decode
     feeding the MMA's register operand, over decode and prefill tiles of 32 to 256 weight rows
     and one or two warpgroups. GPT-OSS-style (interleaved gate/up, biases, swiglu) and gate
@@ -220,7 +220,7 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
     Against the float64 reference within the scheme matrix's bf16 bound, and against the
     split layout (the same exactly decoded weights; accumulation order and bf16 rounding of
     the intermediate differ)."""
-    from moerunner.backends.triton import TritonBackend, _prepare, experts
+    from moerunner.backends.triton import TritonBackend, TritonOptions, with_options
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
@@ -236,11 +236,13 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
         torch.randn(E, H, device=dev) * 0.1 if inter else None,
         inter,
     )
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
-    frag = TritonBackend().prepare_weights(weights, weights.spec(act))
+    frag = TritonBackend(TritonOptions(e2m1_layout="fragment")).prepare_weights(
+        weights, weights.spec(act)
+    )
     assert frag.tensors["w13"].constexprs["FRAG"] and frag.tensors["w2"].constexprs["FRAG"]
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", False)
-    split = TritonBackend().prepare_weights(weights, weights.spec(act))
+    split = TritonBackend(TritonOptions(e2m1_layout="split")).prepare_weights(
+        weights, weights.spec(act)
+    )
     x = torch.randn(T, H, device=dev).bfloat16()
     ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
     ids[::5, 1] = -1
@@ -259,8 +261,8 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
     assert _rel(out, base) < (2e-2 if scheme == "mxfp4_mxfp8" else 5e-3)
     # The wgmmas kept in flight (the default) against the same kernel serialized by ptxas:
     # the same MMAs in the same order, so any difference is a register race.
-    monkeypatch.setattr(experts, "FRAGMENT_ASYNC_MMA", False)
-    serial = fused_standard(x, wts, ids, frag, tiles=MoeTiles(tile, tile))
+    serialized = with_options(frag, TritonOptions(fragment_async_mma=False))
+    serial = fused_standard(x, wts, ids, serialized, tiles=MoeTiles(tile, tile))
     assert torch.equal(out, serial)
 
 
@@ -268,12 +270,12 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
     "block_m,block_n,warps,stages",
     [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (32, 64, 4, 3), (128, 64, 8, 3)],
 )
-def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages, monkeypatch):
+def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages):
     """GPT-OSS-sized K (2880: 23 chunks, so every register-operand wgmma of a step is still
     in flight while the next step decodes) with the wgmmas kept in flight and serialized:
     bit-identical outputs over fresh inputs, else the decode overwrote fragment registers an
     MMA was still reading."""
-    from moerunner.backends.triton import TritonBackend, _prepare, experts
+    from moerunner.backends.triton import TritonBackend, TritonOptions, with_options
     from moerunner.backends.triton.experts import fused_standard
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
@@ -289,18 +291,17 @@ def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages, m
         torch.randn(E, H, device=dev) * 0.1,
         True,
     )
-    monkeypatch.setattr(_prepare, "FRAGMENT_E2M1", True)
-    frag = TritonBackend().prepare_weights(weights, weights.spec(act))
+    in_flight = TritonOptions(e2m1_layout="fragment", fragment_async_mma=True)
+    frag = TritonBackend(in_flight).prepare_weights(weights, weights.spec(act))
+    serialized = with_options(frag, TritonOptions(fragment_async_mma=False))
     tile = TileConfig(block_m, block_n, 128, 1, warps, stages)
     tiles = MoeTiles(tile, TileConfig(block_m, 2 * block_n, 128, 1, warps, stages))
     for _ in range(3):
         x = torch.randn(T, H, device=dev).bfloat16()
         ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
         wts = torch.rand(T, k, device=dev)
-        monkeypatch.setattr(experts, "FRAGMENT_ASYNC_MMA", True)
         out = fused_standard(x, wts, ids, frag, tiles=tiles)
-        monkeypatch.setattr(experts, "FRAGMENT_ASYNC_MMA", False)
-        serial = fused_standard(x, wts, ids, frag, tiles=tiles)
+        serial = fused_standard(x, wts, ids, serialized, tiles=tiles)
         assert not torch.isnan(out).any()
         assert torch.equal(out, serial)
     ref = moerunner.reference_moe(x, weights, wts, ids, act)
@@ -326,22 +327,26 @@ def test_gemm1_epilogue_quant_is_bit_exact(inter):
         moerunner.quantize(torch.randn(E, H, inter, device=dev) / inter**0.5, "fp8_block"),
     )
     prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
-    spec, w13 = prepared.spec, prepared.tensors["w13"]
+    spec, w13, opts = prepared.spec, prepared.tensors["w13"], prepared.options
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
     ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int().reshape(-1)
     tile = TileConfig(64, 128, 128, 8, 4, 3)
     rows = T * k
-    layout = X.layout_rows(ids, k, E, 64, X.alignment_workspace(rows, E, 64, dev))
-    a, a_s = X._quantize_input(x, w13)
+    layout = X.layout_rows(ids, k, E, 64, X.alignment_workspace(rows, E, 64, dev), opts)
+    a, a_s = X._quantize_input(x, w13, opts)
     groups = -(-inter // 128)
     q = torch.full((rows, inter), 7, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
     s = torch.full((rows, groups), -1.0, device=dev)
-    X._launch_gemm(a, a_s, w13, None, q, layout, rows, k, None, tile, inter, spec, s, x.dtype)
+    X._launch_gemm(
+        a, a_s, w13, None, q, layout, rows, k, None, tile, inter, spec, s, x.dtype, options=opts
+    )
     inter_bf16 = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
-    X._launch_gemm(a, a_s, w13, None, inter_bf16, layout, rows, k, None, tile, inter, spec)
+    X._launch_gemm(
+        a, a_s, w13, None, inter_bf16, layout, rows, k, None, tile, inter, spec, options=opts
+    )
     q_ref = torch.empty_like(q)
     s_ref = torch.empty_like(s)
-    quantize_rows(inter_bf16, "fp8_group128", q_ref, s_ref)
+    quantize_rows(inter_bf16, "fp8_group128", q_ref, s_ref, options=opts)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
 
@@ -389,11 +394,11 @@ def test_block_fp8_k_steps_of_several_or_part_of_a_group(hidden, tiles):
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "fp8_block"])
-def test_half_row_tiles_equal_whole_blocks(scheme, monkeypatch):
+def test_half_row_tiles_equal_whole_blocks(scheme):
     """The prefill tiles (128 rows, 8 warps) with and without the 64-row tile for blocks whose
     second half is padding: experts of 280, 140, 60 and 100 rows end in blocks of 24, 12, 60
     (all short) and 100 rows (not short)."""
-    from moerunner.backends.triton import TritonBackend
+    from moerunner.backends.triton import TritonBackend, TritonOptions, with_options
     from moerunner.backends.triton import experts as X
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
@@ -421,10 +426,11 @@ def test_half_row_tiles_equal_whole_blocks(scheme, monkeypatch):
         tiles = MoeTiles(TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4))
     else:
         tiles = MoeTiles(TileConfig(128, 64, 256, 8, 8, 3), TileConfig(128, 128, 256, 8, 8, 3))
-    assert X.splits_blocks(128, prepared.tensors["w13"].constexprs, T * k / E)
+    consts = prepared.tensors["w13"].constexprs
+    assert X.splits_blocks(128, consts, T * k / E, options=prepared.options)
     split = X.fused_standard(x, wts, ids, prepared, tiles).clone()
-    monkeypatch.setattr(X, "SPLIT_MIN_BLOCK_M", None)
-    whole = X.fused_standard(x, wts, ids, prepared, tiles)
+    no_split = with_options(prepared, TritonOptions(split_min_block_m=None))
+    whole = X.fused_standard(x, wts, ids, no_split, tiles)
     # Each row's K order is the same in both tiles: equal up to rare last-bit differences.
     assert _rel(split, whole) < 1e-4
     ref = _run("torch", x, weights, act, wts, ids)

@@ -13,6 +13,9 @@ import torch
 pytest.importorskip("triton")
 
 from moerunner.backends.triton import _launch  # noqa: E402
+from moerunner.backends.triton.options import TritonOptions  # noqa: E402
+
+OPTIONS = TritonOptions()
 
 
 def test_key_separates_what_triton_specialises_on():
@@ -60,7 +63,7 @@ def test_without_a_gpu_the_jit_launch_runs(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **k: calls.append((grid, a, k))
 
-    _launch.launch(Kernel(), (2,), torch.zeros(4), 3, BLOCK=8)
+    _launch.launch(Kernel(), (2,), torch.zeros(4), 3, BLOCK=8, options=OPTIONS)
     assert calls == [((2,), (calls[0][1][0], 3), {"BLOCK": 8})]
     assert len(_launch._compiled) == cached
 
@@ -81,12 +84,10 @@ def test_cached_launch_equals_jit_launch_and_keys_alignment_apart():
     for src in (ref_in, buf[1:].view(T * k, H), ref_in):  # aligned, 2 bytes off, aligned
         want = (src.float() * valid).view(T, k, H).sum(1)
         outs = []
-        for enabled in (False, True, True):  # JIT launch, first cached (compiles), cache hit
-            _launch.ENABLED = enabled
+        for cache in (False, True, True):  # JIT launch, first cached (compiles), cache hit
             out = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
-            topk_sum(src, ids, out, E)
+            topk_sum(src, ids, out, E, options=TritonOptions(launch_cache=cache))
             outs.append(out.float())
-        _launch.ENABLED = True
         for out in outs:
             torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
     # one compiled kernel per alignment of the source, reused on the third pass
@@ -96,7 +97,7 @@ def test_cached_launch_equals_jit_launch_and_keys_alignment_apart():
 
 def test_a_launcher_with_another_signature_falls_back_to_the_jit_launch(monkeypatch):
     """If a future Triton's compiled launcher rejects the arguments, the cache turns itself
-    off and the launch goes the JIT way (no launch is lost)."""
+    off for that kernel and the launch goes the JIT way (no launch is lost)."""
     jit_calls = []
 
     class Compiled:
@@ -119,11 +120,12 @@ def test_a_launcher_with_another_signature_falls_back_to_the_jit_launch(monkeypa
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 0, raising=False)
     monkeypatch.setattr(_launch, "_layouts", {kernel: (1, [])})
     monkeypatch.setattr(_launch, "_compiled", {})
-    monkeypatch.setattr(_launch, "ENABLED", True)
     x = torch.zeros(4)
     _launch._compiled[(kernel, 0, (), _launch._args_key((x,)))] = (Compiled(), ())
-    _launch.launch(kernel, (3,), x)
-    assert jit_calls == [(3,)] and not _launch.ENABLED and not _launch._compiled
+    _launch.launch(kernel, (3,), x, options=OPTIONS)
+    assert jit_calls == [(3,)] and _launch._layouts[kernel] is None and not _launch._compiled
+    _launch.launch(kernel, (4,), x, options=OPTIONS)  # from now on the JIT way directly
+    assert jit_calls == [(3,), (4,)] and not _launch._compiled
 
 
 def test_launches_switch_to_the_inputs_gpu(monkeypatch):

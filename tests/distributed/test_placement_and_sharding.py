@@ -77,7 +77,10 @@ def test_shard_expert_weights_quantized():
 
 
 def test_intermediate_shards_cover_i():
-    assert [intermediate_shard(7688, r, 8) for r in (0, 7)] == [(0, 961), (6727, 961)]
+    from moerunner.bench.presets import PRESETS
+
+    nemotron_i = PRESETS["nemotron-h"].intermediate_size  # 961 per rank at TP 8
+    assert [intermediate_shard(nemotron_i, r, 8) for r in (0, 7)] == [(0, 961), (6727, 961)]
     assert [intermediate_shard(10, r, 4)[1] for r in range(4)] == [3, 3, 2, 2]
 
 

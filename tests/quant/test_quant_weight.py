@@ -138,8 +138,9 @@ def representable(name: str, e: int = 2, n: int = 128, k: int = 256) -> Quantize
         if s.granularity == "channel":
             mark_max(v, 1, k, 448.0)
             return QuantizedWeight(s, (e, n, k), codecs.encode_e4m3(v), pow2(e, n))
-        mark_max(v, 128, 128, 448.0)
-        return QuantizedWeight(s, (e, n, k), codecs.encode_e4m3(v), pow2(e, n // 128, k // 128))
+        bn, bk = s.block_shape
+        mark_max(v, bn, bk, 448.0)
+        return QuantizedWeight(s, (e, n, k), codecs.encode_e4m3(v), pow2(e, n // bn, k // bk))
     if s.weight_format == "e2m1":
         c = torch.randint(0, 16, (e, n, k), generator=gen, dtype=torch.uint8)
         g = s.block_shape[1]
@@ -153,6 +154,15 @@ def representable(name: str, e: int = 2, n: int = 128, k: int = 256) -> Quantize
         return QuantizedWeight(
             s, (e, n, k), data, codecs.encode_e4m3(bscale), global_scale=pow2(e), **extra
         )
+    if s.weight_format == "int8" and s.granularity == "group":
+        g = s.block_shape[1]
+        q = torch.randint(-127, 128, (e, n, k), generator=gen, dtype=torch.int8)
+        if not s.zero_point:
+            q[..., ::g] = 127
+            return QuantizedWeight(s, (e, n, k), q, pow2(e, n, k // g))
+        q[..., ::g], q[..., 1::g] = -128, 127  # each group spans the whole range
+        zero = torch.randint(-128, 128, (e, n, k // g), generator=gen, dtype=torch.int8)
+        return QuantizedWeight(s, (e, n, k), q, pow2(e, n, k // g), None, zero)
     if s.weight_format == "int8":
         q = torch.randint(-127, 128, (e, n, k), generator=gen, dtype=torch.int8)
         q[..., ::k] = 127

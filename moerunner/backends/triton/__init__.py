@@ -1,8 +1,11 @@
 # Backend "triton": fused MoE kernels for CUDA GPUs (and the Triton interpreter on CPU).
 #
-# Importing this package registers the backend, its fused op for the "standard" dispatch
-# format and its core for the grouped layout in the default registry. Both run the one kernel
-# sequence of ``experts.run_kernel_sequence``. Layout of the package:
+# Importing this package registers the backend object (default options; its fused op for the
+# "standard" dispatch format and its core for the grouped layout) in the default registry.
+# Both run the one kernel sequence of ``experts.run_kernel_sequence``. A backend with other
+# options (``TritonOptions``) is registered under a name of its own with ``register``; its
+# prepared weights carry the options to every launch. Layout of the package:
+#   options.py       TritonOptions: every switch of the kernel sequence, frozen and validated
 #   experts.py       public launcher: validates, allocates (cached workspaces), launches
 #   _prepare.py      each weight described for the kernel and re-laid once (prepare time)
 #   _align.py        expert alignment kernels and the top-k reduction kernel
@@ -10,24 +13,37 @@
 #   _quant_kernel.py GEMM-input quantization (fp8 per token / per 128, int8) on the GPU
 #   _pdl.py          programmatic dependent launch: how each kernel waits for its predecessor
 #   _launch.py       every kernel launch: compiled kernels cached per argument key (eager cost)
-#   tile_config.py   heuristic tiles and tuned JSON files in configs/
+#   tile_config.py   heuristic tiles, tuned JSON files (user folder, then configs/)
 #   tune.py          ``moerunner tune``: searches tiles on the current GPU and writes them
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 
 from ...config import ACTIVATIONS, ExpertSpec
 from ...dispatch.formats import STANDARD
-from ...runner import DEFAULT_REGISTRY
+from ...registry import DEFAULT_REGISTRY, Registry
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem
 from . import _gemm_kernel
-from ._prepare import SUPPORTED_SCHEMES, prepare
+from ._prepare import SUPPORTED_SCHEMES, WeightLayout, prepare
 from .experts import fused_standard, grouped_core
+from .options import DEFAULT_OPTIONS, PREPARE_TIME_FIELDS, TritonOptions
 
 NAME = "triton"
+
+__all__ = [
+    "NAME",
+    "TritonBackend",
+    "TritonOptions",
+    "WeightLayout",
+    "interpreted",
+    "register",
+    "with_options",
+]
 
 
 def interpreted() -> bool:
@@ -38,11 +54,26 @@ def interpreted() -> bool:
 
 
 class TritonBackend(Backend):
-    """Fused grouped-GEMM MoE kernels written in Triton."""
+    """Fused grouped-GEMM MoE kernels written in Triton.
+
+    Args:
+        options: the kernel sequence's switches (default: ``TritonOptions()``, the measured
+            best); recorded in every prepared weight and read from there by each launch.
+        name: the name it is registered and selected under (``register``); a backend with
+            options of its own needs a name of its own beside the default ``"triton"``.
+    """
 
     name = NAME
 
-    def __init__(self) -> None:
+    def __init__(self, options: TritonOptions | None = None, *, name: str = NAME) -> None:
+        if options is None:
+            options = DEFAULT_OPTIONS
+        elif not isinstance(options, TritonOptions):
+            raise TypeError(f"options must be a TritonOptions, got {type(options).__name__}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self.options = options
+        self.name = name
         devices = {"cuda", "cpu"} if interpreted() else {"cuda"}
         self.capabilities = Capabilities(
             devices=frozenset(devices),
@@ -50,6 +81,10 @@ class TritonBackend(Backend):
             schemes=SUPPORTED_SCHEMES,
             activations=frozenset(ACTIVATIONS),
         )
+        # The ops read the options from the prepared weights, so every triton backend
+        # shares them.
+        self.fused_ops = {STANDARD: triton_fused_standard}
+        self.core = triton_core
 
     def available(self) -> tuple[bool, str]:
         """Runs on a CUDA GPU, or on CPU in the Triton interpreter."""
@@ -65,18 +100,40 @@ class TritonBackend(Backend):
         return ok, reason
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
-        """Views of the stored layouts for the kernels (no copy for contiguous weights)."""
-        return prepare(weights, spec, NAME)
+        """Views of the stored layouts for the kernels (no copy for contiguous weights;
+        packed 4-bit weights re-laid as ``options.e2m1_layout`` says), with this backend's
+        options and the weights' tuned tiles (found in ``options.tile_dirs``, then shipped)."""
+        return prepare(weights, spec, self.name, self.options)
+
+    def __repr__(self) -> str:
+        if self.options == DEFAULT_OPTIONS:
+            return f"<backend {self.name}>"
+        return f"<backend {self.name} {self.options!r}>"
 
 
-@DEFAULT_REGISTRY.register_fused_op(STANDARD, NAME)
+def with_options(prepared: PreparedWeights, options: TritonOptions) -> PreparedWeights:
+    """``prepared`` (triton weights) run with ``options`` instead of the ones it was prepared
+    with, sharing its tensors: for options read per call. Raises ValueError where a prepare
+    time option (``e2m1_layout``, ``tile_dirs``) differs: prepare the weights again then."""
+    if not isinstance(options, TritonOptions):
+        raise TypeError(f"options must be a TritonOptions, got {type(options).__name__}")
+    if not isinstance(prepared.options, TritonOptions):
+        raise ValueError(f"prepared weights of backend {prepared.backend!r} have no triton options")
+    if options.differs_at_prepare(prepared.options):
+        raise ValueError(
+            f"options differ from the prepared weights' in a prepare time field "
+            f"({', '.join(PREPARE_TIME_FIELDS)}): prepare the weights with a backend of "
+            f"these options"
+        )
+    return dataclasses.replace(prepared, options=options)
+
+
 def triton_fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.Tensor:
     """Standard format in one kernel sequence: ``[T, H]`` weighted and reduced over k."""
     topk = dispatch_output.topk
     return fused_standard(dispatch_output.hidden_states, topk.weights, topk.ids, prepared)
 
 
-@DEFAULT_REGISTRY.register_core(NAME)
 def triton_core(
     x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
 ) -> torch.Tensor:
@@ -84,4 +141,17 @@ def triton_core(
     return grouped_core(x_MH, expert_offsets, prepared)
 
 
-DEFAULT_REGISTRY.register_backend(TritonBackend())
+def register(
+    backend: TritonBackend, registry: Registry | None = None, *, replace: bool = False
+) -> TritonBackend:
+    """Make ``backend`` selectable by its name in ``registry`` (default: the one every entry
+    point uses): ``register(TritonBackend(TritonOptions(e2m1_layout="split"),
+    name="triton-split"))``, then ``backend="triton-split"`` in ``fused_moe``, ``MoE`` or
+    ``MoeRunner``. ``replace=True`` swaps a backend already registered under that name."""
+    if not isinstance(backend, TritonBackend):
+        raise TypeError(f"backend must be a TritonBackend, got {type(backend).__name__}")
+    registry = DEFAULT_REGISTRY if registry is None else registry
+    return registry.register_backend(backend, replace=replace)
+
+
+register(TritonBackend())

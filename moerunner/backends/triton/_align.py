@@ -18,6 +18,7 @@ import triton.language as tl
 from . import _launch, _pdl
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
+from .options import TritonOptions
 
 # Up to this many rows one program aligns everything (one launch: decode); above it the
 # work is spread over programs of ROWS_PER_PROGRAM rows each (three launches, all on device).
@@ -39,6 +40,10 @@ def scratch_size(num_rows: int, num_experts: int, rows_per_program: int = ROWS_P
     """int32 elements of the scratch that the multi-program alignment needs (0: none)."""
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
         return 0
+    return _multi_scratch_size(num_rows, num_experts, rows_per_program)
+
+
+def _multi_scratch_size(num_rows: int, num_experts: int, rows_per_program: int) -> int:
     return (_cdiv(num_rows, rows_per_program) + 2) * _e_pow2(num_experts)
 
 
@@ -246,19 +251,22 @@ def align_rows(
     num_padded: torch.Tensor,
     scratch: torch.Tensor | None = None,
     rows_per_program: int = ROWS_PER_PROGRAM,
+    *,
+    options: TritonOptions,
+    single_program_max_rows: int = SINGLE_PROGRAM_MAX_ROWS,
 ) -> None:
     """Fill the alignment outputs for ``row_expert`` (int32 [rows]), on the device.
 
-    Up to ``SINGLE_PROGRAM_MAX_ROWS`` rows: one program. Above: count (and sentinel fill) per
+    Up to ``single_program_max_rows`` rows: one program. Above: count (and sentinel fill) per
     block of rows, one scan program over the per-block counts, scatter (and block experts)
     per block of rows; nothing proportional to the rows runs in the single scan program.
     ``scratch`` (int32, at least ``scratch_size`` elements, reused across calls) holds the
-    per-block counts and the segment bounds.
+    per-block counts and the segment bounds. ``options``: the backend's (launches).
     """
     num_rows = row_expert.shape[0]
     e_pow2 = _e_pow2(num_experts)
     chunk = max(16, min(64, 8192 // e_pow2))
-    if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
+    if num_rows <= single_program_max_rows:
         _launch.launch(
             _align_kernel,
             (1,),
@@ -273,9 +281,10 @@ def align_rows(
             CHUNK=chunk,
             FILL=1024,
             num_warps=4,
+            options=options,
         )
         return
-    need = scratch_size(num_rows, num_experts, rows_per_program)
+    need = _multi_scratch_size(num_rows, num_experts, rows_per_program)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.int32, device=row_expert.device)
     elif scratch.numel() < need or scratch.dtype != torch.int32:
@@ -298,6 +307,7 @@ def align_rows(
         CHUNK=chunk,
         FILL=1024,
         num_warps=4,
+        options=options,
     )
     _launch.launch(
         _align_scan_kernel,
@@ -310,6 +320,7 @@ def align_rows(
         E_POW2=e_pow2,
         PT=max(1, 4096 // e_pow2),
         num_warps=4,
+        options=options,
     )
     _launch.launch(
         _align_scatter_kernel,
@@ -327,6 +338,7 @@ def align_rows(
         E_POW2=e_pow2,
         CHUNK=chunk,
         num_warps=4,
+        options=options,
     )
 
 
@@ -359,10 +371,15 @@ def _topk_sum_kernel(
 
 
 def topk_sum(
-    src_PH: torch.Tensor, ids_TK: torch.Tensor, out_TH: torch.Tensor, num_experts: int
+    src_PH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    out_TH: torch.Tensor,
+    num_experts: int,
+    *,
+    options: TritonOptions,
 ) -> None:
     """Reduce the k weighted expert outputs of each token; slots whose id is -1 (or not in
-    ``[0, num_experts)``) are skipped."""
+    ``[0, num_experts)``) are skipped. ``options``: the backend's (launches)."""
     num_tokens, top_k = ids_TK.shape
     hidden = out_TH.shape[1]
     block_h = min(1024, _pow2(hidden))
@@ -379,4 +396,5 @@ def topk_sum(
         TOP_K=top_k,
         BLOCK_H=block_h,
         num_warps=4,
+        options=options,
     )

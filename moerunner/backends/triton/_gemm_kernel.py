@@ -36,8 +36,10 @@ WF_PLAIN, WF_FP8, WF_INT8, WF_UINT4, WF_E2M1 = 0, 1, 2, 3, 4
 SF_NONE, SF_FP32, SF_E8M0, SF_E4M3 = 0, 1, 2, 3
 # Activation ids (constexpr ACT); ACT_NONE is used by GEMM2.
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2, 3, 4, 5
-# A-side scales (constexpr A_SCALE): none, one per row, one per row and 128-wide K group.
-AS_NONE, AS_ROW, AS_GROUP128 = 0, 1, 2
+# A-side scales (constexpr A_SCALE): none, one per row, one per row and K group (the
+# weight's K block, GROUP_K).
+AS_NONE, AS_ROW, AS_GROUP = 0, 1, 2
+AS_GROUP128 = AS_GROUP  # its former name
 
 
 @triton.jit
@@ -120,6 +122,17 @@ def _weight_tile(
                     tl.broadcast_to(s[:, None, :], (SPT, SPAN, rows.shape[0])),
                     (BLOCK_K, rows.shape[0]),
                 )
+                if HAS_ZP:  # group-wise int8 with zero point: (q - zero) * scale
+                    z = tl.load(
+                        z_base + offs_s[:, None] * stride_zk + rows[None, :] * stride_zn,
+                        mask=s_mask,
+                        other=0,
+                    ).to(tl.float32)
+                    z = tl.reshape(
+                        tl.broadcast_to(z[:, None, :], (SPT, SPAN, rows.shape[0])),
+                        (BLOCK_K, rows.shape[0]),
+                    )
+                    v = v - z
                 v = v * s
             tile = v.to(COMPUTE)
     return tile

@@ -11,8 +11,9 @@
 # dtypes and alignments, every other argument by value) and launches it through the compiled
 # launcher. A key not seen yet goes through the JIT launch, which compiles if needed and
 # returns the kernel to remember. The JIT path is also taken under Triton's interpreter, in
-# its debug mode, with launch hooks installed (profilers), or when a kernel's constexprs do
-# not all follow its runtime parameters.
+# its debug mode, with launch hooks installed (profilers), when a kernel's constexprs do not
+# all follow its runtime parameters, or with the cache off (``TritonOptions.launch_cache``).
+# Every launch takes the backend's options (``options=``): the cache and PDL switches.
 
 from __future__ import annotations
 
@@ -20,12 +21,11 @@ import torch
 from triton import knobs
 
 from . import _pdl
-
-#: Launch through the cache (False: always through Triton's JIT launch).
-ENABLED = True
+from .options import TritonOptions
 
 _MAX_ENTRIES = 4096
-# kernel -> (number of runtime parameters, [(constexpr name, default)]), or None: JIT only.
+# kernel -> (number of runtime parameters, [(constexpr name, default)]), or None: JIT only
+# (also once its compiled launcher rejected the arguments, see ``launch``).
 _layouts: dict = {}
 # (kernel, device, constexprs and options, runtime-argument key)
 #   -> (compiled kernel, constexpr values in parameter order)
@@ -72,20 +72,22 @@ def _takes_pdl(kernel) -> bool:
     return _pdl_kernels[kernel]
 
 
-def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+def launch(kernel, grid: tuple, *args, options: TritonOptions, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` with the compiled kernel cached (module comment).
 
     ``args`` are the runtime arguments in parameter order, the first a tensor on the
     launch's device; ``kwargs`` the constexprs and Triton's launch options (num_warps,
-    num_stages). A kernel with a ``PDL`` constexpr gets it here, with the matching launch
-    option: programmatic dependent launch where ``args[0]``'s GPU has it (``_pdl``)."""
+    num_stages); ``options`` the backend's (``launch_cache``, ``pdl``). A kernel with a
+    ``PDL`` constexpr gets it here, with the matching launch option: programmatic dependent
+    launch where ``options.pdl`` asks for it and ``args[0]``'s GPU has it (``_pdl``)."""
     if _takes_pdl(kernel):
-        pdl = _pdl.enabled(args[0])
+        pdl = options.pdl and _pdl.supported(args[0])
         kwargs["PDL"] = pdl
         if pdl:
             kwargs["launch_pdl"] = True
     rt = knobs.runtime
-    layout = _layout(kernel) if ENABLED and not rt.interpret and not rt.debug else None
+    cached = options.launch_cache and not rt.interpret and not rt.debug
+    layout = _layout(kernel) if cached else None
     if (
         layout is None
         or len(args) != layout[0]
@@ -126,15 +128,11 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         )
     except TypeError:
         # A Triton whose compiled launcher takes other arguments (this calls the 3.6 one):
-        # the arguments are checked before anything launches, so launch the JIT way from now.
-        _disable()
+        # the arguments are checked before anything launches, so launch this kernel the JIT
+        # way from now (each other kernel finds out the same way, once).
+        _layouts[kernel] = None
+        clear()
         kernel[grid](*args, **kwargs)
-
-
-def _disable() -> None:
-    global ENABLED
-    ENABLED = False
-    clear()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -7,6 +7,7 @@
 # overlaps is the successor's launch and block setup with the predecessor's last blocks, the
 # gap that dominates decode-sized calls. The first kernel of a call also waits, since the
 # kernel before it (the router, the previous layer) may have written its inputs.
+# ``TritonOptions.pdl`` turns it off.
 
 from __future__ import annotations
 
@@ -16,20 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-#: Launch the sequence with programmatic dependent launch where the GPU supports it.
-ENABLED = True
-
 
 @functools.cache
-def _supported(device: torch.device) -> bool:
+def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def enabled(x: torch.Tensor) -> bool:
-    """Whether kernels working on ``x`` launch with PDL (CUDA, compute capability >= 9).
-    Asked by ``_launch.launch`` before every launch, so the capability is looked up once per
-    device."""
-    return ENABLED and x.is_cuda and _supported(x.device)
+def supported(x: torch.Tensor) -> bool:
+    """Whether kernels working on ``x`` can launch with PDL (CUDA, compute capability >= 9).
+    Asked by ``_launch.launch`` before every launch where ``TritonOptions.pdl`` is on, so the
+    capability is looked up once per device."""
+    return x.is_cuda and _capable(x.device)
 
 
 @triton.jit

@@ -3,13 +3,16 @@
 #
 # ``kernel_weight`` turns a plain or quantized weight into a ``KernelWeight``: the tensors the
 # kernel reads (fp8 kept as fp8, scale codes as bytes) and the constexprs that describe them.
-# Packed 4-bit weights are re-laid: int4 (and e2m1 with ``FRAGMENT_E2M1`` off) into the split
-# layout (``split_packed``), e2m1 (mxfp4, nvfp4) into the fragment layout
-# (``fragment_packed``), with their scales padded to match. ``prepare`` does both weights.
+# Packed 4-bit weights are re-laid: int4 (and e2m1 with ``TritonOptions.e2m1_layout`` "split")
+# into the split layout (``split_packed``), e2m1 (mxfp4, nvfp4) into the fragment layout
+# (``fragment_packed``), with their scales padded to match. Each ``KernelWeight`` records how
+# as a ``WeightLayout``, which also undoes it. ``prepare`` does both weights, records the
+# backend's options and finds the weights' tuned tiles.
 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,39 +20,72 @@ import torch
 
 from ...config import ExpertSpec
 from ...errors import MoeInputError
+from ...quant.schemes import QuantScheme
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
+from ..base import SchemeSupport
 from . import _gemm_kernel as K
+from .options import DEFAULT_OPTIONS, TritonOptions
+from .tile_config import find_tiles, gpu_name
+
+_log = logging.getLogger(__name__)
 
 _SCALE_FMT = {"none": K.SF_NONE, "fp32": K.SF_FP32, "e8m0": K.SF_E8M0, "e4m3": K.SF_E4M3}
 _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.WF_E2M1}
 # Activation formats fed to the MMA quantized ("qdot"); the others are emulated by feeding
 # the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
-_QDOT_ACT = {"fp8_token": K.AS_ROW, "fp8_group128": K.AS_GROUP128, "int8_token": K.AS_ROW}
+_QDOT_ACT = {
+    "fp8_token": K.AS_ROW,
+    "fp8_group128": K.AS_GROUP,
+    "fp8_group": K.AS_GROUP,
+    "int8_token": K.AS_ROW,
+}
 
-#: Scheme names the kernels implement (static activation scales are not claimed).
-SUPPORTED_SCHEMES = frozenset(
-    {
-        "bf16",
-        "fp16",
-        "fp32",
-        "fp8_tensor",
-        "fp8_channel",
-        "fp8_block",
-        "mxfp8",
-        "mxfp4",
-        "mxfp4_mxfp8",
-        "nvfp4",
-        "int8",
-        "int8_w8a16",
-        "int4",
-        "int4_zp",
-        "int4_g32",
-        "int4_g64",
-        "int4_g128",
-        "int4_g32_zp",
-        "int4_g64_zp",
-        "int4_g128_zp",
-    }
+#: K groups of weight-only int4 / int8 group scales the kernels implement.
+_WEIGHT_GROUPS = (32, 64, 128)
+#: K blocks of block-scaled fp8 the kernels implement (activations grouped alike).
+_FP8_K_BLOCKS = (64, 128)
+_FP8_GROUP_ACT = ("fp8_group128", "fp8_group")
+
+
+def _scheme_rule(s: QuantScheme) -> str:
+    """What the kernels cannot compute of ``s`` ("" when they can), from its fields alone."""
+    if s.activation_scales != "dynamic":
+        return "static activation scales are not implemented"
+    family, act, gran = s.family, s.activation_format, s.granularity
+    if family == "fp8" and gran in ("tensor", "channel"):
+        return "" if act == "fp8_token" else "fp8 per tensor / channel needs fp8_token inputs"
+    if family == "fp8":
+        if act not in _FP8_GROUP_ACT or s.activation_group_size != s.block_shape[1]:
+            return "block-scaled fp8 needs fp8 inputs grouped by the weight's K block"
+        if s.block_shape[1] not in _FP8_K_BLOCKS:
+            return f"block-scaled fp8 needs K blocks of {' or '.join(map(str, _FP8_K_BLOCKS))}"
+        return ""
+    if family == "mx":
+        accepted = ("mxfp8",) if s.weight_format == "e4m3" else ("none", "mxfp8")
+        return "" if act in accepted else f"{s.weight_format} MX weights need inputs {accepted}"
+    if family == "int8" and gran == "channel":
+        return "" if act in ("int8_token", "none") else "int8 needs int8_token or bf16 inputs"
+    if act != "none":
+        return f"{family} weights are weight-only here (activation_format 'none')"
+    if family in ("int4", "int8") and s.block_shape[1] not in _WEIGHT_GROUPS:
+        return f"weight-only group scales need groups of {_WEIGHT_GROUPS} along K"
+    return ""
+
+
+def mma_operand(scheme: QuantScheme) -> str:
+    """Operand type the kernels feed ``scheme``'s MMA: "fp8" or "int8" (weights as stored,
+    against a quantized input), else "compute" (weights decoded to the hidden dtype)."""
+    if scheme.activation_format not in _QDOT_ACT:
+        return "compute"
+    return {"e4m3": "fp8", "int8": "int8"}.get(scheme.weight_format, "compute")
+
+
+#: The schemes the kernels implement, as a predicate over scheme fields (static activation
+#: scales are not claimed; w13 and w2 share one scheme).
+# Mixed w13 / w2 schemes: each GEMM reads its weight (and quantizes its input) by that
+# weight's own scheme, so any two supported schemes pair.
+SUPPORTED_SCHEMES = SchemeSupport(
+    frozenset({"plain", "fp8", "mx", "nvfp4", "int8", "int4"}), _scheme_rule, mixed=True
 )
 
 
@@ -64,6 +100,7 @@ class KernelWeight:
     scheme: Any  # QuantScheme or None for plain weights
     shape: tuple[int, int, int]
     constexprs: dict[str, int | bool]
+    layout: WeightLayout  # how data and scale were re-laid (``WeightLayout.invert`` undoes it)
 
     @property
     def activation_format(self) -> str:
@@ -90,12 +127,17 @@ def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.contiguous()
 
 
-def kernel_weight(w: Any, gate_up_pairs: bool = False) -> KernelWeight:
+def kernel_weight(
+    w: Any, gate_up_pairs: bool = False, options: TritonOptions = DEFAULT_OPTIONS
+) -> KernelWeight:
     """Describe a plain or quantized weight for the kernel (done once, in prepare).
 
     ``gate_up_pairs``: ``w`` is a gated w13 stored gate rows then up rows; layouts that keep
     a tile's rows contiguous (``fragment_packed``) store it as (gate, up) row pairs instead,
-    the column order of the kernel's gated tile."""
+    the column order of the kernel's gated tile. ``options``: the backend's (the e2m1
+    layout)."""
+    if is_quantized(w) and not w.scheme.is_quantized:  # quantize(w, "bf16"/"fp16"/"fp32")
+        w = w.data
     if not is_quantized(w):
         return KernelWeight(
             w.contiguous(),
@@ -117,12 +159,14 @@ def kernel_weight(w: Any, gate_up_pairs: bool = False) -> KernelWeight:
                 MERGED_SCALE=False,
                 FRAG=False,
             ),
+            STORED,
         )
     scheme = w.scheme
-    if scheme.name not in SUPPORTED_SCHEMES:
+    why = SUPPORTED_SCHEMES.check(scheme)
+    if why:
         raise MoeInputError(
-            f"scheme {scheme.name!r} is not supported by the triton backend; "
-            f"accepted: {', '.join(sorted(SUPPORTED_SCHEMES))}"
+            f"the triton backend cannot compute this weight: {why}; supported: "
+            f"{', '.join(SUPPORTED_SCHEMES.names())} and schemes with their fields"
         )
     act = scheme.activation_format
     qdot = act in _QDOT_ACT
@@ -147,31 +191,26 @@ def kernel_weight(w: Any, gate_up_pairs: bool = False) -> KernelWeight:
         MERGED_SCALE=False,
         FRAG=False,
     )
-    if qdot and gran == "block" and group_k != 128:
-        raise MoeInputError(
-            f"{scheme.name}: block-scaled fp8 needs 128-wide K blocks, got {scheme.block_shape}"
-        )
     gscale = None if w.global_scale is None else w.global_scale.float().contiguous()
     data = w.data.contiguous()
     scale = _as_bytes(w.scale)
+    layout = STORED
     if scheme.packed:
         # e8m0 scales up to 2^1 can carry the fp4 decode's 2^126 in bf16: one multiply per
         # weight pair instead of two (real checkpoints' scales are far below that).
         consts["MERGED_SCALE"] = scheme.scale_format == "e8m0" and (
             w.scale.numel() == 0 or int(w.scale.view(torch.uint8).max()) <= 128
         )
-        if fragment_ok(scheme):
+        n, k = w.shape[1], w.shape[2]
+        if fragment_ok(scheme, options):
             consts["FRAG"] = True
-            order = gate_up_pair_order(w.shape[1]) if gate_up_pairs else None
-            data = fragment_packed(data, w.shape[2], order)
-            scale = fragment_scales(scale, w.shape[2], group_k, order)
+            layout = WeightLayout("fragment", n, k, group_k=group_k, gate_up_pairs=gate_up_pairs)
         else:
-            consts["HALF"] = split_half(scheme)
-            data = split_packed(data, w.shape[2], consts["HALF"])
-            if consts["HALF"] == group_k:
-                scale = pad_scale_groups(scale)
+            half = consts["HALF"] = split_half(scheme)
+            layout = WeightLayout("split", n, k, half=half, pad_scales=half == group_k)
+        data, scale = layout.apply(data, scale)
     return KernelWeight(
-        data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts
+        data, scale, _as_bytes(w.zero_point), gscale, scheme, tuple(w.shape), consts, layout
     )
 
 
@@ -230,6 +269,20 @@ def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
     return out
 
 
+def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[..., K]`` to bytes ``[..., ceil(K / 2)]`` (low nibble = even k)."""
+    codes = torch.nn.functional.pad(codes, (0, codes.shape[-1] % 2))
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unsplit_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
+    """Inverse of ``split_packed``: the split layout back to packed ``[E, N, K/2]``."""
+    e, n, _ = data.shape
+    chunks = data.view(e, n, -1, half)
+    codes = torch.stack((chunks & 0xF, chunks >> 4), dim=-2)  # [E, N, chunk, lo/hi, half]
+    return _pack_codes(codes.reshape(e, n, -1)[..., :k])
+
+
 # The fragment layout of packed e2m1 weights (mxfp4, nvfp4). The kernel computes
 # acc^T = W @ A^T with the dequantized weights as the MMA's left operand held in registers
 # (Hopper's wgmma takes A from registers), so each thread decodes exactly the values of its
@@ -245,21 +298,14 @@ def split_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
 FRAGMENT_K = 128
 # Rows are zero-padded to a multiple of the widest tile (2 * BLOCK_N <= 256 rows).
 FRAGMENT_ROWS = 256
-#: Packed e2m1 weights (mxfp4, nvfp4) are prepared in the fragment layout when this is on
-#: (read when weights are prepared; off: the split layout). GPT-OSS-120B mxfp4 on an H100,
-#: tiles tuned for each layout on it, same process: 1.20x at T = 16, 1.26x at 64, 1.26x at
-#: 256, 1.27x at 1024, 1.33x at 4096, 1.35x at 16384, and 0.87x at T = 1, where one token's
-#: four experts give too few programs to hide the K loop's latency. Batch-1 generation that
-#: wants those microseconds back turns it off before preparing the weights; ``moerunner tune
-#: --e2m1-layout`` tunes either layout.
-FRAGMENT_E2M1 = True
 
 
-def fragment_ok(scheme: Any) -> bool:
+def fragment_ok(scheme: Any, options: TritonOptions = DEFAULT_OPTIONS) -> bool:
     """Whether ``scheme``'s weights are prepared in the fragment layout: e2m1 with scale
-    groups of 16 or 32 (one group per decoded word), while ``FRAGMENT_E2M1`` is on."""
+    groups of 16 or 32 (one group per decoded word), where ``options.e2m1_layout`` says
+    "fragment" (the default; the measurements are on ``TritonOptions.e2m1_layout``)."""
     return (
-        FRAGMENT_E2M1
+        options.e2m1_layout == "fragment"
         and scheme.weight_format == "e2m1"
         and scheme.granularity == "group"
         and scheme.block_shape[1] in (16, 32)
@@ -269,7 +315,7 @@ def fragment_ok(scheme: Any) -> bool:
 def weight_layout(w: KernelWeight) -> str | None:
     """Name of ``w``'s prepared layout where its tiles are tuned apart from the scheme's
     default: "fragment" for e2m1 in the fragment layout, else None."""
-    return "fragment" if w.constexprs["FRAG"] else None
+    return w.layout.tile_key
 
 
 def gate_up_pair_order(rows: int) -> torch.Tensor:
@@ -305,6 +351,23 @@ def fragment_packed(
     return out
 
 
+def unfragment_packed(
+    data: torch.Tensor, n: int, k: int, row_order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of ``fragment_packed``: the fragment layout of ``n`` rows (stored in
+    ``row_order``) and ``k`` columns back to packed ``[E, N, K/2]``."""
+    e, half_rows, k_pad = data.shape
+    n_pad = 2 * half_rows
+    # storage (block, g, chunk, t, a, r, j) -> (block, r, g, chunk, a, t, j)
+    byte = data.view(e, n_pad // 16, 8, k_pad // FRAGMENT_K, 4, 8, 2, 2)
+    byte = byte.permute(0, 1, 6, 2, 3, 5, 4, 7)
+    codes = torch.stack((byte & 0xF, byte >> 4), dim=-3)  # nibble before (t, j)
+    codes = codes.reshape(e, n_pad, k_pad)[:, :n, :k]
+    if row_order is not None:
+        codes = codes[:, torch.argsort(row_order.to(codes.device))]
+    return _pack_codes(codes)
+
+
 def fragment_scales(
     scale: torch.Tensor, k: int, group_k: int, row_order: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -321,13 +384,106 @@ def fragment_scales(
     return torch.nn.functional.pad(scale, (0, pad_g, 0, pad_n)).contiguous()
 
 
-def prepare(weights: ExpertWeights, spec: ExpertSpec, name: str) -> PreparedWeights:
-    """Make the kernels' view of the weights once (contiguous, byte views, fp32 biases)."""
-    prepared = PreparedWeights(backend=name, source=weights, spec=spec)
+@dataclass(frozen=True)
+class WeightLayout:
+    """How ``kernel_weight`` re-laid one weight's data and group scales, as a value with its
+    inverse: ``apply`` lays canonical tensors out, ``invert`` gives them back (bytes for
+    8-bit scale codes). ``kind``:
+
+    - "stored": as given (plain and 8-bit weights, which the kernel reads as stored);
+    - "split": packed 4-bit in chunks of ``2 * half`` along K (``split_packed``), group
+      scales zero-padded to 16-byte rows when ``pad_scales`` (``pad_scale_groups``);
+    - "fragment": packed e2m1 in MMA fragment order (``fragment_packed``), rows as (gate,
+      up) pairs when ``gate_up_pairs``, scales to match (``fragment_scales``).
+
+    ``rows`` and ``k`` are the canonical weight's N and K; ``group_k`` its scale group."""
+
+    kind: str = "stored"
+    rows: int = 0
+    k: int = 0
+    half: int = 0
+    pad_scales: bool = False
+    group_k: int = 0
+    gate_up_pairs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("stored", "split", "fragment"):
+            raise ValueError(f"kind must be stored, split or fragment, got {self.kind!r}")
+
+    @property
+    def tile_key(self) -> str | None:
+        """The layout's name in tuned tile files, where tiles are tuned apart from the
+        scheme's default layout: "fragment", else None."""
+        return "fragment" if self.kind == "fragment" else None
+
+    def _row_order(self) -> torch.Tensor | None:
+        return gate_up_pair_order(self.rows) if self.gate_up_pairs else None
+
+    def apply(
+        self, data: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Canonical (data, scale codes) -> this layout (once, at prepare time)."""
+        if self.kind == "split":
+            data = split_packed(data, self.k, self.half)
+            if self.pad_scales and scale is not None:
+                scale = pad_scale_groups(scale)
+        elif self.kind == "fragment":
+            order = self._row_order()
+            data = fragment_packed(data, self.k, order)
+            if scale is not None:
+                scale = fragment_scales(scale, self.k, self.group_k, order)
+        return data, scale
+
+    def invert(
+        self, data: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This layout -> canonical (data ``[E, N, K/2]`` packed, scale codes ``[E, N, G]``)."""
+        if self.kind == "split":
+            data = unsplit_packed(data, self.k, self.half)
+            if self.pad_scales and scale is not None:
+                scale = scale[..., : -(-self.k // self.half)]
+        elif self.kind == "fragment":
+            order = self._row_order()
+            data = unfragment_packed(data, self.rows, self.k, order)
+            if scale is not None:
+                scale = scale[:, : self.rows, : -(-self.k // self.group_k)]
+                if order is not None:
+                    scale = scale[:, torch.argsort(order.to(scale.device))]
+        return data, scale
+
+
+#: Weights the kernel reads as given.
+STORED = WeightLayout()
+
+
+def prepare(
+    weights: ExpertWeights, spec: ExpertSpec, name: str, options: TritonOptions
+) -> PreparedWeights:
+    """Make the kernels' view of the weights once (contiguous, byte views, fp32 biases,
+    packed 4-bit re-laid as ``options`` say), record ``options`` for the launches and find
+    the weights' tuned tiles (``tensors["tiles"]``; its file, if any, in the notes)."""
+    prepared = PreparedWeights(backend=name, source=weights, spec=spec, options=options)
     t = prepared.tensors
-    t["w13"] = kernel_weight(weights.w13, gate_up_pairs=spec.gated and not spec.gate_up_interleaved)
-    t["w2"] = kernel_weight(weights.w2)
+    pairs = spec.gated and not spec.gate_up_interleaved
+    t["w13"] = kernel_weight(weights.w13, gate_up_pairs=pairs, options=options)
+    t["w2"] = kernel_weight(weights.w2, options=options)
     for key, bias in (("w13_bias", weights.w13_bias), ("w2_bias", weights.w2_bias)):
         t[key] = None if bias is None else bias.float().contiguous()
-    prepared.notes.append("weights viewed in their stored layout; biases as float32")
+    w13 = t["w13"]
+    t["tiles"] = find_tiles(
+        spec.num_experts,
+        spec.intermediate_size,
+        spec.hidden_size,
+        weights.w13_scheme,
+        gpu_name(w13.data.device),
+        dtype_bytes=w13.data.element_size(),
+        layout=w13.layout.tile_key,
+        tile_dirs=options.tile_dirs,
+    )
+    layouts = sorted({t["w13"].layout.kind, t["w2"].layout.kind})
+    prepared.notes.append(
+        f"weights in the {'/'.join(layouts)} layout; biases as float32; "
+        f"tiles: {t['tiles'].describe()}"
+    )
+    _log.debug("%s: prepared %s; %s", name, spec, prepared.notes[-1])
     return prepared

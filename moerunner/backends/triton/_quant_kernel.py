@@ -18,6 +18,7 @@ import triton.language as tl
 from . import _launch, _pdl
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
+from .options import TritonOptions
 
 # Adding then subtracting 1.5 * 2^23 rounds a float32 of magnitude < 2^22 to the nearest
 # integer, ties to even (the hardware's rounding of the add).
@@ -123,14 +124,24 @@ def _quant_groups_kernel(
     tl.store(s_ptr + rows * stride_sm + offs_g[None, :], scale, mask=g_mask)
 
 
-def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
-    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/128)] fp32)."""
+def quantize_rows(
+    x: torch.Tensor,
+    fmt: str,
+    q_out: torch.Tensor,
+    s_out: torch.Tensor,
+    group: int = 128,
+    *,
+    options: TritonOptions,
+) -> None:
+    """Fill ``q_out`` ([M, K] e4m3 or int8) and ``s_out`` ([M] or [M, ceil(K/group)] fp32;
+    ``group``: K per scale of fp8_group128 (128) and fp8_group (the weight's K block, a
+    power of two)); ``options``: the backend's (launches)."""
     rows, k = x.shape
-    if fmt == "fp8_group128":
+    if fmt in ("fp8_group128", "fp8_group"):
         # 4 rows x up to 8 groups (4096 elements, 32 per thread) per program: enough bytes in
         # flight per program without a grid of millions of one-warp programs.
-        groups = min(8, _pow2(_cdiv(k, 128)))
-        grid = (_cdiv(rows, 4), _cdiv(k, groups * 128))
+        groups = min(8 * 128 // group, _pow2(_cdiv(k, group)))
+        grid = (_cdiv(rows, 4), _cdiv(k, groups * group))
         _launch.launch(
             _quant_groups_kernel,
             grid,
@@ -144,8 +155,9 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
             s_out.stride(0),
             ROWS=4,
             GROUPS=groups,
-            GROUP=128,
+            GROUP=group,
             num_warps=4,
+            options=options,
         )
         return
     group = min(1024, _pow2(k))
@@ -166,4 +178,5 @@ def quantize_rows(x: torch.Tensor, fmt: str, q_out: torch.Tensor, s_out: torch.T
         QMAX=448.0 if to_fp8 else 127.0,
         TO_FP8=to_fp8,
         num_warps=4 if group >= 512 else 1,
+        options=options,
     )

@@ -8,12 +8,15 @@
 #   -> GEMM2 (+bias, routing weight) into per-row outputs.
 # ``fused_standard`` feeds it (token, slot) rows and reduces the k rows of each token;
 # ``grouped_core`` feeds it the rows of the grouped ("permuted") layout as they are.
-# Workspaces are cached per (device, shapes, dtype) and reused across calls.
+# Workspaces are cached per (caller thread and CUDA stream, device, shapes, dtype), bounded in
+# bytes (``WORKSPACES.max_bytes``), and reused across calls. Switches come from the prepared
+# weights' ``TritonOptions`` (``prepared.options``), read per call.
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -28,9 +31,10 @@ from . import _gemm_kernel as K
 from . import _launch
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._launch import cdiv as _cdiv
-from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight, weight_layout
+from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
 from ._quant_kernel import quantize_rows
-from .tile_config import MoeTiles, TileConfig, lookup_tiles
+from .options import TritonOptions
+from .tile_config import MoeTiles, TileConfig
 
 _ACT_IDS = {
     "silu": K.ACT_SILU,
@@ -52,20 +56,66 @@ _TL_DTYPES = {
 # Workspaces: reused across calls with the same shapes (LRU), never allocated per call.
 
 
+#: Default bound of the workspace cache: buffers of recent shapes kept for reuse.
+WORKSPACE_LIMIT_BYTES = 256 << 20
+
+
+def _caller_key(device: torch.device) -> tuple:
+    """Who may share a workspace: one thread on one CUDA stream. Two threads (or two streams
+    of one thread) calling at once would otherwise write the same buffers; on one stream
+    calls are ordered, so reuse there is safe. Host-side lookups only (no sync)."""
+    thread = threading.get_ident()
+    if device.type != "cuda":
+        return (thread,)
+    return (thread, torch.cuda.current_stream(device).stream_id)
+
+
 class _Workspaces:
-    def __init__(self, capacity: int = 16) -> None:
+    """LRU cache of per-call buffers, bounded in entries and in bytes, keyed per caller.
+
+    ``get(key, make)`` returns the buffers of ``key`` for the calling thread and its current
+    CUDA stream (see ``_caller_key``), making them with ``make()`` on a miss. Least recently
+    used entries are evicted until at most ``capacity`` entries and ``max_bytes`` bytes
+    remain; buffers larger than ``max_bytes`` on their own are made per call and not kept.
+    A buffer in use is never freed under its user: eviction only drops the cache's reference.
+    """
+
+    def __init__(self, capacity: int = 16, max_bytes: int = WORKSPACE_LIMIT_BYTES) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self.entries: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
+        self.sizes: dict[tuple, int] = {}
+        self.nbytes = 0
+        self._lock = threading.Lock()
 
     def get(self, key: tuple, make) -> dict[str, torch.Tensor]:
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self.entries[key] = make()
-            while len(self.entries) > self.capacity:
-                self.entries.popitem(last=False)
-        else:
-            self.entries.move_to_end(key)
+        device = key[0] if key and isinstance(key[0], torch.device) else torch.device("cpu")
+        full = (_caller_key(device), *key)
+        with self._lock:
+            entry = self.entries.get(full)
+            if entry is not None:
+                self.entries.move_to_end(full)
+                return entry
+        entry = make()
+        size = sum(t.numel() * t.element_size() for t in entry.values())
+        if size > self.max_bytes:
+            return entry
+        with self._lock:
+            if full in self.entries:  # made meanwhile by this caller: keep the first
+                return self.entries[full]
+            self.entries[full], self.sizes[full] = entry, size
+            self.nbytes += size
+            while len(self.entries) > self.capacity or self.nbytes > self.max_bytes:
+                old, _ = self.entries.popitem(last=False)
+                self.nbytes -= self.sizes.pop(old)
         return entry
+
+    def clear(self) -> None:
+        """Drop every cached buffer."""
+        with self._lock:
+            self.entries.clear()
+            self.sizes.clear()
+            self.nbytes = 0
 
 
 WORKSPACES = _Workspaces()
@@ -79,70 +129,42 @@ def _dummy(device: torch.device) -> torch.Tensor:
     return d
 
 
-def _device_name(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_name(device)
-
-
-#: Off the GPU GEMM1 leaves GEMM2's input quantization to the PyTorch twin (the path every
-#: other input takes there) unless this is set; tests set it to check the epilogue's logic.
-FUSE_INPUT_QUANT_OFF_GPU = False
-
-
-def fuses_gemm2_input_quant(w2: KernelWeight, x: torch.Tensor, tile1: TileConfig) -> bool:
+def fuses_gemm2_input_quant(
+    w2: KernelWeight, x: torch.Tensor, tile1: TileConfig, options: TritonOptions
+) -> bool:
     """Whether GEMM1 stores GEMM2's fp8_group128 input itself (codes and scales) instead of
     the bf16 intermediate: its tile must hold whole 128-column groups. Saves a launch and a
-    write and two reads of the intermediate."""
+    write and two reads of the intermediate. Off the GPU only with
+    ``options.fuse_input_quant_off_gpu``."""
     return (
         w2.activation_format == "fp8_group128"
         and tile1.block_n % 128 == 0
-        and (x.is_cuda or FUSE_INPUT_QUANT_OFF_GPU)
+        and (x.is_cuda or options.fuse_input_quant_off_gpu)
     )
 
 
-#: Up to this many tokens each (token, slot) row is its own GEMM block and no alignment step
-#: runs: one launch fewer. One token's slots name distinct experts, so no weights are read
-#: twice; from two tokens on, rows that share an expert would each read its weights (on an
-#: H200 row blocks saved 3-5 us at T = 1 on every preset and cost up to 2x on Mixtral-8x7B's
-#: 8 experts at T = 2-8, where the alignment groups the repeats).
-ROW_BLOCKS_MAX_TOKENS = 1
-# Packed 4-bit weights with one split-layout chunk per K step load the next step's scale
-# codes one step ahead, so the loop does not wait on a global load (see the kernel).
-SCALE_PREFETCH = True
-# Packed 4-bit weights whose halves have one scale group each and K steps of 2 or 4 chunks
-# load the step's scale codes as one tile (needs the padded scales of ``pad_scale_groups``).
-SCALE_TILES = True
-#: The fragment layout's GEMMs tell the compiler that K > 0 (``K_NONEMPTY``), so ptxas keeps
-#: their register-operand wgmmas in flight instead of waiting after each (off: as before).
-FRAGMENT_ASYNC_MMA = True
-#: Aligned blocks of at least this many rows run a tile of half the rows when their second
-#: half is padding (an expert's last block; ``None``: never), if the experts average at most
-#: ``SPLIT_MAX_BLOCKS_PER_EXPERT`` blocks. Near one block per expert a third of the blocks
-#: are such, and their padding rows would otherwise cost full MMAs: on an H200, bf16 at
-#: T = 4096 ran 1.07-1.10x faster on Qwen3-30B-A3B, GPT-OSS-120B and DeepSeek-V3. With many
-#: blocks per expert there is little to gain and the second tile costs a little (Mixtral-8x7B
-#: at T = 16384, 32 blocks per expert: 0.98x). Below 128 rows the half tile would fall under
-#: the 64 rows of Hopper's warpgroup MMA.
-SPLIT_MIN_BLOCK_M: int | None = 128
-SPLIT_MAX_BLOCKS_PER_EXPERT = 4
-
-
 def splits_blocks(
-    block_m: int, consts: dict, rows_per_expert: float, row_blocks: bool = False
+    block_m: int,
+    consts: dict,
+    rows_per_expert: float,
+    row_blocks: bool = False,
+    *,
+    options: TritonOptions,
 ) -> bool:
     """Whether a GEMM launch with ``block_m``-row blocks, the weight constexprs ``consts`` and
-    ``rows_per_expert`` rows per expert on average compiles the half-row tile: only where the
+    ``rows_per_expert`` rows per expert on average compiles the half-row tile
+    (``options.split_min_block_m``, ``options.split_max_blocks_per_expert``): only where the
     weights reach the MMA as stored (plain, or fp8/int8 with a quantized A). A weight-only
     decode costs the same per weight at any row count, so half the rows would save little and
     add a second decode loop."""
     as_stored = consts["W_FORMAT"] == K.WF_PLAIN or consts["QDOT"]
+    min_block_m = options.split_min_block_m
     return (
         as_stored
         and not row_blocks
-        and SPLIT_MIN_BLOCK_M is not None
-        and block_m >= SPLIT_MIN_BLOCK_M
-        and rows_per_expert <= SPLIT_MAX_BLOCKS_PER_EXPERT * block_m
+        and min_block_m is not None
+        and block_m >= min_block_m
+        and rows_per_expert <= options.split_max_blocks_per_expert * block_m
     )
 
 
@@ -196,11 +218,12 @@ def layout_rows(
     num_experts: int,
     block_m: int,
     ws: dict[str, torch.Tensor],
+    options: TritonOptions,
 ) -> RowLayout:
     """The row layout of one call: the row ids as blocks for at most
-    ``ROW_BLOCKS_MAX_TOKENS`` tokens (of ``rows_per_token`` rows each), else the device-side
-    alignment into ``ws`` (from ``alignment_workspace``)."""
-    if row_expert.shape[0] <= ROW_BLOCKS_MAX_TOKENS * rows_per_token:
+    ``options.row_blocks_max_tokens`` tokens (of ``rows_per_token`` rows each), else the
+    device-side alignment into ``ws`` (from ``alignment_workspace``)."""
+    if row_expert.shape[0] <= options.row_blocks_max_tokens * rows_per_token:
         return RowLayout(row_expert, row_expert, row_expert, True)
     align_rows(
         row_expert,
@@ -210,11 +233,14 @@ def layout_rows(
         ws["block_expert"],
         ws["num_padded"],
         ws["align_scratch"],
+        options=options,
     )
     return RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
 
 
-def _quantize_input(x: torch.Tensor, w: KernelWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _quantize_input(
+    x: torch.Tensor, w: KernelWeight, options: TritonOptions
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM input in the form the kernel reads: (data, scale or None)."""
     fmt = w.activation_format
     if fmt == "none":
@@ -225,20 +251,20 @@ def _quantize_input(x: torch.Tensor, w: KernelWeight) -> tuple[torch.Tensor, tor
         return fake_quantize_activation(x, w.scheme).to(x.dtype), None
     if x.is_cuda:  # one launch; the interpreter rounds fp8 unlike torch, so not off the GPU
         rows, k = x.shape
-        ngroups = _cdiv(k, 128)
+        group = w.scheme.activation_group_size  # None: one scale per row
         qdtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
         bufs = WORKSPACES.get(
-            (x.device, "act_quant", fmt, rows, k),
+            (x.device, "act_quant", fmt, group, rows, k),
             lambda: {
                 "q": torch.empty(rows, k, dtype=qdtype, device=x.device),
                 "s": torch.empty(
-                    (rows, ngroups) if fmt == "fp8_group128" else (rows,),
+                    (rows, _cdiv(k, group)) if group else (rows,),
                     dtype=torch.float32,
                     device=x.device,
                 ),
             },
         )
-        quantize_rows(x, fmt, bufs["q"], bufs["s"])
+        quantize_rows(x, fmt, bufs["q"], bufs["s"], group or 128, options=options)
         return bufs["q"], bufs["s"]
     qx = quantize_activation(x, w.scheme)
     return qx.data.contiguous(), qx.scale.float().contiguous()
@@ -259,19 +285,23 @@ def _launch_gemm(
     spec: ExpertSpec | None,
     out_scale: torch.Tensor | None = None,
     inter_dtype: torch.dtype | None = None,
+    *,
+    options: TritonOptions,
 ) -> None:
     """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused).
 
     ``out_scale`` given (GEMM1 only, see ``fuses_gemm2_input_quant``): ``out`` is e4m3 and
     takes the codes, ``out_scale`` [rows, ceil(N / 128)] the scales of the output as rounded
-    to ``inter_dtype``."""
+    to ``inter_dtype``. ``options``: the prepared weights' (``prepared.options``)."""
     dev = a.device
     dummy = _dummy(dev)
     k = w.shape[2]
     consts = dict(w.constexprs)
-    if consts["QDOT"] and consts["GROUP_K"] > 0 and 128 % tile.block_k and tile.block_k % 128:
+    group_k = consts["GROUP_K"]
+    if consts["QDOT"] and group_k > 0 and group_k % tile.block_k and tile.block_k % group_k:
         raise MoeInputError(
-            f"block_k {tile.block_k} must divide 128 or be a multiple of it for block-scaled fp8"
+            f"block_k {tile.block_k} must divide the K block {group_k} or be a multiple of it "
+            "for block-scaled fp8"
         )
     half = consts["HALF"]
     if half:  # packed 4-bit: whole chunks of the split layout per K step
@@ -287,7 +317,6 @@ def _launch_gemm(
                 f"weight rows, a power of two; got block_n {tile.block_n} "
                 f"({width} rows{' with gate and up' if gated else ''})"
             )
-    group_k = consts["GROUP_K"]
     if (
         group_k
         and not consts["QDOT"]
@@ -378,12 +407,15 @@ def _launch_gemm(
         OUT_QUANT=out_scale is not None,
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
         FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
-        S_PREFETCH=SCALE_PREFETCH,
-        S_TILE=SCALE_TILES and w.scale_tiles,
-        SPLIT_M=splits_blocks(tile.block_m, consts, num_rows / w.shape[0], rows.row_blocks),
-        K_NONEMPTY=consts["FRAG"] and FRAGMENT_ASYNC_MMA and k > 0,
+        S_PREFETCH=options.scale_prefetch,
+        S_TILE=options.scale_tiles and w.scale_tiles,
+        SPLIT_M=splits_blocks(
+            tile.block_m, consts, num_rows / w.shape[0], rows.row_blocks, options=options
+        ),
+        K_NONEMPTY=consts["FRAG"] and options.fragment_async_mma and k > 0,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        options=options,
         **consts,
     )
 
@@ -426,27 +458,19 @@ def run_kernel_sequence(
 ) -> None:
     """The one kernel sequence: rows ``p`` of ``out_PH`` get expert ``row_expert[p]`` applied
     to ``a_RH[p // a_row_div]`` (times ``route_w[p]`` when given); rows with id -1 are left
-    unwritten.
+    unwritten. ``tiles``: None for the prepared weights' tuned or heuristic ones.
     """
     spec = prepared.spec
-    w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
+    options = prepared.options
+    t = prepared.tensors
+    w13, w2 = t["w13"], t["w2"]
     num_rows = row_expert.shape[0]
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
     dev = a_RH.device
     if tiles is None:
-        tiles = lookup_tiles(
-            num_rows // a_row_div,
-            a_row_div,
-            num_experts,
-            inter,
-            hidden,
-            w13.scheme.name if w13.scheme is not None else _plain(a_RH.dtype),
-            _device_name(dev),
-            dtype_bytes=w13.data.element_size(),
-            layout=weight_layout(w13),
-        )
+        tiles = t["tiles"].lookup(num_rows // a_row_div, a_row_div)
     bm = tiles.gemm1.block_m
-    fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1)
+    fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1, options)
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
 
     ws = WORKSPACES.get(
@@ -456,14 +480,14 @@ def run_kernel_sequence(
             **intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
         },
     )
-    rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws)
+    rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws, options)
     with trace_range("gemm1"):
-        a, a_scale = _quantize_input(a_RH, w13)
+        a, a_scale = _quantize_input(a_RH, w13, options)
         _launch_gemm(
             a,
             a_scale,
             w13,
-            prepared.tensors["w13_bias"],
+            t["w13_bias"],
             ws["inter"],
             rows,
             num_rows,
@@ -474,17 +498,18 @@ def run_kernel_sequence(
             spec,
             ws.get("inter_scale"),
             a_RH.dtype,
+            options=options,
         )
     with trace_range("gemm2"):
         if fuse:
             a2, a2_scale = ws["inter"], ws["inter_scale"]
         else:
-            a2, a2_scale = _quantize_input(ws["inter"], w2)
+            a2, a2_scale = _quantize_input(ws["inter"], w2, options)
         _launch_gemm(
             a2,
             a2_scale,
             w2,
-            prepared.tensors["w2_bias"],
+            t["w2_bias"],
             out_PH,
             rows,
             num_rows,
@@ -493,11 +518,8 @@ def run_kernel_sequence(
             tiles.gemm2,
             hidden,
             None,
+            options=options,
         )
-
-
-def _plain(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def _check_hidden(hidden: torch.Tensor, prepared: PreparedWeights, name: str) -> None:
@@ -542,7 +564,9 @@ def fused_standard(
             f"{list(topk_ids.shape)} must have one shape"
         )
     num_tokens, top_k = topk_ids.shape
-    out = torch.empty_like(hidden_TH)
+    # Row-major whatever the input's strides: the top-k reduction stores row t at
+    # t * stride(0) + column (a transposed input's empty_like would be column-major).
+    out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=hidden_TH.device)
     if num_tokens == 0:
         return out
     hidden_TH = hidden_TH.contiguous()
@@ -559,7 +583,7 @@ def fused_standard(
     with _on_device(hidden_TH):
         run_kernel_sequence(hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles)
         with trace_range("combine"):
-            topk_sum(cache["y"], ids, out, prepared.spec.num_experts)
+            topk_sum(cache["y"], ids, out, prepared.spec.num_experts, options=prepared.options)
     return out
 
 
@@ -580,7 +604,7 @@ def grouped_core(
             f"expert_offsets must be [E+1={num_experts + 1}], got {list(expert_offsets.shape)}"
         )
     rows = x_MH.shape[0]
-    y = torch.empty_like(x_MH)
+    y = torch.empty(x_MH.shape, dtype=x_MH.dtype, device=x_MH.device)  # row-major
     if rows == 0:
         return y
     row_ids = torch.arange(rows, device=x_MH.device)

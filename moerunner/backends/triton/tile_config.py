@@ -1,21 +1,53 @@
 # Tile configurations of the triton backend's grouped GEMMs: heuristic default + tuned files.
 #
 # A tuned file covers one (E, N = I, K = H, scheme, device name) and maps token counts to a
-# pair of tiles (GEMM1, GEMM2) sharing BLOCK_M (the alignment step pads to it). All files live
-# in ``configs/`` beside this module and follow one schema (SCHEMA below); ``moerunner tune``
-# (``tune.py``) writes them. Lookup takes the entry whose token count is nearest to the call's;
-# with no file the heuristic below answers. Nothing here reads the environment.
+# pair of tiles (GEMM1, GEMM2) sharing BLOCK_M (the alignment step pads to it). Files follow
+# one schema (SCHEMA below); ``moerunner tune`` (``tune.py``) writes them, by default into the
+# user tile folder (``user_tile_dir``). Weights look their file up once, when prepared
+# (``find_tiles``): in the folders of ``TritonOptions.tile_dirs`` (default: the user tile
+# folder), then in ``configs/`` shipped beside this module; the first file found is used
+# whole. A call takes the entry whose token count is nearest to its own; with no file the
+# heuristic below answers. The environment is read in one place: where the user's cache
+# folder is (``user_tile_dir``).
+#
+# Files name a scheme by ``registered_name`` (schemes with equal fields share files). The
+# heuristic keys on scheme fields: the MMA's operand type (``_prepare.mma_operand``) and
+# whether weight scales change along K inside a tile (block-scaled fp8).
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
+from ...quant.schemes import QuantScheme, get_scheme, registered_name
+
 SCHEMA = "moerunner.triton.tiles/1"
-CONFIG_DIR = Path(__file__).with_name("configs")
+#: Tile files shipped with the package (searched after the user's folders).
+SHIPPED_DIR = Path(__file__).with_name("configs")
+
+
+def user_tile_dir() -> Path:
+    """The user tile folder: ``$XDG_CACHE_HOME/moerunner/tiles``, or
+    ``~/.cache/moerunner/tiles`` where that variable is unset (the XDG base directory
+    convention). ``moerunner tune`` writes there by default and the runtime reads it first
+    (``TritonOptions.tile_dirs=None``)."""
+    cache = os.environ.get("XDG_CACHE_HOME")
+    base = Path(cache) if cache else Path.home() / ".cache"
+    return base / "moerunner" / "tiles"
+
+
+def tile_folders(tile_dirs: Sequence[str | os.PathLike] | None) -> tuple[Path, ...]:
+    """Folders searched for tuned files, in order: ``tile_dirs`` (None: the user tile
+    folder), then the shipped ones."""
+    first = (user_tile_dir(),) if tile_dirs is None else tuple(Path(d) for d in tile_dirs)
+    return (*first, SHIPPED_DIR)
 
 
 @dataclass(frozen=True)
@@ -64,13 +96,24 @@ def device_key(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
 
 
+def scheme_key(scheme: str | QuantScheme) -> str:
+    """How files name a scheme: the registered name of its fields (``registered_name``)."""
+    return registered_name(get_scheme(scheme))
+
+
 def config_file_name(
-    num_experts: int, n: int, k: int, scheme: str, device_name: str, layout: str | None = None
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str | QuantScheme,
+    device_name: str,
+    layout: str | None = None,
 ) -> str:
     """Name of the tuned file for one shape, scheme, weight layout (None: the scheme's only
     or default one) and device."""
     lay = f",layout={layout}" if layout else ""
-    return f"E={num_experts},N={n},K={k},scheme={scheme}{lay},device={device_key(device_name)}.json"
+    key = scheme_key(scheme)
+    return f"E={num_experts},N={n},K={k},scheme={key}{lay},device={device_key(device_name)}.json"
 
 
 def write_config_file(
@@ -78,14 +121,14 @@ def write_config_file(
     num_experts: int,
     n: int,
     k: int,
-    scheme: str,
+    scheme: str | QuantScheme,
     device_name: str,
     tiles_by_tokens: dict[int, MoeTiles],
     extra: dict | None = None,
     layout: str | None = None,
 ) -> None:
     """Write one tuned file in the shared schema (``layout`` as in ``config_file_name``)."""
-    key = {"E": num_experts, "N": n, "K": k, "scheme": scheme, "device": device_name}
+    key = {"E": num_experts, "N": n, "K": k, "scheme": scheme_key(scheme), "device": device_name}
     if layout:
         key["layout"] = layout
     doc = {
@@ -110,23 +153,48 @@ def load_config_file(path: str) -> dict[int, MoeTiles] | None:
     return {int(t): MoeTiles.from_dict(v) for t, v in doc["by_tokens"].items()}
 
 
-def _scheme_block_k(scheme: str, k: int) -> int:
-    if scheme.startswith("fp8_block"):
-        return 128  # one scale per 128 along K: BLOCK_K divides 128 or is a multiple of it
+def mma_8bit(scheme: str | QuantScheme) -> bool:
+    """Whether the kernels feed ``scheme``'s GEMMs to the MMA as 8-bit operands (fp8 or
+    int8 weights with quantized inputs); weight-only schemes run it in the hidden dtype."""
+    from ._prepare import mma_operand  # here: _prepare may import this module
+
+    return mma_operand(get_scheme(scheme)) in ("fp8", "int8")
+
+
+def k_blocked(scheme: str | QuantScheme) -> bool:
+    """Whether ``scheme``'s weight scales change along K inside the MMA (block-scaled fp8):
+    BLOCK_K then divides the K block or is a multiple of it."""
+    from ._prepare import mma_operand
+
+    s = get_scheme(scheme)
+    return mma_operand(s) == "fp8" and s.granularity in ("block", "group")
+
+
+def _scheme_block_k(scheme: QuantScheme, k: int) -> int:
+    if k_blocked(scheme):
+        return 128  # K blocks of 128 or a divisor: BLOCK_K divides it or is a multiple of it
     return 128 if k >= 128 else 64
 
 
 def heuristic_tiles(
-    num_tokens: int, top_k: int, num_experts: int, n: int, k: int, scheme: str, dtype_bytes: int = 2
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str | QuantScheme,
+    dtype_bytes: int = 2,
 ) -> MoeTiles:
     """A sane default: small row blocks for decode (weight streaming), large MMA tiles after.
 
-    ``n`` is I, ``k`` is H. Rows per active expert decide between the regimes.
+    ``n`` is I, ``k`` is H. Rows per active expert decide between the regimes; 8-bit MMA
+    operands (``mma_8bit``, with ``dtype_bytes`` 1) take the quantized tiles.
     """
     pairs = max(1, num_tokens * top_k)
     rows_per_expert = pairs / max(1, min(num_experts, pairs))
+    scheme = get_scheme(scheme)
     bk = _scheme_block_k(scheme, k)
-    quant8 = scheme.startswith(("fp8", "int8")) and dtype_bytes == 1
+    quant8 = mma_8bit(scheme) and dtype_bytes == 1
     if rows_per_expert <= 16:
         g1 = TileConfig(16, 64, bk, 1, 4, 4)
         g2 = TileConfig(16, 64, bk, 1, 4, 4)
@@ -137,11 +205,69 @@ def heuristic_tiles(
         g1 = TileConfig(64, 64, min(bk, 64) if not quant8 else bk, 8, 4, 4)
         g2 = TileConfig(64, 128, min(bk, 64) if not quant8 else bk, 8, 4, 4)
     else:
-        bk_large = bk if quant8 or scheme.startswith("fp8_block") else 64
+        bk_large = bk if quant8 or k_blocked(scheme) else 64
         # Two fp32 accumulators (gate, up): keep quantized tiles narrow to avoid spills.
         g1 = TileConfig(128, 64 if quant8 else 128, bk_large, 8, 8, 3)
         g2 = TileConfig(128, 128, bk_large, 8, 8, 3)
     return MoeTiles(g1, g2)
+
+
+def gpu_name(device: torch.device) -> str | None:
+    """The name tile files are keyed by: the GPU's, or None off CUDA (heuristic tiles)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+@dataclass(frozen=True)
+class TileSource:
+    """Where one prepared layer's tiles come from: a tuned file's table (``path``) or, with
+    none found, the heuristic. Found once per prepared weights (``find_tiles``); a call only
+    picks the entry nearest to its token count."""
+
+    num_experts: int
+    n: int
+    k: int
+    scheme: str | QuantScheme
+    dtype_bytes: int = 2
+    path: Path | None = None
+    table: dict[int, MoeTiles] | None = field(default=None, compare=False, repr=False)
+
+    def lookup(self, num_tokens: int, top_k: int) -> MoeTiles:
+        """Tuned tiles for the nearest token count, else ``heuristic_tiles``."""
+        if self.table:
+            nearest = min(self.table, key=lambda t: (abs(t - num_tokens), t))
+            return self.table[nearest]
+        return heuristic_tiles(
+            num_tokens, top_k, self.num_experts, self.n, self.k, self.scheme, self.dtype_bytes
+        )
+
+    def describe(self) -> str:
+        """The file used, or why the heuristic answers."""
+        return str(self.path) if self.path is not None else "heuristic (no tuned file)"
+
+
+def find_tiles(
+    num_experts: int,
+    n: int,
+    k: int,
+    scheme: str | QuantScheme,
+    device_name: str | None,
+    dtype_bytes: int = 2,
+    layout: str | None = None,
+    tile_dirs: Sequence[str | os.PathLike] | None = None,
+) -> TileSource:
+    """The tiles of one shape, scheme and weight layout on ``device_name`` (None: off the
+    GPU, heuristic only): the first tuned file in ``tile_folders(tile_dirs)``. ``layout``
+    names a prepared weight layout whose tiles are tuned apart (``WeightLayout.tile_key``)."""
+    if device_name is not None:
+        name = config_file_name(num_experts, n, k, scheme, device_name, layout)
+        for folder in tile_folders(tile_dirs):
+            path = folder / name
+            table = load_config_file(str(path))
+            if table:
+                return TileSource(num_experts, n, k, scheme, dtype_bytes, path, table)
+    return TileSource(num_experts, n, k, scheme, dtype_bytes)
 
 
 def lookup_tiles(
@@ -150,20 +276,13 @@ def lookup_tiles(
     num_experts: int,
     n: int,
     k: int,
-    scheme: str,
+    scheme: str | QuantScheme,
     device_name: str | None,
-    config_dir: Path | None = None,
+    tile_dirs: Sequence[str | os.PathLike] | None = None,
     dtype_bytes: int = 2,
     layout: str | None = None,
 ) -> MoeTiles:
-    """Tuned tiles for the nearest token count, else ``heuristic_tiles``. ``layout`` names
-    a prepared weight layout whose tiles are tuned apart (``_prepare.weight_layout``)."""
-    if device_name is not None:
-        folder = CONFIG_DIR if config_dir is None else Path(config_dir)
-        table = load_config_file(
-            str(folder / config_file_name(num_experts, n, k, scheme, device_name, layout))
-        )
-        if table:
-            nearest = min(table, key=lambda t: (abs(t - num_tokens), t))
-            return table[nearest]
-    return heuristic_tiles(num_tokens, top_k, num_experts, n, k, scheme, dtype_bytes)
+    """``find_tiles(...).lookup(num_tokens, top_k)`` in one call (prepared weights keep
+    their ``TileSource`` in ``tensors["tiles"]``)."""
+    source = find_tiles(num_experts, n, k, scheme, device_name, dtype_bytes, layout, tile_dirs)
+    return source.lookup(num_tokens, top_k)

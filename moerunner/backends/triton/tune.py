@@ -4,8 +4,11 @@
 # making of GEMM2's input) and GEMM2 candidates with that BLOCK_M are timed separately
 # (CUDA-graph replay, so launch overhead does not hide the kernel time); the best pair over
 # all BLOCK_M wins. Results go to one file per (E, N, K, scheme, device) in the schema of
-# ``tile_config.py``. Weights are random with the requested scheme's layout: tile choice
-# depends on shapes, not on values.
+# ``tile_config.py``, by default in the user tile folder that the runtime reads before the
+# shipped files (``tile_config.user_tile_dir``). Weights are random with the requested
+# scheme's layout: tile choice depends on shapes, not on values. The backend's options
+# (``TritonOptions``: the e2m1 layout the weights are prepared in, and every launch switch)
+# are a parameter of the search.
 
 from __future__ import annotations
 
@@ -20,25 +23,26 @@ from typing import Any
 
 import torch
 
+from ...bench import presets as _model_shapes
 from ...quant import get_scheme
-from . import _prepare
+from ...quant.schemes import QuantScheme, plain_scheme
 from ._prepare import split_half, weight_layout
+from .options import E2M1_LAYOUTS, TritonOptions
 from .tile_config import (
-    CONFIG_DIR,
     MoeTiles,
     TileConfig,
     config_file_name,
+    k_blocked,
     load_config_file,
+    mma_8bit,
+    user_tile_dir,
     write_config_file,
 )
 
-PRESETS = {  # name: (H, I, E, top_k, activation)
-    "mixtral-8x7b": (4096, 14336, 8, 2, "silu"),
-    "qwen3-30b-a3b": (2048, 768, 128, 8, "silu"),
-    "qwen3-235b-a22b": (4096, 1536, 128, 8, "silu"),
-    "deepseek-v3": (7168, 2048, 256, 8, "silu"),
-    "gpt-oss-20b": (2880, 2880, 32, 4, "swiglu_oai"),
-    "gpt-oss-120b": (2880, 2880, 128, 4, "swiglu_oai"),
+# name: (H, I, E, top_k, activation), read from the project's one table of model shapes.
+PRESETS = {
+    name: (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, s.activation)
+    for name, s in ((n, _model_shapes.PRESETS[n]) for n in _model_shapes.MODEL_PRESETS)
 }
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 # Routings a decode-sized search times in turn (``tune_tokens``).
@@ -46,14 +50,18 @@ ROUTINGS = 8
 
 
 def candidate_tiles(
-    num_tokens: int, top_k: int, num_experts: int, scheme: str, layout: str | None = None
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    scheme: str | QuantScheme,
+    layout: str | None = None,
 ) -> list[TileConfig]:
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these);
     ``layout`` is the weights' ``_prepare.weight_layout``."""
     rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
     packed = get_scheme(scheme).packed
-    quant8 = scheme.startswith(("fp8", "int8"))  # 8-bit operands fed to the MMA
-    bks = (128,) if scheme.startswith("fp8_block") or packed else (64, 128)
+    quant8 = mma_8bit(scheme)  # 8-bit operands fed to the MMA
+    bks = (128,) if k_blocked(scheme) or packed else (64, 128)
     out = []
     if packed and rows_per_expert <= 16 and layout == "fragment":
         # e2m1 in the fragment layout at decode: K steps are one 128-wide chunk, so search the
@@ -106,7 +114,7 @@ def candidate_tiles(
                 for bk in (128,) if quant8 else bks[:1]:
                     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
-    if scheme.startswith("fp8_block") and rows_per_expert > 64:
+    if k_blocked(scheme) and rows_per_expert > 64:
         # Two scale groups per K step: the promotion of the first overlaps the second's MMA.
         for bm in (64, 128):
             for bn in (64, 128):
@@ -142,10 +150,11 @@ def tune_tokens(
     from . import experts as X
 
     spec = prepared.spec
+    options = prepared.options
     w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
     dev = w13.data.device
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
-    scheme = w13.scheme.name if w13.scheme is not None else "bf16"
+    scheme = w13.scheme if w13.scheme is not None else plain_scheme(torch.bfloat16)
     dtype = torch.bfloat16
     cands = (
         list(candidates)
@@ -172,19 +181,24 @@ def tune_tokens(
         fused = X.intermediate_buffers(rows, inter, dtype, True, dev)
         inter_q, inter_s = fused["inter"], fused["inter_scale"]
     out_buf = torch.empty(rows, hidden, device=dev, dtype=dtype)
-    a1, s1 = X._quantize_input(x, w13)
-    a2, s2 = X._quantize_input(inter_buf.normal_(), w2)
+    a1, s1 = X._quantize_input(x, w13, options)
+    a2, s2 = X._quantize_input(inter_buf.normal_(), w2, options)
     best: dict[int, dict[str, tuple[float, TileConfig]]] = {}
     for i, tile in enumerate(cands):
         bm = tile.block_m
         layouts = [  # as run_kernel_sequence makes them, one per routing
             X.layout_rows(
-                ids, top_k, num_experts, bm, X.alignment_workspace(rows, num_experts, bm, dev)
+                ids,
+                top_k,
+                num_experts,
+                bm,
+                X.alignment_workspace(rows, num_experts, bm, dev),
+                options,
             )
             for ids in routings
         ]
         times: dict[str, str] = {}
-        fuse = X.fuses_gemm2_input_quant(w2, x, tile)
+        fuse = X.fuses_gemm2_input_quant(w2, x, tile, options)
 
         def gemm1(tile=tile, layouts=layouts, fuse=fuse):
             # GEMM1 and whatever makes GEMM2's input, as run_kernel_sequence does: the
@@ -205,9 +219,10 @@ def tune_tokens(
                     spec,
                     inter_s if fuse else None,
                     dtype,
+                    options=options,
                 )
                 if not fuse:
-                    X._quantize_input(inter_buf, w2)
+                    X._quantize_input(inter_buf, w2, options)
 
         def gemm2(tile=tile, layouts=layouts):
             for layout in layouts:
@@ -224,6 +239,7 @@ def tune_tokens(
                     tile,
                     hidden,
                     None,
+                    options=options,
                 )
 
         for which, fn in (("gemm1", gemm1), ("gemm2", gemm2)):
@@ -268,10 +284,10 @@ def random_weights(
     n13 = 2 * inter if gated else inter
 
     def one(n: int, k: int):
-        if scheme in ("bf16", "fp16"):
-            dt = torch.bfloat16 if scheme == "bf16" else torch.float16
-            return torch.randn(num_experts, n, k, device=device, dtype=dt) * 0.02
         s = get_scheme(scheme)
+        if not s.is_quantized:
+            dt = torch.float16 if s.weight_format == "fp16" else torch.bfloat16
+            return torch.randn(num_experts, n, k, device=device, dtype=dt) * 0.02
         e = num_experts
         if s.weight_format == "e4m3":
             data = (torch.randn(e, n, k, device=device, dtype=torch.bfloat16)).to(
@@ -297,7 +313,8 @@ def random_weights(
             else:
                 scale = torch.rand(shape, device=device) * 1e-3 + 1e-3
         if s.zero_point:
-            kw["zero_point"] = torch.randint(6, 10, scale.shape, device=device, dtype=torch.uint8)
+            zp_dtype = torch.int8 if s.weight_format == "int8" else torch.uint8
+            kw["zero_point"] = torch.randint(6, 10, scale.shape, device=device, dtype=zp_dtype)
         return QuantizedWeight(scheme, (e, n, k), data, scale, **kw)
 
     w13, w2 = one(n13, hidden), one(hidden, inter)
@@ -321,8 +338,12 @@ def tune_preset(
     out_dir: Path,
     progress: Callable[[str], None] = print,
     compile_only: bool = False,
+    options: TritonOptions | None = None,
 ) -> tuple[Path | None, dict]:
-    """Tune every token count of one shape and write its file; returns (path, ms by T).
+    """Tune every token count of one shape and write its file into ``out_dir``; returns
+    (path, ms by T). ``options``: the backend's (default ``TritonOptions()``), with which the
+    weights are prepared (``e2m1_layout``: the layout tuned, named in the file) and every
+    candidate launched.
 
     ``compile_only`` only compiles every candidate (see ``tune_tokens``) and writes nothing.
     """
@@ -333,7 +354,7 @@ def tune_preset(
     act = Activation(activation)
     weights = random_weights(hidden, inter, num_experts, activation, scheme, dev)
     spec = weights.spec(act)
-    prepared = TritonBackend().prepare_weights(weights, spec)
+    prepared = TritonBackend(options).prepare_weights(weights, spec)
     found, timings = {}, {}
     for t in tokens:
         start = time.time()
@@ -377,17 +398,21 @@ def precompile(
     plan: Iterable[tuple[str, str, Iterable[int]]],
     jobs: int,
     progress: Callable[[str], None] = print,
+    e2m1_layout: str = "fragment",
 ) -> None:
     """Compile the candidates of several (preset, scheme, tokens) in parallel processes.
 
     Compilation is CPU work and dominates a search; timing must run one shape at a time.
     Running this first fills Triton's on-disk cache so the serial search only times.
+    ``e2m1_layout``: the layout the search will prepare e2m1 weights in
+    (``TritonOptions.e2m1_layout``), so the processes compile the kernels it launches.
     """
     import subprocess
     import tempfile
 
-    # The processes prepare weights as this one does (the e2m1 layout is a prepare switch).
-    layout = ["--e2m1-layout", "fragment" if _prepare.FRAGMENT_E2M1 else "split"]
+    if e2m1_layout not in E2M1_LAYOUTS:
+        raise ValueError(f"e2m1_layout must be one of {', '.join(E2M1_LAYOUTS)}")
+    layout = ["--e2m1-layout", e2m1_layout]
     pending = [
         [
             sys.executable,
@@ -442,7 +467,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation", default=None, help="activation (default: the preset's)")
     p.add_argument("--scheme", default="bf16", help="weight scheme (bf16, fp8_block, mxfp4...)")
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
-    p.add_argument("--out", type=Path, default=CONFIG_DIR, help="folder for the JSON files")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the JSON files (default: the user tile folder, "
+        "$XDG_CACHE_HOME/moerunner/tiles or ~/.cache/moerunner/tiles, read before the "
+        "shipped files)",
+    )
     p.add_argument(
         "--compile-only",
         action="store_true",
@@ -450,14 +482,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--e2m1-layout",
-        choices=("fragment", "split"),
-        default=None,
-        help="layout mxfp4/nvfp4 weights are prepared in, and tuned for (_prepare.FRAGMENT_E2M1;"
-        " default: fragment, whose files are keyed layout=fragment)",
+        choices=E2M1_LAYOUTS,
+        default="fragment",
+        help="layout mxfp4/nvfp4 weights are prepared in, and tuned for "
+        "(TritonOptions.e2m1_layout; default: fragment, whose files are keyed layout=fragment)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="with --preset: compile every candidate first in this many parallel processes "
+        "(compiling is CPU work; the search then only times)",
     )
     args = p.parse_args(argv)
-    if args.e2m1_layout is not None:
-        _prepare.FRAGMENT_E2M1 = args.e2m1_layout == "fragment"
+    options = TritonOptions(e2m1_layout=args.e2m1_layout)
     if not torch.cuda.is_available():
         print("moerunner tune: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -467,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden, inter, experts, top_k, act = PRESETS[args.preset]
     else:
         (hidden, inter, experts, top_k), act = args.shape, "silu"
+    if args.jobs > 1 and args.preset is not None and not args.compile_only:
+        precompile([(args.preset, args.scheme, args.tokens)], args.jobs)
     path, _ = tune_preset(
         hidden,
         inter,
@@ -475,9 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         args.activation or act,
         args.scheme,
         args.tokens,
-        args.out,
+        user_tile_dir() if args.out is None else args.out,
         progress=lambda s: print(s, flush=True),
         compile_only=args.compile_only,
+        options=options,
     )
     print("compiled every candidate" if path is None else f"wrote {path}")
     return 0

@@ -5,7 +5,7 @@
 # difference bounds what a leaner decode could gain. The stand-in computes wrong values: its
 # numbers are a bound, never a result.
 #
-#   python benchmarks/gpu_decode_floor.py [--decode real floor] [--tokens 1 16 64 256]
+#   python benchmarks/experiments/gpu_decode_floor.py [--decode real floor] [--tokens 1 16 64 256]
 #
 # Each decode runs in its own process (the decode is a compile-time constant of the kernel).
 # Tiles are the H200-tuned ones of each layout, so both layouts run the same tile shapes on
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 FLOOR_ASM = """{
@@ -48,21 +48,21 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
 
     import gpu_triton as G
 
-    from moerunner.backends.triton import TritonBackend, _prepare, tile_config, tune
+    from moerunner.backends.triton import TritonBackend, TritonOptions, tile_config, tune
     from moerunner.config import Activation
 
     H, I, E, k, act_name = tune.PRESETS["gpt-oss-120b"]
     weights = tune.random_weights(H, I, E, act_name, "mxfp4", G.DEV)
     spec = weights.spec(Activation(act_name))
-    read_bw = G.measure_peaks()["read_bytes_per_s"] if decode == "real" else None
+    copy_bw = G.measure_peaks()["copy_bytes_per_s"] if decode == "real" else None
     rows = []
     for layout in ("split", "fragment"):
-        _prepare.FRAGMENT_E2M1 = layout == "fragment"
-        prepared = TritonBackend().prepare_weights(weights, spec)
+        options = TritonOptions(e2m1_layout=layout)
+        prepared = TritonBackend(options).prepare_weights(weights, spec)
         name = tile_config.config_file_name(
             E, I, H, "mxfp4", "NVIDIA H200", "fragment" if layout == "fragment" else None
         )
-        table = tile_config.load_config_file(str(tile_config.CONFIG_DIR / name))
+        table = tile_config.load_config_file(str(tile_config.SHIPPED_DIR / name))
         for T in tokens:
             tiles = table[min(table, key=lambda t: (abs(t - T), t))]
             ms, uniq = G.time_fused(prepared, T, k, tiles=tiles)
@@ -73,13 +73,13 @@ def run_one(decode: str, tokens: list[int]) -> list[dict]:
                 T=T,
                 us=ms * 1e3,
                 experts_hit=uniq,
-                bytes=G.fused_bytes(prepared, uniq, T),
+                bytes=G.fused_cost(prepared, uniq, T, k).bytes,
                 tiles=str(tiles),
                 gemm1_us=stages.get("gemm1"),
                 gemm2_us=stages.get("gemm2"),
             )
-            if read_bw:
-                row["read_bytes_per_s"] = read_bw
+            if copy_bw:
+                row["copy_bytes_per_s"] = copy_bw
             rows.append(row)
             print(
                 f"{decode:5s} {layout:8s} T={T:4d} {row['us']:8.1f} us  gemm1 "
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
     if args.child:
         print("ROWS " + json.dumps(run_one(args.decode[0], args.tokens)), flush=True)
         return
@@ -120,11 +120,11 @@ def main() -> None:
                 rows += json.loads(line[5:])
             else:
                 print(line, flush=True)
-    bw = next((r["read_bytes_per_s"] for r in rows if "read_bytes_per_s" in r), None)
+    bw = next((r["copy_bytes_per_s"] for r in rows if "copy_bytes_per_s" in r), None)
     import torch
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "?"
-    print(f"\n== decode floor, {dev}, read {bw / 1e12 if bw else float('nan'):.2f} TB/s ==")
+    print(f"\n== decode floor, {dev}, copy {bw / 1e12 if bw else float('nan'):.2f} TB/s ==")
     print(f"{'layout':8s} {'T':>5s} " + " ".join(f"{d:>22s}" for d in args.decode))
     for layout in ("split", "fragment"):
         for T in args.tokens:

@@ -1,7 +1,7 @@
 # Compile the triton backend's GEMM kernel for a Hopper GPU without one, and report what the
 # compiler made of it: registers, spills, shared memory and the K loop's instruction mix.
 #
-#   python benchmarks/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
+#   python benchmarks/experiments/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
 #
 # A variant is "scheme:gemm:BLOCK_M:BLOCK_N:BLOCK_K:warps:stages", e.g. "mxfp4:1:16:64:128:4:3"
 # (gemm 1 = w13 with the gated epilogue, 2 = w2 with the routing weight; scheme mxfp4, mxfp4u
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("unset TRITON_INTERPRET: this script compiles for the GPU")
 
@@ -33,6 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.backends.triton.options import TritonOptions  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, MERGED_SCALE, scale pointer type,
@@ -70,8 +71,10 @@ def _signature(scale_ty: str, a_ty: str, w_ty: str, out_ty: str) -> dict[str, st
     return sig
 
 
-def compile_variant(spec: str, arch: int):
-    """Compile one variant; returns (compiled kernel, its constexprs)."""
+def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
+    """Compile one variant as the backend with ``options`` (default: the defaults) launches
+    it; returns (compiled kernel, its constexprs)."""
+    options = TritonOptions() if options is None else options
     scheme, gemm, bm, bn, bk, warps, stages = spec.split(":")
     # "fp8_block_pc": per-column weight block scales (no UNIFORM_WS alignment).
     uniform = scheme != "fp8_block_pc"
@@ -93,10 +96,11 @@ def compile_variant(spec: str, arch: int):
                   # fp8_block GEMM1 quantizes GEMM2's input itself when its tile holds whole
                   # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
                   OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
-                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=arch >= 90,
-                  S_PREFETCH=True, S_TILE=True, FRAG=frag,
-                  K_NONEMPTY=frag and X.FRAGMENT_ASYNC_MMA)
-    consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm))
+                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=options.pdl and arch >= 90,
+                  S_PREFETCH=options.scale_prefetch, S_TILE=options.scale_tiles, FRAG=frag,
+                  K_NONEMPTY=frag and options.fragment_async_mma)
+    consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm),
+                                        options=options)
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
     sig = _signature(scale_ty, fp8 if qdot else "*bf16",

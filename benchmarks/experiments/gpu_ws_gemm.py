@@ -1,7 +1,7 @@
 # Experiment: does Triton's automatic warp specialisation on Hopper close the bf16 prefill gap?
 #
-#   python benchmarks/gpu_ws_gemm.py [--tokens 4096 16384] [--presets ...] [--ws] [--out DIR]
-#   python benchmarks/gpu_ws_gemm.py --dense M N K BM BN BK STAGES WS PERSISTENT
+#   python benchmarks/experiments/gpu_ws_gemm.py [--tokens 4096 16384] [--presets ...] [--ws] [--out DIR]
+#   python benchmarks/experiments/gpu_ws_gemm.py --dense M N K BM BN BK STAGES WS PERSISTENT
 #
 # The shipped GEMM gathers its A rows with pointer loads and runs one tile per program, so a
 # program's weight loads and MMAs alternate instead of overlapping across tiles (results page,
@@ -36,12 +36,12 @@ import triton.language as tl
 import triton.testing as tt
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_triton as G  # noqa: E402
 
-from moerunner.backends.triton import TritonBackend  # noqa: E402
+from moerunner.backends.triton import TritonBackend, TritonOptions  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.bench.presets import PRESETS  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
@@ -120,7 +120,7 @@ def ws_call(x, w13_2d, w2_2d, wts, ids, E, inter, hidden, cfg, ws_on, bufs):
     bm, bn1, bn2, bk, stages = cfg
     T, k = ids.shape
     num_rows = T * k
-    rows = X.layout_rows(ids.reshape(-1), k, E, bm, bufs)
+    rows = X.layout_rows(ids.reshape(-1), k, E, bm, bufs, TritonOptions())
     max_pad = bufs["sorted_rows"].shape[0]
     a_perm, inter_buf, y = bufs["a_perm"], bufs["inter"], bufs["y"]
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count

@@ -1,7 +1,7 @@
 # Deeper pipelines and longer K steps for packed 4-bit decode tiles (mxfp4 W4A16, split
 # layout), beyond the tuner's decode candidates (K steps of 1-4 chunks, at most 4 stages).
 #
-#   python benchmarks/gpu_packed_pipeline.py [--tokens 16 64] [--jobs 12] [--out DIR]
+#   python benchmarks/experiments/gpu_packed_pipeline.py [--tokens 16 64] [--jobs 12] [--out DIR]
 #
 # Why: with the fp4 decode replaced by a stand-in of less than half its instructions
 # (gpu_decode_floor.py) the T = 16/64 decode of GPT-OSS-120B hardly moved on an H100, so the
@@ -21,9 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
 
 PRESET, SCHEME = "gpt-oss-120b", "mxfp4"
 
@@ -44,16 +44,17 @@ def _setup(num_experts: int | None = None):
     needs few)."""
     import torch
 
-    from moerunner.backends.triton import TritonBackend, _prepare, tune
+    from moerunner.backends.triton import TritonBackend, TritonOptions, tune
     from moerunner.config import Activation
 
-    _prepare.FRAGMENT_E2M1 = False  # this study is of the split layout's decode tiles
+    # This study is of the split layout's decode tiles, against the shipped ones.
+    split = TritonOptions(e2m1_layout="split", tile_dirs=())
 
     torch.manual_seed(0)
     H, I, E, k, act = tune.PRESETS[PRESET]
     E = num_experts or E
     weights = tune.random_weights(H, I, E, act, SCHEME, torch.device("cuda"))
-    return TritonBackend().prepare_weights(weights, weights.spec(Activation(act))), k
+    return TritonBackend(split).prepare_weights(weights, weights.spec(Activation(act))), k
 
 
 def _compile(args):
@@ -82,25 +83,23 @@ def main() -> None:
     import gpu_triton as G
     import torch
 
-    from moerunner.backends.triton import experts as X
     from moerunner.backends.triton import tune
 
     prepared, k = _setup()
-    H, I, E = prepared.spec.hidden_size, prepared.spec.intermediate_size, prepared.spec.num_experts
-    read_bw = G.measure_peaks()["read_bytes_per_s"]
+    copy_bw = G.measure_peaks()["copy_bytes_per_s"]
     dev = torch.cuda.get_device_name()
-    result = dict(device=dev, read_bytes_per_s=read_bw, rows=[])
+    result = dict(device=dev, copy_bytes_per_s=copy_bw, rows=[])
     for T in args.tokens:
         log = []
         best, gemm_ms = tune.tune_tokens(prepared, T, k, candidates(), progress=log.append)
-        shipped = X.lookup_tiles(T, k, E, I, H, SCHEME, dev, dtype_bytes=1)
+        shipped = prepared.tensors["tiles"].lookup(T, k)
         times = {"shipped": [], "best": []}
         for r in range(args.rounds):
             for name in ("shipped", "best")[:: 1 - 2 * (r % 2)]:
                 tiles = shipped if name == "shipped" else best
                 ms, uniq = G.time_fused(prepared, T, k, 8, tiles)
                 times[name].append(ms * 1e3)
-        nbytes = G.fused_bytes(prepared, uniq, T)
+        nbytes = G.fused_cost(prepared, uniq, T, k).bytes
         row = dict(
             T=T,
             shipped=str(shipped),
@@ -112,8 +111,8 @@ def main() -> None:
             bytes=nbytes,
             candidates=log,
         )
-        row["shipped_pct_r"] = 100 * nbytes / read_bw / (row["shipped_us"] * 1e-6)
-        row["best_pct_r"] = 100 * nbytes / read_bw / (row["best_us"] * 1e-6)
+        row["shipped_pct_r"] = 100 * nbytes / copy_bw / (row["shipped_us"] * 1e-6)
+        row["best_pct_r"] = 100 * nbytes / copy_bw / (row["best_us"] * 1e-6)
         result["rows"].append(row)
         print("\n".join(log[-8:]), flush=True)
         print(
@@ -124,7 +123,7 @@ def main() -> None:
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "packed-pipeline.json").write_text(json.dumps(result, indent=1))
-    print(f"\n== packed pipelines, {dev}, read {read_bw / 1e12:.2f} TB/s ==")
+    print(f"\n== packed pipelines, {dev}, copy {copy_bw / 1e12:.2f} TB/s ==")
     for row in result["rows"]:
         print(
             f"T={row['T']:4d} shipped {row['shipped_us']:7.1f} us {row['shipped_pct_r']:5.1f}%R"

@@ -1,6 +1,6 @@
 # Experiment: how fast can GEMM-shaped tile reads stream expert weights from HBM?
 #
-#   python benchmarks/gpu_weight_stream.py [--rows 1048576] [--k 7168] [--out DIR]
+#   python benchmarks/experiments/gpu_weight_stream.py [--rows 1048576] [--k 7168] [--out DIR]
 #
 # The prefill GEMMs at T=4096 on 128/256-expert models stream their weights at ~2.9 of the
 # 4.2 TB/s that ``torch.sum`` reads (results page, "Why the misses remain"), even with a
@@ -25,12 +25,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing as tt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from moerunner.bench.presets import get_preset  # noqa: E402
+
+DEEPSEEK_V3 = get_preset("deepseek-v3")  # the default matrix is its w13: [E * 2I, H]
 
 LAYOUTS = ("row", "tma", "kblk", "tile")
 CHUNK = 64  # K-chunk of the kblk layout (elements)
@@ -87,8 +93,9 @@ def _alloc(size: int, alignment: int, stream):  # noqa: ARG001 - TMA scratch for
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, default=256 * 4096, help="weight rows (E * 2I)")
-    ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--rows", type=int, help="weight rows (E * 2I)",
+                    default=DEEPSEEK_V3.num_experts * DEEPSEEK_V3.w13_rows)
+    ap.add_argument("--k", type=int, default=DEEPSEEK_V3.hidden_size)
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()
     triton.set_allocator(_alloc)

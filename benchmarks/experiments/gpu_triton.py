@@ -1,35 +1,33 @@
-# Kernel-level proof for the triton backend on one GPU: correctness, then speed.
+# Kernel-level timings and A/B experiments for the triton backend on one GPU.
 #
-#   python benchmarks/gpu_triton.py [--parts check perf tune] [--out DIR]
+#   python benchmarks/experiments/gpu_triton.py [--parts perf rowblocks ...] [--out DIR]
 #
-# check: every claimed scheme x activation (plus edge cases: T = 0 and 1, one expert for all,
-#        top_k = E, -1 ids, I = 961, the grouped core, CUDA-graph replay) against the torch
-#        backend and the float64 reference, with fresh random inputs.
-# perf:  measures the device's copy bandwidth and bf16/fp8 matmul peaks, then times the fused
-#        op on the model presets (decode through CUDA-graph replay over 8 rotated routings,
-#        prefill with triton.testing.do_bench) and reports % of roofline / peak.
-# tune:  searches tiles for the presets and writes them (tar of configs/ under --out); with
-#        --jobs > 1 it first compiles every candidate in parallel processes.
+# Its former "check" part (every scheme x activation and the edge cases against the torch
+# backend and the float64 reference) is now the GPU tests: pytest -m gpu tests/backends
+# (test_triton_gpu.py, test_triton_gpu_edges.py). Its former "tune" and "precompile" parts are
+# moerunner tune --preset P --scheme S --jobs N [--compile-only].
+#
+# perf:  measures the device's ceilings with moerunner.bench.roofline (copy bandwidth, bf16/fp8
+#        matmul peaks), then times the fused op on the model presets (decode through CUDA-graph
+#        replay over 8 rotated routings, prefill with triton.testing.do_bench) and reports the
+#        roofline's memory floor (%R) and compute floor (%P) over the time. Records before
+#        2026-11-25 used this script's own read bandwidth (torch.sum) and byte count instead.
 # warm:  compiles the kernels perf will launch, one process per preset (--jobs > 1).
 # rowblocks, pdl: times with one switch off and on, alternately (``_toggles``): row blocks
 #        instead of the alignment at T = 1..8, programmatic dependent launch.
 # host:  CPU cost of the eager launch path per call (back to back, from idle, profiled).
 # --off NAME runs every part with that switch off (e.g. to warm the kernels an A/B needs).
-# precompile: only that compile step (CPU work; may run beside another process's GPU checks,
-#        so a later "tune --jobs 1" only times).
 # A compact table is printed last; full results go to DIR/results.json.
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
-import functools
-import io
 import json
 import math
 import statistics
 import sys
-import tarfile
 import time
 import traceback
 from pathlib import Path
@@ -39,23 +37,24 @@ import triton
 import triton.language as tl
 import triton.testing as tt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moerunner.backends.base import MoeProblem  # noqa: E402
 from moerunner.backends.triton import (  # noqa: E402
     TritonBackend,  # noqa: E402
-    _prepare,  # noqa: E402
-    tile_config,
+    TritonOptions,
+    register,
     tune,
+    with_options,
 )
 from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.backends.triton.options import PREPARE_TIME_FIELDS  # noqa: E402
+from moerunner.bench import roofline  # noqa: E402
+from moerunner.bench.presets import BenchShape  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
 from moerunner.dispatch.formats import StandardDispatchOutput  # noqa: E402
-from moerunner.quant import quantize  # noqa: E402
-from moerunner.reference import reference_moe  # noqa: E402
 from moerunner.routing import TopK  # noqa: E402
 from moerunner.runner import MoeRunner  # noqa: E402
-from moerunner.weights import ExpertWeights  # noqa: E402
 
 DEV = torch.device("cuda")
 PERF_PLAN = [  # (preset, scheme, token counts)
@@ -76,137 +75,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_backend(backend: str, x, weights: ExpertWeights, act: Activation, wts, ids,
-                force_permute: bool = False):
-    runner = MoeRunner(backend, force_permute=force_permute)
-    spec = weights.spec(act)
-    prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
-    return runner.run(StandardDispatchOutput(x, TopK(wts, ids)), prepared)
-
-
 def routing(num_tokens: int, num_experts: int, top_k: int, device=None):
     device = DEV if device is None else device
     ids = torch.rand(num_tokens, num_experts, device=device).topk(top_k, dim=1).indices
     wts = torch.softmax(torch.randn(num_tokens, top_k, device=device), dim=1)
     return wts.float(), ids.to(torch.int32)
-
-
-# ------------------------------------------------------------------------------- check
-def check_case(name, scheme, act_name, T=37, H=256, I=256, E=8, k=2, dtype=torch.bfloat16,
-               bias=None, edit_ids=None, force_permute=False):
-    act = Activation(act_name)
-    interleaved = act_name == "swiglu_oai"
-    bias = interleaved if bias is None else bias
-    n13 = 2 * I if act.gated else I
-    w13 = torch.randn(E, n13, H, device=DEV) / H ** 0.5
-    w2 = torch.randn(E, H, I, device=DEV) / I ** 0.5
-    if scheme in ("bf16", "fp16", "fp32"):
-        w13, w2 = w13.to(dtype), w2.to(dtype)
-    else:
-        w13, w2 = quantize(w13, scheme), quantize(w2, scheme)
-    b13 = torch.randn(E, n13, device=DEV) * 0.1 if bias else None
-    b2 = torch.randn(E, H, device=DEV) * 0.1 if bias else None
-    weights = ExpertWeights(w13, w2, b13, b2, interleaved)
-    x = torch.randn(T, H, device=DEV).to(dtype)
-    wts, ids = routing(T, E, k)
-    if edit_ids is not None:
-        ids = edit_ids(ids)
-    out = run_backend("triton", x, weights, act, wts, ids, force_permute)
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
-    ref_t = run_backend("torch", x, weights, act, wts, ids)
-    ref = reference_moe(x, weights, wts, ids, act) if T else torch.zeros(0, H)
-    e_t, e_r = (rel(out, ref_t), rel(out, ref)) if T else (0.0, 0.0)
-    e_tr = rel(ref_t, ref) if T else 0.0
-    quant_act = scheme in ("fp8_tensor", "fp8_channel", "fp8_block", "int8", "mxfp8",
-                           "mxfp4_mxfp8")
-    # Against the torch backend, which rounds and quantizes every intermediate as the kernels
-    # do: the dtype's bound for every scheme. Against the float64 reference, which quantizes
-    # GEMM2's input from the unrounded activation, schemes that quantize activations also
-    # carry fp8/int8 code flips where the bf16 rounding crossed a rounding boundary (few
-    # rows: as much as the torch backend's own distance, hence 1.5x it).
-    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
-    tol_ref = 3e-2 if quant_act else tol
-    ok = (out.shape == x.shape and e_r <= max(tol_ref, 1.5 * e_tr) and e_t <= tol)
-    return dict(case=name, scheme=scheme, act=act_name, T=T, I=I, err_vs_torch=e_t,
-                err_vs_ref=e_r, torch_vs_ref=e_tr, tol=tol, tol_ref=tol_ref, ok=bool(ok))
-
-
-def graph_case():
-    """Capture a decode call in a CUDA graph, replay with new inputs, compare with eager."""
-    E, H, I, k, T = 16, 512, 256, 4, 8
-    act = Activation("silu")
-    weights = ExpertWeights(torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.05,
-                            torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.05)
-    spec = weights.spec(act)
-    prepared = TritonBackend().prepare_weights(weights, spec)
-    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
-    wts, ids = routing(T, E, k)
-    X.fused_standard(x, wts, ids, prepared)  # compile outside capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = X.fused_standard(x, wts, ids, prepared)
-    errs = []
-    for _ in range(3):
-        w_new, i_new = routing(T, E, k)
-        x.copy_(torch.randn_like(x))
-        wts.copy_(w_new)
-        ids.copy_(i_new)
-        g.replay()
-        eager = X.fused_standard(x.clone(), wts.clone(), ids.clone(), prepared)
-        errs.append(rel(out, eager))
-    return dict(case="cuda_graph_replay", scheme="bf16", act="silu", T=T, I=I,
-                err_vs_torch=max(errs), err_vs_ref=float("nan"), torch_vs_ref=float("nan"),
-                tol=0.0, ok=max(errs) == 0.0)
-
-
-def part_check():
-    rows = []
-    quant = ["fp8_tensor", "fp8_channel", "fp8_block", "int8", "int8_w8a16", "int4",
-             "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4", "mxfp8"]
-    plan = [("matrix", s, a, {}) for s in ("bf16", "fp16")
-            for a in ("silu", "gelu", "gelu_tanh", "swiglu_oai", "relu2")]
-    plan += [("matrix", s, a, {}) for s in quant for a in ("silu", "swiglu_oai", "relu2")]
-    plan += [
-        ("T=0", "bf16", "silu", dict(T=0)),
-        ("T=1", "bf16", "silu", dict(T=1)),
-        ("T=1 fp8_block", "fp8_block", "silu", dict(T=1)),
-        ("I=961 relu2", "bf16", "relu2", dict(I=961, H=320)),
-        ("I=961 silu fp16", "fp16", "silu", dict(I=961, H=320, dtype=torch.float16)),
-        ("one expert for all", "bf16", "silu",
-         dict(T=64, edit_ids=lambda i: torch.stack([torch.full_like(i[:, 0], 3),
-                                                    torch.full_like(i[:, 0], 5)], 1))),
-        ("top_k=E", "bf16", "silu", dict(E=4, k=4)),
-        ("-1 ids", "bf16", "swiglu_oai",
-         dict(edit_ids=lambda i: torch.where(torch.rand(i.shape, device=DEV) < 0.3, -1, i))),
-        ("grouped core", "bf16", "swiglu_oai", dict(force_permute=True)),
-        ("grouped core fp8_block", "fp8_block", "silu", dict(force_permute=True)),
-        ("T=300 large-T align", "bf16", "silu", dict(T=1200, E=8, k=2)),
-        ("E=256 k=8", "fp8_block", "silu", dict(T=20, E=256, k=8, H=256, I=128)),
-    ]
-    minus_one = lambda i: torch.where(torch.rand(i.shape, device=DEV) < 0.3, -1, i)  # noqa: E731
-    plan += [("few rows (no align)", s, "swiglu_oai", dict(T=4, edit_ids=minus_one))
-             for s in ["bf16", "fp16"] + quant]
-    plan += [("few rows (no align)", "bf16", "relu2", dict(T=3, I=961, H=320)),
-             ("few rows E=256 k=8", "fp8_block", "silu", dict(T=2, E=256, k=8, I=128))]
-    for name, scheme, act, kw in plan:
-        dtype = kw.pop("dtype", torch.float16 if scheme == "fp16" else torch.bfloat16)
-        try:
-            rows.append(check_case(name, scheme, act, dtype=dtype, **kw))
-        except Exception as exc:
-            traceback.print_exc()
-            rows.append(dict(case=name, scheme=scheme, act=act, ok=False, error=repr(exc)))
-        r = rows[-1]
-        print(f"check {name:24s} {scheme:12s} {act:10s} ok={r['ok']} "
-              f"torch={r.get('err_vs_torch', -1):.2e} ref={r.get('err_vs_ref', -1):.2e}",
-              flush=True)
-    try:
-        rows.append(graph_case())
-    except Exception as exc:
-        traceback.print_exc()
-        rows.append(dict(case="cuda_graph_replay", ok=False, error=repr(exc)))
-    print(f"check cuda_graph_replay ok={rows[-1]['ok']}", flush=True)
-    return rows
 
 
 # ------------------------------------------------------------------------------- perf
@@ -237,49 +110,36 @@ def l2_read_bandwidth(mib: int = 16, passes: int = 32) -> float:
 
 
 def measure_peaks():
-    n = 1 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_()
-    dst = torch.empty_like(src)
-    ms = tt.do_bench(functools.partial(dst.copy_, src), warmup=25, rep=200,
-                     return_mode="median")
-    copy_bw = 2 * n / (ms * 1e-3)
-    big = src.view(torch.float32)
-    ms = tt.do_bench(functools.partial(torch.sum, big), warmup=25, rep=200,
-                     return_mode="median")
-    read_bw = n / (ms * 1e-3)
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    ms = tt.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    bf16 = 2 * 8192 ** 3 / (ms * 1e-3)
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
-    one = torch.ones((), device=DEV)
-    ms = tt.do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
-                     warmup=25, rep=200, return_mode="median")
-    fp8 = 2 * 8192 ** 3 / (ms * 1e-3)
-    return dict(copy_bytes_per_s=copy_bw, read_bytes_per_s=read_bw, bf16_flops=bf16,
-                fp8_flops=fp8, l2_read_bytes_per_s=l2_read_bandwidth())
+    """The ceilings of the project's one roofline (``moerunner.bench.roofline``: copy bandwidth,
+    bf16/fp8 matmul peaks) in this script's units, and the L2 read rate (a diagnostic the
+    roofline does not use)."""
+    c = roofline.measure_ceilings(DEV)
+    return dict(copy_bytes_per_s=c.copy_gbps * 1e9, bf16_flops=c.peak_for("bf16") * 1e12,
+                fp8_flops=c.peak_for("fp8") * 1e12, method=c.method,
+                l2_read_bytes_per_s=l2_read_bandwidth())
 
 
-def expert_bytes(prepared) -> float:
-    """Bytes of one expert as stored before prepare (weights, scales, zero points, biases):
-    what the roofline counts. Padding a layout adds (rows and K of the fragment layout, scale
-    groups of the split one) is read but not counted."""
-    src = prepared.source
-    total = 0
-    for w in (src.w13, src.w2):
-        parts = (w.data, w.scale, w.zero_point, w.global_scale) if hasattr(w, "scale") else (w,)
-        for t in parts:
-            if t is not None:
-                total += t.numel() * t.element_size()
-    for b in (src.w13_bias, src.w2_bias):
-        if b is not None:
-            total += b.numel() * b.element_size()
-    return total / prepared.spec.num_experts
+def _ceilings(peaks) -> roofline.DeviceCeilings:
+    return roofline.DeviceCeilings(DEV.type, peaks["copy_bytes_per_s"] / 1e9,
+                                   {"bf16": peaks["bf16_flops"] / 1e12,
+                                    "fp8": peaks["fp8_flops"] / 1e12})
 
 
-def fused_bytes(prepared, experts_hit: float, T: int) -> float:
-    """Bytes the roofline counts for one fused call: the experts hit, hidden in and out."""
-    return experts_hit * expert_bytes(prepared) + 2 * T * prepared.spec.hidden_size * 2
+def fused_cost(prepared, experts_hit: float, T: int, k: int) -> roofline.RowCost:
+    """Bytes and flops of one fused call by ``roofline.row_cost`` (weights of the experts hit
+    at their stored scheme, hidden in and out, routing; no -1 ids)."""
+    spec, w13 = prepared.spec, prepared.source.w13
+    scheme = w13.scheme.name if hasattr(w13, "scheme") else "bf16"
+    shape = BenchShape("fused", spec.num_experts, spec.hidden_size, spec.intermediate_size, k,
+                       spec.activation.name, bias=prepared.source.w13_bias is not None,
+                       gate_up_interleaved=spec.gate_up_interleaved)
+    return roofline.row_cost(shape, scheme, T, experts_hit, T * k, torch.bfloat16)
+
+
+def floor_pcts(cost: roofline.RowCost, peaks, scheme: str, ms: float) -> tuple[float, float]:
+    """(% memory floor, % compute floor) of a call of ``ms`` milliseconds."""
+    t_mem, t_flop = roofline.floor_parts(cost, _ceilings(peaks), roofline.compute_format(scheme))
+    return 100 * t_mem / (ms * 1e-3), 100 * t_flop / (ms * 1e-3)
 
 
 def time_fused(prepared, T, k, rotations=None, tiles=None):
@@ -349,14 +209,14 @@ def time_torch(weights, act, T, k):
                        return_mode="median")
 
 
-def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
+def part_perf(peaks, plan, rows, checkpoint, options: TritonOptions, with_torch=True):
     """Append a row per (preset, scheme, T) to ``rows`` as it is measured, then ``checkpoint()``
     (so a run cut off by its time limit keeps what it measured)."""
     for preset, scheme, tokens in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         act = Activation(act_name)
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(act))
+        prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))
         for T in tokens:
             try:
                 ms, uniq = time_fused(prepared, T, k)
@@ -364,19 +224,13 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
                 traceback.print_exc()
                 rows.append(dict(preset=preset, scheme=scheme, T=T, error=repr(exc)))
                 continue
-            nbytes = fused_bytes(prepared, uniq, T)
-            flops = 2 * T * k * H * ((2 if act.gated else 1) * I + I)
-            roof = nbytes / peaks["read_bytes_per_s"]
-            peak = peaks["fp8_flops"] if scheme == "fp8_block" else peaks["bf16_flops"]
+            cost = fused_cost(prepared, uniq, T, k)
+            pct_mem, pct_flop = floor_pcts(cost, peaks, scheme, ms)
             row = dict(preset=preset, scheme=scheme, T=T, us=ms * 1e3, experts_hit=uniq,
-                       bytes=nbytes, pct_roofline=100 * roof / (ms * 1e-3),
-                       tflops=flops / (ms * 1e-3) / 1e12,
-                       pct_peak=100 * flops / (ms * 1e-3) / peak,
-                       tiles=str(X.lookup_tiles(T, k, E, I, H, scheme,
-                                                torch.cuda.get_device_name(),
-                                                dtype_bytes=prepared.tensors["w13"].data
-                                                .element_size(),
-                                                layout=_prepare.weight_layout(prepared.tensors["w13"]))))
+                       bytes=cost.bytes, pct_roofline=pct_mem,
+                       tflops=cost.flops / (ms * 1e-3) / 1e12, pct_peak=pct_flop,
+                       tiles=str(prepared.tensors["tiles"].lookup(T, k)),
+                       tile_file=prepared.tensors["tiles"].describe())
             if T >= 1024:
                 try:
                     row["stages_us"] = stage_breakdown(prepared, T, k)
@@ -398,63 +252,59 @@ def part_perf(peaks, plan, rows, checkpoint, with_torch=True):
 
 
 def _toggles():
-    """A/B parts: part -> (module, attribute, (off value, on value), token counts)."""
-    from moerunner.backends.triton import _launch, _pdl
-
+    """A/B parts: part -> (``TritonOptions`` field, (off value, on value), token counts)."""
     return {
         # decode with the alignment step (0) or row blocks for up to 8 tokens
-        "rowblocks": (X, "ROW_BLOCKS_MAX_TOKENS", (0, 8), (1, 2, 4, 8)),
+        "rowblocks": ("row_blocks_max_tokens", (0, 8), (1, 2, 4, 8)),
         # programmatic dependent launch off / on
-        "pdl": (_pdl, "ENABLED", (False, True), (1, 16, 64, 1024)),
+        "pdl": ("pdl", (False, True), (1, 16, 64, 1024)),
         # kernels launched through Triton's JIT launch (off) or the compiled-kernel cache
-        "launchcache": (_launch, "ENABLED", (False, True), (1, 1024)),
+        "launchcache": ("launch_cache", (False, True), (1, 1024)),
         # packed 4-bit scale codes loaded in the K step that uses them (off) or one ahead
-        "sprefetch": (X, "SCALE_PREFETCH", (False, True), (1, 16, 64, 256)),
+        "sprefetch": ("scale_prefetch", (False, True), (1, 16, 64, 256)),
         # packed 4-bit scale codes of a K step of several chunks loaded per chunk (off) or as
         # one pipelined tile
-        "stiles": (X, "SCALE_TILES", (False, True), (1, 1024, 4096, 16384)),
+        "stiles": ("scale_tiles", (False, True), (1, 1024, 4096, 16384)),
         # 128-row blocks whose second half is padding run a 64-row tile (off: never)
-        "split": (X, "SPLIT_MIN_BLOCK_M", (None, 128), (4096, 16384)),
+        "split": ("split_min_block_m", (None, 128), (4096, 16384)),
         # e2m1 weights in the split layout (off) or the fragment layout (on); prepare-time
-        "fragment": (_prepare, "FRAGMENT_E2M1", (False, True), (1, 16, 64, 256, 1024, 4096, 16384)),
+        "fragment": ("e2m1_layout", ("split", "fragment"), (1, 16, 64, 256, 1024, 4096, 16384)),
         # the fragment layout's register-operand wgmmas serialized by ptxas (off) or kept in
         # flight (on; K_NONEMPTY); meaningful with --on fragment
-        "fragasync": (X, "FRAGMENT_ASYNC_MMA", (False, True), (1, 16, 64, 256, 1024, 4096)),
+        "fragasync": ("fragment_async_mma", (False, True), (1, 16, 64, 256, 1024, 4096)),
     }
 
 
-# Switches read when weights are prepared: their A/B prepares the weights once per value.
-PREPARE_TIME_TOGGLES = {"fragment"}
+def switched(options: TritonOptions, part: str, on: bool) -> TritonOptions:
+    """``options`` with the switch of A/B part ``part`` off or on."""
+    field, values, _ = _toggles()[part]
+    return dataclasses.replace(options, **{field: values[on]})
 
 
-def part_toggle(plan, rows, part, rounds: int = 1):
+def part_toggle(plan, rows, part, options: TritonOptions, rounds: int = 1):
     """Time the fused op with one switch of the backend off and on, alternately in one
     process (decode sizes graph-replayed), per preset and token count; with several rounds
     (the order alternating, so that neither side always runs first) the row holds the median
-    of each and of the per-round ratios."""
-    module, attr, (off, on), tokens = _toggles()[part]
-    saved = getattr(module, attr)
+    of each and of the per-round ratios. Switches read when weights are prepared
+    (``PREPARE_TIME_FIELDS``) prepare the weights once per value; the others share them."""
+    field, _, tokens = _toggles()[part]
+    variants = {"off_us": switched(options, part, False), "on_us": switched(options, part, True)}
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
         spec = weights.spec(Activation(act_name))
-        if part in PREPARE_TIME_TOGGLES:
-            prepared = {}
-            for value in (off, on):
-                setattr(module, attr, value)
-                prepared[value] = TritonBackend().prepare_weights(weights, spec)
-            setattr(module, attr, saved)
+        if field in PREPARE_TIME_FIELDS:
+            prepared = {name: TritonBackend(o).prepare_weights(weights, spec)
+                        for name, o in variants.items()}
         else:
-            one = TritonBackend().prepare_weights(weights, spec)
-            prepared = {off: one, on: one}
+            one = TritonBackend(options).prepare_weights(weights, spec)
+            prepared = {name: with_options(one, o) for name, o in variants.items()}
         for T in tokens:
             times = {"off_us": [], "on_us": []}
             for r in range(rounds):  # off first in even rounds, on first in odd ones
-                for name, value in (("off_us", off), ("on_us", on))[:: 1 - 2 * (r % 2)]:
-                    setattr(module, attr, value)
-                    ms = time_fused(prepared[value], T, k)[0]
+                for name in ("off_us", "on_us")[:: 1 - 2 * (r % 2)]:
+                    ms = time_fused(prepared[name], T, k)[0]
                     times[name].append(ms * 1e3)
-            setattr(module, attr, saved)
             ratios = [a / b for a, b in zip(times["off_us"], times["on_us"], strict=True)]
             row = dict(part=part, preset=preset, scheme=scheme, T=T, rounds=rounds,
                        off_us=statistics.median(times["off_us"]),
@@ -468,7 +318,7 @@ def part_toggle(plan, rows, part, rounds: int = 1):
         torch.cuda.empty_cache()
 
 
-def part_host(plan, rows, calls: int = 50):
+def part_host(plan, rows, options: TritonOptions, calls: int = 50):
     """Host cost of the eager launch path: CPU seconds per call issued back to back (no
     sync), wall time per call, the span of one call started from an idle GPU (as moerunner
     bench's eager timing sees it), each with kernels launched through Triton's JIT launch
@@ -478,8 +328,6 @@ def part_host(plan, rows, calls: int = 50):
     import cProfile
     import io as _io
     import pstats
-
-    from moerunner.backends.triton import _launch
 
     def measure(x, w, i, prepared):
         X.fused_standard(x, w, i, prepared)
@@ -500,26 +348,27 @@ def part_host(plan, rows, calls: int = 50):
             spans.append(start.elapsed_time(end) * 1e3)
         return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6, sorted(spans)[5]
 
-    saved = _launch.ENABLED
     for preset, scheme, _ in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        spec = weights.spec(Activation(act_name))
+        prepared = TritonBackend(options).prepare_weights(weights, spec)
+        by_mode = {cached: with_options(prepared, switched(options, "launchcache", cached))
+                   for cached in (False, True)}
         for T in (1, 1024):
             x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
             w, i = routing(T, E, k)
             row = dict(preset=preset, scheme=scheme, T=T)
             for _ in range(5):  # alternately, keeping each mode's fastest (least disturbed)
                 for cached in (False, True):
-                    _launch.ENABLED = cached
                     tag = "" if cached else "_jit"
-                    got = measure(x, w, i, prepared)
+                    got = measure(x, w, i, by_mode[cached])
                     for name, v in zip(("cpu_us", "wall_us", "idle_span_us"), got, strict=True):
                         row[name + tag] = min(row.get(name + tag, float("inf")), v)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
-                X.fused_standard(x, w, i, prepared)
+                X.fused_standard(x, w, i, by_mode[True])
             prof.disable()
             torch.cuda.synchronize()
             text = _io.StringIO()
@@ -530,12 +379,11 @@ def part_host(plan, rows, calls: int = 50):
                   f"{row['cpu_us']:6.1f} us/call  wall {row['wall_us_jit']:6.1f} -> "
                   f"{row['wall_us']:6.1f}  span from idle {row['idle_span_us_jit']:6.1f} -> "
                   f"{row['idle_span_us']:6.1f} us (JIT launch -> cached)", flush=True)
-        del weights, prepared
+        del weights, prepared, by_mode
         torch.cuda.empty_cache()
-    _launch.ENABLED = saved
 
 
-def part_warm(plan, jobs: int):
+def part_warm(plan, jobs: int, options: TritonOptions):
     """Compile the kernels ``perf`` will launch (one untimed call per token count), one
     process per (preset, scheme) when ``jobs`` > 1: compilation is CPU work, and a perf run
     on a cold kernel cache otherwise compiles every tile serially between its timings."""
@@ -551,11 +399,8 @@ def part_warm(plan, jobs: int):
                 cmd = [sys.executable, __file__, "--parts", "warm", "--jobs", "1",
                        "--out", tempfile.mkdtemp(), "--presets", f"{preset}:{scheme}",
                        "--tune-tokens", *map(str, tokens)]
-                for name, (module, attr, (_off, on), _) in _toggles().items():
-                    if getattr(module, attr) != on:
-                        cmd += ["--off", name]
-                    else:
-                        cmd += ["--on", name]
+                for name, (field, (_off, on), _) in _toggles().items():
+                    cmd += ["--off" if getattr(options, field) != on else "--on", name]
                 running.append((f"{preset}:{scheme}", subprocess.Popen(cmd)))
             time.sleep(0.5)
             for item in list(running):
@@ -566,7 +411,8 @@ def part_warm(plan, jobs: int):
     for preset, scheme, tokens in plan:
         H, I, E, k, act_name = tune.PRESETS[preset]
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
-        prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act_name)))
+        spec = weights.spec(Activation(act_name))
+        prepared = TritonBackend(options).prepare_weights(weights, spec)
         for T in tokens:
             w, i = routing(T, E, k)
             X.fused_standard(torch.randn(T, H, device=DEV, dtype=torch.bfloat16), w, i, prepared)
@@ -575,45 +421,26 @@ def part_warm(plan, jobs: int):
         torch.cuda.empty_cache()
 
 
-def part_tune(plan, out_dir: Path, jobs: int):
-    cfg_dir = tile_config.CONFIG_DIR
-    written = []
-    if jobs > 1:  # compile every candidate in parallel first; the search below only times
-        tune.precompile(plan, jobs, progress=lambda s: print(s, flush=True))
-    for preset, scheme, tokens in plan:
-        H, I, E, k, act = tune.PRESETS[preset]
-        path, _ = tune.tune_preset(H, I, E, k, act, scheme, tokens, cfg_dir,
-                                   progress=lambda s: print(s, flush=True))
-        written.append(path)
-        torch.cuda.empty_cache()
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-            for p in written:
-                tar.add(p, arcname=p.name)
-        (out_dir / "configs.tar.gz").write_bytes(buf.getvalue())
-    tile_config.load_config_file.cache_clear()
-    return [p.name for p in written]
-
-
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", nargs="+", default=["check", "perf"])
+    ap.add_argument("--parts", nargs="+", default=["perf"])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--presets", nargs="*", default=None)
     ap.add_argument("--tune-tokens", nargs="*", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=1, help="off/on rounds of a switch's A/B")
-    ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for tune")
+    ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for warm")
     ap.add_argument("--off", action="append", default=[], choices=sorted(_toggles()),
                     help="run every part with this switch off (repeatable)")
     ap.add_argument("--on", action="append", default=[], choices=sorted(_toggles()),
                     help="run every part with this switch on (repeatable)")
     args = ap.parse_args()
+    options = TritonOptions()
     for name in args.off:
-        module, attr, (off, _), _ = _toggles()[name]
-        setattr(module, attr, off)
+        options = switched(options, name, False)
     for name in args.on:
-        module, attr, (_, on), _ = _toggles()[name]
-        setattr(module, attr, on)
+        options = switched(options, name, True)
+    if options != TritonOptions():  # the check part's "triton" runs with them too
+        register(TritonBackend(options), replace=True)
     args.out.mkdir(parents=True, exist_ok=True)
     names = {f"{p[0]}:{p[1]}": p for p in PERF_PLAN}
     if args.presets is None:
@@ -626,50 +453,39 @@ def main():
                                  f"one of {', '.join(tune.PRESETS)} (the plan: {', '.join(names)})")
         plan = [names.get(n) or (*n.split(":"), tune.DEFAULT_TOKENS) for n in args.presets]
     result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, triton=triton.__version__)
+                  torch=torch.__version__, triton=triton.__version__, options=repr(options))
     t0 = time.time()
     def save():
         result["seconds"] = time.time() - t0
         (args.out / "results.json").write_text(json.dumps(result, indent=1))
 
     for part in args.parts:  # in the order given, each saved as soon as it is done
-        if part == "check":
-            result["check"] = part_check()
-        elif part == "host":
+        if part in ("check", "tune", "precompile"):
+            raise SystemExit(
+                f"part {part!r} moved: the GPU check is pytest -m gpu tests/backends, the tile "
+                "search moerunner tune --preset P --scheme S --jobs N [--compile-only]")
+        if part == "host":
             result["host"] = []
-            part_host(plan, result["host"])
+            part_host(plan, result["host"], options)
         elif part in _toggles():
             result.setdefault("toggles", [])
-            part_toggle(plan, result["toggles"], part, args.rounds)
+            part_toggle(plan, result["toggles"], part, options, args.rounds)
         elif part == "warm":
-            part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs)
-        elif part in ("tune", "precompile"):
-            tune_plan = [(p[0], p[1], args.tune_tokens or p[2]) for p in plan]
-            if part == "precompile":  # compile only: can overlap GPU checks of other processes
-                tune.precompile(tune_plan, args.jobs, progress=lambda s: print(s, flush=True))
-            else:
-                result["tuned_files"] = part_tune(tune_plan, args.out, args.jobs)
+            part_warm([(p[0], p[1], args.tune_tokens or p[2]) for p in plan], args.jobs, options)
         elif part == "perf":
             result["peaks"] = measure_peaks()
             result["perf"] = []
-            part_perf(result["peaks"], plan, result["perf"], save)
+            part_perf(result["peaks"], plan, result["perf"], save, options)
         else:
             raise SystemExit(
-                f"unknown part {part!r}; accepted: check, warm, precompile, tune, perf, host, "
+                f"unknown part {part!r}; accepted: warm, perf, host, "
                 f"{', '.join(_toggles())}")
         save()
     save()
     print("\n== summary ==", result["device"], result["date"])
-    if "check" in result:
-        bad = [r for r in result["check"] if not r["ok"]]
-        print(f"check: {len(result['check']) - len(bad)}/{len(result['check'])} passed")
-        for r in bad:
-            print("  FAIL", {k: v for k, v in r.items() if k in
-                             ("case", "scheme", "act", "err_vs_torch", "err_vs_ref", "error")})
     if "peaks" in result:
         p = result["peaks"]
-        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  read "
-              f"{p['read_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
+        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
               f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s  L2 read "
               f"{p.get('l2_read_bytes_per_s', float('nan')) / 1e12:.2f} TB/s")
         print(f"{'preset':14s} {'scheme':9s} " + " ".join(f"{t:>13d}" for t in tune.DEFAULT_TOKENS))

@@ -1,7 +1,7 @@
 # Time the fused MoE op of one preset with two tile choices, alternately in one process, so
 # that a tile change is judged against run-to-run drift rather than across runs.
 #
-#   python benchmarks/gpu_tiles_ab.py --preset deepseek-v3 --scheme fp8_block --tokens 16384 \
+#   python benchmarks/experiments/gpu_tiles_ab.py --preset deepseek-v3 --scheme fp8_block --tokens 16384 \
 #       --a 64,128,128,8,4/64,128,128,4,4 --b 128,64,256,8,3/128,128,256,8,3
 #
 # A tile choice is "GEMM1/GEMM2", each "block_m,block_n,block_k,num_warps,num_stages"
@@ -16,7 +16,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_triton
 
 import torch  # noqa: E402
 import triton.testing as tt  # noqa: E402

@@ -1,8 +1,8 @@
 # Prototype: an explicitly warp-specialised, persistent bf16 GEMM for Hopper, in Gluon.
 #
-#   python benchmarks/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8]
-#   python benchmarks/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8] --compile-only
-#   python benchmarks/gluon_ws_gemm.py --moe PRESET T [--bm 128 --bn1 128 --bn2 256 --bk 64
+#   python benchmarks/experiments/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8]
+#   python benchmarks/experiments/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8] --compile-only
+#   python benchmarks/experiments/gluon_ws_gemm.py --moe PRESET T [--bm 128 --bn1 128 --bn2 256 --bk 64
 #       --stages1 3 --stages2 3 --warps 8] [--compile-only]
 #
 # C[M, N] = A[M, K] @ B[N, K]^T with bf16 operands and output and fp32 accumulation. Triton's
@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # --moe imports the library (repo root) and the benchmark helpers (this folder).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LOADER_WARPS = gl.constexpr(1)
@@ -785,7 +785,7 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
     import gpu_triton as G
     from gpu_ws_gemm import _gather_rows_kernel
 
-    from moerunner.backends.triton import TritonBackend
+    from moerunner.backends.triton import TritonBackend, TritonOptions
     from moerunner.backends.triton import experts as X
     from moerunner.bench.presets import PRESETS
     from moerunner.config import Activation
@@ -811,7 +811,7 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
     num_rows = T * k
 
     bufs = X.alignment_workspace(num_rows, E, cfg.bm, dev)
-    rows = X.layout_rows(ids.reshape(-1), k, E, cfg.bm, bufs)
+    rows = X.layout_rows(ids.reshape(-1), k, E, cfg.bm, bufs, TritonOptions())
     max_pad = bufs["sorted_rows"].shape[0]
     a_perm = torch.zeros(max_pad, H, device=dev, dtype=torch.bfloat16)
     inter = torch.zeros(max_pad, I, device=dev, dtype=torch.bfloat16)

@@ -1,0 +1,157 @@
+# Options of the triton backend: one frozen value, given to ``TritonBackend(options=...)``.
+#
+# Every switch of the kernel sequence lives here, with the measurement that justifies its
+# default. The backend records its options in the weights it prepares
+# (``PreparedWeights.options``) and every launch reads them from there: two backends with
+# different options run side by side in one process. Fields marked *prepare time* decide how
+# weights are prepared (their layout, where tiles are looked up); the others are read per call.
+# The value is validated once, here; reading it per call is an attribute read.
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+E2M1_LAYOUTS = ("fragment", "split")
+# Fields that change what ``prepare_weights`` makes (the rest only change launches).
+PREPARE_TIME_FIELDS = ("e2m1_layout", "tile_dirs")
+
+
+@dataclass(frozen=True, slots=True)
+class TritonOptions:
+    """Switches of the triton backend's kernel sequence (defaults: the measured best).
+
+    Build one with keyword arguments and pass it to ``TritonBackend(options=...)``; derive a
+    variant with ``dataclasses.replace(options, field=value)``. Its ``repr`` rebuilds it.
+    """
+
+    #: Up to this many tokens each (token, slot) row is its own GEMM block and no alignment
+    #: step runs: one launch fewer. One token's slots name distinct experts, so no weights are
+    #: read twice; from two tokens on, rows that share an expert would each read its weights
+    #: (on an H200 row blocks saved 3-5 us at T = 1 on every preset and cost up to 2x on
+    #: Mixtral-8x7B's 8 experts at T = 2-8, where the alignment groups the repeats).
+    row_blocks_max_tokens: int = 1
+    #: Aligned blocks of at least this many rows run a tile of half the rows when their second
+    #: half is padding (an expert's last block; ``None``: never), if the experts average at
+    #: most ``split_max_blocks_per_expert`` blocks. Near one block per expert a third of the
+    #: blocks are such, and their padding rows would otherwise cost full MMAs: on an H200, bf16
+    #: at T = 4096 ran 1.07-1.10x faster on Qwen3-30B-A3B, GPT-OSS-120B and DeepSeek-V3.
+    #: Below 128 rows the half tile would fall under the 64 rows of Hopper's warpgroup MMA.
+    split_min_block_m: int | None = 128
+    #: See ``split_min_block_m``: with many blocks per expert there is little to gain and the
+    #: second tile costs a little (Mixtral-8x7B at T = 16384, 32 blocks per expert: 0.98x).
+    split_max_blocks_per_expert: int = 4
+    #: Packed 4-bit weights with one split-layout chunk per K step load the next step's scale
+    #: codes one step ahead, so the loop does not wait on a global load (see the kernel).
+    scale_prefetch: bool = True
+    #: Packed 4-bit weights whose halves have one scale group each and K steps of 2 or 4
+    #: chunks load the step's scale codes as one tile (needs the padded scales of
+    #: ``_prepare.pad_scale_groups``).
+    scale_tiles: bool = True
+    #: The fragment layout's GEMMs tell the compiler that K > 0 (``K_NONEMPTY``), so ptxas
+    #: keeps their register-operand wgmmas in flight instead of waiting after each
+    #: (1.03-1.06x at T = 16-4096 on an H100; off: serialized, bit-identical results).
+    fragment_async_mma: bool = True
+    #: Off the GPU GEMM1 leaves GEMM2's input quantization to the PyTorch twin (the path every
+    #: other input takes there) unless this is set; tests set it to check the epilogue's logic.
+    fuse_input_quant_off_gpu: bool = False
+    #: *Prepare time.* Layout packed e2m1 weights (mxfp4, nvfp4) are prepared in:
+    #: ``"fragment"`` or ``"split"``. GPT-OSS-120B mxfp4 on an H100, tiles tuned for each
+    #: layout on it, same process: fragment 1.20x at T = 16, 1.26x at 64, 1.26x at 256, 1.27x
+    #: at 1024, 1.33x at 4096, 1.35x at 16384, and 0.87x at T = 1, where one token's four
+    #: experts give too few programs to hide the K loop's latency. Batch-1 generation that
+    #: wants those microseconds back chooses ``"split"``; ``moerunner tune --e2m1-layout``
+    #: tunes either layout.
+    e2m1_layout: str = "fragment"
+    #: Launch through the compiled-kernel cache of ``_launch`` (False: always through Triton's
+    #: JIT launch, which costs 58 against 13 us of CPU per GEMM launch on an H200 host).
+    launch_cache: bool = True
+    #: Launch the sequence with programmatic dependent launch where the GPU supports it
+    #: (compute capability 9 and later): 1.02-1.04x at T = 1 on an H200.
+    pdl: bool = True
+    #: *Prepare time.* Folders of tuned tile files, searched in order before the files shipped
+    #: with the package (the first file found for a shape is used whole). ``None``: the user
+    #: tile folder that ``moerunner tune`` writes to (``tile_config.user_tile_dir()``);
+    #: ``()``: shipped files only.
+    tile_dirs: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in _BOOL_FIELDS:
+            _check_bool(self, name)
+        _check_int(self, "row_blocks_max_tokens", 0)
+        _check_int(self, "split_max_blocks_per_expert", 0)
+        if self.split_min_block_m is not None:
+            _check_int(self, "split_min_block_m", 2)
+        if not isinstance(self.e2m1_layout, str):
+            raise TypeError(
+                f"TritonOptions.e2m1_layout must be a str, got {type(self.e2m1_layout).__name__}"
+            )
+        if self.e2m1_layout not in E2M1_LAYOUTS:
+            raise ValueError(
+                f"TritonOptions.e2m1_layout must be one of {', '.join(E2M1_LAYOUTS)}, "
+                f"got {self.e2m1_layout!r}"
+            )
+        if self.tile_dirs is not None:
+            object.__setattr__(self, "tile_dirs", _folders(self.tile_dirs))
+
+    def __repr__(self) -> str:
+        """The fields that differ from the defaults, as a call that rebuilds the value."""
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return f"TritonOptions({', '.join(changed)})"
+
+    def differs_at_prepare(self, other: TritonOptions) -> bool:
+        """Whether weights prepared with ``other`` differ from those prepared with these."""
+        return any(getattr(self, f) != getattr(other, f) for f in PREPARE_TIME_FIELDS)
+
+
+_BOOL_FIELDS = (
+    "scale_prefetch",
+    "scale_tiles",
+    "fragment_async_mma",
+    "fuse_input_quant_off_gpu",
+    "launch_cache",
+    "pdl",
+)
+
+
+def _check_bool(options: TritonOptions, name: str) -> None:
+    value = getattr(options, name)
+    if not isinstance(value, bool):
+        raise TypeError(f"TritonOptions.{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_int(options: TritonOptions, name: str, least: int) -> None:
+    value = getattr(options, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TritonOptions.{name} must be an int, got {type(value).__name__}")
+    if value < least:
+        raise ValueError(f"TritonOptions.{name} must be at least {least}, got {value}")
+
+
+def _folders(value) -> tuple[str, ...]:
+    """``tile_dirs`` as a tuple of folder names (one folder may be given alone)."""
+    if isinstance(value, (str, os.PathLike)):
+        value = (value,)
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(
+            f"TritonOptions.tile_dirs must be None or a sequence of folders, "
+            f"got {type(value).__name__}"
+        )
+    out = []
+    for item in value:
+        if not isinstance(item, (str, os.PathLike)):
+            raise TypeError(
+                f"TritonOptions.tile_dirs entries must be str or path-like, "
+                f"got {type(item).__name__}"
+            )
+        out.append(os.fspath(item))
+    return tuple(out)
+
+
+#: The defaults (the registered ``triton`` backend's options).
+DEFAULT_OPTIONS = TritonOptions()

@@ -1,0 +1,125 @@
+"""What a dispatcher is, what its factory receives, and the one weighted combine.
+
+A dispatcher (stages 2 and 4) is any object with:
+
+- ``dispatch_format``: the ``DispatchOutput`` format its ``dispatch`` returns
+  (``moerunner.dispatch.formats``), which the runner's backends serve;
+- ``accepts_quantized``: whether ``dispatch`` can move activations that were quantized before
+  dispatch (fp8 all-to-all, DeepEP low-latency). No built-in dispatcher does yet; the seam is
+  declared so a layer can check it instead of guessing;
+- ``dispatch(hidden_states [T, H], topk) -> DispatchOutput`` and
+  ``combine(expert_output, dispatch_output) -> [T, H]``.
+
+Dispatchers are registered by name in ``moerunner.registry`` as factories of a
+``DispatchSetup``; ``default_dispatchers`` lists the built-in ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import MoeInputError
+from ..routing import TopK
+from .expert_map import ExpertPlacement
+
+__all__ = [
+    "DispatchSetup",
+    "Dispatcher",
+    "default_dispatchers",
+    "weighted_row_sum",
+]
+
+
+@runtime_checkable
+class Dispatcher(Protocol):
+    """The dispatcher protocol (see the module docstring)."""
+
+    dispatch_format: str
+    accepts_quantized: bool
+
+    def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> Any: ...
+
+    def combine(self, output: torch.Tensor, dispatch_output: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class DispatchSetup:
+    """What a dispatcher factory is built from.
+
+    Args:
+        num_local_experts: experts this rank holds (routed and shared).
+        hidden_size: H.
+        placement: expert ownership over the group's ranks (``None``: every expert is local,
+            as on one process or in tensor parallelism).
+        group: the ``torch.distributed`` process group, or ``None`` on one process.
+        rank: this rank in ``group`` (0 without one).
+        capacity: rows per local expert (``masked`` only).
+        on_overflow: ``"raise"`` or ``"flag"`` (``masked`` only).
+    """
+
+    num_local_experts: int
+    hidden_size: int
+    placement: ExpertPlacement | None = None
+    group: Any = None
+    rank: int = 0
+    capacity: int | None = None
+    on_overflow: str = "raise"
+
+
+def weighted_row_sum(
+    rows: torch.Tensor,
+    destination: torch.Tensor,
+    weight: torch.Tensor | None,
+    num_out: int,
+) -> torch.Tensor:
+    """``out[d] = sum over rows r with destination[r] == d of weight[r] * rows[r]``, in fp32.
+
+    The one weighted scatter-add every combine uses: ``rows [N, H]`` (any float dtype),
+    ``destination [N]`` int64 in ``[0, num_out)``, ``weight [N]`` fp32 or ``None`` (unweighted);
+    returns fp32 ``[num_out, H]`` for the caller to reduce further or round once.
+    """
+    out = torch.zeros((num_out, rows.shape[-1]), dtype=torch.float32, device=rows.device)
+    contribution = rows.float()
+    if weight is not None:
+        contribution = contribution * weight[:, None]
+    return out.index_add_(0, destination, contribution)
+
+
+def _standard(setup: DispatchSetup) -> Dispatcher:
+    from .standard import StandardDispatcher
+
+    if setup.placement is None:
+        return StandardDispatcher(group=setup.group, num_local_experts=setup.num_local_experts)
+    return StandardDispatcher(setup.placement.expert_map(setup.rank), setup.group)
+
+
+def _needs_placement(name: str, setup: DispatchSetup) -> ExpertPlacement:
+    if setup.placement is None:
+        raise MoeInputError(f"dispatcher {name!r} needs an ExpertPlacement (placement=)")
+    return setup.placement
+
+
+def _all_to_all(setup: DispatchSetup) -> Dispatcher:
+    from .all_to_all import AllToAllDispatcher
+
+    return AllToAllDispatcher(_needs_placement("all_to_all", setup), setup.group)
+
+
+def _masked(setup: DispatchSetup) -> Dispatcher:
+    from .masked import MaskedDispatcher
+
+    placement = _needs_placement("masked", setup)
+    if setup.capacity is None:
+        raise MoeInputError("dispatcher 'masked' needs capacity=")
+    return MaskedDispatcher(
+        placement, setup.capacity, setup.hidden_size, setup.group, on_overflow=setup.on_overflow
+    )
+
+
+def default_dispatchers() -> dict[str, Callable[[DispatchSetup], Dispatcher]]:
+    """The built-in dispatchers by name: ``standard``, ``all_to_all`` and ``masked``."""
+    return {"standard": _standard, "all_to_all": _all_to_all, "masked": _masked}

@@ -1,0 +1,216 @@
+"""The registry: every extension axis as values, in one place below the backends.
+
+- **Backends** are objects (``moerunner.backends.base.Backend``) that own what they can serve
+  (``supports``), how they convert weights (``prepare_weights``), a fused op per dispatch
+  format (``fused_ops``) and/or a core between permutes (``core``). Each registers once, by
+  object, under its ``name``; which dispatch formats it serves is derived from the object.
+- **Permutes** bring each dispatch format into the grouped layout a core computes on, and back.
+- **Dispatchers** are a name -> factory table (``register_dispatcher``): a factory takes a
+  ``DispatchSetup`` and returns an object of the ``Dispatcher`` protocol
+  (``moerunner.dispatch.base``).
+
+This module imports the dispatch layer (permutes, dispatchers) and nothing above it; the
+backends import it to register themselves, and ``moerunner.runner`` (``MoeRunner``) reads it.
+Backend choice travels as arguments: there is no process-global "current backend".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .dispatch import permute
+from .dispatch.base import DispatchSetup, default_dispatchers
+from .dispatch.formats import MASKED, PERMUTED, STANDARD
+from .errors import BackendUnavailableError, MoeInputError
+
+if TYPE_CHECKING:  # annotations only: the backends import this module, not the reverse
+    from .backends.base import Backend, MoeProblem
+    from .dispatch.base import Dispatcher
+
+__all__ = [
+    "DEFAULT_PREFERENCE",
+    "DEFAULT_REGISTRY",
+    "DispatcherFactory",
+    "Registry",
+    "Selection",
+]
+
+_log = logging.getLogger("moerunner")
+
+DispatcherFactory = Callable[[DispatchSetup], "Dispatcher"]
+
+# Measured order of preference per device type (see benchmarks/results/): the first backend
+# that is available and supports a request wins under backend="auto".
+DEFAULT_PREFERENCE: dict[str, tuple[str, ...]] = {
+    "cuda": ("triton", "flashinfer", "torch"),
+    "cpu": ("torch", "triton"),
+}
+
+
+@dataclass
+class Registry:
+    """Backends (by object), permutes per dispatch format and dispatcher factories."""
+
+    backends: dict[str, Backend] = field(default_factory=dict)
+    permutes: dict[str, tuple[Callable, Callable]] = field(default_factory=dict)
+    dispatchers: dict[str, DispatcherFactory] = field(default_factory=dict)
+    # Selections memoised per (problem, request, preference); cleared by every register_*.
+    _selections: dict = field(default_factory=dict, repr=False)
+
+    def register_backend(self, backend: Backend, *, replace: bool = False) -> Backend:
+        """Add a backend object under its ``name`` (once: a second object under the same name
+        needs ``replace=True``)."""
+        name = getattr(backend, "name", "")
+        if not isinstance(name, str) or not name:
+            raise ValueError("a backend needs a non-empty str name")
+        if name in self.backends and self.backends[name] is not backend and not replace:
+            raise ValueError(
+                f"a backend named {name!r} is already registered; pass replace=True to swap it"
+            )
+        self._selections.clear()
+        self.backends[name] = backend
+        return backend
+
+    def register_permute(self, dispatch_format: str, pre: Callable, post: Callable) -> None:
+        """Pre- and post-permute between ``dispatch_format`` and the grouped layout."""
+        self._selections.clear()
+        self.permutes[dispatch_format] = (pre, post)
+
+    def register_dispatcher(self, name: str, factory: DispatcherFactory) -> None:
+        """A dispatcher kind: ``factory(setup: DispatchSetup) -> Dispatcher``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("a dispatcher needs a non-empty str name")
+        self.dispatchers[name] = factory
+
+    def make_dispatcher(self, name: str, setup: DispatchSetup) -> Dispatcher:
+        """Build the dispatcher registered as ``name`` for ``setup``."""
+        factory = self.dispatchers.get(name)
+        if factory is None:
+            raise MoeInputError(
+                f"dispatcher must be one of {sorted(self.dispatchers)}, got {name!r}"
+            )
+        return factory(setup)
+
+    def fused_op(self, dispatch_format: str, backend: str) -> Callable | None:
+        """The backend's fused op for the format, or None."""
+        obj = self.backends.get(backend)
+        return None if obj is None else obj.fused_ops.get(dispatch_format)
+
+    def core(self, backend: str) -> Callable | None:
+        """The backend's core between permutes, or None."""
+        obj = self.backends.get(backend)
+        return None if obj is None else obj.core
+
+    def paths(self, backend: str) -> dict[str, str]:
+        """For each dispatch format the backend serves: ``"fused"`` or ``"permute"``."""
+        obj = self.backends[backend]
+        result = {}
+        for fmt in dict.fromkeys([*self.permutes, *obj.fused_ops]):
+            if fmt in obj.fused_ops:
+                result[fmt] = "fused"
+            elif obj.core is not None and fmt in self.permutes:
+                result[fmt] = "permute"
+        return result
+
+    def has_both_paths(self, dispatch_format: str, backend: str) -> bool:
+        """True when a fused op and the permute path exist for the pair."""
+        obj = self.backends[backend]
+        return (
+            dispatch_format in obj.fused_ops
+            and obj.core is not None
+            and dispatch_format in self.permutes
+        )
+
+    def verdicts(self, problem: MoeProblem) -> dict[str, tuple[bool, str]]:
+        """Each backend's (can serve, reason if not) for ``problem``."""
+        result = {}
+        for name, backend in self.backends.items():
+            ok, reason = backend.available()
+            if ok and problem.dispatch_format not in self.paths(name):
+                ok, reason = False, f"no path for dispatch format {problem.dispatch_format!r}"
+            if ok:
+                ok, reason = backend.supports(problem)
+            result[name] = (ok, reason)
+        return result
+
+    def select(
+        self,
+        problem: MoeProblem,
+        requested: str = "auto",
+        preference: dict[str, tuple[str, ...]] | None = None,
+    ) -> Selection:
+        """Pick a backend for ``problem``; raise naming every backend and why it was not taken.
+
+        Successful choices are memoised (a decode step asks the same question every layer).
+        """
+        key = (problem, requested, None if preference is None else tuple(preference.items()))
+        cached = self._selections.get(key)
+        if cached is not None:
+            return cached
+        selection = self._select(problem, requested, preference)
+        self._selections[key] = selection
+        _log.debug("backend %r selected (%s) for %s", selection.backend, selection.reason, problem)
+        return selection
+
+    def _select(
+        self,
+        problem: MoeProblem,
+        requested: str,
+        preference: dict[str, tuple[str, ...]] | None,
+    ) -> Selection:
+        if requested != "auto" and requested not in self.backends:
+            raise BackendUnavailableError(
+                f"backend {requested!r} is not registered; registered: "
+                f"{', '.join(sorted(self.backends))} or 'auto'"
+            )
+        verdicts = self.verdicts(problem)
+        if requested != "auto":
+            ok, reason = verdicts[requested]
+            if not ok:
+                raise BackendUnavailableError(_explain(problem, verdicts, requested))
+            return Selection(self.backends[requested], verdicts, "requested")
+        order = (preference or DEFAULT_PREFERENCE).get(problem.device_type, ())
+        ranked = [n for n in order if n in verdicts] + sorted(set(verdicts) - set(order))
+        for name in ranked:
+            if verdicts[name][0]:
+                return Selection(self.backends[name], verdicts, f"first of {ranked} that serves")
+        raise BackendUnavailableError(_explain(problem, verdicts, "auto"))
+
+    def copy(self) -> Registry:
+        """A registry with the same entries, to add to or replace in (tests, experiments)."""
+        return Registry(
+            backends=dict(self.backends),
+            permutes=dict(self.permutes),
+            dispatchers=dict(self.dispatchers),
+        )
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen backend and every backend's verdict (for ``info`` and error messages)."""
+
+    backend: Any
+    verdicts: dict[str, tuple[bool, str]]
+    reason: str
+
+
+def _explain(problem: Any, verdicts: dict[str, tuple[bool, str]], requested: str) -> str:
+    lines = [f"no backend can serve this request (asked for {requested!r}): {problem}"]
+    for name, (ok, reason) in sorted(verdicts.items()):
+        lines.append(f"  {name}: {'can serve' if ok else 'rejected: ' + reason}")
+    return "\n".join(lines)
+
+
+DEFAULT_REGISTRY = Registry()
+DEFAULT_REGISTRY.register_permute(
+    STANDARD, permute.pre_permute_standard, permute.post_permute_standard
+)
+DEFAULT_REGISTRY.register_permute(
+    PERMUTED, permute.pre_permute_permuted, permute.post_permute_permuted
+)
+DEFAULT_REGISTRY.register_permute(MASKED, permute.pre_permute_masked, permute.post_permute_masked)
+for _name, _factory in default_dispatchers().items():
+    DEFAULT_REGISTRY.register_dispatcher(_name, _factory)
