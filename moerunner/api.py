@@ -12,7 +12,7 @@ import torch
 
 from .backends.base import MoeProblem
 from .config import Activation
-from .device_checks import check_ids_async
+from .device_checks import check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .routing import TopK
@@ -207,7 +207,7 @@ def validate_call(
     if check_ids and topk_ids.numel():
         # CPU: checked here; GPU: checked on the device, raised later (no host sync).
         check_ids_async(topk_ids, num_experts, where="fused_moe")
-        checked = topk_ids.device.type == "cpu"
+        checked = topk_ids.device.type == "cpu" and checks_may_run()
     if not checked and topk_ids.dtype == torch.int64:
         # Unchecked (or not yet checked) ids: every backend skips ids outside [0, E); clamped
         # before the int32 cast, an int64 id outside int32 cannot wrap into range (int32 and
