@@ -25,6 +25,7 @@ from ...routing import TopK
 from . import _launch, _pdl
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
+from .options import DEFAULT_OPTIONS
 
 # Below every key: the smallest real key (-inf) is about -2^63 + 2^55.
 _MIN_KEY = tl.constexpr(-9223372036854775807)
@@ -229,6 +230,7 @@ def route(
         G_POW2=_pow2(num_groups) if grouped else 1,
         RENORMALIZE=bool(renormalize),
         SCALED=routed_scaling_factor != 1.0,
+        options=DEFAULT_OPTIONS,
         num_warps=4,
     )
     return TopK(weights=weights, ids=ids)
