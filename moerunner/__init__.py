@@ -1,12 +1,14 @@
 """moerunner: the Mixture-of-Experts layer of LLMs, every family and format, one runner.
 
 Public API: ``select_experts``, ``fused_moe``, ``MoE``, ``MoeRunner``, ``quantize``,
-``dequantize`` and the configuration values they take.
+``dequantize``, ``check_errors`` (raise what the GPU-side input checks found) and the
+configuration values they take.
 """
 
 from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts custom op)
 from .api import fused_moe
 from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig
+from .device_checks import check_errors
 from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError
 from .layer import MoE
 from .reference import reference_moe
@@ -49,6 +51,7 @@ __all__ = [
     "Registry",
     "RoutingConfig",
     "TopK",
+    "check_errors",
     "default_registry",
     "dequantize",
     "fused_moe",

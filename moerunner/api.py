@@ -12,6 +12,7 @@ import torch
 
 from .backends.base import MoeProblem
 from .config import Activation
+from .device_checks import check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .routing import TopK
@@ -52,9 +53,11 @@ def fused_moe(
         gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints).
         swiglu_alpha, swiglu_limit: ``swiglu_oai`` parameters (defaults 1.702 and 7.0).
         backend: a backend name or ``"auto"``.
-        check_ids: verify ``-1 <= ids < E`` (one host read on a GPU). Callers whose ids come
-            from ``select_experts`` may pass False; every backend then skips ids outside
-            ``[0, E)`` (any integer dtype, no wrap-around), silently.
+        check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
+            raising at a later call or at ``moerunner.check_errors()``
+            (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
+            pass False; every backend then skips ids outside ``[0, E)`` (any integer dtype,
+            no wrap-around), silently.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype (contiguous): sum over slots of weight x
@@ -201,17 +204,14 @@ def validate_call(
     # top_k may exceed E: an expert-parallel rank's shard holds fewer experts than k.
     num_experts = weights.num_experts
     checked = False
-    if check_ids and topk_ids.numel() and _may_sync():
-        low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()  # one host read
-        if low < -1 or high >= num_experts:
-            raise MoeInputError(
-                f"topk_ids must be in [-1, E={num_experts}), got values in [{low}, {high}]"
-            )
-        checked = True
+    if check_ids and topk_ids.numel():
+        # CPU: checked here; GPU: checked on the device, raised later (no host sync).
+        check_ids_async(topk_ids, num_experts, where="fused_moe")
+        checked = topk_ids.device.type == "cpu" and checks_may_run()
     if not checked and topk_ids.dtype == torch.int64:
-        # Unchecked ids: every backend skips ids outside [0, E); clamped before the int32
-        # cast, an int64 id outside int32 cannot wrap into range (int32 and narrower ids need
-        # no extra op).
+        # Unchecked (or not yet checked) ids: every backend skips ids outside [0, E); clamped
+        # before the int32 cast, an int64 id outside int32 cannot wrap into range (int32 and
+        # narrower ids need no extra op).
         topk_ids = topk_ids.clamp(min=-1, max=num_experts)
     return TopK(weights=topk_weights.float(), ids=topk_ids.to(torch.int32))
 

@@ -9,17 +9,30 @@
   Weights come from the unbiased scores, renormalized with +1e-20, times the scaling factor.
 
 Output: ``TopK(weights [T, k] float32, ids [T, k] int32)``. T = 0 gives empty tensors.
+
+Numerics, defined so that every implementation (this torch path on any device, the Triton
+kernel of ``backends/triton/_routing.py``) gives the same bits:
+
+- scores are computed in float64 from the float32 logits and rounded once to float32 (an fp32
+  ``exp`` differs in the last bit between libraries; rounded from fp64 it does not, bar a
+  ~2^-28 chance per value);
+- choosing is a stable descending sort: equal scores go to the lowest expert id first, slots
+  are ordered by descending choice score (``torch.topk`` breaks ties by implementation);
+- the renormalising sum (exact for the k weights in all but extreme ranges) and the division
+  run in float64, rounded once; ``routed_scaling_factor`` then multiplies in float32.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from .errors import MoeInputError
+from .errors import BackendUnavailableError, MoeInputError
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+ROUTING_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ def select_experts(
     num_expert_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float = 1.0,
+    backend: str = "auto",
 ) -> TopK:
     """Choose ``top_k`` experts per token.
 
@@ -56,6 +70,10 @@ def select_experts(
         correction_bias: ``[E]`` bias added to the scores for choosing only (DeepSeek-V3).
         num_expert_group, topk_group: grouped top-k; both or neither.
         routed_scaling_factor: multiplies the final weights.
+        backend: ``"auto"`` (the one-launch Triton kernel for CUDA logits when Triton is
+            importable, outside ``torch.compile``; else the torch path), ``"torch"`` (this
+            module's reference path) or ``"triton"`` (the kernel; CUDA, or CPU under Triton's
+            interpreter). Both give the same bits (module docstring).
 
     Returns:
         ``TopK`` with float32 weights and int32 ids, both ``[T, top_k]``.
@@ -63,12 +81,24 @@ def select_experts(
     _check_routing_args(
         router_logits, top_k, scoring_func, correction_bias, num_expert_group, topk_group
     )
+    route = _kernel(router_logits, backend)
+    if route is not None:
+        return route(
+            router_logits,
+            top_k,
+            scoring_func=scoring_func,
+            renormalize=renormalize,
+            correction_bias=correction_bias,
+            num_expert_group=num_expert_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+        )
     num_tokens, num_experts = router_logits.shape
-    logits = router_logits.float()
+    wide = _wide_dtype(router_logits.device)
     if scoring_func == "softmax":
-        scores = torch.softmax(logits, dim=-1)
+        scores = torch.softmax(router_logits, dim=-1, dtype=wide).float()
     else:
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(router_logits.to(wide)).float()
 
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group is not None and num_tokens > 0:
@@ -76,25 +106,61 @@ def select_experts(
         grouped = choice.view(num_tokens, num_expert_group, group_size)
         best_two = min(2, group_size)
         group_scores = grouped.topk(best_two, dim=-1).values.sum(dim=-1)
-        keep = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices
+        keep = _top(group_scores, topk_group)
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, group_size).reshape(num_tokens, -1)
         choice = choice.masked_fill(~expert_mask, float("-inf"))
 
-    if correction_bias is None and num_expert_group is None:
-        weights, ids = torch.topk(scores, k=top_k, dim=-1)
-    else:
-        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-
+    ids = _top(choice, top_k)
+    weights = scores.gather(1, ids)
     if renormalize:
-        denominator = weights.sum(dim=-1, keepdim=True)
+        widened = weights.to(wide)
+        denominator = widened.sum(dim=-1, keepdim=True)
         if scoring_func == "sigmoid":
             denominator = denominator + 1e-20
-        weights = weights / denominator
+        weights = (widened / denominator).float()
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return TopK(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+
+
+def _wide_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the score math; float32 where the device has no float64 (Apple MPS: there
+    the results are not bit-identical to other devices)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _top(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest along the last dim: descending, equal values lowest index
+    first (NaN counts as the largest), by a stable sort."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _kernel(router_logits: torch.Tensor, backend: str):
+    """The Triton routing function when ``select_experts`` runs it (see its ``backend``),
+    else None."""
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        route = _kernel_route()
+        if route is None:
+            raise BackendUnavailableError("backend='triton': triton is not importable here")
+        return route
+    if backend != "auto":
+        raise MoeInputError(f"backend: got {backend!r}; accepted: {ROUTING_BACKENDS}")
+    if not router_logits.is_cuda or torch.compiler.is_compiling():
+        return None
+    return _kernel_route()
+
+
+@functools.cache
+def _kernel_route():
+    """``backends.triton._routing.route``, imported once (None without triton)."""
+    try:
+        from .backends.triton._routing import route
+    except ImportError:
+        return None
+    return route
 
 
 def _check_routing_args(

@@ -44,6 +44,7 @@ def test_benchmark_folders_hold_what_the_readmes_say():
         "cpu_torch_vs_transformers.py",
         "ep_gpu_check.py",
         "ep_scaling.py",
+        "host_cost.py",
         "transformers_e2e.py",
         "version_ab.py",
     }

@@ -1,0 +1,236 @@
+# Stage "route" as one Triton kernel (private): router logits -> top-k weights and ids.
+#
+# Covers every variant of ``moerunner.routing.select_experts`` in one launch: softmax or
+# sigmoid scores, correction bias (added for choosing only), grouped top-k (a group's score is
+# the sum of its two best biased scores; ``topk_group`` groups stay eligible), top-k,
+# renormalisation and the routed scaling factor. Output: float32 weights and int32 ids
+# ``[T, k]``, the formats the expert kernels take. The numerics are those that the module
+# docstring of ``moerunner.routing`` defines, so both paths give the same bits:
+#   - scores in float64 from the float32 logits, rounded once to float32;
+#   - choosing by unique int64 keys: the float32 value mapped to an order-preserving integer
+#     (-0.0 as +0.0, every NaN as the largest value, as ``torch.sort`` orders them) in the
+#     high half, ``E_POW2 - 1 - index`` in the low half. Keys are unique, so the maximum is
+#     one slot and equal values go to the lowest index first: a stable descending sort;
+#   - renormalising sum and division in float64, rounded once; scaling in float32.
+# One program handles BLOCK_T rows; nothing is read back to the host (CUDA-graph capturable).
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...errors import BackendUnavailableError, MoeInputError
+from ...routing import TopK
+from . import _launch, _pdl
+from ._launch import cdiv as _cdiv
+from ._launch import next_power_of_2 as _pow2
+from .options import DEFAULT_OPTIONS
+
+# Below every key: the smallest real key (-inf) is about -2^63 + 2^55.
+_MIN_KEY = tl.constexpr(-9223372036854775807)
+# Elements of one program's [BLOCK_T, E_POW2] tile: with 4 warps, 8 per thread (compiled for
+# sm_90: about 150 registers at E = 256 with groups, no spills; 2048 reached 255).
+_TILE = 1024
+
+
+@triton.jit
+def _ordered(v):
+    """int64 that orders like the float32 ``v`` (-0.0 equal to +0.0, NaN above +inf)."""
+    v = tl.where(v == 0.0, 0.0, v)
+    bits = v.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = tl.where(v != v, 0x7FC00000, ordered)
+    return ordered.to(tl.int64)
+
+
+@triton.jit
+def _index_of(key, POW2: tl.constexpr):
+    """The index that a key of ``_ordered(v) << 32 | (POW2 - 1 - index)`` carries (its low
+    half: the arithmetic shift floors, so the difference is in [0, 2^32))."""
+    return (POW2 - 1 - (key - ((key >> 32) << 32))).to(tl.int32)
+
+
+@triton.jit
+def _routing_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    stride_lt,
+    scale,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    E_POW2: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    G_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Rows [pid * BLOCK_T, +BLOCK_T): scores, (grouped) choice, top-k, weights."""
+    _pdl.enter(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    rows64 = rows.to(tl.int64)
+    experts = tl.arange(0, E_POW2)
+    real = experts[None, :] < NUM_EXPERTS
+    x = tl.load(
+        logits_ptr + rows64[:, None] * stride_lt + experts[None, :],
+        mask=row_ok[:, None] & real,
+        other=0.0,
+    )
+    x = x.to(tl.float32).to(tl.float64)
+
+    # Scores: float64, rounded once.
+    if SIGMOID:
+        s64 = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        x = tl.where(real, x, float("-inf"))
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        e = tl.where(real, e, 0.0)
+        s64 = e / tl.sum(e, axis=1)[:, None]
+    scores = tl.where(real, s64.to(tl.float32), 0.0)
+
+    choice = scores
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + experts, mask=experts < NUM_EXPERTS, other=0.0)
+        choice = scores + bias.to(tl.float32)[None, :]
+    low = (E_POW2 - 1 - experts).to(tl.int64)[None, :]
+    keys = tl.where(real, (_ordered(choice) << 32) | low, _MIN_KEY)
+
+    if NUM_GROUPS > 0:
+        # Group score: the sum of the group's two best choice values.
+        groups = tl.arange(0, G_POW2)
+        gkeys = tl.full((BLOCK_T, G_POW2), _MIN_KEY, tl.int64)
+        for g in tl.static_range(NUM_GROUPS):
+            in_g = (experts[None, :] >= g * GROUP_SIZE) & (experts[None, :] < (g + 1) * GROUP_SIZE)
+            k_in = tl.where(in_g, keys, _MIN_KEY)
+            first = _index_of(tl.max(k_in, axis=1), E_POW2)
+            hit = experts[None, :] == first[:, None]
+            gscore = tl.sum(tl.where(hit, choice, 0.0), axis=1)
+            if GROUP_SIZE > 1:
+                second = _index_of(tl.max(tl.where(hit, _MIN_KEY, k_in), axis=1), E_POW2)
+                gscore += tl.sum(tl.where(experts[None, :] == second[:, None], choice, 0.0), axis=1)
+            gkey = (_ordered(gscore) << 32) | (G_POW2 - 1 - g)
+            gkeys = tl.where(groups[None, :] == g, gkey[:, None], gkeys)
+        # A group stays eligible when fewer than TOPK_GROUP groups rank above it.
+        above = tl.sum((gkeys[:, None, :] > gkeys[:, :, None]).to(tl.int32), axis=2)
+        kept = ((above < TOPK_GROUP) & (groups[None, :] < NUM_GROUPS)).to(tl.int32)
+        allowed = tl.zeros((BLOCK_T, E_POW2), tl.int32)
+        for g in tl.static_range(NUM_GROUPS):
+            kept_g = tl.sum(tl.where(groups[None, :] == g, kept, 0), axis=1)
+            in_g = (experts[None, :] >= g * GROUP_SIZE) & (experts[None, :] < (g + 1) * GROUP_SIZE)
+            allowed = tl.where(in_g, kept_g[:, None], allowed)
+        masked = tl.where(allowed > 0, choice, float("-inf"))
+        keys = tl.where(real, (_ordered(masked) << 32) | low, _MIN_KEY)
+
+    # Top-k: the largest key k times; weights from the unbiased scores.
+    slots = tl.arange(0, K_POW2)
+    ids = tl.zeros((BLOCK_T, K_POW2), tl.int32)
+    weights = tl.zeros((BLOCK_T, K_POW2), tl.float32)
+    for j in range(TOP_K):
+        best = _index_of(tl.max(keys, axis=1), E_POW2)
+        hit = experts[None, :] == best[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        keys = tl.where(hit, _MIN_KEY, keys)
+        ids = tl.where(slots[None, :] == j, best[:, None], ids)
+        weights = tl.where(slots[None, :] == j, w[:, None], weights)
+
+    if RENORMALIZE:
+        wide = weights.to(tl.float64)
+        denominator = tl.sum(wide, axis=1)
+        if SIGMOID:
+            denominator += tl.full((BLOCK_T,), 1e-20, tl.float64)
+        weights = (wide / denominator[:, None]).to(tl.float32)
+    if SCALED:
+        weights = weights * scale
+
+    out = rows64[:, None] * TOP_K + slots[None, :]
+    out_mask = row_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(ids_ptr + out, ids, mask=out_mask)
+    tl.store(weights_ptr + out, weights, mask=out_mask)
+
+
+def _runnable(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    from . import interpreted
+
+    return device.type == "cpu" and interpreted()
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    renormalize: bool = False,
+    correction_bias: torch.Tensor | None = None,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> TopK:
+    """``select_experts`` in one kernel launch; arguments as there, already validated
+    (``select_experts(..., backend="triton")`` checks them, then calls this).
+
+    Runs on CUDA tensors (CPU ones under Triton's interpreter). T = 0 launches nothing.
+    """
+    num_tokens, num_experts = router_logits.shape
+    device = router_logits.device
+    if not _runnable(device):
+        raise BackendUnavailableError(
+            f"the triton routing kernel needs CUDA router_logits (or Triton's interpreter), "
+            f"got router_logits on {device}; use backend='torch'"
+        )
+    if correction_bias is not None and correction_bias.device != device:
+        raise MoeInputError(
+            f"correction_bias is on {correction_bias.device} but router_logits on {device}"
+        )
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return TopK(weights=weights, ids=ids)
+    stride_t, stride_e = router_logits.stride()
+    if stride_e != 1:
+        router_logits = router_logits.contiguous()
+        stride_t = router_logits.stride(0)
+    bias = router_logits if correction_bias is None else correction_bias.contiguous()
+    e_pow2 = _pow2(num_experts)
+    block_t = max(1, min(_pow2(num_tokens), _TILE // e_pow2))
+    grouped = num_expert_group is not None
+    num_groups = num_expert_group if grouped else 0
+    _launch.launch(
+        _routing_kernel,
+        (_cdiv(num_tokens, block_t),),
+        router_logits,
+        bias,
+        weights,
+        ids,
+        num_tokens,
+        stride_t,
+        float(routed_scaling_factor),
+        NUM_EXPERTS=num_experts,
+        TOP_K=top_k,
+        E_POW2=e_pow2,
+        K_POW2=_pow2(top_k),
+        BLOCK_T=block_t,
+        SIGMOID=scoring_func == "sigmoid",
+        HAS_BIAS=correction_bias is not None,
+        NUM_GROUPS=num_groups,
+        GROUP_SIZE=num_experts // num_groups if grouped else 1,
+        TOPK_GROUP=topk_group if grouped else 0,
+        G_POW2=_pow2(num_groups) if grouped else 1,
+        RENORMALIZE=bool(renormalize),
+        SCALED=routed_scaling_factor != 1.0,
+        options=DEFAULT_OPTIONS,
+        num_warps=4,
+    )
+    return TopK(weights=weights, ids=ids)

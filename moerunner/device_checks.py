@@ -1,0 +1,194 @@
+"""Checks of values that live on the device, without waiting for the device.
+
+A forward pass must not read device memory from the host: the read waits until the GPU has
+run everything queued before it, and the host stops running ahead. Expert ids are values, so
+their range check works like this:
+
+- CPU tensors: checked at once (reading host memory costs nothing); a bad id raises
+  ``MoeInputError`` from the call that passed it.
+- CUDA tensors: the call queues the check on the device (the ids' min and max, copied without
+  blocking into pinned host memory, then an event), then reads the queued checks whose event
+  has completed (``event.query()``, which never waits) and returns. A bad id raises
+  ``MoeInputError`` naming the call, ``topk_ids``, the valid range and the values seen, from
+  the first check call after the device ran it (usually a later call). The output of the
+  call given the bad ids is wrong: the kernels skip ids outside ``[0, E)``. Buffers and
+  events of read checks are reused. ``check_errors()`` waits for every queued check (it
+  synchronises with the GPU) and raises the first error: call it where a synchronisation is
+  acceptable, e.g. at the end of a step or of a test.
+- While a CUDA graph is being captured or ``torch.compile`` traces, no check runs (and none is
+  read): the captured or compiled code stays free of host work.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import MoeInputError
+
+
+@dataclass
+class PendingCheck:
+    """One queued id check: ``stats`` (host, ``[min, max]``) is valid once ``event`` has
+    completed (``event.query()`` true; ``event.synchronize()`` waits for it)."""
+
+    stats: torch.Tensor
+    event: Any
+    num_experts: int
+    where: str
+    # Device-side [min, max] and its two 0-d views: reused with ``stats`` and ``event`` by a
+    # later check once this one has been read.
+    device_stats: tuple | None = None
+
+
+# Buffers kept for reuse per (device, dtype): enough for the checks in flight of a few steps.
+_MAX_FREE = 32
+
+
+class CheckQueue:
+    """Queued device checks, read in submission order without waiting (``poll``) or waiting
+    (``drain``). A check's buffers and event are reused once it has been read."""
+
+    def __init__(self) -> None:
+        self._pending: deque[PendingCheck] = deque()
+        self._lock = threading.Lock()
+        self._free: dict[tuple, list] = {}
+
+    def take_buffers(self, device: torch.device, dtype: torch.dtype) -> tuple | None:
+        """``(device_stats, host stats, event)`` of a check already read, or None."""
+        with self._lock:
+            free = self._free.get((device, dtype))
+            return free.pop() if free else None
+
+    def _recycle(self, check: PendingCheck) -> None:
+        if check.device_stats is None:
+            return
+        key = (check.device_stats[0].device, check.device_stats[0].dtype)
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if len(free) < _MAX_FREE:
+                free.append((check.device_stats, check.stats, check.event))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def submit(self, check: PendingCheck) -> None:
+        """Queue ``check``; its result is read by a later ``poll`` or ``drain``."""
+        with self._lock:
+            self._pending.append(check)
+
+    def poll(self) -> None:
+        """Read every check at the front of the queue whose event has completed; raise the first
+        bad one (``MoeInputError``). Never waits for the device."""
+        while True:
+            with self._lock:
+                if not self._pending or not self._pending[0].event.query():
+                    return
+                check = self._pending.popleft()
+            self._read(check)
+
+    def drain(self) -> None:
+        """Wait for every queued check and raise the first bad one. Synchronises."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                check = self._pending.popleft()
+            check.event.synchronize()
+            self._read(check)
+
+    def _read(self, check: PendingCheck) -> None:
+        bounds = check.stats.tolist()  # host memory, written by the completed copy
+        self._recycle(check)
+        _raise_if_bad(bounds, check, lazily=True)
+
+    def clear(self) -> None:
+        """Forget every queued check unread."""
+        with self._lock:
+            self._pending.clear()
+            self._free.clear()
+
+
+#: The queue of the library's own checks.
+QUEUE = CheckQueue()
+
+
+def check_errors() -> None:
+    """Raise the first error that a queued device check found (``MoeInputError``), after
+    waiting for all of them: this synchronises with the GPU. Without CUDA, or with nothing
+    queued, it returns at once."""
+    QUEUE.drain()
+
+
+def checks_may_run() -> bool:
+    """False while a CUDA graph is being captured or ``torch.compile`` traces: device checks
+    are then skipped (neither queued nor read)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_ids_async(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    where: str = "fused_moe",
+    *,
+    queue: CheckQueue | None = None,
+    make_event: Callable[[torch.Tensor], Any] | None = None,
+) -> None:
+    """Check ``-1 <= topk_ids < num_experts`` without a device-to-host synchronisation.
+
+    CPU tensors are checked at once. On CUDA the check is queued (module docstring):
+    it raises at a later call of this function once the device has run it, or from
+    ``check_errors()``. ``where`` names the call in the message. ``queue`` and
+    ``make_event`` (ids -> an object with ``query()`` and ``synchronize()``, recorded on the
+    ids' stream) default to the library's queue and a CUDA event; tests pass stand-ins.
+    """
+    if topk_ids.numel() == 0 or not checks_may_run():
+        return
+    queue = QUEUE if queue is None else queue
+    if make_event is None and not topk_ids.is_cuda:  # CPU (or a device without events here)
+        check = PendingCheck(torch.stack(torch.aminmax(topk_ids)), None, num_experts, where)
+        _raise_if_bad(check.stats.tolist(), check, lazily=False)
+        return
+    device, dtype = topk_ids.device, topk_ids.dtype
+    reused = queue.take_buffers(device, dtype)
+    if reused is None:
+        stats = torch.empty(2, dtype=dtype, device=device)
+        device_stats = (stats, stats[0], stats[1])
+        host = torch.empty(2, dtype=dtype, pin_memory=topk_ids.is_cuda)
+        event = None
+    else:
+        device_stats, host, event = reused
+    torch.aminmax(topk_ids, out=device_stats[1:])
+    host.copy_(device_stats[0], non_blocking=True)
+    if make_event is not None:
+        event = make_event(topk_ids)
+    else:
+        event = event if event is not None else torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+    queue.submit(PendingCheck(host, event, num_experts, where, device_stats))
+    # Earlier checks that have completed (this call's own is queued first, so an earlier
+    # error raising here leaves it to a later read).
+    queue.poll()
+
+
+def _raise_if_bad(bounds: list, check: PendingCheck, lazily: bool) -> None:
+    low, high = (int(v) for v in bounds)
+    if low >= -1 and high < check.num_experts:
+        return
+    message = (
+        f"{check.where}: topk_ids must be in [-1, E={check.num_experts}), "
+        f"got values in [{low}, {high}]"
+    )
+    if lazily:
+        message += (
+            " (checked on the device and read once it completed, possibly calls later: the "
+            "call given these ids skipped those outside [0, E), its output is wrong)"
+        )
+    raise MoeInputError(message)

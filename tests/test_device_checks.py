@@ -1,0 +1,201 @@
+"""Expert-id checks that do not wait for the device (moerunner.device_checks).
+
+CPU tensors are checked at once. The deferred mechanism (queue, event, read at a later call
+or at ``check_errors``) runs here with CPU tensors and a stand-in event; the ``gpu`` tests
+run it for real with device-to-host synchronisation forbidden.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerunner
+from moerunner import MoeInputError
+from moerunner.device_checks import QUEUE, CheckQueue, check_ids_async
+
+E = 8
+
+
+class FakeEvent:
+    """Stands in for a CUDA event: completes when the test says so (or on synchronize)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def _ids(*values) -> torch.Tensor:
+    return torch.tensor([list(values)], dtype=torch.int32)
+
+
+@pytest.fixture(autouse=True)
+def _empty_queue():
+    QUEUE.clear()
+    yield
+    QUEUE.clear()
+
+
+@pytest.mark.parametrize("bad, low, high", [((0, E), 0, E), ((-2, 3), -2, 3)])
+def test_cpu_ids_are_checked_at_once(bad, low, high):
+    with pytest.raises(MoeInputError, match=rf"topk_ids must be in \[-1, E={E}\)") as info:
+        check_ids_async(_ids(*bad), E, where="fused_moe")
+    assert f"[{low}, {high}]" in str(info.value) and "fused_moe" in str(info.value)
+    assert "completed" not in str(info.value)
+    check_ids_async(_ids(-1, E - 1), E)  # the valid extremes
+    check_ids_async(torch.zeros(0, 2, dtype=torch.int32), E)  # nothing to check
+    assert len(QUEUE) == 0
+
+
+def test_fused_moe_raises_at_once_on_cpu():
+    w13, w2 = torch.randn(E, 8, 16), torch.randn(E, 16, 4)
+    with pytest.raises(MoeInputError, match="topk_ids"):
+        moerunner.fused_moe(torch.randn(2, 16), w13, w2, torch.ones(2, 1), _ids(E, 0).T)
+
+
+def test_deferred_check_raises_at_the_next_call_once_its_event_completed():
+    queue, events = CheckQueue(), []
+
+    def make_event(ids):
+        events.append(FakeEvent())
+        return events[-1]
+
+    def check(*values):
+        check_ids_async(_ids(*values), E, "fused_moe", queue=queue, make_event=make_event)
+
+    check(0, E + 3)  # bad, but the device has not run the check yet: nothing raises
+    check(1, 2)
+    assert len(queue) == 2
+    events[1].done = True  # a later check completing first does not jump the queue
+    check(2, 3)
+    assert len(queue) == 3
+    events[0].done = True
+    with pytest.raises(MoeInputError, match=r"read once it completed") as info:
+        check(3, 4)
+    assert f"topk_ids must be in [-1, E={E}), got values in [0, {E + 3}]" in str(info.value)
+    # The bad check is consumed; the good completed one is read without error, the rest wait.
+    queue.poll()
+    assert len(queue) == 2  # checks 3 and 4: their events have not completed
+    assert not any(e.waited for e in events)
+
+
+def test_drain_waits_and_raises_the_first_error():
+    queue, events = CheckQueue(), []
+
+    def make_event(ids):
+        events.append(FakeEvent())
+        return events[-1]
+
+    for values in ((0, 1), (-5, 2), (0, 99)):
+        check_ids_async(_ids(*values), E, "fused_moe", queue=queue, make_event=make_event)
+    with pytest.raises(MoeInputError, match=r"\[-5, 2\]"):
+        queue.drain()
+    assert events[0].waited and events[1].waited and not events[2].waited
+    with pytest.raises(MoeInputError, match=r"\[0, 99\]"):
+        queue.drain()
+    queue.drain()
+    assert len(queue) == 0
+
+
+def test_buffers_are_reused_once_read():
+    queue, submitted = CheckQueue(), []
+    submit = queue.submit
+    queue.submit = lambda check: (submitted.append(check), submit(check))
+
+    def done_event(ids):
+        event = FakeEvent()
+        event.done = True  # the device has run it by the time the queue is read
+        return event
+
+    def check(*values):
+        check_ids_async(_ids(*values), E, "fused_moe", queue=queue, make_event=done_event)
+
+    check(0, 1)  # queued, then read at once by the same call (its event has completed)
+    assert len(queue) == 0
+    with pytest.raises(MoeInputError, match=rf"\[0, {E}\]"):
+        check(0, E)  # bad: reuses the first check's buffers; read (and raised) by the same call
+    assert submitted[1].stats is submitted[0].stats
+    assert submitted[1].device_stats is submitted[0].device_stats
+
+
+def test_check_errors_with_nothing_queued_returns():
+    moerunner.check_errors()
+
+
+def test_no_check_while_compiling(monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    check_ids_async(_ids(0, E), E)  # skipped: no host work while tracing
+    assert len(QUEUE) == 0
+
+
+# --- GPU: the real deferred path with synchronisation forbidden -------------------------------
+
+
+def _gpu_problem(num_tokens=4, top_k=2, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(num_tokens, 64, generator=gen).to(dtype).cuda()
+    w13 = (torch.randn(E, 64, 64, generator=gen) * 0.1).to(dtype).cuda()
+    w2 = (torch.randn(E, 64, 32, generator=gen) * 0.1).to(dtype).cuda()
+    weights = torch.rand(num_tokens, top_k, generator=gen).cuda()
+    ids = torch.randint(0, E, (num_tokens, top_k), generator=gen, dtype=torch.int32).cuda()
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton"])
+def test_gpu_bad_id_raises_later_without_sync(backend):
+    x, w13, w2, weights, ids = _gpu_problem()
+    moerunner.fused_moe(x, w13, w2, weights, ids, backend=backend)  # compile, cache
+    torch.cuda.synchronize()
+    bad = ids.clone()
+    bad[1, 0] = E + 5
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moerunner.fused_moe(x, w13, w2, weights, bad, backend=backend)  # queued, no raise
+        good = moerunner.fused_moe(x, w13, w2, weights, ids, backend=backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert good.shape == x.shape
+    torch.cuda.synchronize()  # the bad call's check has now completed
+    with pytest.raises(MoeInputError, match=rf"topk_ids must be in \[-1, E={E}\).*{E + 5}"):
+        moerunner.fused_moe(x, w13, w2, weights, ids, backend=backend)
+    moerunner.check_errors()  # the remaining (good) checks
+
+
+@pytest.mark.gpu
+def test_gpu_check_errors_waits_and_raises():
+    x, w13, w2, weights, ids = _gpu_problem()
+    bad = ids.clone()
+    bad[0, 1] = -3
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moerunner.fused_moe(x, w13, w2, weights, bad, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(MoeInputError, match=r"\[-3, "):
+        moerunner.check_errors()
+    moerunner.check_errors()
+
+
+@pytest.mark.gpu
+def test_gpu_select_then_fused_moe_without_sync():
+    x, w13, w2, _, _ = _gpu_problem(num_tokens=16)
+    logits = torch.randn(16, E, device="cuda", dtype=torch.bfloat16)
+    topk = moerunner.select_experts(logits, 2, renormalize=True)
+    moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="triton")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        topk = moerunner.select_experts(logits, 2, renormalize=True)
+        out = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    moerunner.check_errors()
+    assert torch.isfinite(out.float()).all()

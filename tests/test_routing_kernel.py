@@ -1,0 +1,322 @@
+"""The Triton routing kernel against select_experts' torch path: the same bits.
+
+On CPU the kernel runs under ``TRITON_INTERPRET=1`` (set by tests/conftest.py before triton is
+imported) with fp32/fp16 logits and tiny shapes; the ``gpu`` tests run real model shapes in
+bf16/fp32, under CUDA graph capture and with device-to-host synchronisation forbidden.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerunner import MoeInputError, select_experts
+from moerunner.routing import TopK
+
+triton_pkg = pytest.importorskip("moerunner.backends.triton")
+
+from moerunner.backends.triton import _launch, _routing  # noqa: E402
+
+if not triton_pkg.interpreted() and not torch.cuda.is_available():
+    pytest.skip("triton backend cannot run here", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _same_bits(a: TopK, b: TopK) -> None:
+    assert a.ids.dtype == b.ids.dtype == torch.int32
+    assert a.weights.dtype == b.weights.dtype == torch.float32
+    assert a.ids.shape == b.ids.shape and a.weights.shape == b.weights.shape
+    assert torch.equal(a.ids.cpu(), b.ids.cpu()), (a.ids, b.ids)
+    # Bit patterns (-0.0 differs from +0.0); every NaN counts as one value (sign and payload
+    # of a NaN carry no meaning and differ between libraries).
+    wa, wb = (
+        torch.nan_to_num(w.cpu(), nan=0.125).view(torch.int32) for w in (a.weights, b.weights)
+    )
+    assert torch.equal(a.weights.cpu().isnan(), b.weights.cpu().isnan()), (a.weights, b.weights)
+    assert torch.equal(wa, wb), (a.weights, b.weights)
+
+
+def _both(logits: torch.Tensor, top_k: int, **kwargs) -> tuple[TopK, TopK]:
+    ref = select_experts(logits, top_k, backend="torch", **kwargs)
+    got = select_experts(logits, top_k, backend="triton", **kwargs)
+    return ref, got
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+DEEPSEEK = dict(
+    scoring_func="sigmoid",
+    renormalize=True,
+    num_expert_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+)
+
+VARIANTS = {
+    "softmax": (8, 2, dict()),
+    "softmax-renorm": (8, 2, dict(renormalize=True)),
+    "softmax-scaled": (16, 4, dict(routed_scaling_factor=2.827)),
+    "softmax-E12-k12": (12, 12, dict(renormalize=True)),
+    "sigmoid": (8, 3, dict(scoring_func="sigmoid")),
+    "sigmoid-renorm": (8, 3, dict(scoring_func="sigmoid", renormalize=True)),
+    "sigmoid-bias": (16, 4, dict(scoring_func="sigmoid", renormalize=True, bias=True)),
+    "softmax-bias": (16, 4, dict(renormalize=True, bias=True)),
+    "deepseek-like": (16, 4, dict(DEEPSEEK, bias=True)),
+    "grouped-no-bias": (16, 3, dict(num_expert_group=4, topk_group=3, renormalize=True)),
+    "grouped-size-1": (8, 3, dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4)),
+    "grouped-size-5": (20, 6, dict(DEEPSEEK, num_expert_group=4, topk_group=2, bias=True)),
+    "grouped-all-kept": (12, 12, dict(scoring_func="sigmoid", num_expert_group=3, topk_group=3)),
+    "E1": (1, 1, dict(renormalize=True)),
+}
+
+
+def _case(name: str, num_tokens: int, seed: int, ties: bool, dtype=torch.float32):
+    num_experts, top_k, kwargs = VARIANTS[name]
+    kwargs = dict(kwargs)
+    gen = _gen(seed)
+    if ties:  # few distinct values: ties inside rows, between groups and at the k-th slot
+        logits = torch.randint(-2, 3, (num_tokens, num_experts), generator=gen).float() * 0.5
+    else:
+        logits = torch.randn(num_tokens, num_experts, generator=gen) * 2
+    if kwargs.pop("bias", False):
+        bias = torch.randint(-1, 2, (num_experts,), generator=gen).float() * 0.25
+        if not ties:
+            bias = bias + torch.randn(num_experts, generator=gen) * 0.1
+        kwargs["correction_bias"] = bias.to(DEVICE)
+    return logits.to(dtype).to(DEVICE), top_k, kwargs
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_kernel_bit_identical_to_torch_path(name, ties):
+    logits, top_k, kwargs = _case(name, 9, seed=len(name), ties=ties)
+    _same_bits(*_both(logits, top_k, **kwargs))
+
+
+@pytest.mark.parametrize("name", ["softmax-renorm", "deepseek-like"])
+def test_kernel_fp16_logits(name):
+    logits, top_k, kwargs = _case(name, 5, seed=3, ties=False, dtype=torch.float16)
+    _same_bits(*_both(logits, top_k, **kwargs))
+
+
+def test_ties_go_to_the_lowest_index_first():
+    """Hand-checked: slots by descending score, equal scores by ascending expert id."""
+    logits = torch.tensor([[1.0, 3.0, 1.0, 3.0, 0.0, 1.0]], device=DEVICE)
+    for backend in ("torch", "triton"):
+        topk = select_experts(logits, 4, backend=backend)
+        assert topk.ids.tolist() == [[1, 3, 0, 2]], backend
+
+
+def test_group_ties_keep_the_lowest_groups():
+    # Four groups of two with equal group scores: groups 0 and 1 stay eligible.
+    logits = torch.zeros(1, 8, device=DEVICE)
+    for backend in ("torch", "triton"):
+        topk = select_experts(
+            logits, 4, scoring_func="sigmoid", num_expert_group=4, topk_group=2, backend=backend
+        )
+        assert topk.ids.tolist() == [[0, 1, 2, 3]], backend
+
+
+def test_signed_zero_and_special_values():
+    """-0.0 ties +0.0; NaN rows, -inf and +inf logits give the same bits as the torch path."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [
+            [-0.0, 0.0, -0.0, 0.0],
+            [nan, 1.0, 2.0, 0.0],
+            [-inf, 1.0, -inf, 0.5],
+            [inf, 1.0, 0.0, 0.5],
+            [-inf, -inf, -inf, -inf],
+        ],
+        device=DEVICE,
+    )
+    for kwargs in (dict(), dict(renormalize=True), dict(scoring_func="sigmoid")):
+        _same_bits(*_both(logits, 2, **kwargs))
+    bias = torch.tensor([-0.0, 0.0, 0.0, -0.0], device=DEVICE)
+    _same_bits(*_both(logits, 2, scoring_func="sigmoid", correction_bias=bias))
+
+
+def test_larger_rows_and_blocks():
+    """E = 256 (DeepSeek-V3 routing: 8 groups, top 4, k 8) over more rows than one block, and
+    a non-contiguous view of the logits."""
+    gen = _gen(5)
+    logits = torch.randn(11, 256, generator=gen).to(DEVICE)
+    bias = (torch.randn(256, generator=gen) * 0.05).to(DEVICE)
+    kw = dict(DEEPSEEK, num_expert_group=8, topk_group=4, correction_bias=bias)
+    _same_bits(*_both(logits, 8, **kw))
+    wide = torch.randn(6, 40, generator=gen).to(DEVICE)
+    view = wide[:, 4:36]  # stride 40, 32 experts
+    _same_bits(*_both(view, 4, renormalize=True))
+
+
+def test_empty_batch_launches_nothing(monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched a kernel for T = 0")
+
+    monkeypatch.setattr(_launch, "launch", no_launch)
+    bias = torch.zeros(8, device=DEVICE)
+    topk = select_experts(
+        torch.zeros(0, 8, device=DEVICE),
+        2,
+        scoring_func="sigmoid",
+        correction_bias=bias,
+        num_expert_group=4,
+        topk_group=2,
+        backend="triton",
+    )
+    assert topk.ids.shape == (0, 2) and topk.weights.shape == (0, 2)
+    assert topk.ids.dtype == torch.int32 and topk.weights.dtype == torch.float32
+
+
+def test_auto_uses_the_kernel_only_for_cuda_logits(monkeypatch):
+    calls = []
+    real = _routing.route
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_routing, "route", spy)
+    select_experts(torch.randn(3, 8, device=DEVICE), 2)
+    assert len(calls) == (1 if DEVICE == "cuda" else 0)
+    select_experts(torch.randn(3, 8, device=DEVICE), 2, backend="torch")
+    assert len(calls) == (1 if DEVICE == "cuda" else 0)
+
+
+def test_triton_backend_without_triton_is_named(monkeypatch):
+    from moerunner import BackendUnavailableError, routing
+
+    monkeypatch.setattr(routing, "_kernel_route", lambda: None)
+    with pytest.raises(BackendUnavailableError, match="triton"):
+        select_experts(torch.randn(3, 8), 2, backend="triton")
+    select_experts(torch.randn(3, 8, device=DEVICE), 2)  # auto: the torch path
+
+
+def test_bad_backend_is_named():
+    with pytest.raises(MoeInputError, match="backend"):
+        select_experts(torch.randn(3, 8), 2, backend="cuda")
+
+
+def test_bias_on_another_device_is_named():
+    if DEVICE != "cuda":
+        pytest.skip("needs two devices")
+    with pytest.raises(MoeInputError, match="correction_bias"):
+        select_experts(
+            torch.randn(3, 8, device="cuda"),
+            2,
+            scoring_func="sigmoid",
+            correction_bias=torch.zeros(8),
+            backend="triton",
+        )
+
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moerunner.backends.triton import _routing as R
+
+fn = R._routing_kernel
+for logits, e, k, t, groups, sigmoid in [
+    ("*bf16", 256, 8, 64, 8, True), ("*fp32", 128, 8, 1, 0, False), ("*bf16", 8, 2, 64, 0, False)
+]:
+    e2 = 1 << (e - 1).bit_length()
+    block_t = max(1, min(t, R._TILE // e2))
+    consts = dict(NUM_EXPERTS=e, TOP_K=k, E_POW2=e2, K_POW2=k, BLOCK_T=block_t,
+                  SIGMOID=sigmoid, HAS_BIAS=sigmoid, NUM_GROUPS=groups,
+                  GROUP_SIZE=e // groups if groups else 1, TOPK_GROUP=groups // 2,
+                  G_POW2=max(groups, 1), RENORMALIZE=True, SCALED=sigmoid, PDL=True)
+    sig = dict(logits_ptr=logits, bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
+               num_tokens="i32", stride_lt="i32", scale="fp32", **{c: "constexpr" for c in consts})
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "__nv_exp" in compiled.asm["ptx"], "fp64 exp must be libdevice's"
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_hopper():
+    """The interpreter runs Python, not the compiler: compile the DeepSeek-V3, Qwen3 and
+    Mixtral variants for sm_90 (Triton's own ptxas; nothing runs) to catch what only the
+    compiler rejects, e.g. a non-constexpr global in the kernel."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr:
+        pytest.skip("no ptxas in this triton")
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+# --- GPU: real shapes, bf16 and fp32, graph capture, no host synchronisation -----------------
+
+REAL_SHAPES = {
+    "deepseek-v3": (256, 8, dict(DEEPSEEK, num_expert_group=8, topk_group=4, bias=True)),
+    "qwen3-moe": (128, 8, dict(renormalize=True)),
+    "mixtral": (8, 2, dict(renormalize=True)),
+}
+
+
+def _real_case(name: str, num_tokens: int, dtype: torch.dtype, seed: int = 0):
+    num_experts, top_k, kwargs = REAL_SHAPES[name]
+    kwargs = dict(kwargs)
+    gen = _gen(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(dtype).cuda()
+    if kwargs.pop("bias", False):
+        kwargs["correction_bias"] = (torch.randn(num_experts, generator=gen) * 0.05).cuda()
+    return logits, top_k, kwargs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 32, 1024, 8192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
+def test_gpu_real_shapes_bit_identical(name, dtype, num_tokens):
+    logits, top_k, kwargs = _real_case(name, num_tokens, dtype)
+    _same_bits(*_both(logits, top_k, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
+def test_gpu_graph_capture_and_no_host_sync(name):
+    logits, top_k, kwargs = _real_case(name, 16, torch.bfloat16, seed=1)
+    ref = select_experts(logits, top_k, backend="torch", **kwargs)
+    select_experts(logits, top_k, **kwargs)  # compile and cache outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = select_experts(logits, top_k, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _same_bits(ref, got)
+
+    static = logits.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        select_experts(static, top_k, **kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = select_experts(static, top_k, **kwargs)
+    other, _, _ = _real_case(name, 16, torch.bfloat16, seed=2)
+    static.copy_(other)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same_bits(select_experts(other, top_k, backend="torch", **kwargs), captured)
