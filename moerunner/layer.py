@@ -323,7 +323,8 @@ class MoE(nn.Module):
         x = hidden_states.reshape(-1, cfg.hidden_size)
         if (router_logits is None) == (topk is None):
             raise MoeInputError("pass exactly one of router_logits and topk=")
-        if topk is None:
+        routed = topk is None  # ids from select_experts are in range: no id check needed
+        if routed:
             topk = self._route(hidden_states, router_logits, x.shape[0])
         elif not isinstance(topk, TopK):
             raise TypeError(f"topk must be a TopK, got {type(topk).__name__}")
@@ -334,7 +335,7 @@ class MoE(nn.Module):
         ):
             self.quantize_(self._quantized_from[0])  # w13 / w2 changed since quantize_
         if self._single_process():
-            out = self._run_local(x, topk)
+            out = self._run_local(x, topk, check_ids=not routed)
         else:
             out = self._run_dispatched(x, topk, timer)
         return out.reshape(hidden_states.shape)
@@ -391,7 +392,7 @@ class MoE(nn.Module):
             self._weights_key = key
         return self._weights_view
 
-    def _run_local(self, x: torch.Tensor, topk: TopK) -> torch.Tensor:
+    def _run_local(self, x: torch.Tensor, topk: TopK, check_ids: bool) -> torch.Tensor:
         """One process: the fused path (the custom op while compiling)."""
         act = self.config.activation
         if torch.compiler.is_compiling():
@@ -410,10 +411,11 @@ class MoE(nn.Module):
                 act.limit,
                 self.config.gate_up_interleaved,
                 self.backend,
+                check_ids,
             )
         # Inference only: no gradients flow through the experts.
         return run_experts(
-            self.runner, self.expert_weights(), x.detach(), topk.weights, topk.ids, act
+            self.runner, self.expert_weights(), x.detach(), topk.weights, topk.ids, act, check_ids
         )
 
     def _run_dispatched(self, x: torch.Tensor, topk: TopK, timer) -> torch.Tensor:
