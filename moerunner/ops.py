@@ -18,6 +18,42 @@ import torch
 from .api import fused_moe
 
 
+def _op_body(
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    w13_bias,
+    w2_bias,
+    activation,
+    swiglu_alpha,
+    swiglu_limit,
+    gate_up_interleaved,
+    backend,
+    check_ids,
+) -> torch.Tensor:
+    """What every moerunner op computes once its weights are objects ``fused_moe`` takes:
+    ``fused_moe`` with the op's arguments; an empty result is a new tensor (an op's output
+    may not alias its input)."""
+    out = fused_moe(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        gate_up_interleaved=gate_up_interleaved,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+        backend=backend,
+        check_ids=check_ids,
+    )
+    return out if out.numel() else out.clone()
+
+
 @torch.library.custom_op("moerunner::fused_experts", mutates_args=())
 def fused_experts(
     hidden_states: torch.Tensor,
@@ -35,22 +71,21 @@ def fused_experts(
     check_ids: bool = True,
 ) -> torch.Tensor:
     """``fused_moe`` as an opaque graph node (same arguments, positional)."""
-    out = fused_moe(
+    return _op_body(
         hidden_states,
         w13,
         w2,
         topk_weights,
         topk_ids,
-        activation=activation,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-        gate_up_interleaved=gate_up_interleaved,
-        swiglu_alpha=swiglu_alpha,
-        swiglu_limit=swiglu_limit,
-        backend=backend,
-        check_ids=check_ids,
+        w13_bias,
+        w2_bias,
+        activation,
+        swiglu_alpha,
+        swiglu_limit,
+        gate_up_interleaved,
+        backend,
+        check_ids,
     )
-    return out if out.numel() else out.clone()
 
 
 @fused_experts.register_fake
@@ -215,22 +250,21 @@ def fused_experts_quantized(
     """
     _check_quantized_args("w13", w13, w13_shape)
     _check_quantized_args("w2", w2, w2_shape)
-    out = fused_moe(
+    return _op_body(
         hidden_states,
         quantized_weight(w13_scheme, w13_shape, w13),
         quantized_weight(w2_scheme, w2_shape, w2),
         topk_weights,
         topk_ids,
-        activation=activation,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-        gate_up_interleaved=gate_up_interleaved,
-        swiglu_alpha=swiglu_alpha,
-        swiglu_limit=swiglu_limit,
-        backend=backend,
-        check_ids=check_ids,
+        w13_bias,
+        w2_bias,
+        activation,
+        swiglu_alpha,
+        swiglu_limit,
+        gate_up_interleaved,
+        backend,
+        check_ids,
     )
-    return out if out.numel() else out.clone()
 
 
 @fused_experts_quantized.register_fake
@@ -356,22 +390,21 @@ def fused_experts_transposed(
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D [E, in, out], got shape {list(t.shape)}")
     w13, w2 = canonical_from_transposed(w13_t, w2_t)
-    out = fused_moe(
+    return _op_body(
         hidden_states,
         w13,
         w2,
         topk_weights,
         topk_ids,
-        activation=activation,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-        gate_up_interleaved=gate_up_interleaved,
-        swiglu_alpha=swiglu_alpha,
-        swiglu_limit=swiglu_limit,
-        backend=backend,
-        check_ids=check_ids,
+        w13_bias,
+        w2_bias,
+        activation,
+        swiglu_alpha,
+        swiglu_limit,
+        gate_up_interleaved,
+        backend,
+        check_ids,
     )
-    return out if out.numel() else out.clone()
 
 
 @fused_experts_transposed.register_fake
