@@ -208,21 +208,11 @@ def _unquantized(name: str) -> QuantScheme:
     return QuantScheme(name=name, weight_format=name)
 
 
-def _int4(group_size: int, zero_point: bool, name: str) -> QuantScheme:
+def _int_groups(weight_format: str, group_size: int, zero_point: bool, name: str) -> QuantScheme:
+    """Weight-only integer weights with fp32 scales per group of ``group_size`` along K."""
     return QuantScheme(
         name=name,
-        weight_format="int4",
-        scale_format="fp32",
-        granularity="group",
-        block_shape=(1, group_size),
-        zero_point=zero_point,
-    )
-
-
-def _int8_groups(group_size: int, zero_point: bool, name: str) -> QuantScheme:
-    return QuantScheme(
-        name=name,
-        weight_format="int8",
+        weight_format=weight_format,
         scale_format="fp32",
         granularity="group",
         block_shape=(1, group_size),
@@ -280,18 +270,18 @@ _NAMED: dict[str, QuantScheme] = {
             activation_scales="static",
         ),
         QuantScheme("int8_w8a16", "int8", "fp32", "channel"),
-        _int8_groups(64, False, "int8_g64"),
-        _int8_groups(128, False, "int8_g128"),
-        _int8_groups(64, True, "int8_g64_zp"),
-        _int8_groups(128, True, "int8_g128_zp"),
-        _int4(128, False, "int4"),
-        _int4(128, True, "int4_zp"),
-        _int4(32, False, "int4_g32"),
-        _int4(64, False, "int4_g64"),
-        _int4(128, False, "int4_g128"),
-        _int4(32, True, "int4_g32_zp"),
-        _int4(64, True, "int4_g64_zp"),
-        _int4(128, True, "int4_g128_zp"),
+        _int_groups("int8", 64, False, "int8_g64"),
+        _int_groups("int8", 128, False, "int8_g128"),
+        _int_groups("int8", 64, True, "int8_g64_zp"),
+        _int_groups("int8", 128, True, "int8_g128_zp"),
+        _int_groups("int4", 128, False, "int4"),
+        _int_groups("int4", 128, True, "int4_zp"),
+        _int_groups("int4", 32, False, "int4_g32"),
+        _int_groups("int4", 64, False, "int4_g64"),
+        _int_groups("int4", 128, False, "int4_g128"),
+        _int_groups("int4", 32, True, "int4_g32_zp"),
+        _int_groups("int4", 64, True, "int4_g64_zp"),
+        _int_groups("int4", 128, True, "int4_g128_zp"),
     )
 }
 
@@ -304,11 +294,11 @@ SCHEME_NAMES: tuple[str, ...] = tuple(_NAMED)
 # Parametrised names: (pattern, builder of the scheme from the match, or None to refuse it).
 def _int4_named(match: re.Match, key: str) -> QuantScheme | None:
     size = int(match.group(1))
-    return _int4(size, match.group(2) is not None, key) if size % 2 == 0 else None
+    return _int_groups("int4", size, match.group(2) is not None, key) if size % 2 == 0 else None
 
 
 def _int8_named(match: re.Match, key: str) -> QuantScheme:
-    return _int8_groups(int(match.group(1)), match.group(2) is not None, key)
+    return _int_groups("int8", int(match.group(1)), match.group(2) is not None, key)
 
 
 def _fp8_named(match: re.Match, key: str) -> QuantScheme:
