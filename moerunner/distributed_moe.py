@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import Activation
+from .dispatch.base import default_dispatchers
 from .dispatch.expert_map import ExpertPlacement, shard_expert_weights
 from .dispatch.tensor_parallel import shard_intermediate
 from .distributed import rank_and_size
@@ -37,7 +38,7 @@ from .weights import ExpertWeights
 
 __all__ = ["DISPATCHERS", "ExpertParallelMoE", "StageTimer", "time_stages"]
 
-DISPATCHERS = ("standard", "all_to_all", "masked")
+DISPATCHERS = tuple(default_dispatchers())  # the built-in ones: standard, all_to_all, masked
 STAGES = ("dispatch", "experts", "combine")
 
 
@@ -106,10 +107,6 @@ class ExpertParallelMoE(MoE):
         on_overflow: str = "raise",
         dtype: torch.dtype | None = None,
     ) -> None:
-        if dispatcher not in DISPATCHERS:
-            raise MoeInputError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
-        if placement is None and dispatcher != "standard":
-            raise MoeInputError(f"dispatcher {dispatcher!r} needs an ExpertPlacement")
         if group is None:  # name the default group, so the layer is distributed
             import torch.distributed as dist
 
