@@ -8,16 +8,18 @@ launching anything.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from .backends.base import MoeProblem
-from .config import Activation
+from .config import Activation, ExpertSpec
 from .device_checks import check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
-from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized
+from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized, weight_shape
 
 
 def fused_moe(
@@ -85,26 +87,42 @@ def run_experts(
 ) -> torch.Tensor:
     """``fused_moe`` with a runner the caller holds (the ``MoE`` layer's): validate, then run
     the standard format on weights prepared once per weight version."""
-    topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act, check_ids)
-    spec = weights.spec(act)
-    if topk.top_k == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
+    spec, problem = _checked_call(hidden_states, weights, topk_weights, topk_ids, act)
+    if topk_ids.shape[1] == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
+        _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
         return hidden_states.new_zeros(hidden_states.shape)
-    dispatch_output = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
-    problem = MoeProblem.of(hidden_states, weights, spec, dispatch_output.format)
-    if _needs_grad(hidden_states, weights, topk):
+    if _needs_grad(hidden_states, weights, topk_weights):
+        topk = _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
         return _differentiable(
             runner, runner.requested, problem, hidden_states, weights, topk, spec
         )
     prepared = prepared_for(runner, weights, problem, spec)
+    # A fused op that checks ids inside its kernels (CUDA) saves the check's own launches.
+    on_device = (
+        check_ids
+        and topk_ids.is_cuda
+        and not runner.force_permute
+        and getattr(
+            runner.registry.fused_op(StandardDispatchOutput.format, prepared.backend),
+            "checks_ids_on_device",
+            False,
+        )
+    )
+    topk = _routing_values(
+        topk_ids, topk_weights, spec.num_experts, check_ids and not on_device, on_device
+    )
+    dispatch_output = StandardDispatchOutput(hidden_states, topk, check_ids=on_device)
     return runner.run(dispatch_output, prepared)
 
 
-def _needs_grad(hidden_states: torch.Tensor, weights: ExpertWeights, topk: TopK) -> bool:
+def _needs_grad(
+    hidden_states: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tensor
+) -> bool:
     """Grad mode is on and some argument takes part in autograd (host metadata only)."""
     if not torch.is_grad_enabled():
         return False
-    tensors = [hidden_states, topk.weights, weights.w13_bias, weights.w2_bias]
+    tensors = [hidden_states, topk_weights, weights.w13_bias, weights.w2_bias]
     tensors += [w for w in (weights.w13, weights.w2) if isinstance(w, torch.Tensor)]
     return any(t is not None and t.requires_grad for t in tensors)
 
@@ -145,6 +163,73 @@ def validate_call(
     check_ids: bool = True,
 ) -> TopK:
     """Check every argument of a call; return the routing as ``TopK`` (fp32 / int32)."""
+    _validate_arguments(hidden_states, weights, topk_weights, topk_ids, act)
+    return _routing_values(topk_ids, topk_weights, weights.num_experts, check_ids)
+
+
+# What a call's checks and its problem depend on is its arguments' types, shapes, dtypes and
+# devices (not their values): checked once per such signature, then looked up.
+_CHECKED_MAX = 256
+_checked: OrderedDict = OrderedDict()
+
+
+def _signature(*tensors) -> tuple | None:
+    """Types, shapes, dtypes and devices of ``tensors`` (tensors, quantized weights or None),
+    or None where one is something else (the full checks then name it)."""
+    parts = []
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+        elif isinstance(t, torch.Tensor):
+            parts.append((t.shape, t.dtype, t.device, t.is_floating_point()))
+        elif is_quantized(t):
+            parts.append((type(t), weight_shape(t), t.scheme, t.device))
+        else:
+            return None
+    return tuple(parts)
+
+
+def _checked_call(
+    hidden_states: torch.Tensor,
+    weights: ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Activation,
+) -> tuple[ExpertSpec, MoeProblem]:
+    """Run the argument checks of a call (``validate_call`` without the value checks) and
+    return its spec and problem, memoised on the arguments' signature (``_signature``)."""
+    sig = _signature(
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        weights.w13,
+        weights.w2,
+        weights.w13_bias,
+        weights.w2_bias,
+    )
+    key = None if sig is None else (sig, act, weights.gate_up_interleaved)
+    if key is not None:
+        found = _checked.get(key)
+        if found is not None:
+            return found
+    _validate_arguments(hidden_states, weights, topk_weights, topk_ids, act)
+    spec = weights.spec(act)
+    found = (spec, MoeProblem.of(hidden_states, weights, spec, StandardDispatchOutput.format))
+    if key is not None:
+        _checked[key] = found
+        while len(_checked) > _CHECKED_MAX:
+            _checked.popitem(last=False)
+    return found
+
+
+def _validate_arguments(
+    hidden_states: torch.Tensor,
+    weights: ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Activation,
+) -> None:
+    """The checks of a call that depend on its arguments' types, shapes, dtypes, devices."""
     weights.validate(act)
     for name, t in (
         ("hidden_states", hidden_states),
@@ -201,18 +286,30 @@ def validate_call(
             "the intermediate size I must be >= 1: w13 has no rows and w2 no columns "
             f"(w13 {list(weights.w13.shape)}, w2 {list(weights.w2.shape)})"
         )
-    # top_k may exceed E: an expert-parallel rank's shard holds fewer experts than k.
-    num_experts = weights.num_experts
+
+
+def _routing_values(
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    check_ids: bool,
+    kernel_checks: bool = False,
+) -> TopK:
+    """The routing as ``TopK`` (fp32 weights, int32 ids), the ids' values checked
+    (``check_ids``) or clamped so no id outside ``[0, E)`` reaches a kernel as one inside.
+    ``kernel_checks``: a kernel checks the ids (``device_checks.IdFlags``); int64 ids are
+    clamped to ``[-2, E]`` then, so a bad id stays bad in int32.
+    top_k may exceed E: an expert-parallel rank's shard holds fewer experts than k."""
     checked = False
     if check_ids and topk_ids.numel():
         # CPU: checked here; GPU: checked on the device, raised later (no host sync).
         check_ids_async(topk_ids, num_experts, where="fused_moe")
-        checked = topk_ids.device.type == "cpu" and checks_may_run()
+        checked = topk_ids.device.type == "cpu" and checks_may_run(topk_ids.device)
     if not checked and topk_ids.dtype == torch.int64:
         # Unchecked (or not yet checked) ids: every backend skips ids outside [0, E); clamped
         # before the int32 cast, an int64 id outside int32 cannot wrap into range (int32 and
         # narrower ids need no extra op).
-        topk_ids = topk_ids.clamp(min=-1, max=num_experts)
+        topk_ids = topk_ids.clamp(min=-2 if kernel_checks else -1, max=num_experts)
     return TopK(weights=topk_weights.float(), ids=topk_ids.to(torch.int32))
 
 

@@ -123,13 +123,17 @@ def check_errors() -> None:
     waiting for all of them: this synchronises with the GPU. Without CUDA, or with nothing
     queued, it returns at once."""
     QUEUE.drain()
+    ID_FLAGS.drain()
 
 
-def checks_may_run() -> bool:
+def checks_may_run(device: torch.device | None = None) -> bool:
     """False while a CUDA graph is being captured or ``torch.compile`` traces: device checks
-    are then skipped (neither queued nor read)."""
+    are then skipped (neither queued nor read). ``device``: the checked tensors' (a CPU
+    device skips the CUDA query, which costs microseconds per call)."""
     if torch.compiler.is_compiling():
         return False
+    if device is not None:
+        return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
@@ -149,7 +153,7 @@ def check_ids_async(
     ``make_event`` (ids -> an object with ``query()`` and ``synchronize()``, recorded on the
     ids' stream) default to the library's queue and a CUDA event; tests pass stand-ins.
     """
-    if topk_ids.numel() == 0 or not checks_may_run():
+    if topk_ids.numel() == 0 or not checks_may_run(topk_ids.device):
         return
     queue = QUEUE if queue is None else queue
     if make_event is None and not topk_ids.is_cuda:  # CPU (or a device without events here)
@@ -176,6 +180,81 @@ def check_ids_async(
     # Earlier checks that have completed (this call's own is queued first, so an earlier
     # error raising here leaves it to a later read).
     queue.poll()
+
+
+class IdFlags:
+    """Ids checked inside a kernel that reads them anyway (no launch of its own).
+
+    Per device an int32 ``[3]`` buffer that such kernels update when they meet an id outside
+    ``[-1, E)``: ``[lowest id below -1 (else -1), highest id >= E (else -1), largest such
+    E]``. The host reads it without waiting: each ``poll`` starts a non-blocking copy to
+    pinned memory when none is in flight, and reads the previous one once its event has
+    completed; a bad value raises ``MoeInputError`` there (from a later call, as the queued
+    checks do) and the buffer is reset. ``check_errors()`` waits for the buffer too.
+    """
+
+    CLEAN = (-1, -1, 0)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: dict[torch.device, list] = {}  # device -> [buffer, host, event, in flight]
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        """The device's flag buffer (made on first use, then the same tensor)."""
+        state = self._state.get(device)
+        if state is None:
+            with self._lock:
+                state = self._state.get(device)
+                if state is None:
+                    buf = torch.tensor(self.CLEAN, dtype=torch.int32, device=device)
+                    host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
+                    state = self._state[device] = [buf, host, None, False]
+        return state[0]
+
+    def poll(self, device: torch.device, where: str = "fused_moe") -> None:
+        """Raise what a completed read found; start the next read (never waits)."""
+        state = self._state.get(device)
+        if state is None or not checks_may_run(device):
+            return
+        buf, host, event, in_flight = state
+        if in_flight:
+            if not event.query():
+                return
+            state[3] = False
+            self._raise_if_set(state, host.tolist(), where)
+        host.copy_(buf, non_blocking=True)
+        if event is None:
+            event = state[2] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        state[3] = True
+
+    def drain(self) -> None:
+        """Wait for every device's buffer and raise what it holds (synchronises)."""
+        for device, state in list(self._state.items()):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            state[3] = False
+            self._raise_if_set(state, state[0].tolist(), "fused_moe")
+
+    def _raise_if_set(self, state: list, values: list, where: str) -> None:
+        low, high, num_experts = values
+        if low >= -1 and high < 0:
+            return
+        state[0].copy_(torch.tensor(self.CLEAN, dtype=torch.int32))  # reset: raised once
+        seen = []
+        if low < -1:
+            seen.append(f"ids below -1 (lowest {low})")
+        if high >= 0:
+            seen.append(f"ids >= E (highest {high})")
+        raise MoeInputError(
+            f"{where}: topk_ids must be in [-1, E={num_experts}), got {' and '.join(seen)} "
+            "(checked on the device and read once it completed, possibly calls later: the "
+            "call given these ids skipped those outside [0, E), its output is wrong)"
+        )
+
+
+#: The flag buffers of the kernels that check ids themselves.
+ID_FLAGS = IdFlags()
 
 
 def _raise_if_bad(bounds: list, check: PendingCheck, lazily: bool) -> None:

@@ -135,11 +135,19 @@ def default_registry() -> Registry:
 _CACHE_ATTR = "_moerunner_prepared"
 
 
+#: Prepared forms kept per weights (one per backend, options and spec asked for).
+_PREPARED_PER_WEIGHT = 4
+
+
 class _PreparedCache(dict):
-    """The per-weight memo. A copy of the weights (``copy.deepcopy(model)``, pickling,
-    ``torch.save``) starts with an empty one: prepared weights are derived data (dequantized
-    or padded copies), which a copy would duplicate in memory and a checkpoint would store;
-    the copy prepares its own on first use."""
+    """The per-weight memo: prepared forms by (backend, options, spec), all made from the
+    weights in ``state`` (their tensors' identities and versions, see ``prepared_for``).
+    A copy of the weights (``copy.deepcopy(model)``, pickling, ``torch.save``) starts with
+    an empty one: prepared weights are derived data (dequantized or padded copies), which a
+    copy would duplicate in memory and a checkpoint would store; the copy prepares its own
+    on first use."""
+
+    state: tuple | None = None
 
     def __deepcopy__(self, memo: dict) -> _PreparedCache:
         return _PreparedCache()
@@ -153,20 +161,19 @@ def prepared_for(
 ) -> PreparedWeights:
     """``runner.prepare`` memoised on the weight objects and on the state of every tensor
     they consist of (see ``_tensor_state``): an in-place edit, a ``.data`` assignment or a
-    replaced ``QuantizedWeight`` field prepares again."""
+    replaced ``QuantizedWeight`` field prepares again. Forms for several backends (or
+    options) of the same weights are kept side by side (``_PREPARED_PER_WEIGHT``)."""
     backend = runner.select(problem).backend
-    key = (
-        backend.name,
-        backend.options,
+    state = (
         id(weights.w2),
         id(weights.w13_bias),
         id(weights.w2_bias),
-        spec,
         _tensor_state(weights.w13),
         _tensor_state(weights.w2),
         _tensor_state(weights.w13_bias),
         _tensor_state(weights.w2_bias),
     )
+    key = (backend.name, backend.options, spec)
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
         per_weight = _PreparedCache()
@@ -174,9 +181,13 @@ def prepared_for(
             setattr(weights.w13, _CACHE_ATTR, per_weight)
         except (AttributeError, TypeError):  # no attributes allowed: prepare every time
             return prepare_for_backend(backend, weights, spec)
+    if per_weight.state != state:  # the weights changed: every prepared form is stale
+        per_weight.clear()
+        per_weight.state = state
     cached = per_weight.get(key)
     if cached is None or cached.source.w2 is not weights.w2:
-        per_weight.clear()
+        if len(per_weight) >= _PREPARED_PER_WEIGHT:  # bound the forms kept (oldest first)
+            del per_weight[next(iter(per_weight))]
         cached = per_weight[key] = prepare_for_backend(backend, weights, spec)
     return cached
 

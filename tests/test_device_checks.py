@@ -151,7 +151,7 @@ def _gpu_problem(num_tokens=4, top_k=2, dtype=torch.bfloat16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])  # checked in a kernel / by aminmax
 def test_gpu_bad_id_raises_later_without_sync(backend):
     x, w13, w2, weights, ids = _gpu_problem()
     moerunner.fused_moe(x, w13, w2, weights, ids, backend=backend)  # compile, cache
@@ -191,12 +191,12 @@ def test_gpu_check_errors_waits_and_raises():
         moerunner.fused_moe(x, w13, w2, weights, bad, backend="triton")
         raised_early = False
     except MoeInputError as exc:
-        assert "[-3, " in str(exc)
+        assert "lowest -3" in str(exc)
         raised_early = True
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if not raised_early:
-        with pytest.raises(MoeInputError, match=r"\[-3, "):
+        with pytest.raises(MoeInputError, match="lowest -3"):
             moerunner.check_errors()
     moerunner.check_errors()
 
@@ -216,3 +216,47 @@ def test_gpu_select_then_fused_moe_without_sync():
         torch.cuda.set_sync_debug_mode("default")
     moerunner.check_errors()
     assert torch.isfinite(out.float()).all()
+
+
+# -- ids checked inside the top-k reduction (``IdFlags``) ------------------------------------
+
+
+def _flag_sum(ids, flags):
+    pytest.importorskip("triton")
+    from moerunner.backends.triton import TritonOptions
+    from moerunner.backends.triton._align import topk_sum
+
+    tokens, k = ids.shape
+    dev = flags.device
+    src = torch.randn(tokens * k, 16, device=dev)
+    out = torch.empty(tokens, 16, device=dev)
+    topk_sum(src, ids.to(dev), out, E, options=TritonOptions(), id_flags=flags)
+    valid = ((ids.to(dev) >= 0) & (ids.to(dev) < E)).reshape(-1, 1).float()
+    torch.testing.assert_close(out, (src * valid).reshape(tokens, k, 16).sum(1))
+
+
+def test_topk_sum_records_bad_ids_in_the_flags():
+    """Under Triton's interpreter on CPU: the reduction's check writes the lowest id below -1,
+    the highest id >= E and E; good ids (-1 included) leave the flags clean."""
+    from moerunner.device_checks import IdFlags
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+    flags = torch.tensor(IdFlags.CLEAN, dtype=torch.int32, device=dev)
+    _flag_sum(torch.tensor([[0, -1], [E - 1, 3]], dtype=torch.int32), flags)
+    assert flags.tolist() == list(IdFlags.CLEAN)
+    _flag_sum(torch.tensor([[0, -5], [E + 2, -3], [E, 1]], dtype=torch.int32), flags)
+    assert flags.tolist() == [-5, E + 2, E]
+
+
+def test_id_flags_raise_once_and_reset():
+    from moerunner.device_checks import IdFlags
+
+    flags = IdFlags()
+    buf = flags.buffer(torch.device("cpu"))
+    assert flags.buffer(torch.device("cpu")) is buf
+    flags.drain()  # clean: nothing raised
+    buf.copy_(torch.tensor([-4, 11, E], dtype=torch.int32))
+    with pytest.raises(MoeInputError, match=rf"E={E}\), got ids below -1 \(lowest -4\) and "):
+        flags.drain()
+    assert buf.tolist() == list(IdFlags.CLEAN)
+    flags.drain()

@@ -715,20 +715,18 @@ def test_item3_workspaces_per_cuda_stream(monkeypatch):
     """Two CUDA streams of one thread get their own buffers (streams faked: CPU-testable)."""
     experts = _ws_cls()
 
-    class FakeStream:
-        def __init__(self, stream_id):
-            self.stream_id = stream_id
-
-    current = {"stream": FakeStream(1)}
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    current = {"stream": 1}  # the current stream's handle
+    monkeypatch.setattr(
+        torch._C, "_cuda_getCurrentRawStream", lambda index: current["stream"], raising=False
+    )
     ws = experts._Workspaces()
     key = (torch.device("cuda", 0), "per_slot", 8)
     first = ws.get(key, _buffers(64))
     assert ws.get(key, _buffers(64)) is first
-    current["stream"] = FakeStream(2)
+    current["stream"] = 2
     second = ws.get(key, _buffers(64))
     assert second is not first
-    current["stream"] = FakeStream(1)
+    current["stream"] = 1
     assert ws.get(key, _buffers(64)) is first
 
 

@@ -32,6 +32,9 @@ class StandardDispatchOutput:
     format: ClassVar[str] = STANDARD
     hidden_states: torch.Tensor  # [T, H]
     topk: TopK
+    #: The ids are not checked yet: a fused op of a backend with ``checks_ids_on_device``
+    #: checks them inside its kernels (``device_checks.IdFlags``).
+    check_ids: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -121,7 +121,7 @@ def test_a_launcher_with_another_signature_falls_back_to_the_jit_launch(monkeypa
     monkeypatch.setattr(_launch, "_layouts", {kernel: (1, [])})
     monkeypatch.setattr(_launch, "_compiled", {})
     x = torch.zeros(4)
-    _launch._compiled[(kernel, 0, (), _launch._args_key((x,)))] = (Compiled(), ())
+    _launch._compiled[(id(kernel), 0, (), _launch._args_key((x,)))] = (Compiled(), ())
     _launch.launch(kernel, (3,), x, options=OPTIONS)
     assert jit_calls == [(3,)] and _launch._layouts[kernel] is None and not _launch._compiled
     _launch.launch(kernel, (4,), x, options=OPTIONS)  # from now on the JIT way directly

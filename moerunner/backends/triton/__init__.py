@@ -131,7 +131,17 @@ def with_options(prepared: PreparedWeights, options: TritonOptions) -> PreparedW
 def triton_fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.Tensor:
     """Standard format in one kernel sequence: ``[T, H]`` weighted and reduced over k."""
     topk = dispatch_output.topk
-    return fused_standard(dispatch_output.hidden_states, topk.weights, topk.ids, prepared)
+    return fused_standard(
+        dispatch_output.hidden_states,
+        topk.weights,
+        topk.ids,
+        prepared,
+        check_ids=dispatch_output.check_ids,
+    )
+
+
+# Checks ``dispatch_output.check_ids`` inside its top-k reduction (no launch of its own).
+triton_fused_standard.checks_ids_on_device = True
 
 
 def triton_core(

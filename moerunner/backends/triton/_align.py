@@ -347,18 +347,31 @@ def _topk_sum_kernel(
     src_ptr,
     ids_ptr,
     out_ptr,
+    flags_ptr,
     H,
     num_experts,
     stride_sm,
     stride_om,
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    CHECK_IDS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[t] = sum over slots j with ids[t, j] in [0, E) of src[t * TOP_K + j] (float32 sum;
-    the GEMMs write no row for any other id)."""
+    the GEMMs write no row for any other id). ``CHECK_IDS``: ids outside ``[-1, E)`` are
+    recorded in ``flags`` (``device_checks.IdFlags``) by the first program of each token."""
     _pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if CHECK_IDS:
+        if tl.program_id(1) == 0:
+            for j in tl.static_range(TOP_K):
+                e = tl.load(ids_ptr + t * TOP_K + j)
+                if e < -1:
+                    tl.atomic_min(flags_ptr, e)
+                    tl.atomic_max(flags_ptr + 2, num_experts)
+                if e >= num_experts:
+                    tl.atomic_max(flags_ptr + 1, e)
+                    tl.atomic_max(flags_ptr + 2, num_experts)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -377,9 +390,11 @@ def topk_sum(
     num_experts: int,
     *,
     options: TritonOptions,
+    id_flags: torch.Tensor | None = None,
 ) -> None:
     """Reduce the k weighted expert outputs of each token; slots whose id is -1 (or not in
-    ``[0, num_experts)``) are skipped. ``options``: the backend's (launches)."""
+    ``[0, num_experts)``) are skipped. ``options``: the backend's (launches). ``id_flags``:
+    a ``device_checks.IdFlags`` buffer to record ids outside ``[-1, E)`` in."""
     num_tokens, top_k = ids_TK.shape
     hidden = out_TH.shape[1]
     block_h = min(1024, _pow2(hidden))
@@ -389,12 +404,14 @@ def topk_sum(
         src_PH,
         ids_TK,
         out_TH,
+        id_flags if id_flags is not None else ids_TK,
         hidden,
         num_experts,
         src_PH.stride(0),
         out_TH.stride(0),
         TOP_K=top_k,
         BLOCK_H=block_h,
+        CHECK_IDS=id_flags is not None,
         num_warps=4,
         options=options,
     )

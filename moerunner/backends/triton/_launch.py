@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from triton import knobs
 
@@ -27,11 +29,48 @@ _MAX_ENTRIES = 4096
 # kernel -> (number of runtime parameters, [(constexpr name, default)]), or None: JIT only
 # (also once its compiled launcher rejected the arguments, see ``launch``).
 _layouts: dict = {}
-# (kernel, device, constexprs and options, runtime-argument key)
+# (id of the kernel, device, constexprs and options, runtime-argument key)
 #   -> (compiled kernel, constexpr values in parameter order)
 _compiled: dict = {}
 # kernel -> whether it takes the PDL constexpr
 _pdl_kernels: dict = {}
+# Per thread: the list that ``recording`` collects this thread's launches into, or None.
+_local = threading.local()
+
+
+class Recording:
+    """What ``launch`` saw while a ``recording`` was open: every launch that went through a
+    compiled kernel's launcher as ``(launcher, head, args, tail)`` (the launcher's grid,
+    stream and metadata arguments, the runtime arguments, the trailing constexprs), and
+    whether all of them did (``complete``: none took Triton's JIT launch)."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+        self.complete = True
+
+
+class recording:  # noqa: N801  (used as a context manager, like contextlib's)
+    """``with recording() as rec:`` collects the launches of this thread (``Recording``)."""
+
+    def __enter__(self) -> Recording:
+        self.previous = getattr(_local, "rec", None)
+        _local.rec = Recording()
+        return _local.rec
+
+    def __exit__(self, *exc) -> None:
+        _local.rec = self.previous
+
+
+def _note_jit_launch() -> None:
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.complete = False
+
+
+def launch_hooked() -> bool:
+    """Whether Triton calls a launch hook (a profiler's): launches must then go through it."""
+    rt = knobs.runtime
+    return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
 
 
 def _layout(kernel):
@@ -96,12 +135,16 @@ def launch(kernel, grid: tuple, *args, options: TritonOptions, **kwargs) -> None
         or _hooked(rt.launch_enter_hook)
         or _hooked(rt.launch_exit_hook)
     ):
+        _note_jit_launch()
         kernel[grid](*args, **kwargs)
         return
     index = torch.cuda.current_device()
-    key = (kernel, index, tuple(kwargs.items()), _args_key(args))
+    # id: kernels are module objects that live as long as the process (hashing a JITFunction
+    # hashes its source key, microseconds per launch).
+    key = (id(kernel), index, tuple(kwargs.items()), _args_key(args))
     compiled = _compiled.get(key)
     if compiled is None:  # first call with this key: Triton's launch, then remember
+        _note_jit_launch()
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # asynchronous compilation
             compiled = compiled.result()
@@ -112,27 +155,31 @@ def launch(kernel, grid: tuple, *args, options: TritonOptions, **kwargs) -> None
             _compiled[key] = (compiled, tail)
         return
     compiled, tail = compiled
+    head = (
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        torch._C._cuda_getCurrentRawStream(index),
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+    )
     try:
-        compiled.run(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            torch._C._cuda_getCurrentRawStream(index),
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *tail,
-        )
+        compiled.run(*head, *args, *tail)
     except TypeError:
         # A Triton whose compiled launcher takes other arguments (this calls the 3.6 one):
         # the arguments are checked before anything launches, so launch this kernel the JIT
         # way from now (each other kernel finds out the same way, once).
         _layouts[kernel] = None
         clear()
+        _note_jit_launch()
         kernel[grid](*args, **kwargs)
+        return
+    rec = getattr(_local, "rec", None)
+    if rec is not None:
+        rec.launches.append((compiled.run, head, args, tail))
 
 
 def cdiv(a: int, b: int) -> int:

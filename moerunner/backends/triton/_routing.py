@@ -16,13 +16,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+
 import torch
 import triton
 import triton.language as tl
 
 from ...errors import BackendUnavailableError, MoeInputError
 from ...routing import TopK
-from . import _launch, _pdl
+from . import _launch, _pdl, _plan
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
 from .options import DEFAULT_OPTIONS
@@ -32,6 +35,8 @@ _MIN_KEY = tl.constexpr(-9223372036854775807)
 # Elements of one program's [BLOCK_T, E_POW2] tile: with 4 warps, 8 per thread (compiled for
 # sm_90: about 150 registers at E = 256 with groups, no spills; 2048 reached 255).
 _TILE = 1024
+# Plans of routing launches (``_plan``), least recently used dropped past ``_plan.MAX_PLANS``.
+_PLANS: OrderedDict = OrderedDict()
 
 
 @triton.jit
@@ -203,6 +208,46 @@ def route(
         router_logits = router_logits.contiguous()
         stride_t = router_logits.stride(0)
     bias = router_logits if correction_bias is None else correction_bias.contiguous()
+    roles = (
+        (router_logits, weights, ids)
+        if correction_bias is None
+        else (router_logits, weights, ids, bias)
+    )
+    settings = (top_k, scoring_func, renormalize, num_expert_group, topk_group)
+    planned = _plan.enabled(DEFAULT_OPTIONS, device)
+    if planned:  # one launch, replayed per (shape, settings, caller): ``_plan``
+        plan_key = _plan.key(roles, stride_t, float(routed_scaling_factor), *settings)
+        if _plan.replay(_PLANS, plan_key, roles):
+            return TopK(weights=weights, ids=ids)
+    with _plan.recorded(_PLANS, plan_key, roles) if planned else contextlib.nullcontext():
+        _launch_routing(
+            router_logits,
+            bias,
+            weights,
+            ids,
+            stride_t,
+            routed_scaling_factor,
+            correction_bias,
+            *settings,
+        )
+    return TopK(weights=weights, ids=ids)
+
+
+def _launch_routing(
+    router_logits,
+    bias,
+    weights,
+    ids,
+    stride_t,
+    routed_scaling_factor,
+    correction_bias,
+    top_k,
+    scoring_func,
+    renormalize,
+    num_expert_group,
+    topk_group,
+) -> None:
+    num_tokens, num_experts = router_logits.shape
     e_pow2 = _pow2(num_experts)
     block_t = max(1, min(_pow2(num_tokens), _TILE // e_pow2))
     grouped = num_expert_group is not None
@@ -233,4 +278,3 @@ def route(
         options=DEFAULT_OPTIONS,
         num_warps=4,
     )
-    return TopK(weights=weights, ids=ids)

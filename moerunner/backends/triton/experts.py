@@ -24,11 +24,12 @@ import torch
 import triton
 
 from ...config import ExpertSpec
+from ...device_checks import ID_FLAGS
 from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import PreparedWeights
 from . import _gemm_kernel as K
-from . import _launch
+from . import _launch, _plan
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._launch import cdiv as _cdiv
 from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
@@ -67,7 +68,8 @@ def _caller_key(device: torch.device) -> tuple:
     thread = threading.get_ident()
     if device.type != "cuda":
         return (thread,)
-    return (thread, torch.cuda.current_stream(device).stream_id)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (thread, torch._C._cuda_getCurrentRawStream(index))  # the stream's handle
 
 
 class _Workspaces:
@@ -551,8 +553,11 @@ def fused_standard(
     topk_ids: torch.Tensor,
     prepared: PreparedWeights,
     tiles: MoeTiles | None = None,
+    check_ids: bool = False,
 ) -> torch.Tensor:
-    """Standard format whole: ``[T, H]`` routed, weighted, reduced over k; -1 ids skipped."""
+    """Standard format whole: ``[T, H]`` routed, weighted, reduced over k; -1 ids skipped.
+    ``check_ids`` (CUDA): the top-k reduction also checks the ids (``device_checks.IdFlags``:
+    a bad id raises from a later call or ``moerunner.check_errors()``)."""
     _check_hidden(hidden_TH, prepared, "hidden_states")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_TH.shape[0]:
         raise MoeInputError(
@@ -572,18 +577,40 @@ def fused_standard(
     hidden_TH = hidden_TH.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
     route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    num_rows = num_tokens * top_k
     dev = hidden_TH.device
-    cache = WORKSPACES.get(
-        (dev, "per_slot", num_rows, prepared.spec.hidden_size, hidden_TH.dtype),
-        lambda: {
-            "y": torch.empty(num_rows, prepared.spec.hidden_size, dtype=hidden_TH.dtype, device=dev)
-        },
-    )
     with _on_device(hidden_TH):
-        run_kernel_sequence(hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles)
-        with trace_range("combine"):
-            topk_sum(cache["y"], ids, out, prepared.spec.num_experts, options=prepared.options)
+        # One eager call's launches, replayed from a plan where one exists (``_plan``).
+        roles = (hidden_TH, ids, route_w, out)
+        id_flags = ID_FLAGS.buffer(dev) if check_ids and dev.type == "cuda" else None
+        planned = tiles is None and _plan.enabled(prepared.options, dev)
+        if planned:
+            plans = _plan.plans_of(prepared)
+            plan_key = _plan.key(roles, prepared.options, id_flags is not None)
+            if _plan.replay(plans, plan_key, roles):
+                if id_flags is not None:
+                    ID_FLAGS.poll(dev)
+                return out
+        num_rows = num_tokens * top_k
+        hidden = prepared.spec.hidden_size
+        cache = WORKSPACES.get(
+            (dev, "per_slot", num_rows, hidden, hidden_TH.dtype),
+            lambda: {"y": torch.empty(num_rows, hidden, dtype=hidden_TH.dtype, device=dev)},
+        )
+        with _plan.recorded(plans, plan_key, roles) if planned else contextlib.nullcontext():
+            run_kernel_sequence(
+                hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles
+            )
+            with trace_range("combine"):
+                topk_sum(
+                    cache["y"],
+                    ids,
+                    out,
+                    prepared.spec.num_experts,
+                    options=prepared.options,
+                    id_flags=id_flags,
+                )
+        if id_flags is not None:
+            ID_FLAGS.poll(dev)
     return out
 
 

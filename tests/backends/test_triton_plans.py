@@ -1,0 +1,231 @@
+"""Launch plans of the triton backend (``_plan``): a call's launches recorded once per shape
+and caller, replayed with the call's own tensors.
+
+CPU tests check the plan's bookkeeping with stand-in launchers; GPU tests check that a
+replayed call computes what the unplanned call computes (bit for bit: the same kernels with
+the same arguments), for every kind of call the plan serves, and that it re-records where it
+must (a workspace evicted, another stream, another alignment).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import OrderedDict
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import moerunner  # noqa: E402
+from moerunner.backends.triton import _launch, _plan  # noqa: E402
+from moerunner.backends.triton.options import TritonOptions  # noqa: E402
+
+
+def _fake_launches(roles, stable):
+    """Two recorded launches: (launcher, head, args, tail) as ``_launch`` records them."""
+    calls = []
+
+    def run(*args):
+        calls.append(args)
+
+    head = (1, 1, 1, 0, "function", "metadata", None, None, None)
+    launches = [
+        (run, head, (roles[0], stable, 7, roles[1]), (True,)),
+        (run, head, (stable, roles[2], 3.5), ()),
+    ]
+    return launches, calls
+
+
+def test_plan_puts_the_calls_tensors_in_their_slots():
+    roles = tuple(torch.zeros(4) for _ in range(3))
+    stable = torch.zeros(8)
+    launches, calls = _fake_launches(roles, stable)
+    plan = _plan.LaunchPlan.build(launches, roles)
+    assert plan is not None and plan.alive()
+    others = tuple(torch.zeros(4) for _ in range(3))
+    plan.replay(others)
+    head = (1, 1, 1, 0, "function", "metadata", None, None, None)
+    p = [t.data_ptr() for t in others]
+    assert calls == [
+        (*head, p[0], stable.data_ptr(), 7, p[1], True),
+        (*head, stable.data_ptr(), p[2], 3.5),
+    ]
+
+
+def test_plan_dies_with_a_tensor_it_holds_by_pointer():
+    roles = tuple(torch.zeros(4) for _ in range(3))
+    stable = torch.zeros(8)
+    launches, _ = _fake_launches(roles, stable)
+    plan = _plan.LaunchPlan.build(launches, roles)
+    del launches, stable
+    gc.collect()
+    assert not plan.alive()
+
+
+def test_roles_sharing_a_pointer_give_no_plan():
+    t = torch.zeros(4)
+    launches, _ = _fake_launches((t, t, torch.zeros(2)), torch.zeros(8))
+    assert _plan.LaunchPlan.build(launches, (t, t.view(2, 2), torch.zeros(2))) is None
+
+
+def test_recording_keeps_a_plan_only_from_a_clean_call():
+    """A call that ran an operation other than views, or launched through the JIT, leaves
+    no plan; after ``MAX_ATTEMPTS`` such calls the key is no longer recorded."""
+    plans = OrderedDict()
+    roles = (torch.zeros(4), torch.zeros(4))
+    key = ("k",)
+    for attempt in range(1, _plan.MAX_ATTEMPTS + 1):
+        with _plan.recorded(plans, key, roles) as rec:
+            assert rec.active
+            torch.add(roles[0], 1)  # an op between launches
+        assert plans[key] == attempt
+    with _plan.recorded(plans, key, roles) as rec:
+        assert not rec.active
+    assert not _plan.replay(plans, key, roles)
+
+
+def test_recording_collects_compiled_launches():
+    plans = OrderedDict()
+    roles = (torch.zeros(4), torch.zeros(4), torch.zeros(4))
+    stable = torch.zeros(8)
+    launches, calls = _fake_launches(roles, stable)
+    with _plan.recorded(plans, ("k",), roles):
+        rec = _launch._local.rec
+        rec.launches.extend(launches)
+        roles[0].view(2, 2)  # views are allowed
+    assert isinstance(plans[("k",)], _plan.LaunchPlan)
+    assert _plan.replay(plans, ("k",), roles) and len(calls) == 2
+    with _plan.recorded(plans, ("j",), roles):
+        _launch._note_jit_launch()  # a launch that compiled
+    assert plans[("j",)] == 1
+
+
+def test_plans_are_off_on_cpu_and_under_the_interpreter():
+    assert not _plan.enabled(TritonOptions(), torch.device("cpu"))
+
+
+# -- GPU ------------------------------------------------------------------------------------
+
+E, K, H, I = 16, 4, 256, 128
+
+
+def _weights(scheme, device):
+    torch.manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, device=device) * H**-0.5
+    w2 = torch.randn(E, H, I, device=device) * I**-0.5
+    if scheme == "bf16":
+        return w13.bfloat16(), w2.bfloat16()
+    return moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "mxfp4", "int4_g128"])
+def test_replayed_call_equals_the_unplanned_call(scheme, tokens):
+    dev = torch.device("cuda")
+    w13, w2 = _weights(scheme, dev)
+    planned = moerunner.MoeRunner("triton")
+    plain_backend = moerunner.backends.triton.TritonBackend(
+        TritonOptions(launch_cache=False), name="triton-unplanned"
+    )
+    registry = moerunner.default_registry().copy()
+    registry.register_backend(plain_backend)
+    unplanned = moerunner.MoeRunner("triton-unplanned", registry=registry)
+    act = moerunner.Activation("silu")
+    weights = moerunner.ExpertWeights(w13, w2)
+    from moerunner.api import run_experts
+
+    outs = []
+    for step in range(4):  # compile, record, replay, replay (new inputs each step)
+        x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+        tk = moerunner.select_experts(torch.randn(tokens, E, device=dev), K)
+        got = run_experts(planned, weights, x, tk.weights, tk.ids, act)
+        want = run_experts(unplanned, weights, x, tk.weights, tk.ids, act)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), (scheme, tokens, step)
+        outs.append(got)
+    prepared = moerunner.runner.prepared_for(
+        planned,
+        weights,
+        moerunner.backends.base.MoeProblem.of(x, weights, weights.spec(act), "standard"),
+        weights.spec(act),
+    )
+    plans = [p for p in prepared.tensors["plans"].values() if isinstance(p, _plan.LaunchPlan)]
+    assert plans, "no plan was recorded"
+
+
+@pytest.mark.gpu
+def test_replay_follows_alignment_stream_and_evicted_workspaces():
+    from moerunner.backends.triton import experts
+
+    dev = torch.device("cuda")
+    w13, w2 = _weights("bf16", dev)
+    ref = moerunner.MoeRunner("torch")
+    tri = moerunner.MoeRunner("triton")
+    weights = moerunner.ExpertWeights(w13, w2)
+    act = moerunner.Activation("silu")
+    from moerunner.api import run_experts
+
+    def check(x, tk):
+        got = run_experts(tri, weights, x, tk.weights, tk.ids, act)
+        want = run_experts(ref, weights, x, tk.weights, tk.ids, act).float()
+        torch.cuda.synchronize()
+        assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+
+    base = torch.randn(65, H + 8, device=dev, dtype=torch.bfloat16)
+    tk = moerunner.select_experts(torch.randn(8, E, device=dev), K)
+    for _ in range(3):
+        check(base[:8, :H], tk)
+    check(base[:8, 2 : H + 2].contiguous()[:, :], tk)  # other data, same alignment class
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # another caller: its own workspaces and plan
+        for _ in range(3):
+            check(base[:8, :H], tk)
+    torch.cuda.synchronize()
+    experts.WORKSPACES.clear()  # the plan's buffers are gone: recorded again
+    gc.collect()
+    for _ in range(3):
+        check(base[:8, :H], tk)
+
+
+@pytest.mark.gpu
+def test_replayed_launches_capture_into_a_cuda_graph():
+    dev = torch.device("cuda")
+    w13, w2 = _weights("bf16", dev)
+    x = torch.randn(4, H, device=dev, dtype=torch.bfloat16)
+    tk = moerunner.select_experts(torch.randn(4, E, device=dev), K)
+    for _ in range(3):  # compile, record a plan, replay it
+        eager = moerunner.fused_moe(x, w13, w2, tk.weights, tk.ids, backend="triton")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moerunner.fused_moe(x, w13, w2, tk.weights, tk.ids, backend="triton")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = moerunner.fused_moe(x, w13, w2, tk.weights, tk.ids, backend="triton")
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and not torch.equal(out, eager)
+
+
+def test_direct_launcher_only_for_a_scratch_free_triton_36_launcher(monkeypatch):
+    class CudaLauncher:  # the name Triton's NVIDIA driver gives its launcher class
+        launch_cooperative_grid, launch_pdl = False, True
+        global_scratch_size = profile_scratch_size = 0
+
+        def launch(self, *args):
+            pass
+
+        def __call__(self, *args):
+            pass
+
+    launcher = CudaLauncher()
+    monkeypatch.setattr(_plan, "_TRITON_VERSION", "3.6.0")
+    run, extra = _plan._direct_launcher(launcher.__call__)
+    assert run == launcher.launch and extra == (False, True, None, None)
+    launcher.global_scratch_size = 128
+    assert _plan._direct_launcher(launcher.__call__) is None
+    launcher.global_scratch_size = 0
+    monkeypatch.setattr(_plan, "_TRITON_VERSION", "3.7.1")  # another argument order there
+    assert _plan._direct_launcher(launcher.__call__) is None
+    assert _plan._direct_launcher(print) is None
