@@ -240,7 +240,9 @@ class IdFlags:
         low, high, num_experts = values
         if low >= -1 and high < 0:
             return
-        state[0].copy_(torch.tensor(self.CLEAN, dtype=torch.int32))  # reset: raised once
+        buf = state[0]  # reset on the device (a copy from pageable memory would sync)
+        buf[:2].fill_(self.CLEAN[0])
+        buf[2:].fill_(self.CLEAN[2])
         seen = []
         if low < -1:
             seen.append(f"ids below -1 (lowest {low})")
