@@ -370,6 +370,7 @@ class MoE(nn.Module):
             num_expert_group=r.num_expert_group,
             topk_group=r.topk_group,
             routed_scaling_factor=r.routed_scaling_factor,
+            group_score=r.group_score,
         )
 
     def _single_process(self) -> bool:
