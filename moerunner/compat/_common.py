@@ -266,12 +266,12 @@ def global_to_local(
             f"{where}: expert_map has {expert_map.numel()} entries but "
             f"global_num_experts={global_num_experts}"
         )
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.is_floating_point():
+        raise TypeError(f"{where}: topk_ids must be an integer tensor")
     if expert_map.device != topk_ids.device:
         raise MoeInputError(
             f"{where}: expert_map is on {expert_map.device} but topk_ids on {topk_ids.device}"
         )
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.is_floating_point():
-        raise TypeError(f"{where}: topk_ids must be an integer tensor")
     check_ids_async(topk_ids, total, where=where)
     return local_ids(topk_ids, expert_map)
 
@@ -300,7 +300,7 @@ def run(
     if inplace and output is not None:
         raise MoeInputError(f"{where}: inplace=True and output= both name the result; pass one")
     if scale is not None and not apply_router_weight_on_input:
-        topk_weights = topk_weights.float() * float(scale)
+        topk_weights = _tensor("topk_weights", topk_weights).float() * float(scale)
     out = fused_moe(
         hidden_states,
         w13,
