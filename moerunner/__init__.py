@@ -1,12 +1,13 @@
 """moerunner: the Mixture-of-Experts layer of LLMs, every family and format, one runner.
 
-Public API: ``select_experts``, ``fused_moe``, ``MoE``, ``MoeRunner``, ``quantize``,
+Public API: ``select_experts``, ``fused_moe``, ``fused_moe_from_logits`` (both in one
+call), ``MoE``, ``MoeRunner``, ``quantize``,
 ``dequantize``, ``check_errors`` (raise what the GPU-side input checks found) and the
 configuration values they take.
 """
 
 from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts custom op)
-from .api import fused_moe
+from .api import fused_moe, fused_moe_from_logits
 from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig
 from .device_checks import check_errors
 from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError
@@ -55,6 +56,7 @@ __all__ = [
     "default_registry",
     "dequantize",
     "fused_moe",
+    "fused_moe_from_logits",
     "quantize",
     "reference_moe",
     "select_experts",

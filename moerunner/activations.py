@@ -21,8 +21,26 @@ def split_gate_up(h_MN: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, 
     return h_MN[:, :half], h_MN[:, half:]
 
 
-def apply_activation(h_MN: torch.Tensor, spec: ExpertSpec) -> torch.Tensor:
-    """act(gate) * up for gated activations, act(x) otherwise; float32 ``[M, I]``."""
+def _per_row(param, experts: torch.Tensor | int | None) -> torch.Tensor | float:
+    """A swiglu_oai parameter for each row: a float as is; a per-expert tensor ``[E]``
+    indexed by the rows' expert (an int for rows of one expert, or ``[M]`` ids) as float32
+    ``[M, 1]`` (or a 0-d tensor)."""
+    if not isinstance(param, torch.Tensor):
+        return param
+    if experts is None:
+        raise ValueError("per-expert swiglu parameters need the expert of each row")
+    if isinstance(experts, int):
+        return param[experts].float()
+    return param.float()[experts.long()][:, None]
+
+
+def apply_activation(
+    h_MN: torch.Tensor, spec: ExpertSpec, experts: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """act(gate) * up for gated activations, act(x) otherwise; float32 ``[M, I]``.
+
+    ``experts``: the expert of the rows (an int) or of each row (``[M]``), needed where the
+    activation has per-expert parameters (``Activation.per_expert``)."""
     h = h_MN.float()
     act = spec.activation
     if not act.gated:  # relu2
@@ -34,7 +52,12 @@ def apply_activation(h_MN: torch.Tensor, spec: ExpertSpec) -> torch.Tensor:
         return F.gelu(gate) * up
     if act.name == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
-    # swiglu_oai: clamp, then (up + 1) * gate * sigmoid(alpha * gate)
-    gate = gate.clamp(max=act.limit)
-    up = up.clamp(min=-act.limit, max=act.limit)
-    return (up + 1.0) * gate * torch.sigmoid(act.alpha * gate)
+    # swiglu_oai: clamp, then (up + beta) * gate * sigmoid(alpha * gate)
+    alpha, beta, limit = (_per_row(p, experts) for p in (act.alpha, act.beta, act.limit))
+    if isinstance(limit, torch.Tensor):
+        gate = torch.minimum(gate, limit)
+        up = torch.maximum(torch.minimum(up, limit), -limit)
+    else:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return (up + beta) * gate * torch.sigmoid(alpha * gate)

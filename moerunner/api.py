@@ -19,7 +19,7 @@ from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
-from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized, weight_shape
+from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
 
 def fused_moe(
@@ -33,18 +33,21 @@ def fused_moe(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     gate_up_interleaved: bool = False,
-    swiglu_alpha: float | None = None,
-    swiglu_limit: float | None = None,
+    swiglu_alpha: float | torch.Tensor | None = None,
+    swiglu_limit: float | torch.Tensor | None = None,
     backend: str = "auto",
     check_ids: bool = True,
+    w13_order: str | None = None,
+    swiglu_beta: float | torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on pre-routed tokens.
 
     Args:
         hidden_states: ``[T, H]`` bf16/fp16/fp32.
-        w13: ``[E, 2I, H]`` (gate rows then up rows; alternating with
-            ``gate_up_interleaved``), ``[E, I, H]`` for ``relu2``; a tensor of the hidden
-            states' dtype or a quantized weight (``moerunner.quantize``).
+        w13: ``[E, 2I, H]`` (rows in ``w13_order``: gate rows then up rows by default),
+            ``[E, I, H]`` for ``relu2``; a tensor of the hidden states' dtype or a quantized
+            weight (``moerunner.quantize``).
         w2: ``[E, H, I]``, same kind as ``w13``.
         topk_weights: ``[T, k]`` floating routing weights.
         topk_ids: ``[T, k]`` integer expert ids in ``[0, E)`` or -1 (slot skipped). k may
@@ -52,14 +55,21 @@ def fused_moe(
             slots): slots naming the same expert each add its output.
         activation: ``silu``, ``gelu``, ``gelu_tanh``, ``swiglu_oai`` (gated) or ``relu2``.
         w13_bias, w2_bias: optional ``[E, 2I]`` (or ``[E, I]``) and ``[E, H]``.
-        gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints).
-        swiglu_alpha, swiglu_limit: ``swiglu_oai`` parameters (defaults 1.702 and 7.0).
+        gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints); the same as
+            ``w13_order="interleaved"``.
+        swiglu_alpha, swiglu_limit, swiglu_beta: ``swiglu_oai`` parameters (defaults 1.702,
+            7.0 and 1.0): floats, or per-expert ``[E]`` tensors (``moerunner.Activation``).
         backend: a backend name or ``"auto"``.
         check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
             raising at a later call or at ``moerunner.check_errors()``
             (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
             pass False; every backend then skips ids outside ``[0, E)`` (any integer dtype,
             no wrap-around), silently.
+        w13_order: w13's row order: ``"gate_up"`` (default), ``"up_gate"`` (FlashInfer /
+            TensorRT-LLM; swapped once where the weights are prepared, and the result is
+            memoised on them like any preparation) or ``"interleaved"``.
+        apply_router_weight_on_input: multiply each token's hidden state by its routing
+            weight before GEMM1 and leave the output unweighted (Llama-4); top_k must be 1.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype (contiguous): sum over slots of weight x
@@ -69,11 +79,98 @@ def fused_moe(
     torch backend's differentiable path (``backend="auto"`` or ``"torch"``; plain weights);
     other backends raise ``MoeInputError`` (use ``torch.no_grad()`` or ``backend="torch"``).
     """
-    act = check_activation(activation, swiglu_alpha, swiglu_limit)
-    weights = ExpertWeights(w13, w2, w13_bias, w2_bias, bool(gate_up_interleaved))
+    act = check_activation(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
+    weights = ExpertWeights(w13, w2, w13_bias, w2_bias, bool(gate_up_interleaved), w13_order)
     return run_experts(
-        MoeRunner(backend), weights, hidden_states, topk_weights, topk_ids, act, check_ids
+        MoeRunner(backend),
+        weights,
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        act,
+        check_ids,
+        weight_on_input=apply_router_weight_on_input,
     )
+
+
+def fused_moe_from_logits(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13,
+    w2,
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    renormalize: bool = False,
+    correction_bias: torch.Tensor | None = None,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    group_score: str = "top2_sum",
+    custom_routing_function=None,
+    routing_backend: str = "auto",
+    **experts,
+) -> torch.Tensor:
+    """Route, then run the experts: ``select_experts`` on ``router_logits`` ``[T, E]``
+    followed by ``fused_moe`` on its weights and ids.
+
+    The routing arguments are ``select_experts``' (its ``backend`` is ``routing_backend``;
+    ``custom_routing_function`` is called with ``hidden_states``); every other keyword
+    argument is ``fused_moe``'s (``activation``, biases, ``w13_order``,
+    ``apply_router_weight_on_input``, ``backend`` ...). Ids come from the router, so they
+    are not checked again. Returns ``[T, H]`` in the hidden dtype.
+    """
+    from .routing import select_experts
+
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+    if isinstance(router_logits, torch.Tensor) and router_logits.dim() == 2:
+        if router_logits.shape[0] != hidden_states.shape[0]:
+            raise MoeInputError(
+                f"router_logits has T={router_logits.shape[0]} rows but hidden_states has "
+                f"T={hidden_states.shape[0]}"
+            )
+    unknown = sorted(set(experts) - _FUSED_MOE_KEYWORDS)
+    if unknown:
+        raise TypeError(
+            f"fused_moe_from_logits: unknown argument(s) {unknown}; routing arguments are "
+            "select_experts', the others fused_moe's: "
+            f"{', '.join(sorted(_FUSED_MOE_KEYWORDS))}"
+        )
+    topk = select_experts(
+        router_logits,
+        top_k,
+        scoring_func=scoring_func,
+        renormalize=renormalize,
+        correction_bias=correction_bias,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        group_score=group_score,
+        custom_routing_function=custom_routing_function,
+        hidden_states=hidden_states,
+        backend=routing_backend,
+    )
+    # Built-in routing gives ids in [0, E); a custom function's are checked.
+    experts.setdefault("check_ids", custom_routing_function is not None)
+    return fused_moe(hidden_states, w13, w2, topk.weights, topk.ids, **experts)
+
+
+_FUSED_MOE_KEYWORDS = frozenset(
+    {
+        "activation",
+        "w13_bias",
+        "w2_bias",
+        "gate_up_interleaved",
+        "swiglu_alpha",
+        "swiglu_limit",
+        "swiglu_beta",
+        "backend",
+        "check_ids",
+        "w13_order",
+        "apply_router_weight_on_input",
+    }
+)
 
 
 def run_experts(
@@ -84,10 +181,17 @@ def run_experts(
     topk_ids: torch.Tensor,
     act: Activation,
     check_ids: bool = True,
+    weight_on_input: bool = False,
 ) -> torch.Tensor:
     """``fused_moe`` with a runner the caller holds (the ``MoE`` layer's): validate, then run
-    the standard format on weights prepared once per weight version."""
+    the standard format on weights prepared once per weight version. ``weight_on_input``:
+    scale each token's input row by its (single) routing weight and run with unit weights."""
     spec, problem = _checked_call(hidden_states, weights, topk_weights, topk_ids, act)
+    if weight_on_input:
+        hidden_states, unit = weighted_input(
+            hidden_states, TopK(weights=topk_weights.float(), ids=topk_ids)
+        )
+        topk_weights = unit.weights
     if topk_ids.shape[1] == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
         _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
@@ -114,6 +218,19 @@ def run_experts(
     )
     dispatch_output = StandardDispatchOutput(hidden_states, topk, check_ids=on_device)
     return runner.run(dispatch_output, prepared)
+
+
+def weighted_input(hidden_states: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, TopK]:
+    """``apply_router_weight_on_input``: rows multiplied by their routing weight (in float32,
+    rounded once to the hidden dtype) and unit weights; only for top_k == 1 (with more slots
+    the weight of one slot cannot be applied to an input every slot shares). No host read."""
+    if topk.top_k != 1:
+        raise MoeInputError(
+            f"apply_router_weight_on_input=True needs top_k == 1 (one routing weight per "
+            f"token to apply to its input), got top_k={topk.top_k}"
+        )
+    scaled = (hidden_states.float() * topk.weights).to(hidden_states.dtype)
+    return scaled, TopK(weights=torch.ones_like(topk.weights), ids=topk.ids)
 
 
 def _needs_grad(
@@ -151,6 +268,7 @@ def _differentiable(
             f"grad and grad mode is on; {hint}, or use plain bf16/fp16/fp32 weights"
         )
     MoeRunner(torch_native.NAME, registry=runner.registry).select(problem)  # raises if unfit
+    weights = gate_up_first(weights)  # differentiable: a concatenation of row slices
     return torch_native.differentiable_forward(hidden_states, weights, topk, spec)
 
 
@@ -207,7 +325,7 @@ def _checked_call(
         weights.w13_bias,
         weights.w2_bias,
     )
-    key = None if sig is None else (sig, act, weights.gate_up_interleaved)
+    key = None if sig is None else (sig, act, weights.w13_order)
     if key is not None:
         found = _checked.get(key)
         if found is not None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from .errors import MoeInputError
 
 # name -> gated (act(gate) * up) or not (act(x)). One table: the torch backend, the Triton
@@ -24,6 +26,7 @@ ACTIVATIONS: dict[str, bool] = {
 
 SWIGLU_OAI_DEFAULT_ALPHA = 1.702
 SWIGLU_OAI_DEFAULT_LIMIT = 7.0
+SWIGLU_OAI_DEFAULT_BETA = 1.0
 
 
 def _real(name: str, value: object, default: float) -> float:
@@ -31,47 +34,125 @@ def _real(name: str, value: object, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"{name} must be a number or None, got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"{name} must be a number, a 1-D floating tensor [E] or None, "
+            f"got {type(value).__name__} {value!r}"
+        )
     return float(value)
 
 
-@dataclass(frozen=True)
+def _param(name: str, value: object, default: float):
+    """A swiglu_oai parameter: a float, or a per-expert 1-D floating tensor ``[E]`` (checked
+    against E where the weights are known, ``ExpertWeights.validate``)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or not value.is_floating_point():
+            raise TypeError(
+                f"{name} as a tensor must be 1-D floating [E] (one value per expert), got "
+                f"{value.dtype} of shape {list(value.shape)}"
+            )
+        return value
+    return _real(name, value, default)
+
+
+def _check_param_values(name: str, value, rule: str) -> None:
+    """``rule`` "finite" or "positive" on a float, or on a CPU tensor's values (a GPU tensor
+    is not read: that would synchronise)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.numel() == 0:
+            return
+        v = value.double()
+        bad = ~torch.isfinite(v) if rule == "finite" else ~(v > 0)
+        if bool(bad.any()):
+            index = int(torch.nonzero(bad)[0])
+            raise MoeInputError(
+                f"{name} must be {'finite' if rule == 'finite' else '> 0'} for every expert, "
+                f"got {float(v[index])} at expert {index}"
+            )
+        return
+    if rule == "finite" and not math.isfinite(value):
+        raise MoeInputError(f"{name} must be a finite number, got {value}")
+    if rule == "positive" and not value > 0:
+        raise MoeInputError(f"{name} must be > 0, got {value}")
+
+
+def _identity_key(value: object) -> object:
+    """Tensors compare by identity inside ``Activation`` (their ``==`` is elementwise)."""
+    return ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
+
+
+@dataclass(frozen=True, eq=False)
 class Activation:
     """The expert activation.
 
-    ``alpha`` and ``limit`` apply to ``swiglu_oai`` only (GPT-OSS clamped SwiGLU:
+    ``alpha``, ``beta`` and ``limit`` apply to ``swiglu_oai`` only (GPT-OSS clamped SwiGLU:
     gate clamped above at ``limit``, up clamped to ``[-limit, limit]``,
-    ``out = (up + 1) * gate * sigmoid(alpha * gate)``).
+    ``out = (up + beta) * gate * sigmoid(alpha * gate)``; defaults 1.702, 1.0 and 7.0). Each
+    is a float or a per-expert 1-D floating tensor ``[E]`` (FlashInfer's ``swiglu_alpha`` /
+    ``swiglu_beta`` / ``swiglu_limit``): expert ``e`` uses entry ``e``. Backends that take
+    only scalars with ``beta == 1`` (the fused triton kernels) decline per-expert
+    parameters and other betas (``Capabilities.extended_swiglu``). Tensor parameters
+    compare by identity, so a value holding them stays hashable.
     """
 
     name: str = "silu"
-    alpha: float | None = None
-    limit: float | None = None
+    alpha: float | torch.Tensor | None = None
+    limit: float | torch.Tensor | None = None
+    beta: float | torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in ACTIVATIONS:
             raise MoeInputError(
                 f"activation: got {self.name!r}; accepted: {', '.join(sorted(ACTIVATIONS))}"
             )
-        if self.name != "swiglu_oai" and (self.alpha is not None or self.limit is not None):
+        params = (self.alpha, self.limit, self.beta)
+        if self.name != "swiglu_oai" and any(p is not None for p in params):
             raise MoeInputError(
-                f"swiglu_alpha / swiglu_limit apply to activation 'swiglu_oai' only, "
-                f"got them with activation {self.name!r}"
+                f"swiglu_alpha / swiglu_beta / swiglu_limit apply to activation 'swiglu_oai' "
+                f"only, got them with activation {self.name!r}"
             )
         if self.name == "swiglu_oai":
-            alpha = _real("swiglu_alpha", self.alpha, SWIGLU_OAI_DEFAULT_ALPHA)
-            limit = _real("swiglu_limit", self.limit, SWIGLU_OAI_DEFAULT_LIMIT)
-            if not math.isfinite(alpha):
-                raise MoeInputError(f"swiglu_alpha must be a finite number, got {alpha}")
-            if not limit > 0:
-                raise MoeInputError(f"swiglu_limit must be > 0, got {limit}")
+            alpha = _param("swiglu_alpha", self.alpha, SWIGLU_OAI_DEFAULT_ALPHA)
+            limit = _param("swiglu_limit", self.limit, SWIGLU_OAI_DEFAULT_LIMIT)
+            beta = _param("swiglu_beta", self.beta, SWIGLU_OAI_DEFAULT_BETA)
+            _check_param_values("swiglu_alpha", alpha, "finite")
+            _check_param_values("swiglu_beta", beta, "finite")
+            _check_param_values("swiglu_limit", limit, "positive")
             object.__setattr__(self, "alpha", alpha)
             object.__setattr__(self, "limit", limit)
+            object.__setattr__(self, "beta", beta)
+
+    def _key(self) -> tuple:
+        return (self.name,) + tuple(_identity_key(p) for p in (self.alpha, self.limit, self.beta))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Activation):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def gated(self) -> bool:
         """True when GEMM1 produces gate and up halves (``act(gate) * up``)."""
         return ACTIVATIONS[self.name]
+
+    @property
+    def per_expert(self) -> bool:
+        """Whether some parameter is a per-expert tensor ``[E]``."""
+        return any(isinstance(p, torch.Tensor) for p in (self.alpha, self.limit, self.beta))
+
+    @property
+    def extended(self) -> bool:
+        """swiglu_oai beyond the fused kernels' form: per-expert parameters or beta != 1."""
+        return self.name == "swiglu_oai" and (
+            self.per_expert or self.beta != SWIGLU_OAI_DEFAULT_BETA
+        )
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The per-expert parameters, by argument name (``swiglu_alpha`` ...)."""
+        named = {"swiglu_alpha": self.alpha, "swiglu_limit": self.limit, "swiglu_beta": self.beta}
+        return {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
 
     @classmethod
     def of(cls, value: str | Activation) -> Activation:
@@ -108,7 +189,9 @@ class RoutingConfig:
     """How router logits become top-k weights and ids (see ``moerunner.select_experts``).
 
     Presets: Mixtral / Qwen3 (norm_topk_prob) / GPT-OSS: ``RoutingConfig(renormalize=True)``;
-    DeepSeek-V3: ``RoutingConfig("sigmoid", True, 8, 4, 2.5, correction_bias=True)``.
+    DeepSeek-V3: ``RoutingConfig("sigmoid", True, 8, 4, 2.5, correction_bias=True)``;
+    DeepSeek-V2: ``RoutingConfig("softmax", False, 8, 3, 16.0, group_score="max")``;
+    Llama-4: ``RoutingConfig("topk_sigmoid")`` (top-1).
     """
 
     scoring_func: str = "softmax"
@@ -117,6 +200,7 @@ class RoutingConfig:
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False
+    group_score: str = "top2_sum"
 
 
 @dataclass(frozen=True)

@@ -370,6 +370,7 @@ class MoE(nn.Module):
             num_expert_group=r.num_expert_group,
             topk_group=r.topk_group,
             routed_scaling_factor=r.routed_scaling_factor,
+            group_score=r.group_score,
         )
 
     def _single_process(self) -> bool:
@@ -396,6 +397,11 @@ class MoE(nn.Module):
         """One process: the fused path (the custom op while compiling)."""
         act = self.config.activation
         if torch.compiler.is_compiling():
+            if act.extended:  # the custom op's schema carries scalar alpha and limit only
+                raise MoeInputError(
+                    "torch.compile of the MoE layer takes swiglu_oai with scalar alpha / limit "
+                    "and beta 1 only; per-expert parameters or another beta run eagerly"
+                )
             w = self if self.quantized is None else self.quantized  # plain, or as held
             b13, b2 = (None if b is None else b.detach() for b in (w.w13_bias, w.w2_bias))
             return call_fused_experts(

@@ -17,13 +17,21 @@ from .config import Activation
 from .weights import ExpertWeights, is_quantized
 
 
-def _act64(h: torch.Tensor, act: Activation, interleaved: bool) -> torch.Tensor:
+def _param64(value, expert: int) -> float:
+    """A swiglu_oai parameter of ``expert``: a float, or entry ``expert`` of an ``[E]`` tensor."""
+    return float(value[expert]) if isinstance(value, torch.Tensor) else value
+
+
+def _act64(h: torch.Tensor, act: Activation, order: str, expert: int) -> torch.Tensor:
     if act.name == "relu2":
         return torch.clamp(h, min=0.0) ** 2
-    if interleaved:
+    half = h.shape[1] // 2
+    if order == "interleaved":
         gate, up = h[:, 0::2], h[:, 1::2]
+    elif order == "up_gate":
+        up, gate = h[:, :half], h[:, half:]
     else:
-        gate, up = h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2 :]
+        gate, up = h[:, :half], h[:, half:]
     if act.name == "silu":
         return gate / (1.0 + torch.exp(-gate)) * up
     if act.name == "gelu":
@@ -32,9 +40,10 @@ def _act64(h: torch.Tensor, act: Activation, interleaved: bool) -> torch.Tensor:
         inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
         return 0.5 * gate * (1.0 + torch.tanh(inner)) * up
     if act.name == "swiglu_oai":
-        gate = torch.clamp(gate, max=act.limit)
-        up = torch.clamp(up, min=-act.limit, max=act.limit)
-        return (up + 1.0) * gate / (1.0 + torch.exp(-act.alpha * gate))
+        alpha, beta, limit = (_param64(p, expert) for p in (act.alpha, act.beta, act.limit))
+        gate = torch.clamp(gate, max=limit)
+        up = torch.clamp(up, min=-limit, max=limit)
+        return (up + beta) * gate / (1.0 + torch.exp(-alpha * gate))
     raise ValueError(f"reference: unknown activation {act.name!r}")
 
 
@@ -59,7 +68,9 @@ def reference_moe(
     topk_ids: torch.Tensor,
     activation: Activation | str = "silu",
 ) -> torch.Tensor:
-    """float64 ``[T, H]`` on the CPU: sum_k weight[t,k] * expert_{ids[t,k]}(x[t]); -1 skipped."""
+    """float64 ``[T, H]`` on the CPU: sum_k weight[t,k] * expert_{ids[t,k]}(x[t]); -1 skipped.
+
+    w13's rows are read in ``weights.w13_order``; swiglu_oai parameters may be per expert."""
     act = Activation.of(activation)
     x = hidden_states.cpu()
     w13, w2 = _weight64(weights.w13), _weight64(weights.w2)
@@ -75,7 +86,7 @@ def reference_moe(
         h = _input64(x[token], weights.w13, e) @ w13[e].T
         if b13 is not None:
             h = h + b13[e]
-        a = _act64(h, act, weights.gate_up_interleaved)
+        a = _act64(h, act, weights.w13_order, e)
         if is_quantized(weights.w2):
             a = _input64(a.to(torch.float32), weights.w2, e)
         y = a @ w2[e].T

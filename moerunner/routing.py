@@ -5,8 +5,15 @@
 - softmax -> top-k (optionally renormalized): Mixtral, Qwen2/3-MoE, GPT-OSS (top-k of logits
   then softmax over the k equals softmax -> top-k -> renormalize);
 - sigmoid -> (+ correction bias, used only to choose) -> grouped top-k: DeepSeek-V3. A group's
-  score is the sum of its two best biased scores; only ``topk_group`` groups stay eligible.
-  Weights come from the unbiased scores, renormalized with +1e-20, times the scaling factor.
+  score is the sum of its two best biased scores (``group_score="top2_sum"``); only
+  ``topk_group`` groups stay eligible. Weights come from the unbiased scores, renormalized
+  with +1e-20, times the scaling factor;
+- softmax -> grouped top-k with a group's score its best score (``group_score="max"``):
+  DeepSeek-V2;
+- top-k of the raw logits, weights the sigmoid of the chosen logits
+  (``scoring_func="topk_sigmoid"``): Llama-4 (top-1, no renormalisation);
+- a user function ``custom_routing_function(hidden_states, router_logits, top_k,
+  renormalize) -> (weights, ids)`` (vLLM's convention), its output checked.
 
 Output: ``TopK(weights [T, k] float32, ids [T, k] int32)``. T = 0 gives empty tensors.
 
@@ -31,7 +38,8 @@ import torch
 
 from .errors import BackendUnavailableError, MoeInputError
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
 ROUTING_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -58,6 +66,9 @@ def select_experts(
     num_expert_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float = 1.0,
+    group_score: str = "top2_sum",
+    custom_routing_function=None,
+    hidden_states: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> TopK:
     """Choose ``top_k`` experts per token.
@@ -65,11 +76,19 @@ def select_experts(
     Args:
         router_logits: ``[T, E]`` floating tensor of raw router outputs.
         top_k: experts per token, ``1 <= top_k <= E``.
-        scoring_func: ``"softmax"`` or ``"sigmoid"``.
+        scoring_func: ``"softmax"``, ``"sigmoid"`` or ``"topk_sigmoid"`` (choose on the raw
+            logits, weight = sigmoid of the chosen logit: Llama-4).
         renormalize: divide the k weights by their sum (sigmoid adds 1e-20 to the sum).
         correction_bias: ``[E]`` bias added to the scores for choosing only (DeepSeek-V3).
         num_expert_group, topk_group: grouped top-k; both or neither.
         routed_scaling_factor: multiplies the final weights.
+        group_score: a group's score in grouped top-k: ``"top2_sum"`` (the sum of its two
+            best choice values, DeepSeek-V3) or ``"max"`` (its best, DeepSeek-V2).
+        custom_routing_function: ``fn(hidden_states, router_logits, top_k, renormalize) ->
+            (weights [T, top_k] floating, ids [T, top_k] integer)``, called instead of the
+            rules above (which must then keep their defaults); its output is checked and
+            returned as float32 / int32.
+        hidden_states: passed to ``custom_routing_function`` (unused otherwise).
         backend: ``"auto"`` (the one-launch Triton kernel for CUDA logits when Triton is
             importable, outside ``torch.compile``; else the torch path), ``"torch"`` (this
             module's reference path) or ``"triton"`` (the kernel; CUDA, or CPU under Triton's
@@ -81,6 +100,25 @@ def select_experts(
     _check_routing_args(
         router_logits, top_k, scoring_func, correction_bias, num_expert_group, topk_group
     )
+    if group_score not in GROUP_SCORES:
+        raise MoeInputError(f"group_score: got {group_score!r}; accepted: {GROUP_SCORES}")
+    if custom_routing_function is not None:
+        rules = {
+            "scoring_func": scoring_func != "softmax",
+            "correction_bias": correction_bias is not None,
+            "num_expert_group": num_expert_group is not None,
+            "routed_scaling_factor": routed_scaling_factor != 1.0,
+            "group_score": group_score != "top2_sum",
+        }
+        given = [name for name, set_ in rules.items() if set_]
+        if given:
+            raise MoeInputError(
+                f"custom_routing_function replaces the built-in routing; {', '.join(given)} "
+                "must keep its default with it"
+            )
+        return _custom_route(
+            custom_routing_function, hidden_states, router_logits, top_k, renormalize
+        )
     route = _kernel(router_logits, backend)
     if route is not None:
         return route(
@@ -92,6 +130,7 @@ def select_experts(
             num_expert_group=num_expert_group,
             topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor,
+            group_score=group_score,
         )
     num_tokens, num_experts = router_logits.shape
     wide = _wide_dtype(router_logits.device)
@@ -100,12 +139,15 @@ def select_experts(
     else:
         scores = torch.sigmoid(router_logits.to(wide)).float()
 
-    choice = scores if correction_bias is None else scores + correction_bias.float()
+    # What is chosen on: the scores, or for topk_sigmoid the float32 logits themselves.
+    choice = router_logits.float() if scoring_func == "topk_sigmoid" else scores
+    if correction_bias is not None:
+        choice = choice + correction_bias.float()
     if num_expert_group is not None and num_tokens > 0:
         group_size = num_experts // num_expert_group
         grouped = choice.view(num_tokens, num_expert_group, group_size)
-        best_two = min(2, group_size)
-        group_scores = grouped.topk(best_two, dim=-1).values.sum(dim=-1)
+        best = 1 if group_score == "max" else min(2, group_size)
+        group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)
         keep = _top(group_scores, topk_group)
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, group_size).reshape(num_tokens, -1)
@@ -116,11 +158,43 @@ def select_experts(
     if renormalize:
         widened = weights.to(wide)
         denominator = widened.sum(dim=-1, keepdim=True)
-        if scoring_func == "sigmoid":
+        if scoring_func != "softmax":
             denominator = denominator + 1e-20
         weights = (widened / denominator).float()
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
+    return TopK(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+
+
+def _custom_route(fn, hidden_states, router_logits, top_k: int, renormalize: bool) -> TopK:
+    """Call a user routing function and check what it returns (shapes, dtypes, device)."""
+    if not callable(fn):
+        raise TypeError(f"custom_routing_function must be callable, got {type(fn).__name__}")
+    out = fn(hidden_states, router_logits, top_k, renormalize)
+    where = "custom_routing_function"
+    if not isinstance(out, (tuple, list)) or len(out) < 2:
+        raise MoeInputError(
+            f"{where} must return (topk_weights, topk_ids), got {type(out).__name__}"
+        )
+    weights, ids = out[0], out[1]
+    want = (router_logits.shape[0], top_k)
+    for name, t in (("topk_weights", weights), ("topk_ids", ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where} returned {name} of type {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != want:
+            raise MoeInputError(
+                f"{where} returned {name} of shape {list(t.shape)}; expected [T, top_k] = "
+                f"{list(want)}"
+            )
+        if t.device != router_logits.device:
+            raise MoeInputError(
+                f"{where} returned {name} on {t.device} but router_logits are on "
+                f"{router_logits.device}"
+            )
+    if not weights.is_floating_point():
+        raise TypeError(f"{where} returned topk_weights of dtype {weights.dtype}; need floating")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{where} returned topk_ids of dtype {ids.dtype}; need an integer dtype")
     return TopK(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
 
 

@@ -28,7 +28,7 @@ from .config import Activation, ExpertSpec
 from .errors import BackendUnavailableError, MoeInputError
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, Registry, Selection
-from .weights import ExpertWeights, PreparedWeights
+from .weights import ExpertWeights, PreparedWeights, gate_up_first
 
 __all__ = [
     "DEFAULT_PREFERENCE",
@@ -168,6 +168,7 @@ def prepared_for(
         id(weights.w2),
         id(weights.w13_bias),
         id(weights.w2_bias),
+        weights.w13_order,
         _tensor_state(weights.w13),
         _tensor_state(weights.w2),
         _tensor_state(weights.w13_bias),
@@ -195,8 +196,10 @@ def prepared_for(
 def prepare_for_backend(
     backend: Backend, weights: ExpertWeights, spec: ExpertSpec
 ) -> PreparedWeights:
-    """Pad to the backend's declared alignment, then let it convert the weights (once)."""
+    """Bring w13 to gate-then-up (or interleaved) row order, pad to the backend's declared
+    alignment, then let it convert the weights (once)."""
     caps = backend.capabilities
+    weights = gate_up_first(weights)
     padded, padded_spec, notes = pad_to_alignment(weights, spec, caps.align_h, caps.align_i)
     prepared = backend.prepare_weights(padded, padded_spec)
     prepared.notes[:0] = notes
@@ -222,13 +225,18 @@ def _tensor_state(weight: Any) -> tuple:
 
 
 def check_activation(
-    activation: str | Activation, alpha: float | None, limit: float | None
+    activation: str | Activation,
+    alpha: float | torch.Tensor | None,
+    limit: float | torch.Tensor | None,
+    beta: float | torch.Tensor | None = None,
 ) -> Activation:
     """Build the Activation value from the functional API's arguments."""
     if isinstance(activation, Activation):
-        if alpha is not None or limit is not None:
-            raise MoeInputError("pass swiglu_alpha / swiglu_limit inside the Activation value")
+        if alpha is not None or limit is not None or beta is not None:
+            raise MoeInputError(
+                "pass swiglu_alpha / swiglu_beta / swiglu_limit inside the Activation value"
+            )
         return activation
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str, got {type(activation).__name__}")
-    return Activation(activation, alpha, limit)
+    return Activation(activation, alpha, limit, beta)

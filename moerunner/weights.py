@@ -3,8 +3,11 @@
 Canonical layout (one for the whole library; a backend that wants another converts once in
 its ``prepare_weights``):
 
-- ``w13_E2IH``: ``[E, 2I, H]`` gate rows then up rows (``gate_up_interleaved``: row 2j is
-  gate j, row 2j+1 is up j); ``[E, I, H]`` for a non-gated activation.
+- ``w13_E2IH``: ``[E, 2I, H]`` gate rows then up rows (``w13_order="gate_up"``, the default),
+  up rows then gate rows (``"up_gate"``, FlashInfer / TensorRT-LLM order; swapped once to
+  gate then up where weights are prepared, ``gate_up_first``) or alternating
+  (``"interleaved"``, the same as ``gate_up_interleaved=True``: row 2j is gate j, row 2j+1
+  is up j); ``[E, I, H]`` for a non-gated activation.
 - ``w2_EHI``: ``[E, H, I]``.
 - ``w13_bias``: ``[E, 2I]`` (or ``[E, I]``) in the rows' order; ``w2_bias``: ``[E, H]``.
 
@@ -24,6 +27,8 @@ from .errors import MoeInputError
 from .quant.schemes import QuantScheme, plain_scheme
 
 PLAIN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Row orders of a gated w13: gate then up, up then gate, or alternating gate, up.
+W13_ORDERS = ("gate_up", "up_gate", "interleaved")
 
 
 def is_quantized(weight: Any) -> bool:
@@ -64,6 +69,21 @@ class ExpertWeights:
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
     gate_up_interleaved: bool = False
+    w13_order: str | None = None  # W13_ORDERS; None: from gate_up_interleaved
+
+    def __post_init__(self) -> None:
+        order = self.w13_order
+        if order is None:
+            order = "interleaved" if self.gate_up_interleaved else "gate_up"
+        elif not isinstance(order, str) or order not in W13_ORDERS:
+            raise MoeInputError(f"w13_order: got {order!r}; accepted: {', '.join(W13_ORDERS)}")
+        elif self.gate_up_interleaved and order != "interleaved":
+            raise MoeInputError(
+                f"gate_up_interleaved=True is w13_order='interleaved', but w13_order={order!r} "
+                "was given too; pass one of them"
+            )
+        object.__setattr__(self, "w13_order", order)
+        object.__setattr__(self, "gate_up_interleaved", order == "interleaved")
 
     @property
     def num_experts(self) -> int:
@@ -141,8 +161,18 @@ class ExpertWeights:
                 f"w13 has {n13} rows but activation {activation.name!r} with w2's I={i2} needs "
                 f"{expected_rows}: w13 must be {layout}"
             )
-        if self.gate_up_interleaved and not activation.gated:
-            raise MoeInputError("gate_up_interleaved=True needs a gated activation")
+        if self.w13_order != "gate_up" and not activation.gated:
+            raise MoeInputError(
+                f"w13_order={self.w13_order!r} (gate_up_interleaved) needs a gated activation"
+            )
+        for name, param in activation.tensors().items():
+            if tuple(param.shape) != (e13,):
+                raise MoeInputError(
+                    f"{name} must have one value per expert [E={e13}], got shape "
+                    f"{list(param.shape)}"
+                )
+            if param.device != self.w13.device:
+                raise MoeInputError(f"{name} is on {param.device} but w13 on {self.w13.device}")
         if isinstance(self.w13, torch.Tensor) and isinstance(self.w2, torch.Tensor):
             if self.w13.dtype != self.w2.dtype:
                 raise TypeError(f"w13 dtype {self.w13.dtype} differs from w2 dtype {self.w2.dtype}")
@@ -164,6 +194,51 @@ class ExpertWeights:
                 raise TypeError(f"{name} must be floating, got {bias.dtype}")
             if bias.device != self.w13.device:
                 raise MoeInputError(f"{name} is on {bias.device} but w13 on {self.w13.device}")
+
+
+def swap_row_halves(w: Any) -> Any:
+    """``[E, 2I, ...]`` with its two row halves swapped (up-then-gate to gate-then-up and
+    back): a plain tensor or bias, or a quantized weight whose per-row scales and zero points
+    move with their rows. A scale shared by a block of rows (fp8_block) moves whole when I is
+    a multiple of the block's rows; otherwise the block straddles the halves: ValueError."""
+    if w is None:
+        return None
+    rows = weight_shape(w)[1]
+    if rows % 2:
+        raise MoeInputError(f"w13_order='up_gate' needs an even number of w13 rows, got {rows}")
+    half = rows // 2
+    if not is_quantized(w):
+        return torch.cat((w[:, half:], w[:, :half]), dim=1)
+    scheme = w.scheme
+    if scheme.granularity == "block" and scheme.block_shape[0] > 1:
+        block = scheme.block_shape[0]
+        if half % block:
+            raise MoeInputError(
+                f"w13_order='up_gate': scheme {scheme.name!r} shares a scale across {block} "
+                f"rows and I={half} is not a multiple of it, so a scale block straddles the "
+                "up and gate halves; re-quantize the weights in gate-then-up order"
+            )
+        b = half // block
+        fields = {
+            "data": torch.cat((w.data[:, half:], w.data[:, :half]), dim=1),
+            "scale": torch.cat((w.scale[:, b:], w.scale[:, :b]), dim=1),
+        }
+        return w._replace(w.shape, **fields)
+    index = torch.cat((torch.arange(half, rows), torch.arange(half)))
+    return w.select_rows(index)
+
+
+def gate_up_first(weights: ExpertWeights) -> ExpertWeights:
+    """``weights`` with an up-then-gate w13 (and its bias) swapped to gate then up; other
+    orders as they are. Done once where weights are prepared, never per call."""
+    if weights.w13_order != "up_gate":
+        return weights
+    return ExpertWeights(
+        swap_row_halves(weights.w13),
+        weights.w2,
+        swap_row_halves(weights.w13_bias),
+        weights.w2_bias,
+    )
 
 
 @dataclass

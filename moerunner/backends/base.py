@@ -100,6 +100,8 @@ class Capabilities:
     interleaved: bool = True
     align_h: int = 1
     align_i: int = 1
+    # swiglu_oai with per-expert [E] parameters or beta != 1 (``Activation.extended``).
+    extended_swiglu: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.schemes, SchemeSupport):
@@ -121,6 +123,7 @@ class Capabilities:
             "activations": sorted(self.activations),
             "biases": self.biases,
             "interleaved gate/up": self.interleaved,
+            "per-expert swiglu parameters, beta": self.extended_swiglu,
             "align H, I": (self.align_h, self.align_i),
         }
 
@@ -144,6 +147,7 @@ class MoeProblem:
     has_bias: bool = False
     interleaved: bool = False
     w2_scheme: QuantScheme | None = None
+    extended_swiglu: bool = False  # Activation.extended
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "w13_scheme", get_scheme(self.w13_scheme))
@@ -171,6 +175,7 @@ class MoeProblem:
             num_experts=spec.num_experts,
             has_bias=weights.w13_bias is not None or weights.w2_bias is not None,
             interleaved=spec.gate_up_interleaved,
+            extended_swiglu=spec.activation.extended,
         )
 
 
@@ -248,6 +253,10 @@ class Backend:
             ),
             (caps.biases or not problem.has_bias, "biases not supported"),
             (caps.interleaved or not problem.interleaved, "interleaved gate/up not supported"),
+            (
+                caps.extended_swiglu or not problem.extended_swiglu,
+                "swiglu_oai with per-expert [E] parameters or swiglu_beta != 1 not supported",
+            ),
         )
         for ok, reason in checks:
             if not ok:

@@ -57,6 +57,7 @@ class TorchBackend(Backend):
             # dequantized and each GEMM quantizes its input by its own weight's scheme.
             schemes=SchemeSupport(frozenset(c.name for c in CODECS), mixed=True),
             activations=frozenset(ACTIVATIONS),
+            extended_swiglu=True,
         )
         self.fused_ops = {STANDARD: torch_fused_standard}
         self.core = torch_core
@@ -117,7 +118,7 @@ def _expert_forward(
     b2 = None if t["w2_bias"] is None else t["w2_bias"][e]
     s13, s2 = (None if t.get(k) is None else t[k][e] for k in ("input_scale", "input_scale2"))
     h = _linear(x_MH, t["w13"][e], b13, scheme, s13)  # float32 if quantized (module doc)
-    a = apply_activation(h if scheme is not None else h.to(x_MH.dtype), prepared.spec)
+    a = apply_activation(h if scheme is not None else h.to(x_MH.dtype), prepared.spec, e)
     a = a.to(x_MH.dtype)
     if scheme2 is None and b2 is None:  # plain weights: GEMM2 straight into the output rows
         torch.mm(a, t["w2"][e].transpose(0, 1), out=out_MH)
@@ -242,7 +243,15 @@ def _cpu_chunk(
     h_RN = buffer(prepared.tensors["w13"].shape[1], torch.float32 if quantized else x_RH.dtype)
     _cpu_gemms(h_RN, x_RH, experts, "w13", prepared, columns)
     # Activation in float32 (as the fused kernels do), rounded once into row-major GEMM2 input.
-    a_RI = x_RH.new_empty((rows, spec.intermediate_size)).copy_(apply_activation(h_RN, spec))
+    row_experts = None
+    if spec.activation.per_expert:  # the expert of each row, for per-expert parameters
+        row_experts = torch.repeat_interleave(
+            torch.tensor([e for e, _, _ in experts]),
+            torch.tensor([end - start for _, start, end in experts]),
+        )
+    a_RI = x_RH.new_empty((rows, spec.intermediate_size)).copy_(
+        apply_activation(h_RN, spec, row_experts)
+    )
     y_RH = buffer(spec.hidden_size)
     _cpu_gemms(y_RH, a_RI, experts, "w2", prepared, columns)
     return y_RH
@@ -305,7 +314,7 @@ def _grouped_forward(
     ends = offsets[1:].to(torch.int32)
     h_MN = _GROUPED_MM(x_MH, t["w13"].transpose(-2, -1), offs=ends)
     expert_of_row = None
-    if t["w13_bias"] is not None or t["w2_bias"] is not None:
+    if t["w13_bias"] is not None or t["w2_bias"] is not None or spec.activation.per_expert:
         row_ids = torch.arange(x_MH.shape[0], device=x_MH.device)
         expert_of_row = torch.searchsorted(offsets[1:], row_ids, right=True).clamp(
             max=spec.num_experts - 1
@@ -313,7 +322,7 @@ def _grouped_forward(
     if t["w13_bias"] is not None:
         h_MN = h_MN.float() + t["w13_bias"][expert_of_row].float()
     # Activation in fp32 (as the fused kernels do), rounded once into the GEMM2 input.
-    a_MI = apply_activation(h_MN, spec).to(x_MH.dtype)
+    a_MI = apply_activation(h_MN, spec, expert_of_row).to(x_MH.dtype)
     y_MH = _GROUPED_MM(a_MI, t["w2"].transpose(-2, -1), offs=ends)
     if t["w2_bias"] is not None:
         y_MH = (y_MH.float() + t["w2_bias"][expert_of_row].float()).to(x_MH.dtype)
@@ -399,7 +408,7 @@ def differentiable_forward(
         h = hidden_TH[tok] @ w13[e].transpose(0, 1)
         if b13 is not None:
             h = h.float() + b13[e].float()
-        a = apply_activation(h, spec).to(hidden_TH.dtype)
+        a = apply_activation(h, spec, e).to(hidden_TH.dtype)
         y = a @ w2[e].transpose(0, 1)
         if b2 is not None:
             y = y.float() + b2[e].float()

@@ -205,6 +205,15 @@ class ExpertPlacement:
         return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
 
 
+def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
+    """Global expert ids ``[T, k]`` to this rank's local ids through ``expert_map``
+    (``[E_global]``, local id of each global expert or -1, ``ExpertPlacement.expert_map``):
+    -1 stays -1, an expert held elsewhere becomes -1. int32, on the ids' device, no host
+    read. Ids must be in ``[-1, E_global)`` (check them first where they may not be)."""
+    local = expert_map[topk_ids.clamp(min=0).long()]
+    return torch.where(topk_ids >= 0, local, torch.full_like(local, -1)).to(torch.int32)
+
+
 def append_shared_slots(
     topk: TopK, placement: ExpertPlacement, weight: float | torch.Tensor = 1.0
 ) -> TopK:
@@ -255,5 +264,5 @@ def shard_expert_weights(
         take(weights.w2),
         take(weights.w13_bias),
         take(weights.w2_bias),
-        weights.gate_up_interleaved,
+        w13_order=weights.w13_order,
     )

@@ -23,6 +23,7 @@ import torch
 from ..errors import MoeInputError
 from ..routing import TopK
 from .base import weighted_row_sum
+from .expert_map import local_ids
 from .formats import PERMUTED, STANDARD, PermutedDispatchOutput, StandardDispatchOutput
 from .permute import PermuteContext, pre_permute_standard
 
@@ -98,9 +99,7 @@ class StandardDispatcher:
     ) -> StandardDispatchOutput | StandardEPDispatchOutput:
         """Make ids local; with an fp32 reduction also group the pairs by local expert."""
         if self.expert_map is not None:
-            ids = topk.ids
-            local = self._map_on(ids.device)[ids.clamp(min=0).long()]
-            ids = torch.where(ids >= 0, local, torch.full_like(local, -1)).to(torch.int32)
+            ids = local_ids(topk.ids, self._map_on(topk.ids.device))
             topk = TopK(weights=topk.weights, ids=ids)
         standard = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
         if self.dispatch_format == STANDARD:

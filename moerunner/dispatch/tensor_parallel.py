@@ -89,5 +89,5 @@ def shard_intermediate(
         w2.contiguous(),
         w13_bias,
         w2_bias,
-        weights.gate_up_interleaved,
+        w13_order=weights.w13_order,
     )

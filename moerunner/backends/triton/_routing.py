@@ -1,8 +1,9 @@
 # Stage "route" as one Triton kernel (private): router logits -> top-k weights and ids.
 #
 # Covers every variant of ``moerunner.routing.select_experts`` in one launch: softmax or
-# sigmoid scores, correction bias (added for choosing only), grouped top-k (a group's score is
-# the sum of its two best biased scores; ``topk_group`` groups stay eligible), top-k,
+# sigmoid scores, choosing on the raw logits (``topk_sigmoid``), correction bias (added for
+# choosing only), grouped top-k (a group's score is the sum of its two best biased scores, or
+# its best with ``group_score="max"``; ``topk_group`` groups stay eligible), top-k,
 # renormalisation and the routed scaling factor. Output: float32 weights and int32 ids
 # ``[T, k]``, the formats the expert kernels take. The numerics are those that the module
 # docstring of ``moerunner.routing`` defines, so both paths give the same bits:
@@ -79,6 +80,8 @@ def _routing_kernel(
     RENORMALIZE: tl.constexpr,
     SCALED: tl.constexpr,
     PDL: tl.constexpr,
+    GROUP_MAX: tl.constexpr = False,
+    ON_LOGITS: tl.constexpr = False,
 ):
     """Rows [pid * BLOCK_T, +BLOCK_T): scores, (grouped) choice, top-k, weights."""
     _pdl.enter(PDL)
@@ -105,6 +108,8 @@ def _routing_kernel(
     scores = tl.where(real, s64.to(tl.float32), 0.0)
 
     choice = scores
+    if ON_LOGITS:  # topk_sigmoid: choose on the float32 logits, weights from the scores
+        choice = tl.where(real, x.to(tl.float32), 0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + experts, mask=experts < NUM_EXPERTS, other=0.0)
         choice = scores + bias.to(tl.float32)[None, :]
@@ -112,7 +117,7 @@ def _routing_kernel(
     keys = tl.where(real, (_ordered(choice) << 32) | low, _MIN_KEY)
 
     if NUM_GROUPS > 0:
-        # Group score: the sum of the group's two best choice values.
+        # Group score: the sum of the group's two best choice values (GROUP_MAX: its best).
         groups = tl.arange(0, G_POW2)
         gkeys = tl.full((BLOCK_T, G_POW2), _MIN_KEY, tl.int64)
         for g in tl.static_range(NUM_GROUPS):
@@ -121,7 +126,7 @@ def _routing_kernel(
             first = _index_of(tl.max(k_in, axis=1), E_POW2)
             hit = experts[None, :] == first[:, None]
             gscore = tl.sum(tl.where(hit, choice, 0.0), axis=1)
-            if GROUP_SIZE > 1:
+            if GROUP_SIZE > 1 and not GROUP_MAX:
                 second = _index_of(tl.max(tl.where(hit, _MIN_KEY, k_in), axis=1), E_POW2)
                 gscore += tl.sum(tl.where(experts[None, :] == second[:, None], choice, 0.0), axis=1)
             gkey = (_ordered(gscore) << 32) | (G_POW2 - 1 - g)
@@ -182,6 +187,7 @@ def route(
     num_expert_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float = 1.0,
+    group_score: str = "top2_sum",
 ) -> TopK:
     """``select_experts`` in one kernel launch; arguments as there, already validated
     (``select_experts(..., backend="triton")`` checks them, then calls this).
@@ -213,7 +219,7 @@ def route(
         if correction_bias is None
         else (router_logits, weights, ids, bias)
     )
-    settings = (top_k, scoring_func, renormalize, num_expert_group, topk_group)
+    settings = (top_k, scoring_func, renormalize, num_expert_group, topk_group, group_score)
     planned = _plan.enabled(DEFAULT_OPTIONS, device)
     if planned:  # one launch, replayed per (shape, settings, caller): ``_plan``
         plan_key = _plan.key(roles, stride_t, float(routed_scaling_factor), *settings)
@@ -246,6 +252,7 @@ def _launch_routing(
     renormalize,
     num_expert_group,
     topk_group,
+    group_score,
 ) -> None:
     num_tokens, num_experts = router_logits.shape
     e_pow2 = _pow2(num_experts)
@@ -267,7 +274,7 @@ def _launch_routing(
         E_POW2=e_pow2,
         K_POW2=_pow2(top_k),
         BLOCK_T=block_t,
-        SIGMOID=scoring_func == "sigmoid",
+        SIGMOID=scoring_func != "softmax",
         HAS_BIAS=correction_bias is not None,
         NUM_GROUPS=num_groups,
         GROUP_SIZE=num_experts // num_groups if grouped else 1,
@@ -275,6 +282,8 @@ def _launch_routing(
         G_POW2=_pow2(num_groups) if grouped else 1,
         RENORMALIZE=bool(renormalize),
         SCALED=routed_scaling_factor != 1.0,
+        GROUP_MAX=group_score == "max",
+        ON_LOGITS=scoring_func == "topk_sigmoid",
         options=DEFAULT_OPTIONS,
         num_warps=4,
     )

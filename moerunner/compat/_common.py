@@ -1,0 +1,333 @@
+"""What the vLLM and SGLang entry points share: the experts call in peer terms.
+
+Peer weights are ``w1 [E, 2I, H]`` (gate rows then up rows, or for ``swigluoai`` / GPT-OSS
+interleaved) and ``w2 [E, H, I]``, as moerunner's; pre-quantized weights come as the data
+tensor plus scale (and zero-point) tensors selected by ``use_*`` flags. ``peer_weights``
+wraps them into ``QuantizedWeight`` values, sharing the data tensors (scales are viewed, or
+copied to float32 where the peer stores them in another dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..api import fused_moe
+from ..device_checks import check_ids_async
+from ..dispatch.expert_map import local_ids
+from ..errors import MoeInputError
+from ..quant.schemes import get_scheme
+from ..quant.weight import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class ExpertsCall:
+    """One experts call in moerunner's terms (what ``run`` passes to ``fused_moe``)."""
+
+    activation: str
+    w13_order: str = "gate_up"
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """The peers' flat quantization arguments of one experts call."""
+
+    use_fp8_w8a8: bool = False
+    use_int8_w8a8: bool = False
+    use_int8_w8a16: bool = False
+    use_int4_w4a16: bool = False
+    per_channel_quant: bool = False
+    w1_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w1_zp: torch.Tensor | None = None
+    w2_zp: torch.Tensor | None = None
+    a1_scale: torch.Tensor | None = None
+    a2_scale: torch.Tensor | None = None
+    block_shape: list[int] | tuple[int, ...] | None = None
+
+
+def _given(where: str, **named: object) -> None:
+    """Raise naming the first argument that is set where it has no meaning."""
+    for name, value in named.items():
+        if value is not None and value is not False:
+            raise MoeInputError(f"{where}: {name} has no meaning here; {_WHY[name]}")
+
+
+_WHY = {
+    "w1_scale": "weight scales go with a use_* quantization flag",
+    "w2_scale": "weight scales go with a use_* quantization flag",
+    "w1_zp": "zero points are accepted with use_int4_w4a16 only",
+    "w2_zp": "zero points are accepted with use_int4_w4a16 only",
+    "a1_scale": "static activation scales are accepted with use_fp8_w8a8 per tensor and "
+    "use_int8_w8a8 only",
+    "a2_scale": "static activation scales are accepted with use_fp8_w8a8 per tensor and "
+    "use_int8_w8a8 only",
+    "block_shape": "block_shape is accepted with use_fp8_w8a8 and, as [0, group], use_int4_w4a16",
+    "per_channel_quant": "per_channel_quant is accepted with use_fp8_w8a8 and use_int8_w8a8",
+}
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A peer scale as float32 of ``shape`` (a view where it already is float32)."""
+    t = _tensor(name, t)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if t.numel() != _numel(shape):
+        raise MoeInputError(f"{name} must hold {list(shape)} values, got shape {list(t.shape)}")
+    return t.reshape(shape).to(torch.float32)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _static_scale(name: str, t: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """A static activation scale (one value, or one per expert) as float32 ``[E]``."""
+    t = _tensor(name, t)
+    if t.numel() not in (1, num_experts):
+        raise MoeInputError(
+            f"{name} must be one value or one per expert (E={num_experts}), got shape "
+            f"{list(t.shape)}"
+        )
+    return t.reshape(-1).to(torch.float32).expand(num_experts).contiguous()
+
+
+def _data(name: str, t: object, dtype: torch.dtype, flag: str) -> torch.Tensor:
+    t = _tensor(name, t)
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype} with {flag}=True, got {t.dtype}")
+    if t.dim() != 3:
+        raise MoeInputError(f"{name} must be 3-D [E, N, K], got shape {list(t.shape)}")
+    return t
+
+
+def _one(where: str, q: QuantArgs, which: str, w: object):
+    """One weight (``which`` "1" or "2") as moerunner sees it."""
+    scale = getattr(q, f"w{which}_scale")
+    zp = getattr(q, f"w{which}_zp")
+    a_scale = getattr(q, f"a{which}_scale")
+    name, sname, aname = f"w{which}", f"w{which}_scale", f"a{which}_scale"
+    flags = [f for f in _FLAGS if getattr(q, f)]
+    if len(flags) > 1:
+        raise MoeInputError(f"{where}: {' and '.join(flags)} are exclusive; pass one")
+    if not flags:
+        _given(
+            where,
+            **{sname: scale, f"w{which}_zp": zp, aname: a_scale},
+            block_shape=q.block_shape,
+            per_channel_quant=q.per_channel_quant,
+        )
+        return w
+    flag = flags[0]
+    if scale is None:
+        raise MoeInputError(f"{where}: {flag}=True needs {sname}")
+    if flag == "use_fp8_w8a8":
+        _given(where, **{f"w{which}_zp": zp})
+        data = _data(name, w, torch.float8_e4m3fn, flag)
+        e, n, k = data.shape
+        if q.block_shape is not None:
+            bn, bk = _block(q.block_shape)
+            _given(where, **{aname: a_scale})
+            scheme = get_scheme("fp8_block" if (bn, bk) == (128, 128) else f"fp8_block_{bn}x{bk}")
+            grid = (e, -(-n // bn), -(-k // bk))
+            return QuantizedWeight(scheme, (e, n, k), data, _fp32(sname, scale, grid))
+        if q.per_channel_quant:
+            _given(where, **{aname: a_scale})
+            return QuantizedWeight("fp8_channel", (e, n, k), data, _fp32(sname, scale, (e, n)))
+        if a_scale is None:
+            return QuantizedWeight("fp8_tensor", (e, n, k), data, _fp32(sname, scale, (e,)))
+        return QuantizedWeight(
+            "fp8_tensor_static",
+            (e, n, k),
+            data,
+            _fp32(sname, scale, (e,)),
+            input_scale=_static_scale(aname, a_scale, e),
+        )
+    if flag == "use_int8_w8a8":
+        _given(where, **{f"w{which}_zp": zp}, block_shape=q.block_shape)
+        if not q.per_channel_quant:
+            raise MoeInputError(
+                f"{where}: use_int8_w8a8 with per-tensor weight scales has no moerunner "
+                "scheme (int8 is per output channel); pass per_channel_quant=True with "
+                f"{sname} [E, N]"
+            )
+        data = _data(name, w, torch.int8, flag)
+        e, n, k = data.shape
+        s = _fp32(sname, scale, (e, n))
+        if a_scale is None:
+            return QuantizedWeight("int8", (e, n, k), data, s)
+        return QuantizedWeight(
+            "int8_static", (e, n, k), data, s, input_scale=_static_scale(aname, a_scale, e)
+        )
+    if flag == "use_int8_w8a16":
+        _given(
+            where,
+            **{f"w{which}_zp": zp, aname: a_scale},
+            block_shape=q.block_shape,
+            per_channel_quant=q.per_channel_quant,
+        )
+        data = _data(name, w, torch.int8, flag)
+        e, n, k = data.shape
+        return QuantizedWeight("int8_w8a16", (e, n, k), data, _fp32(sname, scale, (e, n)))
+    # use_int4_w4a16: packed [E, N, K/2] (low nibble = even k, value - 8 or - zero point)
+    _given(where, **{aname: a_scale}, per_channel_quant=q.per_channel_quant)
+    data = _data(name, w, torch.uint8, flag)
+    if q.block_shape is None or len(q.block_shape) != 2 or q.block_shape[0] != 0:
+        raise MoeInputError(
+            f"{where}: use_int4_w4a16 needs block_shape=[0, group_size] (scales per group of "
+            f"K), got {q.block_shape!r}"
+        )
+    group = int(q.block_shape[1])
+    e, n, half_k = data.shape
+    k = 2 * half_k
+    if group < 2 or k % group:
+        raise MoeInputError(f"{where}: block_shape group {group} must divide K={k} (even)")
+    s = _fp32(sname, scale, (e, n, k // group))
+    zero = None
+    if zp is not None:
+        zero = _unpack_rows(f"w{which}_zp", zp, (e, n, k // group))
+    scheme = get_scheme(f"int4_g{group}" + ("_zp" if zero is not None else ""))
+    return QuantizedWeight(scheme, (e, n, k), data, s, zero_point=zero)
+
+
+_FLAGS = ("use_fp8_w8a8", "use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16")
+
+
+def _block(block_shape) -> tuple[int, int]:
+    if (
+        not isinstance(block_shape, (list, tuple))
+        or len(block_shape) != 2
+        or not all(isinstance(v, int) and v > 0 for v in block_shape)
+    ):
+        raise MoeInputError(
+            f"block_shape must be [block_n, block_k] of positive ints, got {block_shape!r}"
+        )
+    return int(block_shape[0]), int(block_shape[1])
+
+
+def _unpack_rows(name: str, zp: object, shape: tuple[int, int, int]) -> torch.Tensor:
+    """int4 zero points packed two rows a byte along N (``[E, N/2, G]``, low nibble = even
+    row) to one uint8 per row ``[E, N, G]`` (a copy of the small zero-point tensor)."""
+    zp = _tensor(name, zp)
+    e, n, g = shape
+    if zp.dtype != torch.uint8 or tuple(zp.shape) != (e, n // 2, g) or n % 2:
+        raise MoeInputError(
+            f"{name} must be uint8 [E, N/2, K/group] = {[e, n // 2, g]} (two 4-bit zero "
+            f"points per byte along N), got {zp.dtype} {list(zp.shape)}"
+        )
+    return torch.stack((zp & 0xF, zp >> 4), dim=2).reshape(e, n, g)
+
+
+def peer_weights(where: str, w1: object, w2: object, q: QuantArgs):
+    """``(w13, w2)`` for moerunner: the tensors as given, or ``QuantizedWeight`` values."""
+    return _one(where, q, "1", w1), _one(where, q, "2", w2)
+
+
+def global_to_local(
+    where: str,
+    topk_ids: torch.Tensor,
+    num_local: int,
+    global_num_experts: int,
+    expert_map: torch.Tensor | None,
+) -> torch.Tensor:
+    """The peers' expert parallelism: ids are global in ``[0, global_num_experts)`` and
+    ``expert_map[global]`` is the local id or -1. Ids are checked against the global range
+    (on a GPU without a host read, ``moerunner.check_errors``), then mapped."""
+    if isinstance(global_num_experts, bool) or not isinstance(global_num_experts, int):
+        raise TypeError(f"{where}: global_num_experts must be an int, got {global_num_experts!r}")
+    if expert_map is None:
+        if global_num_experts not in (-1, num_local):
+            raise MoeInputError(
+                f"{where}: global_num_experts={global_num_experts} differs from the "
+                f"{num_local} experts of w1 but no expert_map says which are local"
+            )
+        return topk_ids
+    expert_map = _tensor("expert_map", expert_map)
+    if expert_map.dim() != 1 or expert_map.is_floating_point():
+        raise MoeInputError(
+            f"{where}: expert_map must be a 1-D integer tensor [global_num_experts], got "
+            f"{expert_map.dtype} {list(expert_map.shape)}"
+        )
+    total = expert_map.numel() if global_num_experts == -1 else global_num_experts
+    if expert_map.numel() != total:
+        raise MoeInputError(
+            f"{where}: expert_map has {expert_map.numel()} entries but "
+            f"global_num_experts={global_num_experts}"
+        )
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.is_floating_point():
+        raise TypeError(f"{where}: topk_ids must be an integer tensor")
+    if expert_map.device != topk_ids.device:
+        raise MoeInputError(
+            f"{where}: expert_map is on {expert_map.device} but topk_ids on {topk_ids.device}"
+        )
+    check_ids_async(topk_ids, total, where=where)
+    return local_ids(topk_ids, expert_map)
+
+
+def run(
+    where: str,
+    hidden_states: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    call: ExpertsCall,
+    *,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+    inplace: bool,
+    output: torch.Tensor | None,
+    backend: str,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``fused_moe`` with the peers' result conventions: ``inplace`` writes into (and
+    returns) ``hidden_states``, ``output`` is written and returned, else a new tensor.
+    ``scale`` multiplies the output (SGLang's ``routed_scaling_factor``), through the
+    routing weights where that is exact."""
+    if inplace and output is not None:
+        raise MoeInputError(f"{where}: inplace=True and output= both name the result; pass one")
+    if scale is not None and not apply_router_weight_on_input:
+        topk_weights = _tensor("topk_weights", topk_weights).float() * float(scale)
+    out = fused_moe(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation=call.activation,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        w13_order=call.w13_order,
+        swiglu_alpha=call.swiglu_alpha,
+        swiglu_limit=call.swiglu_limit,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        backend=backend,
+    )
+    if scale is not None and apply_router_weight_on_input:
+        out = (out.float() * float(scale)).to(out.dtype)
+    target = hidden_states if inplace else output
+    if target is None:
+        return out
+    name = "hidden_states" if inplace else "output"
+    target = _tensor(name, target)
+    if tuple(target.shape) != tuple(out.shape) or target.dtype != out.dtype:
+        raise MoeInputError(
+            f"{where}: {name} must be {out.dtype} {list(out.shape)} to take the result, got "
+            f"{target.dtype} {list(target.shape)}"
+        )
+    if target.device != out.device:
+        raise MoeInputError(f"{where}: {name} is on {target.device}, the result on {out.device}")
+    return target.copy_(out)

@@ -1,0 +1,261 @@
+"""SGLang's MoE entry points, computed by moerunner.
+
+Routing: ``select_experts(hidden_states, router_logits, topk_config)`` with a ``TopKConfig``
+returns a ``StandardTopKOutput(topk_weights, topk_ids, router_logits)``, as SGLang's
+(``python/sglang/srt/layers/moe/topk.py``): grouped top-k ranks groups by their best score,
+or with ``correction_bias`` by the sum of their two best biased scores;
+``routed_scaling_factor`` multiplies the weights only with
+``apply_routed_scaling_factor_on_output=True`` (otherwise SGLang applies it to the experts'
+output, ``MoeRunnerConfig.routed_scaling_factor``).
+
+Experts: ``fused_experts(hidden_states, w1, w2, topk_output, moe_runner_config, b1, b2,
+use_* flags, scales ...)`` (``fused_moe`` is the same call) with a ``MoeRunnerConfig``
+(``activation``, ``is_gated``, ``apply_router_weight_on_input``, ``inplace`` (SGLang's
+default True: the result is written into ``hidden_states``), ``routed_scaling_factor``,
+``gemm1_alpha`` / ``gemm1_clamp_limit``: SGLang's GPT-OSS SwiGLU on interleaved gate/up
+rows, moerunner's ``swiglu_oai``). The extra keyword ``backend`` picks the moerunner backend.
+Quantized arguments map as in ``moerunner.compat.vllm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..errors import MoeInputError
+from ..routing import select_experts as _select_experts
+from ._common import ExpertsCall, QuantArgs, peer_weights, run
+
+__all__ = [
+    "MoeRunnerConfig",
+    "StandardTopKOutput",
+    "TopKConfig",
+    "fused_experts",
+    "fused_moe",
+    "select_experts",
+]
+
+
+class StandardTopKOutput(NamedTuple):
+    """SGLang's routing result: ``topk_weights`` fp32 / ``topk_ids`` int32 ``[T, k]`` and the
+    logits they came from."""
+
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    router_logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TopKConfig:
+    """SGLang's routing parameters (those with a moerunner meaning; the rest must keep
+    their defaults)."""
+
+    top_k: int
+    use_grouped_topk: bool = False
+    topk_group: int | None = None
+    num_expert_group: int | None = None
+    renormalize: bool = True
+    num_fused_shared_experts: int = 0
+    custom_routing_function: Callable | None = None
+    correction_bias: torch.Tensor | None = None
+    torch_native: bool = False
+    routed_scaling_factor: float | None = None
+    apply_routed_scaling_factor_on_output: bool = False
+    scoring_func: str = "softmax"
+    output_format: object = None
+
+
+@dataclass(frozen=True)
+class MoeRunnerConfig:
+    """SGLang's experts parameters (shape fields are informational here)."""
+
+    num_experts: int | None = None
+    num_local_experts: int | None = None
+    hidden_size: int | None = None
+    intermediate_size_per_partition: int | None = None
+    layer_id: int | None = None
+    top_k: int | None = None
+    num_fused_shared_experts: int | None = None
+    params_dtype: torch.dtype | None = None
+    activation: str = "silu"
+    is_gated: bool = True
+    apply_router_weight_on_input: bool = False
+    inplace: bool = True
+    no_combine: bool = False
+    routed_scaling_factor: float | None = None
+    gemm1_alpha: float | None = None
+    gemm1_clamp_limit: float | None = None
+
+
+def select_experts(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    topk_config: TopKConfig,
+    *,
+    num_token_non_padded: torch.Tensor | None = None,
+    expert_location_dispatch_info: object = None,
+) -> StandardTopKOutput:
+    """SGLang's ``select_experts`` (module docstring). ``num_token_non_padded`` (a 0-d
+    tensor): ids of the rows at or past it are set to -1, without a host read.
+    ``torch_native`` picks an SGLang implementation and is ignored."""
+    where = "sglang.select_experts"
+    if not isinstance(topk_config, TopKConfig):
+        raise TypeError(f"{where}: topk_config must be a TopKConfig, got {type(topk_config)}")
+    c = topk_config
+    if c.num_fused_shared_experts:
+        raise MoeInputError(
+            f"{where}: num_fused_shared_experts={c.num_fused_shared_experts} has no mapping; "
+            "append shared-expert slots with moerunner.dispatch.expert_map.append_shared_slots"
+        )
+    if expert_location_dispatch_info is not None:
+        raise MoeInputError(f"{where}: expert_location_dispatch_info has no moerunner mapping")
+    if c.output_format not in (None, "standard"):
+        raise MoeInputError(f"{where}: output_format {c.output_format!r}; accepted: standard")
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
+    factor = c.routed_scaling_factor if c.apply_routed_scaling_factor_on_output else None
+    if c.custom_routing_function is not None:
+        if c.use_grouped_topk or c.correction_bias is not None or factor is not None:
+            raise MoeInputError(
+                f"{where}: custom_routing_function replaces the routing; use_grouped_topk, "
+                "correction_bias and an applied routed_scaling_factor must be unset with it"
+            )
+        topk = _select_experts(
+            router_logits,
+            c.top_k,
+            renormalize=c.renormalize,
+            custom_routing_function=_keywords(c.custom_routing_function),
+            hidden_states=hidden_states,
+        )
+    else:
+        grouped = c.use_grouped_topk
+        if grouped and (c.num_expert_group is None or c.topk_group is None):
+            raise MoeInputError(
+                f"{where}: use_grouped_topk=True needs num_expert_group, topk_group"
+            )
+        topk = _select_experts(
+            router_logits,
+            c.top_k,
+            scoring_func=c.scoring_func,
+            renormalize=c.renormalize,
+            correction_bias=c.correction_bias,
+            num_expert_group=c.num_expert_group if grouped else None,
+            topk_group=c.topk_group if grouped else None,
+            routed_scaling_factor=1.0 if factor is None else float(factor),
+            group_score="top2_sum" if c.correction_bias is not None else "max",
+        )
+    ids = topk.ids
+    if num_token_non_padded is not None:
+        rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        limit = torch.as_tensor(num_token_non_padded, device=ids.device)
+        ids = torch.where(rows < limit, ids, torch.full_like(ids, -1))
+    return StandardTopKOutput(topk.weights, ids, router_logits)
+
+
+def _keywords(fn: Callable) -> Callable:
+    """SGLang calls a custom routing function with keywords (``hidden_states``,
+    ``gating_output``, ``topk``, ``renormalize``)."""
+
+    def call(hidden_states, router_logits, top_k, renormalize):
+        return fn(
+            hidden_states=hidden_states,
+            gating_output=router_logits,
+            topk=top_k,
+            renormalize=renormalize,
+        )
+
+    return call
+
+
+def _call(cfg: MoeRunnerConfig) -> ExpertsCall:
+    name = cfg.activation
+    if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None:
+        if name != "silu" or not cfg.is_gated:
+            raise MoeInputError(
+                f"gemm1_alpha / gemm1_clamp_limit apply to the gated 'silu' activation (GPT-OSS "
+                f"SwiGLU), got activation {name!r}, is_gated={cfg.is_gated}"
+            )
+        return ExpertsCall("swiglu_oai", "interleaved", cfg.gemm1_alpha, cfg.gemm1_clamp_limit)
+    gated = {"silu": "silu", "gelu": "gelu"}
+    plain = {"relu2": "relu2"}
+    table = gated if cfg.is_gated else plain
+    if name not in table:
+        raise MoeInputError(
+            f"activation: got {name!r} with is_gated={cfg.is_gated}; accepted: "
+            f"{', '.join(sorted(table))}"
+        )
+    return ExpertsCall(table[name])
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_output: StandardTopKOutput | tuple,
+    moe_runner_config: MoeRunnerConfig = MoeRunnerConfig(),
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    use_fp8_w8a8: bool = False,
+    use_int8_w8a8: bool = False,
+    use_int8_w8a16: bool = False,
+    use_int4_w4a16: bool = False,
+    per_channel_quant: bool = False,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w1_zp: torch.Tensor | None = None,
+    w2_zp: torch.Tensor | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """SGLang's ``fused_experts`` (module docstring). ``topk_output`` is a
+    ``StandardTopKOutput`` or any ``(topk_weights, topk_ids, ...)`` tuple."""
+    where = "sglang.fused_experts"
+    cfg = moe_runner_config
+    if not isinstance(cfg, MoeRunnerConfig):
+        raise TypeError(f"{where}: moe_runner_config must be a MoeRunnerConfig, got {type(cfg)}")
+    if cfg.no_combine:
+        raise MoeInputError(f"{where}: no_combine=True (per-slot outputs) has no moerunner mapping")
+    if not isinstance(topk_output, tuple) or len(topk_output) < 2:
+        raise TypeError(f"{where}: topk_output must be a StandardTopKOutput")
+    q = QuantArgs(
+        use_fp8_w8a8,
+        use_int8_w8a8,
+        use_int8_w8a16,
+        use_int4_w4a16,
+        per_channel_quant,
+        w1_scale,
+        w2_scale,
+        w1_zp,
+        w2_zp,
+        a1_scale,
+        a2_scale,
+        block_shape,
+    )
+    w13, w2q = peer_weights(where, w1, w2, q)
+    factor = cfg.routed_scaling_factor
+    return run(
+        where,
+        hidden_states,
+        w13,
+        w2q,
+        topk_output[0],
+        topk_output[1],
+        _call(cfg),
+        w13_bias=b1,
+        w2_bias=b2,
+        apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+        inplace=cfg.inplace,
+        output=None,
+        backend=backend,
+        scale=None if factor is None or factor == 1.0 else float(factor),
+    )
+
+
+#: SGLang's ``fused_moe`` takes the same arguments as its ``fused_experts``.
+fused_moe = fused_experts

@@ -1,0 +1,268 @@
+"""vLLM's fused-MoE entry points, computed by moerunner.
+
+``fused_experts`` and ``fused_moe`` take vLLM's argument names and meanings
+(``vllm/model_executor/layers/fused_moe/fused_moe.py``): ``w1 [E, 2I, H]`` (gate rows then
+up rows; ``activation="swigluoai"`` reads them interleaved, as vLLM's GPT-OSS path does),
+``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids``, ``inplace`` (the result is written into
+``hidden_states``, which is returned), ``output`` (written and returned), ``expert_map`` with
+``global_num_experts``, biases ``w1_bias`` / ``w2_bias`` and pre-quantized weights selected by
+the ``use_*`` flags with their scales and zero points. ``fused_topk`` and ``grouped_topk``
+return vLLM's tuples. The extra keyword ``backend`` picks the moerunner backend.
+
+Differences that stay: dynamically quantized activations are quantized per token (fp8 per
+tensor / channel, int8) or per token and K block (fp8 block), where vLLM quantizes fp8 per
+tensor weights' inputs per tensor; slots are ordered by descending score; ids and weights
+are int32 / float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..errors import MoeInputError
+from ..routing import select_experts
+from ._common import ExpertsCall, QuantArgs, global_to_local, peer_weights, run
+
+__all__ = ["ACTIVATIONS", "fused_experts", "fused_moe", "fused_topk", "grouped_topk"]
+
+#: vLLM activation name -> moerunner's call (activation, w13 row order).
+ACTIVATIONS = {
+    "silu": ExpertsCall("silu"),
+    "gelu": ExpertsCall("gelu"),
+    "swigluoai": ExpertsCall("swiglu_oai", "interleaved"),
+    "relu2_no_mul": ExpertsCall("relu2"),
+}
+
+
+def _call(activation: object) -> ExpertsCall:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise MoeInputError(
+            f"activation: got {activation!r}; accepted: {', '.join(sorted(ACTIVATIONS))}"
+        )
+    return ACTIVATIONS[activation]
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    inplace: bool = False,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    use_fp8_w8a8: bool = False,
+    use_int8_w8a8: bool = False,
+    use_int8_w8a16: bool = False,
+    use_int4_w4a16: bool = False,
+    per_channel_quant: bool = False,
+    global_num_experts: int = -1,
+    expert_map: torch.Tensor | None = None,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w1_zp: torch.Tensor | None = None,
+    w2_zp: torch.Tensor | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    allow_deep_gemm: bool = False,
+    output: torch.Tensor | None = None,
+    quant_config: object = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """vLLM's ``fused_experts`` (module docstring). ``allow_deep_gemm`` picks a vLLM kernel
+    and changes no result: accepted and ignored. ``quant_config`` (vLLM's
+    ``FusedMoEQuantConfig``) is not read: pass the flat ``use_*`` / scale arguments."""
+    where = "vllm.fused_experts"
+    if quant_config is not None:
+        raise MoeInputError(
+            f"{where}: quant_config is not read here; pass the flat use_* flags, w1_scale / "
+            "w2_scale, w1_zp / w2_zp, a1_scale / a2_scale and block_shape"
+        )
+    call = _call(activation)
+    q = QuantArgs(
+        use_fp8_w8a8,
+        use_int8_w8a8,
+        use_int8_w8a16,
+        use_int4_w4a16,
+        per_channel_quant,
+        w1_scale,
+        w2_scale,
+        w1_zp,
+        w2_zp,
+        a1_scale,
+        a2_scale,
+        block_shape,
+    )
+    w13, w2q = peer_weights(where, w1, w2, q)
+    num_local = w13.shape[0] if hasattr(w13, "shape") else 0
+    ids = global_to_local(where, topk_ids, num_local, global_num_experts, expert_map)
+    return run(
+        where,
+        hidden_states,
+        w13,
+        w2q,
+        topk_weights,
+        ids,
+        call,
+        w13_bias=w1_bias,
+        w2_bias=w2_bias,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        inplace=inplace,
+        output=output,
+        backend=backend,
+    )
+
+
+def fused_topk(
+    hidden_states: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    indices_type: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's ``fused_topk``: softmax -> top-k (-> renormalize).
+
+    Returns ``(topk_weights fp32 [T, k], topk_ids int32 (or indices_type) [T, k],
+    token_expert_indices int32 [T, k])`` where ``token_expert_indices[t, j] = j * T + t``
+    (the row of slot j of token t in vLLM's slot-major layout)."""
+    _check_hidden("vllm.fused_topk", hidden_states, gating_output)
+    topk_result = select_experts(gating_output, topk, renormalize=renormalize)
+    ids = topk_result.ids if indices_type is None else topk_result.ids.to(indices_type)
+    num_tokens = gating_output.shape[0]
+    slots = torch.arange(topk, dtype=torch.int32, device=gating_output.device)
+    tokens = torch.arange(num_tokens, dtype=torch.int32, device=gating_output.device)
+    token_expert_indices = slots[None, :] * num_tokens + tokens[:, None]
+    return topk_result.weights, ids, token_expert_indices
+
+
+def grouped_topk(
+    hidden_states: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    num_expert_group: int = 0,
+    topk_group: int = 0,
+    scoring_func: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``grouped_topk``: groups ranked by their best score (DeepSeek-V2), or with
+    ``e_score_correction_bias`` by the sum of their two best biased scores (DeepSeek-V3).
+    Returns ``(topk_weights fp32, topk_ids int32)``, ``[T, topk]`` each."""
+    _check_hidden("vllm.grouped_topk", hidden_states, gating_output)
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise MoeInputError(f"scoring_func: got {scoring_func!r}; accepted: 'softmax', 'sigmoid'")
+    topk_result = select_experts(
+        gating_output,
+        topk,
+        scoring_func=scoring_func,
+        renormalize=renormalize,
+        correction_bias=e_score_correction_bias,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        group_score="top2_sum" if e_score_correction_bias is not None else "max",
+    )
+    return topk_result.weights, topk_result.ids
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    inplace: bool = False,
+    activation: str = "silu",
+    use_grouped_topk: bool = False,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    custom_routing_function: Callable | None = None,
+    use_fp8_w8a8: bool = False,
+    use_int8_w8a8: bool = False,
+    use_int8_w8a16: bool = False,
+    use_int4_w4a16: bool = False,
+    per_channel_quant: bool = False,
+    global_num_experts: int = -1,
+    expert_map: torch.Tensor | None = None,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w1_zp: torch.Tensor | None = None,
+    w2_zp: torch.Tensor | None = None,
+    a1_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """vLLM's ``fused_moe``: route ``gating_output`` (``grouped_topk`` when
+    ``use_grouped_topk``, else ``custom_routing_function(hidden_states, gating_output, topk,
+    renormalize)`` if given, else ``fused_topk``), then ``fused_experts``."""
+    if use_grouped_topk:
+        if num_expert_group is None or topk_group is None:
+            raise MoeInputError(
+                "vllm.fused_moe: use_grouped_topk=True needs num_expert_group and topk_group"
+            )
+        weights, ids = grouped_topk(
+            hidden_states, gating_output, topk, renormalize, num_expert_group, topk_group
+        )
+    elif custom_routing_function is not None:
+        _check_hidden("vllm.fused_moe", hidden_states, gating_output)
+        routed = select_experts(
+            gating_output,
+            topk,
+            renormalize=renormalize,
+            custom_routing_function=custom_routing_function,
+            hidden_states=hidden_states,
+        )
+        weights, ids = routed.weights, routed.ids
+    else:
+        weights, ids, _ = fused_topk(hidden_states, gating_output, topk, renormalize)
+    return fused_experts(
+        hidden_states,
+        w1,
+        w2,
+        weights,
+        ids,
+        inplace=inplace,
+        activation=activation,
+        use_fp8_w8a8=use_fp8_w8a8,
+        use_int8_w8a8=use_int8_w8a8,
+        use_int8_w8a16=use_int8_w8a16,
+        use_int4_w4a16=use_int4_w4a16,
+        per_channel_quant=per_channel_quant,
+        global_num_experts=global_num_experts,
+        expert_map=expert_map,
+        w1_scale=w1_scale,
+        w2_scale=w2_scale,
+        w1_zp=w1_zp,
+        w2_zp=w2_zp,
+        a1_scale=a1_scale,
+        a2_scale=a2_scale,
+        block_shape=block_shape,
+        w1_bias=w1_bias,
+        w2_bias=w2_bias,
+        backend=backend,
+    )
+
+
+def _check_hidden(where: str, hidden_states: object, gating_output: object) -> None:
+    """The routing calls take ``hidden_states`` for its token count only."""
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
+    if not isinstance(gating_output, torch.Tensor):
+        raise TypeError(f"{where}: gating_output must be a torch.Tensor")
+    if gating_output.dim() == 2 and hidden_states.shape[0] != gating_output.shape[0]:
+        raise MoeInputError(
+            f"{where}: gating_output has T={gating_output.shape[0]} rows but hidden_states "
+            f"has T={hidden_states.shape[0]}"
+        )

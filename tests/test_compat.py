@@ -1,0 +1,367 @@
+"""moerunner.compat.vllm / .sglang against the native API on the same inputs, and their
+quantized paths against the float64 reference with each format's bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerunner
+from moerunner import ExpertWeights, MoeInputError, quantize, reference_moe
+from moerunner.compat import sglang, vllm
+from moerunner.testing import DTYPE_BOUND, assert_close, error_bound
+
+E, H, I, T = 4, 128, 64, 6
+
+
+def _problem(seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) * I**-0.5).to(dtype)
+    return x, logits, w13, w2
+
+
+def _native(x, w13, w2, logits, k=2, **kw):
+    topk = moerunner.select_experts(logits, k, renormalize=True)
+    return topk, moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, **kw)
+
+
+# -- vLLM ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_fused_experts_equals_native(dtype):
+    x, logits, w13, w2 = _problem(1, dtype)
+    b1, b2 = torch.randn(E, 2 * I).to(dtype), torch.randn(E, H).to(dtype)
+    topk, native = _native(x, w13, w2, logits, w13_bias=b1, w2_bias=b2)
+    out = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, w1_bias=b1, w2_bias=b2)
+    assert torch.equal(out, native)
+
+
+def test_vllm_inplace_and_output():
+    x, logits, w13, w2 = _problem(2)
+    topk, native = _native(x, w13, w2, logits)
+    into = torch.empty_like(x)
+    got = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, output=into)
+    assert got is into and torch.equal(into, native)
+    h = x.clone()
+    got = vllm.fused_experts(h, w13, w2, topk.weights, topk.ids, inplace=True)
+    assert got is h and torch.equal(h, native)
+    with pytest.raises(MoeInputError, match="output"):
+        vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, output=torch.empty(T, H + 1))
+    with pytest.raises(MoeInputError, match="pass one"):
+        vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, inplace=True, output=into)
+
+
+def test_vllm_swigluoai_is_interleaved_swiglu_oai():
+    x, logits, w13, w2 = _problem(3)
+    topk, native = _native(x, w13, w2, logits, activation="swiglu_oai", gate_up_interleaved=True)
+    out = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, activation="swigluoai")
+    assert torch.equal(out, native)
+    with pytest.raises(MoeInputError, match="accepted"):
+        vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, activation="swiglu")
+
+
+def test_vllm_expert_map_global_ids():
+    """Rank 1 of 2 holds global experts 4..7 as local 0..3; the others' slots contribute 0."""
+    x, _, w13, w2 = _problem(4)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(T, 2 * E, generator=g)
+    topk = moerunner.select_experts(logits, 3)
+    expert_map = torch.tensor([-1] * E + list(range(E)), dtype=torch.int32)
+    out = vllm.fused_experts(
+        x, w13, w2, topk.weights, topk.ids, global_num_experts=2 * E, expert_map=expert_map
+    )
+    local = torch.where(topk.ids >= E, topk.ids - E, torch.full_like(topk.ids, -1))
+    ref = reference_moe(x, ExpertWeights(w13, w2), topk.weights, local)
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what="expert_map")
+    with pytest.raises(MoeInputError, match="global_num_experts"):
+        vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, global_num_experts=2 * E)
+    with pytest.raises(MoeInputError, match="entries"):
+        vllm.fused_experts(
+            x, w13, w2, topk.weights, topk.ids, global_num_experts=3 * E, expert_map=expert_map
+        )
+    bad = topk.ids.clone()
+    bad[0, 0] = 2 * E
+    with pytest.raises(MoeInputError):
+        vllm.fused_experts(x, w13, w2, topk.weights, bad, expert_map=expert_map)
+
+
+def test_vllm_routing_calls():
+    x, logits, w13, w2 = _problem(5)
+    w, ids, token_expert = vllm.fused_topk(x, logits, 2, True)
+    topk = moerunner.select_experts(logits, 2, renormalize=True)
+    assert torch.equal(w, topk.weights) and torch.equal(ids, topk.ids)
+    assert token_expert.tolist() == [[t, T + t] for t in range(T)]
+    assert vllm.fused_topk(x, logits, 2, False, indices_type=torch.int64)[1].dtype == torch.int64
+    # grouped_topk: DeepSeek-V2 (best score per group) without a bias, V3 with one.
+    v2 = vllm.grouped_topk(x, logits, 2, False, 2, 1, routed_scaling_factor=2.0)
+    ref = moerunner.select_experts(
+        logits, 2, num_expert_group=2, topk_group=1, routed_scaling_factor=2.0, group_score="max"
+    )
+    assert torch.equal(v2[0], ref.weights) and torch.equal(v2[1], ref.ids)
+    bias = torch.randn(E)
+    v3 = vllm.grouped_topk(
+        x, logits, 2, True, 2, 1, scoring_func="sigmoid", e_score_correction_bias=bias
+    )
+    ref = moerunner.select_experts(
+        logits, 2, scoring_func="sigmoid", renormalize=True, num_expert_group=2, topk_group=1,
+        correction_bias=bias,
+    )  # fmt: skip
+    assert torch.equal(v3[0], ref.weights) and torch.equal(v3[1], ref.ids)
+    # fused_moe: route then experts.
+    out = vllm.fused_moe(x, w13, w2, logits, 2, True)
+    assert torch.equal(out, _native(x, w13, w2, logits)[1])
+    grouped = vllm.fused_moe(
+        x, w13, w2, logits, 2, False, use_grouped_topk=True, num_expert_group=2, topk_group=1
+    )
+    ref = moerunner.select_experts(logits, 2, num_expert_group=2, topk_group=1, group_score="max")
+    assert torch.equal(grouped, moerunner.fused_moe(x, w13, w2, ref.weights, ref.ids))
+
+
+def test_vllm_custom_routing_and_llama4_weight_on_input():
+    x, logits, w13, w2 = _problem(6)
+
+    def llama4(hidden_states, gating_output, topk, renormalize):
+        w, i = torch.topk(gating_output, topk, dim=-1)
+        return torch.sigmoid(w.float()), i.to(torch.int32)
+
+    out = vllm.fused_moe(x, w13, w2, logits, 1, False, custom_routing_function=llama4)
+    topk = moerunner.select_experts(logits, 1, scoring_func="topk_sigmoid")
+    # The function's fp32 sigmoid and select_experts' (float64, rounded once) may differ in
+    # the last bit of a weight.
+    native = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids)
+    torch.testing.assert_close(out, native, rtol=2e-6, atol=1e-7)
+    on_input = vllm.fused_experts(
+        x, w13, w2, topk.weights, topk.ids, apply_router_weight_on_input=True
+    )
+    native = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, apply_router_weight_on_input=True
+    )
+    assert torch.equal(on_input, native)
+
+
+def _fp8(w: torch.Tensor, scheme: str):
+    q = quantize(w, scheme)
+    return q.data, q.scale, q
+
+
+@pytest.mark.parametrize("mode", ["tensor", "channel", "block", "tensor_static"])
+def test_vllm_fp8(mode):
+    x, logits, w13, w2 = _problem(7, torch.bfloat16)
+    topk = moerunner.select_experts(logits, 2)
+    scheme = {"tensor": "fp8_tensor", "channel": "fp8_channel", "block": "fp8_block"}.get(
+        mode, "fp8_tensor"
+    )
+    d1, s1, q1 = _fp8(w13, scheme)
+    d2, s2, q2 = _fp8(w2, scheme)
+    kw = {}
+    if mode == "channel":  # vLLM stores per-channel scales as [E, N, 1]
+        s1, s2 = s1[..., None], s2[..., None]
+        kw["per_channel_quant"] = True
+    if mode == "block":
+        kw["block_shape"] = [128, 128]
+    if mode == "tensor_static":
+        a1, a2 = torch.tensor([0.02]), torch.tensor([0.01])
+        kw.update(a1_scale=a1, a2_scale=a2)
+        q1 = quantize(w13, "fp8_tensor_static", input_scale=a1)
+        q2 = quantize(w2, "fp8_tensor_static", input_scale=a2)
+    out = vllm.fused_experts(
+        x, d1, d2, topk.weights, topk.ids, use_fp8_w8a8=True, w1_scale=s1, w2_scale=s2, **kw
+    )
+    native = moerunner.fused_moe(x, q1, q2, topk.weights, topk.ids)
+    assert torch.equal(out, native)
+    ref = reference_moe(x, ExpertWeights(q1, q2), topk.weights, topk.ids)
+    assert_close(out, ref, error_bound(torch.bfloat16, True), what=f"fp8 {mode}")
+
+
+def test_vllm_fp8_shares_weight_data():
+    x, logits, w13, w2 = _problem(8, torch.bfloat16)
+    from moerunner.compat._common import QuantArgs, peer_weights
+
+    d1, s1, _ = _fp8(w13, "fp8_block")
+    d2, s2, _ = _fp8(w2, "fp8_block")
+    q = QuantArgs(use_fp8_w8a8=True, w1_scale=s1, w2_scale=s2, block_shape=[128, 128])
+    q13, q2 = peer_weights("test", d1, d2, q)
+    assert q13.data.data_ptr() == d1.data_ptr() and q13.scale.data_ptr() == s1.data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["int8_w8a8", "int8_w8a16"])
+def test_vllm_int8(mode):
+    x, logits, w13, w2 = _problem(9, torch.bfloat16)
+    topk = moerunner.select_experts(logits, 2)
+    scheme = "int8" if mode == "int8_w8a8" else "int8_w8a16"
+    q1, q2 = quantize(w13, scheme), quantize(w2, scheme)
+    kw = {f"use_{mode}": True, "w1_scale": q1.scale[..., None], "w2_scale": q2.scale}
+    if mode == "int8_w8a8":
+        kw["per_channel_quant"] = True
+    out = vllm.fused_experts(x, q1.data, q2.data, topk.weights, topk.ids, **kw)
+    assert torch.equal(out, moerunner.fused_moe(x, q1, q2, topk.weights, topk.ids))
+    ref = reference_moe(x, ExpertWeights(q1, q2), topk.weights, topk.ids)
+    assert_close(out, ref, error_bound(torch.bfloat16, mode == "int8_w8a8"), what=mode)
+
+
+@pytest.mark.parametrize("zp", [False, True])
+def test_vllm_int4_w4a16(zp):
+    x, logits, w13, w2 = _problem(10, torch.bfloat16)
+    topk = moerunner.select_experts(logits, 2)
+    scheme = "int4_g32_zp" if zp else "int4_g32"
+    q1, q2 = quantize(w13, scheme), quantize(w2, scheme)
+
+    def pack_zp(z):  # vLLM: two 4-bit zero points per byte along N, low nibble = even row
+        return z[:, 0::2] | (z[:, 1::2] << 4)
+
+    kw = dict(
+        use_int4_w4a16=True,
+        block_shape=[0, 32],
+        w1_scale=q1.scale.to(torch.bfloat16) if not zp else q1.scale,
+        w2_scale=q2.scale,
+    )
+    if zp:
+        kw.update(w1_zp=pack_zp(q1.zero_point), w2_zp=pack_zp(q2.zero_point))
+    out = vllm.fused_experts(x, q1.data, q2.data, topk.weights, topk.ids, **kw)
+    if not zp:  # the bf16 scales of w1 were rounded: compare against those
+        q1 = type(q1)(q1.scheme, q1.shape, q1.data, q1.scale.to(torch.bfloat16).float())
+    assert torch.equal(out, moerunner.fused_moe(x, q1, q2, topk.weights, topk.ids))
+    ref = reference_moe(x, ExpertWeights(q1, q2), topk.weights, topk.ids)
+    assert_close(out, ref, error_bound(torch.bfloat16, False), what="int4")
+
+
+def test_vllm_unmapped_arguments_raise_naming_them():
+    x, logits, w13, w2 = _problem(11)
+    topk = moerunner.select_experts(logits, 2)
+    call = (x, w13, w2, topk.weights, topk.ids)
+    with pytest.raises(MoeInputError, match="w1_scale"):
+        vllm.fused_experts(*call, w1_scale=torch.ones(E))
+    with pytest.raises(MoeInputError, match="use_fp8_w8a8 and use_int8_w8a8"):
+        vllm.fused_experts(*call, use_fp8_w8a8=True, use_int8_w8a8=True)
+    with pytest.raises(MoeInputError, match="per_channel_quant"):
+        q = quantize(w13, "int8")
+        vllm.fused_experts(
+            x, q.data, quantize(w2, "int8").data, topk.weights, topk.ids, use_int8_w8a8=True,
+            w1_scale=torch.ones(E), w2_scale=torch.ones(E),
+        )  # fmt: skip
+    with pytest.raises(MoeInputError, match="quant_config"):
+        vllm.fused_experts(*call, quant_config=object())
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        vllm.fused_experts(*call, use_fp8_w8a8=True, w1_scale=torch.ones(E), w2_scale=torch.ones(E))
+    with pytest.raises(MoeInputError, match="block_shape"):
+        q4 = quantize(w13, "int4_g32")
+        vllm.fused_experts(
+            x, q4.data, quantize(w2, "int4_g32").data, topk.weights, topk.ids,
+            use_int4_w4a16=True, w1_scale=q4.scale, w2_scale=torch.ones(1),
+        )  # fmt: skip
+
+
+triton_pkg = pytest.importorskip("moerunner.backends.triton")
+
+
+@pytest.mark.skipif(
+    not triton_pkg.interpreted() and not torch.cuda.is_available(), reason="no triton runtime"
+)
+def test_vllm_fused_experts_triton_fp32():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 32, generator=g).to(device)
+    w13 = (torch.randn(E, 32, 32, generator=g) * 0.2).to(device)
+    w2 = (torch.randn(E, 32, 16, generator=g) * 0.2).to(device)
+    topk = moerunner.select_experts(torch.randn(3, E, generator=g).to(device), 2)
+    out = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, backend="triton")
+    native = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="triton")
+    assert torch.equal(out, native)
+    ref = reference_moe(x, ExpertWeights(w13, w2), topk.weights, topk.ids)
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what="triton")
+
+
+# -- SGLang --------------------------------------------------------------------------------
+
+
+def test_sglang_select_experts_and_fused_experts():
+    x, logits, w13, w2 = _problem(13)
+    cfg = sglang.TopKConfig(top_k=2, renormalize=True)
+    topk_output = sglang.select_experts(x, logits, cfg)
+    assert isinstance(topk_output, sglang.StandardTopKOutput)
+    assert topk_output.router_logits is logits
+    topk, native = _native(x, w13, w2, logits)
+    assert torch.equal(topk_output.topk_ids, topk.ids)
+    # SGLang's default MoeRunnerConfig is in place: the result lands in hidden_states.
+    h = x.clone()
+    got = sglang.fused_experts(h, w13, w2, topk_output)
+    assert got is h and torch.equal(h, native)
+    out = sglang.fused_moe(x, w13, w2, topk_output, sglang.MoeRunnerConfig(inplace=False))
+    assert torch.equal(out, native) and not torch.equal(x, native)
+
+
+def test_sglang_grouped_scaling_and_padding():
+    x, logits, w13, w2 = _problem(14)
+    bias = torch.randn(E)
+    cfg = sglang.TopKConfig(
+        top_k=2, use_grouped_topk=True, num_expert_group=2, topk_group=1, correction_bias=bias,
+        scoring_func="sigmoid", routed_scaling_factor=2.5,
+    )  # fmt: skip
+    out = sglang.select_experts(x, logits, cfg)
+    ref = moerunner.select_experts(
+        logits, 2, scoring_func="sigmoid", renormalize=True, correction_bias=bias,
+        num_expert_group=2, topk_group=1,
+    )  # fmt: skip
+    assert torch.equal(out.topk_weights, ref.weights)  # factor not applied to the weights
+    applied = sglang.select_experts(
+        x,
+        logits,
+        sglang.TopKConfig(**{**cfg.__dict__, "apply_routed_scaling_factor_on_output": True}),
+    )
+    torch.testing.assert_close(applied.topk_weights, ref.weights * 2.5, rtol=0, atol=0)
+    # Expert output scaled by MoeRunnerConfig.routed_scaling_factor.
+    runner_cfg = sglang.MoeRunnerConfig(inplace=False, routed_scaling_factor=2.5)
+    scaled = sglang.fused_experts(x, w13, w2, out, runner_cfg)
+    native = moerunner.fused_moe(x, w13, w2, ref.weights * 2.5, ref.ids)
+    assert torch.equal(scaled, native)
+    padded = sglang.select_experts(x, logits, cfg, num_token_non_padded=torch.tensor(4))
+    assert (padded.topk_ids[4:] == -1).all() and torch.equal(padded.topk_ids[:4], ref.ids[:4])
+
+
+def test_sglang_gpt_oss_swiglu_and_biases():
+    x, logits, w13, w2 = _problem(15)
+    b1, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
+    topk = moerunner.select_experts(logits, 2)
+    cfg = sglang.MoeRunnerConfig(inplace=False, gemm1_alpha=1.5, gemm1_clamp_limit=5.0)
+    out = sglang.fused_experts(x, w13, w2, (topk.weights, topk.ids, None), cfg, b1, b2)
+    native = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai", gate_up_interleaved=True,
+        swiglu_alpha=1.5, swiglu_limit=5.0, w13_bias=b1, w2_bias=b2,
+    )  # fmt: skip
+    assert torch.equal(out, native)
+
+
+def test_sglang_unmapped_arguments_raise():
+    x, logits, w13, w2 = _problem(16)
+    topk_output = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))
+    with pytest.raises(MoeInputError, match="no_combine"):
+        sglang.fused_experts(x, w13, w2, topk_output, sglang.MoeRunnerConfig(no_combine=True))
+    with pytest.raises(MoeInputError, match="num_fused_shared_experts"):
+        sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2, num_fused_shared_experts=1))
+    with pytest.raises(MoeInputError, match="activation"):
+        sglang.fused_experts(
+            x,
+            w13[:, :I],
+            w2,
+            topk_output,
+            sglang.MoeRunnerConfig(activation="silu", is_gated=False),
+        )
+
+
+def test_sglang_custom_routing_function_keywords():
+    x, logits, w13, w2 = _problem(17)
+
+    def route(*, hidden_states, gating_output, topk, renormalize):
+        w, i = torch.topk(gating_output, topk, dim=-1)
+        return torch.softmax(w, dim=-1), i
+
+    out = sglang.select_experts(
+        x, logits, sglang.TopKConfig(top_k=2, custom_routing_function=route)
+    )
+    topk = moerunner.select_experts(logits, 2, renormalize=True)
+    torch.testing.assert_close(out.topk_weights, topk.weights, rtol=1e-6, atol=0)
+    assert torch.equal(out.topk_ids, topk.ids)

@@ -1,0 +1,315 @@
+"""Experts-call variants against the float64 reference: the route-then-experts call, w13 in
+up-then-gate order (plain and quantized, torch and triton), per-expert swiglu_oai
+parameters, and the routing weight applied to the input (Llama-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerunner
+from moerunner import Activation, ExpertWeights, MoeInputError, quantize, reference_moe
+from moerunner.errors import BackendUnavailableError
+from moerunner.testing import DTYPE_BOUND, assert_close, error_bound
+
+E, H, I, T = 4, 64, 32, 7
+
+
+def _problem(seed: int = 0, dtype=torch.float32, i: int = I, h: int = H):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, h, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g)
+    w13 = (torch.randn(E, 2 * i, h, generator=g) * h**-0.5).to(dtype)
+    w2 = (torch.randn(E, h, i, generator=g) * i**-0.5).to(dtype)
+    return x, logits, w13, w2
+
+
+def _swap(w: torch.Tensor) -> torch.Tensor:
+    half = w.shape[1] // 2
+    return torch.cat((w[:, half:], w[:, :half]), dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_from_logits_equals_two_step_and_reference(dtype):
+    x, logits, w13, w2 = _problem(1, dtype)
+    kw = dict(scoring_func="sigmoid", renormalize=True, num_expert_group=2, topk_group=1)
+    out = moerunner.fused_moe_from_logits(x, logits, w13, w2, 2, activation="gelu", **kw)
+    topk = moerunner.select_experts(logits, 2, **kw)
+    two_step = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="gelu")
+    assert torch.equal(out, two_step)
+    ref = reference_moe(x, ExpertWeights(w13, w2), topk.weights, topk.ids, "gelu")
+    assert_close(out, ref, DTYPE_BOUND[dtype], what="fused_moe_from_logits")
+
+
+def test_fused_moe_from_logits_rejects_unknown_keyword():
+    x, logits, w13, w2 = _problem()
+    with pytest.raises(TypeError, match="unknown argument"):
+        moerunner.fused_moe_from_logits(x, logits, w13, w2, 2, top_k_group=1)
+    with pytest.raises(MoeInputError, match="rows"):
+        moerunner.fused_moe_from_logits(x[:3], logits, w13, w2, 2)
+
+
+def test_fused_moe_from_logits_empty_batch():
+    x, logits, w13, w2 = _problem()
+    out = moerunner.fused_moe_from_logits(x[:0], logits[:0], w13, w2, 2)
+    assert out.shape == (0, H)
+
+
+# -- w13 order ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_up_gate_order_torch_plain(activation):
+    x, logits, w13, w2 = _problem(2)
+    b13 = torch.randn(E, 2 * I)
+    topk = moerunner.select_experts(logits, 2)
+    out = moerunner.fused_moe(
+        x, _swap(w13), w2, topk.weights, topk.ids, activation=activation,
+        w13_bias=_swap(b13), w13_order="up_gate", backend="torch",
+    )  # fmt: skip
+    # Independent: the reference reads the rows in up-then-gate order itself.
+    ref = reference_moe(
+        x, ExpertWeights(_swap(w13), w2, _swap(b13), w13_order="up_gate"), topk.weights,
+        topk.ids, activation,
+    )  # fmt: skip
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what="up_gate")
+    native = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation=activation, w13_bias=b13
+    )
+    torch.testing.assert_close(out, native, rtol=0, atol=0)
+
+
+def test_up_gate_swapped_once_and_memoised():
+    x, logits, w13, w2 = _problem(3)
+    topk = moerunner.select_experts(logits, 2)
+    up_gate = _swap(w13)
+    runner = moerunner.MoeRunner("torch")
+    weights = ExpertWeights(up_gate, w2, w13_order="up_gate")
+    from moerunner.api import run_experts
+
+    act = Activation("silu")
+    run_experts(runner, weights, x, topk.weights, topk.ids, act)
+    cache = up_gate._moerunner_prepared
+    (prepared,) = cache.values()
+    assert torch.equal(prepared.tensors["w13"], w13)  # gate rows first once prepared
+    run_experts(runner, weights, x, topk.weights, topk.ids, act)
+    assert next(iter(cache.values())) is prepared
+    # The same tensor declared in the other order is prepared anew, not served stale.
+    moerunner.fused_moe(x, up_gate, w2, topk.weights, topk.ids, backend="torch")
+    assert next(iter(cache.values())) is not prepared
+
+
+@pytest.mark.parametrize(
+    "scheme, i",
+    [("fp8_channel", I), ("int4_g32_zp", I), ("mxfp4", I), ("fp8_block", 128), ("nvfp4", I)],
+)
+def test_up_gate_order_quantized(scheme, i):
+    x, logits, w13, w2 = _problem(4, i=i, h=128)
+    topk = moerunner.select_experts(logits, 2)
+    q13, q2 = quantize(w13, scheme), quantize(w2, scheme)
+    q13_up_gate = quantize(_swap(w13), scheme)  # quantized in up-then-gate order
+    out = moerunner.fused_moe(
+        x, q13_up_gate, q2, topk.weights, topk.ids, w13_order="up_gate", backend="torch"
+    )
+    ref = reference_moe(
+        x, ExpertWeights(q13_up_gate, q2, w13_order="up_gate"), topk.weights, topk.ids
+    )
+    bound = error_bound(torch.float32, q13.scheme.quantizes_activations)
+    assert_close(out, ref, bound, what=f"up_gate {scheme}")
+    # Scales moved with their rows: the same codes as quantizing in gate-then-up order
+    # (row-wise and K-wise scales do not depend on row order).
+    native = moerunner.fused_moe(x, q13, q2, topk.weights, topk.ids, backend="torch")
+    torch.testing.assert_close(out, native, rtol=0, atol=0)
+
+
+def test_up_gate_block_scales_straddling_halves_raise():
+    x, logits, w13, w2 = _problem(5, i=64, h=128)
+    topk = moerunner.select_experts(logits, 2)
+    q13 = quantize(_swap(w13), "fp8_block")  # 128-row blocks, I = 64: a block holds both
+    with pytest.raises(MoeInputError, match="straddles"):
+        moerunner.fused_moe(
+            x, q13, quantize(w2, "fp8_block"), topk.weights, topk.ids, w13_order="up_gate"
+        )
+
+
+def test_w13_order_values_and_alias():
+    _, _, w13, w2 = _problem()
+    assert ExpertWeights(w13, w2, gate_up_interleaved=True).w13_order == "interleaved"
+    assert ExpertWeights(w13, w2, w13_order="interleaved").gate_up_interleaved is True
+    with pytest.raises(MoeInputError, match="w13_order"):
+        ExpertWeights(w13, w2, w13_order="gate-up")
+    with pytest.raises(MoeInputError, match="pass one"):
+        ExpertWeights(w13, w2, gate_up_interleaved=True, w13_order="up_gate")
+    x = torch.randn(2, H)
+    with pytest.raises(MoeInputError, match="gated"):
+        moerunner.fused_moe(
+            x, w13[:, :I], w2, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32),
+            activation="relu2", w13_order="up_gate",
+        )  # fmt: skip
+
+
+# -- per-expert swiglu ---------------------------------------------------------------------
+
+
+def _swiglu_params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    alpha = 1.0 + torch.rand(E, generator=g)
+    beta = torch.rand(E, generator=g) * 2
+    limit = 0.5 + torch.rand(E, generator=g) * 2  # small limits: the clamps are active
+    return alpha, beta, limit
+
+
+def _swiglu64(x, w13, w2, weights, ids, alpha, beta, limit):
+    """out = sum_k w * W2 ((min(u, L) clamped to +-L + beta) * g' * sigmoid(alpha g')),
+    g' = min(g, L), per expert's alpha, beta, L; written here in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = w13[e].double() @ x[t].double()
+            gate, up = h[:I].clamp(max=limit[e].item()), h[I:]
+            up = up.clamp(-limit[e].item(), limit[e].item())
+            a = (up + beta[e].item()) * gate * torch.sigmoid(alpha[e].double() * gate)
+            out[t] += weights[t, k].double() * (w2[e].double() @ a)
+    return out
+
+
+def test_per_expert_swiglu_torch_matches_formula():
+    x, logits, w13, w2 = _problem(6)
+    w13 = w13 * 4  # larger GEMM1 outputs so the clamps bite
+    alpha, beta, limit = _swiglu_params()
+    topk = moerunner.select_experts(logits, 2)
+    out = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai",
+        swiglu_alpha=alpha, swiglu_beta=beta, swiglu_limit=limit,
+    )  # fmt: skip
+    expect = _swiglu64(x, w13, w2, topk.weights, topk.ids, alpha, beta, limit)
+    assert_close(out, expect, DTYPE_BOUND[torch.float32], what="per-expert swiglu")
+    act = Activation("swiglu_oai", alpha, limit, beta)
+    ref = reference_moe(x, ExpertWeights(w13, w2), topk.weights, topk.ids, act)
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what="reference")
+    # Permute path (grouped layout) agrees with the fused CPU path.
+    from moerunner.api import validate_call
+    from moerunner.dispatch.formats import StandardDispatchOutput
+
+    weights = ExpertWeights(w13, w2)
+    routing = validate_call(x, weights, topk.weights, topk.ids, act)
+    runner = moerunner.MoeRunner("torch", force_permute=True)
+    from moerunner.backends.base import MoeProblem
+
+    spec = weights.spec(act)
+    problem = MoeProblem.of(x, weights, spec, "standard")
+    permuted = runner.run(
+        StandardDispatchOutput(x, routing), runner.prepare(weights, problem, spec)
+    )
+    torch.testing.assert_close(permuted, out, rtol=1e-6, atol=1e-6)
+
+
+def test_scalar_beta_and_defaults():
+    x, logits, w13, w2 = _problem(7)
+    topk = moerunner.select_experts(logits, 2)
+    one = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai")
+    beta1 = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai", swiglu_beta=1.0
+    )
+    assert torch.equal(one, beta1)
+    half = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai", swiglu_beta=0.5
+    )
+    ref = reference_moe(
+        x, ExpertWeights(w13, w2), topk.weights, topk.ids, Activation("swiglu_oai", beta=0.5)
+    )
+    assert_close(half, ref, DTYPE_BOUND[torch.float32], what="beta 0.5")
+
+
+def test_per_expert_swiglu_checks():
+    x, logits, w13, w2 = _problem()
+    topk = moerunner.select_experts(logits, 2)
+    call = dict(activation="swiglu_oai")
+    with pytest.raises(MoeInputError, match=r"swiglu_alpha must have one value per expert"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, swiglu_alpha=torch.ones(3), **call)
+    with pytest.raises(TypeError, match="swiglu_limit"):
+        moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, swiglu_limit=torch.ones(E, 1), **call
+        )
+    with pytest.raises(MoeInputError, match="swiglu_limit must be > 0"):
+        Activation("swiglu_oai", limit=torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    with pytest.raises(MoeInputError, match="swiglu_oai"):
+        Activation("silu", beta=0.5)
+    # Tensor parameters compare by identity: hashable, usable as keys.
+    alpha = torch.ones(E)
+    assert Activation("swiglu_oai", alpha) == Activation("swiglu_oai", alpha)
+    assert Activation("swiglu_oai", alpha) != Activation("swiglu_oai", alpha.clone())
+    assert len({Activation("swiglu_oai", alpha), Activation("swiglu_oai", alpha)}) == 1
+
+
+triton_pkg = pytest.importorskip("moerunner.backends.triton")
+needs_triton = pytest.mark.skipif(
+    not triton_pkg.interpreted() and not torch.cuda.is_available(), reason="no triton runtime"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_triton
+def test_per_expert_swiglu_triton_declines_auto_picks_torch():
+    x, logits, w13, w2 = (t.to(DEVICE) for t in _problem(8))
+    alpha = torch.full((E,), 1.702, device=DEVICE)
+    topk = moerunner.select_experts(logits, 2)
+    call = dict(activation="swiglu_oai", swiglu_alpha=alpha)
+    with pytest.raises(BackendUnavailableError, match="per-expert"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="triton", **call)
+    with pytest.raises(BackendUnavailableError, match="per-expert"):
+        moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, backend="triton", activation="swiglu_oai",
+            swiglu_beta=0.5,
+        )  # fmt: skip
+    runner = moerunner.MoeRunner("auto")
+    from moerunner.api import run_experts
+
+    act = Activation("swiglu_oai", alpha)
+    run_experts(runner, ExpertWeights(w13, w2), x, topk.weights, topk.ids, act)
+    assert runner.backend == "torch"
+
+
+@needs_triton
+def test_up_gate_order_triton_fp32():
+    x, logits, w13, w2 = (t.to(DEVICE) for t in _problem(9, i=16, h=32))
+    topk = moerunner.select_experts(logits, 2)
+    out = moerunner.fused_moe(
+        x, _swap(w13), w2, topk.weights, topk.ids, w13_order="up_gate", backend="triton"
+    )
+    ref = reference_moe(
+        x, ExpertWeights(_swap(w13), w2, w13_order="up_gate"), topk.weights, topk.ids
+    )
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what="triton up_gate")
+
+
+# -- routing weight on the input ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_apply_router_weight_on_input(backend):
+    device = DEVICE if backend == "triton" else "cpu"
+    x, logits, w13, w2 = (t.to(device) for t in _problem(10, i=16, h=32))
+    topk = moerunner.select_experts(logits, 1, scoring_func="topk_sigmoid")
+    out = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, apply_router_weight_on_input=True, backend=backend
+    )
+    # Formula: expert(w * x) with unit output weight; the scaled input is rounded to fp32 once.
+    scaled = x.double() * topk.weights.double()
+    ref = reference_moe(scaled, ExpertWeights(w13, w2), torch.ones_like(topk.weights), topk.ids)
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what="weight on input")
+    # Not the same as weighting the output (silu is not linear).
+    plain = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend=backend)
+    assert not torch.allclose(plain, out, rtol=1e-3, atol=1e-4)
+
+
+def test_apply_router_weight_on_input_needs_top1_and_empty_ok():
+    x, logits, w13, w2 = _problem(11)
+    topk = moerunner.select_experts(logits, 2)
+    with pytest.raises(MoeInputError, match="top_k == 1"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, apply_router_weight_on_input=True)
+    empty = moerunner.fused_moe(
+        x[:0], w13, w2, topk.weights[:0, :1], topk.ids[:0, :1], apply_router_weight_on_input=True
+    )
+    assert empty.shape == (0, H)
