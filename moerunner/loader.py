@@ -235,11 +235,16 @@ def _check_layer(ckpt: _Checkpoint, root: str, layer: object) -> int:
 
 
 def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first: str) -> int:
-    counted = ckpt.config.get(fam.num_experts_key)
-    if isinstance(counted, int) and not isinstance(counted, bool):
-        return counted
     pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
     found = {int(m.group(1)) for k in ckpt.files if (m := pattern.match(k))}
+    counted = ckpt.config.get(fam.num_experts_key)
+    if isinstance(counted, int) and not isinstance(counted, bool):
+        if found and max(found) >= counted:
+            raise MoeInputError(
+                f"checkpoint: config.json says {fam.num_experts_key}={counted}, but the "
+                f"checkpoint also holds expert {max(found)} under {prefix!r}"
+            )
+        return counted
     if not found:
         ckpt.get(first)  # raises, naming the missing key
     return max(found) + 1

@@ -313,6 +313,15 @@ def test_missing_expert_names_the_key_and_file(tmp_path):
         moerunner.load_experts(tmp_path, layer=0)
 
 
+def test_more_experts_than_the_config_says(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    cfg = {"model_type": "mixtral", "num_local_experts": E - 1, "num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(moerunner.MoeInputError, match=f"also holds expert {E - 1}"):
+        moerunner.load_experts(tmp_path, layer=0)
+
+
 def test_index_pointing_at_a_missing_shard(tmp_path):
     tensors, *_ = mixtral_tensors()
     write_sharded(tmp_path, tensors, shards=2)
