@@ -1,9 +1,9 @@
 """moerunner: the Mixture-of-Experts layer of LLMs, every family and format, one runner.
 
 Public API: ``select_experts``, ``fused_moe``, ``fused_moe_from_logits`` (both in one
-call), ``MoE``, ``MoeRunner``, ``quantize``,
-``dequantize``, ``check_errors`` (raise what the GPU-side input checks found) and the
-configuration values they take.
+call), ``MoE``, ``MoeRunner``, ``quantize``, ``dequantize``, ``load_experts`` (one layer's
+experts from safetensors checkpoints), ``check_errors`` (raise what the GPU-side input
+checks found) and the configuration values they take.
 """
 
 from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts custom op)
@@ -12,6 +12,7 @@ from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig
 from .device_checks import check_errors
 from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError
 from .layer import MoE
+from .loader import LoadedExperts, load_experts
 from .reference import reference_moe
 from .routing import TopK, select_experts
 from .runner import DEFAULT_REGISTRY, MoeRunner, Registry, default_registry
@@ -49,6 +50,7 @@ __all__ = [
     "MoeConfig",
     "MoeInputError",
     "MoeRunner",
+    "LoadedExperts",
     "Registry",
     "RoutingConfig",
     "TopK",
@@ -57,6 +59,7 @@ __all__ = [
     "dequantize",
     "fused_moe",
     "fused_moe_from_logits",
+    "load_experts",
     "quantize",
     "reference_moe",
     "select_experts",

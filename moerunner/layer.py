@@ -12,10 +12,17 @@ On one process, the expert step is a custom op while ``torch.compile`` traces
 quantized ones), so the layer compiles with ``fullgraph=True``; eager calls go straight to the
 held runner. The layer is for inference: no gradients flow through the
 experts. ``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend
-then runs that scheme. The quantized copy follows the float parameters: after an in-place
-edit, ``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2`` the next eager forward
-quantizes them again (a host-side check, no device sync; a compiled layer does not check:
-call ``quantize_`` again after such edits).
+then runs that scheme. By default it frees the float ``w13`` / ``w2`` (they become None) and
+holds the quantized tensors as buffers (``w13_qdata``, ``w13_scale``, ``w13_zero_point``,
+``w13_global_scale``, ``w13_input_scale`` where the scheme has them, the same for ``w2``,
+and ``w13_scheme`` / ``w2_scheme``: the scheme's fields as JSON bytes), so ``state_dict()``
+saves the quantized layer (``torch.save`` or safetensors) and ``load_state_dict`` restores it
+into a layer quantized to the same scheme; loading into a float layer or another scheme
+raises ``MoeInputError``. ``quantize_(scheme, keep_float_weights=True)`` keeps the float
+parameters instead (and the state dict holds only them); the quantized copy then follows
+them: after an in-place edit, ``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2``
+the next eager forward quantizes them again (a host-side check, no device sync; a compiled
+layer does not check: call ``quantize_`` again after such edits).
 """
 
 from __future__ import annotations
@@ -271,21 +278,127 @@ class MoE(nn.Module):
             adopt_quantized(weights.w2)
         self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
 
-    def quantize_(self, scheme) -> MoE:
-        """Replace the expert weights by quantized ones in ``scheme`` (name or value)."""
+    def quantize_(self, scheme, *, keep_float_weights: bool = False) -> MoE:
+        """Replace the expert weights by quantized ones in ``scheme`` (name or value).
+
+        ``keep_float_weights=False`` (default) frees the float ``w13`` / ``w2`` and holds the
+        quantized tensors as buffers (saved by ``state_dict``); ``True`` keeps the float
+        parameters, which the quantized copy then follows (see the module docstring).
+        """
         from .quant import quantize
 
+        if not isinstance(keep_float_weights, bool):
+            raise TypeError(
+                f"keep_float_weights must be a bool, got {type(keep_float_weights).__name__}"
+            )
+        if self.w13 is None:
+            raise MoeInputError(
+                "quantize_: this layer holds no float w13 / w2 (freed by an earlier quantize_, "
+                "or built with from_weights); build a float layer, or pass "
+                "keep_float_weights=True to quantize_ to quantize again later"
+            )
         with torch.no_grad():
             self.quantized = ExpertWeights(
                 quantize(self.w13.detach(), scheme),
                 quantize(self.w2.detach(), scheme),
-                self.w13_bias,
-                self.w2_bias,
+                *self._detached_biases(),
                 self.config.gate_up_interleaved,
             )
-        self._quantized_from = (scheme, self._float_state())
         adopt_quantized(self.quantized.w13)
         adopt_quantized(self.quantized.w2)
+        if keep_float_weights:
+            self._quantized_from = (scheme, self._float_state())
+        else:
+            self._quantized_from = None
+            self.w13 = self.w2 = None
+            self._hold_quantized()
+        return self
+
+    # -- quantized weights as buffers (state_dict) -----------------------------------------
+
+    def _detached_biases(self) -> tuple:
+        """The bias parameters as views without grad (the quantized path has no backward)."""
+        return tuple(None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
+
+    def _hold_quantized(self) -> None:
+        """Register the quantized weights' tensors (and schemes) as buffers."""
+        for w in ("w13", "w2"):
+            qw = getattr(self.quantized, w)
+            for field, tensor in qw.tensors().items():
+                self.register_buffer(f"{w}_{_BUFFER_NAMES[field]}", tensor)
+            self.register_buffer(f"{w}_scheme", scheme_to_tensor(qw.scheme))
+
+    def _quantized_buffers(self) -> list[str]:
+        return [n for n in self._buffers if n.startswith(("w13_", "w2_")) and n in _HELD_NAMES]
+
+    def _rebuild_quantized(self) -> None:
+        """New ``QuantizedWeight`` objects over the current buffers (validated; fresh memo)."""
+        from .quant import QuantizedWeight
+
+        built = []
+        for w in ("w13", "w2"):
+            old = getattr(self.quantized, w)
+            tensors = {
+                f: self._buffers[f"{w}_{n}"]
+                for f, n in _BUFFER_NAMES.items()
+                if self._buffers.get(f"{w}_{n}") is not None
+            }
+            built.append(QuantizedWeight.from_tensors(old.scheme, old.shape, tensors))
+        self.quantized = ExpertWeights(
+            built[0], built[1], *self._detached_biases(), self.config.gate_up_interleaved
+        )
+        adopt_quantized(self.quantized.w13)
+        adopt_quantized(self.quantized.w2)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
+        held = bool(self._quantized_buffers())
+        for w in ("w13", "w2"):
+            incoming = state_dict.get(f"{prefix}{w}_scheme")
+            if incoming is not None and not held:
+                raise MoeInputError(
+                    f"load_state_dict: the state holds quantized {w} (scheme "
+                    f"{scheme_from_tensor(incoming).name!r}) but this layer's {w} is not held "
+                    "quantized: call layer.quantize_(scheme) (keep_float_weights=False) before "
+                    "loading"
+                )
+            if incoming is None and held:
+                if f"{prefix}{w}" in state_dict:
+                    raise MoeInputError(
+                        f"load_state_dict: the state holds float {w} but this layer holds it "
+                        f"quantized ({getattr(self.quantized, w).scheme.name!r}): load it into "
+                        "a float layer, then quantize_"
+                    )
+                continue
+            if incoming is not None:
+                mine = getattr(self.quantized, w).scheme
+                theirs = scheme_from_tensor(incoming)
+                if not theirs.same_format(mine):
+                    raise MoeInputError(
+                        f"load_state_dict: the state's {w} is in scheme {theirs.name!r} but this "
+                        f"layer's in {mine.name!r}: quantize_ the layer to {theirs.name!r} first"
+                    )
+                # The scheme buffer is a name-length byte string: keep this layer's own.
+                state_dict = {**state_dict, f"{prefix}{w}_scheme": self._buffers[f"{w}_scheme"]}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
+        if held:
+            self._rebuild_quantized()
+
+    def _apply(self, fn, recurse=True):
+        # Quantized buffers move with the layer but keep their dtypes (``.half()`` must not
+        # turn fp32 scales into fp16 or fp8 data into fp16); the schemes stay on the CPU.
+        held = {n: self._buffers.pop(n) for n in self._quantized_buffers()}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, tensor in held.items():
+                if not name.endswith("_scheme"):
+                    moved = fn(tensor)
+                    if moved.dtype != tensor.dtype:
+                        moved = tensor.to(moved.device)
+                    tensor = moved
+                self._buffers[name] = tensor
+        if held:
+            self._rebuild_quantized()
         return self
 
     def _float_state(self) -> tuple:
@@ -333,7 +446,7 @@ class MoE(nn.Module):
             and not torch.compiler.is_compiling()  # traced: call quantize_ again after edits
             and self._quantized_from[1] != self._float_state()
         ):
-            self.quantize_(self._quantized_from[0])  # w13 / w2 changed since quantize_
+            self.quantize_(self._quantized_from[0], keep_float_weights=True)  # w13 / w2 edited
         if self._single_process():
             out = self._run_local(x, topk, check_ids=not routed)
         else:
@@ -458,6 +571,43 @@ class MoE(nn.Module):
         if not self._single_process():
             parts.append(f"dispatcher={self.dispatcher_kind!r}, rank={self.rank}")
         return ", ".join(parts)
+
+
+# QuantizedWeight field -> buffer name suffix (``data`` is ``qdata``: ``w13`` is the float one).
+_BUFFER_NAMES = {
+    "data": "qdata",
+    "scale": "scale",
+    "global_scale": "global_scale",
+    "zero_point": "zero_point",
+    "input_scale": "input_scale",
+}
+_HELD_NAMES = {f"{w}_{n}" for w in ("w13", "w2") for n in (*_BUFFER_NAMES.values(), "scheme")}
+
+
+def scheme_to_tensor(scheme) -> torch.Tensor:
+    """A ``QuantScheme`` as a uint8 tensor (JSON of its fields), storable by safetensors."""
+    import dataclasses
+    import json
+
+    text = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
+def scheme_from_tensor(tensor: torch.Tensor):
+    """The ``QuantScheme`` that `scheme_to_tensor` stored (MoeInputError if it is not one)."""
+    import json
+
+    from .quant import QuantScheme
+
+    try:
+        fields = json.loads(bytes(tensor.cpu().tolist()).decode())
+        if fields.get("block_shape") is not None:
+            fields["block_shape"] = tuple(fields["block_shape"])
+        return QuantScheme(**fields)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise MoeInputError(
+            f"load_state_dict: a *_scheme entry is not a stored scheme ({exc})"
+        ) from exc
 
 
 def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:

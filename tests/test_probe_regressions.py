@@ -590,7 +590,7 @@ def test_d17_errors_name_the_argument():
 
 def test_d19_quantize_follows_parameter_edits():
     cfg = moerunner.MoeConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=2)
-    layer = moerunner.MoE(cfg, backend="torch").quantize_("fp8_channel")
+    layer = moerunner.MoE(cfg, backend="torch").quantize_("fp8_channel", keep_float_weights=True)
     x, logits = torch.randn(6, H), torch.randn(6, E)
     tk = moerunner.select_experts(logits, 2)
 

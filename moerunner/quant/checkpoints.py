@@ -10,6 +10,24 @@
 # ModelOpt NVFP4: per expert `<proj>.weight` uint8 [N, K/2], `weight_scale` e4m3 [N, K/16],
 #   `weight_scale_2` fp32 scalar (global dequantization scale), `input_scale` fp32 scalar
 #   (static activation global scale, used by nvfp4 activations).
+# Integer weight-only formats (4 or 8 bits, one scale per group of g along the input dim K;
+# every packed word is an int32 holding 32/bits values, the first in the lowest bits):
+# compressed-tensors "pack-quantized": per projection `weight_packed` int32 [N, K*bits/32]
+#   (packed along K), `weight_scale` [N, K/g] (float), optional `weight_zero_point` int32
+#   [N*bits/32, K/g] (packed along N), `weight_shape` [2] = (N, K). Values and zero points are
+#   signed and stored with the offset 2^(bits-1) added, so w = (u - u_zero) * scale on the
+#   stored unsigned codes (u_zero = 2^(bits-1) when symmetric).
+# GPTQ: `qweight` int32 [K*bits/32, N] (packed along K), `qzeros` int32 [K/g, N*bits/32]
+#   (packed along N), `scales` [K/g, N], `g_idx` int32 [K] (group of each input row). The
+#   original format ("gptq", AutoGPTQ) stores zero - 1 and adds 1 when reading; "gptq_v2"
+#   stores the zero itself. w = (u - zero) * scale. Act-order checkpoints (desc_act) have a
+#   g_idx other than k // g; they are refused.
+# AWQ (GEMM): `qweight` int32 [K, N*bits/32] and `qzeros` [K/g, N*bits/32] packed along N in
+#   the order [0, 2, 4, 6, 1, 3, 5, 7] (slot i of a word holds column 8c + order[i]),
+#   `scales` [K/g, N]; w = (u - zero) * scale.
+# All map onto moerunner's int4_g<g>[_zp] / int8_g<g>[_zp]: int4 keeps u (0..15) and the zero
+# (uint8), int8 stores u - 128 and zero - 128; zero points that all equal the midpoint
+# 2^(bits-1) give the symmetric scheme (no zero-point tensor). Float scales become fp32 (exact).
 # Gate and up projections are joined row-wise by `cat_rows` (gate rows, then up rows).
 
 from __future__ import annotations
@@ -19,15 +37,20 @@ from collections.abc import Sequence
 
 import torch
 
-from moerunner.quant.codecs import decode_e4m3, encode_e4m3
+from moerunner.quant.codecs import decode_e4m3, encode_e4m3, pack_nibbles
 from moerunner.quant.schemes import QuantScheme, get_scheme
 from moerunner.quant.weight import QuantizedWeight, check_scale_values
 
 __all__ = [
+    "AWQ_ORDER",
+    "GPTQ_FORMATS",
     "cat_rows",
     "deepseek_fp8_experts_from_safetensors",
     "gpt_oss_experts_from_safetensors",
+    "import_awq",
+    "import_compressed_tensors",
     "import_deepseek_fp8",
+    "import_gptq",
     "import_gpt_oss_mxfp4",
     "import_modelopt_nvfp4",
     "load_prefixed",
@@ -168,6 +191,230 @@ def import_modelopt_nvfp4(
         {"scale": "weight_scale", "global_scale": "weight_scale_2", "input_scale": "input_scale"},
     )
     return QuantizedWeight(s, (e, n, 2 * half_k), w, sc, global_scale=gs, input_scale=act_scale)
+
+
+#: AWQ's packing order: slot i of an int32 word holds output column 8c + AWQ_ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _check_bits(name: str, bits: object, accepted: tuple[int, ...] = (4, 8)) -> int:
+    if isinstance(bits, bool) or bits not in accepted:
+        raise ValueError(
+            f"{name} must be one of {accepted} (moerunner's int4 / int8 group schemes), "
+            f"got {bits!r}"
+        )
+    return int(bits)
+
+
+def _floating(name: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a floating tensor (the group scales), got {t.dtype}")
+    return t
+
+
+def _unpack_words(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words -> unsigned codes (int32) along ``dim``; a word's first value in its low bits."""
+    moved = packed.movedim(dim, -1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    codes = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*moved.shape[:-1], -1).movedim(-1, dim)
+
+
+def _check_group_index(g_idx: object, name: str, k: int, group: int) -> None:
+    """Refuse act-order checkpoints: input row k must belong to group k // group."""
+    if g_idx is None:
+        return
+    idx = _tensor(name, _stack(name, g_idx))
+    if idx.is_floating_point() or idx.shape[-1] != k:
+        raise ValueError(
+            f"{name}: expected integer group indices with one entry per input row ({k}), got "
+            f"{idx.dtype} {list(idx.shape)}"
+        )
+    trivial = torch.arange(k, device=idx.device) // group
+    if not bool((idx.long() == trivial).all()):
+        raise ValueError(
+            f"{name}: the input rows are not in group order (group of row k != k // {group}): "
+            "act-order (desc_act) checkpoints are not supported; use a checkpoint quantized "
+            "without desc_act (or with static groups)"
+        )
+
+
+def _integer_weight(
+    codes: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    names: tuple[str, str, str],
+) -> QuantizedWeight:
+    """Unsigned codes int32 [E, N, K], zeros int32 [E, N, G], float scales [E, N, G] ->
+    int<bits>_g<K/G>[_zp] (see the module header)."""
+    e, n, k = codes.shape
+    if tuple(scales.shape[:2]) != (e, n) or tuple(zeros.shape) != tuple(scales.shape):
+        raise ValueError(
+            f"{names[1]} / {names[2]}: expected [E, N, groups] = [{e}, {n}, G] after unpacking "
+            f"for {names[0]} of {k} input rows, got zeros {list(zeros.shape)} and scales "
+            f"{list(scales.shape)}"
+        )
+    groups = scales.shape[2]
+    if groups == 0 or k % groups:
+        raise ValueError(
+            f"{names[2]}: {groups} groups do not divide the {k} input rows of {names[0]}"
+        )
+    top = (1 << bits) - 1
+    if zeros.numel() and not (0 <= int(zeros.min()) and int(zeros.max()) <= top):
+        raise ValueError(
+            f"{names[1]}: zero points must lie in [0, {top}] for {bits}-bit weights, got values "
+            f"in [{int(zeros.min())}, {int(zeros.max())}] (the original GPTQ format stores "
+            f"zero - 1, so a zero point of 0 wraps to {top + 1}; such checkpoints cannot be "
+            "read exactly)"
+        )
+    mid = 1 << (bits - 1)
+    symmetric = bool((zeros == mid).all())
+    group = k // groups
+    if bits == 4 and (group % 2 or k % 2):
+        raise ValueError(
+            f"{names[0]}: int4 weights pack two values per byte along the input dim, which needs "
+            f"an even group size and K; got group {group}, K={k}"
+        )
+    scheme = get_scheme(f"int{bits}_g{group}" + ("" if symmetric else "_zp"))
+    scale = scales.float().contiguous()
+    check_scale_values({"scale": scale}, {"scale": names[2]})
+    if bits == 4:
+        data = pack_nibbles(codes.to(torch.uint8))
+        zero = None if symmetric else zeros.to(torch.uint8)
+    else:
+        data = (codes - 128).to(torch.int8)
+        zero = None if symmetric else (zeros - 128).to(torch.int8)
+    zero = None if zero is None else zero.contiguous()
+    return QuantizedWeight(scheme, (e, n, k), data.contiguous(), scale, zero_point=zero)
+
+
+def import_compressed_tensors(
+    weight_packed: torch.Tensor | Sequence[torch.Tensor],
+    weight_scale: torch.Tensor | Sequence[torch.Tensor],
+    weight_zero_point: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    weight_shape: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    *,
+    num_bits: int = 4,
+    g_idx: torch.Tensor | Sequence[torch.Tensor] | None = None,
+) -> QuantizedWeight:
+    """compressed-tensors ``pack-quantized`` expert projections -> int4 / int8 group weight.
+
+    Per expert (lists) or stacked: ``weight_packed`` int32 ``[N, K*bits/32]``,
+    ``weight_scale`` float ``[N, K/g]`` (g = K for channel-wise), ``weight_zero_point`` int32
+    ``[N*bits/32, K/g]`` (asymmetric only), ``weight_shape`` ``[2]`` = (N, K) (K is taken
+    from the packed size when omitted), ``g_idx`` (``weight_g_idx``; only the trivial order
+    is accepted). The group size follows from the scales' shape.
+    """
+    bits = _check_bits("num_bits", num_bits)
+    packed = _tensor("weight_packed", _stack("weight_packed", weight_packed), torch.int32, 3)
+    scales = _tensor("weight_scale", _stack("weight_scale", weight_scale), None, 3)
+    _floating("weight_scale", scales)
+    e, n, words = packed.shape
+    per = 32 // bits
+    k = words * per
+    if weight_shape is not None:
+        shapes = _tensor("weight_shape", _stack("weight_shape", weight_shape)).reshape(-1, 2)
+        if shapes.is_floating_point() or not bool((shapes == shapes[0]).all()):
+            raise ValueError(f"weight_shape: expected one integer (N, K) pair, got {shapes}")
+        n_, k_ = (int(v) for v in shapes[0])
+        if n_ != n or not k - per < k_ <= k:
+            raise ValueError(
+                f"weight_shape: ({n_}, {k_}) does not match weight_packed {list(packed.shape)} "
+                f"({32 // bits} values per int32)"
+            )
+        k = k_
+    codes = _unpack_words(packed, bits, 2)[:, :, :k]
+    if weight_zero_point is None:
+        zeros = torch.full(scales.shape, 1 << (bits - 1), dtype=torch.int32, device=packed.device)
+    else:
+        zp = _stack("weight_zero_point", weight_zero_point)
+        zp = _tensor("weight_zero_point", zp, torch.int32, 3)
+        if zp.shape[1] * per < n:
+            raise ValueError(
+                f"weight_zero_point: expected int32 [ceil(N*{bits}/32), groups] per expert for "
+                f"N={n}, got {list(zp.shape)}"
+            )
+        zeros = _unpack_words(zp, bits, 1)[:, :n]
+    if scales.shape[2]:
+        _check_group_index(g_idx, "g_idx", k, k // scales.shape[2] or 1)
+    return _integer_weight(
+        codes, zeros, scales, bits, ("weight_packed", "weight_zero_point", "weight_scale")
+    )
+
+
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+
+
+def import_gptq(
+    qweight: torch.Tensor | Sequence[torch.Tensor],
+    qzeros: torch.Tensor | Sequence[torch.Tensor],
+    scales: torch.Tensor | Sequence[torch.Tensor],
+    g_idx: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    *,
+    bits: int = 4,
+    checkpoint_format: str = "gptq",
+) -> QuantizedWeight:
+    """GPTQ expert projections -> int4 / int8 group weight ``(E, N, K)``.
+
+    Per expert (lists) or stacked: ``qweight`` int32 ``[K*bits/32, N]``, ``qzeros`` int32
+    ``[K/g, N*bits/32]``, ``scales`` float ``[K/g, N]``, ``g_idx`` int ``[K]`` (must be
+    ``k // g``: act-order checkpoints are refused). ``checkpoint_format`` "gptq" (stored
+    zeros are zero - 1, AutoGPTQ's format and the default of ``quantize_config.json``) or
+    "gptq_v2" (stored as is).
+    """
+    bits = _check_bits("bits", bits)
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise ValueError(
+            f"checkpoint_format must be one of {GPTQ_FORMATS}, got {checkpoint_format!r}"
+        )
+    qw = _tensor("qweight", _stack("qweight", qweight), torch.int32, 3)
+    qz = _tensor("qzeros", _stack("qzeros", qzeros), torch.int32, 3)
+    sc = _floating("scales", _tensor("scales", _stack("scales", scales), None, 3))
+    codes = _unpack_words(qw, bits, 1)  # [E, K, N]
+    zeros = _unpack_words(qz, bits, 2)  # [E, G, N]
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1
+    k = codes.shape[1]
+    if sc.shape[1]:
+        _check_group_index(g_idx, "g_idx", k, k // sc.shape[1] or 1)
+    return _integer_weight(
+        codes.transpose(1, 2),
+        zeros.transpose(1, 2),
+        sc.transpose(1, 2),
+        bits,
+        ("qweight", "qzeros", "scales"),
+    )
+
+
+def import_awq(
+    qweight: torch.Tensor | Sequence[torch.Tensor],
+    qzeros: torch.Tensor | Sequence[torch.Tensor],
+    scales: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    bits: int = 4,
+) -> QuantizedWeight:
+    """AWQ (GEMM) expert projections -> int4 group weight ``(E, N, K)``.
+
+    Per expert (lists) or stacked: ``qweight`` int32 ``[K, N/8]``, ``qzeros`` int32
+    ``[K/g, N/8]`` (both in `AWQ_ORDER` within a word), ``scales`` float ``[K/g, N]``.
+    """
+    bits = _check_bits("bits", bits, (4,))
+    qw = _tensor("qweight", _stack("qweight", qweight), torch.int32, 3)
+    qz = _tensor("qzeros", _stack("qzeros", qzeros), torch.int32, 3)
+    sc = _floating("scales", _tensor("scales", _stack("scales", scales), None, 3))
+    codes = _unpack_words(qw, bits, 2)  # [E, K, N] in slot order
+    zeros = _unpack_words(qz, bits, 2)  # [E, G, N] in slot order
+    slot_of = torch.tensor([AWQ_ORDER.index(m) for m in range(8)], device=qw.device)
+    words = codes.shape[2] // 8
+    column = (torch.arange(words, device=qw.device)[:, None] * 8 + slot_of).reshape(-1)
+    return _integer_weight(
+        codes.index_select(2, column).transpose(1, 2),
+        zeros.index_select(2, column).transpose(1, 2),
+        sc.transpose(1, 2),
+        bits,
+        ("qweight", "qzeros", "scales"),
+    )
 
 
 def _rescale_per_expert(parts: Sequence[QuantizedWeight], field: str) -> list[QuantizedWeight]:

@@ -1,0 +1,484 @@
+"""One MoE layer's experts from safetensors checkpoints, without transformers.
+
+``load_experts(path, layer=i)`` reads the routed experts of decoder layer ``i`` of a Mixtral,
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3 or GPT-OSS checkpoint (one ``.safetensors`` file, a folder,
+or a sharded checkpoint's ``model.safetensors.index.json``) and returns them in the canonical
+layout (``ExpertWeights``: ``w13 [E, 2I, H]``, ``w2 [E, H, I]``) with the activation, top-k and
+routing the family's ``config.json`` implies. Only the requested layer's tensors are read
+(``safe_open`` maps the files; a tensor is read when asked for).
+
+Checkpoint names (the files as published, i.e. what transformers' ``save_pretrained`` writes),
+under ``model.layers.{i}.``:
+
+- mixtral: ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (w1 gate, w3 up, w2 down);
+- qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3:
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``;
+- gpt_oss: ``mlp.experts.gate_up_proj [E, H, 2I]`` (gate/up columns alternating) and
+  ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]``; MXFP4
+  checkpoints ``*_blocks`` / ``*_scales`` instead of the weights.
+
+Per-expert projections may be stored plain (bf16/fp16/fp32) or quantized; the format is read
+from the tensors present: ``weight`` e4m3 + ``weight_scale_inv`` (DeepSeek-V3 FP8 blocks),
+``weight`` uint8 + ``weight_scale`` + ``weight_scale_2`` (ModelOpt NVFP4), ``weight_packed``
+(compressed-tensors pack-quantized), ``qweight`` (GPTQ or AWQ, told apart by
+``quantization_config.quant_method`` or the tensors' shapes). The quantized ones keep their
+values exactly (``moerunner.quant.checkpoints`` has the importers and the format rules).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import Activation, RoutingConfig
+from .errors import MoeInputError
+from .weights import ExpertWeights
+
+__all__ = ["FAMILIES", "CheckpointFamily", "LoadedExperts", "load_experts"]
+
+PathLike = str | os.PathLike
+
+
+@dataclass(frozen=True)
+class CheckpointFamily:
+    """Where a model family keeps one layer's routed experts and what they compute.
+
+    ``experts``: the module path after ``{root}.{layer}.``; ``projections``: per-expert
+    (gate, up, down) names, or None for GPT-OSS's stacked tensors; ``num_experts_key``: the
+    config.json field holding the routed expert count.
+    """
+
+    name: str
+    experts: str
+    projections: tuple[str, str, str] | None
+    num_experts_key: str
+    activation: str = "silu"
+
+
+FAMILIES: dict[str, CheckpointFamily] = {
+    f.name: f
+    for f in (
+        CheckpointFamily(
+            "mixtral", "block_sparse_moe.experts", ("w1", "w3", "w2"), "num_local_experts"
+        ),
+        CheckpointFamily(
+            "qwen2_moe", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "num_experts"
+        ),
+        CheckpointFamily(
+            "qwen3_moe", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "num_experts"
+        ),
+        CheckpointFamily(
+            "deepseek_v2", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "n_routed_experts"
+        ),
+        CheckpointFamily(
+            "deepseek_v3", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "n_routed_experts"
+        ),
+        CheckpointFamily("gpt_oss", "mlp.experts", None, "num_local_experts", "swiglu_oai"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class LoadedExperts:
+    """One layer's experts as loaded, with what the family and its config imply.
+
+    ``weights`` and ``activation`` go to ``moerunner.fused_moe`` / ``MoE.from_weights``.
+    ``top_k`` and ``routing`` come from config.json (None without one, or where the family's
+    router is not one ``select_experts`` computes: DeepSeek-V2's group-limited top-k).
+    ``format``: "plain", "fp8_block", "nvfp4", "mxfp4", "compressed-tensors", "gptq" or "awq".
+    """
+
+    family: str
+    layer: int
+    weights: ExpertWeights
+    activation: Activation
+    format: str
+    top_k: int | None = None
+    routing: RoutingConfig | None = None
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of the layer."""
+        return self.weights.num_experts
+
+
+class _Checkpoint:
+    """The tensors of a checkpoint by name, read lazily from the file that holds each."""
+
+    def __init__(self, path: PathLike, stack: ExitStack):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        path = os.fspath(path)
+        self._stack = stack
+        self._open: dict[str, Any] = {}
+        self._read: dict[str, torch.Tensor] = {}  # each tensor read once per load
+        if os.path.isdir(path):
+            folder = path
+            index = os.path.join(path, "model.safetensors.index.json")
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if os.path.isfile(index):
+                self._read_index(index)
+            elif files:
+                self._read_files([os.path.join(path, f) for f in files])
+            else:
+                raise MoeInputError(
+                    f"path: folder {path!r} holds no .safetensors file and no "
+                    "model.safetensors.index.json"
+                )
+        elif os.path.isfile(path):
+            folder = os.path.dirname(path)
+            if path.endswith(".json"):
+                self._read_index(path)
+            else:
+                self._read_files([path])
+        else:
+            raise MoeInputError(f"path: {path!r} does not exist")
+        self.config = self._json(os.path.join(folder, "config.json"))
+        if "quantization_config" not in self.config:  # older GPTQ / AWQ exports
+            for name in ("quantize_config.json", "quant_config.json"):
+                found = self._json(os.path.join(folder, name))
+                if found:
+                    self.config = {**self.config, "quantization_config": found}
+                    break
+
+    @staticmethod
+    def _json(path: str) -> dict:
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
+
+    def _read_index(self, index: str) -> None:
+        data = self._json(index)
+        weight_map = data.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise MoeInputError(f"path: index {index!r} has no 'weight_map' object")
+        folder = os.path.dirname(index)
+        self.files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        self.where = f"the weight map of {index!r}"
+
+    def _read_files(self, paths: list[str]) -> None:
+        from safetensors import safe_open
+
+        self.files = {}
+        for p in paths:
+            with safe_open(p, framework="pt") as f:
+                self.files.update(dict.fromkeys(f.keys(), p))
+        self.where = repr(paths[0]) if len(paths) == 1 else f"any of {paths}"
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor ``key``; MoeInputError naming it and where it was looked for if absent."""
+        from safetensors import safe_open
+
+        if key not in self.files:
+            raise MoeInputError(f"checkpoint: tensor {key!r} not found in {self.where}")
+        file = self.files[key]
+        if file not in self._open:
+            if not os.path.isfile(file):
+                raise MoeInputError(
+                    f"checkpoint: tensor {key!r} is mapped to {file!r}, which does not exist"
+                )
+            self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+        handle = self._open[file]
+        if key not in self._read:
+            if key not in handle.keys():
+                raise MoeInputError(f"checkpoint: tensor {key!r} not found in {file!r}")
+            self._read[key] = handle.get_tensor(key)
+        return self._read[key]
+
+    def layers(self, root: str) -> list[int]:
+        """Layer numbers that have any tensor under ``root``."""
+        pattern = re.compile(re.escape(root) + r"\.(\d+)\.")
+        return sorted({int(m.group(1)) for k in self.files if (m := pattern.match(k))})
+
+
+def _family(family: str | None, config: dict) -> CheckpointFamily:
+    accepted = ", ".join(FAMILIES)
+    if family is None:
+        family = config.get("model_type")
+        if family is None:
+            raise MoeInputError(
+                "family: the checkpoint has no config.json with a model_type; pass family= "
+                f"(one of {accepted})"
+            )
+    if not isinstance(family, str):
+        raise TypeError(f"family must be a str, got {type(family).__name__}")
+    if family not in FAMILIES:
+        raise MoeInputError(f"family: unknown MoE family {family!r}; accepted: {accepted}")
+    return FAMILIES[family]
+
+
+def _check_layer(ckpt: _Checkpoint, root: str, layer: object) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+    total = ckpt.config.get("num_hidden_layers")
+    if isinstance(total, int):
+        if not 0 <= layer < total:
+            raise MoeInputError(
+                f"layer={layer} is out of range: the model has {total} layers (0..{total - 1})"
+            )
+    else:
+        seen = ckpt.layers(root)
+        if layer not in seen:
+            span = f"layers {seen[0]}..{seen[-1]}" if seen else f"no tensor under {root!r}"
+            raise MoeInputError(f"layer={layer} is out of range: the checkpoint has {span}")
+    return layer
+
+
+def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first: str) -> int:
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = {int(m.group(1)) for k in ckpt.files if (m := pattern.match(k))}
+    counted = ckpt.config.get(fam.num_experts_key)
+    if isinstance(counted, int) and not isinstance(counted, bool):
+        if found and max(found) >= counted:
+            raise MoeInputError(
+                f"checkpoint: config.json says {fam.num_experts_key}={counted}, but the "
+                f"checkpoint also holds expert {max(found)} under {prefix!r}"
+            )
+        return counted
+    if not found:
+        ckpt.get(first)  # raises, naming the missing key
+    return max(found) + 1
+
+
+def _routing(fam: CheckpointFamily, config: dict) -> tuple[int | None, RoutingConfig | None]:
+    top_k = config.get("num_experts_per_tok")
+    if not isinstance(top_k, int) or not config:
+        return None, None
+    name = fam.name
+    if name in ("mixtral", "gpt_oss"):  # GPT-OSS: softmax over the top-k logits
+        return top_k, RoutingConfig(renormalize=True)
+    if name in ("qwen2_moe", "qwen3_moe"):
+        return top_k, RoutingConfig(renormalize=bool(config.get("norm_topk_prob", False)))
+    scale = float(config.get("routed_scaling_factor", 1.0) or 1.0)
+    if name == "deepseek_v2":
+        if config.get("topk_method", "greedy") != "greedy":
+            return top_k, None  # group-limited greedy ranks groups by their best score
+        return top_k, RoutingConfig(
+            renormalize=bool(config.get("norm_topk_prob", False)), routed_scaling_factor=scale
+        )
+    groups = config.get("n_group")
+    return top_k, RoutingConfig(
+        "sigmoid",
+        bool(config.get("norm_topk_prob", True)),
+        groups if groups and groups > 1 else None,
+        config.get("topk_group") if groups and groups > 1 else None,
+        scale,
+        correction_bias=True,
+    )
+
+
+def _quant_config(config: dict) -> dict:
+    q = config.get("quantization_config")
+    return q if isinstance(q, dict) else {}
+
+
+def _per_expert(ckpt: _Checkpoint, prefix: str, num: int, proj: str, suffix: str) -> list:
+    return [ckpt.get(f"{prefix}{e}.{proj}.{suffix}") for e in range(num)]
+
+
+def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[Any, str]:
+    """One projection of every expert, stacked: (plain tensor or QuantizedWeight, format)."""
+    from .quant import checkpoints as ck
+
+    base = f"{prefix}0.{proj}."
+    q = _quant_config(ckpt.config)
+
+    def each(suffix: str) -> list:
+        return _per_expert(ckpt, prefix, num, proj, suffix)
+
+    if base + "weight_packed" in ckpt:
+        first = ckpt.get(base + "weight_packed")
+        shape = ckpt.get(base + "weight_shape") if base + "weight_shape" in ckpt else None
+        bits = 4
+        if shape is not None:  # words = ceil(K * bits / 32)
+            k = int(shape.reshape(-1)[1])
+            bits = 8 if first.shape[1] != -(-k // 8) and first.shape[1] == -(-k // 4) else 4
+        weight = ck.import_compressed_tensors(
+            each("weight_packed"),
+            each("weight_scale"),
+            each("weight_zero_point") if base + "weight_zero_point" in ckpt else None,
+            each("weight_shape") if shape is not None else None,
+            num_bits=bits,
+            g_idx=each("weight_g_idx") if base + "weight_g_idx" in ckpt else None,
+        )
+        return weight, "compressed-tensors"
+    if base + "qweight" in ckpt:
+        method = q.get("quant_method")
+        if method is None:  # GPTQ packs along K (N columns), AWQ along N
+            qweight, scales = ckpt.get(base + "qweight"), ckpt.get(base + "scales")
+            method = "gptq" if qweight.shape[1] == scales.shape[1] else "awq"
+        bits = q.get("bits", q.get("w_bit", 4))
+        if method == "awq":
+            return ck.import_awq(each("qweight"), each("qzeros"), each("scales"), bits=bits), "awq"
+        if method == "gptq":
+            weight = ck.import_gptq(
+                each("qweight"),
+                each("qzeros"),
+                each("scales"),
+                each("g_idx") if base + "g_idx" in ckpt else None,
+                bits=bits,
+                checkpoint_format=q.get("checkpoint_format", "gptq"),
+            )
+            return weight, "gptq"
+        raise MoeInputError(
+            f"checkpoint: {base}qweight with quant_method {method!r}; accepted: 'gptq', 'awq'"
+        )
+    first = ckpt.get(base + "weight")
+    if first.dtype == torch.float8_e4m3fn:
+        if base + "weight_scale_inv" not in ckpt:
+            raise MoeInputError(
+                f"checkpoint: {base}weight is e4m3 without {base}weight_scale_inv; moerunner "
+                "reads FP8 experts with 128x128 block scales (DeepSeek-V3 layout)"
+            )
+        return ck.import_deepseek_fp8(each("weight"), each("weight_scale_inv")), "fp8_block"
+    if first.dtype == torch.uint8 and base + "weight_scale_2" in ckpt:
+        inputs = each("input_scale") if base + "input_scale" in ckpt else None
+        weight = ck.import_modelopt_nvfp4(
+            each("weight"), each("weight_scale"), each("weight_scale_2"), inputs
+        )
+        return weight, "nvfp4"
+    if not first.is_floating_point():
+        raise MoeInputError(
+            f"checkpoint: {base}weight has dtype {first.dtype}, which no known format of "
+            "moerunner's stores without its companion tensors"
+        )
+    parts = each("weight")
+    shapes = {tuple(p.shape) for p in parts}
+    if len(shapes) != 1:
+        raise MoeInputError(
+            f"checkpoint: the experts' {proj}.weight shapes differ under {prefix!r}: "
+            f"{sorted(shapes)}"
+        )
+    return torch.stack(parts), "plain"
+
+
+def _check_shapes(w13, w2, b13, b2, prefix: str, gated: bool = True) -> None:
+    e, n, h = tuple(w13.shape)
+    e2, h2, i = tuple(w2.shape)
+    if (e2, h2) != (e, h) or n != (2 * i if gated else i):
+        raise MoeInputError(
+            f"checkpoint: experts under {prefix!r} do not fit together: gate/up give "
+            f"[E, 2I, H] = {[e, n, h]}, down gives [E, H, I] = {[e2, h2, i]}"
+        )
+    for name, bias, shape in (("w13_bias", b13, (e, n)), ("w2_bias", b2, (e, h))):
+        if bias is not None and tuple(bias.shape) != shape:
+            raise MoeInputError(
+                f"checkpoint: {name} under {prefix!r} has shape {list(bias.shape)}, "
+                f"expected {list(shape)}"
+            )
+
+
+def _gpt_oss(ckpt: _Checkpoint, prefix: str) -> tuple:
+    from .quant import checkpoints as ck
+
+    if prefix + "gate_up_proj_blocks" in ckpt:
+        w13 = ck.import_gpt_oss_mxfp4(
+            ckpt.get(prefix + "gate_up_proj_blocks"), ckpt.get(prefix + "gate_up_proj_scales")
+        )
+        w2 = ck.import_gpt_oss_mxfp4(
+            ckpt.get(prefix + "down_proj_blocks"), ckpt.get(prefix + "down_proj_scales")
+        )
+        fmt = "mxfp4"
+    else:
+        gate_up, down = ckpt.get(prefix + "gate_up_proj"), ckpt.get(prefix + "down_proj")
+        for name, t in (("gate_up_proj", gate_up), ("down_proj", down)):
+            if t.dim() != 3 or not t.is_floating_point():
+                raise MoeInputError(
+                    f"checkpoint: {prefix}{name} must be a floating [E, in, out] tensor, got "
+                    f"{t.dtype} {list(t.shape)}"
+                )
+        w13, w2, fmt = (
+            gate_up.transpose(1, 2).contiguous(),
+            down.transpose(1, 2).contiguous(),
+            "plain",
+        )
+    b13 = ckpt.get(prefix + "gate_up_proj_bias") if prefix + "gate_up_proj_bias" in ckpt else None
+    b2 = ckpt.get(prefix + "down_proj_bias") if prefix + "down_proj_bias" in ckpt else None
+    return w13, w2, b13, b2, fmt
+
+
+def load_experts(
+    path: PathLike,
+    *,
+    layer: int,
+    family: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    root: str = "model.layers",
+) -> LoadedExperts:
+    """Read the routed experts of decoder layer ``layer`` from a safetensors checkpoint.
+
+    ``path``: a ``.safetensors`` file, a sharded checkpoint's index json, or a folder holding
+    either (its ``config.json`` supplies the family, expert count, top-k and routing).
+    ``family``: one of `FAMILIES` (default: config.json's ``model_type``). ``device``: where the
+    weights go (default: the CPU). ``dtype``: the dtype of plain weights and of biases
+    (default: as stored); quantized weights keep their format. ``root``: the layer list's name
+    (``"model.language_model.layers"`` for some multimodal wrappers).
+
+    Gate and up rows are stacked gate then up (GPT-OSS: alternating, as stored, with
+    ``gate_up_interleaved=True``). Raises ``MoeInputError`` for a missing tensor (naming it
+    and the file or index it was looked for in), experts that do not fit together, an
+    unknown family or a layer out of range.
+    """
+    if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"dtype must be torch.bfloat16, float16, float32 or None, got {dtype}")
+    if not isinstance(root, str) or not root:
+        raise TypeError(f"root must be a non-empty str, got {root!r}")
+    with ExitStack() as stack:
+        ckpt = _Checkpoint(path, stack)
+        fam = _family(family, ckpt.config)
+        layer = _check_layer(ckpt, root, layer)
+        prefix = f"{root}.{layer}.{fam.experts}."
+        if not any(k.startswith(prefix) for k in ckpt.files):
+            raise MoeInputError(
+                f"layer={layer} has no routed experts: no tensor named {prefix}* in "
+                f"{ckpt.where} (a dense layer, or another family's names?)"
+            )
+        if fam.projections is None:
+            w13, w2, b13, b2, fmt = _gpt_oss(ckpt, prefix)
+        else:
+            gate, up, down = fam.projections
+            num = _count_experts(ckpt, prefix, fam, f"{prefix}0.{gate}.weight")
+            (g, fmt), (u, fmt_up), (w2, fmt_down) = (
+                _projection(ckpt, prefix, num, p) for p in (gate, up, down)
+            )
+            if len({fmt, fmt_up, fmt_down}) != 1:
+                raise MoeInputError(
+                    f"checkpoint: the projections under {prefix!r} are stored in different "
+                    f"formats ({gate}: {fmt}, {up}: {fmt_up}, {down}: {fmt_down})"
+                )
+            if fmt == "plain":
+                w13 = torch.cat([g, u], dim=1)
+            else:
+                from .quant.checkpoints import cat_rows
+
+                w13 = cat_rows([g, u])
+            b13 = b2 = None
+        _check_shapes(w13, w2, b13, b2, prefix)
+        if fmt == "plain":
+            w13, w2 = (w.to(device=device, dtype=dtype) for w in (w13, w2))
+        elif device is not None:
+            w13, w2 = w13.to(device), w2.to(device)
+        bias_dtype = dtype or (w13.dtype if fmt == "plain" else torch.float32)
+        b13, b2 = (None if b is None else b.to(device=device, dtype=bias_dtype) for b in (b13, b2))
+    config = ckpt.config
+    if fam.name == "gpt_oss":
+        activation = Activation(
+            "swiglu_oai", config.get("swiglu_alpha"), config.get("swiglu_limit")
+        )
+    else:
+        activation = Activation(fam.activation)
+    weights = ExpertWeights(w13, w2, b13, b2, gate_up_interleaved=fam.projections is None)
+    weights.validate(activation)
+    top_k, routing = _routing(fam, config)
+    return LoadedExperts(fam.name, layer, weights, activation, fmt, top_k, routing)

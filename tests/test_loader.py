@@ -1,0 +1,362 @@
+"""moerunner.load_experts: one layer's experts from safetensors checkpoints.
+
+Two sources: checkpoints written by transformers' own ``save_pretrained`` (sharded, so the
+key names and the index are the published ones), whose experts module is then the
+independent reference; and checkpoints written here tensor by tensor (formats, errors).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import moerunner
+from moerunner.loader import FAMILIES
+from moerunner.testing import assert_close, error_bound
+
+FP32_BOUND = error_bound(torch.float32, False)  # fp32 experts on both sides vs float64
+
+
+# ---------------------------------------------------------------- transformers checkpoints
+
+EXPECTED_ROUTING = {
+    "mixtral": moerunner.RoutingConfig(renormalize=True),
+    "qwen2_moe": moerunner.RoutingConfig(renormalize=False),
+    "qwen3_moe": moerunner.RoutingConfig(renormalize=True),
+    "deepseek_v3": moerunner.RoutingConfig("sigmoid", True, 4, 2, 2.5, correction_bias=True),
+    "gpt_oss": moerunner.RoutingConfig(renormalize=True),
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED_ROUTING))
+def test_transformers_checkpoint_matches_its_experts_module(family, tmp_path):
+    pytest.importorskip("transformers")
+    from tests.integrations._tiny_models import build
+
+    model = build(family)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")  # several shards and an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    layer = 1  # DeepSeek-V3's tiny config has a dense layer 0
+    loaded = moerunner.load_experts(tmp_path, layer=layer)
+    assert (loaded.family, loaded.layer, loaded.format) == (family, layer, "plain")
+    assert loaded.top_k == 2 and loaded.routing == EXPECTED_ROUTING[family]
+    assert loaded.num_experts == 8
+    assert loaded.activation.name == ("swiglu_oai" if family == "gpt_oss" else "silu")
+
+    experts = model.model.layers[layer].mlp.experts
+    x = torch.randn(10, model.config.hidden_size)
+    topk = moerunner.select_experts(torch.randn(10, 8), 2, renormalize=True)
+    with torch.no_grad():
+        theirs = experts(x, topk.ids.long(), topk.weights)
+    ours = moerunner.reference_moe(x, loaded.weights, topk.weights, topk.ids, loaded.activation)
+    assert_close(theirs, ours, FP32_BOUND, what=f"{family} layer {layer}")
+    out = moerunner.fused_moe(
+        x,
+        loaded.weights.w13,
+        loaded.weights.w2,
+        topk.weights,
+        topk.ids,
+        activation=loaded.activation.name,
+        w13_bias=loaded.weights.w13_bias,
+        w2_bias=loaded.weights.w2_bias,
+        gate_up_interleaved=loaded.weights.gate_up_interleaved,
+        backend="torch",
+    )
+    assert_close(out, ours, FP32_BOUND, what=f"fused_moe on {family}")
+
+
+def test_transformers_deepseek_dense_layer_is_named(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.integrations._tiny_models import build
+
+    build("deepseek_v3").save_pretrained(tmp_path)
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=r"layer=0 has no routed experts.*model\.layers\.0\.mlp\.experts\.",
+    ):
+        moerunner.load_experts(tmp_path, layer=0)
+    with pytest.raises(moerunner.MoeInputError, match=r"layer=2 is out of range.*2 layers"):
+        moerunner.load_experts(tmp_path, layer=2)
+
+
+# ---------------------------------------------------------------- hand-written checkpoints
+
+E, H, I = 4, 32, 32
+
+
+def mixtral_tensors(layer=0, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(E, I, H, generator=gen), torch.randn(E, I, H, generator=gen)
+    down = torch.randn(E, H, I, generator=gen)
+    prefix = f"model.layers.{layer}.block_sparse_moe.experts."
+    tensors = {}
+    for e in range(E):
+        tensors[f"{prefix}{e}.w1.weight"] = gate[e].to(dtype)
+        tensors[f"{prefix}{e}.w3.weight"] = up[e].to(dtype)
+        tensors[f"{prefix}{e}.w2.weight"] = down[e].to(dtype)
+    return tensors, gate, up, down
+
+
+def write_sharded(folder, tensors, shards=2, config=None):
+    """Tensors spread over ``shards`` files (round robin, so a layer spans files) + index."""
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for n in names[s::shards]}
+        save_file(part, folder / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_sharded_mixtral_stacks_gate_then_up_and_converts(tmp_path):
+    tensors, gate, up, down = mixtral_tensors(layer=1)
+    tensors.update(mixtral_tensors(layer=0, seed=1)[0])
+    config = {
+        "model_type": "mixtral",
+        "num_hidden_layers": 2,
+        "num_local_experts": E,
+        "num_experts_per_tok": 2,
+    }
+    write_sharded(tmp_path, tensors, shards=3, config=config)
+    loaded = moerunner.load_experts(tmp_path, layer=1, dtype=torch.float32)
+    w = loaded.weights
+    assert w.w13.dtype == torch.float32 and w.w13.shape == (E, 2 * I, H)
+    assert torch.equal(w.w13, torch.cat([gate, up], dim=1).bfloat16().float())
+    assert torch.equal(w.w2, down.bfloat16().float())
+    assert not w.gate_up_interleaved and w.w13_bias is None
+    # The index file itself, and bf16 kept as stored without dtype=.
+    again = moerunner.load_experts(tmp_path / "model.safetensors.index.json", layer=1)
+    assert again.weights.w13.dtype == torch.bfloat16
+    assert torch.equal(again.weights.w13.float(), w.w13)
+
+
+def test_only_the_layer_is_read(tmp_path, monkeypatch):
+    tensors, *_ = mixtral_tensors(layer=0)
+    tensors.update(mixtral_tensors(layer=1, seed=1)[0])
+    save_file(tensors, tmp_path / "model.safetensors")
+    import safetensors
+
+    read = []
+    real = safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.f.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Spy)
+    moerunner.load_experts(tmp_path / "model.safetensors", layer=1, family="mixtral")
+    assert read and all(n.startswith("model.layers.1.") for n in read)
+    assert len(read) == 3 * E
+
+
+def test_qwen_and_deepseek_bf16_names(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    tensors = {}
+    for e in range(E):
+        for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            tensors[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = torch.randn(
+                shape, generator=gen
+            ).bfloat16()
+    save_file(tensors, tmp_path / "model.safetensors")
+    for family in ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):
+        loaded = moerunner.load_experts(tmp_path, layer=0, family=family)
+        assert loaded.top_k is None and loaded.routing is None  # no config.json
+        g = tensors["model.layers.0.mlp.experts.2.gate_proj.weight"]
+        u = tensors["model.layers.0.mlp.experts.2.up_proj.weight"]
+        assert torch.equal(loaded.weights.w13[2], torch.cat([g, u]))
+
+
+def test_gpt_oss_bf16_and_mxfp4(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    prefix = "model.layers.0.mlp.experts."
+    gate_up = torch.randn(E, H, 2 * I, generator=gen)  # [E, in, out], columns gate/up alternating
+    down = torch.randn(E, I, H, generator=gen)
+    b13, b2 = torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)
+    tensors = {
+        prefix + "gate_up_proj": gate_up.bfloat16(),
+        prefix + "gate_up_proj_bias": b13.bfloat16(),
+        prefix + "down_proj": down.bfloat16(),
+        prefix + "down_proj_bias": b2.bfloat16(),
+    }
+    (tmp_path / "bf16").mkdir()
+    save_file(tensors, tmp_path / "bf16" / "model.safetensors")
+    cfg = {"model_type": "gpt_oss", "swiglu_limit": 5.0, "num_experts_per_tok": 2}
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(cfg))
+    loaded = moerunner.load_experts(tmp_path / "bf16", layer=0)
+    w = loaded.weights
+    assert w.gate_up_interleaved and loaded.activation.limit == 5.0
+    assert torch.equal(w.w13, gate_up.bfloat16().transpose(1, 2))
+    assert torch.equal(w.w2, down.bfloat16().transpose(1, 2))
+    assert torch.equal(w.w13_bias, b13.bfloat16()) and torch.equal(w.w2_bias, b2.bfloat16())
+
+    q13 = moerunner.quantize(gate_up.transpose(1, 2), "mxfp4")
+    q2 = moerunner.quantize(down.transpose(1, 2), "mxfp4")
+    packed = {
+        prefix + "gate_up_proj_blocks": q13.data.reshape(E, 2 * I, H // 32, 16),
+        prefix + "gate_up_proj_scales": q13.scale,
+        prefix + "down_proj_blocks": q2.data.reshape(E, H, I // 32, 16),
+        prefix + "down_proj_scales": q2.scale,
+        prefix + "gate_up_proj_bias": b13.bfloat16(),
+        prefix + "down_proj_bias": b2.bfloat16(),
+    }
+    save_file({k: v.contiguous() for k, v in packed.items()}, tmp_path / "mx.safetensors")
+    mx = moerunner.load_experts(tmp_path / "mx.safetensors", layer=0, family="gpt_oss")
+    assert mx.format == "mxfp4" and mx.weights.w13.scheme.name == "mxfp4"
+    assert torch.equal(mx.weights.w13.dequantize(), q13.dequantize())
+    assert mx.weights.w13_bias.dtype == torch.float32
+
+
+def test_deepseek_fp8_reuses_the_importer(tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    tensors, ref = {}, {}
+    i, h = 128, 64  # fp8 blocks are 128 rows: gate and up meet at a block edge
+    for proj, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+        q = moerunner.quantize(torch.randn(E, n, k, generator=gen), "fp8_block")
+        ref[proj] = q.dequantize()
+        for e in range(E):
+            tensors[f"model.layers.3.mlp.experts.{e}.{proj}.weight"] = q.data[e].contiguous()
+            tensors[f"model.layers.3.mlp.experts.{e}.{proj}.weight_scale_inv"] = q.scale[e]
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = moerunner.load_experts(tmp_path, layer=3, family="deepseek_v3")
+    assert loaded.format == "fp8_block"
+    d13 = loaded.weights.w13.dequantize()
+    assert torch.equal(d13, torch.cat([ref["gate_proj"], ref["up_proj"]], dim=1))
+    assert torch.equal(loaded.weights.w2.dequantize(), ref["down_proj"])
+
+
+# ---------------------------------------------------------------- integer formats via the loader
+
+
+def _pack(values, bits, axis, order=None):
+    from tests.quant.test_quant_checkpoints_integer import pack
+
+    return pack(values, bits, axis, order)
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq", "awq"])
+def test_integer_checkpoints_load_and_run(fmt, tmp_path):
+    rng = np.random.default_rng(7)
+    group, tensors, expected = 16, {}, {}
+    awq_order = (0, 2, 4, 6, 1, 3, 5, 7)
+    for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        q = rng.integers(0, 16, (E, n, k))
+        z = rng.integers(1, 16, (E, n, k // group))
+        s = rng.uniform(0.01, 0.1, (E, n, k // group)).astype(np.float16)
+        expected[proj] = (q - np.repeat(z, group, -1)) * np.repeat(s.astype(np.float64), group, -1)
+        for e in range(E):
+            key = f"model.layers.0.mlp.experts.{e}.{proj}."
+            if fmt == "compressed-tensors":
+                tensors[key + "weight_packed"] = _pack(q[e], 4, 1)
+                tensors[key + "weight_zero_point"] = _pack(z[e], 4, 0)
+                tensors[key + "weight_scale"] = torch.from_numpy(s[e])
+                tensors[key + "weight_shape"] = torch.tensor([n, k])
+            elif fmt == "gptq":
+                tensors[key + "qweight"] = _pack(q[e].T, 4, 0)
+                tensors[key + "qzeros"] = _pack(z[e].T - 1, 4, 1)
+                tensors[key + "scales"] = torch.from_numpy(np.ascontiguousarray(s[e].T))
+                tensors[key + "g_idx"] = torch.arange(k, dtype=torch.int32) // group
+            else:
+                tensors[key + "qweight"] = _pack(q[e].T, 4, 1, awq_order)
+                tensors[key + "qzeros"] = _pack(z[e].T, 4, 1, awq_order)
+                tensors[key + "scales"] = torch.from_numpy(np.ascontiguousarray(s[e].T))
+    save_file(tensors, tmp_path / "model.safetensors")
+    method = {"compressed-tensors": "compressed-tensors", "gptq": "gptq", "awq": "awq"}[fmt]
+    config = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": method}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = moerunner.load_experts(tmp_path, layer=0)
+    assert loaded.format == fmt and loaded.weights.w13.scheme.name == f"int4_g{group}_zp"
+    w13 = np.concatenate([expected["gate_proj"], expected["up_proj"]], axis=1)
+    assert torch.equal(loaded.weights.w13.dequantize().double(), torch.from_numpy(w13))
+    assert torch.equal(
+        loaded.weights.w2.dequantize().double(), torch.from_numpy(expected["down_proj"])
+    )
+    x = torch.randn(5, H)
+    topk = moerunner.select_experts(torch.randn(5, E), 2)
+    out = moerunner.fused_moe(x, loaded.weights.w13, loaded.weights.w2, topk.weights, topk.ids)
+    ref = moerunner.reference_moe(x, loaded.weights, topk.weights, topk.ids)
+    assert_close(out, ref, FP32_BOUND)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_expert_names_the_key_and_file(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    del tensors["model.layers.0.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    cfg = {"model_type": "mixtral", "num_local_experts": E, "num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=r"'model\.layers\.0\.block_sparse_moe\.experts\.2\.w3\.weight' not found in "
+        r".*model\.safetensors",
+    ):
+        moerunner.load_experts(tmp_path, layer=0)
+
+
+def test_more_experts_than_the_config_says(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    cfg = {"model_type": "mixtral", "num_local_experts": E - 1, "num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(moerunner.MoeInputError, match=f"also holds expert {E - 1}"):
+        moerunner.load_experts(tmp_path, layer=0)
+
+
+def test_index_pointing_at_a_missing_shard(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    write_sharded(tmp_path, tensors, shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(moerunner.MoeInputError, match=r"model-00002-of-00002.*does not exist"):
+        moerunner.load_experts(tmp_path, layer=0, family="mixtral")
+
+
+def test_errors_name_what_is_accepted(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(moerunner.MoeInputError, match="unknown MoE family 'llama'.*mixtral"):
+        moerunner.load_experts(tmp_path, layer=0, family="llama")
+    with pytest.raises(moerunner.MoeInputError, match="no config.json with a model_type"):
+        moerunner.load_experts(tmp_path, layer=0)
+    with pytest.raises(moerunner.MoeInputError, match=r"layer=5 is out of range.*layers 0\.\.0"):
+        moerunner.load_experts(tmp_path, layer=5, family="mixtral")
+    with pytest.raises(TypeError, match="layer must be an int"):
+        moerunner.load_experts(tmp_path, layer="0", family="mixtral")
+    with pytest.raises(moerunner.MoeInputError, match="does not exist"):
+        moerunner.load_experts(tmp_path / "nope", layer=0, family="mixtral")
+    with pytest.raises(TypeError, match="dtype must be"):
+        moerunner.load_experts(tmp_path, layer=0, family="mixtral", dtype=torch.int8)
+    assert set(FAMILIES) >= {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"}
+
+
+def test_wrong_shapes_are_named(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    tensors["model.layers.0.block_sparse_moe.experts.1.w2.weight"] = torch.zeros(H, I + 2)
+    save_file(tensors, tmp_path / "a.safetensors")
+    with pytest.raises(moerunner.MoeInputError, match="w2.weight shapes differ"):
+        moerunner.load_experts(tmp_path / "a.safetensors", layer=0, family="mixtral")
+    tensors, *_ = mixtral_tensors()
+    for e in range(E):
+        tensors[f"model.layers.0.block_sparse_moe.experts.{e}.w2.weight"] = torch.zeros(H, I + 2)
+    save_file(tensors, tmp_path / "b.safetensors")
+    with pytest.raises(moerunner.MoeInputError, match="do not fit together"):
+        moerunner.load_experts(tmp_path / "b.safetensors", layer=0, family="mixtral")
