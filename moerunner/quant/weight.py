@@ -245,6 +245,27 @@ class QuantizedWeight:
         """Float32 ``[E, N, K]`` value of the weight (see docs/architecture.md for the rules)."""
         return codec_of(self.scheme).dequantize(self)
 
+    def dequantize_experts(self, start: int, length: int = 1) -> torch.Tensor:
+        """Float32 ``[length, N, K]`` value of experts ``start .. start + length - 1``: the
+        rows ``dequantize()[start : start + length]`` would hold, bit for bit, computed from
+        views of those experts only (no ``[E, N, K]`` temporary). Checks only host ints, never
+        tensor values, so a forward may call it per expert without a device sync."""
+        e, n, k = self.shape
+        if isinstance(start, bool) or isinstance(length, bool):
+            raise TypeError("start and length must be ints")
+        if not (isinstance(start, int) and isinstance(length, int)):
+            raise TypeError("start and length must be ints")
+        if start < 0 or length < 0 or start + length > e:
+            raise ValueError(
+                f"start/length: experts [{start}, {start + length}) are not within [0, {e})"
+            )
+        part = object.__new__(QuantizedWeight)  # views of checked tensors: no re-validation
+        part.scheme, part.shape = self.scheme, (length, n, k)
+        for field in TENSOR_FIELDS:
+            t = getattr(self, field)
+            setattr(part, field, None if t is None else t.narrow(0, start, length))
+        return codec_of(self.scheme).dequantize(part)
+
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Rows ``index`` of N (e.g. de-interleave gate/up); not for 2-D block scales."""
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
