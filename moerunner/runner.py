@@ -17,6 +17,7 @@ process-global "current backend".
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -139,7 +140,12 @@ class _PreparedCache(dict):
     """The per-weight memo. A copy of the weights (``copy.deepcopy(model)``, pickling,
     ``torch.save``) starts with an empty one: prepared weights are derived data (dequantized
     or padded copies), which a copy would duplicate in memory and a checkpoint would store;
-    the copy prepares its own on first use."""
+    the copy prepares its own on first use. ``w2``: a weak reference to the w2 the entries
+    were prepared with (the memo lives on w13 and adds no reference to either weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w2 = lambda: None
 
     def __deepcopy__(self, memo: dict) -> _PreparedCache:
         return _PreparedCache()
@@ -175,10 +181,20 @@ def prepared_for(
         except (AttributeError, TypeError):  # no attributes allowed: prepare every time
             return prepare_for_backend(backend, weights, spec)
     cached = per_weight.get(key)
-    if cached is None or cached.source.w2 is not weights.w2:
+    if cached is None or per_weight.w2() is not weights.w2:  # id(w2) reused by a new object
         per_weight.clear()
         cached = per_weight[key] = prepare_for_backend(backend, weights, spec)
+        per_weight.w2 = _ref(weights.w2)
     return cached
+
+
+def _ref(obj: Any):
+    """A weak reference to ``obj`` (the memo must not keep w2 alive), or a strong one where
+    the object takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def prepare_for_backend(

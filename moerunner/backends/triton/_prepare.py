@@ -461,8 +461,12 @@ def prepare(
 ) -> PreparedWeights:
     """Make the kernels' view of the weights once (contiguous, byte views, fp32 biases,
     packed 4-bit re-laid as ``options`` say), record ``options`` for the launches and find
-    the weights' tuned tiles (``tensors["tiles"]``; its file, if any, in the notes)."""
-    prepared = PreparedWeights(backend=name, source=weights, spec=spec, options=options)
+    the weights' tuned tiles (``tensors["tiles"]``; its file, if any, in the notes).
+
+    The result keeps no reference to ``weights`` (``source`` is None): it holds the tensors
+    it reads as stored (shared with ``weights``) and the re-laid ones (its own), so once the
+    caller drops ``weights`` the canonical packed data of re-laid 4-bit weights is freed."""
+    prepared = PreparedWeights(backend=name, source=None, spec=spec, options=options)
     t = prepared.tensors
     pairs = spec.gated and not spec.gate_up_interleaved
     t["w13"] = kernel_weight(weights.w13, gate_up_pairs=pairs, options=options)
