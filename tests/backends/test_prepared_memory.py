@@ -96,3 +96,33 @@ def test_prepared_weights_run_after_the_source_is_dropped():
     out = runner.run(StandardDispatchOutput(x, TopK(topk.weights, topk.ids)), prepared)
     # Same fp32 math as the torch emulation up to accumulation order.
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    not triton_pkg.interpreted() and not torch.cuda.is_available(),
+    reason="triton backend cannot run here",
+)
+def test_triton_reads_transposed_plain_weights_in_place():
+    # GPT-OSS stores experts [E, K, N]; the kernels take the canonical-shaped view's strides.
+    torch.manual_seed(2)
+    w13 = torch.randn(E, H, 2 * I).transpose(1, 2) * 0.05  # [E, 2I, H], K-major
+    w2 = torch.randn(E, I, H).transpose(1, 2) * 0.05  # [E, H, I], K-major
+    weights = ExpertWeights(w13, w2)
+    spec = weights.spec(ACT)
+    prepared = prepare_for_backend(TritonBackend(), weights, spec)
+    assert prepared.tensors["w13"].data is w13 and prepared.tensors["w2"].data is w2
+    assert storage_bytes(weights, prepared) == storage_bytes(weights)  # no copy
+    x = torch.randn(5, H)
+    topk = moerunner.select_experts(torch.randn(5, E), 2)
+    out = moerunner.MoeRunner("triton").run(StandardDispatchOutput(x, topk), prepared)
+    dense = moerunner.fused_moe(
+        x,
+        w13.contiguous(),
+        w2.contiguous(),
+        topk.weights,
+        topk.ids,
+        activation=ACT,
+        backend="triton",
+    )
+    # The same fp32 products, loaded through other strides.
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)

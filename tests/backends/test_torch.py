@@ -322,3 +322,36 @@ def test_dequantize_experts_matches_rows_of_whole_dequantization():
         q.dequantize_experts(4, 2)
     with pytest.raises(TypeError, match="start and length"):
         q.dequantize_experts(1.0)
+
+
+# -- weights read through their strides: transposed views of [E, K, N] parameters -----------
+
+
+def _transposed_views(weights: ExpertWeights) -> ExpertWeights:
+    """The same values as strided views of [E, K, N] storage (GPT-OSS parameters)."""
+
+    def view(w):
+        return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+    return ExpertWeights(view(weights.w13), view(weights.w2), weights.w13_bias, weights.w2_bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("force_permute", [False, True])
+def test_transposed_views_run_in_place(dtype, tokens, force_permute):
+    x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=True)
+    views = _transposed_views(weights)
+    out, prepared = _run(x, views, topk, force_permute=force_permute)
+    assert prepared.tensors["w13"] is views.w13  # read as given: no copy
+    _check(out, x, weights, topk, f"{dtype} T={tokens} transposed views")
+
+
+@pytest.mark.usefixtures("grouped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_path_takes_transposed_views(dtype):
+    x, weights, topk = _case(40, 8, 64, 48, 2, dtype, bias=True, skips="some")
+    views = _transposed_views(weights)
+    out, prepared = _run(x, views, topk, force_permute=True)
+    assert torch_native._use_grouped_mm(x, prepared)
+    _check(out, x, weights, topk, f"{dtype} grouped, transposed views")

@@ -127,6 +127,15 @@ def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.contiguous()
 
 
+def _strided_ok(w: torch.Tensor) -> torch.Tensor:
+    """A plain weight as the GEMM reads it: through its strides (``stride_we/wn/wk``) when
+    one of its last two dims is contiguous, e.g. a transposed view of a model's ``[E, K, N]``
+    parameter, read in place with no copy of the experts; otherwise a contiguous copy."""
+    if w.stride(-1) == 1 or w.stride(-2) == 1:
+        return w
+    return w.contiguous()
+
+
 def kernel_weight(
     w: Any, gate_up_pairs: bool = False, options: TritonOptions = DEFAULT_OPTIONS
 ) -> KernelWeight:
@@ -140,7 +149,7 @@ def kernel_weight(
         w = w.data
     if not is_quantized(w):
         return KernelWeight(
-            w.contiguous(),
+            _strided_ok(w),
             None,
             None,
             None,
