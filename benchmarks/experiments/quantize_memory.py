@@ -9,12 +9,17 @@ prepare: GPT-OSS-120B's mxfp4 experts (preset ``gpt-oss-120b``) prepared for the
 backend (fragment layout): memory held by the canonical weights, by them and the prepared
 weights, and by the prepared weights alone once the canonical ones are dropped.
 
+views (``--views``, GPU): GPT-OSS-120B bf16 experts stored as the model stores them
+(``[E, H, 2I]`` / ``[E, I, H]``) run through canonical-shaped views (what the transformers
+integration now feeds, no copy) against contiguous copies, on the torch and triton
+backends: the time ratio is the speed cost of holding the experts once.
+
 On a GPU memory is ``torch.cuda`` allocator statistics; on CPU (``--device cpu``, use
 ``--shrink``) it is counted per op by ``moerunner.memory`` (storages created by torch ops,
 and storages reachable from the weights). ``--shrink S`` divides E by S and H, I by S
 (rounded up to whole 128-wide groups), so the same script runs on a small machine.
 
-    python benchmarks/experiments/quantize_memory.py --out result.json
+    python benchmarks/experiments/quantize_memory.py --unchunked --views --out result.json
     python benchmarks/experiments/quantize_memory.py --device cpu --shrink 16
 """
 
@@ -134,6 +139,59 @@ def measure_prepare(shrink: int, device: torch.device) -> dict:
     return row
 
 
+def measure_views(device: torch.device, tokens=(1, 64, 1024, 4096)) -> list[dict]:
+    """fused_moe on transposed views against contiguous weights: time and max difference."""
+    import triton.testing
+
+    import moerunner
+
+    s = presets.get_preset("gpt-oss-120b")
+    bf = torch.bfloat16
+    w13_t = (
+        torch.randn(s.num_experts, s.hidden_size, 2 * s.intermediate_size, dtype=bf, device=device)
+        * 0.02
+    )
+    w2_t = (
+        torch.randn(s.num_experts, s.intermediate_size, s.hidden_size, dtype=bf, device=device)
+        * 0.02
+    )
+    views = (w13_t.transpose(1, 2), w2_t.transpose(1, 2))
+    dense = tuple(v.contiguous() for v in views)
+    rows = []
+    for backend in ("torch", "triton"):
+        for t in tokens:
+            x = torch.randn(t, s.hidden_size, dtype=bf, device=device)
+            topk = moerunner.select_experts(torch.randn(t, s.num_experts, device=device), s.top_k)
+
+            def call(w, x=x, topk=topk, backend=backend):
+                return moerunner.fused_moe(
+                    x,
+                    *w,
+                    topk.weights,
+                    topk.ids,
+                    activation="swiglu_oai",
+                    gate_up_interleaved=True,
+                    backend=backend,
+                )
+
+            with torch.no_grad():
+                a, b = call(views).float(), call(dense).float()
+                ms_views = triton.testing.do_bench(lambda: call(views), warmup=5, rep=50)
+                ms_dense = triton.testing.do_bench(lambda: call(dense), warmup=5, rep=50)
+            rows.append(
+                {
+                    "backend": backend,
+                    "tokens": t,
+                    "views_ms": ms_views,
+                    "contiguous_ms": ms_dense,
+                    "ratio": ms_views / ms_dense,
+                    "max_rel_diff": ((a - b).abs().max() / b.abs().max()).item(),
+                }
+            )
+            print(json.dumps(rows[-1]))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -144,6 +202,9 @@ def main() -> None:
         "--unchunked", action="store_true", help="also quantize all experts in one chunk"
     )
     parser.add_argument("--skip-prepare", action="store_true", help="only the quantize rows")
+    parser.add_argument(
+        "--views", action="store_true", help="also time transposed-view weights (GPU)"
+    )
     parser.add_argument("--out", help="write the rows to this JSON file")
     args = parser.parse_args()
     if args.shrink < 1:
@@ -165,6 +226,8 @@ def main() -> None:
     if not args.skip_prepare:
         report["prepare"] = measure_prepare(args.shrink, device)
         print(json.dumps({"prepare": report["prepare"]}))
+    if args.views:
+        report["views"] = measure_views(device)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
