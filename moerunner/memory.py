@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import weakref
 from typing import Any
 
@@ -64,10 +65,22 @@ class AllocationTracker(TorchDispatchMode):
         self.live_bytes -= self._live.pop(ptr, 0)
 
 
+# Not walked: code and namespaces (a module's globals would reach the whole library).
+_OPAQUE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    weakref.ref,
+)
+
+
 def storages(*roots: Any) -> dict[tuple[str, int], int]:
     """``{(device, data_ptr): nbytes}`` of the distinct non-empty storages reachable from
     ``roots`` through tensors, mappings, sequences, sets, dataclasses and objects'
-    ``__dict__`` / ``__slots__`` (each object visited once)."""
+    ``__dict__`` / ``__slots__`` (each object visited once; classes, modules, functions and
+    weak references are not followed)."""
     found: dict[tuple[str, int], int] = {}
     seen: set[int] = set()
     stack = list(roots)
@@ -88,7 +101,7 @@ def storages(*roots: Any) -> dict[tuple[str, int], int]:
         if isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
             continue
-        if isinstance(obj, type) or callable(obj) and not hasattr(obj, "__dict__"):
+        if isinstance(obj, _OPAQUE):
             continue
         if dataclasses.is_dataclass(obj):
             stack.extend(getattr(obj, f.name, None) for f in dataclasses.fields(obj))
