@@ -19,15 +19,20 @@ from .runner import DEFAULT_REGISTRY, MoeRunner, Registry, default_registry
 from .weights import ExpertWeights
 
 
-def quantize(weight, scheme, *, input_scale=None):
+def quantize(weight, scheme, *, input_scale=None, chunk_bytes=None):
     """Quantize expert weights ``[E, N, K]`` into ``scheme`` (a name or ``QuantScheme``).
 
     ``input_scale`` (fp32 ``[E]``) is the calibrated activation scale that ``*_static``
-    schemes need. See ``moerunner.quant`` and docs/quantization.md for the formats.
+    schemes need. ``chunk_bytes`` bounds the float32 working copy of the experts quantized
+    at once (None: 256 MiB), so memory beyond input and result does not grow with E. See
+    ``moerunner.quant.quantize`` and docs/quantization.md for the formats and the bound.
     """
     from .quant import quantize as _quantize
+    from .quant.weight import DEFAULT_CHUNK_BYTES
 
-    return _quantize(weight, scheme, input_scale=input_scale)
+    if chunk_bytes is None:
+        chunk_bytes = DEFAULT_CHUNK_BYTES
+    return _quantize(weight, scheme, input_scale=input_scale, chunk_bytes=chunk_bytes)
 
 
 def dequantize(qweight):

@@ -4,7 +4,7 @@
 - ``moerunner::fused_experts_quantized``: on quantized weights, passed as their component
   tensors, scheme names and shapes (the ``QuantizedWeight`` is rebuilt once, not per call);
 - ``moerunner::fused_experts_transposed``: on plain weights stored ``[E, in, out]`` (GPT-OSS),
-  made canonical once, not per call.
+  read through canonical-shaped views (no copy).
 
 Each fake implementation only describes the output (``[T, H]`` in the hidden dtype), so the
 compiler never traces into the backends' data-dependent code (host reads of expert offsets,
@@ -351,20 +351,18 @@ def canonical_from_transposed(
     w13_t: torch.Tensor, w2_t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``w13 [E, N, H]`` and ``w2 [E, H, I]`` from weights stored ``[E, H, N]`` / ``[E, I, H]``
-    (GPT-OSS), copied once per source tensors (a change of either source's memory or in-place
-    version copies again), detached. Memoised on ``w13_t``'s storage, so every view of the
-    parameter (a traced graph may pass a fresh one per call) finds the copies; they hold no
-    reference to that storage, so they die with it."""
+    (GPT-OSS): detached views with the dims swapped, no copy (both backends read plain
+    weights through their strides), so the experts live once, in the model's parameters.
+    Memoised on the ``w13_t`` tensor object (a change of either source's memory or in-place
+    version makes new views), so the runner's prepared weights, memoised on the views, are
+    reused for as long as that object lives. Not on its storage: the views reference the
+    storage, and a memo there would keep it alive for ever."""
     key = ("transposed", _view_key(w13_t), _view_key(w2_t))
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            return (
-                w13_t.detach().transpose(1, 2).contiguous(),
-                w2_t.detach().transpose(1, 2).contiguous(),
-            )
+        return w13_t.detach().transpose(1, 2), w2_t.detach().transpose(1, 2)
 
-    return _memoised(w13_t.untyped_storage(), key, build)
+    return _memoised(w13_t, key, build)
 
 
 @torch.library.custom_op("moerunner::fused_experts_transposed", mutates_args=())
@@ -384,8 +382,8 @@ def fused_experts_transposed(
     check_ids: bool = True,
 ) -> torch.Tensor:
     """``fused_experts`` on weights stored transposed (``w13_t [E, H, N]``, ``w2_t [E, I, H]``,
-    as GPT-OSS checkpoints do): the canonical copy is made once per source tensors
-    (``canonical_from_transposed``), not per call."""
+    as GPT-OSS checkpoints do), run through views in the canonical shape
+    (``canonical_from_transposed``): no copy of the experts."""
     for name, t in (("w13_t", w13_t), ("w2_t", w2_t)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D [E, in, out], got shape {list(t.shape)}")

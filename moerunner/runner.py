@@ -17,6 +17,7 @@ process-global "current backend".
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -141,13 +142,18 @@ _PREPARED_PER_WEIGHT = 4
 
 class _PreparedCache(dict):
     """The per-weight memo: prepared forms by (backend, options, spec), all made from the
-    weights in ``state`` (their tensors' identities and versions, see ``prepared_for``).
-    A copy of the weights (``copy.deepcopy(model)``, pickling, ``torch.save``) starts with
-    an empty one: prepared weights are derived data (dequantized or padded copies), which a
-    copy would duplicate in memory and a checkpoint would store; the copy prepares its own
-    on first use."""
+    weights in ``state`` (their tensors' identities and versions, see ``prepared_for``) and
+    from the w2 that ``w2`` weakly refers to (the memo lives on w13 and adds no reference to
+    either weight). A copy of the weights (``copy.deepcopy(model)``, pickling,
+    ``torch.save``) starts with an empty one: prepared weights are derived data (dequantized
+    or padded copies), which a copy would duplicate in memory and a checkpoint would store;
+    the copy prepares its own on first use."""
 
     state: tuple | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w2 = lambda: None
 
     def __deepcopy__(self, memo: dict) -> _PreparedCache:
         return _PreparedCache()
@@ -182,15 +188,26 @@ def prepared_for(
             setattr(weights.w13, _CACHE_ATTR, per_weight)
         except (AttributeError, TypeError):  # no attributes allowed: prepare every time
             return prepare_for_backend(backend, weights, spec)
-    if per_weight.state != state:  # the weights changed: every prepared form is stale
+    if per_weight.state != state or per_weight.w2() is not weights.w2:
+        # The weights changed (or id(w2) was reused by a new object): every form is stale.
         per_weight.clear()
         per_weight.state = state
+        per_weight.w2 = _ref(weights.w2)
     cached = per_weight.get(key)
-    if cached is None or cached.source.w2 is not weights.w2:
+    if cached is None:
         if len(per_weight) >= _PREPARED_PER_WEIGHT:  # bound the forms kept (oldest first)
             del per_weight[next(iter(per_weight))]
         cached = per_weight[key] = prepare_for_backend(backend, weights, spec)
     return cached
+
+
+def _ref(obj: Any):
+    """A weak reference to ``obj`` (the memo must not keep w2 alive), or a strong one where
+    the object takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def prepare_for_backend(

@@ -249,10 +249,18 @@ class PreparedWeights:
     did (padding, reordering) so it can be inspected and tested; ``options`` the options of
     the backend that prepared them (None for a backend without options), which its kernels
     read per call.
+
+    Ownership: the caller owns the canonical weights; the prepared weights own what the
+    backend made of them (re-laid, padded or converted copies) and share every tensor read as
+    stored. ``source`` is the canonical weights where the backend computes from them as they
+    are (torch: the same tensors, no extra memory), and None where it re-laid them into
+    tensors of its own (triton): then nothing here keeps the canonical tensors alive, and a
+    caller that drops them holds one copy of the experts, not two (docs/architecture.md,
+    "Memory: who owns what").
     """
 
     backend: str
-    source: ExpertWeights
+    source: ExpertWeights | None
     spec: ExpertSpec
     tensors: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

@@ -128,10 +128,10 @@ def _ceilings(peaks) -> roofline.DeviceCeilings:
 def fused_cost(prepared, experts_hit: float, T: int, k: int) -> roofline.RowCost:
     """Bytes and flops of one fused call by ``roofline.row_cost`` (weights of the experts hit
     at their stored scheme, hidden in and out, routing; no -1 ids)."""
-    spec, w13 = prepared.spec, prepared.source.w13
-    scheme = w13.scheme.name if hasattr(w13, "scheme") else "bf16"
+    spec, w13 = prepared.spec, prepared.tensors["w13"]  # triton's KernelWeight
+    scheme = w13.scheme.name if w13.scheme is not None else "bf16"
     shape = BenchShape("fused", spec.num_experts, spec.hidden_size, spec.intermediate_size, k,
-                       spec.activation.name, bias=prepared.source.w13_bias is not None,
+                       spec.activation.name, bias=prepared.tensors["w13_bias"] is not None,
                        gate_up_interleaved=spec.gate_up_interleaved)
     return roofline.row_cost(shape, scheme, T, experts_hit, T * k, torch.bfloat16)
 

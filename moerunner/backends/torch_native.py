@@ -11,7 +11,10 @@ adds its weighted rows into one float32 sum; few Python-level ops per expert, an
 [T*k, H] copies. Each expert GEMM takes the form this CPU ran fastest for its dtype and row
 count (the measurements are above ``_CPU_COLUMNS``).
 
-Quantized weights are dequantized once to float32 in ``prepare_weights``; at run time GEMM
+Quantized weights stay quantized in the prepared weights: each expert GEMM dequantizes its
+expert's weight to float32 when it runs (``ExpertDequantizer``), so a call holds one expert's
+float32 weight at a time, never all experts' (``[E, N, K]`` float32 of DeepSeek-V3 fp8_block
+would be 45 GB beside the 11 GB it is stored in). At run time GEMM
 inputs are quantized exactly as the scheme's kernels quantize them (dynamic per-token fp8,
 per-128-group fp8, MX blocks...) and multiplied in float32, so the result equals what a real
 kernel computes up to accumulation order. As in the fused kernels, whose GEMM1 epilogue
@@ -63,24 +66,44 @@ class TorchBackend(Backend):
         self.core = torch_core
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
-        """Plain weights are used as they are; quantized ones are dequantized once to fp32."""
+        """Plain weights are used as they are; quantized ones stay quantized and are
+        dequantized one expert at a time when it runs (module doc). ``w13_experts`` /
+        ``w2_experts``: expert ``e``'s ``[N, K]`` weight by index."""
         prepared = PreparedWeights(backend=self.name, source=weights, spec=spec)
         tensors = prepared.tensors
+        tensors["w13"], tensors["w2"] = weights.w13, weights.w2
         if is_quantized(weights.w13):
-            tensors["w13"] = weights.w13.dequantize()
-            tensors["w2"] = weights.w2.dequantize()
+            tensors["w13_experts"] = ExpertDequantizer(weights.w13)
+            tensors["w2_experts"] = ExpertDequantizer(weights.w2)
             tensors["scheme"] = weights.w13.scheme
             tensors["scheme2"] = weights.w2.scheme
             tensors["input_scale"] = weights.w13.input_scale  # [E] or None (dynamic)
             tensors["input_scale2"] = weights.w2.input_scale
-            prepared.notes.append("dequantized w13/w2 to float32 once")
+            prepared.notes.append("w13/w2 dequantized to float32 per expert as it runs")
+        elif weights.w13.device.type == "cpu":  # one view per expert, made once, not per call
+            tensors["w13_experts"] = weights.w13.unbind(0)
+            tensors["w2_experts"] = weights.w2.unbind(0)
         else:
-            tensors["w13"], tensors["w2"] = weights.w13, weights.w2
-        if tensors["w13"].device.type == "cpu":  # one view per expert, made once, not per call
-            tensors["w13_experts"] = tensors["w13"].unbind(0)
-            tensors["w2_experts"] = tensors["w2"].unbind(0)
+            tensors["w13_experts"], tensors["w2_experts"] = weights.w13, weights.w2
         tensors["w13_bias"], tensors["w2_bias"] = weights.w13_bias, weights.w2_bias
         return prepared
+
+
+class ExpertDequantizer:
+    """A quantized weight's experts by index: ``self[e]`` is expert ``e``'s float32 ``[N, K]``,
+    dequantized when asked (``QuantizedWeight.dequantize_experts``: bit for bit the rows of a
+    whole dequantization, without a device sync) and not kept."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight) -> None:
+        self.weight = weight
+
+    def __len__(self) -> int:
+        return self.weight.shape[0]
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.weight.dequantize_experts(int(e))[0]
 
 
 def _gemm_input(x: torch.Tensor, scheme, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -117,13 +140,13 @@ def _expert_forward(
     b13 = None if t["w13_bias"] is None else t["w13_bias"][e]
     b2 = None if t["w2_bias"] is None else t["w2_bias"][e]
     s13, s2 = (None if t.get(k) is None else t[k][e] for k in ("input_scale", "input_scale2"))
-    h = _linear(x_MH, t["w13"][e], b13, scheme, s13)  # float32 if quantized (module doc)
+    h = _linear(x_MH, t["w13_experts"][e], b13, scheme, s13)  # float32 if quantized (doc)
     a = apply_activation(h if scheme is not None else h.to(x_MH.dtype), prepared.spec, e)
     a = a.to(x_MH.dtype)
     if scheme2 is None and b2 is None:  # plain weights: GEMM2 straight into the output rows
-        torch.mm(a, t["w2"][e].transpose(0, 1), out=out_MH)
+        torch.mm(a, t["w2_experts"][e].transpose(0, 1), out=out_MH)
     else:
-        out_MH.copy_(_linear(a, t["w2"][e], b2, scheme2, s2))
+        out_MH.copy_(_linear(a, t["w2_experts"][e], b2, scheme2, s2))
 
 
 # CPU expert GEMMs: each takes the form this CPU ran fastest, measured per expert GEMM at the

@@ -8,8 +8,9 @@ Stage: the edge between a transformers 5 experts module (a class decorated with
   activation whose math equals the module's own gating (checked numerically on a probe, so a
   family whose gate differs is refused instead of silently computed wrong). It raises
   ``UnsupportedExpertsError`` with the reason when moerunner cannot run the module.
-- ``expert_weights(module)`` returns the module's weights in the canonical layout
-  (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), converted once and cached on the module, keyed on
+- ``expert_weights(module)`` returns the module's weights in the canonical shape
+  (``w13 [E, 2I, H]``, ``w2 [E, H, I]``; strided views of transposed parameters, no copy),
+  made once and cached on the module, keyed on
   the parameter objects, their storage, dtype and in-place version: a forward call after the
   first reuses the same tensors (so backends' prepared weights are cached as well).
 - ``set_quantized(module, weights)`` pins quantized ``ExpertWeights`` that take precedence.
@@ -180,11 +181,12 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
 
 
 def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:
-    """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` layout, detached, made contiguous once.
+    """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` shape, detached, without a copy.
 
-    A transposed layout is copied through ``canonical_from_transposed``, memoised on the
-    source parameter, so eager calls and the compiled ``moerunner::fused_experts_transposed``
-    op share one copy (and the backend's prepared weights)."""
+    A transposed layout (GPT-OSS) becomes strided views through ``canonical_from_transposed``,
+    memoised on the source parameter, so the experts live once (in the model's parameters)
+    and eager calls and the compiled ``moerunner::fused_experts_transposed`` op given the
+    parameter share the views (and the backend's prepared weights)."""
     w13, w2, b13, b2 = (None if t is None else t.detach() for t in sources)
     if layout.transposed:  # [E, in, out] -> [E, out, in]
         w13, w2 = canonical_from_transposed(sources[0], sources[1])

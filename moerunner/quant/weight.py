@@ -245,6 +245,27 @@ class QuantizedWeight:
         """Float32 ``[E, N, K]`` value of the weight (see docs/architecture.md for the rules)."""
         return codec_of(self.scheme).dequantize(self)
 
+    def dequantize_experts(self, start: int, length: int = 1) -> torch.Tensor:
+        """Float32 ``[length, N, K]`` value of experts ``start .. start + length - 1``: the
+        rows ``dequantize()[start : start + length]`` would hold, bit for bit, computed from
+        views of those experts only (no ``[E, N, K]`` temporary). Checks only host ints, never
+        tensor values, so a forward may call it per expert without a device sync."""
+        e, n, k = self.shape
+        if isinstance(start, bool) or isinstance(length, bool):
+            raise TypeError("start and length must be ints")
+        if not (isinstance(start, int) and isinstance(length, int)):
+            raise TypeError("start and length must be ints")
+        if start < 0 or length < 0 or start + length > e:
+            raise ValueError(
+                f"start/length: experts [{start}, {start + length}) are not within [0, {e})"
+            )
+        part = object.__new__(QuantizedWeight)  # views of checked tensors: no re-validation
+        part.scheme, part.shape = self.scheme, (length, n, k)
+        for field in TENSOR_FIELDS:
+            t = getattr(self, field)
+            setattr(part, field, None if t is None else t.narrow(0, start, length))
+        return codec_of(self.scheme).dequantize(part)
+
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """Rows ``index`` of N (e.g. de-interleave gate/up); not for 2-D block scales."""
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
@@ -304,11 +325,17 @@ class QuantizedWeight:
         return self._replace((e, segments * r1, k1), **fields)
 
 
+#: Default bound of ``quantize``'s ``chunk_bytes``: the float32 copy of the experts quantized
+#: at once (256 MiB: two DeepSeek-V3 w13 experts, 4096 x 7168).
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
 def quantize(
     weight: torch.Tensor,
     scheme: str | QuantScheme,
     *,
     input_scale: torch.Tensor | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> QuantizedWeight:
     """Quantize float expert weights ``[E, N, K]`` to ``scheme`` (a name or a QuantScheme).
 
@@ -318,7 +345,17 @@ def quantize(
     that quantize activations to fp8 / int8 / nvfp4. Shape rules: K must be a multiple of the
     group size for MX (32), NVFP4 (16) and int4 (g), else ValueError; fp8_block accepts any N
     and K (the last block row / column is partial: ceil grid).
+
+    Memory: the result's tensors are allocated once and filled a chunk of experts at a time
+    (every scheme quantizes each expert on its own, so the result is bit for bit the one of
+    quantizing all experts at once). A chunk holds as many experts as fit ``chunk_bytes`` as
+    float32 ``[n, N, K]`` (at least one expert), so the memory beyond the input and the
+    result stays below ``TRANSIENT_FACTOR`` (6) times ``max(chunk_bytes, N * K * 4)`` whatever
+    E is (docs/quantization.md, "Memory"). Plain schemes ("bf16"...) are one cast, not
+    chunked.
     """
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int (bytes), got {chunk_bytes!r}")
     s = get_scheme(scheme)
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -348,9 +385,50 @@ def quantize(
     fields: dict[str, torch.Tensor | None] = {"input_scale": input_scale}
     if s.is_quantized and min(shape) == 0:
         fields.update(_empty_fields(layout, weight.device))
+    elif s.is_quantized:
+        fields.update(_quantize_chunks(s, weight, layout, chunk_bytes))
     else:
         fields.update(codec_of(s).quantize(s, weight))
     return QuantizedWeight(s, shape, **fields)
+
+
+#: Measured bound of ``quantize``'s transient memory in units of one chunk's float32 bytes
+#: (the largest codec, fp8 blocks from bf16, peaks near 4.3; tests/quant/test_quant_memory.py).
+TRANSIENT_FACTOR = 6
+
+
+def experts_per_chunk(shape: tuple[int, int, int], chunk_bytes: int) -> int:
+    """Experts of ``shape`` (E, N, K) quantized at once: as many as fit ``chunk_bytes`` as
+    float32, at least one, at most E."""
+    e, n, k = shape
+    return max(1, min(e, chunk_bytes // max(1, n * k * 4)))
+
+
+def _quantize_chunks(
+    scheme: QuantScheme,
+    weight: torch.Tensor,
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]] | None],
+    chunk_bytes: int,
+) -> dict[str, torch.Tensor]:
+    """The codec's tensor fields of ``weight``, quantized ``experts_per_chunk`` experts at a
+    time into tensors allocated once (one call when every expert fits one chunk)."""
+    codec = codec_of(scheme)
+    e = weight.shape[0]
+    step = experts_per_chunk(tuple(weight.shape), chunk_bytes)
+    if step >= e:
+        return codec.quantize(scheme, weight)
+    out: dict[str, torch.Tensor] = {}
+    for start in range(0, e, step):
+        part = codec.quantize(scheme, weight[start : start + step])
+        for field, value in part.items():
+            if value is None:
+                continue
+            if field not in out:
+                dtype, shape = layout[field]
+                out[field] = torch.empty(shape, dtype=dtype, device=weight.device)
+            out[field][start : start + value.shape[0]].copy_(value)
+        del part
+    return out
 
 
 def _empty_fields(

@@ -20,6 +20,7 @@ import moerunner
 from moerunner.backends import torch_native
 from moerunner.backends.base import MoeProblem
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
+from moerunner.memory import AllocationTracker
 from moerunner.routing import TopK
 from moerunner.testing import DTYPE_BOUND, assert_close, error_bound
 from moerunner.weights import ExpertWeights, PreparedWeights
@@ -246,3 +247,111 @@ def test_grouped_path_reads_nothing_on_the_host(dtype, tokens, monkeypatch):
         _no_host_reads(patched)
         out = runner.run(dispatched, prepared)
     _check(out, x, weights, topk, f"{dtype} T={tokens} without host reads")
+
+
+# -- quantized weights: dequantized per expert, never all at once ---------------------------
+
+
+def _quantized_case(scheme: str, experts: int = 16, tokens: int = 32):
+    x, weights, topk = _case(tokens, experts, 128, 64, 2, torch.float32, bias=True)
+    quantized = ExpertWeights(
+        moerunner.quantize(weights.w13, scheme),
+        moerunner.quantize(weights.w2, scheme),
+        weights.w13_bias,
+        weights.w2_bias,
+    )
+    return x, quantized, topk
+
+
+def _prepared(weights, x, topk):
+    spec = weights.spec(moerunner.Activation("silu"))
+    dispatch = StandardDispatchOutput(hidden_states=x, topk=topk)
+    problem = MoeProblem.of(x, weights, spec, STANDARD)
+    runner = moerunner.MoeRunner("torch")
+    return runner, runner.prepare(weights, problem, spec), dispatch
+
+
+def _dequantized_once(prepared: PreparedWeights) -> PreparedWeights:
+    """The same prepared weights with every expert dequantized up front (the former form)."""
+    t = dict(prepared.tensors)
+    for name in ("w13", "w2"):
+        t[f"{name}_experts"] = t[name].dequantize().unbind(0)
+    return PreparedWeights(prepared.backend, prepared.source, prepared.spec, t)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "mxfp4", "nvfp4", "int4_g32_zp", "int8_g64"])
+@pytest.mark.parametrize("force_permute", [False, True])
+def test_quantized_experts_dequantize_per_expert_bit_identically(scheme, force_permute):
+    x, weights, topk = _quantized_case(scheme)
+    runner, prepared, dispatch = _prepared(weights, x, topk)
+    runner.force_permute = force_permute
+    assert isinstance(prepared.tensors["w13_experts"], torch_native.ExpertDequantizer)
+    with AllocationTracker() as tracker:
+        out = runner.run(dispatch, prepared)
+    once = runner.run(dispatch, _dequantized_once(prepared))
+    assert torch.equal(out, once)
+    # No [E, N, K] float32 weight is made: the largest temporary is one expert's dequantization
+    # (its int64 table indices for e2m1: twice its float32 size), and all of the call's
+    # temporaries together stay below half of w13 in float32 (16 experts).
+    expert_fp32 = 2 * 64 * 128 * 4
+    assert tracker.largest_bytes <= 2 * expert_fp32, tracker.largest_bytes
+    assert tracker.peak_bytes < 16 * expert_fp32 // 2, tracker.peak_bytes
+
+
+def test_expert_loop_of_other_devices_dequantizes_per_expert():
+    # The per-expert loop CUDA takes for quantized weights, run on CPU tensors.
+    x, weights, topk = _quantized_case("fp8_block", tokens=4)
+    _, prepared, _ = _prepared(weights, x, topk)
+    once = _dequantized_once(prepared)
+    rows = x[:3]
+    out, ref = torch.empty_like(rows), torch.empty_like(rows)
+    with AllocationTracker() as tracker:
+        torch_native._expert_forward(rows, 5, prepared, out)
+    torch_native._expert_forward(rows, 5, once, ref)
+    assert torch.equal(out, ref)
+    assert tracker.largest_bytes <= 2 * 64 * 128 * 4  # one expert, not 16
+
+
+def test_dequantize_experts_matches_rows_of_whole_dequantization():
+    w = torch.randn(5, 40, 64)
+    for scheme in ("fp8_block", "fp8_tensor", "mxfp4", "nvfp4", "int4_g32", "int8_g64_zp"):
+        q = moerunner.quantize(w, scheme)
+        whole = q.dequantize()
+        assert torch.equal(q.dequantize_experts(1, 3), whole[1:4]), scheme
+    with pytest.raises(ValueError, match="start/length"):
+        q.dequantize_experts(4, 2)
+    with pytest.raises(TypeError, match="start and length"):
+        q.dequantize_experts(1.0)
+
+
+# -- weights read through their strides: transposed views of [E, K, N] parameters -----------
+
+
+def _transposed_views(weights: ExpertWeights) -> ExpertWeights:
+    """The same values as strided views of [E, K, N] storage (GPT-OSS parameters)."""
+
+    def view(w):
+        return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+    return ExpertWeights(view(weights.w13), view(weights.w2), weights.w13_bias, weights.w2_bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("force_permute", [False, True])
+def test_transposed_views_run_in_place(dtype, tokens, force_permute):
+    x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=True)
+    views = _transposed_views(weights)
+    out, prepared = _run(x, views, topk, force_permute=force_permute)
+    assert prepared.tensors["w13"] is views.w13  # read as given: no copy
+    _check(out, x, weights, topk, f"{dtype} T={tokens} transposed views")
+
+
+@pytest.mark.usefixtures("grouped")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_path_takes_transposed_views(dtype):
+    x, weights, topk = _case(40, 8, 64, 48, 2, dtype, bias=True, skips="some")
+    views = _transposed_views(weights)
+    out, prepared = _run(x, views, topk, force_permute=True)
+    assert torch_native._use_grouped_mm(x, prepared)
+    _check(out, x, weights, topk, f"{dtype} grouped, transposed views")

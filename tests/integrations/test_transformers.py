@@ -9,6 +9,8 @@ give identical ids in fp32.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ pytest.importorskip("transformers")
 
 import moerunner.integrations.transformers as mt  # noqa: E402
 from moerunner.errors import BackendUnavailableError  # noqa: E402
+from moerunner.memory import storage_bytes  # noqa: E402
 from moerunner.testing import assert_close, compare  # noqa: E402
 
 from ._tiny_models import FAMILIES, build  # noqa: E402
@@ -98,6 +101,23 @@ def test_layout_converted_once_and_refreshed_on_update():
     assert experts.__dict__["_moerunner_weights"][1].w13 is not w13
     assert_close(changed, _logits(model, "eager", ids), FP32_MAX_REL, what="after update")
     assert not torch.allclose(changed, first)
+
+
+def test_gpt_oss_experts_live_once_in_the_model_parameters():
+    # GPT-OSS stores gate_up_proj [E, H, 2I] and down_proj [E, I, H]; moerunner reads them
+    # through canonical-shaped views, so the layer holds no transposed copy beside them.
+    model = build("gpt_oss", num_hidden_layers=1, layer_types=["full_attention"])
+    experts = model.model.layers[0].mlp.experts
+    params = list(experts.parameters())
+    ids = _ids(length=6)
+    ours = _logits(model, "moerunner", ids)
+    assert storage_bytes(experts.__dict__, params) == storage_bytes(params)
+    assert_close(ours, _logits(model, "eager", ids), FP32_MAX_REL, what="views")
+    freed = []
+    weakref.finalize(experts.gate_up_proj.untyped_storage(), freed.append, True)
+    del model, experts, params
+    gc.collect()
+    assert freed  # nothing derived from the parameters keeps their memory alive
 
 
 def test_backend_choice_travels_from_config_and_registration():

@@ -127,6 +127,15 @@ def _as_bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.contiguous()
 
 
+def _strided_ok(w: torch.Tensor) -> torch.Tensor:
+    """A plain weight as the GEMM reads it: through its strides (``stride_we/wn/wk``) when
+    one of its last two dims is contiguous, e.g. a transposed view of a model's ``[E, K, N]``
+    parameter, read in place with no copy of the experts; otherwise a contiguous copy."""
+    if w.stride(-1) == 1 or w.stride(-2) == 1:
+        return w
+    return w.contiguous()
+
+
 def kernel_weight(
     w: Any, gate_up_pairs: bool = False, options: TritonOptions = DEFAULT_OPTIONS
 ) -> KernelWeight:
@@ -140,7 +149,7 @@ def kernel_weight(
         w = w.data
     if not is_quantized(w):
         return KernelWeight(
-            w.contiguous(),
+            _strided_ok(w),
             None,
             None,
             None,
@@ -461,8 +470,12 @@ def prepare(
 ) -> PreparedWeights:
     """Make the kernels' view of the weights once (contiguous, byte views, fp32 biases,
     packed 4-bit re-laid as ``options`` say), record ``options`` for the launches and find
-    the weights' tuned tiles (``tensors["tiles"]``; its file, if any, in the notes)."""
-    prepared = PreparedWeights(backend=name, source=weights, spec=spec, options=options)
+    the weights' tuned tiles (``tensors["tiles"]``; its file, if any, in the notes).
+
+    The result keeps no reference to ``weights`` (``source`` is None): it holds the tensors
+    it reads as stored (shared with ``weights``) and the re-laid ones (its own), so once the
+    caller drops ``weights`` the canonical packed data of re-laid 4-bit weights is freed."""
+    prepared = PreparedWeights(backend=name, source=None, spec=spec, options=options)
     t = prepared.tensors
     pairs = spec.gated and not spec.gate_up_interleaved
     t["w13"] = kernel_weight(weights.w13, gate_up_pairs=pairs, options=options)

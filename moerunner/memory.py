@@ -1,0 +1,117 @@
+"""Memory accounting on any device, without allocator statistics (tests and experiments).
+
+- ``AllocationTracker``: a ``TorchDispatchMode`` that counts the storages torch ops create
+  while it is active (not the views, in-place results or ``out=`` writes into existing
+  memory), their live bytes as they are created and freed, the peak and the largest one.
+  CPU allocations are invisible to ``tracemalloc`` and to the CUDA statistics; this sees
+  every op that runs under it, on any device.
+- ``storage_bytes(*roots)``: bytes of the distinct storages reachable from some objects
+  (tensors, containers, dataclasses, objects with ``__dict__`` / ``__slots__``), each storage
+  counted once however many tensors view it: what holding those objects keeps alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["AllocationTracker", "storage_bytes", "storages"]
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Bytes of the storages created by torch ops under this mode (``with tracker: ...``).
+
+    ``live_bytes``: created and not yet freed; ``peak_bytes``: the most live at once;
+    ``largest_bytes``: the largest single storage. A result that shares a storage with one of
+    the op's tensor arguments (a view, an in-place op, ``out=``) is not new memory.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.largest_bytes = 0
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage(), inputs)
+        return out
+
+    def _track(self, storage: torch.UntypedStorage, inputs: set[int]) -> None:
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or ptr in inputs or ptr in self._live:
+            return
+        self._live[ptr] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self.largest_bytes = max(self.largest_bytes, nbytes)
+        weakref.finalize(storage, self._free, ptr)
+
+    def _free(self, ptr: int) -> None:
+        self.live_bytes -= self._live.pop(ptr, 0)
+
+
+# Not walked: code and namespaces (a module's globals would reach the whole library).
+_OPAQUE = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    weakref.ref,
+)
+
+
+def storages(*roots: Any) -> dict[tuple[str, int], int]:
+    """``{(device, data_ptr): nbytes}`` of the distinct non-empty storages reachable from
+    ``roots`` through tensors, mappings, sequences, sets, dataclasses and objects'
+    ``__dict__`` / ``__slots__`` (each object visited once; classes, modules, functions and
+    weak references are not followed)."""
+    found: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            if s.nbytes():
+                found[(str(obj.device), s.data_ptr())] = s.nbytes()
+            stack.extend(vars(obj).values())  # attributes set on the tensor (memos)
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+            continue
+        if isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+            continue
+        if isinstance(obj, _OPAQUE):
+            continue
+        if dataclasses.is_dataclass(obj):
+            stack.extend(getattr(obj, f.name, None) for f in dataclasses.fields(obj))
+        for name in getattr(type(obj), "__slots__", ()):
+            if name != "__weakref__":
+                stack.append(getattr(obj, name, None))
+        stack.extend(getattr(obj, "__dict__", {}).values())
+    return found
+
+
+def storage_bytes(*roots: Any) -> int:
+    """Total bytes of ``storages(*roots)``: the memory holding ``roots`` keeps alive."""
+    return sum(storages(*roots).values())
