@@ -7,13 +7,14 @@ configuration values they take.
 
 from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts custom op)
 from .api import fused_moe
-from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig
+from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig, SharedExpertsConfig
 from .device_checks import check_errors
 from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError
 from .layer import MoE
 from .reference import reference_moe
 from .routing import TopK, select_experts
 from .runner import DEFAULT_REGISTRY, MoeRunner, Registry, default_registry
+from .shared import SharedExperts
 from .weights import ExpertWeights
 
 
@@ -50,6 +51,8 @@ __all__ = [
     "MoeRunner",
     "Registry",
     "RoutingConfig",
+    "SharedExperts",
+    "SharedExpertsConfig",
     "TopK",
     "check_errors",
     "default_registry",

@@ -17,6 +17,13 @@ from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
+from .shared import (
+    SharedExperts,
+    append_shared_slots,
+    build_table,
+    chunks_per_shared,
+    expert_table,
+)
 from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized
 
 
@@ -35,6 +42,7 @@ def fused_moe(
     swiglu_limit: float | None = None,
     backend: str = "auto",
     check_ids: bool = True,
+    shared_experts: SharedExperts | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on pre-routed tokens.
 
@@ -58,6 +66,10 @@ def fused_moe(
             (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
             pass False; every backend then skips ids outside ``[0, E)`` (any integer dtype,
             no wrap-around), silently.
+        shared_experts: optional ``SharedExperts`` (``moerunner.shared``): experts every
+            token passes through, with weight 1 or their gate value, computed in the same
+            kernel sequence as always-selected slots of an expert table (routed experts,
+            then the shared ones split into chunks of the routed I).
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype (contiguous): sum over slots of weight x
@@ -70,7 +82,14 @@ def fused_moe(
     act = check_activation(activation, swiglu_alpha, swiglu_limit)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, bool(gate_up_interleaved))
     return run_experts(
-        MoeRunner(backend), weights, hidden_states, topk_weights, topk_ids, act, check_ids
+        MoeRunner(backend),
+        weights,
+        hidden_states,
+        topk_weights,
+        topk_ids,
+        act,
+        check_ids,
+        shared=shared_experts,
     )
 
 
@@ -82,10 +101,14 @@ def run_experts(
     topk_ids: torch.Tensor,
     act: Activation,
     check_ids: bool = True,
+    *,
+    shared: SharedExperts | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with a runner the caller holds (the ``MoE`` layer's): validate, then run
     the standard format on weights prepared once per weight version."""
     topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act, check_ids)
+    if shared is not None:
+        weights, topk = _with_shared(weights, shared, hidden_states, topk, act)
     spec = weights.spec(act)
     if topk.top_k == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
@@ -98,6 +121,27 @@ def run_experts(
         )
     prepared = prepared_for(runner, weights, problem, spec)
     return runner.run(dispatch_output, prepared)
+
+
+def _with_shared(
+    weights: ExpertWeights,
+    shared: SharedExperts,
+    hidden_states: torch.Tensor,
+    topk: TopK,
+    act: Activation,
+) -> tuple[ExpertWeights, TopK]:
+    """The expert table (routed, then shared chunks) and the routing with the shared slots."""
+    if not isinstance(shared, SharedExperts):
+        raise TypeError(f"shared_experts must be a SharedExperts, got {type(shared).__name__}")
+    shared.validate(weights, act)
+    if shared.num_shared == 0:
+        return weights, topk
+    grad = _needs_grad(hidden_states, weights, topk) or _needs_grad(
+        hidden_states, ExpertWeights(shared.w13, shared.w2), topk
+    )
+    table = (build_table if grad else expert_table)(weights, shared, act)
+    chunks = chunks_per_shared(shared, weights, act)
+    return table, append_shared_slots(topk, hidden_states, shared, weights.num_experts, chunks)
 
 
 def _needs_grad(hidden_states: torch.Tensor, weights: ExpertWeights, topk: TopK) -> bool:
