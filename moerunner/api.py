@@ -8,6 +8,8 @@ launching anything.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .backends.base import MoeProblem
@@ -15,6 +17,7 @@ from .config import Activation
 from .device_checks import check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
+from .hooks import MoeHooks, check_hooks
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
 from .shared import (
@@ -43,6 +46,7 @@ def fused_moe(
     backend: str = "auto",
     check_ids: bool = True,
     shared_experts: SharedExperts | None = None,
+    hooks: MoeHooks | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on pre-routed tokens.
 
@@ -70,6 +74,10 @@ def fused_moe(
             token passes through, with weight 1 or their gate value, computed in the same
             kernel sequence as always-selected slots of an expert table (routed experts,
             then the shared ones split into chunks of the routed I).
+        hooks: optional ``MoeHooks`` (``moerunner.hooks``): callables on GEMM1's output
+            before the activation and on GEMM2's output before the routing weight, given
+            each row's expert, token and slot (LoRA: ``moerunner.lora``). ``"auto"`` then
+            picks a backend that runs hooks.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype (contiguous): sum over slots of weight x
@@ -90,6 +98,7 @@ def fused_moe(
         act,
         check_ids,
         shared=shared_experts,
+        hooks=hooks,
     )
 
 
@@ -103,6 +112,7 @@ def run_experts(
     check_ids: bool = True,
     *,
     shared: SharedExperts | None = None,
+    hooks: MoeHooks | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with a runner the caller holds (the ``MoE`` layer's): validate, then run
     the standard format on weights prepared once per weight version."""
@@ -115,12 +125,19 @@ def run_experts(
         return hidden_states.new_zeros(hidden_states.shape)
     dispatch_output = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
     problem = MoeProblem.of(hidden_states, weights, spec, dispatch_output.format)
+    if check_hooks(hooks) is not None:
+        problem = dataclasses.replace(problem, hooks=True)
     if _needs_grad(hidden_states, weights, topk):
+        if hooks is not None:
+            raise MoeInputError(
+                "hooks have no backward: a tensor argument requires grad and grad mode is on; "
+                "wrap the call in torch.no_grad() (or pass detached tensors)"
+            )
         return _differentiable(
             runner, runner.requested, problem, hidden_states, weights, topk, spec
         )
     prepared = prepared_for(runner, weights, problem, spec)
-    return runner.run(dispatch_output, prepared)
+    return runner.run(dispatch_output, prepared, hooks)
 
 
 def _with_shared(

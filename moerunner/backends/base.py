@@ -89,7 +89,10 @@ class Capabilities:
     """Declared limits of a backend. ``align_h`` / ``align_i``: padding its kernels need.
 
     ``schemes`` is a `SchemeSupport`; a collection of scheme names is accepted and means
-    exactly those schemes' formats (``SchemeSupport.of_names``).
+    exactly those schemes' formats (``SchemeSupport.of_names``). ``hooks``: whether its
+    fused ops and core run ``moerunner.hooks.MoeHooks`` (they then take a ``hooks=``
+    keyword: a ``MoeHooks`` for a fused op, a ``RowHooks`` for the core; it is passed only
+    when a call has hooks).
     """
 
     devices: frozenset[str]
@@ -100,6 +103,7 @@ class Capabilities:
     interleaved: bool = True
     align_h: int = 1
     align_i: int = 1
+    hooks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.schemes, SchemeSupport):
@@ -122,6 +126,7 @@ class Capabilities:
             "biases": self.biases,
             "interleaved gate/up": self.interleaved,
             "align H, I": (self.align_h, self.align_i),
+            "hooks": self.hooks,
         }
 
 
@@ -144,6 +149,7 @@ class MoeProblem:
     has_bias: bool = False
     interleaved: bool = False
     w2_scheme: QuantScheme | None = None
+    hooks: bool = False  # the call has ``MoeHooks``
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "w13_scheme", get_scheme(self.w13_scheme))
@@ -248,6 +254,7 @@ class Backend:
             ),
             (caps.biases or not problem.has_bias, "biases not supported"),
             (caps.interleaved or not problem.interleaved, "interleaved gate/up not supported"),
+            (caps.hooks or not problem.hooks, "hooks (moerunner.hooks) not supported"),
         )
         for ok, reason in checks:
             if not ok:
