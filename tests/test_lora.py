@@ -130,3 +130,44 @@ def test_bad_lora_input_is_named():
     )
     with pytest.raises(MoeInputError, match="w13_a has 33 where the experts need 32"):
         _run("torch", x, weights, wide, topk, adapters, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
+    """triton: the hooked sequence and the gathered LoRA deltas have no host read, so the
+    call captures; each replay with new inputs matches an eager call (bf16)."""
+    if backend == "torch":
+        pytest.skip("the torch backend reads expert bounds on the host")
+    x, weights, lora, topk, adapters, act = _case(16)
+    dev, bf = "cuda", torch.bfloat16
+    w = ExpertWeights(weights.w13.to(dev, bf), weights.w2.to(dev, bf))
+    lo = MoeLoraWeights(*(t.to(dev, bf) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
+                        lora.scaling.to(dev))  # fmt: skip
+    xs, tw, ti, ad = x.to(dev, bf), topk.weights.to(dev), topk.ids.to(dev), adapters.to(dev)
+
+    def call():
+        hooks = lora_hooks(lo, ad, check_ids=False)
+        return moerunner.fused_moe(
+            xs, w.w13, w.w2, tw, ti, backend="triton", check_ids=False, hooks=hooks
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for step in range(2):
+        xs.copy_(torch.randn(T, H, generator=torch.Generator().manual_seed(step)).to(dev, bf))
+        graph.replay()
+        torch.testing.assert_close(out, call())
+    lo32 = MoeLoraWeights(
+        *(t.float().cpu() for t in (lo.w13_a, lo.w13_b, lo.w2_a, lo.w2_b)), lora.scaling
+    )
+    w32 = ExpertWeights(w.w13.float().cpu(), w.w2.float().cpu())
+    ref = _reference(xs.float().cpu(), w32, topk, act, lo32, adapters)
+    assert_close(out, ref, DTYPE_BOUND[torch.bfloat16])
