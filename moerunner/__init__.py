@@ -8,7 +8,7 @@ checks found) and the configuration values they take.
 
 from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts custom op)
 from .api import fused_moe, fused_moe_from_logits
-from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig
+from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig, SharedExpertsConfig
 from .device_checks import check_errors
 from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError
 from .layer import MoE
@@ -16,6 +16,7 @@ from .loader import LoadedExperts, load_experts
 from .reference import reference_moe
 from .routing import TopK, select_experts
 from .runner import DEFAULT_REGISTRY, MoeRunner, Registry, default_registry
+from .shared import SharedExperts
 from .weights import ExpertWeights
 
 
@@ -58,6 +59,8 @@ __all__ = [
     "LoadedExperts",
     "Registry",
     "RoutingConfig",
+    "SharedExperts",
+    "SharedExpertsConfig",
     "TopK",
     "check_errors",
     "default_registry",

@@ -8,6 +8,7 @@ launching anything.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import torch
@@ -17,8 +18,16 @@ from .config import Activation, ExpertSpec
 from .device_checks import check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
+from .hooks import MoeHooks, check_hooks
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
+from .shared import (
+    SharedExperts,
+    append_shared_slots,
+    build_table,
+    chunks_per_shared,
+    expert_table,
+)
 from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
 
@@ -40,6 +49,8 @@ def fused_moe(
     w13_order: str | None = None,
     swiglu_beta: float | torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
+    shared_experts: SharedExperts | None = None,
+    hooks: MoeHooks | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on pre-routed tokens.
 
@@ -70,6 +81,14 @@ def fused_moe(
             memoised on them like any preparation) or ``"interleaved"``.
         apply_router_weight_on_input: multiply each token's hidden state by its routing
             weight before GEMM1 and leave the output unweighted (Llama-4); top_k must be 1.
+        shared_experts: optional ``SharedExperts`` (``moerunner.shared``): experts every
+            token passes through, with weight 1 or their gate value, computed in the same
+            kernel sequence as always-selected slots of an expert table (routed experts,
+            then the shared ones split into chunks of the routed I).
+        hooks: optional ``MoeHooks`` (``moerunner.hooks``): callables on GEMM1's output
+            before the activation and on GEMM2's output before the routing weight, given
+            each row's expert, token and slot (LoRA: ``moerunner.lora``). ``"auto"`` then
+            picks a backend that runs hooks.
 
     Returns:
         ``[T, H]`` in ``hidden_states``' dtype (contiguous): sum over slots of weight x
@@ -90,6 +109,8 @@ def fused_moe(
         act,
         check_ids,
         weight_on_input=apply_router_weight_on_input,
+        shared=shared_experts,
+        hooks=hooks,
     )
 
 
@@ -182,10 +203,27 @@ def run_experts(
     act: Activation,
     check_ids: bool = True,
     weight_on_input: bool = False,
+    *,
+    shared: SharedExperts | None = None,
+    hooks: MoeHooks | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` with a runner the caller holds (the ``MoE`` layer's): validate, then run
     the standard format on weights prepared once per weight version. ``weight_on_input``:
-    scale each token's input row by its (single) routing weight and run with unit weights."""
+    scale each token's input row by its (single) routing weight and run with unit weights.
+    ``shared`` / ``hooks``: as ``fused_moe``'s (``_run_extended``)."""
+    if shared is not None or hooks is not None:
+        return _run_extended(
+            runner,
+            weights,
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            act,
+            check_ids,
+            weight_on_input,
+            shared,
+            hooks,
+        )
     spec, problem = _checked_call(hidden_states, weights, topk_weights, topk_ids, act)
     if weight_on_input:
         hidden_states, unit = weighted_input(
@@ -218,6 +256,66 @@ def run_experts(
     )
     dispatch_output = StandardDispatchOutput(hidden_states, topk, check_ids=on_device)
     return runner.run(dispatch_output, prepared)
+
+
+def _run_extended(
+    runner: MoeRunner,
+    weights: ExpertWeights,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Activation,
+    check_ids: bool,
+    weight_on_input: bool,
+    shared: SharedExperts | None,
+    hooks: MoeHooks | None,
+) -> torch.Tensor:
+    """``run_experts`` with shared experts (an expert table and extra slots) or hooks."""
+    topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act, check_ids)
+    if weight_on_input:
+        hidden_states, topk = weighted_input(hidden_states, topk)
+    if shared is not None:
+        weights, topk = _with_shared(weights, shared, hidden_states, topk, act)
+    spec = weights.spec(act)
+    if topk.top_k == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
+        # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
+        return hidden_states.new_zeros(hidden_states.shape)
+    dispatch_output = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
+    problem = MoeProblem.of(hidden_states, weights, spec, dispatch_output.format)
+    if check_hooks(hooks) is not None:
+        problem = dataclasses.replace(problem, hooks=True)
+    if _needs_grad(hidden_states, weights, topk.weights):
+        if hooks is not None:
+            raise MoeInputError(
+                "hooks have no backward: a tensor argument requires grad and grad mode is on; "
+                "wrap the call in torch.no_grad() (or pass detached tensors)"
+            )
+        return _differentiable(
+            runner, runner.requested, problem, hidden_states, weights, topk, spec
+        )
+    prepared = prepared_for(runner, weights, problem, spec)
+    return runner.run(dispatch_output, prepared, hooks)
+
+
+def _with_shared(
+    weights: ExpertWeights,
+    shared: SharedExperts,
+    hidden_states: torch.Tensor,
+    topk: TopK,
+    act: Activation,
+) -> tuple[ExpertWeights, TopK]:
+    """The expert table (routed, then shared chunks) and the routing with the shared slots."""
+    if not isinstance(shared, SharedExperts):
+        raise TypeError(f"shared_experts must be a SharedExperts, got {type(shared).__name__}")
+    shared.validate(weights, act)
+    if shared.num_shared == 0:
+        return weights, topk
+    grad = _needs_grad(hidden_states, weights, topk.weights) or _needs_grad(
+        hidden_states, ExpertWeights(shared.w13, shared.w2), topk.weights
+    )
+    table = (build_table if grad else expert_table)(weights, shared, act)
+    chunks = chunks_per_shared(shared, weights, act)
+    return table, append_shared_slots(topk, hidden_states, shared, weights.num_experts, chunks)
 
 
 def weighted_input(hidden_states: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, TopK]:

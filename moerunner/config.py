@@ -204,6 +204,27 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class SharedExpertsConfig:
+    """Shared experts of a layer (``moerunner.shared``): ``num_experts`` experts every token
+    passes through, of intermediate size ``intermediate_size`` (None: the routed experts'),
+    each scaled per token by ``sigmoid(hidden @ gate)`` when ``gate`` (Qwen2-MoE)."""
+
+    num_experts: int = 1
+    intermediate_size: int | None = None
+    gate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "intermediate_size"):
+            value = getattr(self, name)
+            if value is None and name == "intermediate_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MoeInputError(f"shared experts: {name} must be a positive int, got {value!r}")
+        if not isinstance(self.gate, bool):
+            raise TypeError(f"shared experts: gate must be a bool, got {type(self.gate).__name__}")
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """Static description of one MoE layer (shapes, activation, routing)."""
 
@@ -215,8 +236,16 @@ class MoeConfig:
     bias: bool = False
     gate_up_interleaved: bool = False
     routing: RoutingConfig = RoutingConfig()
+    shared_experts: SharedExpertsConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.shared_experts is not None and not isinstance(
+            self.shared_experts, SharedExpertsConfig
+        ):
+            raise TypeError(
+                "shared_experts must be a SharedExpertsConfig or None, got "
+                f"{type(self.shared_experts).__name__}"
+            )
         for name in ("num_experts", "hidden_size", "intermediate_size", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -43,6 +43,7 @@ from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
 from .runner import MoeRunner, prepared_for
+from .shared import SharedExperts, shared_dense
 from .weights import ExpertWeights, is_quantized
 
 __all__ = ["MoE"]
@@ -96,6 +97,9 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.randn(e, h, i, **kw) * i**-0.5)
         self.w13_bias = nn.Parameter(torch.zeros(e, config.w13_rows, **kw)) if config.bias else None
         self.w2_bias = nn.Parameter(torch.zeros(e, h, **kw)) if config.bias else None
+        self._init_shared(config, kw)
+        if config.shared_experts is not None:
+            self._check_shared_single_process()
         self.correction_bias = (
             nn.Buffer(torch.zeros(config.num_experts, dtype=torch.float32, device=device))
             if config.routing.correction_bias
@@ -108,6 +112,24 @@ class MoE(nn.Module):
         self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
 
     # -- construction ----------------------------------------------------------------------
+
+    def _init_shared(self, config: MoeConfig, kw: dict) -> None:
+        """Shared-expert parameters ``shared_w13 [S, 2I_s, H]``, ``shared_w2 [S, H, I_s]``
+        and ``shared_gate [S, H]`` (with a gate), or None."""
+        shared = config.shared_experts
+        self.shared_w13 = self.shared_w2 = self.shared_gate = None
+        self._shared_key: tuple | None = None
+        self._shared_view: SharedExperts | None = None
+        self._given_shared: SharedExperts | None = None
+        if shared is None:
+            return
+        s, h = shared.num_experts, config.hidden_size
+        i_s = shared.intermediate_size or config.intermediate_size
+        rows = 2 * i_s if config.activation.gated else i_s
+        self.shared_w13 = nn.Parameter(torch.randn(s, rows, h, **kw) * h**-0.5)
+        self.shared_w2 = nn.Parameter(torch.randn(s, h, i_s, **kw) * i_s**-0.5)
+        if shared.gate:
+            self.shared_gate = nn.Parameter(torch.randn(s, h, **kw) * h**-0.5)
 
     def _setup_dispatch(
         self,
@@ -204,12 +226,14 @@ class MoE(nn.Module):
         capacity: int | None = None,
         on_overflow: str = "raise",
         registry: Registry | None = None,
+        shared_experts: SharedExperts | None = None,
     ) -> MoE:
         """A layer over given (this rank's) expert weights, plain or quantized, that takes
         pre-routed calls (``forward(hidden_states, topk=...)``).
 
         ``num_experts``: routed experts of the whole layer (default: the placement's, or the
-        weights' count).
+        weights' count). ``shared_experts``: shared experts run with the routed ones (one
+        process, standard dispatcher).
         """
         layer = cls.__new__(cls)
         layer._init_from_weights(
@@ -224,6 +248,14 @@ class MoE(nn.Module):
             on_overflow=on_overflow,
             registry=registry,
         )
+        if shared_experts is not None:
+            if not isinstance(shared_experts, SharedExperts):
+                raise TypeError(
+                    f"shared_experts must be a SharedExperts, got {type(shared_experts).__name__}"
+                )
+            shared_experts.validate(weights, layer.config.activation)
+            layer._check_shared_single_process()
+            layer._given_shared = shared_experts
         return layer
 
     def _init_from_weights(
@@ -277,6 +309,7 @@ class MoE(nn.Module):
             adopt_quantized(weights.w13)
             adopt_quantized(weights.w2)
         self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
+        self._init_shared(config, {})
 
     def quantize_(self, scheme, *, keep_float_weights: bool = False) -> MoE:
         """Replace the expert weights by quantized ones in ``scheme`` (name or value).
@@ -486,6 +519,29 @@ class MoE(nn.Module):
             group_score=r.group_score,
         )
 
+    def _check_shared_single_process(self) -> None:
+        if not self._single_process():
+            raise MoeInputError(
+                "shared experts run in the one-process layer with the standard dispatcher; "
+                f"this layer has dispatcher {self.dispatcher_kind!r} and a placement or group"
+            )
+
+    def shared_experts(self) -> SharedExperts | None:
+        """The shared experts the layer runs (detached views of its parameters, rebuilt only
+        when one is replaced or edited, so the memoised expert table is reused), or None."""
+        if self._given_shared is not None or self.shared_w13 is None:
+            return self._given_shared
+        params = (self.shared_w13, self.shared_w2, self.shared_gate)
+        key = tuple(
+            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
+            for p in params
+        )
+        if key != self._shared_key:
+            w13, w2, gate = (None if p is None else p.detach() for p in params)
+            self._shared_view = SharedExperts(w13, w2, gate)
+            self._shared_key = key
+        return self._shared_view
+
     def _single_process(self) -> bool:
         return self.group is None and self.placement is None and self.dispatcher_kind == "standard"
 
@@ -509,6 +565,7 @@ class MoE(nn.Module):
     def _run_local(self, x: torch.Tensor, topk: TopK, check_ids: bool) -> torch.Tensor:
         """One process: the fused path (the custom op while compiling)."""
         act = self.config.activation
+        shared = self.shared_experts()
         if torch.compiler.is_compiling():
             if act.extended:  # the custom op's schema carries scalar alpha and limit only
                 raise MoeInputError(
@@ -517,7 +574,7 @@ class MoE(nn.Module):
                 )
             w = self if self.quantized is None else self.quantized  # plain, or as held
             b13, b2 = (None if b is None else b.detach() for b in (w.w13_bias, w.w2_bias))
-            return call_fused_experts(
+            routed = call_fused_experts(
                 x.detach(),
                 w.w13,
                 w.w2,
@@ -532,9 +589,22 @@ class MoE(nn.Module):
                 self.backend,
                 check_ids,
             )
+            if shared is None:
+                return routed
+            # Traced: the expert table is built outside the graph only in eager calls, so the
+            # shared experts run beside the custom op as dense PyTorch MLPs.
+            dense = shared_dense(x.detach(), shared, act, self.config.gate_up_interleaved)
+            return (routed.float() + dense).to(x.dtype)
         # Inference only: no gradients flow through the experts.
         return run_experts(
-            self.runner, self.expert_weights(), x.detach(), topk.weights, topk.ids, act, check_ids
+            self.runner,
+            self.expert_weights(),
+            x.detach(),
+            topk.weights,
+            topk.ids,
+            act,
+            check_ids,
+            shared=shared,
         )
 
     def _run_dispatched(self, x: torch.Tensor, topk: TopK, timer) -> torch.Tensor:

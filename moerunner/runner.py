@@ -26,7 +26,9 @@ from . import backends as _backends  # noqa: F401  (importing registers every ba
 from .backends.base import Backend, MoeProblem
 from .backends.prepare import pad_to_alignment
 from .config import Activation, ExpertSpec
+from .dispatch.formats import STANDARD
 from .errors import BackendUnavailableError, MoeInputError
+from .hooks import MoeHooks, RowHooks, check_hooks
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, Registry, Selection
 from .weights import ExpertWeights, PreparedWeights, gate_up_first
@@ -91,25 +93,50 @@ class MoeRunner:
         """Select a backend for ``problem`` and convert ``weights`` for it (do this once)."""
         return prepare_for_backend(self.select(problem).backend, weights, spec)
 
-    def run(self, dispatch_output: Any, prepared: PreparedWeights) -> torch.Tensor:
-        """Compute the experts for ``dispatch_output`` with ``prepared`` weights."""
+    def run(
+        self, dispatch_output: Any, prepared: PreparedWeights, hooks: MoeHooks | None = None
+    ) -> torch.Tensor:
+        """Compute the experts for ``dispatch_output`` with ``prepared`` weights.
+
+        ``hooks``: ``MoeHooks`` run inside the expert computation (standard format only; the
+        prepared weights' backend must declare ``Capabilities.hooks``)."""
+        hooks = check_hooks(hooks)
+        if hooks is not None:
+            self._check_hooks(dispatch_output, prepared)
         if dispatch_output.num_tokens == 0:
             return empty_output(dispatch_output)
         hidden_size = dispatch_output.hidden_states.shape[-1]
         if prepared.spec.hidden_size != hidden_size:  # weights padded to the kernel's alignment
             pad = prepared.spec.hidden_size - hidden_size
             padded = torch.nn.functional.pad(dispatch_output.hidden_states, (0, pad))
-            out = self._run(dataclasses.replace(dispatch_output, hidden_states=padded), prepared)
+            padded_output = dataclasses.replace(dispatch_output, hidden_states=padded)
+            out = self._run(padded_output, prepared, hooks)
             return out[..., :hidden_size].contiguous()
-        return self._run(dispatch_output, prepared)
+        return self._run(dispatch_output, prepared, hooks)
 
-    def _run(self, dispatch_output: Any, prepared: PreparedWeights) -> torch.Tensor:
+    def _check_hooks(self, dispatch_output: Any, prepared: PreparedWeights) -> None:
+        if dispatch_output.format != STANDARD:
+            raise MoeInputError(
+                f"hooks need the {STANDARD!r} dispatch format (a row's token is known there), "
+                f"got {dispatch_output.format!r}"
+            )
+        backend = self.registry.backends.get(prepared.backend)
+        if backend is None or not backend.capabilities.hooks:
+            raise MoeInputError(
+                f"backend {prepared.backend!r} does not run hooks (Capabilities.hooks); "
+                "select one that does, e.g. 'torch', or 'auto' for a problem with hooks=True"
+            )
+
+    def _run(
+        self, dispatch_output: Any, prepared: PreparedWeights, hooks: MoeHooks | None = None
+    ) -> torch.Tensor:
         fmt = dispatch_output.format
         name = prepared.backend
+        extra = {} if hooks is None else {"hooks": hooks}
         fused = None if self.force_permute else self.registry.fused_op(fmt, name)
         if fused is not None:
             with trace_range(f"moerunner.{name}.fused"):
-                out = fused(dispatch_output, prepared)
+                out = fused(dispatch_output, prepared, **extra)
             if out is not None:
                 return out
         core = self.registry.core(name)
@@ -120,10 +147,34 @@ class MoeRunner:
         pre, post = self.registry.permutes[fmt]
         with trace_range("moerunner.pre_permute"):
             grouped, ctx = pre(dispatch_output, prepared.spec.num_experts)
+        if hooks is not None:
+            rows = grouped.hidden_states.shape[0]
+            row_hooks = _row_hooks(hooks, ctx, dispatch_output, prepared.spec.num_experts, rows)
+            extra = {"hooks": row_hooks}
         with trace_range(f"moerunner.{name}.core"):
-            y = core(grouped.hidden_states, grouped.expert_offsets, prepared)
+            y = core(grouped.hidden_states, grouped.expert_offsets, prepared, **extra)
         with trace_range("moerunner.post_permute"):
             return post(y, ctx, dispatch_output)
+
+
+def _row_hooks(
+    hooks: MoeHooks, ctx: Any, dispatch_output: Any, num_experts: int, num_rows: int
+) -> RowHooks:
+    """The token and slot of each grouped row of the standard pre-permute, on the device:
+    grouped row ``ctx.pair_row[t, s]`` holds pair ``(t, s)`` when its id is a local expert;
+    rows past the valid ones get -1."""
+    ids = dispatch_output.topk.ids
+    tokens, top_k = ids.shape
+    dev = ids.device
+    valid = (ids >= 0) & (ids < num_experts)
+    slot_TK = torch.arange(top_k, device=dev).expand(tokens, top_k)
+    # invalid pairs write to a spare row num_rows, dropped after the scatter
+    target = torch.where(valid, ctx.pair_row, num_rows).reshape(-1)
+    slot = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=dev)
+    slot.scatter_(0, target, slot_TK.reshape(-1))
+    slot = slot[:num_rows]
+    token = torch.where(slot >= 0, ctx.source_row, -1)
+    return RowHooks(hooks, token, slot)
 
 
 def default_registry() -> Registry:

@@ -89,7 +89,10 @@ class Capabilities:
     """Declared limits of a backend. ``align_h`` / ``align_i``: padding its kernels need.
 
     ``schemes`` is a `SchemeSupport`; a collection of scheme names is accepted and means
-    exactly those schemes' formats (``SchemeSupport.of_names``).
+    exactly those schemes' formats (``SchemeSupport.of_names``). ``hooks``: whether its
+    fused ops and core run ``moerunner.hooks.MoeHooks`` (they then take a ``hooks=``
+    keyword: a ``MoeHooks`` for a fused op, a ``RowHooks`` for the core; it is passed only
+    when a call has hooks).
     """
 
     devices: frozenset[str]
@@ -102,6 +105,7 @@ class Capabilities:
     align_i: int = 1
     # swiglu_oai with per-expert [E] parameters or beta != 1 (``Activation.extended``).
     extended_swiglu: bool = False
+    hooks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.schemes, SchemeSupport):
@@ -125,6 +129,7 @@ class Capabilities:
             "interleaved gate/up": self.interleaved,
             "per-expert swiglu parameters, beta": self.extended_swiglu,
             "align H, I": (self.align_h, self.align_i),
+            "hooks": self.hooks,
         }
 
 
@@ -148,6 +153,7 @@ class MoeProblem:
     interleaved: bool = False
     w2_scheme: QuantScheme | None = None
     extended_swiglu: bool = False  # Activation.extended
+    hooks: bool = False  # the call has ``MoeHooks``
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "w13_scheme", get_scheme(self.w13_scheme))
@@ -257,6 +263,7 @@ class Backend:
                 caps.extended_swiglu or not problem.extended_swiglu,
                 "swiglu_oai with per-expert [E] parameters or swiglu_beta != 1 not supported",
             ),
+            (caps.hooks or not problem.hooks, "hooks (moerunner.hooks) not supported"),
         )
         for ok, reason in checks:
             if not ok:

@@ -38,6 +38,7 @@ from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
 from ..dispatch.permute import group_pairs, is_scratch
+from ..hooks import HookRows, MoeHooks, RowHooks, expert_of_rows
 from ..quant.families import CODECS
 from ..registry import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized
@@ -61,6 +62,7 @@ class TorchBackend(Backend):
             schemes=SchemeSupport(frozenset(c.name for c in CODECS), mixed=True),
             activations=frozenset(ACTIVATIONS),
             extended_swiglu=True,
+            hooks=True,
         )
         self.fused_ops = {STANDARD: torch_fused_standard}
         self.core = torch_core
@@ -352,12 +354,65 @@ def _grouped_forward(
     return y_MH
 
 
+def _hooked_experts(
+    x_MH: torch.Tensor,
+    bounds: list[int],
+    prepared: PreparedWeights,
+    hooks: MoeHooks,
+    rows: HookRows,
+) -> torch.Tensor:
+    """Grouped rows (``bounds``: expert offsets on the host) through GEMM1, the gate/up hook,
+    the activation, GEMM2 and the down hook (``moerunner.hooks``); float32 ``[M, H]``."""
+    t, spec = prepared.tensors, prepared.spec
+    scheme, scheme2 = t.get("scheme"), t.get("scheme2")
+    h_MN = torch.zeros((x_MH.shape[0], t["w13"].shape[1]), dtype=torch.float32, device=x_MH.device)
+    experts = [(e, bounds[e], bounds[e + 1]) for e in range(spec.num_experts)]
+    experts = [(e, a, b) for e, a, b in experts if b > a]
+    for e, a, b in experts:
+        bias = None if t["w13_bias"] is None else t["w13_bias"][e]
+        scale = None if t.get("input_scale") is None else t["input_scale"][e]
+        h_MN[a:b] = _linear(x_MH[a:b], t["w13"][e], bias, scheme, scale).float()
+    h_MN = hooks.apply("gate_up", h_MN, x_MH, rows)
+    a_MI = apply_activation(h_MN, spec).to(x_MH.dtype)
+    y_MH = torch.zeros((x_MH.shape[0], spec.hidden_size), dtype=torch.float32, device=x_MH.device)
+    for e, a, b in experts:
+        bias = None if t["w2_bias"] is None else t["w2_bias"][e]
+        scale = None if t.get("input_scale2") is None else t["input_scale2"][e]
+        y_MH[a:b] = _linear(a_MI[a:b], t["w2"][e], bias, scheme2, scale).float()
+    return hooks.apply("down", y_MH, a_MI, rows)
+
+
+def _hooked_standard(
+    dispatch_output: StandardDispatchOutput, prepared: PreparedWeights, hooks: MoeHooks
+) -> torch.Tensor:
+    """The standard format with hooks, on any device: grouped rows, hooked experts, each
+    row weighted and added into a float32 [T, H] sum, rounded once."""
+    x_TH, topk = dispatch_output.hidden_states, dispatch_output.topk
+    order, token, offsets, weight_TK = group_pairs(topk, prepared.spec.num_experts)
+    expert = expert_of_rows(offsets, order.shape[0])
+    valid = expert >= 0
+    rows = HookRows(
+        expert=expert,
+        token=torch.where(valid, token, -1),
+        slot=torch.where(valid, order % topk.top_k, -1),
+    )
+    y_MH = _hooked_experts(x_TH[token], offsets.tolist(), prepared, hooks, rows)
+    weight = weight_TK.reshape(-1)[order]
+    y_MH = torch.where(valid[:, None], y_MH * weight[:, None], 0.0)
+    acc = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+    return acc.index_add_(0, token, y_MH).to(x_TH.dtype)
+
+
 def torch_fused_standard(
-    dispatch_output: StandardDispatchOutput, prepared: PreparedWeights
+    dispatch_output: StandardDispatchOutput,
+    prepared: PreparedWeights,
+    hooks: MoeHooks | None = None,
 ) -> torch.Tensor | None:
     """CPU: the experts hit, in chunks (``_cpu_chunks``), each chunk's rows weighted and added
     into a float32 [T, H] sum, rounded once. Declines (None) on other devices, where the
-    permute path runs."""
+    permute path runs. With ``hooks``: the hooked sequence, on any device."""
+    if hooks is not None:
+        return _hooked_standard(dispatch_output, prepared, hooks)
     x_TH = dispatch_output.hidden_states
     if x_TH.device.type != "cpu":
         return None
@@ -379,13 +434,21 @@ def torch_fused_standard(
 
 
 def torch_core(
-    x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
+    x_MH: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    prepared: PreparedWeights,
+    hooks: RowHooks | None = None,
 ) -> torch.Tensor:
     """Experts on the grouped layout: rows ``offsets[e]:offsets[e+1]`` go to expert ``e``.
 
     Rows a pre-permute gathered for this call (``permute.is_scratch``) take the output in
     place: each expert (or chunk) reads its rows before writing them, so the permute path
-    holds one ``[M, H]`` buffer, not two (the grouped-GEMM path allocates its own)."""
+    holds one ``[M, H]`` buffer, not two (the grouped-GEMM path allocates its own).
+    ``hooks``: the hooked sequence (``moerunner.hooks``)."""
+    if hooks is not None:
+        rows = hooks.rows(expert_of_rows(expert_offsets, x_MH.shape[0]))
+        bounds = expert_offsets.tolist()
+        return _hooked_experts(x_MH, bounds, prepared, hooks.hooks, rows).to(x_MH.dtype)
     if _use_grouped_mm(x_MH, prepared):
         return _grouped_forward(x_MH, expert_offsets, prepared)
     if is_scratch(x_MH) and x_MH.shape[1] == prepared.spec.hidden_size:

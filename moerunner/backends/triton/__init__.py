@@ -15,6 +15,7 @@
 #   _launch.py       every kernel launch: compiled kernels cached per argument key (eager cost)
 #   tile_config.py   heuristic tiles, tuned JSON files (user folder, then configs/)
 #   tune.py          ``moerunner tune``: searches tiles on the current GPU and writes them
+#   hooked.py        the sequence split around hooks (moerunner.hooks): calls with hooks only
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from ...registry import DEFAULT_REGISTRY, Registry
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem
 from . import _gemm_kernel
-from ._prepare import SUPPORTED_SCHEMES, WeightLayout, prepare
+from ._prepare import SUPPORTED_SCHEMES, WeightLayout, fragment_ok, prepare
 from .experts import fused_standard, grouped_core
+from .hooked import hooked_core, hooked_standard
 from .options import DEFAULT_OPTIONS, PREPARE_TIME_FIELDS, TritonOptions
 
 NAME = "triton"
@@ -80,6 +82,7 @@ class TritonBackend(Backend):
             dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
             schemes=SUPPORTED_SCHEMES,
             activations=frozenset(ACTIVATIONS),
+            hooks=True,
         )
         # The ops read the options from the prepared weights, so every triton backend
         # shares them.
@@ -97,6 +100,12 @@ class TritonBackend(Backend):
         ok, reason = super().supports(problem)
         if ok and problem.device_type == "cpu" and problem.dtype == torch.bfloat16:
             return False, "bf16 is computed wrongly by the Triton CPU interpreter"
+        if ok and problem.hooks and fragment_ok(problem.w13_scheme, self.options):
+            return False, (
+                "hooks need GEMM1's columns in row order; e2m1 weights in the fragment layout "
+                "store gate/up row pairs (a backend of TritonOptions(e2m1_layout='split') runs "
+                "them)"
+            )
         return ok, reason
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
@@ -128,9 +137,14 @@ def with_options(prepared: PreparedWeights, options: TritonOptions) -> PreparedW
     return dataclasses.replace(prepared, options=options)
 
 
-def triton_fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.Tensor:
-    """Standard format in one kernel sequence: ``[T, H]`` weighted and reduced over k."""
+def triton_fused_standard(dispatch_output, prepared: PreparedWeights, hooks=None) -> torch.Tensor:
+    """Standard format in one kernel sequence: ``[T, H]`` weighted and reduced over k
+    (``hooks``: the hooked sequence of ``hooked.py``)."""
     topk = dispatch_output.topk
+    if hooks is not None:
+        return hooked_standard(
+            dispatch_output.hidden_states, topk.weights, topk.ids, prepared, hooks
+        )
     return fused_standard(
         dispatch_output.hidden_states,
         topk.weights,
@@ -145,9 +159,11 @@ triton_fused_standard.checks_ids_on_device = True
 
 
 def triton_core(
-    x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights
+    x_MH: torch.Tensor, expert_offsets: torch.Tensor, prepared: PreparedWeights, hooks=None
 ) -> torch.Tensor:
     """Grouped layout through the same kernel sequence (no routing weights)."""
+    if hooks is not None:
+        return hooked_core(x_MH, expert_offsets, prepared, hooks)
     return grouped_core(x_MH, expert_offsets, prepared)
 
 

@@ -1,0 +1,110 @@
+# MoE LoRA with several adapters in one batch (moerunner.lora, through moerunner.hooks):
+# the cost over the same call without adapters, and of the hooked sequence alone (hooks
+# that do nothing), at decode and prefill token counts.
+#
+#   python benchmarks/experiments/moe_lora.py --preset qwen3-30b-a3b --tokens 1,16,256,4096
+#   python benchmarks/experiments/moe_lora.py --preset cpu-small --device cpu --tokens 1,16
+#
+# Shapes come from moerunner.bench.presets (--shrink N divides H and I by N for CPU runs);
+# tokens are spread over --adapters adapters of rank --rank, a quarter of them without one.
+# Prints a table (milliseconds per call, median; CUDA-graph replay on a GPU where capture
+# works) and writes --json.
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+import moerunner  # noqa: E402
+from moerunner.bench.presets import PRESETS, get_preset  # noqa: E402
+from moerunner.bench.timing import time_cases  # noqa: E402
+from moerunner.config import Activation  # noqa: E402
+from moerunner.hooks import MoeHooks  # noqa: E402
+from moerunner.lora import MoeLoraWeights, lora_hooks  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
+    ap.add_argument("--tokens", default="1,16,256,4096")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--shrink", type=int, default=1, help="divide H and I by this")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = get_preset(args.preset)
+    h = max(16, shape.hidden_size // args.shrink)
+    i = max(16, shape.intermediate_size // args.shrink)
+    e, k, act = shape.num_experts, shape.top_k, Activation(shape.activation)
+    rows = 2 * i if act.gated else i
+    r, n_ad = args.rank, args.adapters
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*size, scale):
+        return (torch.randn(*size, generator=g) * scale).to(device=device, dtype=dtype)
+
+    w13, w2 = rand(e, rows, h, scale=h**-0.5), rand(e, h, i, scale=i**-0.5)
+    lora = MoeLoraWeights(
+        rand(n_ad, e, r, h, scale=h**-0.5),
+        rand(n_ad, e, rows, r, scale=r**-0.5),
+        rand(n_ad, e, r, i, scale=i**-0.5),
+        rand(n_ad, e, h, r, scale=r**-0.5),
+        2.0,
+    )
+    out_rows = []
+    print(f"{'T':>6} {'plain ms':>10} {'no-op hooks ms':>15} {'lora ms':>10} {'lora/plain':>11}")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        x = rand(tokens, h, scale=1.0)
+        topk = moerunner.select_experts(torch.randn(tokens, e, generator=g).to(device), k)
+        adapter_ids = (torch.arange(tokens, device=device) % (n_ad + n_ad // 3 + 1)).clamp(max=n_ad)
+        adapter_ids = torch.where(adapter_ids == n_ad, -1, adapter_ids)
+        variants = {
+            "plain": None,
+            "noop_hooks": MoeHooks(gate_up=lambda h_, x_, r_: h_, down=lambda y_, a_, r_: y_),
+            "lora": lora_hooks(lora, adapter_ids),
+        }
+        times = {}
+        for name, hooks in variants.items():
+
+            def run(_i, hooks=hooks, x=x, topk=topk):
+                return moerunner.fused_moe(
+                    x, w13, w2, topk.weights, topk.ids, activation=act, backend=args.backend,
+                    check_ids=False, hooks=hooks,
+                )  # fmt: skip
+
+            with torch.no_grad():
+                times[name] = time_cases(run, 1, device)
+        plain, noop, lo = (times[n].seconds for n in ("plain", "noop_hooks", "lora"))
+        print(
+            f"{tokens:>6} {plain * 1e3:>10.3f} {noop * 1e3:>15.3f} {lo * 1e3:>10.3f} "
+            f"{lo / plain:>10.2f}x"
+        )
+        out_rows.append(
+            {
+                "tokens": tokens,
+                **{f"{n}_s": t.seconds for n, t in times.items()},
+                **{f"{n}_mode": t.mode for n, t in times.items()},
+                "shape": [e, h, i, k],
+                "rank": r,
+                "adapters": n_ad,
+                "preset": args.preset,
+                "shrink": args.shrink,
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            }
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out_rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+# Shared experts in the routed call (moerunner.shared) against the routed call plus a
+# separate dense MLP per shared expert, at decode and prefill token counts.
+#
+#   python benchmarks/experiments/shared_experts.py --preset deepseek-v3 --tokens 1,16,256,4096
+#   python benchmarks/experiments/shared_experts.py --preset cpu-small --device cpu --tokens 1,16
+#
+# Shapes come from moerunner.bench.presets; the shared experts are given relative to them:
+# --shared S experts of intermediate size --shared-mult x the routed I (DeepSeek-V3: 1 x 1;
+# Qwen2-MoE-style: 1 x 4 with --gate). --shrink N divides H and I by N (CPU runs). Prints a
+# table (milliseconds per call, median; CUDA-graph replay on a GPU where capture works) and
+# writes --json.
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+import moerunner  # noqa: E402
+from moerunner.bench.presets import PRESETS, get_preset  # noqa: E402
+from moerunner.bench.timing import time_cases  # noqa: E402
+from moerunner.config import Activation  # noqa: E402
+from moerunner.shared import SharedExperts, shared_dense  # noqa: E402
+
+
+def build(args, tokens: int, device: torch.device, dtype: torch.dtype):
+    shape = get_preset(args.preset)
+    h = max(16, shape.hidden_size // args.shrink)
+    i = max(16, shape.intermediate_size // args.shrink)
+    e, k, act = shape.num_experts, shape.top_k, Activation(shape.activation)
+    rows = 2 * i if act.gated else i
+    i_s = i * args.shared_mult
+    rows_s = 2 * i_s if act.gated else i_s
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*size, scale):
+        return (torch.randn(*size, generator=g) * scale).to(device=device, dtype=dtype)
+
+    w13, w2 = rand(e, rows, h, scale=h**-0.5), rand(e, h, i, scale=i**-0.5)
+    shared = SharedExperts(
+        rand(args.shared, rows_s, h, scale=h**-0.5),
+        rand(args.shared, h, i_s, scale=i_s**-0.5),
+        rand(args.shared, h, scale=h**-0.5) if args.gate else None,
+    )
+    if args.scheme != "bf16":
+        w13, w2 = moerunner.quantize(w13, args.scheme), moerunner.quantize(w2, args.scheme)
+    x = rand(tokens, h, scale=1.0)
+    topk = moerunner.select_experts(torch.randn(tokens, e, generator=g).to(device), k)
+    return x, w13, w2, shared, topk, act, (e, h, i, k)
+
+
+def measure(args, case, device: torch.device):
+    """Timings of the one call with shared slots and of the routed call + dense MLPs."""
+    x, w13, w2, shared, topk, act, _ = case
+
+    def one_call(_i):
+        return moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, activation=act, backend=args.backend,
+            shared_experts=shared, check_ids=False,
+        )  # fmt: skip
+
+    def separate(_i):
+        routed = moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, activation=act, backend=args.backend,
+            check_ids=False,
+        )  # fmt: skip
+        return routed + shared_dense(x, shared, act).to(x.dtype)
+
+    with torch.no_grad():
+        return time_cases(one_call, 1, device), time_cases(separate, 1, device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="deepseek-v3", choices=sorted(PRESETS))
+    ap.add_argument("--tokens", default="1,16,256,4096")
+    ap.add_argument("--shared", type=int, default=1, help="shared experts S")
+    ap.add_argument("--shared-mult", type=int, default=1, help="I_s as a multiple of I")
+    ap.add_argument("--gate", action="store_true", help="a sigmoid gate per shared expert")
+    ap.add_argument("--scheme", default="bf16")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--shrink", type=int, default=1, help="divide H and I by this")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    print(f"{'T':>6} {'one call ms':>12} {'routed+dense ms':>16} {'ratio':>7}  shape E,H,I,k")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        case = build(args, tokens, device, dtype)
+        a, b = measure(args, case, device)
+        dims = case[-1]
+        ratio = b.seconds / a.seconds
+        print(
+            f"{tokens:>6} {a.seconds * 1e3:>12.3f} {b.seconds * 1e3:>16.3f} {ratio:>6.2f}x  "
+            f"{','.join(map(str, dims))}"
+        )
+        rows.append(
+            {
+                "tokens": tokens,
+                "one_call_s": a.seconds,
+                "one_call_mode": a.mode,
+                "separate_s": b.seconds,
+                "separate_mode": b.mode,
+                "speedup": ratio,
+                "shape": dims,
+                "shared": args.shared,
+                "shared_mult": args.shared_mult,
+                "gate": args.gate,
+                "scheme": args.scheme,
+                "preset": args.preset,
+                "shrink": args.shrink,
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            }
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

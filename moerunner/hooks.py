@@ -1,0 +1,109 @@
+"""Hooks into the expert computation: callables applied between the kernels of the runner.
+
+A ``MoeHooks`` value holds up to two callables, each called once per call of the experts
+with every row the call computes (one row per (token, slot) pair routed to a local expert):
+
+- ``gate_up(h_RN, x_RK, rows) -> h_RN``: GEMM1's output (float32 ``[R, 2I]``, or ``[R, I]``
+  non-gated, bias added) before the activation; ``x_RK`` is GEMM1's input rows (the hidden
+  states, in their dtype, before any activation quantization);
+- ``down(y_RH, a_RI, rows) -> y_RH``: GEMM2's output (float32 ``[R, H]``, bias added)
+  before the routing weight and the combine; ``a_RI`` is GEMM2's input rows (the
+  activation's output in the hidden dtype, before any quantization).
+
+Each returns the tensor to continue with (it may modify its argument in place and return
+it). ``rows`` (``HookRows``) names per row its expert (the index into the prepared
+weights; -1 for a row that computes nothing, whose values are undefined and discarded), its
+token (row of the call's hidden states) and its top-k slot. Sizes are the prepared
+weights' (``prepared.spec``). Rows come in whatever order the backend runs them; a hook must
+be row-wise: its output row r may depend only on row r of its inputs and of ``rows``.
+
+Semantics are the same on every backend that declares ``Capabilities.hooks`` and on both
+paths of the standard dispatch format (fused op, and pre-permute -> core -> post-permute);
+other formats do not know a row's token, and hooks raise there. The hooked run is a slower
+sequence (GEMM1 without the fused activation, the hook, the activation, GEMM2 without the
+routing weight, the hook, weight and sum); a call without hooks is not affected.
+A hook's work must stay on the device (no host reads) for the call to remain CUDA-graph
+capturable on backends that are.
+
+LoRA over the experts (``moerunner.lora``) is built on these hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import MoeInputError
+
+__all__ = ["HookRows", "MoeHooks", "RowHooks"]
+
+Hook = Callable[[torch.Tensor, torch.Tensor, "HookRows"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HookRows:
+    """What each computed row is: ``expert`` (int ``[R]``, -1: nothing computed), ``token``
+    (int64 ``[R]``, -1 with expert -1) and ``slot`` (int64 ``[R]``, -1 with expert -1)."""
+
+    expert: torch.Tensor
+    token: torch.Tensor
+    slot: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MoeHooks:
+    """The hooks of one call (see the module doc); either may be None."""
+
+    gate_up: Hook | None = None
+    down: Hook | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up", "down"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"hooks: {name} must be callable or None, got {type(value)}")
+
+    def apply(self, which: str, out: torch.Tensor, inp: torch.Tensor, rows: HookRows):
+        """Run hook ``which`` ("gate_up" or "down") if set; check what it returns."""
+        fn = getattr(self, which)
+        if fn is None:
+            return out
+        got = fn(out, inp, rows)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(out.shape):
+            shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise MoeInputError(
+                f"hooks: {which} must return a tensor of shape {list(out.shape)}, got {shape}"
+            )
+        return got.float()
+
+
+@dataclass(frozen=True)
+class RowHooks:
+    """Hooks bound to the rows of a grouped layout (what a backend's core gets): the token
+    and slot of each grouped row (int64 ``[M]``; -1 past the valid rows)."""
+
+    hooks: MoeHooks
+    token: torch.Tensor
+    slot: torch.Tensor
+
+    def rows(self, expert: torch.Tensor) -> HookRows:
+        """``HookRows`` with the core's expert per row."""
+        return HookRows(expert=expert, token=self.token, slot=self.slot)
+
+
+def check_hooks(hooks: object) -> MoeHooks | None:
+    """``hooks`` as given to an entry point: None or a ``MoeHooks``."""
+    if hooks is None or isinstance(hooks, MoeHooks):
+        return hooks
+    raise TypeError(f"hooks must be a MoeHooks or None, got {type(hooks).__name__}")
+
+
+def expert_of_rows(expert_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Expert of each grouped row from the offsets ``[E + 1]`` (-1 past ``offsets[E]``),
+    int64 on the device, no host read."""
+    num_experts = expert_offsets.shape[0] - 1
+    row_ids = torch.arange(num_rows, device=expert_offsets.device)
+    expert = torch.searchsorted(expert_offsets[1:].contiguous(), row_ids, right=True)
+    return torch.where(expert < num_experts, expert, -1)
