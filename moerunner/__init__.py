@@ -9,7 +9,7 @@ from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts
 from .api import fused_moe
 from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig
 from .device_checks import check_errors
-from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError
+from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError, RankFailedError
 from .layer import MoE
 from .reference import reference_moe
 from .routing import TopK, select_experts
@@ -48,6 +48,7 @@ __all__ = [
     "MoeConfig",
     "MoeInputError",
     "MoeRunner",
+    "RankFailedError",
     "Registry",
     "RoutingConfig",
     "TopK",
