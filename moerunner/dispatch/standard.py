@@ -98,9 +98,15 @@ class StandardDispatcher:
     ) -> StandardDispatchOutput | StandardEPDispatchOutput:
         """Make ids local; with an fp32 reduction also group the pairs by local expert."""
         if self.expert_map is not None:
+            from ..device_checks import check_ids_async
+
             ids = topk.ids
-            local = self._map_on(ids.device)[ids.clamp(min=0).long()]
-            ids = torch.where(ids >= 0, local, torch.full_like(local, -1)).to(torch.int32)
+            num_global = self.expert_map.shape[0]
+            if ids.numel():  # CPU: at once; GPU: on the device, raised later (no sync)
+                check_ids_async(ids, num_global, where="standard dispatch")
+            local = self._map_on(ids.device)[ids.clamp(min=0, max=num_global - 1).long()]
+            valid = (ids >= 0) & (ids < num_global)  # out of range: never another expert
+            ids = torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
             topk = TopK(weights=topk.weights, ids=ids)
         standard = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
         if self.dispatch_format == STANDARD:
