@@ -6,6 +6,10 @@ Stage: dispatch / combine support. Contract:
   its values with one ``all_gather`` and every rank evaluates the same table, so a
   misconfigured world raises the same ``MoeInputError`` on every rank instead of leaving some
   ranks blocked in a later collective;
+- a rank whose local work fails (bad input, an exception in its experts) still takes part
+  in the next exchange with a failure flag instead of leaving the others blocked: every
+  rank then raises the same ``RankFailedError`` naming the failing ranks and their errors
+  (``agree``, ``failing_together``, and the ``error=`` of ``check_consistent``);
 - collectives run on the device the process group's backend needs (CUDA for NCCL, CPU for
   gloo); their timeout is the process group's (set it with ``init_process_group(timeout=)``),
   so a peer that died surfaces as an error, not a hang.
@@ -15,16 +19,19 @@ Nothing here reads environment variables; the group is always passed in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
-from .errors import MoeInputError
+from .errors import MoeInputError, RankFailedError
 
 __all__ = [
+    "agree",
     "all_gather_ints",
     "check_consistent",
     "collective_device",
+    "failing_together",
     "init_world",
     "rank_and_size",
     "raise_on_every_rank",
@@ -101,22 +108,32 @@ def all_gather_ints(values: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def check_consistent(
-    group, what: str, values: Mapping[str, int], local: Mapping[str, int] | None = None
+    group,
+    what: str,
+    values: Mapping[str, int],
+    local: Mapping[str, int] | None = None,
+    *,
+    error: BaseException | None = None,
 ) -> torch.Tensor:
     """Raise ``MoeInputError`` on every rank unless all ranks passed equal ``values``.
 
     ``local`` values travel along without being compared (e.g. per-rank token counts); the
     gathered ``[world, len(values) + len(local)]`` table is returned for the caller's own
     checks. One host read; call it when building a dispatcher, not inside a captured step.
+    ``error``: this rank's local checks failed (``values`` are then ignored): every rank
+    raises ``RankFailedError`` instead of this rank raising alone before the exchange.
     """
     local = dict(local or {})
     names = list(values) + list(local)
+    numbers = [0] * len(names) if error is not None else [int(values[n]) for n in values]
+    if error is None:
+        numbers += [int(local[n]) for n in local]
     row = torch.tensor(
-        [int(values[n]) for n in values] + [int(local[n]) for n in local],
-        dtype=torch.int64,
-        device=collective_device(group),
+        [int(error is not None), *numbers], dtype=torch.int64, device=collective_device(group)
     )
-    table = all_gather_ints(row, group).cpu()
+    gathered = all_gather_ints(row, group).cpu()
+    raise_failed(gathered[:, 0], group, what, error)
+    table = gathered[:, 1:]
     differing = [
         n for i, n in enumerate(names[: len(values)]) if bool((table[:, i] != table[0, i]).any())
     ]
@@ -134,3 +151,54 @@ def raise_on_every_rank(problems: list[str], what: str) -> None:
     """Raise one ``MoeInputError`` listing ``problems`` (computed identically on every rank)."""
     if problems:
         raise MoeInputError(f"{what}: " + "; ".join(problems))
+
+
+def raise_failed(
+    failed: torch.Tensor | list[int], group, what: str, error: BaseException | None
+) -> None:
+    """After an exchange that carried every rank's failure flag (``failed``, host values, the
+    same on every rank): if some ranks failed, all raise the same ``RankFailedError``; if
+    every rank failed, each raises its own error (a check every rank made alike).
+
+    Only then is more exchanged (each failing rank's error text, one ``all_gather_object``),
+    so the flag costs nothing on a step where every rank succeeded.
+    """
+    flags = [int(f) for f in (failed.tolist() if isinstance(failed, torch.Tensor) else failed)]
+    if not any(flags):
+        return
+    if all(flags) and error is not None:
+        raise error  # every rank failed (a check all ranks make alike): each raises its own
+    import torch.distributed as dist
+
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    texts: list = [None] * len(flags)
+    dist.all_gather_object(texts, text, group=group)
+    ranks = tuple(r for r, f in enumerate(flags) if f)
+    errors = tuple(str(texts[r]) for r in ranks)
+    detail = "; ".join(f"rank {r}: {e}" for r, e in zip(ranks, errors, strict=True))
+    plural = "s" if len(ranks) > 1 else ""
+    message = f"{what} failed on rank{plural} {', '.join(map(str, ranks))} ({detail})"
+    raise RankFailedError(message, ranks, errors) from error
+
+
+def agree(group, what: str, error: BaseException | None = None) -> None:
+    """Collective: every rank calls it at the same point, with its local failure or None; if
+    any rank passed one, every rank raises ``RankFailedError`` naming the failing ranks.
+
+    One small all_gather and one host read (a synchronisation on a GPU).
+    """
+    flag = torch.tensor([int(error is not None)], dtype=torch.int64)
+    failed = all_gather_ints(flag.to(collective_device(group)), group)[:, 0].cpu()
+    raise_failed(failed, group, what, error)
+
+
+@contextmanager
+def failing_together(group, what: str) -> Iterator[None]:
+    """Run the block on every rank, then ``agree`` on whether it failed anywhere: a rank whose
+    block raised does not leave the others waiting in their next collective."""
+    error = None
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001  (handed to every rank by ``agree``)
+        error = err
+    agree(group, what, error)

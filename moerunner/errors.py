@@ -18,3 +18,16 @@ class BackendUnavailableError(ValueError):
 
 class CapacityOverflowError(RuntimeError):
     """A fixed-capacity (masked) layout received more tokens for an expert than it holds."""
+
+
+class RankFailedError(RuntimeError):
+    """A step of a process group failed on some ranks; raised on every rank alike.
+
+    ``ranks``: the ranks that failed; ``errors``: each one's ``"Type: message"``. On a rank
+    that failed, the local exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), errors: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.errors = tuple(errors)

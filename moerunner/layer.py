@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import run_experts
+from .api import run_experts, validate_call
 from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.base import DispatchSetup
@@ -157,26 +157,18 @@ class MoE(nn.Module):
             if group is None:  # dispatchers read None as "no group": name the default one
                 group = dist.group.WORLD
             rank, _ = rank_and_size(group)
-        if placement is not None:
-            if placement.num_experts != num_experts:
-                raise MoeInputError(
-                    f"placement has {placement.num_experts} routed experts but the layer "
-                    f"{num_experts} (config.num_experts)"
-                )
-            expected = placement.num_local(rank)
-            if num_local is not None and num_local != expected:
-                raise MoeInputError(
-                    f"rank {rank} holds {expected} local experts in the placement but the "
-                    f"weights have {num_local}"
-                )
-            num_local = expected
-        elif num_local is None:
-            num_local = num_experts
+        error = None
         registry = self.runner.registry
-        if dispatcher not in registry.dispatchers:
-            raise MoeInputError(
-                f"dispatcher must be one of {sorted(registry.dispatchers)}, got {dispatcher!r}"
-            )
+        try:
+            num_local = self._check_placement(placement, rank, num_experts, num_local)
+            if dispatcher not in registry.dispatchers:
+                raise MoeInputError(
+                    f"dispatcher must be one of {sorted(registry.dispatchers)}, got {dispatcher!r}"
+                )
+        except Exception as err:
+            if not distributed:
+                raise
+            error = err  # every rank raises RankFailedError in the exchange below
         if distributed:
             from .distributed import check_consistent
 
@@ -185,11 +177,12 @@ class MoE(nn.Module):
                 group,
                 f"MoE(dispatcher={dispatcher!r})",
                 {
-                    "dispatcher": names.index(dispatcher),
+                    "dispatcher": names.index(dispatcher) if error is None else -1,
                     "hidden_size": config.hidden_size if config else -1,
                     "intermediate_size": config.intermediate_size if config else -1,
                     "placement": -1 if placement is None else placement.fingerprint(),
                 },
+                error=error,
             )
         self.dispatcher_kind = dispatcher
         self.placement = placement
@@ -208,9 +201,31 @@ class MoE(nn.Module):
             ),
         )
         self.last_overflow: torch.Tensor | None = None
+        self._dtype: torch.dtype | None = None  # of the last call that could run (stand-in)
+        self._top_k: int | None = None
         self._weights_key: tuple | None = None
         self._weights_view: ExpertWeights | None = None
         return num_local
+
+    @staticmethod
+    def _check_placement(
+        placement: ExpertPlacement | None, rank: int, num_experts: int, num_local: int | None
+    ) -> int:
+        """How many experts this rank holds, checked against the placement."""
+        if placement is None:
+            return num_experts if num_local is None else num_local
+        if placement.num_experts != num_experts:
+            raise MoeInputError(
+                f"placement has {placement.num_experts} routed experts but the layer "
+                f"{num_experts} (config.num_experts)"
+            )
+        expected = placement.num_local(rank)
+        if num_local is not None and num_local != expected:
+            raise MoeInputError(
+                f"rank {rank} holds {expected} local experts in the placement but the "
+                f"weights have {num_local}"
+            )
+        return expected
 
     @classmethod
     def from_weights(
@@ -456,6 +471,13 @@ class MoE(nn.Module):
         around ``dispatch``, ``experts`` and ``combine`` (see ``distributed_moe.StageTimer``).
         With the masked dispatcher, ``self.last_overflow`` is the step's overflow flag.
         """
+        if not self._single_process():
+            return self._forward_dispatched(hidden_states, router_logits, topk, timer)
+        x, topk, routed = self._inputs(hidden_states, router_logits, topk)
+        return self._run_local(x, topk, check_ids=not routed).reshape(hidden_states.shape)
+
+    def _inputs(self, hidden_states, router_logits, topk) -> tuple[torch.Tensor, TopK, bool]:
+        """Checked ``[T, H]`` hidden states, routing, and whether this layer routed."""
         cfg = self.config
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(
@@ -480,11 +502,7 @@ class MoE(nn.Module):
             and self._quantized_from[1] != self._float_state()
         ):
             self.quantize_(self._quantized_from[0], keep_float_weights=True)  # w13 / w2 edited
-        if self._single_process():
-            out = self._run_local(x, topk, check_ids=not routed)
-        else:
-            out = self._run_dispatched(x, topk, timer)
-        return out.reshape(hidden_states.shape)
+        return x, topk, routed
 
     def _route(self, hidden_states, router_logits, tokens: int) -> TopK:
         cfg = self.config
@@ -607,27 +625,93 @@ class MoE(nn.Module):
             shared=shared,
         )
 
-    def _run_dispatched(self, x: torch.Tensor, topk: TopK, timer) -> torch.Tensor:
-        """Expert parallel: dispatch -> experts -> combine through the dispatcher."""
+    def _forward_dispatched(self, hidden_states, router_logits, topk, timer) -> torch.Tensor:
+        """Expert parallel: dispatch -> experts -> combine through the dispatcher.
+
+        A failure on this rank alone (its input, its backend, its experts) must not leave
+        the other ranks blocked in an exchange: this rank goes on with an empty batch (no
+        experts run), takes part in every exchange, and before ``combine`` all ranks agree
+        (``distributed.agree``: one small all_gather and host read) and raise the same
+        ``RankFailedError``. The masked dispatcher in ``on_overflow="flag"`` mode reads
+        nothing on the host: there only the failing rank raises, after the step's exchanges
+        (so the others finish the step instead of waiting for it).
+        """
         from contextlib import nullcontext
 
+        from .distributed import agree
+
         stage = timer if timer is not None else (lambda name: nullcontext())
-        x = x.detach()  # inference only
-        weights = self.expert_weights()
-        prepared = self._prepared(x, weights, self.dispatcher.dispatch_format)
+        error = None
+        try:
+            x, topk, _ = self._inputs(hidden_states, router_logits, topk)
+            self._top_k = topk.ids.shape[1]
+            x = x.detach()  # inference only
+            weights = self.expert_weights()
+            # dtypes, devices and shapes as fused_moe checks them; the global ids are the
+            # dispatcher's to check (they are not ids of the local weights)
+            validate_call(x, weights, topk.weights, topk.ids, self.config.activation, False)
+            prepared = self._prepared(x, weights, self.dispatcher.dispatch_format)
+        except Exception as err:  # noqa: BLE001  (every rank learns of it below)
+            if self.group is None:  # one process: nobody waits for it
+                raise
+            error, prepared = err, None
+            x, topk = self._stand_in()
+        sync_free = getattr(self.dispatcher, "on_overflow", None) == "flag"
+        what = f"expert-parallel MoE forward ({self.dispatcher_kind})"
         with stage("dispatch"), trace_range("moerunner.dispatch"):
-            dispatched = self.dispatcher.dispatch(x, topk)
+            try:
+                dispatched = self.dispatcher.dispatch(x, topk)
+            except Exception as err:  # noqa: BLE001
+                # Raised by a dispatcher's own world checks (then on every rank alike) or
+                # locally before its exchanges (e.g. the standard one, which has none).
+                if self.group is None or sync_free:
+                    raise
+                agree(self.group, what, err)
+                raise  # unreachable: agree raises  # pragma: no cover
         # masked, on_overflow="flag": the step's device-side overflow flag (else None)
         self.last_overflow = getattr(dispatched, "overflow", None)
         with stage("experts"):
-            out = self.runner.run(dispatched, prepared)
+            try:
+                if error is None:
+                    out = self.runner.run(dispatched, prepared)
+            except Exception as err:  # noqa: BLE001
+                if self.group is None:
+                    raise
+                error = err
+            if error is not None:  # the step has failed: its output is never returned
+                out = torch.zeros_like(dispatched.hidden_states)
+        if self.group is not None and not sync_free and not _capturing():
+            agree(self.group, what, error)
         with stage("combine"), trace_range("moerunner.combine"):
-            return self.dispatcher.combine(out, dispatched)
+            combined = self.dispatcher.combine(out, dispatched)
+        if error is not None:  # "flag" mode, or while capturing: this rank alone
+            from .errors import RankFailedError
+
+            text = f"{type(error).__name__}: {error}"
+            raise RankFailedError(
+                f"{what} failed on rank {self.rank} (rank {self.rank}: {text})",
+                (self.rank,),
+                (text,),
+            ) from error
+        shape = hidden_states.shape
+        return combined.reshape(shape)
+
+    def _stand_in(self) -> tuple[torch.Tensor, TopK]:
+        """An empty batch in the dtype and top-k of this layer's last good call (what the
+        other ranks pass), for a rank whose own input failed its checks."""
+        dtype = self._dtype if self._dtype is not None else torch.float32
+        device = self.expert_weights().device
+        x = torch.zeros((0, self.config.hidden_size), dtype=dtype, device=device)
+        k = self._top_k if self._top_k is not None else self.config.top_k
+        ids = torch.zeros((0, k), dtype=torch.int32, device=device)
+        return x, TopK(torch.zeros((0, k), dtype=torch.float32, device=device), ids)
 
     def _prepared(self, x: torch.Tensor, weights: ExpertWeights, dispatch_format: str):
         spec = weights.spec(self.config.activation)
         problem = MoeProblem.of(x, weights, spec, dispatch_format)
-        return prepared_for(self.runner, weights, problem, spec)
+        prepared = prepared_for(self.runner, weights, problem, spec)
+        self._dtype = x.dtype  # the hidden dtype of the last call that could run
+        return prepared
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Choose the backend and prepare the weights for hidden states of ``dtype`` now
@@ -678,6 +762,13 @@ def scheme_from_tensor(tensor: torch.Tensor):
         raise MoeInputError(
             f"load_state_dict: a *_scheme entry is not a stored scheme ({exc})"
         ) from exc
+
+
+def _capturing() -> bool:
+    """Inside a CUDA-graph capture or a compiled graph, where no host read may happen."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import collective_device, raise_on_every_rank, rank_and_size
+from ..distributed import collective_device, raise_failed, raise_on_every_rank, rank_and_size
 from ..errors import MoeInputError
 from ..routing import TopK
 from .base import weighted_row_sum
@@ -38,7 +38,7 @@ __all__ = ["AllToAllDispatchOutput", "AllToAllDispatcher", "DTYPE_CODES"]
 
 # dtype <-> small int, so headers of several ranks can be compared in one int tensor.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_HEADER = ("num_tokens", "hidden_size", "dtype", "max_expert_id", "min_expert_id")
+_HEADER = ("num_tokens", "hidden_size", "dtype", "max_expert_id", "min_expert_id", "top_k")
 
 
 @dataclass(frozen=True)
@@ -112,39 +112,25 @@ class AllToAllDispatcher:
         """Send each token once to every rank owning one of its experts; group rows here."""
         import torch.distributed as dist
 
-        _check_local(hidden_states, topk)
+        world, slots = self.world_size, self._slots
+        try:
+            row, routes = self._local_row(hidden_states, topk)
+        except Exception as err:  # noqa: BLE001  (this rank takes part with a failure flag)
+            row = torch.zeros(len(_HEADER) + world + world * slots + 1, dtype=torch.int64)
+            row[-1] = 1
+            table = _all_gather_rows(row.to(collective_device(self.group)), self.group).cpu()
+            raise_failed(table[:, -1], self.group, "all_to_all dispatch", err)
+            raise  # unreachable: raise_failed raises when any rank failed  # pragma: no cover
         num_tokens, hidden_size = hidden_states.shape
         top_k = topk.ids.shape[1]
         device = hidden_states.device
-        world, slots = self.world_size, self._slots
-        dest_E, local_E = self._routing_table(device)
-        ids_TK = topk.ids.long()
-        valid_TK = ids_TK >= 0
-        safe = torch.where(valid_TK, ids_TK, 0).clamp(max=self.placement.num_total - 1)
-        dest_TK = torch.where(valid_TK, dest_E[safe], world)
-        local_TK = local_E[safe]
-        # Which ranks each token visits (once each), and pair counts per (rank, local expert).
-        visits_TW = torch.zeros((num_tokens, world + 1), dtype=torch.bool, device=device)
-        visits_TW.scatter_(1, dest_TK, True)
-        visits_TW = visits_TW[:, :world]
-        pair_key = torch.where(valid_TK, dest_TK * slots + local_TK, world * slots).reshape(-1)
-        pair_counts = torch.zeros(world * slots + 1, dtype=torch.int64, device=device)
-        pair_counts.scatter_add_(0, pair_key, torch.ones_like(pair_key))
-
-        header = torch.tensor(
-            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype], -1, -1],
-            dtype=torch.int64,
-            device=device,
-        )
-        if ids_TK.numel():
-            header[3] = ids_TK.max()
-            header[4] = ids_TK.min()
-        row = torch.cat([header, visits_TW.sum(0), pair_counts[: world * slots]])
+        valid_TK, dest_TK, local_TK, visits_TW = routes
         table = _all_gather_rows(row.to(collective_device(self.group)), self.group).cpu()
+        raise_failed(table[:, -1], self.group, "all_to_all dispatch", None)
         self._check_world(table)
         head = len(_HEADER)
         rows_SD = table[:, head : head + world]  # rows each source sends each destination
-        pairs_SDL = table[:, head + world :].view(world, world, slots)
+        pairs_SDL = table[:, head + world : -1].view(world, world, slots)
         send_splits = rows_SD[self.rank].tolist()
         recv_splits = rows_SD[:, self.rank].tolist()
 
@@ -189,6 +175,39 @@ class AllToAllDispatcher:
             handle=handle,
         )
 
+    def _local_row(self, hidden_states: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, tuple]:
+        """This rank's checks and its row of the header exchange (header, rows per
+        destination, pairs per destination and local expert, failure flag 0), with the
+        routes ``dispatch`` goes on with."""
+        _check_local(hidden_states, topk)
+        num_tokens, hidden_size = hidden_states.shape
+        device = hidden_states.device
+        world, slots = self.world_size, self._slots
+        dest_E, local_E = self._routing_table(device)
+        ids_TK = topk.ids.long()
+        valid_TK = ids_TK >= 0
+        safe = torch.where(valid_TK, ids_TK, 0).clamp(max=self.placement.num_total - 1)
+        dest_TK = torch.where(valid_TK, dest_E[safe], world)
+        local_TK = local_E[safe]
+        # Which ranks each token visits (once each), and pair counts per (rank, local expert).
+        visits_TW = torch.zeros((num_tokens, world + 1), dtype=torch.bool, device=device)
+        visits_TW.scatter_(1, dest_TK, True)
+        visits_TW = visits_TW[:, :world]
+        pair_key = torch.where(valid_TK, dest_TK * slots + local_TK, world * slots).reshape(-1)
+        pair_counts = torch.zeros(world * slots + 1, dtype=torch.int64, device=device)
+        pair_counts.scatter_add_(0, pair_key, torch.ones_like(pair_key))
+        header = torch.tensor(
+            [num_tokens, hidden_size, DTYPE_CODES[hidden_states.dtype], -1, -1, ids_TK.shape[1]],
+            dtype=torch.int64,
+            device=device,
+        )
+        if ids_TK.numel():
+            header[3] = ids_TK.max()
+            header[4] = ids_TK.min()
+        failed = header.new_zeros(1)
+        row = torch.cat([header, visits_TW.sum(0), pair_counts[: world * slots], failed])
+        return row, (valid_TK, dest_TK, local_TK, visits_TW)
+
     def combine(
         self, output: torch.Tensor, dispatch_output: AllToAllDispatchOutput
     ) -> torch.Tensor:
@@ -214,10 +233,11 @@ class AllToAllDispatcher:
     def _check_world(self, table: torch.Tensor) -> None:
         """Every rank evaluates the same gathered header table and raises the same error."""
         problems = []
-        for col, name in ((1, "hidden size H"), (2, "dtype")):
+        # top_k sizes the rows that travel (k ids and weights ride with each row).
+        for col, name in ((1, "hidden size H"), (2, "dtype"), (5, "top_k")):
             values = table[:, col].tolist()
             if len(set(values)) > 1:
-                shown = values if col == 1 else [_dtype_name(v) for v in values]
+                shown = [_dtype_name(v) for v in values] if col == 2 else values
                 problems.append(f"{name} differs across ranks: {shown}")
         max_ids = table[:, 3].tolist()
         if max(max_ids) >= self.placement.num_total:

@@ -209,9 +209,12 @@ def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
     """Global expert ids ``[T, k]`` to this rank's local ids through ``expert_map``
     (``[E_global]``, local id of each global expert or -1, ``ExpertPlacement.expert_map``):
     -1 stays -1, an expert held elsewhere becomes -1. int32, on the ids' device, no host
-    read. Ids must be in ``[-1, E_global)`` (check them first where they may not be)."""
-    local = expert_map[topk_ids.clamp(min=0).long()]
-    return torch.where(topk_ids >= 0, local, torch.full_like(local, -1)).to(torch.int32)
+    read. Ids outside ``[0, E_global)`` become -1 too (never another expert); check them
+    first where a bad id should raise."""
+    num_global = expert_map.shape[0]
+    local = expert_map[topk_ids.clamp(min=0, max=max(num_global - 1, 0)).long()]
+    valid = (topk_ids >= 0) & (topk_ids < num_global)
+    return torch.where(valid, local, torch.full_like(local, -1)).to(torch.int32)
 
 
 def append_shared_slots(

@@ -44,6 +44,7 @@ from ..distributed import (
     all_gather_ints,
     check_consistent,
     collective_device,
+    raise_failed,
     raise_on_every_rank,
     rank_and_size,
 )
@@ -160,7 +161,12 @@ class MaskedDispatcher:
         """Pack this rank's pairs, exchange, and return ``[E_local, C, H]`` with counts."""
         import torch.distributed as dist
 
-        _check_local(hidden_states, topk)
+        try:
+            _check_local(hidden_states, topk)
+        except Exception as err:
+            if self.on_overflow == "raise":  # take part in the exchange with a failure flag
+                self._exchange_failure(err)
+            raise  # "flag" reads nothing on the host: the others cannot learn of it
         num_tokens, hidden_size = hidden_states.shape
         if self.on_overflow == "flag" and hidden_size != self.hidden_size:
             raise MoeInputError(
@@ -198,9 +204,10 @@ class MaskedDispatcher:
             ]
             + [invalid.sum().reshape(1)]
         )
-        row = torch.cat([header, counts[:keys]]).to(collective_device(self.group))
+        failed = counts.new_zeros(1)
+        row = torch.cat([header, counts[:keys], failed]).to(collective_device(self.group))
         table = all_gather_ints(row, self.group).to(device)
-        counts_SDL = table[:, _HEADER:].view(world, world, slots)  # [source, dest, local]
+        counts_SDL = table[:, _HEADER:-1].view(world, world, slots)  # [source, dest, local]
         sent_SDL = counts_SDL.clamp(max=cap)
         overflow = (
             (counts_SDL > cap).any() | (sent_SDL.sum(0) > cap).any() | (table[:, 3] > 0).any()
@@ -281,8 +288,17 @@ class MaskedDispatcher:
             )
         return dtype
 
+    def _exchange_failure(self, error: BaseException) -> None:
+        """This rank's local checks failed: its row of the header exchange carries the flag,
+        and every rank raises ``RankFailedError`` (``on_overflow="raise"``)."""
+        row = torch.zeros(_HEADER + self.world_size * self._slots + 1, dtype=torch.int64)
+        row[-1] = 1
+        table = all_gather_ints(row.to(collective_device(self.group)), self.group).cpu()
+        raise_failed(table[:, -1], self.group, "masked dispatch", error)
+
     def _check_world(self, table: torch.Tensor, overflow: bool) -> None:
         """Same table, same verdict on every rank (``on_overflow="raise"`` only)."""
+        raise_failed(table[:, -1], self.group, "masked dispatch", None)
         problems = []
         sizes = table[:, 1].tolist()
         if any(h != self.hidden_size for h in sizes):
@@ -305,7 +321,7 @@ class MaskedDispatcher:
             )
         raise_on_every_rank(problems, "masked dispatch")
         if overflow:
-            counts = table[:, _HEADER:].view(self.world_size, self.world_size, self._slots)
+            counts = table[:, _HEADER:-1].view(self.world_size, self.world_size, self._slots)
             worst = int(counts.sum(0).max())
             raise CapacityOverflowError(
                 f"masked dispatch: an expert receives {worst} rows but capacity is "

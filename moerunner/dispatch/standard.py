@@ -99,7 +99,12 @@ class StandardDispatcher:
     ) -> StandardDispatchOutput | StandardEPDispatchOutput:
         """Make ids local; with an fp32 reduction also group the pairs by local expert."""
         if self.expert_map is not None:
-            ids = local_ids(topk.ids, self._map_on(topk.ids.device))
+            from ..device_checks import check_ids_async
+
+            ids = topk.ids
+            if ids.numel():  # CPU: at once; GPU: on the device, raised later (no sync)
+                check_ids_async(ids, self.expert_map.shape[0], where="standard dispatch")
+            ids = local_ids(ids, self._map_on(ids.device))
             topk = TopK(weights=topk.weights, ids=ids)
         standard = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
         if self.dispatch_format == STANDARD:

@@ -1,0 +1,261 @@
+"""Faults on one rank of an expert-parallel world (gloo, 2 and 4 CPU processes).
+
+Rank 1 alone gets bad input (wrong H, an out-of-range id, an unsupported dtype, a dtype its
+weights do not have) or an exception inside its expert computation. Every rank must then
+raise the same error type with a message naming rank 1, quickly (collectives time out after
+10 s, the world after 90 s, so a hang fails the test instead of blocking CI), and the group
+must stay usable: a correct step afterwards matches the reference on every rank.
+
+Each world runs every scenario (spawning is the expensive part); the tests check one
+scenario's per-rank outcomes. Tolerance of the closing correct step: fp32 GEMMs over
+H = 16 / I = 24 stay within 1e-4 of the float64 reference (as in test_expert_parallel.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerunner import ExpertWeights, reference_moe
+from moerunner.routing import TopK
+from moerunner.testing import assert_close
+
+from .worlds import run_world
+
+E, H, I, K, T = 8, 16, 24, 2, 5
+KINDS = {  # dispatcher name and keyword arguments of each layer kind
+    "standard": ("standard", {}),
+    "all_to_all": ("all_to_all", {}),
+    "masked_raise": ("masked", {"capacity": 32, "on_overflow": "raise"}),
+    "masked_flag": ("masked", {"capacity": 32, "on_overflow": "flag"}),
+}
+FAULTS = ("wrong_shape", "out_of_range_id", "wrong_dtype", "other_dtype", "expert_raises")
+
+
+def _case(rank: int, kind: str):
+    g = torch.Generator().manual_seed(11)
+    weights = ExpertWeights(
+        torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
+        torch.randn(E, H, I, generator=g) * I**-0.5,
+    )
+    # standard: every rank passes the same tokens; the others: each rank its own.
+    g.manual_seed(100 if kind == "standard" else 100 + rank)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].to(torch.int32)
+    return weights, x, TopK(torch.rand(T, K, generator=g), ids)
+
+
+def _outcome(fn):
+    try:
+        return {"out": fn(), "error": None}
+    except Exception as exc:  # noqa: BLE001  (the tests check which scenarios raise, and how)
+        return {"out": None, "error": (type(exc).__name__, str(exc))}
+
+
+def _faulty_inputs(fault: str, rank: int, x: torch.Tensor, topk: TopK):
+    if rank != 1:
+        return x, topk
+    if fault == "wrong_shape":
+        return torch.randn(T, H + 1), topk
+    if fault == "out_of_range_id":
+        ids = topk.ids.clone()
+        ids[0, 0] = E + 3
+        return x, TopK(topk.weights, ids)
+    if fault == "wrong_dtype":
+        return x.double(), topk
+    if fault == "other_dtype":  # accepted by the library, not by these fp32 weights
+        return x.half(), topk
+    return x, topk
+
+
+def scenarios(rank: int, world: int) -> dict:
+    from moerunner.distributed_moe import ExpertParallelMoE
+
+    results = {}
+    for kind, (dispatcher, kw) in KINDS.items():
+        weights, x, topk = _case(rank, kind)
+        moe = ExpertParallelMoE.from_global(weights, dispatcher=dispatcher, backend="torch", **kw)
+        if kind == "all_to_all":  # a failure in the layer's very first call (see the test)
+            bad_x, _ = _faulty_inputs("wrong_shape", rank, x, topk)
+            results[f"{kind}/first_call"] = _outcome(lambda bx=bad_x, m=moe, t=topk: m(bx, t))
+        results[f"{kind}/warmup"] = _outcome(lambda m=moe, x=x, t=topk: m(x, t))
+        for fault in FAULTS:
+            bad_x, bad_topk = _faulty_inputs(fault, rank, x, topk)
+            if fault == "expert_raises" and rank == 1:
+                original = moe.runner.run
+
+                def broken(*args, **kwargs):
+                    raise RuntimeError("injected expert failure")
+
+                moe.runner.run = broken
+            results[f"{kind}/{fault}"] = _outcome(
+                lambda bx=bad_x, bt=bad_topk, m=moe: (m(bx, bt), m.last_overflow)
+            )
+            if fault == "expert_raises" and rank == 1:
+                moe.runner.run = original
+        # The group is still aligned: a correct step on every rank.
+        results[f"{kind}/after"] = _outcome(lambda m=moe, x=x, t=topk: m(x, t))
+        results[f"{kind}/input"] = (x, topk)
+
+    # Dispatchers used directly: one rank's input fails the dispatcher's own checks.
+    from moerunner.dispatch.all_to_all import AllToAllDispatcher
+    from moerunner.dispatch.expert_map import ExpertPlacement
+    from moerunner.dispatch.masked import MaskedDispatcher
+
+    placement = ExpertPlacement.contiguous(E, world)
+    _, x, topk = _case(rank, "all_to_all")
+    one_d = x[0] if rank == 1 else x
+    results["direct/all_to_all"] = _outcome(
+        lambda: AllToAllDispatcher(placement).dispatch(one_d, topk)
+    )
+    results["direct/masked_raise"] = _outcome(
+        lambda: MaskedDispatcher(placement, 32, H).dispatch(one_d, topk)
+    )
+
+    # Construction: rank 1's placement disagrees with its layer (a local check).
+    def build():
+        from moerunner import MoE
+        from moerunner.dispatch.expert_map import shard_expert_weights
+
+        bad = ExpertPlacement.contiguous(E + world if rank == 1 else E, world)
+        return MoE.from_weights(
+            shard_expert_weights(_case(rank, "all_to_all")[0], placement, rank),
+            num_experts=E,
+            dispatcher="all_to_all",
+            placement=bad,
+            backend="torch",
+        )
+
+    results["construct/placement"] = _outcome(build)
+
+    # distributed.failing_together: a block that raises on rank 1 only.
+    from moerunner.distributed import failing_together
+
+    def block():
+        with failing_together(None, "loading shards"):
+            if rank == 1:
+                raise OSError("shard file missing")
+        return "ok"
+
+    results["helper/failing_together"] = _outcome(block)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def world(request):
+    results = run_world(scenarios, request.param, collective_timeout_s=10.0, deadline_s=90.0)
+    return request.param, results
+
+
+def _assert_named_failure(results, key, words=()):
+    """Every rank raised RankFailedError naming rank 1 (and only rank 1)."""
+    messages = set()
+    for rank, r in enumerate(results):
+        error = r[key]["error"]
+        assert error is not None, f"rank {rank} returned for {key}"
+        assert error[0] == "RankFailedError", (rank, key, error)
+        assert "failed on rank 1 (" in error[1], (rank, key, error[1])
+        for word in words:
+            assert word in error[1], (rank, key, word, error[1])
+        messages.add(error[1])
+    assert len(messages) == 1, f"{key}: ranks raised different messages: {messages}"
+
+
+SYNCING = ("standard", "all_to_all", "masked_raise")
+
+
+@pytest.mark.parametrize("kind", SYNCING)
+@pytest.mark.parametrize(
+    "fault, words",
+    [
+        ("wrong_shape", ("MoeInputError", f"last dim must be H={H}")),
+        ("wrong_dtype", ("hidden_states dtype torch.float64 not accepted",)),
+        ("other_dtype", ("w13 dtype torch.float32 must equal hidden_states dtype torch.float16",)),
+        ("expert_raises", ("RuntimeError: injected expert failure",)),
+    ],
+)
+def test_one_rank_fails_every_rank_raises(world, kind, fault, words):
+    _, results = world
+    _assert_named_failure(results, f"{kind}/{fault}", words)
+
+
+def test_out_of_range_id_on_one_rank(world):
+    _, results = world
+    # standard: rank 1 alone finds the id (its dispatch maps ids locally).
+    _assert_named_failure(
+        results, "standard/out_of_range_id", ("rank 1: MoeInputError", "standard dispatch")
+    )
+    # all_to_all and masked: the dispatchers' collective id check, naming rank 1's value.
+    for rank, r in enumerate(results):
+        for kind in ("all_to_all", "masked_raise"):
+            error = r[f"{kind}/out_of_range_id"]["error"]
+            assert error is not None and error[0] == "MoeInputError", (rank, kind, error)
+            assert "expert ids must be" in error[1], error[1]
+
+
+@pytest.mark.parametrize("fault", ["wrong_shape", "wrong_dtype", "other_dtype", "expert_raises"])
+def test_flag_mode_failing_rank_raises_others_finish(world, fault):
+    """masked on_overflow="flag" reads nothing on the host: rank 1 raises after the step's
+    exchanges, the others finish the step (no hang)."""
+    _, results = world
+    for rank, r in enumerate(results):
+        outcome = r[f"masked_flag/{fault}"]
+        if rank == 1:
+            assert outcome["error"] is not None and outcome["error"][0] == "RankFailedError"
+            assert "failed on rank 1" in outcome["error"][1]
+        else:
+            assert outcome["error"] is None, (rank, outcome["error"])
+
+
+def test_flag_mode_out_of_range_id_is_flagged(world):
+    _, results = world
+    for rank, r in enumerate(results):
+        outcome = r["masked_flag/out_of_range_id"]
+        assert outcome["error"] is None, (rank, outcome["error"])
+        assert bool(outcome["out"][1]), f"rank {rank}: overflow flag not set"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_group_usable_after_faults(world, kind):
+    _, results = world
+    for rank, r in enumerate(results):
+        outcome = r[f"{kind}/after"]
+        assert outcome["error"] is None, (rank, kind, outcome["error"])
+        weights, _, _ = _case(rank, kind)
+        x, topk = r[f"{kind}/input"]
+        ref = reference_moe(x, weights, topk.weights, topk.ids)
+        assert_close(outcome["out"], ref, 1e-4, what=f"rank {rank} {kind}")
+
+
+def test_failure_in_the_first_call_all_to_all(world):
+    """Before any good call the failing rank cannot know the top-k the others send with
+    (it sizes the rows of the exchange): every rank raises the header check's MoeInputError,
+    naming the ranks' top-k, instead of RankFailedError. Still no hang and no abort."""
+    _, results = world
+    for rank, r in enumerate(results):
+        error = r["all_to_all/first_call"]["error"]
+        assert error is not None and error[0] == "MoeInputError", (rank, error)
+        assert "top_k differs across ranks" in error[1], error[1]
+
+
+def test_good_calls_between_faults(world):
+    _, results = world
+    for rank, r in enumerate(results):
+        for kind in KINDS:
+            assert r[f"{kind}/warmup"]["error"] is None, (rank, kind, r[f"{kind}/warmup"])
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "masked_raise"])
+def test_direct_dispatcher_local_check(world, kind):
+    _, results = world
+    _assert_named_failure(results, f"direct/{kind}", ("hidden_states must be a 2-D tensor",))
+
+
+def test_construction_local_check(world):
+    _, results = world
+    _assert_named_failure(results, "construct/placement", ("routed experts but the layer",))
+
+
+def test_failing_together_helper(world):
+    _, results = world
+    _assert_named_failure(results, "helper/failing_together", ("OSError: shard file missing",))
