@@ -434,6 +434,7 @@ def test_fuzz_cpu(backend, record_property):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(3600)  # compiles a kernel variant per drawn scheme/shape: minutes
 @pytest.mark.parametrize("backend", _available_backends())
 def test_fuzz_gpu(backend, record_property):
     budget = BUDGETS["gpu"] if PROFILE == "gpu" else BUDGETS["ci"]

@@ -169,5 +169,5 @@ def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
         *(t.float().cpu() for t in (lo.w13_a, lo.w13_b, lo.w2_a, lo.w2_b)), lora.scaling
     )
     w32 = ExpertWeights(w.w13.float().cpu(), w.w2.float().cpu())
-    ref = _reference(xs.float().cpu(), w32, topk, act, lo32, adapters)
+    ref = _reference(xs.float().cpu(), w32, lo32, topk, adapters, act)
     assert_close(out, ref, DTYPE_BOUND[torch.bfloat16])
