@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import run_experts, validate_call
+from .api import run_experts
 from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.base import DispatchSetup
@@ -646,11 +646,7 @@ class MoE(nn.Module):
             x, topk, _ = self._inputs(hidden_states, router_logits, topk)
             self._top_k = topk.ids.shape[1]
             x = x.detach()  # inference only
-            weights = self.expert_weights()
-            # dtypes, devices and shapes as fused_moe checks them; the global ids are the
-            # dispatcher's to check (they are not ids of the local weights)
-            validate_call(x, weights, topk.weights, topk.ids, self.config.activation, False)
-            prepared = self._prepared(x, weights, self.dispatcher.dispatch_format)
+            prepared = self._prepared(x, self.expert_weights(), self.dispatcher.dispatch_format)
         except Exception as err:  # noqa: BLE001  (every rank learns of it below)
             if self.group is None:  # one process: nobody waits for it
                 raise

@@ -77,8 +77,9 @@ PROFILE = os.environ.get("MOERUNNER_FUZZ_PROFILE", "ci")
 if PROFILE not in ("ci", "gpu"):
     raise ValueError(f"MOERUNNER_FUZZ_PROFILE must be 'ci' or 'gpu', got {PROFILE!r}")
 BUDGETS = {
-    # Measured on 2 shared CPU cores: ~60 s for the whole file (see the commit message).
-    "ci": Budget(compiled=250, interpreted=30, max_tokens=9, max_experts=5, max_hidden=40,
+    # Measured on 2 CPU cores shared with other jobs (load ~4.5): 67 s for this file, torch
+    # 150 examples in 58 s, triton (interpreted) 24 in 8 s.
+    "ci": Budget(compiled=150, interpreted=24, max_tokens=9, max_experts=5, max_hidden=40,
                  max_inter=24),
     "gpu": Budget(compiled=400, interpreted=0, max_tokens=300, max_experts=16, max_hidden=320,
                   max_inter=200),
