@@ -282,7 +282,7 @@ def test_layer_runs_its_shared_experts_and_follows_edits(backend):
 
 def test_layer_quantized_and_from_weights():
     torch.manual_seed(1)
-    layer = MoE(CFG, backend="torch").quantize_("fp8_channel")
+    layer = MoE(CFG, backend="torch").quantize_("fp8_channel", keep_float_weights=True)
     x, logits = torch.randn(T, H), torch.randn(T, E)
     topk = moerunner.select_experts(logits, K, renormalize=True)
     with torch.no_grad():

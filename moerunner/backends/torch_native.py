@@ -41,7 +41,7 @@ from ..dispatch.permute import group_pairs, is_scratch
 from ..hooks import HookRows, MoeHooks, RowHooks, expert_of_rows
 from ..quant.families import CODECS
 from ..registry import DEFAULT_REGISTRY
-from ..weights import ExpertWeights, PreparedWeights, is_quantized
+from ..weights import ExpertWeights, PreparedWeights, is_quantized, weight_shape
 from .base import Backend, Capabilities, SchemeSupport
 
 NAME = "torch"
@@ -365,20 +365,21 @@ def _hooked_experts(
     the activation, GEMM2 and the down hook (``moerunner.hooks``); float32 ``[M, H]``."""
     t, spec = prepared.tensors, prepared.spec
     scheme, scheme2 = t.get("scheme"), t.get("scheme2")
-    h_MN = torch.zeros((x_MH.shape[0], t["w13"].shape[1]), dtype=torch.float32, device=x_MH.device)
+    rows13 = weight_shape(t["w13"])[1]
+    h_MN = torch.zeros((x_MH.shape[0], rows13), dtype=torch.float32, device=x_MH.device)
     experts = [(e, bounds[e], bounds[e + 1]) for e in range(spec.num_experts)]
     experts = [(e, a, b) for e, a, b in experts if b > a]
     for e, a, b in experts:
         bias = None if t["w13_bias"] is None else t["w13_bias"][e]
         scale = None if t.get("input_scale") is None else t["input_scale"][e]
-        h_MN[a:b] = _linear(x_MH[a:b], t["w13"][e], bias, scheme, scale).float()
+        h_MN[a:b] = _linear(x_MH[a:b], t["w13_experts"][e], bias, scheme, scale).float()
     h_MN = hooks.apply("gate_up", h_MN, x_MH, rows)
     a_MI = apply_activation(h_MN, spec).to(x_MH.dtype)
     y_MH = torch.zeros((x_MH.shape[0], spec.hidden_size), dtype=torch.float32, device=x_MH.device)
     for e, a, b in experts:
         bias = None if t["w2_bias"] is None else t["w2_bias"][e]
         scale = None if t.get("input_scale2") is None else t["input_scale2"][e]
-        y_MH[a:b] = _linear(a_MI[a:b], t["w2"][e], bias, scheme2, scale).float()
+        y_MH[a:b] = _linear(a_MI[a:b], t["w2_experts"][e], bias, scheme2, scale).float()
     return hooks.apply("down", y_MH, a_MI, rows)
 
 
