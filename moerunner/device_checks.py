@@ -15,8 +15,13 @@ their range check works like this:
   events of read checks are reused. ``check_errors()`` waits for every queued check (it
   synchronises with the GPU) and raises the first error: call it where a synchronisation is
   acceptable, e.g. at the end of a step or of a test.
-- While a CUDA graph is being captured or ``torch.compile`` traces, no check runs (and none is
-  read): the captured or compiled code stays free of host work.
+- A backend whose kernels read the ids anyway checks them there instead (the triton
+  backend's top-k reduction, ``IdFlags``): no launch or copy of its own per call; the flags
+  are read the same way, without waiting, and raise the same ``MoeInputError``.
+- While a CUDA graph is being captured or ``torch.compile`` traces, no check is queued or
+  read: the captured or compiled code stays free of host work (a kernel that checks ids
+  still records bad ones in a captured graph; a later eager call or ``check_errors()``
+  reads them).
 """
 
 from __future__ import annotations
