@@ -201,9 +201,12 @@ def replay(plans: OrderedDict, plan_key: tuple, roles: tuple[torch.Tensor, ...])
     if not isinstance(plan, LaunchPlan):
         return False
     if not plan.alive():
-        del plans[plan_key]
+        plans.pop(plan_key, None)
         return False
-    plans.move_to_end(plan_key)
+    try:
+        plans.move_to_end(plan_key)
+    except KeyError:  # evicted meanwhile by another thread's plan (keys name the thread)
+        pass
     plan.replay(roles)
     return True
 
@@ -246,4 +249,7 @@ class recorded:  # noqa: N801  (a context manager)
             return
         self.plans[self.key] = plan
         while len(self.plans) > MAX_PLANS:
-            self.plans.popitem(last=False)
+            try:
+                self.plans.popitem(last=False)
+            except KeyError:  # emptied meanwhile by another thread
+                break
