@@ -646,7 +646,17 @@ class MoE(nn.Module):
             x, topk, _ = self._inputs(hidden_states, router_logits, topk)
             self._top_k = topk.ids.shape[1]
             x = x.detach()  # inference only
-            prepared = self._prepared(x, self.expert_weights(), self.dispatcher.dispatch_format)
+            weights = self.expert_weights()
+            prepared = self._prepared(x, weights, self.dispatcher.dispatch_format)
+            if (
+                self.dispatcher_kind == "standard"  # (others carry rows in their wire dtype)
+                and not is_quantized(weights.w13)
+                and x.dtype != weights.w13.dtype
+            ):
+                raise TypeError(
+                    f"hidden_states dtype {x.dtype} must equal the weights' dtype "
+                    f"{weights.w13.dtype} (or quantize the layer)"
+                )
         except Exception as err:  # noqa: BLE001  (every rank learns of it below)
             if self.group is None:  # one process: nobody waits for it
                 raise

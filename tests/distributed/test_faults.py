@@ -192,13 +192,6 @@ def test_other_dtype_on_one_rank(world):
         assert r["masked_flag/other_dtype"]["error"] is None, (rank, r["masked_flag/other_dtype"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="standard dispatcher: rank 1's fp16 rows meet fp32 weights in the torch backend's "
-    "matmul, a RuntimeError (wrapped in RankFailedError) instead of the TypeError fused_moe "
-    "gives; the EP layer does not run fused_moe's dtype check because the masked 'flag' "
-    "dispatcher legitimately converts rows to its wire dtype",
-)
 def test_other_dtype_on_one_rank_standard(world):
     _, results = world
     _assert_named_failure(results, "standard/other_dtype", ("rank 1: TypeError",))
