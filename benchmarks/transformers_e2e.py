@@ -487,6 +487,8 @@ def profile_decode(model, ids, steps: int) -> dict:
     host = dict.fromkeys(STAGES + ("moe block", "step"), 0.0)
     dev = dict(host)
     for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue  # a range's copy on the GPU timeline: its kernels count below, once
         if event.name.startswith(_PREFIX) and event.name[len(_PREFIX) :] in host:
             key = event.name[len(_PREFIX) :]
             host[key] += event.cpu_time_total / 1e3 / steps
