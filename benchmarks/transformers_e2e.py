@@ -596,7 +596,7 @@ def table(results: dict) -> str:
     """Compact table: tok/s with speedups against the first implementation of each shape,
     step times min/median/max, time in experts and its ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<17}{'prefill tok/s':>14}{'x':>6}{'prefill ms min/med/max':>26}"
+        f"{'shape':<15}{'impl':<17}{'prefill tok/s':>14}{'x':>7}{'prefill ms min/med/max':>26}"
         f"{'exp ms':>9}{'/gm':>6}{'decode tok/s':>13}{'x':>6}{'decode ms min/med/max':>24}"
         f"{'exp ms':>9}{'/gm':>6}{'err':>10}"
     ]
@@ -608,7 +608,7 @@ def table(results: dict) -> str:
         b = base.setdefault(r["shape"], r)
         lines.append(
             f"{r['shape']:<15}{r['impl']:<17}{r['prefill_tok_s']:>14.0f}"
-            f"{r['prefill_tok_s'] / b['prefill_tok_s']:>6.2f}"
+            f"{r['prefill_tok_s'] / b['prefill_tok_s']:>7.2f}"
             f"{_spread_text(r['prefill_ms']):>26}"
             f"{_fmt(r.get('prefill_experts_ms'), '.2f', 9)}"
             f"{_fmt(r.get('prefill_experts_vs_grouped_mm'), '.2f', 6)}"
@@ -713,7 +713,7 @@ def main(argv=None) -> None:
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills / decode blocks")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="default: bfloat16; float32 for --tiny on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU check")
     p.add_argument(
@@ -743,7 +743,11 @@ def main(argv=None) -> None:
         p.error(f"--shapes: unknown {unknown}; accepted: {', '.join(SHAPES)}")
     if args.backend is None:
         args.backend = "inductor" if torch.device(args.device).type == "cuda" else "aot_eager"
+    if args.dtype is None:  # a CPU's bf16 matrix products are slow: --tiny stays quick
+        cpu = torch.device(args.device).type == "cpu"
+        args.dtype = "float32" if args.tiny and cpu else "bfloat16"
     if args.tiny:
+        args.repeats = min(args.repeats, 2)
         args.prompt, args.batch, args.decode_prompt = min(args.prompt, 64), 2, 16
         args.decode_batch = min(args.decode_batch, 2)
         args.decode_steps = min(args.decode_steps, 4)
