@@ -1,15 +1,35 @@
 """End-to-end transformers benchmark: prefill and decode tokens/s per experts implementation.
 
-Builds a random model with real per-layer shapes (Qwen3-30B-A3B, GPT-OSS-120B) but only a few
-layers and a reduced vocabulary, then times, for each experts implementation (transformers'
-"eager" loop, its "grouped_mm", and moerunner), one prefill forward of ``batch x prompt``
-tokens and ``decode_steps`` single-token steps over a KV cache. Before timing, the prefill
-logits of every implementation are compared with eager's (max |d| / max |ref|).
+Builds a random model with real per-layer shapes (Qwen3-30B-A3B, GPT-OSS-120B, DeepSeek-V3,
+Mixtral-8x7B) but only a few layers and a reduced vocabulary, then times, for each experts
+implementation (transformers' "eager" loop, its "grouped_mm", moerunner, and a zero-cost
+implementation that returns zeros without reading the weights), one prefill forward of
+``batch x prompt`` tokens and ``decode_steps`` single-token steps over a KV cache, ``repeats``
+times (min / median / max). Before timing, the prefill logits of every implementation are
+compared with the first one's (max |d| / max |ref|).
+
+"Time in experts" is an implementation's step time minus the zero-cost implementation's step
+time (medians): everything else in the step (attention, routers, norms, LM head, the host's
+work between them) is the same. The table gives it per implementation for prefill and decode,
+and its ratio to grouped_mm's.
+
+Options:
+
+- ``--graph``: decode again with a static cache, uncompiled ("static"), with the decode step
+  under ``torch.compile(mode="default", fullgraph=True)`` ("compile") and, on CUDA, with the
+  step captured by hand in a CUDA graph, uncompiled ("cudagraph") and compiled
+  ("compile+cudagraph"). Every implementation but eager (a data-dependent loop) is tried;
+  a mode that fails is reported with its error and the run goes on.
+- ``--breakdown``: profile a few decode steps (``torch.profiler``) and split one step into
+  embedding, attention, norms, router (the MoE block less its experts), experts, shared
+  experts, LM head and the rest; host time per stage and, on CUDA, kernel time per stage and
+  the GPU's idle time (the step's wall time less its kernel time: host gaps).
 
     python benchmarks/transformers_e2e.py --out results_dir            # GPU, real shapes
     python benchmarks/transformers_e2e.py --tiny --device cpu          # a quick CPU check
+    python benchmarks/transformers_e2e.py --graph --breakdown --shapes qwen3-30b-a3b
 
-Prints a compact table last; writes ``transformers_e2e.json`` (with the environment) to --out.
+Prints compact tables last; writes ``transformers_e2e.json`` (with the environment) to --out.
 """
 
 from __future__ import annotations
@@ -18,12 +38,35 @@ import argparse
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 import moerunner.integrations.transformers as mt
 from moerunner.bench.presets import get_preset
+
+#: The zero-cost experts implementation: its row in the results, and the name under which it
+#: is registered in transformers' experts functions.
+ZERO_IMPL = "zero-cost"
+ZERO_NAME = "zero_cost"
+
+
+def zero_experts_forward(self, hidden_states, top_k_index=None, top_k_weights=None, **kwargs):
+    """Experts that cost (almost) nothing: zeros of the output's shape and dtype.
+
+    The weights are not read and the routing is ignored; one fill is the whole work. A step
+    that runs these experts times everything in the model but the experts.
+    """
+    return hidden_states.new_zeros(hidden_states.shape)
+
+
+def register_zero_cost(name: str = ZERO_NAME) -> str:
+    """Register the zero-cost experts beside transformers' own and moerunner's; ``name``."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, zero_experts_forward)
+    return name
 
 
 def _moe_dims(preset: str, experts_key: str, inter_key: str) -> dict:
@@ -39,7 +82,8 @@ def _moe_dims(preset: str, experts_key: str, inter_key: str) -> dict:
 
 
 # Real per-layer shapes: the MoE dimensions from the presets, the rest (attention, the dense
-# MLP size) from the published configs; vocab reduced (LM head is not the subject).
+# MLP size, routing groups) from the published configs, under transformers 5's config field
+# names; vocab reduced (LM head is not the subject).
 SHAPES = {
     "qwen3-30b-a3b": (
         "qwen3_moe",
@@ -62,25 +106,65 @@ SHAPES = {
             sliding_window=128,
         ),
     ),
+    "deepseek-v3": (
+        "deepseek_v3",
+        dict(
+            **_moe_dims("deepseek-v3", "n_routed_experts", "moe_intermediate_size"),
+            intermediate_size=18432,  # the dense layers' MLP; none here (see below)
+            first_k_dense_replace=0,  # the model's first 3 layers are dense: here every one is MoE
+            n_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            # Multi-head latent attention.
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+        ),
+    ),
+    "mixtral-8x7b": (
+        "mixtral",
+        dict(
+            **_moe_dims("mixtral-8x7b", "num_local_experts", "intermediate_size"),
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+    ),
 }
+_TINY_ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 TINY = {
     "qwen3-30b-a3b": dict(
         hidden_size=64,
         moe_intermediate_size=32,
         intermediate_size=64,
         num_experts=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **_TINY_ATTENTION,
     ),
     "gpt-oss-120b": dict(
-        hidden_size=64,
-        intermediate_size=32,
-        num_local_experts=16,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        hidden_size=64, intermediate_size=32, num_local_experts=16, **_TINY_ATTENTION
     ),
+    "deepseek-v3": dict(
+        hidden_size=64,
+        moe_intermediate_size=32,
+        intermediate_size=64,
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
+    "mixtral-8x7b": dict(hidden_size=64, intermediate_size=32, **_TINY_ATTENTION),
 }
 
 
@@ -118,8 +202,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_prefill(model, ids, repeats: int) -> float:
-    """Median seconds of one forward over ``ids`` (no cache)."""
+def spread(samples_s: list[float]) -> dict:
+    """min / median / max of ``samples_s`` (seconds), in milliseconds."""
+    return {
+        "min": 1e3 * min(samples_s),
+        "median": 1e3 * statistics.median(samples_s),
+        "max": 1e3 * max(samples_s),
+    }
+
+
+def time_prefill(model, ids, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` forwards over ``ids`` (no cache), after one warm-up."""
     samples = []
     for _ in range(repeats + 1):
         _sync(ids.device)
@@ -128,28 +221,36 @@ def time_prefill(model, ids, repeats: int) -> float:
             model(ids, use_cache=False, logits_to_keep=1)
         _sync(ids.device)
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples[1:])
+    return samples[1:]
 
 
-def time_decode(model, ids, steps: int) -> float:
-    """Seconds per decode step (batch of single tokens) after a prefill of ``ids``."""
+def _dynamic_cache(model):
     from transformers import DynamicCache
 
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers 5.x
+        return DynamicCache()
+
+
+def time_decode(model, ids, steps: int, repeats: int) -> list[float]:
+    """Seconds per decode step (batch of single tokens) after a prefill of ``ids``: one
+    sample per block of ``steps`` steps, ``repeats`` blocks after two warm-up steps."""
+    samples = []
     with torch.no_grad():
-        try:
-            cache = DynamicCache(config=model.config)
-        except TypeError:  # older transformers 5.x
-            cache = DynamicCache()
+        cache = _dynamic_cache(model)
         out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
-        for i in range(steps + 2):
-            if i == 2:  # two warm-up steps
-                _sync(ids.device)
-                t0 = time.perf_counter()
-            out = model(token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-        _sync(ids.device)
-    return (time.perf_counter() - t0) / steps
+        for _ in range(2):
+            token = model(token, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        for _ in range(repeats):
+            _sync(ids.device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                token = model(token, past_key_values=cache, use_cache=True).logits.argmax(-1)
+            _sync(ids.device)
+            samples.append((time.perf_counter() - t0) / steps)
+    return samples
 
 
 def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
@@ -157,38 +258,279 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
     model.set_experts_implementation(registered)
     with torch.no_grad():
         logits = model(prompt[:1, :256]).logits.float()
-    if ref is None:
-        ref = logits
-    err = ((logits - ref).abs().max() / ref.abs().max()).item()
-    prefill_s = time_prefill(model, prompt, args.repeats)
-    decode_s = time_decode(model, decode_prompt, args.decode_steps)
+    err = None
+    if impl != ZERO_IMPL:  # zeros for experts: its logits are not an answer
+        if ref is None:
+            ref = logits
+        err = ((logits - ref).abs().max() / ref.abs().max()).item()
+    prefill = spread(time_prefill(model, prompt, args.repeats))
+    decode = spread(time_decode(model, decode_prompt, args.decode_steps, args.repeats))
     row = {
         "shape": shape,
         "impl": impl,
         "layers": args.layers,
         "prefill_tokens": prompt.numel(),
-        "prefill_tok_s": prompt.numel() / prefill_s,
+        "prefill_ms": prefill,
+        "prefill_tok_s": prompt.numel() / prefill["median"] * 1e3,
         "decode_batch": decode_prompt.shape[0],
-        "decode_tok_s": decode_prompt.shape[0] / decode_s,
+        "decode_ms": decode,
+        "decode_tok_s": decode_prompt.shape[0] / decode["median"] * 1e3,
         "max_rel_vs_first": err,
     }
     print(
         f"[{shape}] {impl:<16} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
-        f"decode {row['decode_tok_s']:>8.1f} tok/s  err {err:.2e}",
+        f"decode {row['decode_tok_s']:>8.1f} tok/s  err {_fmt(err, '.2e')}",
         flush=True,
     )
     return row, ref
 
 
+# --- static cache, torch.compile and CUDA graphs ------------------------------------------
+
+
+def graph_modes(device: torch.device) -> tuple[str, ...]:
+    """The decode modes ``--graph`` times on ``device`` (CUDA graphs need CUDA)."""
+    if device.type == "cuda":
+        return ("static", "compile", "cudagraph", "compile+cudagraph")
+    return ("static", "compile")
+
+
+def _capture(fn, token: torch.Tensor, pos: torch.Tensor):
+    """Capture ``fn`` (one decode step on the static buffers ``token``/``pos``, both advanced
+    in place by the graph itself) in a CUDA graph after warm-up on a side stream; a callable
+    that replays it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # chooses backends, prepares weights, compiles kernels
+            fn(token, pos)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(token, pos)
+    return lambda token, pos: graph.replay()
+
+
+def time_static_decode(model, ids, steps: int, repeats: int, mode: str, backend: str) -> dict:
+    """Decode over a static cache in ``mode`` (see ``graph_modes``): seconds per step per block
+    of ``steps`` (``repeats`` blocks) and the seconds the first (compiling) call took."""
+    from transformers import StaticCache
+
+    device = ids.device
+    batch, prompt = ids.shape
+    cache = StaticCache(config=model.config, max_cache_len=prompt + (repeats + 1) * steps + 8)
+
+    def step(token, pos):  # advances its inputs in place: no host work between steps
+        logits = model(token, past_key_values=cache, cache_position=pos, use_cache=True).logits
+        token.copy_(logits[:, -1:].argmax(-1))
+        pos.add_(1)
+
+    fn = step
+    if mode.startswith("compile"):
+        torch._dynamo.reset()
+        fn = torch.compile(step, mode="default", fullgraph=True, backend=backend)
+    with torch.no_grad():
+        out = model(
+            ids,
+            past_key_values=cache,
+            cache_position=torch.arange(prompt, device=device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        token = out.logits[:, -1:].argmax(-1)
+        pos = torch.full((1,), prompt, dtype=torch.long, device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn(token, pos)
+        _sync(device)
+        first_s = time.perf_counter() - t0
+        if mode.endswith("cudagraph"):
+            fn = _capture(fn, token, pos)
+        fn(token, pos)
+        samples = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn(token, pos)
+            _sync(device)
+            samples.append((time.perf_counter() - t0) / steps)
+    return {"samples": samples, "first_call_s": first_s}
+
+
+def measure_graphs(model, shape, impl, registered, decode_prompt, args) -> list[dict]:
+    """One implementation's ``--graph`` rows, one per mode; a failing mode keeps its error."""
+    rows = []
+    for mode in graph_modes(decode_prompt.device):
+        row = {"shape": shape, "impl": impl, "mode": mode, "decode_batch": decode_prompt.shape[0]}
+        if impl == "eager":
+            row["error"] = "skipped: transformers' eager loop is data-dependent (not captured)"
+        else:
+            try:
+                model.set_experts_implementation(registered)
+                got = time_static_decode(
+                    model, decode_prompt, args.decode_steps, args.repeats, mode, args.backend
+                )
+                row["decode_ms"] = spread(got["samples"])
+                row["decode_tok_s"] = decode_prompt.shape[0] / row["decode_ms"]["median"] * 1e3
+                row["first_call_s"] = got["first_call_s"]
+            except Exception as exc:  # noqa: BLE001  (one failing mode: keep going)
+                row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            finally:
+                torch._dynamo.reset()
+        msg = row.get("error") or f"decode {row['decode_tok_s']:>8.1f} tok/s"
+        print(f"[{shape}] {impl:<16} {mode:<18} {msg}", flush=True)
+        rows.append(row)
+    return rows
+
+
+# --- per-stage breakdown of a decode step -------------------------------------------------
+
+STAGES = (
+    "embedding",
+    "attention",
+    "norms",
+    "router",
+    "experts",
+    "shared experts",
+    "dense mlp",
+    "rope",
+    "lm head",
+)
+_PREFIX = "stage::"
+
+
+def stage_labels(model) -> dict[str, str]:
+    """{module path: stage} for the modules a decode step is split into. Nested modules are
+    labelled only where a stage is computed by difference: the MoE block (``moe block``)
+    holds the experts and shared experts, and router = moe block - experts - shared."""
+    experts = {path for path, _ in mt.experts_modules(model)}
+    blocks = {path.rsplit(".", 1)[0] for path in experts}
+    labels: dict[str, str] = {}
+    for path, module in model.named_modules():
+        leaf = path.rsplit(".", 1)[-1]
+        inside = any(path.startswith(p + ".") for p in labels if labels[p] != "moe block")
+        if inside or not path:
+            continue
+        if path in experts:
+            labels[path] = "experts"
+        elif path in blocks:
+            labels[path] = "moe block"
+        elif leaf in ("shared_experts", "shared_expert") and path.rsplit(".", 1)[0] in blocks:
+            labels[path] = "shared experts"
+        elif leaf in ("self_attn", "attention"):
+            labels[path] = "attention"
+        elif leaf == "mlp":
+            labels[path] = "dense mlp"
+        elif leaf == "lm_head":
+            labels[path] = "lm head"
+        elif leaf == "embed_tokens":
+            labels[path] = "embedding"
+        elif leaf == "rotary_emb":
+            labels[path] = "rope"
+        elif "norm" in type(module).__name__.lower():
+            labels[path] = "norms"
+    return labels
+
+
+def _label_modules(model, labels: dict[str, str]) -> list:
+    """Forward hooks that open a profiler range named after each labelled module's stage."""
+    from torch.autograd.profiler import record_function
+
+    stack: list = []
+    handles = []
+    modules = dict(model.named_modules())
+    for path, stage in labels.items():
+
+        def enter(module, args, stage=stage):
+            rf = record_function(_PREFIX + stage)
+            rf.__enter__()
+            stack.append(rf)
+
+        def leave(module, args, output):
+            stack.pop().__exit__(None, None, None)
+
+        handles.append(modules[path].register_forward_pre_hook(enter))
+        handles.append(modules[path].register_forward_hook(leave))
+    return handles
+
+
+def profile_decode(model, ids, steps: int) -> dict:
+    """Per-stage host and device milliseconds of one decode step (mean over ``steps``)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    device = ids.device
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    handles = _label_modules(model, stage_labels(model))
+    try:
+        with torch.no_grad():
+            cache = _dynamic_cache(model)
+            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(2):
+                token = model(token, past_key_values=cache, use_cache=True).logits.argmax(-1)
+            _sync(device)
+            wall = 0.0
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    with record_function(_PREFIX + "step"):
+                        out = model(token, past_key_values=cache, use_cache=True)
+                        token = out.logits.argmax(-1)
+                        _sync(device)
+                    wall += time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    host = dict.fromkeys(STAGES + ("moe block", "step"), 0.0)
+    dev = dict(host)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            continue  # a range's copy on the GPU timeline: its kernels count below, once
+        if event.name.startswith(_PREFIX) and event.name[len(_PREFIX) :] in host:
+            key = event.name[len(_PREFIX) :]
+            host[key] += event.cpu_time_total / 1e3 / steps
+            dev[key] += event.device_time_total / 1e3 / steps
+    for d in (host, dev):
+        d["router"] = d.pop("moe block") - d["experts"] - d["shared experts"]
+    stages = {s: {"host_ms": host[s], "device_ms": dev[s]} for s in STAGES}
+    labelled = sum(host[s] for s in STAGES)
+    result = {
+        "step_ms": 1e3 * wall / steps,
+        "stages": stages,
+        "host_other_ms": host["step"] - labelled,
+    }
+    if device.type == "cuda":
+        result["device_busy_ms"] = dev["step"]
+        result["device_other_ms"] = dev["step"] - sum(dev[s] for s in STAGES)
+        result["device_idle_ms"] = result["step_ms"] - dev["step"]
+    return result
+
+
+def measure_breakdown(model, shape, impl, registered, decode_prompt, args) -> dict:
+    model.set_experts_implementation(registered)
+    row = {"shape": shape, "impl": impl, "decode_batch": decode_prompt.shape[0]}
+    try:
+        row.update(profile_decode(model, decode_prompt, args.profile_steps))
+    except Exception as exc:  # noqa: BLE001  (keep going)
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    impls = args.impls.split(",")
-    names = {}
-    for impl in impls:  # "moerunner:triton" -> a name bound to that backend
+    impls = [i for i in args.impls.split(",") if i != ZERO_IMPL] + [ZERO_IMPL]
+    names = {ZERO_IMPL: register_zero_cost()}
+    for impl in impls[:-1]:  # "moerunner:triton" -> a name bound to that backend
         base, _, backend = impl.partition(":")
         names[impl] = mt.register(f"moerunner_{backend}", backend=backend) if backend else base
-    results = {"args": vars(args), "rows": []}
+    results = {"args": dict(vars(args)), "rows": [], "graph_rows": [], "breakdown": []}
     for name in args.shapes.split(","):
         t0 = time.perf_counter()
         model = build_model(name, args.layers, args.vocab, args.tiny, dtype, device)
@@ -204,39 +546,164 @@ def run(args) -> dict:
                 row = {"shape": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}"}
                 print(f"[{name}] {impl} failed: {row['error']}", flush=True)
             results["rows"].append(row)
+            if args.graph:
+                graph = measure_graphs(model, name, impl, names[impl], decode_prompt, args)
+                results["graph_rows"].extend(graph)
+            if args.breakdown:
+                results["breakdown"].append(
+                    measure_breakdown(model, name, impl, names[impl], decode_prompt, args)
+                )
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    add_experts_time(results["rows"], ("prefill", "decode"))
+    add_experts_time(results["graph_rows"], ("decode",), key=("shape", "mode"))
     return results
 
 
+def add_experts_time(rows: list[dict], phases, key=("shape",)) -> None:
+    """Time in experts (median step time minus the zero-cost row's of the same ``key``) and
+    its ratio to grouped_mm's, added to each row in place."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if "error" not in r:
+            groups.setdefault(tuple(r[k] for k in key), {})[r["impl"]] = r
+    for group in groups.values():
+        zero, grouped = group.get(ZERO_IMPL), group.get("grouped_mm")
+        for r in group.values():
+            for phase in phases:
+                if zero is None:
+                    continue
+                ms = r[f"{phase}_ms"]["median"] - zero[f"{phase}_ms"]["median"]
+                r[f"{phase}_experts_ms"] = ms
+        for r in group.values():
+            for phase in phases:
+                mine = r.get(f"{phase}_experts_ms")
+                base = None if grouped is None else grouped.get(f"{phase}_experts_ms")
+                if mine is not None and base and r["impl"] != ZERO_IMPL:
+                    r[f"{phase}_experts_vs_grouped_mm"] = mine / base
+
+
+def _fmt(value, spec: str, width: int = 0) -> str:
+    return f"{'-' if value is None else format(value, spec):>{width}}"
+
+
+def _spread_text(s: dict) -> str:
+    return f"{s['min']:.2f}/{s['median']:.2f}/{s['max']:.2f}"
+
+
 def table(results: dict) -> str:
-    """Compact table with speedups against the first implementation of each shape."""
+    """Compact table: tok/s with speedups against the first implementation of each shape,
+    step times min/median/max, time in experts and its ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<17}{'prefill tok/s':>14}{'x':>7}{'decode tok/s':>14}{'x':>7}"
-        f"{'err':>10}"
+        f"{'shape':<15}{'impl':<17}{'prefill tok/s':>14}{'x':>7}{'prefill ms min/med/max':>26}"
+        f"{'exp ms':>9}{'/gm':>6}{'decode tok/s':>13}{'x':>6}{'decode ms min/med/max':>24}"
+        f"{'exp ms':>9}{'/gm':>6}{'err':>10}"
     ]
     base: dict[str, dict] = {}
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"{r['shape']:<15}{r['impl']:<17}failed: {r['error'][:60]}")
+            lines.append(f"{r['shape']:<15}{r['impl']:<17}failed: {r['error'][:90]}")
             continue
         b = base.setdefault(r["shape"], r)
         lines.append(
             f"{r['shape']:<15}{r['impl']:<17}{r['prefill_tok_s']:>14.0f}"
-            f"{r['prefill_tok_s'] / b['prefill_tok_s']:>7.2f}{r['decode_tok_s']:>14.1f}"
-            f"{r['decode_tok_s'] / b['decode_tok_s']:>7.2f}{r['max_rel_vs_first']:>10.2e}"
+            f"{r['prefill_tok_s'] / b['prefill_tok_s']:>7.2f}"
+            f"{_spread_text(r['prefill_ms']):>26}"
+            f"{_fmt(r.get('prefill_experts_ms'), '.2f', 9)}"
+            f"{_fmt(r.get('prefill_experts_vs_grouped_mm'), '.2f', 6)}"
+            f"{r['decode_tok_s']:>13.1f}{r['decode_tok_s'] / b['decode_tok_s']:>6.2f}"
+            f"{_spread_text(r['decode_ms']):>24}"
+            f"{_fmt(r.get('decode_experts_ms'), '.2f', 9)}"
+            f"{_fmt(r.get('decode_experts_vs_grouped_mm'), '.2f', 6)}"
+            f"{_fmt(r['max_rel_vs_first'], '.2e', 10)}"
         )
+    lines.append(
+        "exp ms: median step time minus the zero-cost row's (time in experts); "
+        "/gm: that time over grouped_mm's"
+    )
+    if results.get("graph_rows"):
+        lines += ["", graph_table(results["graph_rows"])]
+    if results.get("breakdown"):
+        lines += ["", breakdown_table(results["breakdown"])]
+    return "\n".join(lines)
+
+
+def graph_table(rows: list[dict]) -> str:
+    lines = [
+        f"{'shape':<15}{'impl':<17}{'decode mode':<19}{'decode tok/s':>13}"
+        f"{'ms min/med/max':>24}{'exp ms':>9}{'/gm':>6}{'1st call s':>11}"
+    ]
+    for r in rows:
+        head = f"{r['shape']:<15}{r['impl']:<17}{r['mode']:<19}"
+        if "error" in r:
+            lines.append(head + f"{'failed' if 'skipped' not in r['error'] else ''} {r['error']}")
+            continue
+        lines.append(
+            head + f"{r['decode_tok_s']:>13.1f}{_spread_text(r['decode_ms']):>24}"
+            f"{_fmt(r.get('decode_experts_ms'), '.2f', 9)}"
+            f"{_fmt(r.get('decode_experts_vs_grouped_mm'), '.2f', 6)}"
+            f"{r['first_call_s']:>11.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _cells(rows: list[dict], cell: int, host, device=None) -> str:
+    """One table line's cells: ``host(row)`` ms, and `` / device(row)`` ms where given."""
+    out = ""
+    for r in rows:
+        text = f"{host(r):.3f}" + ("" if device is None else f" / {device(r):.3f}")
+        out += f"{text:>{cell}}"
+    return out
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """One block per shape: a decode step's stages (rows) per implementation (columns), host
+    ms and, where measured, device (kernel) ms."""
+    lines = []
+    by_shape: dict[str, list[dict]] = {}
+    for r in rows:
+        by_shape.setdefault(r["shape"], []).append(r)
+    for shape, group in by_shape.items():
+        ok = [r for r in group if "error" not in r]
+        cuda = any("device_busy_ms" in r for r in ok)
+        cell = 18 if cuda else 12
+        lines.append(
+            f"decode step breakdown, {shape} (ms per step; "
+            + ("host / gpu kernels" if cuda else "host")
+            + "; profiled, so host times carry the profiler's overhead)"
+        )
+        lines.append(f"{'stage':<22}" + "".join(f"{r['impl'][: cell - 1]:>{cell}}" for r in ok))
+        for s in STAGES:
+            if not any(r["stages"][s]["host_ms"] for r in ok):
+                continue
+            host = lambda r, s=s: r["stages"][s]["host_ms"]  # noqa: E731
+            dev = (lambda r, s=s: r["stages"][s]["device_ms"]) if cuda else None
+            lines.append(f"{s:<22}" + _cells(ok, cell, host, dev))
+        dev = (lambda r: r["device_other_ms"]) if cuda else None
+        lines.append(
+            f"{'other (between stages)':<22}" + _cells(ok, cell, lambda r: r["host_other_ms"], dev)
+        )
+        if cuda:
+            lines.append(f"{'gpu busy':<22}" + _cells(ok, cell, lambda r: r["device_busy_ms"]))
+            lines.append(
+                f"{'gpu idle (host gaps)':<22}" + _cells(ok, cell, lambda r: r["device_idle_ms"])
+            )
+        lines.append(f"{'step (wall)':<22}" + _cells(ok, cell, lambda r: r["step_ms"]))
+        for r in group:
+            if "error" in r:
+                lines.append(f"{r['impl']}: failed: {r['error'][:100]}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="qwen3-30b-a3b,gpt-oss-120b")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     p.add_argument(
         "--impls",
         default="eager,grouped_mm,moerunner",
-        help="comma list; 'moerunner:BACKEND' pins a moerunner backend (default: auto)",
+        help="comma list; 'moerunner:BACKEND' pins a moerunner backend (default: auto); "
+        f"the zero-cost implementation ({ZERO_IMPL}) is always added",
     )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=8192)
@@ -244,16 +711,46 @@ def main(argv=None) -> None:
     p.add_argument("--prompt", type=int, default=1024, help="prefill tokens per sequence")
     p.add_argument("--decode-batch", type=int, default=32)
     p.add_argument("--decode-prompt", type=int, default=128)
-    p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per timed block")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills / decode blocks")
+    p.add_argument("--dtype", default=None, help="default: bfloat16; float32 for --tiny on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU check")
+    p.add_argument(
+        "--graph",
+        "--compile",
+        action="store_true",
+        help="also decode with a static cache: plain, torch.compile'd, CUDA-graph captured",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="torch.compile backend for --graph (default: inductor on CUDA; aot_eager on a CPU, "
+        "which traces the whole step under fullgraph=True but generates no code)",
+    )
+    p.add_argument(
+        "--breakdown", action="store_true", help="profile a decode step's stages (torch.profiler)"
+    )
+    p.add_argument("--profile-steps", type=int, default=4, help="decode steps --breakdown profiles")
     p.add_argument("--out", default=None, help="directory for transformers_e2e.json")
     args = p.parse_args(argv)
+    # transformers 5.2x renames ``past_key_values``; the name kept here runs on every 5.x.
+    warnings.filterwarnings(
+        "ignore", message=".*past_key_values.*deprecated", category=FutureWarning
+    )
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        p.error(f"--shapes: unknown {unknown}; accepted: {', '.join(SHAPES)}")
+    if args.backend is None:
+        args.backend = "inductor" if torch.device(args.device).type == "cuda" else "aot_eager"
+    if args.dtype is None:  # a CPU's bf16 matrix products are slow: --tiny stays quick
+        cpu = torch.device(args.device).type == "cpu"
+        args.dtype = "float32" if args.tiny and cpu else "bfloat16"
     if args.tiny:
+        args.repeats = min(args.repeats, 2)
         args.prompt, args.batch, args.decode_prompt = min(args.prompt, 64), 2, 16
         args.decode_batch = min(args.decode_batch, 2)
+        args.decode_steps = min(args.decode_steps, 4)
     results = run(args)
     from moerunner.bench.report import environment
 

@@ -108,6 +108,18 @@ def test_transformers_e2e_reads_the_preset_table(monkeypatch):
     assert (qwen["num_experts"], qwen["num_experts_per_tok"]) == (q.num_experts, q.top_k)
     assert (gpt["hidden_size"], gpt["intermediate_size"]) == (g.hidden_size, g.intermediate_size)
     assert (gpt["num_local_experts"], gpt["num_experts_per_tok"]) == (g.num_experts, g.top_k)
+    ds, mx = e2e.SHAPES["deepseek-v3"][1], e2e.SHAPES["mixtral-8x7b"][1]
+    d, m = presets.get_preset("deepseek-v3"), presets.get_preset("mixtral-8x7b")
+    assert (ds["hidden_size"], ds["moe_intermediate_size"]) == (d.hidden_size, 2048)
+    assert (ds["n_routed_experts"], ds["num_experts_per_tok"]) == (d.num_experts, d.top_k)
+    assert (mx["hidden_size"], mx["intermediate_size"]) == (m.hidden_size, m.intermediate_size)
+    assert (mx["num_local_experts"], mx["num_experts_per_tok"]) == (m.num_experts, m.top_k)
+    assert {name: family for name, (family, _) in e2e.SHAPES.items()} == {
+        "qwen3-30b-a3b": "qwen3_moe",
+        "gpt-oss-120b": "gpt_oss",
+        "deepseek-v3": "deepseek_v3",
+        "mixtral-8x7b": "mixtral",
+    }
 
 
 def test_model_presets_match_the_published_configs():

@@ -1,0 +1,215 @@
+"""benchmarks/transformers_e2e.py: the zero-cost experts, time in experts, the four model
+shapes, the static-cache / compiled decode modes and the decode-step breakdown, run tiny on a
+CPU (the ``gpu`` test runs the CUDA-only modes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "transformers_e2e.py"
+# Tiny and quick: 1-2 timed blocks of 2 decode steps, a 128-word vocabulary, aot_eager (traces
+# the whole decode step under fullgraph=True without generating code).
+FAST = ("--tiny", "--dtype", "float32", "--vocab", "128", "--repeats", "2", "--decode-steps", "2")
+FAST += ("--profile-steps", "1", "--backend", "aot_eager")
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("transformers_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(e2e, tmp_path, capsys, *options, device="cpu"):
+    e2e.main([*FAST, "--device", device, "--out", str(tmp_path), *options])
+    table = capsys.readouterr().out
+    return json.loads((tmp_path / "transformers_e2e.json").read_text()), table
+
+
+class _NoWeights(torch.nn.Module):
+    """An experts module whose weights may not be read."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the zero-cost experts read {name}")
+
+
+@pytest.mark.parametrize(("tokens", "dtype"), [(5, torch.float32), (0, torch.bfloat16)])
+def test_zero_cost_experts_give_zeros_without_reading_weights(e2e, tokens, dtype):
+    x = torch.randn(tokens, 8).to(dtype)
+    ids = torch.zeros(tokens, 2, dtype=torch.long)
+    out = e2e.zero_experts_forward(_NoWeights(), x, ids, torch.ones(tokens, 2))
+    assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
+    assert not out.any()
+
+
+def test_zero_cost_is_registered_beside_the_others(e2e):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = e2e.register_zero_cost()
+    assert ALL_EXPERTS_FUNCTIONS[name] is e2e.zero_experts_forward
+    model = e2e.build_model("qwen3-30b-a3b", 2, 128, True, torch.float32, "cpu")
+    model.set_experts_implementation(name)
+    seen = []
+    for _, experts in e2e.mt.experts_modules(model):
+        experts.register_forward_hook(lambda m, a, out: seen.append(out))
+    with torch.no_grad():
+        model(torch.arange(6)[None])
+    assert len(seen) == 2 and all(o.shape == (6, 64) and not o.any() for o in seen)
+
+
+def test_new_shapes_have_every_layer_moe_with_the_published_routing(e2e):
+    ds = e2e.build_model("deepseek-v3", 2, 128, True, torch.float32, "cpu")
+    cfg = ds.config
+    assert cfg.first_k_dense_replace == 0 and (cfg.n_group, cfg.topk_group) == (4, 2)
+    labels = list(e2e.stage_labels(ds).values())
+    assert labels.count("experts") == labels.count("shared experts") == 2
+    assert labels.count("moe block") == labels.count("attention") == 2
+    assert labels.count("norms") == 2 * 2 + 1  # per layer two, and the final norm
+    assert "dense mlp" not in labels and labels.count("lm head") == 1
+    real = e2e.SHAPES["deepseek-v3"][1]
+    assert (real["n_group"], real["topk_group"], real["kv_lora_rank"]) == (8, 4, 512)
+    mixtral = e2e.build_model("mixtral-8x7b", 2, 128, True, torch.float32, "cpu")
+    assert len(list(e2e.mt.experts_modules(mixtral))) == 2
+
+
+def test_experts_time_is_step_time_less_zero_cost(e2e):
+    def row(impl, prefill, decode):
+        return {
+            "shape": "s",
+            "impl": impl,
+            "prefill_ms": {"median": prefill},
+            "decode_ms": {"median": decode},
+        }
+
+    rows = [row("grouped_mm", 10.0, 4.0), row("moerunner", 13.0, 5.0), row("zero-cost", 6.0, 3.0)]
+    rows.append({"shape": "s", "impl": "eager", "error": "RuntimeError: boom"})
+    e2e.add_experts_time(rows, ("prefill", "decode"))
+    gm, mr, zero, failed = rows
+    assert (gm["prefill_experts_ms"], gm["decode_experts_ms"]) == (4.0, 1.0)
+    assert (mr["prefill_experts_ms"], mr["decode_experts_ms"]) == (7.0, 2.0)
+    assert (mr["prefill_experts_vs_grouped_mm"], mr["decode_experts_vs_grouped_mm"]) == (1.75, 2.0)
+    assert zero["decode_experts_ms"] == 0.0 and "decode_experts_vs_grouped_mm" not in zero
+    assert "decode_experts_ms" not in failed
+
+
+def test_a_failing_graph_mode_is_reported_and_the_run_goes_on(e2e, monkeypatch):
+    def fake(model, ids, steps, repeats, mode, backend):
+        if mode == "compile":
+            raise RuntimeError("cannot trace\nsecond line")
+        return {"samples": [0.002, 0.001], "first_call_s": 0.5}
+
+    class Model:
+        def set_experts_implementation(self, name):
+            pass
+
+    monkeypatch.setattr(e2e, "time_static_decode", fake)
+    args = type("Args", (), dict(decode_steps=2, repeats=2, backend="aot_eager"))
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    rows = e2e.measure_graphs(Model(), "s", "moerunner", "moerunner", ids, args)
+    assert [r["mode"] for r in rows] == ["static", "compile"]
+    assert rows[0]["decode_ms"] == {"min": 1.0, "median": 1.5, "max": 2.0}
+    assert rows[0]["decode_tok_s"] == pytest.approx(2 / 1.5e-3)
+    assert rows[1]["error"] == "RuntimeError: cannot trace"
+    eager = e2e.measure_graphs(Model(), "s", "eager", "eager", ids, args)
+    assert all("skipped" in r["error"] for r in eager)
+
+
+def _check_rows(results, shapes, impls):
+    rows = results["rows"]
+    assert [(r["shape"], r["impl"]) for r in rows] == [(s, i) for s in shapes for i in impls]
+    for r in rows:
+        assert "error" not in r, r
+        for phase in ("prefill", "decode"):
+            s = r[f"{phase}_ms"]
+            assert 0 < s["min"] <= s["median"] <= s["max"]
+            zero = next(z for z in rows if z["shape"] == r["shape"] and z["impl"] == "zero-cost")
+            expected = s["median"] - zero[f"{phase}_ms"]["median"]
+            assert r[f"{phase}_experts_ms"] == pytest.approx(expected)
+        if r["impl"] == "zero-cost":
+            assert r["max_rel_vs_first"] is None
+        else:  # fp32 on a CPU: every implementation agrees with the first to rounding
+            assert r["max_rel_vs_first"] < 1e-4
+        if r["impl"] == "moerunner":
+            assert "decode_experts_vs_grouped_mm" in r
+
+
+def test_tiny_run_of_the_new_shapes(e2e, tmp_path, capsys):
+    shapes = ["deepseek-v3", "mixtral-8x7b"]
+    results, table = _run(
+        e2e, tmp_path, capsys, "--shapes", ",".join(shapes), "--impls", "grouped_mm,moerunner"
+    )
+    _check_rows(results, shapes, ["grouped_mm", "moerunner", "zero-cost"])
+    assert results["graph_rows"] == [] and results["breakdown"] == []
+    assert "decode ms min/med/max" in table and "exp ms" in table
+    assert "deepseek-v3    zero-cost" in table and "mixtral-8x7b   moerunner" in table
+
+
+def test_tiny_run_with_graph_and_breakdown(e2e, tmp_path, capsys):
+    impls = ["eager", "grouped_mm", "moerunner", "zero-cost"]
+    results, table = _run(
+        e2e, tmp_path, capsys, "--shapes", "qwen3-30b-a3b", "--graph", "--breakdown"
+    )
+    _check_rows(results, ["qwen3-30b-a3b"], impls)
+    graph = {(r["impl"], r["mode"]): r for r in results["graph_rows"]}
+    assert set(graph) == {(i, m) for i in impls for m in ("static", "compile")}
+    for (impl, mode), r in graph.items():
+        if impl == "eager":
+            assert "skipped" in r["error"]
+            continue
+        assert "error" not in r, r  # the static and the compiled step run on a CPU
+        assert 0 < r["decode_ms"]["min"] <= r["decode_ms"]["median"] <= r["decode_ms"]["max"]
+        assert r["first_call_s"] > 0
+        zero = graph[("zero-cost", mode)]["decode_ms"]["median"]
+        assert r["decode_experts_ms"] == pytest.approx(r["decode_ms"]["median"] - zero)
+    assert "compile" in table and "skipped: transformers' eager loop" in table
+
+    breakdown = {r["impl"]: r for r in results["breakdown"]}
+    assert list(breakdown) == impls
+    for r in breakdown.values():
+        assert "error" not in r, r
+        assert set(r["stages"]) == set(e2e.STAGES)
+        # Nested profiler ranges: no stage (router = moe block less its experts) below zero.
+        assert all(s["host_ms"] >= 0 for s in r["stages"].values()), r["stages"]
+        for stage in ("embedding", "attention", "norms", "router", "experts", "lm head"):
+            assert r["stages"][stage]["host_ms"] > 0, stage
+        assert r["step_ms"] > 0 and "device_idle_ms" not in r  # no GPU here
+    assert "decode step breakdown, qwen3-30b-a3b" in table
+    assert "other (between stages)" in table and "step (wall)" in table
+
+
+@pytest.mark.gpu
+def test_tiny_run_on_a_gpu_reports_every_graph_mode(e2e, tmp_path, capsys):
+    impls = ["grouped_mm", "moerunner", "zero-cost"]
+    results, table = _run(
+        e2e,
+        tmp_path,
+        capsys,
+        "--shapes",
+        "qwen3-30b-a3b",
+        "--impls",
+        "grouped_mm,moerunner",
+        "--graph",
+        "--breakdown",
+        "--backend",
+        "inductor",
+        device="cuda",
+    )
+    modes = ("static", "compile", "cudagraph", "compile+cudagraph")
+    graph = {(r["impl"], r["mode"]): r for r in results["graph_rows"]}
+    assert set(graph) == {(i, m) for i in impls for m in modes}
+    for key, r in graph.items():  # each mode either ran or says why not
+        assert ("decode_ms" in r) != ("error" in r), (key, r)
+    for mode in modes:  # zeros for experts: nothing of moerunner's can stop these
+        assert "error" not in graph[("zero-cost", mode)], graph[("zero-cost", mode)]
+    for r in results["breakdown"]:
+        assert r["device_busy_ms"] > 0 and r["step_ms"] >= r["device_busy_ms"]
+        assert r["stages"]["experts"]["device_ms"] >= 0
+    assert "gpu idle (host gaps)" in table
