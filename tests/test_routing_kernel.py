@@ -222,20 +222,27 @@ from triton.compiler import ASTSource
 from moerunner.backends.triton import _routing as R
 
 fn = R._routing_kernel
-for logits, e, k, t, groups, sigmoid in [
-    ("*bf16", 256, 8, 64, 8, True), ("*fp32", 128, 8, 1, 0, False), ("*bf16", 8, 2, 64, 0, False)
+for logits, e, k, t, groups, sigmoid, group_max, on_logits in [
+    ("*bf16", 256, 8, 64, 8, True, False, False),  # DeepSeek-V3
+    ("*fp32", 128, 8, 1, 0, False, False, False),  # Qwen3
+    ("*bf16", 8, 2, 64, 0, False, False, False),  # Mixtral
+    ("*bf16", 64, 6, 16, 8, False, True, False),  # DeepSeek-V2 (groups ranked by their max)
+    ("*bf16", 16, 1, 16, 0, False, False, True),  # Llama-4 (top-1 on logits, then sigmoid)
 ]:
     e2 = 1 << (e - 1).bit_length()
     block_t = max(1, min(t, R._TILE // e2))
-    consts = dict(NUM_EXPERTS=e, TOP_K=k, E_POW2=e2, K_POW2=k, BLOCK_T=block_t,
+    k2 = 1 << (k - 1).bit_length()
+    consts = dict(NUM_EXPERTS=e, TOP_K=k, E_POW2=e2, K_POW2=k2, BLOCK_T=block_t,
                   SIGMOID=sigmoid, HAS_BIAS=sigmoid, NUM_GROUPS=groups,
                   GROUP_SIZE=e // groups if groups else 1, TOPK_GROUP=groups // 2,
-                  G_POW2=max(groups, 1), RENORMALIZE=True, SCALED=sigmoid, PDL=True)
+                  G_POW2=max(groups, 1), RENORMALIZE=True, SCALED=sigmoid, PDL=True,
+                  GROUP_MAX=group_max, ON_LOGITS=on_logits)
     sig = dict(logits_ptr=logits, bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
                num_tokens="i32", stride_lt="i32", scale="fp32", **{c: "constexpr" for c in consts})
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert "__nv_exp" in compiled.asm["ptx"], "fp64 exp must be libdevice's"
+    if not on_logits:  # (a sigmoid of the chosen logits only: float32)
+        assert "__nv_exp" in compiled.asm["ptx"], "fp64 exp must be libdevice's"
 print("compiled")
 """
 
