@@ -186,6 +186,7 @@ def test_tune_new_and_deprecated_flags_reach_the_search(tmp_path, capsys, monkey
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(
         search, "tune_preset", lambda *a, **k: calls.append((a, k)) or (tmp_path / "f.json", {})
     )
@@ -351,3 +352,79 @@ def test_baselines_without_transformers_are_not_labelled_transformers(
     assert "transformers is not installed" in err
     md = (tmp_path / "r.md").read_text()
     assert "hf:" not in md and "stand-ins" in md
+
+
+# --- tune: tile files identify themselves; foreign files are never merged into -------------
+
+FAKE_GPU = "Fake GPU 80GB"
+
+
+def _tile_file(path, by_tokens):
+    from moerunner.backends.triton.tile_config import MoeTiles, TileConfig, write_config_file
+
+    tiles = MoeTiles(TileConfig(16, 32, 64), TileConfig(16, 64, 32))
+    write_config_file(path, 8, 1024, 4096, "bf16", FAKE_GPU, dict.fromkeys(by_tokens, tiles))
+
+
+def test_tune_refuses_a_foreign_file_under_a_tile_name_before_any_work(
+    tmp_path, capsys, monkeypatch
+):
+    pytest.importorskip("triton")
+    from moerunner.backends.triton import tune as search
+    from moerunner.backends.triton.tile_config import config_file_name
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: FAKE_GPU)
+    monkeypatch.setattr(
+        search, "tune_preset", lambda *a, **k: calls.append(a) or (tmp_path / "f.json", {})
+    )
+    argv = ["tune", "--shape", "8,4096,1024,2", "--tokens", "1", "--out-dir", str(tmp_path)]
+    foreign_texts = ('{"by_tokens": {}}', "not json\n", '{"schema": "someone-else/1"}', "[1]")
+    for layout in (None, "fragment"):  # any layout of this shape, scheme and device
+        name = config_file_name(8, 1024, 4096, "bf16", FAKE_GPU, layout)
+        for text in foreign_texts:
+            (tmp_path / name).write_text(text)
+            code, _, err = run(argv, capsys)
+            assert_usage_error(code, err, "tune")
+            assert name in err and "not a moerunner tile file" in err and "--out-dir" in err
+            assert (tmp_path / name).read_text() == text and not calls
+        (tmp_path / name).unlink()
+    # its own file (and other shapes' files, foreign or not) do not stop it
+    _tile_file(tmp_path / config_file_name(8, 1024, 4096, "bf16", FAKE_GPU), (1,))
+    (tmp_path / config_file_name(8, 1024, 2048, "bf16", FAKE_GPU)).write_text("mine\n")
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    assert len(calls) == 1
+
+
+def test_tune_merges_into_its_own_file_and_refuses_others(tmp_path):
+    pytest.importorskip("triton")
+    from moerunner.backends.triton import tune as search
+    from moerunner.backends.triton.tile_config import (
+        SCHEMA,
+        MoeTiles,
+        TileConfig,
+        is_tile_file,
+        load_config_file,
+    )
+
+    path = tmp_path / "tiles.json"
+    key = (8, 1024, 4096, "bf16", FAKE_GPU, None)
+    new = MoeTiles(TileConfig(64, 64, 64), TileConfig(64, 128, 64))
+    assert search.merge_tuned(path, key, {16: new}, {16: 0.5}) == {16: 0.5}  # a new file
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == SCHEMA and is_tile_file(path)
+    _tile_file(path, (1, 16, 256))  # an earlier run: T = 1, 16, 256
+    earlier = load_config_file(str(path))
+    timings = search.merge_tuned(path, key, {16: new}, {16: 0.25})
+    merged = load_config_file(str(path))
+    assert sorted(merged) == [1, 16, 256]
+    assert merged[16] == new and merged[1] == earlier[1] and merged[256] == earlier[256]
+    assert timings == {16: 0.25}
+    for text in ('{"by_tokens": {}}', "notes\n"):
+        path.write_text(text)
+        assert not is_tile_file(path)
+        with pytest.raises(ValueError, match="not a moerunner tile file"):
+            search.merge_tuned(path, key, {16: new}, {16: 0.5})
+        assert path.read_text() == text

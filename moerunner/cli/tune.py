@@ -8,7 +8,9 @@ Examples::
 For each shape (preset or ``--shape E,H,I,K``), scheme and token count the triton backend's
 candidates are timed (``moerunner.backends.triton.tune``); the best tiles go to one JSON file
 per shape, scheme and device in ``--out-dir`` (default: the folder the triton backend reads
-its tile configs from), merged with the token counts a file already holds.
+its tile configs from), merged with the token counts a file already holds. A tile file marks
+itself with a top-level "schema": "moerunner.triton.tiles/1"; a file of the same name without
+that marker is never merged into or overwritten (a usage error, before any work).
 """
 
 from __future__ import annotations
@@ -138,6 +140,21 @@ def _tokens(p: argparse.ArgumentParser, values: list[str] | None) -> tuple[int, 
         p.error(f"argument --tokens: {exc}")
 
 
+def _refuse_foreign_files(p, out_dir: Path, shapes, schemes, device_name: str) -> None:
+    """Before any work: every file of this run's names in ``out_dir`` is a tile file moerunner
+    wrote (merged into, keeping its other token counts); any other file is a usage error."""
+    from ..backends.triton.tile_config import config_files_of, is_tile_file
+
+    for _, (hidden, inter, experts, _, _) in shapes:
+        for scheme in schemes:
+            for path in config_files_of(out_dir, experts, inter, hidden, scheme, device_name):
+                if not (path.is_file() and is_tile_file(path)):
+                    p.error(
+                        f"{path}: exists and is not a moerunner tile file; refusing to merge "
+                        "into it (move it away, or give another --out-dir)"
+                    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Tune every (shape, scheme); exit status 2 on usage errors or without a GPU."""
     p = build_parser()
@@ -173,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if out_dir is None:
         out_dir = user_tile_dir()
+    _refuse_foreign_files(p, out_dir, shapes, schemes, torch.cuda.get_device_name())
     presets = [name for group in args.preset for name in group]
     if args.jobs > 1 and presets and not args.compile_only:
         plan = [(name, scheme, tokens) for name in presets for scheme in schemes]
