@@ -428,3 +428,49 @@ def test_tune_merges_into_its_own_file_and_refuses_others(tmp_path):
         with pytest.raises(ValueError, match="not a moerunner tile file"):
             search.merge_tuned(path, key, {16: new}, {16: 0.5})
         assert path.read_text() == text
+
+
+# --- bench writes files only where its flags point ------------------------------------------
+
+
+def _files(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_bench_writes_nothing_outside_its_flags(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    home, cache, cwd = (tmp_path / d for d in ("home", "cache", "cwd"))
+    for d in (home, cache, cwd):
+        d.mkdir()
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(cache),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),  # this checkout's moerunner
+    }
+    tiny = [*TINY_BENCH[1:], "--baselines", "none"]
+
+    def bench(*extra):
+        done = subprocess.run(
+            [sys.executable, "-m", "moerunner", "bench", *tiny, *extra],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done
+
+    bench()  # no file flag: the ceilings are measured, nothing is written anywhere
+    assert _files(tmp_path) == []
+    ceilings = tmp_path / "out" / "ceilings.json"
+    bench("--ceilings", str(ceilings), "--json", "r.json")
+    assert _files(tmp_path) == ["cwd/r.json", "out/ceilings.json"]
+    cached = json.loads(ceilings.read_text())
+    assert [v["copy_gbps"] > 0 for v in cached.values()] == [True]
+    bench("--ceilings", str(ceilings))  # read back, not measured again
+    assert json.loads(ceilings.read_text()) == cached
+    bench("--replay", str(cwd / "r.json"))  # the recorded --json and --ceilings are dropped
+    assert _files(tmp_path) == ["cwd/r.json", "out/ceilings.json"]
+    assert json.loads(ceilings.read_text()) == cached
