@@ -474,3 +474,60 @@ def test_bench_writes_nothing_outside_its_flags(tmp_path):
     bench("--replay", str(cwd / "r.json"))  # the recorded --json and --ceilings are dropped
     assert _files(tmp_path) == ["cwd/r.json", "out/ceilings.json"]
     assert json.loads(ceilings.read_text()) == cached
+
+
+# --- usage errors caught before any work, with the reason named -----------------------------
+
+BAD_WITH_REASON = [
+    ("tune --shape 8,64,64,2 --activation nosuch", "argument --activation: invalid choice"),
+    ("tune --shape 8,64,64,2 --jobs 0", "--jobs: expected an int >= 1"),
+    ("tune --shape 8,64,48,2 --schemes mxfp4", "--schemes mxfp4: shape 8,64,48,2 cannot be"),
+    ("bench --shape 8,64,48,2 --schemes mxfp4 --baselines none", "scheme mxfp4: the weights of"),
+    ("bench --shape 8,64,64,2 --preset-schemes shape-8x64x64x2=int4_g128", "int4_g128"),
+    ("check --schemes mxfp4 --shape 8,64,48,2", "--schemes mxfp4: a layer with --hidden 64"),
+    ("check --shape 8,64,64,2 --hidden 64", "give --shape E,H,I,K or --hidden, not both"),
+    ("check --shape 8,64,64", "argument --shape: expected four positive ints"),
+    ("check --shape 2,64,64,4", "top-k 4 is more than the 2 experts"),
+]
+
+
+@pytest.mark.parametrize(("line", "reason"), BAD_WITH_REASON)
+def test_usage_error_names_its_reason_before_any_work(line, reason, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # tune: checks come first
+    monkeypatch.chdir(tmp_path)
+    argv = line.split()
+    code, out, err = run(argv, capsys)
+    assert_usage_error(code, err, argv[0])
+    assert reason in err and out == ""
+    assert not list(tmp_path.iterdir())
+
+
+def test_check_shape_flag_equals_the_size_flags(capsys):
+    base = ["check", "--schemes", "fp32", "--backends", "torch", "--tokens", "3", "--json", "-"]
+    code, out, _ = run([*base, "--shape", "4,64,32,3"], capsys)
+    assert code == 0
+    one = json.loads(out)
+    code, out, _ = run(
+        [*base, "--experts", "4", "--hidden", "64", "--intermediate", "32", "--top-k", "3"],
+        capsys,
+    )
+    assert code == 0
+    four = json.loads(out)
+    assert one["shape"] == four["shape"] == {"T": 3, "E": 4, "K": 3, "H": 64, "I": 32}
+    assert one["rows"] == four["rows"]
+    code, out, _ = run(base, capsys)  # neither: the documented defaults
+    assert code == 0 and json.loads(out)["shape"] == {"T": 3, "E": 8, "K": 2, "H": 256, "I": 256}
+
+
+def test_an_output_folder_not_writable_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    import os
+
+    real = os.access
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(
+        os, "access", lambda p, m, **k: False if str(p) == str(locked) else real(p, m, **k)
+    )
+    code, _, err = run(["info", "--json", str(locked / "sub" / "info.json")], capsys)
+    assert_usage_error(code, err, "info")
+    assert "is not writable here" in err and not list(locked.iterdir())

@@ -231,6 +231,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             )
     for s in list(args.schemes) + [s for _, group in extra for s in group]:
         get_scheme(s)  # raises naming the accepted schemes
+    for shape in shapes:  # every (shape, scheme) can hold its weights, before any work
+        h, i = shape.hidden_size, shape.intermediate_size
+        mine = [s for name, group in extra if name == shape.name for s in group]
+        for s in dict.fromkeys([*args.schemes, *mine]):
+            why = _common.unstorable(s, [(shape.w13_rows, h), (h, i)])
+            if why is not None:
+                raise ValueError(
+                    f"scheme {s}: the weights of {shape.name} (H={h}, I={i} per rank) cannot "
+                    f"be stored in it ({why})"
+                )
     baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
     from ..bench.baselines import BASELINES
     from ..runner import default_registry

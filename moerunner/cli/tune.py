@@ -20,6 +20,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from ..config import ACTIVATIONS
 from . import _common
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
@@ -60,7 +61,10 @@ def build_parser() -> _common.Parser:
         "per-GPU I), top-k; repeatable (deprecated: four space-separated H I E TOPK)",
     )
     p.add_argument(
-        "--activation", default=None, help="activation (default: the preset's; silu for --shape)"
+        "--activation",
+        choices=sorted(ACTIVATIONS),
+        default=None,
+        help="activation (default: the preset's; silu for --shape)",
     )
     schemes = _common.name_list(_common.scheme_names, "scheme")
     p.add_argument(
@@ -99,7 +103,7 @@ def build_parser() -> _common.Parser:
     )
     p.add_argument(
         "--jobs",
-        type=int,
+        type=_common.int_type(1),
         default=1,
         help="with --preset: compile every candidate first in this many parallel processes "
         "(compiling is CPU work; the search then only times)",
@@ -170,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
         dict.fromkeys((args.schemes or []) + [s for g in args.scheme or [] for s in g])
     ) or ["bf16"]
     tokens = _tokens(p, args.tokens)
-    if args.jobs < 1:
-        p.error(f"argument --jobs: must be >= 1, got {args.jobs}")
     shapes = _shapes(p, args)
     if not shapes:
         p.error("give --preset or --shape")
+    for label, (hidden, inter, _, _, act) in shapes:
+        rows = 2 * inter if ACTIVATIONS[act] else inter
+        for scheme in schemes:
+            why = _common.unstorable(scheme, [(rows, hidden), (hidden, inter)])
+            if why is not None:
+                p.error(f"--schemes {scheme}: {label} cannot be stored in it ({why})")
     out_dir = args.out_dir or args.out
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out-dir {out_dir}: exists and is not a directory")
