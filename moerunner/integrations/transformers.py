@@ -31,6 +31,7 @@ from ._hf_experts import (
     describe,
     expert_weights,
     float_weights,
+    held_weights,
     layer_name,
     quantized_weights,
     set_quantized,
@@ -124,18 +125,21 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     act, alpha, limit, transposed, interleaved, has_bias = layout
     chosen = getattr(config, BACKEND_ATTR, None) or backend
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    quantized = quantized_weights(module)
+    gated = act != "relu2"
+    b13 = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
+    b2 = getattr(module, "down_proj_bias", None)
+    if not has_bias:
+        b13 = b2 = None
+    held = held_weights(module)  # biases: the module's own (above)
+    quantized = held if held is not None else quantized_weights(module)
     if quantized is not None:
-        w13, w2, b13, b2 = quantized.w13, quantized.w2, quantized.w13_bias, quantized.w2_bias
+        w13, w2 = quantized.w13, quantized.w2
+        if held is None:
+            b13, b2 = quantized.w13_bias, quantized.w2_bias
         interleaved, num_experts = quantized.gate_up_interleaved, quantized.w13.shape[0]
     else:
-        gated = act != "relu2"
         w13 = getattr(module, "gate_up_proj" if gated else "up_proj")
         w2 = module.down_proj
-        b13 = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
-        b2 = getattr(module, "down_proj_bias", None)
-        if not has_bias:
-            b13 = b2 = None
         num_experts = w13.shape[0]
     ids = ids.reshape(x.shape[0], -1)
     if getattr(module, "_is_expert_parallel", False):
@@ -265,7 +269,7 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
                 source.w2_bias,
                 source.gate_up_interleaved,
             )
-        set_quantized(module, weights)
+        set_quantized(module, weights, hold=not keep_float_weights)
         if not keep_float_weights:
             _release_float_weights(module)
         done[path] = resolved.name

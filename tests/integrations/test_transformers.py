@@ -182,7 +182,7 @@ def test_quantize_experts_at_load_time(scheme, max_rel):
         q = mt.quantized_scheme(experts)
         assert q == scheme
         target = ref_model.get_submodule(path)
-        pinned = experts.__dict__["_moerunner_quantized"]
+        pinned = mt.quantized_weights(experts)
         with torch.no_grad():
             target.gate_up_proj.copy_(dequantize(pinned.w13))
             target.down_proj.copy_(dequantize(pinned.w2))
