@@ -251,8 +251,13 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
 
     Done once (e.g. right after loading a bf16 checkpoint, on the target device); the
     moerunner experts implementation then runs those layers in ``scheme`` on whatever
-    backend serves it. Biases stay in floating point. Unless ``keep_float_weights``, the float
-    expert parameters are released (emptied); the layers then run only on moerunner.
+    backend serves it. Biases stay in floating point (the module's own parameters). Unless
+    ``keep_float_weights``, the float expert parameters are released (emptied) and the
+    quantized tensors are held as buffers of each experts module's child
+    ``moerunner_quantized``: ``model.state_dict()`` saves them (``torch.save`` or safetensors'
+    ``save_file``), and a model of the same config on which ``quantize_experts(model, scheme)``
+    was called restores them with ``load_state_dict``. The layers then run only on moerunner.
+    With ``keep_float_weights`` the state dict holds the float weights only.
     Returns ``{layer path: scheme name}``.
     """
     from ..quant import get_scheme, quantize
@@ -297,7 +302,10 @@ def load_gpt_oss_mxfp4(
     ``paths``: the checkpoint's safetensors file(s) (``<layer>.gate_up_proj_blocks`` /
     ``_scales`` / ``_bias``, ``<layer>.down_proj_*``), e.g. the files of the directory the model
     was loaded from. The packed bytes and e8m0 scales are used as stored (no dequantization);
-    ``scheme`` is ``"mxfp4"`` (bf16 activations) or ``"mxfp4_mxfp8"``. Returns the layers done.
+    ``scheme`` is ``"mxfp4"`` (bf16 activations) or ``"mxfp4_mxfp8"``. Unless
+    ``keep_float_weights``, the experts are held in the model's ``state_dict`` as after
+    ``quantize_experts`` (the checkpoint's biases are copied into the bias parameters).
+    Returns the layers done.
     """
     from ..quant.checkpoints import gpt_oss_experts_from_safetensors
 
@@ -320,6 +328,9 @@ def load_gpt_oss_mxfp4(
             None if b is None else b.to(device=device, dtype=bias_dtype)
             for b in (found["w13_bias"], found["w2_bias"])
         )
+        hold = not keep_float_weights
+        if hold and layout.has_bias:  # held weights run with the module's bias parameters
+            b13, b2 = _set_biases(module, b13, b2)
         weights = ExpertWeights(
             _to(found["w13"], device),
             _to(found["w2"], device),
@@ -327,13 +338,34 @@ def load_gpt_oss_mxfp4(
             b2,
             found["gate_up_interleaved"],
         )
-        set_quantized(module, weights)
+        set_quantized(module, weights, hold=hold)
         if not keep_float_weights:
             _release_float_weights(module)
         done.append(path)
     if not done:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
     return done
+
+
+def _set_biases(module: torch.nn.Module, b13, b2) -> tuple:
+    """Copy the checkpoint's biases into the module's bias parameters (zeros where the
+    checkpoint has none) and return those parameters, detached."""
+    out = []
+    for name, bias in (("gate_up_proj_bias", b13), ("down_proj_bias", b2)):
+        param = getattr(module, name)
+        with torch.no_grad():
+            if bias is None:
+                param.zero_()
+            elif tuple(bias.shape) != tuple(param.shape):
+                raise MoeInputError(
+                    f"load_gpt_oss_mxfp4: the checkpoint's {name} of layer {layer_name(module)} "
+                    f"has shape {list(bias.shape)}, the model's {list(param.shape)}; load the "
+                    "checkpoint of this model"
+                )
+            else:
+                param.copy_(bias)
+        out.append(param.detach())
+    return tuple(out)
 
 
 def _check_checkpoint_shapes(module, layout, found: dict, path: str) -> None:
