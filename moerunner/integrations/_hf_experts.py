@@ -287,13 +287,13 @@ def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
     if held is None:
         return module.__dict__.get(_QUANTIZED)
     params = _sources(module, describe(module))[2:]
-    key = (id(held), _key(params))
+    key = _key(params)
     cached = module.__dict__.get(_HELD_CACHE)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None and cached[0] is held and cached[1] == key:  # `is`: ids get reused
+        return cached[2]
     biases = (None if b is None else b.detach() for b in params)
     weights = ExpertWeights(held.w13, held.w2, *biases, held.gate_up_interleaved)
-    module.__dict__[_HELD_CACHE] = (key, weights)
+    module.__dict__[_HELD_CACHE] = (held, key, weights)
     return weights
 
 

@@ -116,3 +116,22 @@ def test_keep_float_weights_saves_the_float_weights_only():
     assert not any(HOLDER in key for key in state)
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
     assert mt.quantized_scheme(model.model.layers[0].mlp.experts) == "fp8_block"
+
+
+def test_forward_follows_each_load_and_reuses_one_weights_object_between_loads():
+    model = _quantized("qwen3_moe", "int4_g32")
+    (_, experts), *_ = mt.experts_modules(model)
+    first, _ = mt.expert_weights(experts)
+    again, _ = mt.expert_weights(experts)
+    assert again is first  # one object: the backend's prepared weights are reused
+    states = [_quantized("qwen3_moe", "int4_g32", seed=s).state_dict() for s in (1, 2)]
+    expected = []
+    for state in states:
+        other = _quantized("qwen3_moe", "int4_g32", seed=3)
+        other.load_state_dict(state)
+        expected.append(_logits(other))
+    assert not torch.equal(expected[0], expected[1])
+    for _ in range(2):  # load A, B, A, B into one model: each forward runs what was loaded
+        for state, logits in zip(states, expected, strict=True):
+            model.load_state_dict(state)
+            assert torch.equal(_logits(model), logits)
