@@ -531,3 +531,14 @@ def test_an_output_folder_not_writable_is_a_usage_error(tmp_path, capsys, monkey
     code, _, err = run(["info", "--json", str(locked / "sub" / "info.json")], capsys)
     assert_usage_error(code, err, "info")
     assert "is not writable here" in err and not list(locked.iterdir())
+
+
+def test_bench_json_to_stdout(tmp_path, capsys):
+    cache = _ceilings(tmp_path / "ceilings.json")
+    argv = [*TINY_BENCH, "--baselines", "none", "--ceilings", str(cache), "--json", "-"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    record = json.loads(out)  # nothing but the JSON on stdout; the table went to stderr
+    assert str(record["schema"]).startswith("moerunner")
+    assert {row["impl"] for row in record["rows"]} == {"torch"}
+    assert "spread%" in err
