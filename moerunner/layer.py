@@ -38,6 +38,7 @@ from .config import Activation, MoeConfig
 from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
 from .errors import MoeInputError
+from .held_quantized import HoldsQuantized
 from .ops import adopt_quantized, call_fused_experts
 from .profiling import trace_range
 from .registry import Registry
@@ -49,8 +50,10 @@ from .weights import ExpertWeights, is_quantized
 __all__ = ["MoE"]
 
 
-class MoE(nn.Module):
+class MoE(HoldsQuantized):
     """One MoE layer: route -> dispatch -> experts -> combine.
+
+    Quantized weights held as buffers after ``quantize_``: ``moerunner.held_quantized``.
 
     Args:
         config: shapes, activation, biases and routing (``MoeConfig``); ``num_experts`` is the
@@ -368,86 +371,17 @@ class MoE(nn.Module):
         """The bias parameters as views without grad (the quantized path has no backward)."""
         return tuple(None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
 
-    def _hold_quantized(self) -> None:
-        """Register the quantized weights' tensors (and schemes) as buffers."""
-        for w in ("w13", "w2"):
-            qw = getattr(self.quantized, w)
-            for field, tensor in qw.tensors().items():
-                self.register_buffer(f"{w}_{_BUFFER_NAMES[field]}", tensor)
-            self.register_buffer(f"{w}_scheme", scheme_to_tensor(qw.scheme))
+    _held_owner = "layer"
+    _held_quantize_call = "layer.quantize_({scheme})"
 
-    def _quantized_buffers(self) -> list[str]:
-        return [n for n in self._buffers if n.startswith(("w13_", "w2_")) and n in _HELD_NAMES]
+    def _held_biases(self) -> tuple:
+        return self._detached_biases()
 
-    def _rebuild_quantized(self) -> None:
-        """New ``QuantizedWeight`` objects over the current buffers (validated; fresh memo)."""
-        from .quant import QuantizedWeight
+    def _held_interleaved(self) -> bool:
+        return self.config.gate_up_interleaved
 
-        built = []
-        for w in ("w13", "w2"):
-            old = getattr(self.quantized, w)
-            tensors = {
-                f: self._buffers[f"{w}_{n}"]
-                for f, n in _BUFFER_NAMES.items()
-                if self._buffers.get(f"{w}_{n}") is not None
-            }
-            built.append(QuantizedWeight.from_tensors(old.scheme, old.shape, tensors))
-        self.quantized = ExpertWeights(
-            built[0], built[1], *self._detached_biases(), self.config.gate_up_interleaved
-        )
-        adopt_quantized(self.quantized.w13)
-        adopt_quantized(self.quantized.w2)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
-        held = bool(self._quantized_buffers())
-        for w in ("w13", "w2"):
-            incoming = state_dict.get(f"{prefix}{w}_scheme")
-            if incoming is not None and not held:
-                raise MoeInputError(
-                    f"load_state_dict: the state holds quantized {w} (scheme "
-                    f"{scheme_from_tensor(incoming).name!r}) but this layer's {w} is not held "
-                    "quantized: call layer.quantize_(scheme) (keep_float_weights=False) before "
-                    "loading"
-                )
-            if incoming is None and held:
-                if f"{prefix}{w}" in state_dict:
-                    raise MoeInputError(
-                        f"load_state_dict: the state holds float {w} but this layer holds it "
-                        f"quantized ({getattr(self.quantized, w).scheme.name!r}): load it into "
-                        "a float layer, then quantize_"
-                    )
-                continue
-            if incoming is not None:
-                mine = getattr(self.quantized, w).scheme
-                theirs = scheme_from_tensor(incoming)
-                if not theirs.same_format(mine):
-                    raise MoeInputError(
-                        f"load_state_dict: the state's {w} is in scheme {theirs.name!r} but this "
-                        f"layer's in {mine.name!r}: quantize_ the layer to {theirs.name!r} first"
-                    )
-                # The scheme buffer is a name-length byte string: keep this layer's own.
-                state_dict = {**state_dict, f"{prefix}{w}_scheme": self._buffers[f"{w}_scheme"]}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
-        if held:
-            self._rebuild_quantized()
-
-    def _apply(self, fn, recurse=True):
-        # Quantized buffers move with the layer but keep their dtypes (``.half()`` must not
-        # turn fp32 scales into fp16 or fp8 data into fp16); the schemes stay on the CPU.
-        held = {n: self._buffers.pop(n) for n in self._quantized_buffers()}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, tensor in held.items():
-                if not name.endswith("_scheme"):
-                    moved = fn(tensor)
-                    if moved.dtype != tensor.dtype:
-                        moved = tensor.to(moved.device)
-                    tensor = moved
-                self._buffers[name] = tensor
-        if held:
-            self._rebuild_quantized()
-        return self
+    def _float_in_state(self, state_dict, prefix: str, w: str) -> bool:
+        return f"{prefix}{w}" in state_dict
 
     def _float_state(self) -> tuple:
         return tuple(
@@ -731,43 +665,6 @@ class MoE(nn.Module):
         if not self._single_process():
             parts.append(f"dispatcher={self.dispatcher_kind!r}, rank={self.rank}")
         return ", ".join(parts)
-
-
-# QuantizedWeight field -> buffer name suffix (``data`` is ``qdata``: ``w13`` is the float one).
-_BUFFER_NAMES = {
-    "data": "qdata",
-    "scale": "scale",
-    "global_scale": "global_scale",
-    "zero_point": "zero_point",
-    "input_scale": "input_scale",
-}
-_HELD_NAMES = {f"{w}_{n}" for w in ("w13", "w2") for n in (*_BUFFER_NAMES.values(), "scheme")}
-
-
-def scheme_to_tensor(scheme) -> torch.Tensor:
-    """A ``QuantScheme`` as a uint8 tensor (JSON of its fields), storable by safetensors."""
-    import dataclasses
-    import json
-
-    text = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
-    return torch.tensor(list(text.encode()), dtype=torch.uint8)
-
-
-def scheme_from_tensor(tensor: torch.Tensor):
-    """The ``QuantScheme`` that `scheme_to_tensor` stored (MoeInputError if it is not one)."""
-    import json
-
-    from .quant import QuantScheme
-
-    try:
-        fields = json.loads(bytes(tensor.cpu().tolist()).decode())
-        if fields.get("block_shape") is not None:
-            fields["block_shape"] = tuple(fields["block_shape"])
-        return QuantScheme(**fields)
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise MoeInputError(
-            f"load_state_dict: a *_scheme entry is not a stored scheme ({exc})"
-        ) from exc
 
 
 def _capturing() -> bool:

@@ -186,6 +186,7 @@ def test_tune_new_and_deprecated_flags_reach_the_search(tmp_path, capsys, monkey
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(
         search, "tune_preset", lambda *a, **k: calls.append((a, k)) or (tmp_path / "f.json", {})
     )
@@ -351,3 +352,193 @@ def test_baselines_without_transformers_are_not_labelled_transformers(
     assert "transformers is not installed" in err
     md = (tmp_path / "r.md").read_text()
     assert "hf:" not in md and "stand-ins" in md
+
+
+# --- tune: tile files identify themselves; foreign files are never merged into -------------
+
+FAKE_GPU = "Fake GPU 80GB"
+
+
+def _tile_file(path, by_tokens):
+    from moerunner.backends.triton.tile_config import MoeTiles, TileConfig, write_config_file
+
+    tiles = MoeTiles(TileConfig(16, 32, 64), TileConfig(16, 64, 32))
+    write_config_file(path, 8, 1024, 4096, "bf16", FAKE_GPU, dict.fromkeys(by_tokens, tiles))
+
+
+def test_tune_refuses_a_foreign_file_under_a_tile_name_before_any_work(
+    tmp_path, capsys, monkeypatch
+):
+    pytest.importorskip("triton")
+    from moerunner.backends.triton import tune as search
+    from moerunner.backends.triton.tile_config import config_file_name
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: FAKE_GPU)
+    monkeypatch.setattr(
+        search, "tune_preset", lambda *a, **k: calls.append(a) or (tmp_path / "f.json", {})
+    )
+    argv = ["tune", "--shape", "8,4096,1024,2", "--tokens", "1", "--out-dir", str(tmp_path)]
+    foreign_texts = ('{"by_tokens": {}}', "not json\n", '{"schema": "someone-else/1"}', "[1]")
+    for layout in (None, "fragment"):  # any layout of this shape, scheme and device
+        name = config_file_name(8, 1024, 4096, "bf16", FAKE_GPU, layout)
+        for text in foreign_texts:
+            (tmp_path / name).write_text(text)
+            code, _, err = run(argv, capsys)
+            assert_usage_error(code, err, "tune")
+            assert name in err and "not a moerunner tile file" in err and "--out-dir" in err
+            assert (tmp_path / name).read_text() == text and not calls
+        (tmp_path / name).unlink()
+    # its own file (and other shapes' files, foreign or not) do not stop it
+    _tile_file(tmp_path / config_file_name(8, 1024, 4096, "bf16", FAKE_GPU), (1,))
+    (tmp_path / config_file_name(8, 1024, 2048, "bf16", FAKE_GPU)).write_text("mine\n")
+    code, _, err = run(argv, capsys)
+    assert code == 0, err
+    assert len(calls) == 1
+
+
+def test_tune_merges_into_its_own_file_and_refuses_others(tmp_path):
+    pytest.importorskip("triton")
+    from moerunner.backends.triton import tune as search
+    from moerunner.backends.triton.tile_config import (
+        SCHEMA,
+        MoeTiles,
+        TileConfig,
+        is_tile_file,
+        load_config_file,
+    )
+
+    path = tmp_path / "tiles.json"
+    key = (8, 1024, 4096, "bf16", FAKE_GPU, None)
+    new = MoeTiles(TileConfig(64, 64, 64), TileConfig(64, 128, 64))
+    assert search.merge_tuned(path, key, {16: new}, {16: 0.5}) == {16: 0.5}  # a new file
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == SCHEMA and is_tile_file(path)
+    _tile_file(path, (1, 16, 256))  # an earlier run: T = 1, 16, 256
+    earlier = load_config_file(str(path))
+    timings = search.merge_tuned(path, key, {16: new}, {16: 0.25})
+    merged = load_config_file(str(path))
+    assert sorted(merged) == [1, 16, 256]
+    assert merged[16] == new and merged[1] == earlier[1] and merged[256] == earlier[256]
+    assert timings == {16: 0.25}
+    for text in ('{"by_tokens": {}}', "notes\n"):
+        path.write_text(text)
+        assert not is_tile_file(path)
+        with pytest.raises(ValueError, match="not a moerunner tile file"):
+            search.merge_tuned(path, key, {16: new}, {16: 0.5})
+        assert path.read_text() == text
+
+
+# --- bench writes files only where its flags point ------------------------------------------
+
+
+def _files(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_bench_writes_nothing_outside_its_flags(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    home, cache, cwd = (tmp_path / d for d in ("home", "cache", "cwd"))
+    for d in (home, cache, cwd):
+        d.mkdir()
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(cache),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),  # this checkout's moerunner
+    }
+    tiny = [*TINY_BENCH[1:], "--baselines", "none"]
+
+    def bench(*extra):
+        done = subprocess.run(
+            [sys.executable, "-m", "moerunner", "bench", *tiny, *extra],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done
+
+    bench()  # no file flag: the ceilings are measured, nothing is written anywhere
+    assert _files(tmp_path) == []
+    ceilings = tmp_path / "out" / "ceilings.json"
+    bench("--ceilings", str(ceilings), "--json", "r.json")
+    assert _files(tmp_path) == ["cwd/r.json", "out/ceilings.json"]
+    cached = json.loads(ceilings.read_text())
+    assert [v["copy_gbps"] > 0 for v in cached.values()] == [True]
+    bench("--ceilings", str(ceilings))  # read back, not measured again
+    assert json.loads(ceilings.read_text()) == cached
+    bench("--replay", str(cwd / "r.json"))  # the recorded --json and --ceilings are dropped
+    assert _files(tmp_path) == ["cwd/r.json", "out/ceilings.json"]
+    assert json.loads(ceilings.read_text()) == cached
+
+
+# --- usage errors caught before any work, with the reason named -----------------------------
+
+BAD_WITH_REASON = [
+    ("tune --shape 8,64,64,2 --activation nosuch", "argument --activation: invalid choice"),
+    ("tune --shape 8,64,64,2 --jobs 0", "--jobs: expected an int >= 1"),
+    ("tune --shape 8,64,48,2 --schemes mxfp4", "--schemes mxfp4: shape 8,64,48,2 cannot be"),
+    ("bench --shape 8,64,48,2 --schemes mxfp4 --baselines none", "scheme mxfp4: the weights of"),
+    ("bench --shape 8,64,64,2 --preset-schemes shape-8x64x64x2=int4_g128", "int4_g128"),
+    ("check --schemes mxfp4 --shape 8,64,48,2", "--schemes mxfp4: a layer with --hidden 64"),
+    ("check --shape 8,64,64,2 --hidden 64", "give --shape E,H,I,K or --hidden, not both"),
+    ("check --shape 8,64,64", "argument --shape: expected four positive ints"),
+    ("check --shape 2,64,64,4", "top-k 4 is more than the 2 experts"),
+]
+
+
+@pytest.mark.parametrize(("line", "reason"), BAD_WITH_REASON)
+def test_usage_error_names_its_reason_before_any_work(line, reason, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # tune: checks come first
+    monkeypatch.chdir(tmp_path)
+    argv = line.split()
+    code, out, err = run(argv, capsys)
+    assert_usage_error(code, err, argv[0])
+    assert reason in err and out == ""
+    assert not list(tmp_path.iterdir())
+
+
+def test_check_shape_flag_equals_the_size_flags(capsys):
+    base = ["check", "--schemes", "fp32", "--backends", "torch", "--tokens", "3", "--json", "-"]
+    code, out, _ = run([*base, "--shape", "4,64,32,3"], capsys)
+    assert code == 0
+    one = json.loads(out)
+    code, out, _ = run(
+        [*base, "--experts", "4", "--hidden", "64", "--intermediate", "32", "--top-k", "3"],
+        capsys,
+    )
+    assert code == 0
+    four = json.loads(out)
+    assert one["shape"] == four["shape"] == {"T": 3, "E": 4, "K": 3, "H": 64, "I": 32}
+    assert one["rows"] == four["rows"]
+    code, out, _ = run(base, capsys)  # neither: the documented defaults
+    assert code == 0 and json.loads(out)["shape"] == {"T": 3, "E": 8, "K": 2, "H": 256, "I": 256}
+
+
+def test_an_output_folder_not_writable_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    import os
+
+    real = os.access
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    monkeypatch.setattr(
+        os, "access", lambda p, m, **k: False if str(p) == str(locked) else real(p, m, **k)
+    )
+    code, _, err = run(["info", "--json", str(locked / "sub" / "info.json")], capsys)
+    assert_usage_error(code, err, "info")
+    assert "is not writable here" in err and not list(locked.iterdir())
+
+
+def test_bench_json_to_stdout(tmp_path, capsys):
+    cache = _ceilings(tmp_path / "ceilings.json")
+    argv = [*TINY_BENCH, "--baselines", "none", "--ceilings", str(cache), "--json", "-"]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    record = json.loads(out)  # nothing but the JSON on stdout; the table went to stderr
+    assert str(record["schema"]).startswith("moerunner")
+    assert {row["impl"] for row in record["rows"]} == {"torch"}
+    assert "spread%" in err

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -149,6 +150,19 @@ def scheme_names() -> list[str]:
     return list(SCHEME_NAMES)
 
 
+def unstorable(scheme: str, shapes: list[tuple[int, int]]) -> str | None:
+    """Why weights of these ``(N, K)`` shapes cannot be stored in ``scheme`` (None: they can),
+    checked before any work (``quant.weight.check_storable``)."""
+    from ..quant.weight import check_storable
+
+    for n, k in shapes:
+        try:
+            check_storable(scheme, (1, n, k))
+        except (ValueError, TypeError) as exc:
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
 def add_device(p: argparse.ArgumentParser, default_help: str = "cuda if available, else cpu"):
     p.add_argument("--device", default=None, help=f"cpu, cuda or cuda:N (default: {default_help})")
 
@@ -231,6 +245,8 @@ def check_outputs(p: argparse.ArgumentParser, outputs: dict[str, tuple[Path | No
                 parent = parent.parent
             if not parent.is_dir():
                 p.error(f"{flag} {path}: {parent} is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                p.error(f"{flag} {path}: {parent} is not writable here")
 
 
 def write_json(path: str | Path, record: dict) -> None:

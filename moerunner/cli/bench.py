@@ -13,15 +13,17 @@ Expert parallel (one process per rank, NCCL on GPUs, gloo on CPUs)::
     torchrun --nproc-per-node 2 -m moerunner bench --ep-size 2 --preset deepseek-v3 \\
         --tokens 16,256,4096 --dispatcher all_to_all,masked --json ep2.json
 
-Environment read here (the edge): ``XDG_CACHE_HOME`` for the default ceilings cache
-(``<cache>/moerunner/ceilings.json``; ``--ceilings`` overrides it); with ``--ep-size``,
-torchrun's ``WORLD_SIZE`` and ``LOCAL_RANK``.
+Environment read here (the edge): with ``--ep-size``, torchrun's ``WORLD_SIZE`` and
+``LOCAL_RANK``.
 
-Output files are written only where ``--json``, ``--png``, ``--md`` (and ``--ceilings``, the
-cache) point, never over a file moerunner did not write; ``--replay`` drops the recorded
-command's output flags, so a replay never writes over the file it replays. Each row's timing
-spread (interquartile range of the samples, % of the median) is shown, with a warning when it
-is large.
+Files are written only where ``--json``, ``--png``, ``--md`` and ``--ceilings`` point, never
+over a file moerunner did not write; nothing else is written (no cache in the home or cache
+folder). The device ceilings (copy bandwidth, peak FLOP/s) are measured every run unless
+``--ceilings FILE`` names a cache: read from it, measured and added to it when it lacks this
+device (or with ``--remeasure``). ``--replay`` drops the recorded command's file flags
+(``--json``, ``--png``, ``--md``, ``--ceilings``): a replay writes only where its own flags
+point, never over the file it replays. Each row's timing spread (interquartile range of the
+samples, % of the median) is shown, with a warning when it is large.
 """
 
 from __future__ import annotations
@@ -144,8 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="rotated cases per row (fresh routing, input, weight copy if it fits)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ceilings", type=Path, default=None, help="ceilings cache JSON")
-    p.add_argument("--remeasure", action="store_true", help="re-measure the device ceilings")
+    p.add_argument(
+        "--ceilings",
+        type=Path,
+        default=None,
+        help="ceilings cache JSON to read, and to add this device's measured ceilings to "
+        "(default: measured every run, nothing written)",
+    )
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="re-measure the device ceilings (and replace them in --ceilings)",
+    )
     p.add_argument(
         "--json", type=Path, default=None, help="write the replayable JSON here ('-': stdout)"
     )
@@ -178,17 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--replay",
         type=Path,
         default=None,
-        help="re-run the command recorded in a bench JSON (its output flags are dropped; "
-        "give new ones)",
+        help="re-run the command recorded in a bench JSON (its --json, --png, --md and "
+        "--ceilings are dropped; give new ones)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
-
-
-def default_cache_path() -> Path:
-    """``$XDG_CACHE_HOME/moerunner/ceilings.json`` (``~/.cache`` when unset)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "moerunner" / "ceilings.json"
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -225,6 +231,16 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             )
     for s in list(args.schemes) + [s for _, group in extra for s in group]:
         get_scheme(s)  # raises naming the accepted schemes
+    for shape in shapes:  # every (shape, scheme) can hold its weights, before any work
+        h, i = shape.hidden_size, shape.intermediate_size
+        mine = [s for name, group in extra if name == shape.name for s in group]
+        for s in dict.fromkeys([*args.schemes, *mine]):
+            why = _common.unstorable(s, [(shape.w13_rows, h), (h, i)])
+            if why is not None:
+                raise ValueError(
+                    f"scheme {s}: the weights of {shape.name} (H={h}, I={i} per rank) cannot "
+                    f"be stored in it ({why})"
+                )
     baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
     from ..bench.baselines import BASELINES
     from ..runner import default_registry
@@ -267,7 +283,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-_OUTPUT_FLAGS = ("--json", "--png", "--md", "--replay")
+_OUTPUT_FLAGS = ("--json", "--png", "--md", "--ceilings", "--replay")
 
 
 def _strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -363,9 +379,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     if not args.quiet:
-        print(f"measuring ceilings of {device} (cached) ...", file=sys.stderr)
+        where = f"cached in {args.ceilings}" if args.ceilings else "not cached: no --ceilings"
+        print(f"ceilings of {device} ({where}) ...", file=sys.stderr)
     try:
-        ceilings = load_or_measure(device, args.ceilings or default_cache_path(), args.remeasure)
+        ceilings = load_or_measure(device, args.ceilings, args.remeasure)
     except ValueError as exc:
         p.error(str(exc))
     bar = None

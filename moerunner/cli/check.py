@@ -30,6 +30,13 @@ from . import _common
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEMA = "moerunner-check/1"
+#: The size flags, in ``--shape E,H,I,K`` order: (flag, default, meaning).
+_SIZE_FLAGS = (
+    ("--experts", 8, "E"),
+    ("--hidden", 256, "H"),
+    ("--intermediate", 256, "I"),
+    ("--top-k", 2, "K, at most E"),
+)
 
 
 def _layer(args, device, dtype, scheme_name: str, gen: torch.Generator):
@@ -49,16 +56,8 @@ def _layer(args, device, dtype, scheme_name: str, gen: torch.Generator):
 
 def _quantizable(args, scheme_name: str) -> str | None:
     """Why a layer of these sizes cannot be stored in the scheme (None: it can)."""
-    scheme = get_scheme(scheme_name)
-    if not scheme.is_quantized:
-        return None
-    e, h, i = 1, args.hidden, args.intermediate
-    try:
-        quantize(torch.zeros(e, 2 * i, h), scheme)
-        quantize(torch.zeros(e, h, i), scheme)
-    except (ValueError, TypeError) as exc:
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return None
+    h, i = args.hidden, args.intermediate
+    return _common.unstorable(scheme_name, [(2 * i, h), (h, i)])
 
 
 def build_parser() -> _common.Parser:
@@ -89,20 +88,40 @@ def build_parser() -> _common.Parser:
     _common.add_device(parser)
     positive = _common.int_type(1)
     parser.add_argument("--tokens", type=positive, default=16, help="T (default 16)")
-    parser.add_argument("--experts", type=positive, default=8, help="E (default 8)")
-    parser.add_argument("--hidden", type=positive, default=256, help="H (default 256)")
-    parser.add_argument("--intermediate", type=positive, default=256, help="I (default 256)")
-    parser.add_argument("--top-k", type=positive, default=2, help="K, at most E (default 2)")
+    parser.add_argument(
+        "--shape",
+        type=_common.shape_type,
+        default=None,
+        metavar="E,H,I,K",
+        help="experts, hidden, intermediate, top-k in one flag (as bench and tune take it); "
+        "instead of --experts, --hidden, --intermediate, --top-k",
+    )
+    for flag, default, what in _SIZE_FLAGS:
+        parser.add_argument(flag, type=positive, default=None, help=f"{what} (default {default})")
     parser.add_argument(
         "--json", type=Path, default=None, help="write the result as JSON here ('-': stdout)"
     )
     return parser
 
 
+def _sizes(parser, args) -> None:
+    """``--shape E,H,I,K`` or the four size flags (their defaults where neither is given)."""
+    dests = [flag[2:].replace("-", "_") for flag, _, _ in _SIZE_FLAGS]
+    given = [flag for (flag, _, _), d in zip(_SIZE_FLAGS, dests, strict=True) if getattr(args, d)]
+    if args.shape is not None and given:
+        parser.error(f"give --shape E,H,I,K or {', '.join(given)}, not both")
+    values = args.shape or [
+        getattr(args, d) or dflt for (_, dflt, _), d in zip(_SIZE_FLAGS, dests, strict=True)
+    ]
+    for dest, value in zip(dests, values, strict=True):
+        setattr(args, dest, value)
+
+
 def main(argv: list[str]) -> int:
     """Run the check; returns 1 if any combination misses its bound or nothing was checked."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    _sizes(parser, args)
     if args.scheme:
         _common.deprecated(parser, "--scheme", "--schemes")
     if args.backend:

@@ -8,7 +8,9 @@ Examples::
 For each shape (preset or ``--shape E,H,I,K``), scheme and token count the triton backend's
 candidates are timed (``moerunner.backends.triton.tune``); the best tiles go to one JSON file
 per shape, scheme and device in ``--out-dir`` (default: the folder the triton backend reads
-its tile configs from), merged with the token counts a file already holds.
+its tile configs from), merged with the token counts a file already holds. A tile file marks
+itself with a top-level "schema": "moerunner.triton.tiles/1"; a file of the same name without
+that marker is never merged into or overwritten (a usage error, before any work).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from ..config import ACTIVATIONS
 from . import _common
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
@@ -58,7 +61,10 @@ def build_parser() -> _common.Parser:
         "per-GPU I), top-k; repeatable (deprecated: four space-separated H I E TOPK)",
     )
     p.add_argument(
-        "--activation", default=None, help="activation (default: the preset's; silu for --shape)"
+        "--activation",
+        choices=sorted(ACTIVATIONS),
+        default=None,
+        help="activation (default: the preset's; silu for --shape)",
     )
     schemes = _common.name_list(_common.scheme_names, "scheme")
     p.add_argument(
@@ -97,7 +103,7 @@ def build_parser() -> _common.Parser:
     )
     p.add_argument(
         "--jobs",
-        type=int,
+        type=_common.int_type(1),
         default=1,
         help="with --preset: compile every candidate first in this many parallel processes "
         "(compiling is CPU work; the search then only times)",
@@ -138,6 +144,21 @@ def _tokens(p: argparse.ArgumentParser, values: list[str] | None) -> tuple[int, 
         p.error(f"argument --tokens: {exc}")
 
 
+def _refuse_foreign_files(p, out_dir: Path, shapes, schemes, device_name: str) -> None:
+    """Before any work: every file of this run's names in ``out_dir`` is a tile file moerunner
+    wrote (merged into, keeping its other token counts); any other file is a usage error."""
+    from ..backends.triton.tile_config import config_files_of, is_tile_file
+
+    for _, (hidden, inter, experts, _, _) in shapes:
+        for scheme in schemes:
+            for path in config_files_of(out_dir, experts, inter, hidden, scheme, device_name):
+                if not (path.is_file() and is_tile_file(path)):
+                    p.error(
+                        f"{path}: exists and is not a moerunner tile file; refusing to merge "
+                        "into it (move it away, or give another --out-dir)"
+                    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Tune every (shape, scheme); exit status 2 on usage errors or without a GPU."""
     p = build_parser()
@@ -153,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
         dict.fromkeys((args.schemes or []) + [s for g in args.scheme or [] for s in g])
     ) or ["bf16"]
     tokens = _tokens(p, args.tokens)
-    if args.jobs < 1:
-        p.error(f"argument --jobs: must be >= 1, got {args.jobs}")
     shapes = _shapes(p, args)
     if not shapes:
         p.error("give --preset or --shape")
+    for label, (hidden, inter, _, _, act) in shapes:
+        rows = 2 * inter if ACTIVATIONS[act] else inter
+        for scheme in schemes:
+            why = _common.unstorable(scheme, [(rows, hidden), (hidden, inter)])
+            if why is not None:
+                p.error(f"--schemes {scheme}: {label} cannot be stored in it ({why})")
     out_dir = args.out_dir or args.out
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out-dir {out_dir}: exists and is not a directory")
@@ -173,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if out_dir is None:
         out_dir = user_tile_dir()
+    _refuse_foreign_files(p, out_dir, shapes, schemes, torch.cuda.get_device_name())
     presets = [name for group in args.preset for name in group]
     if args.jobs > 1 and presets and not args.compile_only:
         plan = [(name, scheme, tokens) for name in presets for scheme in schemes]

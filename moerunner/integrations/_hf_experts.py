@@ -13,7 +13,11 @@ Stage: the edge between a transformers 5 experts module (a class decorated with
   made once and cached on the module, keyed on
   the parameter objects, their storage, dtype and in-place version: a forward call after the
   first reuses the same tensors (so backends' prepared weights are cached as well).
-- ``set_quantized(module, weights)`` pins quantized ``ExpertWeights`` that take precedence.
+- ``set_quantized(module, weights, hold=...)`` sets quantized ``ExpertWeights`` that take
+  precedence: pinned as a plain attribute, or (``hold=True``) held as buffers of a child
+  module ``moerunner_quantized`` (``QuantizedExperts``), so the model's ``state_dict`` saves
+  them and ``load_state_dict`` restores them (``moerunner.held_quantized``). Biases stay the
+  experts module's own parameters.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
+from ..held_quantized import HoldsQuantized
 from ..ops import adopt_quantized, canonical_from_transposed
 from ..weights import ExpertWeights, is_quantized
 
@@ -32,6 +37,10 @@ from ..weights import ExpertWeights, is_quantized
 _DESCRIPTION = "_moerunner_description"
 _CACHE = "_moerunner_weights"
 _QUANTIZED = "_moerunner_quantized"
+_HELD_CACHE = "_moerunner_held_weights"
+_HOOKED = "_moerunner_load_hook"
+#: The child module that holds quantized weights as buffers (part of state_dict keys).
+HOLDER = "moerunner_quantized"
 LAYER_NAME = "_moerunner_layer_name"
 
 # Tried in this order when matching the module's gating numerically.
@@ -166,7 +175,7 @@ def _key(tensors: list[torch.Tensor | None]) -> tuple:
 def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     """The module's weights in the canonical layout and its activation (converted once)."""
     layout = describe(module)
-    quantized = module.__dict__.get(_QUANTIZED)
+    quantized = quantized_weights(module)
     if quantized is not None:
         return quantized, layout.activation
     sources = _sources(module, layout)
@@ -199,20 +208,93 @@ def float_weights(module: torch.nn.Module) -> ExpertWeights:
     return canonical_weights(_sources(module, layout), layout)
 
 
-def set_quantized(module: torch.nn.Module, weights: ExpertWeights | None) -> None:
-    """Pin quantized weights for the module (None: back to its float parameters)."""
+class QuantizedExperts(HoldsQuantized):
+    """The quantized w13 / w2 of one transformers experts module, held as buffers (the
+    module's child ``moerunner_quantized``); the biases are the experts module's own."""
+
+    _held_owner = "model"
+    _held_quantize_call = "quantize_experts(model, {scheme})"
+
+    def __init__(self, weights: ExpertWeights):
+        super().__init__()
+        self._interleaved = weights.gate_up_interleaved
+        self.quantized = ExpertWeights(weights.w13, weights.w2, None, None, self._interleaved)
+        self._hold_quantized()
+
+    def _held_interleaved(self) -> bool:
+        return self._interleaved
+
+    # The experts module's float weights are not in this child's part of a state dict: the
+    # module's load pre-hook (``_note_float_state``) notes them here before the child loads.
+    _float_seen: frozenset = frozenset()
+
+    def _float_in_state(self, state_dict, prefix: str, w: str) -> bool:
+        return w in self._float_seen
+
+
+def _note_float_state(module, state_dict, prefix, *rest) -> None:
+    """Load pre-hook of an experts module holding quantized weights: which float weights (with
+    values, not the released empty ones) the state gives it, for its holder's checks."""
+    holder = module._modules.get(HOLDER)
+    if holder is None:
+        return
+    names = {"w13": ("gate_up_proj", "up_proj"), "w2": ("down_proj",)}
+    holder._float_seen = frozenset(
+        w
+        for w, keys in names.items()
+        if any(
+            isinstance(t, torch.Tensor) and t.numel() > 0
+            for t in (state_dict.get(prefix + k) for k in keys)
+        )
+    )
+
+
+def set_quantized(
+    module: torch.nn.Module, weights: ExpertWeights | None, *, hold: bool = False
+) -> None:
+    """Quantized weights for the module (None: back to its float parameters): pinned, or with
+    ``hold`` held as buffers of its child ``moerunner_quantized`` (saved by ``state_dict``;
+    the weights' biases must be the module's bias parameters, which stay where they are)."""
     if weights is not None:
         weights.validate(describe(module).activation)
         if is_quantized(weights.w13):  # compiled calls reuse these objects' prepared weights
             adopt_quantized(weights.w13)
             adopt_quantized(weights.w2)
-    module.__dict__[_QUANTIZED] = weights
-    module.__dict__.pop(_CACHE, None)
+    if HOLDER in module._modules:
+        delattr(module, HOLDER)
+    for key in (_QUANTIZED, _CACHE, _HELD_CACHE):
+        module.__dict__.pop(key, None)
+    if weights is not None and hold:
+        if not is_quantized(weights.w13):
+            raise TypeError("set_quantized(hold=True): the weights must be quantized")
+        module.add_module(HOLDER, QuantizedExperts(weights))
+        if _HOOKED not in module.__dict__:  # the hook does nothing once the holder is gone
+            module.__dict__[_HOOKED] = module.register_load_state_dict_pre_hook(_note_float_state)
+    else:
+        module.__dict__[_QUANTIZED] = weights
+
+
+def held_weights(module: torch.nn.Module) -> ExpertWeights | None:
+    """The quantized w13 / w2 held as buffers (biases None: they are the module's), if any."""
+    holder = module._modules.get(HOLDER)
+    return None if holder is None else holder.quantized
 
 
 def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
-    """The pinned quantized weights, if any."""
-    return module.__dict__.get(_QUANTIZED)
+    """The quantized weights the module runs, if any: pinned ones, or held ones with the
+    module's current bias parameters (one object while neither changes)."""
+    held = held_weights(module)
+    if held is None:
+        return module.__dict__.get(_QUANTIZED)
+    params = _sources(module, describe(module))[2:]
+    key = _key(params)
+    cached = module.__dict__.get(_HELD_CACHE)
+    if cached is not None and cached[0] is held and cached[1] == key:  # `is`: ids get reused
+        return cached[2]
+    biases = (None if b is None else b.detach() for b in params)
+    weights = ExpertWeights(held.w13, held.w2, *biases, held.gate_up_interleaved)
+    module.__dict__[_HELD_CACHE] = (held, key, weights)
+    return weights
 
 
 def _layout_constants(module: torch.nn.Module) -> tuple:

@@ -31,6 +31,7 @@ from ._hf_experts import (
     describe,
     expert_weights,
     float_weights,
+    held_weights,
     layer_name,
     quantized_weights,
     set_quantized,
@@ -124,18 +125,21 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     act, alpha, limit, transposed, interleaved, has_bias = layout
     chosen = getattr(config, BACKEND_ATTR, None) or backend
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    quantized = quantized_weights(module)
+    gated = act != "relu2"
+    b13 = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
+    b2 = getattr(module, "down_proj_bias", None)
+    if not has_bias:
+        b13 = b2 = None
+    held = held_weights(module)  # biases: the module's own (above)
+    quantized = held if held is not None else quantized_weights(module)
     if quantized is not None:
-        w13, w2, b13, b2 = quantized.w13, quantized.w2, quantized.w13_bias, quantized.w2_bias
+        w13, w2 = quantized.w13, quantized.w2
+        if held is None:
+            b13, b2 = quantized.w13_bias, quantized.w2_bias
         interleaved, num_experts = quantized.gate_up_interleaved, quantized.w13.shape[0]
     else:
-        gated = act != "relu2"
         w13 = getattr(module, "gate_up_proj" if gated else "up_proj")
         w2 = module.down_proj
-        b13 = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
-        b2 = getattr(module, "down_proj_bias", None)
-        if not has_bias:
-            b13 = b2 = None
         num_experts = w13.shape[0]
     ids = ids.reshape(x.shape[0], -1)
     if getattr(module, "_is_expert_parallel", False):
@@ -247,8 +251,13 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
 
     Done once (e.g. right after loading a bf16 checkpoint, on the target device); the
     moerunner experts implementation then runs those layers in ``scheme`` on whatever
-    backend serves it. Biases stay in floating point. Unless ``keep_float_weights``, the float
-    expert parameters are released (emptied); the layers then run only on moerunner.
+    backend serves it. Biases stay in floating point (the module's own parameters). Unless
+    ``keep_float_weights``, the float expert parameters are released (emptied) and the
+    quantized tensors are held as buffers of each experts module's child
+    ``moerunner_quantized``: ``model.state_dict()`` saves them (``torch.save`` or safetensors'
+    ``save_file``), and a model of the same config on which ``quantize_experts(model, scheme)``
+    was called restores them with ``load_state_dict``. The layers then run only on moerunner.
+    With ``keep_float_weights`` the state dict holds the float weights only.
     Returns ``{layer path: scheme name}``.
     """
     from ..quant import get_scheme, quantize
@@ -265,7 +274,7 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
                 source.w2_bias,
                 source.gate_up_interleaved,
             )
-        set_quantized(module, weights)
+        set_quantized(module, weights, hold=not keep_float_weights)
         if not keep_float_weights:
             _release_float_weights(module)
         done[path] = resolved.name
@@ -293,7 +302,10 @@ def load_gpt_oss_mxfp4(
     ``paths``: the checkpoint's safetensors file(s) (``<layer>.gate_up_proj_blocks`` /
     ``_scales`` / ``_bias``, ``<layer>.down_proj_*``), e.g. the files of the directory the model
     was loaded from. The packed bytes and e8m0 scales are used as stored (no dequantization);
-    ``scheme`` is ``"mxfp4"`` (bf16 activations) or ``"mxfp4_mxfp8"``. Returns the layers done.
+    ``scheme`` is ``"mxfp4"`` (bf16 activations) or ``"mxfp4_mxfp8"``. Unless
+    ``keep_float_weights``, the experts are held in the model's ``state_dict`` as after
+    ``quantize_experts`` (the checkpoint's biases are copied into the bias parameters).
+    Returns the layers done.
     """
     from ..quant.checkpoints import gpt_oss_experts_from_safetensors
 
@@ -316,6 +328,9 @@ def load_gpt_oss_mxfp4(
             None if b is None else b.to(device=device, dtype=bias_dtype)
             for b in (found["w13_bias"], found["w2_bias"])
         )
+        hold = not keep_float_weights
+        if hold and layout.has_bias:  # held weights run with the module's bias parameters
+            b13, b2 = _set_biases(module, b13, b2)
         weights = ExpertWeights(
             _to(found["w13"], device),
             _to(found["w2"], device),
@@ -323,13 +338,34 @@ def load_gpt_oss_mxfp4(
             b2,
             found["gate_up_interleaved"],
         )
-        set_quantized(module, weights)
+        set_quantized(module, weights, hold=hold)
         if not keep_float_weights:
             _release_float_weights(module)
         done.append(path)
     if not done:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
     return done
+
+
+def _set_biases(module: torch.nn.Module, b13, b2) -> tuple:
+    """Copy the checkpoint's biases into the module's bias parameters (zeros where the
+    checkpoint has none) and return those parameters, detached."""
+    out = []
+    for name, bias in (("gate_up_proj_bias", b13), ("down_proj_bias", b2)):
+        param = getattr(module, name)
+        with torch.no_grad():
+            if bias is None:
+                param.zero_()
+            elif tuple(bias.shape) != tuple(param.shape):
+                raise MoeInputError(
+                    f"load_gpt_oss_mxfp4: the checkpoint's {name} of layer {layer_name(module)} "
+                    f"has shape {list(bias.shape)}, the model's {list(param.shape)}; load the "
+                    "checkpoint of this model"
+                )
+            else:
+                param.copy_(bias)
+        out.append(param.detach())
+    return tuple(out)
 
 
 def _check_checkpoint_shapes(module, layout, found: dict, path: str) -> None:

@@ -20,7 +20,7 @@ import torch
 from moerunner.quant.families import codec_of, pad_rows_cols
 from moerunner.quant.schemes import STATIC_ACTIVATION_FORMATS, QuantScheme, get_scheme
 
-__all__ = ["TENSOR_FIELDS", "QuantizedWeight", "dequantize", "quantize"]
+__all__ = ["TENSOR_FIELDS", "QuantizedWeight", "check_storable", "dequantize", "quantize"]
 
 #: Order of the tensor fields in `QuantizedWeight.flat_tensors()` / `from_tensors(sequence)`.
 TENSOR_FIELDS = ("data", "scale", "global_scale", "zero_point", "input_scale")
@@ -42,6 +42,12 @@ def _expected_layout(
     if scheme.activation_format in STATIC_ACTIVATION_FORMATS:
         out["input_scale"] = (torch.float32, (shape[0],))
     return out
+
+
+def check_storable(scheme: str | QuantScheme, shape: tuple[int, int, int]) -> None:
+    """ValueError (the one ``quantize`` raises) unless weights of logical ``shape``
+    ``(E, N, K)`` can be stored in ``scheme``; allocates nothing (checks before any work)."""
+    _expected_layout(get_scheme(scheme), _check_shape(tuple(shape)))
 
 
 def _check_shape(shape: object) -> tuple[int, int, int]:

@@ -748,6 +748,7 @@ def test_tune_command_passes_options_and_writes_to_the_user_folder(monkeypatch, 
         tune.main(["--preset", "gpt-oss-20b", "--e2m1-layout", "marlin"])
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")  # file names
     monkeypatch.setattr(tune, "tune_preset", lambda *a, **kw: calls.append((a, kw)) or (None, {}))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     tune.main(["--preset", "gpt-oss-20b", "--scheme", "mxfp4", "--e2m1-layout", "split"])

@@ -182,7 +182,7 @@ def test_quantize_experts_at_load_time(scheme, max_rel):
         q = mt.quantized_scheme(experts)
         assert q == scheme
         target = ref_model.get_submodule(path)
-        pinned = experts.__dict__["_moerunner_quantized"]
+        pinned = mt.quantized_weights(experts)
         with torch.no_grad():
             target.gate_up_proj.copy_(dequantize(pinned.w13))
             target.down_proj.copy_(dequantize(pinned.w2))
@@ -232,3 +232,8 @@ def test_gpt_oss_mxfp4_checkpoint_stays_mxfp4(tmp_path):
         FP32_MAX_REL,
         what="gpt-oss mxfp4 checkpoint",
     )
+    # The checkpoint's experts are in the state dict: a model quantized to mxfp4 loads them.
+    fresh = build("gpt_oss", seed=4)
+    mt.quantize_experts(fresh, "mxfp4")
+    assert fresh.load_state_dict(model.state_dict()).missing_keys == []
+    assert torch.equal(_logits(fresh, "moerunner", ids), _logits(model, "moerunner", ids))

@@ -141,6 +141,29 @@ def write_config_file(
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
+def is_tile_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a tuned file moerunner wrote: a JSON object whose top-level
+    ``schema`` is ``SCHEMA`` (``write_config_file`` marks every file so). ``moerunner tune``
+    merges only into such files and refuses any other file under a tuned file's name."""
+    try:
+        doc = json.loads(Path(path).read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("schema") == SCHEMA
+
+
+def config_files_of(
+    folder: Path, num_experts: int, n: int, k: int, scheme: str | QuantScheme, device_name: str
+) -> list[Path]:
+    """The existing files in ``folder`` named as tuned files of this shape, scheme and device,
+    whatever their weight layout (``config_file_name``)."""
+    if not folder.is_dir():
+        return []
+    head, _, tail = config_file_name(num_experts, n, k, scheme, device_name).partition(",device=")
+    pattern = re.compile(re.escape(head) + r"(,layout=[^,/]+)?" + re.escape(",device=" + tail))
+    return sorted(p for p in folder.iterdir() if pattern.fullmatch(p.name))
+
+
 @functools.lru_cache(maxsize=256)
 def load_config_file(path: str) -> dict[int, MoeTiles] | None:
     """Tiles by token count from a tuned file, or None when the file does not exist."""

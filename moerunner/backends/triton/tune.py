@@ -28,9 +28,11 @@ from ...quant.schemes import QuantScheme, plain_scheme
 from ._prepare import split_half, weight_layout
 from .options import E2M1_LAYOUTS, TritonOptions
 from .tile_config import (
+    SCHEMA,
     MoeTiles,
     TileConfig,
     config_file_name,
+    is_tile_file,
     k_blocked,
     load_config_file,
     mma_8bit,
@@ -353,6 +355,11 @@ def tune_preset(
     weights = random_weights(hidden, inter, num_experts, activation, scheme, dev)
     spec = weights.spec(act)
     prepared = TritonBackend(options).prepare_weights(weights, spec)
+    name = torch.cuda.get_device_name(dev)
+    layout = weight_layout(prepared.tensors["w13"])
+    path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name, layout)
+    if not compile_only:
+        check_mergeable(path)  # before the search, not after it
     found, timings = {}, {}
     for t in tokens:
         start = time.time()
@@ -367,29 +374,52 @@ def tune_preset(
         )
     if compile_only:
         return None, {}
-    name = torch.cuda.get_device_name(dev)
     out_dir.mkdir(parents=True, exist_ok=True)
-    layout = weight_layout(prepared.tensors["w13"])
-    path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name, layout)
-    if path.is_file():  # keep the token counts not searched this time
+    timings = merge_tuned(path, (num_experts, inter, hidden, scheme, name, layout), found, timings)
+    return path, timings
+
+
+def check_mergeable(path: Path) -> None:
+    """ValueError unless ``path`` is absent or a tuned file moerunner wrote (``is_tile_file``):
+    a tuned file is merged into, any other file is left alone."""
+    if path.exists() and not (path.is_file() and is_tile_file(path)):
+        raise ValueError(
+            f"{path}: exists and is not a moerunner tile file (no top-level schema "
+            f"{SCHEMA!r}); refusing to merge into it: move it away or tune into another folder"
+        )
+
+
+def merge_tuned(
+    path: Path,
+    key: tuple[int, int, int, str, str, str | None],
+    found: dict[int, MoeTiles],
+    timings: dict[int, float],
+) -> dict[int, float]:
+    """Write ``found`` (tiles by token count) to the tuned file ``path``, keeping the token
+    counts an earlier moerunner file there holds and not searched this time; returns every
+    timing (ms by T) in the written file. ``key``: (E, N, K, scheme, device name, layout),
+    as ``write_config_file`` takes them. Refuses a file moerunner did not write
+    (``check_mergeable``)."""
+    check_mergeable(path)
+    if path.is_file():
         load_config_file.cache_clear()
-        earlier = load_config_file(str(path)) or {}
-        found = {**earlier, **found}
+        found = {**(load_config_file(str(path)) or {}), **found}
         old = json.loads(path.read_text()).get("measured", {}).get("gemm_ms", {})
         timings = {**{int(k): v for k, v in old.items()}, **timings}
+    num_experts, n, k, scheme, device_name, layout = key
     write_config_file(
         path,
         num_experts,
-        inter,
-        hidden,
+        n,
+        k,
         scheme,
-        name,
+        device_name,
         found,
-        {"gemm_ms": {str(k): v for k, v in sorted(timings.items())}},
+        {"gemm_ms": {str(t): v for t, v in sorted(timings.items())}},
         layout,
     )
     load_config_file.cache_clear()
-    return path, timings
+    return timings
 
 
 def precompile(

@@ -1,0 +1,176 @@
+"""Quantized expert weights held as module buffers, so ``state_dict`` saves them.
+
+Stage: the edge between ``nn.Module`` state and ``QuantizedWeight``. A module that holds
+quantized experts (``moerunner.MoE`` after ``quantize_``, the transformers integration's
+experts after ``quantize_experts``) derives from ``HoldsQuantized``. Its ``quantized``
+attribute is an ``ExpertWeights`` of two ``QuantizedWeight``; ``_hold_quantized()`` registers
+their tensors as buffers:
+
+- ``w13_qdata``, ``w13_scale``, ``w13_global_scale``, ``w13_zero_point``, ``w13_input_scale``
+  where the scheme has them (``qdata``: ``w13`` names the float weight), the same for ``w2``;
+- ``w13_scheme`` / ``w2_scheme``: the scheme's fields as JSON bytes (``scheme_to_tensor``),
+  so safetensors stores them as well.
+
+``load_state_dict`` restores them into a module holding the same scheme (values are copied in
+place; new ``QuantizedWeight`` objects over the buffers are validated and rebuilt), and
+raises ``MoeInputError`` when the state holds another scheme, float weights where this module
+holds quantized ones, or the reverse. ``.to(device)`` moves the buffers; a dtype conversion
+(``.half()``, ``.to(torch.bfloat16)``) leaves them in their own dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+from torch import nn
+
+from .errors import MoeInputError
+from .ops import adopt_quantized
+from .weights import ExpertWeights
+
+__all__ = ["BUFFER_NAMES", "HoldsQuantized", "scheme_from_tensor", "scheme_to_tensor"]
+
+# QuantizedWeight field -> buffer name suffix (``data`` is ``qdata``: ``w13`` is the float one).
+BUFFER_NAMES = {
+    "data": "qdata",
+    "scale": "scale",
+    "global_scale": "global_scale",
+    "zero_point": "zero_point",
+    "input_scale": "input_scale",
+}
+HELD_NAMES = frozenset(
+    f"{w}_{n}" for w in ("w13", "w2") for n in (*BUFFER_NAMES.values(), "scheme")
+)
+
+
+def scheme_to_tensor(scheme) -> torch.Tensor:
+    """A ``QuantScheme`` as a uint8 tensor (JSON of its fields), storable by safetensors."""
+    text = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
+def scheme_from_tensor(tensor: torch.Tensor):
+    """The ``QuantScheme`` that `scheme_to_tensor` stored (MoeInputError if it is not one)."""
+    from .quant import QuantScheme
+
+    try:
+        fields = json.loads(bytes(tensor.cpu().tolist()).decode())
+        if fields.get("block_shape") is not None:
+            fields["block_shape"] = tuple(fields["block_shape"])
+        return QuantScheme(**fields)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise MoeInputError(
+            f"load_state_dict: a *_scheme entry is not a stored scheme ({exc})"
+        ) from exc
+
+
+class HoldsQuantized(nn.Module):
+    """Base of modules whose ``quantized`` experts may be held as buffers (see the module
+    docstring). A subclass says where its biases and row order come from and how its users
+    quantize it (for the error messages)."""
+
+    quantized: ExpertWeights | None
+
+    #: What the module is called in messages, and the call that quantizes it to ``{scheme}``.
+    _held_owner = "module"
+    _held_quantize_call = "quantize_({scheme})"
+
+    def _held_biases(self) -> tuple:
+        """The biases the rebuilt ``quantized`` weights carry."""
+        return (None, None)
+
+    def _held_interleaved(self) -> bool:
+        return False
+
+    def _float_in_state(self, state_dict, prefix: str, w: str) -> bool:
+        """Whether ``state_dict`` holds this module's float ``w`` (``w13`` / ``w2``)."""
+        return False
+
+    # -- holding ---------------------------------------------------------------------------
+
+    def _hold_quantized(self) -> None:
+        """Register the quantized weights' tensors (and schemes) as buffers."""
+        for w in ("w13", "w2"):
+            qw = getattr(self.quantized, w)
+            for field, tensor in qw.tensors().items():
+                self.register_buffer(f"{w}_{BUFFER_NAMES[field]}", tensor)
+            self.register_buffer(f"{w}_scheme", scheme_to_tensor(qw.scheme))
+
+    def _quantized_buffers(self) -> list[str]:
+        return [n for n in self._buffers if n in HELD_NAMES]
+
+    def _rebuild_quantized(self) -> None:
+        """New ``QuantizedWeight`` objects over the current buffers (validated; fresh memo)."""
+        from .quant import QuantizedWeight
+
+        built = []
+        for w in ("w13", "w2"):
+            old = getattr(self.quantized, w)
+            tensors = {
+                f: self._buffers[f"{w}_{n}"]
+                for f, n in BUFFER_NAMES.items()
+                if self._buffers.get(f"{w}_{n}") is not None
+            }
+            built.append(QuantizedWeight.from_tensors(old.scheme, old.shape, tensors))
+        self.quantized = ExpertWeights(
+            built[0], built[1], *self._held_biases(), self._held_interleaved()
+        )
+        adopt_quantized(self.quantized.w13)
+        adopt_quantized(self.quantized.w2)
+
+    # -- nn.Module hooks -------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, *rest):
+        held = bool(self._quantized_buffers())
+        owner, call = self._held_owner, self._held_quantize_call
+        for w in ("w13", "w2"):
+            incoming = state_dict.get(f"{prefix}{w}_scheme")
+            if incoming is not None and not held:
+                name = scheme_from_tensor(incoming).name
+                raise MoeInputError(
+                    f"load_state_dict: the state holds quantized {w} (scheme {name!r}) but this "
+                    f"{owner}'s {w} is not held quantized: call "
+                    f"{call.format(scheme=repr(name))} before loading"
+                )
+            if incoming is None and held:
+                if self._float_in_state(state_dict, prefix, w):
+                    raise MoeInputError(
+                        f"load_state_dict: the state holds float {w} but this {owner} holds it "
+                        f"quantized ({getattr(self.quantized, w).scheme.name!r}): load it into "
+                        f"a float {owner}, then call {call.format(scheme='scheme')}"
+                    )
+                continue
+            if incoming is not None:
+                mine = getattr(self.quantized, w).scheme
+                theirs = scheme_from_tensor(incoming)
+                if not theirs.same_format(mine):
+                    raise MoeInputError(
+                        f"load_state_dict: the state's {w} is in scheme {theirs.name!r} but this "
+                        f"{owner}'s in {mine.name!r}: call "
+                        f"{call.format(scheme=repr(theirs.name))} first"
+                    )
+                # The scheme buffer is a name-length byte string: keep this module's own.
+                state_dict = {**state_dict, f"{prefix}{w}_scheme": self._buffers[f"{w}_scheme"]}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
+        if held:
+            self._rebuild_quantized()
+
+    def _apply(self, fn, recurse=True):
+        # Quantized buffers move with the module but keep their dtypes (``.half()`` must not
+        # turn fp32 scales into fp16 or fp8 data into fp16); the schemes stay on the CPU.
+        held = {n: self._buffers.pop(n) for n in self._quantized_buffers()}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, tensor in held.items():
+                if not name.endswith("_scheme"):
+                    moved = fn(tensor)
+                    if moved.dtype != tensor.dtype:
+                        moved = tensor.to(moved.device)
+                    tensor = moved
+                self._buffers[name] = tensor
+        if held:
+            self._rebuild_quantized()
+        return self
