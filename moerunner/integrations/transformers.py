@@ -26,6 +26,7 @@ from ..api import fused_moe
 from ..errors import MoeInputError
 from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
+from ..shared import SharedExperts
 from ..weights import ExpertWeights
 from ._hf_experts import (
     LAYER_NAME,
@@ -36,6 +37,8 @@ from ._hf_experts import (
     layer_name,
     quantized_weights,
     set_quantized,
+    shared_mlp_matches,
+    sources_key,
     traced_layout,
 )
 
@@ -45,6 +48,7 @@ __all__ = [
     "attach_lora",
     "check_model",
     "experts_modules",
+    "fuse_shared_experts",
     "load_gpt_oss_mxfp4",
     "make_experts_forward",
     "quantize_experts",
@@ -105,24 +109,30 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
             # transformers marks tokens routed to other ranks with id == num_experts.
             ids = torch.where(ids >= expert_w.num_experts, -1, ids)
         hooks = None if lora is None else lora.hooks(x.shape[0])
-        out = fused_moe(
-            x,
-            expert_w.w13,
-            expert_w.w2,
-            weights.reshape(ids.shape),
-            ids,
-            activation=activation,
-            w13_bias=expert_w.w13_bias,
-            w2_bias=expert_w.w2_bias,
-            gate_up_interleaved=expert_w.gate_up_interleaved,
-            backend=chosen,
-            check_ids=False,  # ids come from the model's own router
-            hooks=hooks,
-        )
+        out = _run_experts(x, ids, weights, expert_w, activation, chosen, hooks)
         return out.reshape(hidden_states.shape)
 
     moerunner_experts_forward.moerunner_backend = backend
     return moerunner_experts_forward
+
+
+def _run_experts(x, ids, weights, expert_w, activation, backend, hooks, shared=None):
+    """``fused_moe`` on an experts module's canonical weights (the router's ids unchecked)."""
+    return fused_moe(
+        x,
+        expert_w.w13,
+        expert_w.w2,
+        weights.reshape(ids.shape),
+        ids,
+        activation=activation,
+        w13_bias=expert_w.w13_bias,
+        w2_bias=expert_w.w2_bias,
+        gate_up_interleaved=expert_w.gate_up_interleaved,
+        backend=backend,
+        check_ids=False,  # ids come from the model's own router
+        shared_experts=shared,
+        hooks=hooks,
+    )
 
 
 def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback: str):
@@ -222,6 +232,7 @@ def use_moerunner(
     fallback: str = "error",
     name: str = IMPLEMENTATION_NAME,
     lora=None,
+    shared_experts: bool = False,
 ):
     """Switch a loaded transformers model's experts to moerunner; return the model.
 
@@ -230,6 +241,8 @@ def use_moerunner(
     layers keep transformers' eager loop. ``backend`` (if given) is stored in the config as
     ``moerunner_backend``. ``lora`` (a ``moerunner.lora_checkpoints.MoeLoraSet``) attaches
     LoRA adapters to the experts (``attach_lora``); ``set_adapter_ids`` then selects them.
+    ``shared_experts=True`` runs the shared expert of Qwen2-MoE / DeepSeek-V3 MoE blocks in
+    the routed call (``fuse_shared_experts``).
     """
     if fallback not in FALLBACKS:
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
@@ -244,6 +257,8 @@ def use_moerunner(
             f"{len(refused)} of {len(verdicts)} experts layers cannot run on moerunner "
             "(pass fallback='eager' to keep them on transformers' loop):\n  " + "\n  ".join(refused)
         )
+    if shared_experts:
+        fuse_shared_experts(model)
     if lora is not None:
         attach_lora(model, lora, _verdicts=verdicts)
     for config in _configs(model):
@@ -400,6 +415,113 @@ def set_adapter_ids(model, adapter_ids) -> None:
                 f"adapter_ids must lie in [-1, {state.num_adapters}), got [{low}, {high}]"
             )
     state.ids = adapter_ids.to(state.device)
+
+
+# MoE blocks whose forward is ``routed(x) + [sigmoid(x @ shared_expert_gate)] * shared(x)``
+# with the router's own top-k (read in transformers 5): block class -> shared MLP attribute.
+SHARED_BLOCKS = {"Qwen2MoeSparseMoeBlock": "shared_expert", "DeepseekV3MoE": "shared_experts"}
+_SHARED_CACHE = "_moerunner_shared"
+
+
+def fuse_shared_experts(model, enable: bool = True) -> list[str]:
+    """Run the shared expert of each Qwen2-MoE / DeepSeek-V3 MoE block in the routed
+    ``fused_moe`` call (``moerunner.shared``: the shared MLP as extra expert slots) instead
+    of transformers' separate MLP; ``enable=False`` restores the blocks. Returns the blocks.
+
+    The block's forward is replaced on the instance: it calls the block's own router, then
+    one ``fused_moe`` with ``SharedExperts(cat(gate_proj, up_proj), down_proj,
+    shared_expert_gate)``. While the model's experts implementation is not moerunner's,
+    under ``torch.compile``, or for a layer moerunner cannot run, the block runs its own
+    forward. A block of another class, a shared MLP with biases, or a gating other than the
+    routed experts' raises ``UnsupportedExpertsError`` (nothing is changed).
+    """
+    experts = {id(module) for _, module in experts_modules(model)}
+    blocks = []
+    for path, block in model.named_modules():
+        if id(getattr(block, "experts", None)) not in experts:
+            continue
+        if enable:
+            _check_shared_block(block, path)
+        blocks.append((path, block))
+    if not blocks:
+        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+    for _, block in blocks:
+        block.__dict__.pop(_SHARED_CACHE, None)
+        if enable:
+            block.forward = _fused_block_forward.__get__(block)
+        else:
+            block.__dict__.pop("forward", None)
+    return [path for path, _ in blocks]
+
+
+def _check_shared_block(block, path: str) -> None:
+    def refuse(reason: str) -> UnsupportedExpertsError:
+        return UnsupportedExpertsError(f"shared experts: block {path} ({cls}): {reason}")
+
+    cls = type(block).__name__
+    if cls not in SHARED_BLOCKS:
+        raise refuse(f"its forward is not one moerunner fuses ({sorted(SHARED_BLOCKS)})")
+    mlp = getattr(block, SHARED_BLOCKS[cls])
+    gate = getattr(block, "shared_expert_gate", None)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not isinstance(getattr(mlp, name, None), torch.nn.Linear):
+            raise refuse(f"the shared MLP has no nn.Linear {name}")
+    if any(
+        lin is not None and lin.bias is not None
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, gate)
+    ):
+        raise refuse("a shared MLP or gate with a bias")
+    try:
+        layout = describe(block.experts)
+    except UnsupportedExpertsError as exc:
+        raise refuse(str(exc)) from None
+    if layout.interleaved or not shared_mlp_matches(mlp, layout.activation):
+        raise refuse(f"the shared MLP's gating is not the routed experts' {layout.activation.name}")
+
+
+def _shared_experts(block) -> SharedExperts:
+    """The block's shared MLP as ``SharedExperts`` (made once per weight version: moerunner
+    memoises the expert table on this object's w13)."""
+    mlp = getattr(block, SHARED_BLOCKS[type(block).__name__])
+    gate = getattr(block, "shared_expert_gate", None)
+    sources = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    sources.append(None if gate is None else gate.weight)
+    key = sources_key(sources)
+    cached = block.__dict__.get(_SHARED_CACHE)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    g, u, d, gw = (None if t is None else t.detach() for t in sources)
+    shared = SharedExperts(torch.cat([g, u])[None], d[None], None if gw is None else gw)
+    block.__dict__[_SHARED_CACHE] = (key, shared)
+    return shared
+
+
+def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A shared-expert MoE block's forward with its shared MLP in the routed call."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    experts = self.experts
+    config = getattr(experts, "config", None)
+    function = ALL_EXPERTS_FUNCTIONS.get(getattr(config, "_experts_implementation", None))
+    own = type(self).forward
+    if (
+        torch.compiler.is_compiling()
+        or not hasattr(function, "moerunner_backend")
+        or getattr(experts, "_is_expert_parallel", False)
+    ):
+        return own(self, hidden_states)
+    try:
+        expert_w, activation = expert_weights(experts)
+    except UnsupportedExpertsError:
+        return own(self, hidden_states)  # the experts call raises or falls back itself
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    _, weights, ids = self.gate(x)
+    lora = experts.__dict__.get(LORA_ATTR)
+    hooks = None if lora is None else lora.hooks(x.shape[0])
+    chosen = getattr(config, BACKEND_ATTR, None) or function.moerunner_backend
+    shared = _shared_experts(self)
+    out = _run_experts(x, ids, weights, expert_w, activation, chosen, hooks, shared)
+    return out.reshape(hidden_states.shape)
 
 
 def _configs(model) -> list:
