@@ -17,7 +17,11 @@ weights are read, per MoE layer ``i`` of the checkpoint:
   and its ``lora_B.weight`` ``[out, r * E]`` (rank-major: column ``j * E + e``); expert
   ``e``'s update of the parameter, in ``[out, in]`` terms, is ``s B_e A_e``. Which wrapper
   is which follows from the shapes (gate/up: ``in = H``, ``out = 2I``; down: ``in = I``,
-  ``out = H``), not from the nesting order.
+  ``out = H``), not from the nesting order. The orientation is transformers 5's (A on the
+  expert's input side, as PEFT >= 0.19.1 writes it there, and as PEFT 0.17-0.18 wrote it
+  for GPT-OSS); factors whose shapes show the other orientation (PEFT >= 0.19 on a
+  transformers 4 model, whose experts lack ``is_transposed``) are refused, but where
+  ``in == out`` (e.g. GPT-OSS's down_proj, H = I) the shapes cannot show it.
 
 Separate gate and up adapters combine as ``moerunner.lora`` describes: A's stacked (rank
 ``r_gate + r_up``), B's block-diagonal, in the experts' w13 row order (gate then up, or
@@ -339,9 +343,17 @@ def _fused_module(wrapper: dict, module: str, shape: MoeModelShape, scaling_of):
     _, a, b = _pair(wrapper, f"{module} (target_parameters)")
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     roles = {"gate_up": (h, 2 * i, "gate_up_proj"), "down": (i, h, "down_proj")}
-    role = next(
-        (ro for ro, (k, n, _) in roles.items() if a.shape[1] == k and b.shape[0] == n), None
-    )
+    found = (a.shape[1], b.shape[0])
+    role = next((ro for ro, (k, n, _) in roles.items() if found == (k, n)), None)
+    swapped = next((ro for ro, (k, n, _) in roles.items() if found == (n, k)), None)
+    if role is None and swapped is not None:
+        raise MoeInputError(
+            f"adapters: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} adapt "
+            f"{roles[swapped][2]} with A on the parameter's output side (PEFT's orientation "
+            "for a 3-D parameter of a transformers 4 model without is_transposed); moerunner "
+            "reads transformers 5's orientation (A on the input side): save the adapter from "
+            "the transformers 5 model"
+        )
     if role is None:
         raise MoeInputError(
             f"adapters: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} fit neither "

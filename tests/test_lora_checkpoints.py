@@ -296,6 +296,12 @@ def test_bad_adapters_raise_naming_the_problem(tmp_path):
     ft, _ = fused_adapter(g, [0], 4, 4)
     with pytest.raises(MoeInputError, match="do not hold E=4 experts of rank r=2"):
         load_peft_adapters(write_adapter(tmp_path / "f", ft, r=2), QWEN, layer=0)
+    swapped = {  # gate_up_proj's factors with A on the 2I side
+        f"{PREFIX}.0.mlp.experts.lora_A.weight": torch.zeros(E * 4, 2 * I),
+        f"{PREFIX}.0.mlp.experts.lora_B.weight": torch.zeros(H, 4 * E),
+    }
+    with pytest.raises(MoeInputError, match="gate_up_proj with A on the parameter's output"):
+        load_peft_adapters(write_adapter(tmp_path / "sw", swapped), QWEN, layer=0)
     with pytest.raises(MoeInputError, match="model_type 'llama'"):
         load_peft_adapters(good, type("Cfg", (), {"model_type": "llama"})(), layer=0)
     with pytest.raises(TypeError, match="layer"):

@@ -515,7 +515,14 @@ def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     except UnsupportedExpertsError:
         return own(self, hidden_states)  # the experts call raises or falls back itself
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    _, weights, ids = self.gate(x)
+    routed = self.gate(x)
+    if not (isinstance(routed, tuple) and len(routed) == 3):
+        raise UnsupportedExpertsError(
+            f"shared experts: the router of {type(self).__name__} returned "
+            f"{type(routed).__name__}, not (logits, weights, ids); fuse_shared_experts(model, "
+            "enable=False) restores the block"
+        )
+    _, weights, ids = routed
     lora = experts.__dict__.get(LORA_ATTR)
     hooks = None if lora is None else lora.hooks(x.shape[0])
     chosen = getattr(config, BACKEND_ATTR, None) or function.moerunner_backend
