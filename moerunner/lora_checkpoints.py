@@ -69,6 +69,19 @@ class MoeModelShape:
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     interleaved: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "hidden_size", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise TypeError(f"MoeModelShape.{name} must be a positive int, got {value!r}")
+        names = self.projections
+        if not (
+            isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str) for n in names)
+        ):
+            raise TypeError(
+                f"MoeModelShape.projections must be 3 names (gate, up, down), got {names!r}"
+            )
+
     @classmethod
     def of(cls, config) -> MoeModelShape:
         """The shape of a transformers config of a family the integration covers."""

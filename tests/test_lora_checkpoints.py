@@ -304,6 +304,10 @@ def test_bad_adapters_raise_naming_the_problem(tmp_path):
         load_peft_adapters(write_adapter(tmp_path / "sw", swapped), QWEN, layer=0)
     with pytest.raises(MoeInputError, match="model_type 'llama'"):
         load_peft_adapters(good, type("Cfg", (), {"model_type": "llama"})(), layer=0)
+    with pytest.raises(TypeError, match="MoeModelShape.hidden_size"):
+        MoeModelShape(E, 0, I)
+    with pytest.raises(TypeError, match="MoeModelShape.projections"):
+        MoeModelShape(E, H, I, ("w1", "w3"))
     with pytest.raises(TypeError, match="layer"):
         load_peft_adapters(good, QWEN, layer="0")
     with pytest.raises(TypeError, match="adapters"):
