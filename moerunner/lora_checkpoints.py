@@ -184,7 +184,7 @@ def load_peft_adapters(
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise TypeError(f"layer must be a non-negative int, got {layer!r}")
     shape = MoeModelShape.of(config)
-    read = _read_all(adapters, shape, other_modules)
+    read = _read_all(adapters, shape, other_modules, dtype)
     return _stack(read, shape, layer, dtype, device)
 
 
@@ -194,13 +194,15 @@ def load_peft_adapter_set(
     """Every MoE layer's factors of one or several PEFT LoRA adapters (arguments as
     ``load_peft_adapters``); the adapters' names are their folders' names."""
     shape = MoeModelShape.of(config)
-    read = _read_all(adapters, shape, other_modules)
+    read = _read_all(adapters, shape, other_modules, dtype)
     touched = sorted({i for adapter in read for i in adapter.layers})
     layers = {i: _stack(read, shape, i, dtype, device) for i in touched}
     return MoeLoraSet(layers, tuple(adapter.name for adapter in read))
 
 
-def _read_all(adapters, shape: MoeModelShape, other_modules: str) -> list[_Adapter]:
+def _read_all(adapters, shape: MoeModelShape, other_modules: str, dtype) -> list[_Adapter]:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if other_modules not in OTHER_MODULES:
         raise MoeInputError(f"other_modules: got {other_modules!r}; accepted: {OTHER_MODULES}")
     if isinstance(adapters, (str, os.PathLike)):

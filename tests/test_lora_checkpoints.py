@@ -308,6 +308,8 @@ def test_bad_adapters_raise_naming_the_problem(tmp_path):
         MoeModelShape(E, 0, I)
     with pytest.raises(TypeError, match="MoeModelShape.projections"):
         MoeModelShape(E, H, I, ("w1", "w3"))
+    with pytest.raises(TypeError, match="dtype must be a floating"):
+        load_peft_adapters(good, QWEN, layer=0, dtype=torch.int8)
     with pytest.raises(TypeError, match="layer"):
         load_peft_adapters(good, QWEN, layer="0")
     with pytest.raises(TypeError, match="adapters"):
