@@ -257,10 +257,10 @@ def use_moerunner(
             f"{len(refused)} of {len(verdicts)} experts layers cannot run on moerunner "
             "(pass fallback='eager' to keep them on transformers' loop):\n  " + "\n  ".join(refused)
         )
-    if shared_experts:
-        fuse_shared_experts(model)
+    blocks = _shared_blocks(model, check=True) if shared_experts else []  # checked first
     if lora is not None:
         attach_lora(model, lora, _verdicts=verdicts)
+    _install_shared(blocks, enable=True)
     for config in _configs(model):
         setattr(config, FALLBACK_ATTR, fallback)
         if backend is not None:
@@ -435,23 +435,33 @@ def fuse_shared_experts(model, enable: bool = True) -> list[str]:
     forward. A block of another class, a shared MLP with biases, or a gating other than the
     routed experts' raises ``UnsupportedExpertsError`` (nothing is changed).
     """
+    blocks = _shared_blocks(model, check=enable)
+    _install_shared(blocks, enable)
+    return [path for path, _ in blocks]
+
+
+def _shared_blocks(model, check: bool) -> list[tuple[str, torch.nn.Module]]:
+    """(path, block) of every module holding an experts module (checked if ``check``)."""
     experts = {id(module) for _, module in experts_modules(model)}
     blocks = []
     for path, block in model.named_modules():
         if id(getattr(block, "experts", None)) not in experts:
             continue
-        if enable:
+        if check:
             _check_shared_block(block, path)
         blocks.append((path, block))
     if not blocks:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+    return blocks
+
+
+def _install_shared(blocks, enable: bool) -> None:
     for _, block in blocks:
         block.__dict__.pop(_SHARED_CACHE, None)
         if enable:
             block.forward = _fused_block_forward.__get__(block)
         else:
             block.__dict__.pop("forward", None)
-    return [path for path, _ in blocks]
 
 
 def _check_shared_block(block, path: str) -> None:

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 import moerunner.integrations.transformers as mt  # noqa: E402
+from moerunner import MoeInputError  # noqa: E402
 from moerunner.testing import assert_close  # noqa: E402
 
 from ._tiny_models import build  # noqa: E402
@@ -118,3 +119,12 @@ def test_blocks_without_a_fusable_shared_expert_raise():
     with pytest.raises(mt.UnsupportedExpertsError, match="layers.1.mlp .*gating"):
         mt.fuse_shared_experts(model)
     assert "forward" not in model.model.layers[0].mlp.__dict__  # nothing changed
+
+
+def test_use_moerunner_changes_nothing_when_the_blocks_are_refused(tmp_path):
+    model, lora, _ = _setup("mixtral", tmp_path)
+    with pytest.raises(mt.UnsupportedExpertsError, match="not one moerunner fuses"):
+        mt.use_moerunner(model, lora=lora, shared_experts=True)
+    with pytest.raises(MoeInputError, match="no LoRA adapters attached"):
+        mt.set_adapter_ids(model, [0])
+    assert model.config._experts_implementation == "eager"
