@@ -19,9 +19,9 @@ weights are read, per MoE layer ``i`` of the checkpoint:
   is which follows from the shapes (gate/up: ``in = H``, ``out = 2I``; down: ``in = I``,
   ``out = H``), not from the nesting order. The orientation is transformers 5's (A on the
   expert's input side, as PEFT >= 0.19.1 writes it there, and as PEFT 0.17-0.18 wrote it
-  for GPT-OSS); factors whose shapes show the other orientation (PEFT >= 0.19 on a
-  transformers 4 model, whose experts lack ``is_transposed``) are refused, but where
-  ``in == out`` (e.g. GPT-OSS's down_proj, H = I) the shapes cannot show it.
+  for GPT-OSS); factors whose shapes show the other orientation (PEFT 0.19.0, and later
+  versions on a transformers 4 model, whose experts lack ``is_transposed``) are refused, but
+  where ``in == out`` (e.g. GPT-OSS's down_proj, H = I) the shapes cannot show it.
 
 Separate gate and up adapters combine as ``moerunner.lora`` describes: A's stacked (rank
 ``r_gate + r_up``), B's block-diagonal, in the experts' w13 row order (gate then up, or
