@@ -150,6 +150,25 @@ def _match_activation(
     return None
 
 
+def shared_mlp_matches(mlp: torch.nn.Module, activation: Activation) -> bool:
+    """Whether a shared-expert MLP's ``act_fn(gate) * up`` is ``activation``'s gating (the
+    shared experts run in the routed call with the routed activation)."""
+    if not activation.gated or activation.name == "swiglu_oai":
+        return False
+    probe = torch.linspace(-10.0, 10.0, 8 * _PROBE_WIDTH).reshape(8, _PROBE_WIDTH)
+    up = torch.randn(8, _PROBE_WIDTH, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            theirs = mlp.act_fn(probe) * up
+    except Exception:  # noqa: BLE001  (any failure means: not a gating we understand)
+        return False
+    spec = ExpertSpec(1, 1, _PROBE_WIDTH, activation, False)
+    ours = apply_activation(torch.cat([probe, up], dim=1), spec)
+    return isinstance(theirs, torch.Tensor) and torch.allclose(
+        ours, theirs.float(), rtol=_PROBE_RTOL, atol=_PROBE_RTOL
+    )
+
+
 def _float_attr(module: torch.nn.Module, name: str) -> float | None:
     value = getattr(module, name, None)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -165,7 +184,8 @@ def _sources(module: torch.nn.Module, layout: ExpertsLayout) -> list[torch.Tenso
     return [getattr(module, n, None) for n in names] + [None] * (4 - len(names))
 
 
-def _key(tensors: list[torch.Tensor | None]) -> tuple:
+def sources_key(tensors: list[torch.Tensor | None]) -> tuple:
+    """A cache key of source tensors: object, storage, in-place version, dtype, device, shape."""
     return tuple(
         None if t is None else (id(t), t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
         for t in tensors
@@ -179,7 +199,7 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     if quantized is not None:
         return quantized, layout.activation
     sources = _sources(module, layout)
-    key = _key(sources)
+    key = sources_key(sources)
     cached = module.__dict__.get(_CACHE)
     if cached is not None and cached[0] == key:
         return cached[1], layout.activation

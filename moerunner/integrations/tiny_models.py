@@ -70,3 +70,44 @@ def tiny_config(family: str, **overrides):
     }[family]
     kwargs = {**_COMMON, **extra, **overrides}
     return AutoConfig.for_model(family, **kwargs)
+
+
+def tiny_peft_adapter(model, folder, *, r: int = 4, lora_alpha: float = 8.0, seed: int = 0):
+    """Write a random PEFT LoRA adapter over ``model``'s experts into ``folder`` and return it.
+
+    The layout is what PEFT saves for transformers 5 experts with
+    ``target_parameters=["gate_up_proj", "down_proj"]`` (``adapter_config.json`` and
+    ``adapter_model.safetensors``); B is random too, so the adapter changes the output.
+    """
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    from .transformers import experts_modules, float_weights
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path, module in experts_modules(model):
+        weights = float_weights(module)
+        (experts, rows, hidden), inter = weights.w13.shape, weights.w2.shape[2]
+        # gate_up_proj's wrapper is the inner one (base_layer.), down_proj's the outer one
+        for wrap, k_in, n_out in (("base_layer.", hidden, rows), ("", inter, hidden)):
+            key = f"base_model.model.{path}.{wrap}"
+            tensors[key + "lora_A.weight"] = (
+                torch.randn(experts * r, k_in, generator=gen) / k_in**0.5
+            )
+            tensors[key + "lora_B.weight"] = torch.randn(n_out, r * experts, generator=gen) / r
+    os.makedirs(folder, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": lora_alpha,
+        "target_modules": [],
+        "target_parameters": ["gate_up_proj", "down_proj"],
+    }
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    return folder

@@ -17,13 +17,16 @@ then that layer runs transformers' own eager loop and the others run on moerunne
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from ..api import fused_moe
 from ..errors import MoeInputError
+from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
+from ..shared import SharedExperts
 from ..weights import ExpertWeights
 from ._hf_experts import (
     LAYER_NAME,
@@ -35,18 +38,23 @@ from ._hf_experts import (
     layer_name,
     quantized_weights,
     set_quantized,
+    shared_mlp_matches,
+    sources_key,
     traced_layout,
 )
 
 __all__ = [
     "IMPLEMENTATION_NAME",
     "UnsupportedExpertsError",
+    "attach_lora",
     "check_model",
     "experts_modules",
+    "fuse_shared_experts",
     "load_gpt_oss_mxfp4",
     "make_experts_forward",
     "quantize_experts",
     "register",
+    "set_adapter_ids",
     "use_moerunner",
 ]
 
@@ -54,6 +62,8 @@ IMPLEMENTATION_NAME = "moerunner"
 FALLBACKS = ("error", "eager")
 BACKEND_ATTR = "moerunner_backend"
 FALLBACK_ATTR = "moerunner_fallback"
+LORA_ATTR = "_moerunner_lora"  # on an experts module: its _LoraBinding (a plain attribute)
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def make_experts_forward(backend: str = "auto", fallback: str = "error"):
@@ -76,7 +86,13 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
         ids = _routing_arg(top_k_index, kwargs, "router_indices", "top_k_index")
         weights = _routing_arg(top_k_weights, kwargs, "routing_weights", "top_k_weights")
         config = getattr(self, "config", None)
+        lora = self.__dict__.get(LORA_ATTR)
         if torch.compiler.is_compiling():
+            if lora is not None:
+                raise MoeInputError(
+                    f"experts layer {layer_name(self)} carries LoRA adapters, which run eagerly "
+                    "only; detach them (attach_lora(model, None)) to compile the model"
+                )
             return _traced_experts(self, hidden_states, ids, weights, backend, fallback)
         try:
             expert_w, activation = expert_weights(self)
@@ -93,23 +109,31 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
         if getattr(self, "_is_expert_parallel", False):
             # transformers marks tokens routed to other ranks with id == num_experts.
             ids = torch.where(ids >= expert_w.num_experts, -1, ids)
-        out = fused_moe(
-            x,
-            expert_w.w13,
-            expert_w.w2,
-            weights.reshape(ids.shape),
-            ids,
-            activation=activation,
-            w13_bias=expert_w.w13_bias,
-            w2_bias=expert_w.w2_bias,
-            gate_up_interleaved=expert_w.gate_up_interleaved,
-            backend=chosen,
-            check_ids=False,  # ids come from the model's own router
-        )
+        hooks = None if lora is None else lora.hooks(x.shape[0])
+        out = _run_experts(x, ids, weights, expert_w, activation, chosen, hooks)
         return out.reshape(hidden_states.shape)
 
     moerunner_experts_forward.moerunner_backend = backend
     return moerunner_experts_forward
+
+
+def _run_experts(x, ids, weights, expert_w, activation, backend, hooks, shared=None):
+    """``fused_moe`` on an experts module's canonical weights (the router's ids unchecked)."""
+    return fused_moe(
+        x,
+        expert_w.w13,
+        expert_w.w2,
+        weights.reshape(ids.shape),
+        ids,
+        activation=activation,
+        w13_bias=expert_w.w13_bias,
+        w2_bias=expert_w.w2_bias,
+        gate_up_interleaved=expert_w.gate_up_interleaved,
+        backend=backend,
+        check_ids=False,  # ids come from the model's own router
+        shared_experts=shared,
+        hooks=hooks,
+    )
 
 
 def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback: str):
@@ -206,14 +230,23 @@ def check_model(model: torch.nn.Module) -> dict[str, str | None]:
 
 
 def use_moerunner(
-    model, *, backend: str | None = None, fallback: str = "error", name: str = IMPLEMENTATION_NAME
+    model,
+    *,
+    backend: str | None = None,
+    fallback: str = "error",
+    name: str = IMPLEMENTATION_NAME,
+    lora=None,
+    shared_experts: bool = False,
 ):
     """Switch a loaded transformers model's experts to moerunner; return the model.
 
     Checks every experts layer first: with ``fallback="error"`` an unsupported layer raises
     ``UnsupportedExpertsError`` naming it (and nothing is switched); with ``"eager"`` those
     layers keep transformers' eager loop. ``backend`` (if given) is stored in the config as
-    ``moerunner_backend``.
+    ``moerunner_backend``. ``lora`` (a ``moerunner.lora_checkpoints.MoeLoraSet``) attaches
+    LoRA adapters to the experts (``attach_lora``); ``set_adapter_ids`` then selects them.
+    ``shared_experts=True`` runs the shared expert of Qwen2-MoE / DeepSeek-V3 MoE blocks in
+    the routed call (``fuse_shared_experts``).
     """
     if fallback not in FALLBACKS:
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
@@ -228,12 +261,288 @@ def use_moerunner(
             f"{len(refused)} of {len(verdicts)} experts layers cannot run on moerunner "
             "(pass fallback='eager' to keep them on transformers' loop):\n  " + "\n  ".join(refused)
         )
+    blocks = _shared_blocks(model, check=True) if shared_experts else []  # checked first
+    if lora is not None:
+        attach_lora(model, lora, _verdicts=verdicts)
+    _install_shared(blocks, enable=True)
     for config in _configs(model):
         setattr(config, FALLBACK_ATTR, fallback)
         if backend is not None:
             setattr(config, BACKEND_ATTR, backend)
     model.set_experts_implementation(name)
     return model
+
+
+class _AdapterIds:
+    """The adapter ids of a model's current batch, shared by its experts layers."""
+
+    def __init__(self, num_adapters: int, device: torch.device):
+        self.num_adapters = num_adapters
+        self.device = device
+        self.ids: torch.Tensor | None = None
+
+
+class _LoraBinding:
+    """One experts layer's LoRA factors and the model's current adapter ids."""
+
+    def __init__(self, weights: MoeLoraWeights, state: _AdapterIds, layer: str):
+        self.weights = weights
+        self.state = state
+        self.layer = layer
+
+    def hooks(self, num_tokens: int):
+        ids = self.state.ids
+        if ids is None:  # no ids set: every token runs the base experts
+            return None
+        if ids.numel() == num_tokens:
+            per_token = ids.reshape(-1)
+        elif ids.dim() == 1 and ids.numel() and num_tokens % ids.numel() == 0:
+            per_token = ids.repeat_interleave(num_tokens // ids.numel())
+        else:
+            raise MoeInputError(
+                f"adapter ids {list(ids.shape)} fit neither the {num_tokens} tokens of layer "
+                f"{self.layer}'s call per token nor per sequence ([B] with the call's T = B * S)"
+            )
+        return lora_hooks(self.weights, per_token)
+
+
+def attach_lora(model, lora, *, _verdicts: dict | None = None):
+    """Attach LoRA adapters (a ``MoeLoraSet``, ``moerunner.lora_checkpoints``) to a
+    transformers model's experts layers, or detach them (``None``); return the model.
+
+    Layer ``i`` of the set goes to the experts module under ``layers.{i}.``; its factors must
+    fit that module's experts and lie on its device. Tokens use the adapters named by
+    ``set_adapter_ids`` (none until then). Only layers running on moerunner apply adapters:
+    a set covering a layer moerunner cannot run raises.
+    """
+    from ..lora_checkpoints import MoeLoraSet
+
+    modules = dict(experts_modules(model))
+    if lora is None:
+        for module in modules.values():
+            module.__dict__.pop(LORA_ATTR, None)
+        model.__dict__.pop(LORA_ATTR, None)
+        return model
+    if not isinstance(lora, MoeLoraSet):
+        raise TypeError(f"lora must be a MoeLoraSet or None, got {type(lora).__name__}")
+    verdicts = check_model(model) if _verdicts is None else _verdicts
+    by_layer = {}
+    for path, module in modules.items():
+        found = _LAYER_INDEX.search("." + path)
+        if found is not None:
+            by_layer[int(found.group(1))] = (path, module)
+    missing = sorted(set(lora.layers) - set(by_layer))
+    if missing:
+        raise MoeInputError(
+            f"lora: the adapters cover layers {missing}, which have no experts module in "
+            f"{type(model).__name__} (experts layers: {sorted(by_layer)})"
+        )
+    bindings = {}
+    devices = set()
+    for index, weights in lora.layers.items():
+        path, module = by_layer[index]
+        if verdicts.get(path) is not None:
+            raise UnsupportedExpertsError(
+                f"lora: layer {index} cannot take adapters: {verdicts[path]}"
+            )
+        _check_lora_fits(module, weights, path)
+        devices.add(weights.w13_a.device)
+        bindings[path] = weights
+    if len(devices) > 1:
+        raise MoeInputError(
+            f"lora: the layers' factors lie on several devices {sorted(map(str, devices))}"
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    state = _AdapterIds(lora.num_adapters, device)
+    for path, module in modules.items():
+        module.__dict__.pop(LORA_ATTR, None)
+        if path in bindings:
+            module.__dict__[LORA_ATTR] = _LoraBinding(bindings[path], state, path)
+    model.__dict__[LORA_ATTR] = state
+    return model
+
+
+def _check_lora_fits(module, weights: MoeLoraWeights, path: str) -> None:
+    expert_w = (
+        float_weights(module) if quantized_weights(module) is None else quantized_weights(module)
+    )
+    e, n13, h = expert_w.w13.shape
+    i = expert_w.w2.shape[2]
+    if weights.num_experts != e:
+        raise MoeInputError(
+            f"lora: layer {path} has {e} experts, its adapters' factors {weights.num_experts}"
+        )
+    weights.validate()
+    try:
+        weights.check_against(n13, h, i)
+    except MoeInputError as exc:
+        raise MoeInputError(f"lora: layer {path}: {exc}") from None
+    device = expert_w.w2.device
+    if weights.w13_a.device != device:
+        raise MoeInputError(
+            f"lora: layer {path}'s experts are on {device}, its adapters' factors on "
+            f"{weights.w13_a.device} (load them with device=)"
+        )
+    if getattr(module, "_is_expert_parallel", False):
+        raise MoeInputError(
+            f"lora: layer {path} is expert-parallel; LoRA runs on whole layers only"
+        )
+
+
+def set_adapter_ids(model, adapter_ids) -> None:
+    """Select the adapters of the next forward calls of a model with ``attach_lora`` /
+    ``use_moerunner(lora=)``: an int tensor (or list) of ids in ``[-1, L)`` (-1: no adapter),
+    ``[B]`` per sequence (it serves a prefill and every decode step of ``generate``) or
+    ``[B, S]`` per token of one call; ``None``: every token runs the base experts."""
+    state = model.__dict__.get(LORA_ATTR)
+    if not isinstance(state, _AdapterIds):
+        raise MoeInputError(
+            f"set_adapter_ids: {type(model).__name__} has no LoRA adapters attached "
+            "(use_moerunner(model, lora=...) or attach_lora)"
+        )
+    if adapter_ids is None:
+        state.ids = None
+        return
+    if isinstance(adapter_ids, (list, tuple)):
+        adapter_ids = torch.tensor(adapter_ids, dtype=torch.long)
+    if not isinstance(adapter_ids, torch.Tensor):
+        raise TypeError(f"adapter_ids must be a tensor, a list or None, got {type(adapter_ids)}")
+    if adapter_ids.is_floating_point() or adapter_ids.dtype == torch.bool or adapter_ids.dim() > 2:
+        raise MoeInputError(
+            f"adapter_ids must be an integer [B] or [B, S] tensor, got {adapter_ids.dtype} "
+            f"{list(adapter_ids.shape)}"
+        )
+    if adapter_ids.device.type == "cpu" and adapter_ids.numel():
+        low, high = int(adapter_ids.min()), int(adapter_ids.max())
+        if low < -1 or high >= state.num_adapters:
+            raise MoeInputError(
+                f"adapter_ids must lie in [-1, {state.num_adapters}), got [{low}, {high}]"
+            )
+    state.ids = adapter_ids.to(state.device)
+
+
+# MoE blocks whose forward is ``routed(x) + [sigmoid(x @ shared_expert_gate)] * shared(x)``
+# with the router's own top-k (read in transformers 5): block class -> shared MLP attribute.
+SHARED_BLOCKS = {"Qwen2MoeSparseMoeBlock": "shared_expert", "DeepseekV3MoE": "shared_experts"}
+_SHARED_CACHE = "_moerunner_shared"
+
+
+def fuse_shared_experts(model, enable: bool = True) -> list[str]:
+    """Run the shared expert of each Qwen2-MoE / DeepSeek-V3 MoE block in the routed
+    ``fused_moe`` call (``moerunner.shared``: the shared MLP as extra expert slots) instead
+    of transformers' separate MLP; ``enable=False`` restores the blocks. Returns the blocks.
+
+    The block's forward is replaced on the instance: it calls the block's own router, then
+    one ``fused_moe`` with ``SharedExperts(cat(gate_proj, up_proj), down_proj,
+    shared_expert_gate)``. While the model's experts implementation is not moerunner's,
+    under ``torch.compile``, or for a layer moerunner cannot run, the block runs its own
+    forward. A block of another class, a shared MLP with biases, or a gating other than the
+    routed experts' raises ``UnsupportedExpertsError`` (nothing is changed).
+    """
+    blocks = _shared_blocks(model, check=enable)
+    _install_shared(blocks, enable)
+    return [path for path, _ in blocks]
+
+
+def _shared_blocks(model, check: bool) -> list[tuple[str, torch.nn.Module]]:
+    """(path, block) of every module holding an experts module (checked if ``check``)."""
+    experts = {id(module) for _, module in experts_modules(model)}
+    blocks = []
+    for path, block in model.named_modules():
+        if id(getattr(block, "experts", None)) not in experts:
+            continue
+        if check:
+            _check_shared_block(block, path)
+        blocks.append((path, block))
+    if not blocks:
+        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+    return blocks
+
+
+def _install_shared(blocks, enable: bool) -> None:
+    for _, block in blocks:
+        block.__dict__.pop(_SHARED_CACHE, None)
+        if enable:
+            block.forward = _fused_block_forward.__get__(block)
+        else:
+            block.__dict__.pop("forward", None)
+
+
+def _check_shared_block(block, path: str) -> None:
+    def refuse(reason: str) -> UnsupportedExpertsError:
+        return UnsupportedExpertsError(f"shared experts: block {path} ({cls}): {reason}")
+
+    cls = type(block).__name__
+    if cls not in SHARED_BLOCKS:
+        raise refuse(f"its forward is not one moerunner fuses ({sorted(SHARED_BLOCKS)})")
+    mlp = getattr(block, SHARED_BLOCKS[cls])
+    gate = getattr(block, "shared_expert_gate", None)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not isinstance(getattr(mlp, name, None), torch.nn.Linear):
+            raise refuse(f"the shared MLP has no nn.Linear {name}")
+    if any(
+        lin is not None and lin.bias is not None
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, gate)
+    ):
+        raise refuse("a shared MLP or gate with a bias")
+    try:
+        layout = describe(block.experts)
+    except UnsupportedExpertsError as exc:
+        raise refuse(str(exc)) from None
+    if layout.interleaved or not shared_mlp_matches(mlp, layout.activation):
+        raise refuse(f"the shared MLP's gating is not the routed experts' {layout.activation.name}")
+
+
+def _shared_experts(block) -> SharedExperts:
+    """The block's shared MLP as ``SharedExperts`` (made once per weight version: moerunner
+    memoises the expert table on this object's w13)."""
+    mlp = getattr(block, SHARED_BLOCKS[type(block).__name__])
+    gate = getattr(block, "shared_expert_gate", None)
+    sources = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    sources.append(None if gate is None else gate.weight)
+    key = sources_key(sources)
+    cached = block.__dict__.get(_SHARED_CACHE)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    g, u, d, gw = (None if t is None else t.detach() for t in sources)
+    shared = SharedExperts(torch.cat([g, u])[None], d[None], None if gw is None else gw)
+    block.__dict__[_SHARED_CACHE] = (key, shared)
+    return shared
+
+
+def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A shared-expert MoE block's forward with its shared MLP in the routed call."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    experts = self.experts
+    config = getattr(experts, "config", None)
+    function = ALL_EXPERTS_FUNCTIONS.get(getattr(config, "_experts_implementation", None))
+    own = type(self).forward
+    if (
+        torch.compiler.is_compiling()
+        or not hasattr(function, "moerunner_backend")
+        or getattr(experts, "_is_expert_parallel", False)
+    ):
+        return own(self, hidden_states)
+    try:
+        expert_w, activation = expert_weights(experts)
+    except UnsupportedExpertsError:
+        return own(self, hidden_states)  # the experts call raises or falls back itself
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    routed = self.gate(x)
+    if not (isinstance(routed, tuple) and len(routed) == 3):
+        raise UnsupportedExpertsError(
+            f"shared experts: the router of {type(self).__name__} returned "
+            f"{type(routed).__name__}, not (logits, weights, ids); fuse_shared_experts(model, "
+            "enable=False) restores the block"
+        )
+    _, weights, ids = routed
+    lora = experts.__dict__.get(LORA_ATTR)
+    hooks = None if lora is None else lora.hooks(x.shape[0])
+    chosen = getattr(config, BACKEND_ATTR, None) or function.moerunner_backend
+    shared = _shared_experts(self)
+    out = _run_experts(x, ids, weights, expert_w, activation, chosen, hooks, shared)
+    return out.reshape(hidden_states.shape)
 
 
 def _configs(model) -> list:
