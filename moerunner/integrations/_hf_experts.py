@@ -307,7 +307,7 @@ def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
     if held is None:
         return module.__dict__.get(_QUANTIZED)
     params = _sources(module, describe(module))[2:]
-    key = _key(params)
+    key = sources_key(params)
     cached = module.__dict__.get(_HELD_CACHE)
     if cached is not None and cached[0] is held and cached[1] == key:  # `is`: ids get reused
         return cached[2]
