@@ -397,7 +397,7 @@ def _signature(*tensors) -> tuple | None:
         if t is None:
             parts.append(None)
         elif isinstance(t, torch.Tensor):
-            parts.append((t.shape, t.dtype, t.device, t.is_floating_point()))
+            parts.append((t.shape, t.dtype, t.device))
         elif is_quantized(t):
             parts.append((type(t), weight_shape(t), t.scheme, t.device))
         else:

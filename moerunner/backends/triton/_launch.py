@@ -67,10 +67,29 @@ def _note_jit_launch() -> None:
         rec.complete = False
 
 
-def launch_hooked() -> bool:
-    """Whether Triton calls a launch hook (a profiler's): launches must then go through it."""
+def compiled_launches(options: TritonOptions) -> bool:
+    """Whether launches may go through compiled kernels' launchers: the cache is on
+    (``options.launch_cache``), Triton runs compiled code (not its interpreter or debug
+    mode) and calls no launch hook (a profiler's: launches must then go through it)."""
     rt = knobs.runtime
-    return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
+    return (
+        options.launch_cache
+        and not rt.interpret
+        and not rt.debug
+        and not _hooked(rt.launch_enter_hook)
+        and not _hooked(rt.launch_exit_hook)
+    )
+
+
+def caller(device: torch.device) -> tuple:
+    """Who may share per-call state (workspaces, launch plans): one thread on one CUDA
+    stream (its handle). Two threads, or two streams of one thread, calling at once would
+    otherwise write the same buffers; on one stream calls are ordered. No sync."""
+    thread = threading.get_ident()
+    if device.type != "cuda":
+        return (thread,)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (thread, torch._C._cuda_getCurrentRawStream(index))
 
 
 def _layout(kernel):
@@ -124,16 +143,12 @@ def launch(kernel, grid: tuple, *args, options: TritonOptions, **kwargs) -> None
         kwargs["PDL"] = pdl
         if pdl:
             kwargs["launch_pdl"] = True
-    rt = knobs.runtime
-    cached = options.launch_cache and not rt.interpret and not rt.debug
-    layout = _layout(kernel) if cached else None
+    layout = _layout(kernel) if compiled_launches(options) else None
     if (
         layout is None
         or len(args) != layout[0]
         or not isinstance(args[0], torch.Tensor)
         or args[0].device.type != "cuda"
-        or _hooked(rt.launch_enter_hook)
-        or _hooked(rt.launch_exit_hook)
     ):
         _note_jit_launch()
         kernel[grid](*args, **kwargs)

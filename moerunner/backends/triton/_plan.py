@@ -25,14 +25,12 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import OrderedDict
 
 import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton import knobs
 
 from ...weights import PreparedWeights
 from . import _launch
@@ -161,14 +159,10 @@ def _direct_launcher(run) -> tuple | None:
 def enabled(options, device: torch.device) -> bool:
     """Whether plans may be used for a call on ``device`` with the backend's ``options``
     (module comment)."""
-    rt = knobs.runtime
     return (
         device.type == "cuda"
-        and options.launch_cache
-        and not rt.interpret
-        and not rt.debug
+        and _launch.compiled_launches(options)
         and not torch._C._autograd._profiler_enabled()
-        and not _launch.launch_hooked()
     )
 
 
@@ -176,11 +170,9 @@ def key(roles: tuple[torch.Tensor, ...], *extra) -> tuple:
     """The plan key of a call (module comment): the caller, the roles' shapes, dtypes and
     alignments; ``extra``: the call's other facts (options and the like)."""
     device = roles[0].device
-    index = device.index if device.index is not None else torch.cuda.current_device()
     return (
-        threading.get_ident(),
-        torch._C._cuda_getCurrentRawStream(index),
-        index,
+        _launch.caller(device),
+        device.index,
         *[(tuple(t.shape), t.dtype, t.data_ptr() & 15) for t in roles],
         *extra,
     )

@@ -61,22 +61,11 @@ _TL_DTYPES = {
 WORKSPACE_LIMIT_BYTES = 256 << 20
 
 
-def _caller_key(device: torch.device) -> tuple:
-    """Who may share a workspace: one thread on one CUDA stream. Two threads (or two streams
-    of one thread) calling at once would otherwise write the same buffers; on one stream
-    calls are ordered, so reuse there is safe. Host-side lookups only (no sync)."""
-    thread = threading.get_ident()
-    if device.type != "cuda":
-        return (thread,)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return (thread, torch._C._cuda_getCurrentRawStream(index))  # the stream's handle
-
-
 class _Workspaces:
     """LRU cache of per-call buffers, bounded in entries and in bytes, keyed per caller.
 
     ``get(key, make)`` returns the buffers of ``key`` for the calling thread and its current
-    CUDA stream (see ``_caller_key``), making them with ``make()`` on a miss. Least recently
+    CUDA stream (``_launch.caller``), making them with ``make()`` on a miss. Least recently
     used entries are evicted until at most ``capacity`` entries and ``max_bytes`` bytes
     remain; buffers larger than ``max_bytes`` on their own are made per call and not kept.
     A buffer in use is never freed under its user: eviction only drops the cache's reference.
@@ -92,7 +81,7 @@ class _Workspaces:
 
     def get(self, key: tuple, make) -> dict[str, torch.Tensor]:
         device = key[0] if key and isinstance(key[0], torch.device) else torch.device("cpu")
-        full = (_caller_key(device), *key)
+        full = (_launch.caller(device), *key)
         with self._lock:
             entry = self.entries.get(full)
             if entry is not None:
