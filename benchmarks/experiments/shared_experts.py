@@ -28,7 +28,9 @@ from moerunner.config import Activation  # noqa: E402
 from moerunner.shared import SharedExperts, shared_dense  # noqa: E402
 
 
-def build(args, tokens: int, device: torch.device, dtype: torch.dtype):
+def build_weights(args, device: torch.device, dtype: torch.dtype):
+    """The routed and shared experts, once per run, drawn on ``device`` (drawing a model-size
+    layer on the host and copying it costs more than the whole measurement)."""
     shape = get_preset(args.preset)
     h = max(16, shape.hidden_size // args.shrink)
     i = max(16, shape.intermediate_size // args.shrink)
@@ -36,10 +38,10 @@ def build(args, tokens: int, device: torch.device, dtype: torch.dtype):
     rows = 2 * i if act.gated else i
     i_s = i * args.shared_mult
     rows_s = 2 * i_s if act.gated else i_s
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*size, scale):
-        return (torch.randn(*size, generator=g) * scale).to(device=device, dtype=dtype)
+        return (torch.randn(*size, generator=g, device=device, dtype=dtype)) * scale
 
     w13, w2 = rand(e, rows, h, scale=h**-0.5), rand(e, h, i, scale=i**-0.5)
     shared = SharedExperts(
@@ -49,9 +51,17 @@ def build(args, tokens: int, device: torch.device, dtype: torch.dtype):
     )
     if args.scheme != "bf16":
         w13, w2 = moerunner.quantize(w13, args.scheme), moerunner.quantize(w2, args.scheme)
-    x = rand(tokens, h, scale=1.0)
-    topk = moerunner.select_experts(torch.randn(tokens, e, generator=g).to(device), k)
-    return x, w13, w2, shared, topk, act, (e, h, i, k)
+    return w13, w2, shared, act, (e, h, i, k)
+
+
+def build(args, weights, tokens: int, device: torch.device, dtype: torch.dtype):
+    """One token count's inputs and routing over ``weights`` (from ``build_weights``)."""
+    w13, w2, shared, act, dims = weights
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, dims[1], generator=g, device=device, dtype=dtype)
+    logits = torch.randn(tokens, dims[0], generator=g, device=device)
+    topk = moerunner.select_experts(logits, dims[3])
+    return x, w13, w2, shared, topk, act, dims
 
 
 def measure(args, case, device: torch.device):
@@ -92,8 +102,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     print(f"{'T':>6} {'one call ms':>12} {'routed+dense ms':>16} {'ratio':>7}  shape E,H,I,k")
+    weights = build_weights(args, device, dtype)
     for tokens in (int(t) for t in args.tokens.split(",")):
-        case = build(args, tokens, device, dtype)
+        case = build(args, weights, tokens, device, dtype)
         a, b = measure(args, case, device)
         dims = case[-1]
         ratio = b.seconds / a.seconds
