@@ -8,7 +8,7 @@ frozen dataclasses whose ``repr`` can be pasted back to rebuild them, so benchma
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -75,13 +75,38 @@ def _check_param_values(name: str, value, rule: str) -> None:
         raise MoeInputError(f"{name} must be > 0, got {value}")
 
 
+class HashedOnce:
+    """For frozen dataclasses that every call hashes (memo keys): the hash, and the key it is
+    computed from, are worked out once per object. Neither is pickled or copied (string
+    hashes and tensor identities differ in another process). A class sets
+    ``__hash__ = HashedOnce.__hash__`` in its body (a dataclass replaces an inherited one)."""
+
+    def _hash_key(self) -> tuple:
+        """What equal objects share: the fields (a subclass may narrow it)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def _memo(self, name: str, make):
+        try:
+            return self.__dict__[name]
+        except KeyError:
+            value = make()
+            object.__setattr__(self, name, value)
+            return value
+
+    def __hash__(self) -> int:
+        return self._memo("_hash", lambda: hash(self._hash_key()))
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_key_memo")}
+
+
 def _identity_key(value: object) -> object:
     """Tensors compare by identity inside ``Activation`` (their ``==`` is elementwise)."""
     return ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
 
 
 @dataclass(frozen=True, eq=False)
-class Activation:
+class Activation(HashedOnce):
     """The expert activation.
 
     ``alpha``, ``beta`` and ``limit`` apply to ``swiglu_oai`` only (GPT-OSS clamped SwiGLU:
@@ -121,16 +146,20 @@ class Activation:
             object.__setattr__(self, "limit", limit)
             object.__setattr__(self, "beta", beta)
 
-    def _key(self) -> tuple:
-        return (self.name,) + tuple(_identity_key(p) for p in (self.alpha, self.limit, self.beta))
+    def _hash_key(self) -> tuple:
+        return self._memo(
+            "_key_memo",
+            lambda: (
+                (self.name,) + tuple(_identity_key(p) for p in (self.alpha, self.limit, self.beta))
+            ),
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Activation):
             return NotImplemented
-        return self._key() == other._key()
+        return self is other or self._hash_key() == other._hash_key()
 
-    def __hash__(self) -> int:
-        return hash(self._key())
+    __hash__ = HashedOnce.__hash__
 
     @property
     def gated(self) -> bool:
@@ -165,7 +194,7 @@ class Activation:
 
 
 @dataclass(frozen=True)
-class ExpertSpec:
+class ExpertSpec(HashedOnce):
     """What a backend needs to know about the expert computation, besides the tensors.
 
     ``num_experts`` counts the experts held by this rank (the leading dim of the weights);
@@ -177,6 +206,8 @@ class ExpertSpec:
     intermediate_size: int
     activation: Activation = Activation()
     gate_up_interleaved: bool = False
+
+    __hash__ = HashedOnce.__hash__
 
     @property
     def gated(self) -> bool:

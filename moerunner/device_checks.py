@@ -192,17 +192,24 @@ class IdFlags:
 
     Per device an int32 ``[3]`` buffer that such kernels update when they meet an id outside
     ``[-1, E)``: ``[lowest id below -1 (else -1), highest id >= E (else -1), largest such
-    E]``. The host reads it without waiting: each ``poll`` starts a non-blocking copy to
-    pinned memory when none is in flight, and reads the previous one once its event has
-    completed; a bad value raises ``MoeInputError`` there (from a later call, as the queued
-    checks do) and the buffer is reset. ``check_errors()`` waits for the buffer too.
+    E]``. The host reads it without waiting: every ``every``-th ``poll`` starts a
+    non-blocking copy to pinned memory when none is in flight, and reads the previous one
+    once its event has completed; a bad value raises ``MoeInputError`` there (from a later
+    call, as the queued checks do) and the buffer is reset. The buffer keeps what it saw
+    until it is read, so reading it every few calls misses nothing; it only raises later
+    (a read costs about as much host time as a kernel launch). ``check_errors()`` waits for
+    the buffer too.
     """
 
     CLEAN = (-1, -1, 0)
 
-    def __init__(self) -> None:
+    def __init__(self, every: int = 1) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        self.every = every
         self._lock = threading.Lock()
-        self._state: dict[torch.device, list] = {}  # device -> [buffer, host, event, in flight]
+        # device -> [buffer, host, event, in flight, polls since the last read]
+        self._state: dict[torch.device, list] = {}
 
     def buffer(self, device: torch.device) -> torch.Tensor:
         """The device's flag buffer (made on first use, then the same tensor)."""
@@ -213,15 +220,20 @@ class IdFlags:
                 if state is None:
                     buf = torch.tensor(self.CLEAN, dtype=torch.int32, device=device)
                     host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
-                    state = self._state[device] = [buf, host, None, False]
+                    state = self._state[device] = [buf, host, None, False, 0]
         return state[0]
 
     def poll(self, device: torch.device, where: str = "fused_moe") -> None:
-        """Raise what a completed read found; start the next read (never waits)."""
+        """Every ``every``-th call: raise what a completed read found and start the next
+        read (never waits)."""
         state = self._state.get(device)
-        if state is None or not checks_may_run(device):
+        if state is None:
             return
-        buf, host, event, in_flight = state
+        state[4] += 1
+        if state[4] < self.every or not checks_may_run(device):
+            return
+        state[4] = 0
+        buf, host, event, in_flight, _ = state
         if in_flight:
             if not event.query():
                 return
@@ -260,8 +272,8 @@ class IdFlags:
         )
 
 
-#: The flag buffers of the kernels that check ids themselves.
-ID_FLAGS = IdFlags()
+#: The flag buffers of the kernels that check ids themselves, read every 8th call.
+ID_FLAGS = IdFlags(every=8)
 
 
 def _raise_if_bad(bounds: list, check: PendingCheck, lazily: bool) -> None:

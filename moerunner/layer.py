@@ -33,17 +33,18 @@ import torch
 from torch import nn
 
 from .api import run_experts
-from .backends.base import MoeProblem
+from .backends.base import MoeProblem, caller
 from .config import Activation, MoeConfig
 from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
+from .dispatch.formats import STANDARD
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
 from .ops import adopt_quantized, call_fused_experts
 from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
-from .runner import MoeRunner, prepared_for
+from .runner import DerivedCache, MoeRunner, _tensor_state, prepared_for
 from .shared import SharedExperts, shared_dense
 from .weights import ExpertWeights, is_quantized
 
@@ -113,6 +114,7 @@ class MoE(HoldsQuantized):
             self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
         self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
+        self._steps = DerivedCache()  # eager calls' joined launch plans (``_step``)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -322,6 +324,7 @@ class MoE(HoldsQuantized):
         self.correction_bias = None
         self.routes = False
         self._quantized_from = None  # given weights: nothing to re-quantize from
+        self._steps = DerivedCache()
         self.quantized = weights  # held as given (plain or quantized), not as parameters
         if is_quantized(weights.w13):
             adopt_quantized(weights.w13)
@@ -405,10 +408,109 @@ class MoE(HoldsQuantized):
         around ``dispatch``, ``experts`` and ``combine`` (see ``distributed_moe.StageTimer``).
         With the masked dispatcher, ``self.last_overflow`` is the step's overflow flag.
         """
+        step_key = None
+        if topk is None and getattr(self, "_steps", None) is not None:
+            step_key = self._step_key(hidden_states, router_logits)
+            if step_key is not None:
+                out = self._replay_step(step_key, hidden_states, router_logits)
+                if out is not None:
+                    return out
         if not self._single_process():
             return self._forward_dispatched(hidden_states, router_logits, topk, timer)
         x, topk, routed = self._inputs(hidden_states, router_logits, topk)
-        return self._run_local(x, topk, check_ids=not routed).reshape(hidden_states.shape)
+        out = self._run_local(x, topk, check_ids=not routed)
+        if step_key is not None:
+            self._make_step(step_key, x, router_logits)
+        return out.reshape(hidden_states.shape)
+
+    # -- eager calls as one replay (``backends.triton._step``) -------------------------------
+    #
+    # An eager call of a plain single-process layer, after its first calls of a shape, is a
+    # lookup of the step made for (caller, input shapes, dtypes, strides, alignments, weight
+    # state) and one replay of the routing and expert launches: no argument checks, backend
+    # choice or prepared-weights lookup per call, since the key fixes all of their outcomes.
+    # The key holds every tensor's identity, address and in-place version, so a replaced or
+    # edited weight, a quantize_ or a load_state_dict takes the ordinary path (which prepares
+    # again) and makes a new step. Steps exist only where the experts' fused op offers them
+    # (the triton backend on CUDA).
+
+    _STEPS_MAX = 64  # steps kept per layer (least recently used dropped first)
+    _STEP_TRIES = 3  # ordinary calls of one key that may try to make its step
+
+    def _step_key(self, hidden_states, router_logits) -> tuple | None:
+        """The step key of an eager call, or None where no step applies."""
+        if (
+            not isinstance(hidden_states, torch.Tensor)
+            or not isinstance(router_logits, torch.Tensor)
+            or not hidden_states.is_cuda
+            or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()  # captured once: the ordinary path
+            or not self.routes
+            or not self._single_process()
+            or self._given_shared is not None
+            or self.shared_w13 is not None
+        ):
+            return None
+        return (
+            caller(hidden_states.device),
+            hidden_states.shape,
+            hidden_states.dtype,
+            hidden_states.device,
+            hidden_states.stride(),
+            hidden_states.data_ptr() & 15,
+            router_logits.shape,
+            router_logits.dtype,
+            router_logits.device,
+            router_logits.stride(),
+            router_logits.data_ptr() & 15,
+            self._weight_state(),
+        )
+
+    def _weight_state(self) -> tuple:
+        """Identity, address, shape and in-place version of every tensor the call reads
+        besides its inputs (``runner._tensor_state``); no device sync."""
+        w = self.quantized
+        tensors = (
+            (self.w13, self.w2, self.w13_bias, self.w2_bias)
+            if w is None
+            else (w.w13, w.w2, w.w13_bias, w.w2_bias, self.w13, self.w2)
+        )
+        return (
+            id(w),
+            *[(id(t), _tensor_state(t)) for t in tensors],
+            (id(self.correction_bias), _tensor_state(self.correction_bias)),
+        )
+
+    def _replay_step(self, key: tuple, hidden_states, router_logits) -> torch.Tensor | None:
+        step = self._steps.get(key)
+        if step is None or isinstance(step, int):
+            return None
+        out = step.run(
+            hidden_states.reshape(-1, hidden_states.shape[-1]),
+            router_logits.reshape(-1, router_logits.shape[-1]),
+            self.correction_bias,
+        )
+        if out is None:  # the step died (a workspace it used was dropped): make it again
+            self._steps.pop(key, None)
+            return None
+        self._steps.move_to_end(key)
+        return out.reshape(hidden_states.shape)
+
+    def _make_step(self, key: tuple, x: torch.Tensor, router_logits) -> None:
+        """After an ordinary routed call of ``key``: the step of such calls, where the
+        experts' fused op makes one (``layer_step``) from the plans that call recorded."""
+        tries = self._steps.get(key, 0)
+        if not isinstance(tries, int) or tries >= self._STEP_TRIES:
+            return
+        weights = self.expert_weights()
+        prepared = self._prepared(x, weights, STANDARD)
+        fused = self.runner.registry.fused_op(STANDARD, prepared.backend)
+        make = getattr(fused, "layer_step", None)
+        logits = router_logits.reshape(-1, router_logits.shape[-1])
+        step = None if make is None else make(x, logits, self._routing_kwargs(), prepared)
+        self._steps[key] = tries + 1 if step is None else step
+        while len(self._steps) > self._STEPS_MAX:
+            self._steps.popitem(last=False)
 
     def _inputs(self, hidden_states, router_logits, topk) -> tuple[torch.Tensor, TopK, bool]:
         """Checked ``[T, H]`` hidden states, routing, and whether this layer routed."""
@@ -458,10 +560,18 @@ class MoE(HoldsQuantized):
                 f"router_logits last dim must be num_experts E={cfg.num_experts}, "
                 f"got {router_logits.shape[-1]}"
             )
-        r = cfg.routing
+        kwargs = self._routing_kwargs()
         return select_experts(
-            router_logits.reshape(tokens, cfg.num_experts),
-            cfg.top_k,
+            router_logits.reshape(tokens, cfg.num_experts), kwargs.pop("top_k"), **kwargs
+        )
+
+    def _routing_kwargs(self) -> dict:
+        """``select_experts``' arguments besides the logits, from the config and the
+        correction bias."""
+        cfg = self.config
+        r = cfg.routing
+        return dict(
+            top_k=cfg.top_k,
             scoring_func=r.scoring_func,
             renormalize=r.renormalize,
             correction_bias=self.correction_bias,

@@ -17,7 +17,9 @@ process-global "current backend".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -191,26 +193,30 @@ _CACHE_ATTR = "_moerunner_prepared"
 _PREPARED_PER_WEIGHT = 4
 
 
-class _PreparedCache(dict):
+class DerivedCache(OrderedDict):
+    """A memo of data derived from an object's tensors (prepared weights, launch plans). A
+    copy of its owner (``copy.deepcopy(model)``, pickling, ``torch.save``) starts with an
+    empty one: derived data would be duplicated in memory or stored in a checkpoint (and
+    launch plans cannot be copied at all); the copy derives its own on first use."""
+
+    def __deepcopy__(self, memo: dict) -> DerivedCache:
+        return type(self)()
+
+    def __reduce__(self):
+        return (type(self), ())
+
+
+class _PreparedCache(DerivedCache):
     """The per-weight memo: prepared forms by (backend, options, spec), all made from the
     weights in ``state`` (their tensors' identities and versions, see ``prepared_for``) and
     from the w2 that ``w2`` weakly refers to (the memo lives on w13 and adds no reference to
-    either weight). A copy of the weights (``copy.deepcopy(model)``, pickling,
-    ``torch.save``) starts with an empty one: prepared weights are derived data (dequantized
-    or padded copies), which a copy would duplicate in memory and a checkpoint would store;
-    the copy prepares its own on first use."""
+    either weight)."""
 
     state: tuple | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.w2 = lambda: None
-
-    def __deepcopy__(self, memo: dict) -> _PreparedCache:
-        return _PreparedCache()
-
-    def __reduce__(self):
-        return (_PreparedCache, ())
 
 
 def prepared_for(
@@ -307,4 +313,12 @@ def check_activation(
         return activation
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str, got {type(activation).__name__}")
+    if alpha is None and limit is None and beta is None:
+        return _named_activation(activation)
     return Activation(activation, alpha, limit, beta)
+
+
+@functools.lru_cache(maxsize=64)
+def _named_activation(name: str) -> Activation:
+    """``Activation(name)``, one value per name (its hash is then worked out once)."""
+    return Activation(name)

@@ -14,7 +14,7 @@ import torch
 
 import moerunner
 from moerunner import MoeInputError
-from moerunner.device_checks import QUEUE, CheckQueue, check_ids_async
+from moerunner.device_checks import ID_FLAGS, QUEUE, CheckQueue, check_ids_async
 
 E = 8
 
@@ -163,19 +163,17 @@ def test_gpu_bad_id_raises_later_without_sync(backend):
     raised = False
     try:
         # The check is queued; it raises in the first call that finds it completed, which
-        # may be this very call when the GPU is quicker than the host.
-        try:
-            moerunner.fused_moe(x, w13, w2, weights, bad, backend=backend)
-        except MoeInputError as exc:
-            assert re.search(match, str(exc)), exc
-            raised = True
-        if not raised:  # or in the next call, once the device has run the check
+        # may be this very call when the GPU is quicker than the host. The triton kernels'
+        # flags are read every ID_FLAGS.every-th call: a raise comes within twice that.
+        calls = [bad] + [ids] * (2 * ID_FLAGS.every + 1)
+        for i, call_ids in enumerate(calls):
             try:
-                good = moerunner.fused_moe(x, w13, w2, weights, ids, backend=backend)
-                assert good.shape == x.shape
+                out = moerunner.fused_moe(x, w13, w2, weights, call_ids, backend=backend)
+                assert out.shape == x.shape
             except MoeInputError as exc:
-                assert re.search(match, str(exc)), exc
+                assert re.search(match, str(exc)), (i, exc)
                 raised = True
+                break
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if not raised:
@@ -250,6 +248,23 @@ def test_topk_sum_records_bad_ids_in_the_flags():
     assert flags.tolist() == list(IdFlags.CLEAN)
     _flag_sum(torch.tensor([[0, -5], [E + 2, -3], [E, 1]], dtype=torch.int32), flags)
     assert flags.tolist() == [-5, E + 2, E]
+
+
+def test_id_flags_read_every_nth_poll():
+    """A poll reads the buffer on every ``every``-th call only; what the buffer holds is
+    kept until then, so a bad id is reported late, never lost."""
+    from moerunner.device_checks import IdFlags
+
+    with pytest.raises(ValueError, match="every"):
+        IdFlags(every=0)
+    flags = IdFlags(every=3)
+    buf = flags.buffer(torch.device("cpu"))
+    buf.copy_(torch.tensor([-1, E + 1, E], dtype=torch.int32))
+    flags.poll(torch.device("cpu"))
+    flags.poll(torch.device("cpu"))  # polls 1 and 2: nothing read, nothing raised
+    assert buf.tolist() == [-1, E + 1, E]
+    with pytest.raises(MoeInputError, match=rf"highest {E + 1}"):
+        flags.drain()
 
 
 def test_id_flags_raise_once_and_reset():

@@ -11,6 +11,7 @@ formats it serves is derived from these two attributes, never declared twice.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..config import ExpertSpec
+from ..config import ExpertSpec, HashedOnce
 from ..quant.schemes import SCHEME_NAMES, QuantScheme, get_scheme
 from ..weights import ExpertWeights, PreparedWeights
 
@@ -134,7 +135,7 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
-class MoeProblem:
+class MoeProblem(HashedOnce):
     """One request, as the selector sees it.
 
     ``w13_scheme`` / ``w2_scheme``: the weights' `QuantScheme` values (a name is resolved;
@@ -154,6 +155,8 @@ class MoeProblem:
     w2_scheme: QuantScheme | None = None
     extended_swiglu: bool = False  # Activation.extended
     hooks: bool = False  # the call has ``MoeHooks``
+
+    __hash__ = HashedOnce.__hash__
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "w13_scheme", get_scheme(self.w13_scheme))
@@ -276,3 +279,15 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<backend {self.name}>"
+
+
+def caller(device: torch.device) -> tuple:
+    """Who may share per-call state (workspaces, launch plans, a layer's replayed steps):
+    one thread on one CUDA stream (its handle). Two threads, or two streams of one thread,
+    calling at once would otherwise write the same buffers; on one stream calls are ordered.
+    No sync."""
+    thread = threading.get_ident()
+    if device.type != "cuda":
+        return (thread,)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (thread, torch._C._cuda_getCurrentRawStream(index))

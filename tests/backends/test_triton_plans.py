@@ -223,6 +223,8 @@ def test_direct_launcher_only_for_a_scratch_free_triton_36_launcher(monkeypatch)
     monkeypatch.setattr(_plan, "_TRITON_VERSION", "3.6.0")
     run, extra = _plan._direct_launcher(launcher.__call__)
     assert run == launcher.launch and extra == (False, True, None, None)
+    # what ``CompiledKernel.run`` gives: the launcher object itself
+    assert _plan._direct_launcher(launcher) == (launcher.launch, (False, True, None, None))
     launcher.global_scratch_size = 128
     assert _plan._direct_launcher(launcher.__call__) is None
     launcher.global_scratch_size = 0

@@ -22,6 +22,7 @@ import threading
 import torch
 from triton import knobs
 
+from ..base import caller  # noqa: F401  (the backend's users import it from here)
 from . import _pdl
 from .options import TritonOptions
 
@@ -79,17 +80,6 @@ def compiled_launches(options: TritonOptions) -> bool:
         and not _hooked(rt.launch_enter_hook)
         and not _hooked(rt.launch_exit_hook)
     )
-
-
-def caller(device: torch.device) -> tuple:
-    """Who may share per-call state (workspaces, launch plans): one thread on one CUDA
-    stream (its handle). Two threads, or two streams of one thread, calling at once would
-    otherwise write the same buffers; on one stream calls are ordered. No sync."""
-    thread = threading.get_ident()
-    if device.type != "cuda":
-        return (thread,)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return (thread, torch._C._cuda_getCurrentRawStream(index))
 
 
 def _layout(kernel):

@@ -120,6 +120,18 @@ class LaunchPlan:
             planned.append((run, template, tuple(slots)))
         return cls(tuple(planned), tuple(refs.values()))
 
+    @classmethod
+    def join(cls, parts: list[tuple[LaunchPlan, tuple[int, ...]]]) -> LaunchPlan:
+        """One plan running ``parts`` in order: each a plan and, per role of that plan, the
+        index of the joined plan's role that fills it (two calls whose tensors meet, e.g.
+        routing writing the ids that the experts read, become one replay)."""
+        launches, refs = [], []
+        for plan, role_map in parts:
+            for run, template, slots in plan.launches:
+                launches.append((run, template, tuple((pos, role_map[r]) for pos, r in slots)))
+            refs.extend(plan.refs)
+        return cls(tuple(launches), tuple(refs))
+
     def alive(self) -> bool:
         """Whether every tensor the plan holds by pointer still exists."""
         for ref in self.refs:
@@ -143,7 +155,8 @@ def _direct_launcher(run) -> tuple | None:
     ``CudaLauncher.__call__`` only adds those arguments and allocates scratch memory, which
     a kernel without scratch (``*_scratch_size == 0``) does not use. Saves a Python frame
     and two calls per launch; None elsewhere (``run`` is called)."""
-    launcher = getattr(run, "__self__", None)
+    # ``CompiledKernel.run`` is the launcher object itself (a bound ``__call__`` also comes)
+    launcher = run if type(run).__name__ == "CudaLauncher" else getattr(run, "__self__", None)
     if (
         not _TRITON_VERSION.startswith("3.6.")
         or type(launcher).__name__ != "CudaLauncher"

@@ -222,7 +222,7 @@ def route(
     settings = (top_k, scoring_func, renormalize, num_expert_group, topk_group, group_score)
     planned = _plan.enabled(DEFAULT_OPTIONS, device)
     if planned:  # one launch, replayed per (shape, settings, caller): ``_plan``
-        plan_key = _plan.key(roles, stride_t, float(routed_scaling_factor), *settings)
+        plan_key = _routing_key(roles, stride_t, routed_scaling_factor, settings)
         if _plan.replay(_PLANS, plan_key, roles):
             return TopK(weights=weights, ids=ids)
     with _plan.recorded(_PLANS, plan_key, roles) if planned else contextlib.nullcontext():
@@ -237,6 +237,31 @@ def route(
             *settings,
         )
     return TopK(weights=weights, ids=ids)
+
+
+def _routing_key(roles: tuple, stride_t: int, routed_scaling_factor, settings: tuple) -> tuple:
+    """The plan key of a ``route`` call (``_plan.key`` with its other facts)."""
+    return _plan.key(roles, stride_t, float(routed_scaling_factor), *settings)
+
+
+def routing_plan(
+    roles: tuple[torch.Tensor, ...],
+    top_k: int,
+    *,
+    scoring_func: str = "softmax",
+    renormalize: bool = False,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    group_score: str = "top2_sum",
+) -> _plan.LaunchPlan | None:
+    """The plan that ``route`` recorded for calls like one with ``roles`` = ``(router_logits
+    [T, E] with unit stride along E, weights [T, k] float32, ids [T, k] int32[, correction
+    bias [E]])`` and these settings (same shapes, dtypes and alignments), if it made one and
+    it is alive; None otherwise. The key is ``route``'s own."""
+    settings = (top_k, scoring_func, renormalize, num_expert_group, topk_group, group_score)
+    plan = _PLANS.get(_routing_key(roles, roles[0].stride(0), routed_scaling_factor, settings))
+    return plan if isinstance(plan, _plan.LaunchPlan) and plan.alive() else None
 
 
 def _launch_routing(

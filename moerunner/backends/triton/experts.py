@@ -574,7 +574,7 @@ def fused_standard(
         planned = tiles is None and _plan.enabled(prepared.options, dev)
         if planned:
             plans = _plan.plans_of(prepared)
-            plan_key = _plan.key(roles, prepared.options, id_flags is not None)
+            plan_key = _standard_plan_key(roles, prepared, id_flags is not None)
             if _plan.replay(plans, plan_key, roles):
                 if id_flags is not None:
                     ID_FLAGS.poll(dev)
@@ -601,6 +601,20 @@ def fused_standard(
         if id_flags is not None:
             ID_FLAGS.poll(dev)
     return out
+
+
+def _standard_plan_key(roles: tuple, prepared: PreparedWeights, checks_ids: bool) -> tuple:
+    """The plan key of a ``fused_standard`` call whose roles are ``(hidden [T, H], ids
+    [T, k] int32, routing weights [T * k] float32, out [T, H])``."""
+    return _plan.key(roles, prepared.options, checks_ids)
+
+
+def standard_plan(roles: tuple, prepared: PreparedWeights) -> _plan.LaunchPlan | None:
+    """The plan that ``fused_standard`` recorded for calls without the id check whose roles
+    are like ``roles`` (``_standard_plan_key``; same shapes, dtypes and alignments), if it
+    made one and it is alive; None otherwise."""
+    plan = _plan.plans_of(prepared).get(_standard_plan_key(roles, prepared, False))
+    return plan if isinstance(plan, _plan.LaunchPlan) and plan.alive() else None
 
 
 def grouped_core(

@@ -1,0 +1,89 @@
+# One eager MoE layer call, routing and experts, as one launch plan (private).
+#
+# A layer's eager call runs ``select_experts`` (one routing launch) and the experts' kernel
+# sequence, each replaying its own launch plan (``_plan``) behind its own Python: argument
+# checks, the backend choice, the prepared-weights lookup, key building, the routing
+# outputs' allocation. For a layer whose weights and routing settings do not change between
+# calls, all of that is decided by the call's shapes, so ``LayerStep`` joins the two plans
+# into one, with the routing outputs in buffers of its own:
+#
+#   roles: hidden [T, H], router logits [T, E], out [T, H], weights [T, k], ids [T, k]
+#          (, correction bias [E])
+#
+# and a call is a key lookup, one output allocation and the replay of the joined launches.
+# The routing buffers are reused call after call: the steps of one caller (thread and CUDA
+# stream, part of the layer's key) run in stream order, so a call's routing writes them only
+# after the previous call's experts have read them.
+#
+# A step is made from the plans that the ordinary path recorded for the same shapes (so a
+# layer's first calls take that path); where either has none (it compiled, the interpreter or
+# a profiler is on, a hidden size padded for the kernels) there is no step.
+
+from __future__ import annotations
+
+import torch
+
+from ...weights import PreparedWeights
+from . import _plan, _routing, experts
+
+
+class LayerStep:
+    """The joined plan of one layer call (module comment) and its routing buffers."""
+
+    __slots__ = ("plan", "weights", "ids", "options")
+
+    def __init__(self, plan, weights: torch.Tensor, ids: torch.Tensor, options) -> None:
+        self.plan = plan
+        self.weights = weights
+        self.ids = ids
+        self.options = options
+
+    def run(
+        self, hidden_TH: torch.Tensor, router_logits: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``[T, H]`` out of one replay; None where the step cannot replay now (a profiler
+        records, a launch hook is set, or a workspace it used was dropped): take the
+        ordinary path."""
+        if not _plan.enabled(self.options, hidden_TH.device) or not self.plan.alive():
+            return None
+        out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=hidden_TH.device)
+        roles = (hidden_TH, router_logits, out, self.weights, self.ids)
+        self.plan.replay(roles if bias is None else (*roles, bias))
+        return out
+
+
+def layer_step(
+    hidden_TH: torch.Tensor,
+    router_logits: torch.Tensor,
+    routing: dict,
+    prepared: PreparedWeights,
+) -> LayerStep | None:
+    """The step of layer calls like this one: ``hidden_TH [T, H]`` contiguous,
+    ``router_logits [T, E]`` with unit stride along E, ``routing``: ``select_experts``'
+    keyword arguments with ``top_k`` and ``correction_bias``, ``prepared``: the weights the
+    experts ran on. None where the ordinary path made no plan for either half."""
+    dev = hidden_TH.device
+    if (
+        not _plan.enabled(prepared.options, dev)
+        or not hidden_TH.is_contiguous()
+        or router_logits.stride(-1) != 1
+        or prepared.spec.hidden_size != hidden_TH.shape[-1]  # padded: a pad op per call
+    ):
+        return None
+    settings = dict(routing)
+    top_k = settings.pop("top_k")
+    bias = settings.pop("correction_bias", None)
+    if bias is not None and not bias.is_contiguous():
+        return None
+    tokens = hidden_TH.shape[0]
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=dev)
+    out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=dev)
+    route_roles = (router_logits, weights, ids) + (() if bias is None else (bias,))
+    route = _routing.routing_plan(route_roles, top_k, **settings)
+    run = experts.standard_plan((hidden_TH, ids, weights.view(-1), out), prepared)
+    if route is None or run is None:
+        return None
+    # step roles: 0 hidden, 1 logits, 2 out, 3 weights, 4 ids, 5 bias
+    plan = _plan.LaunchPlan.join([(route, (1, 3, 4, 5)), (run, (0, 4, 3, 2))])
+    return LayerStep(plan, weights, ids, prepared.options)
