@@ -8,7 +8,8 @@
 #
 # The GEMMs are the same launches as the fused sequence's (``experts._launch_gemm``) with
 # the activation and the routing weight switched off; the row layout is the same
-# (``experts.layout_rows``).
+# (``experts.layout_rows``). A hook that is a LoRA record (``moerunner.lora.LoraDelta``)
+# runs as the shrink and expand kernels of ``lora.py`` instead of its PyTorch form.
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .experts import (
     alignment_workspace,
     layout_rows,
 )
+from .lora import apply_hook
 
 
 def hooked_sequence(
@@ -57,8 +59,8 @@ def hooked_sequence(
         a, a_scale, w13, t["w13_bias"], h_RN, layout, num_rows, a_row_div, None,
         tiles.gemm1, n13, None, options=options,
     )  # fmt: skip
-    x_RK = a_RH if a_row_div == 1 else a_RH.repeat_interleave(a_row_div, dim=0)
-    h_RN = hooks.apply("gate_up", h_RN, x_RK, rows)
+    layouts: dict = {}  # LoRA row layouts, shared by both GEMMs' deltas
+    h_RN = apply_hook(hooks, "gate_up", h_RN, a_RH, a_row_div, rows, options, layouts)
     act_RI = apply_activation(h_RN, spec).to(a_RH.dtype)
     a2, a2_scale = _quantize_input(act_RI, w2, options)
     y_RH = torch.empty(num_rows, spec.hidden_size, dtype=torch.float32, device=dev)
@@ -66,7 +68,7 @@ def hooked_sequence(
         a2, a2_scale, w2, t["w2_bias"], y_RH, layout, num_rows, 1, None,
         tiles.gemm2, spec.hidden_size, None, options=options,
     )  # fmt: skip
-    return hooks.apply("down", y_RH, act_RI, rows)
+    return apply_hook(hooks, "down", y_RH, act_RI, 1, rows, options, layouts)
 
 
 def hooked_standard(
