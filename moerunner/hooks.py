@@ -25,7 +25,9 @@ routing weight, the hook, weight and sum); a call without hooks is not affected.
 A hook's work must stay on the device (no host reads) for the call to remain CUDA-graph
 capturable on backends that are.
 
-LoRA over the experts (``moerunner.lora``) is built on these hooks.
+LoRA over the experts (``moerunner.lora``) is built on these hooks. Its hooks are
+callables and at once declarative records (``moerunner.lora.LoraDelta``) that a backend
+with kernels for them applies instead of calling them (the triton backend does).
 """
 
 from __future__ import annotations

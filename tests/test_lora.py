@@ -136,8 +136,10 @@ def test_gathered_and_grouped_deltas_agree():
 # expand rounds the rank-r intermediate to fp16 (relative 2^-11 of the delta alone) before
 # its tensor-core product, below the bound.
 LAYOUTS = {"rows": 10**6, "grouped": 0}
-TRITON_RUNS = triton_backend.interpreted() or torch.cuda.is_available()
-needs_triton = pytest.mark.skipif(not TRITON_RUNS, reason="triton kernels cannot run here")
+# On CPU tensors the kernels run under Triton's interpreter only (GPU: the gpu test below).
+needs_triton = pytest.mark.skipif(
+    not triton_backend.interpreted(), reason="needs Triton's interpreter for CPU tensors"
+)
 
 
 @needs_triton
@@ -256,18 +258,25 @@ def test_bad_lora_input_is_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
-    """triton: the hooked sequence and the gathered LoRA deltas have no host read, so the
-    call captures; each replay with new inputs matches an eager call (bf16)."""
-    if backend == "torch":
-        pytest.skip("the torch backend reads expert bounds on the host")
-    x, weights, lora, topk, adapters, act = _case(16)
-    dev, bf = "cuda", torch.bfloat16
-    w = ExpertWeights(weights.w13.to(dev, bf), weights.w2.to(dev, bf))
-    lo = MoeLoraWeights(*(t.to(dev, bf) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
+@pytest.mark.parametrize("tokens", [9, 64], ids=["row-blocks", "grouped"])
+def test_lora_call_is_captured_in_a_cuda_graph_and_replays(monkeypatch, tokens):
+    """triton, bf16, the default options: 9 tokens give 18 rows, under 2 per (adapter,
+    expert) pair (row blocks); 64 give 128 rows (grouped by pair). The LoRA kernels ran (the
+    PyTorch form is switched off), the eager call reads nothing back to the host, the call
+    captures, each replay with new inputs matches an eager call, and the result matches
+    the float64 merged-weights reference (the torch backend reads expert bounds on the host
+    and does not capture)."""
+    bf, dev = torch.bfloat16, "cuda"
+    x, weights, lora, topk, adapters, act = _case(16, tokens=tokens, hidden=96, inter=48, dtype=bf)
+    w = ExpertWeights(weights.w13.to(dev), weights.w2.to(dev))
+    lo = MoeLoraWeights(*(t.to(dev) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
                         lora.scaling.to(dev))  # fmt: skip
-    xs, tw, ti, ad = x.to(dev, bf), topk.weights.to(dev), topk.ids.to(dev), adapters.to(dev)
+    xs, tw, ti, ad = x.to(dev), topk.weights.to(dev), topk.ids.to(dev), adapters.to(dev)
+
+    def no_pytorch_form(*args):
+        raise AssertionError("the triton backend called the LoRA hook's PyTorch form")
+
+    monkeypatch.setattr(LoraDelta, "__call__", no_pytorch_form)
 
     def call():
         hooks = lora_hooks(lo, ad, check_ids=False)
@@ -275,6 +284,15 @@ def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
             xs, w.w13, w.w2, tw, ti, backend="triton", check_ids=False, hooks=hooks
         )
 
+    call()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = _reference(x.float(), weights, lora, topk, adapters, act)
+    assert_close(eager, ref, DTYPE_BOUND[bf], what=f"T={tokens}")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -285,12 +303,9 @@ def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
     with torch.cuda.graph(graph):
         out = call()
     for step in range(2):
-        xs.copy_(torch.randn(T, H, generator=torch.Generator().manual_seed(step)).to(dev, bf))
+        g = torch.Generator().manual_seed(step)
+        xs.copy_(torch.randn(tokens, xs.shape[1], generator=g).to(dev, bf))
         graph.replay()
         torch.testing.assert_close(out, call())
-    lo32 = MoeLoraWeights(
-        *(t.float().cpu() for t in (lo.w13_a, lo.w13_b, lo.w2_a, lo.w2_b)), lora.scaling
-    )
-    w32 = ExpertWeights(w.w13.float().cpu(), w.w2.float().cpu())
-    ref = _reference(xs.float().cpu(), w32, lo32, topk, adapters, act)
-    assert_close(out, ref, DTYPE_BOUND[torch.bfloat16])
+    ref = _reference(xs.float().cpu(), weights, lora, topk, adapters, act)
+    assert_close(out, ref, DTYPE_BOUND[bf], what=f"T={tokens} replayed")

@@ -223,7 +223,7 @@ def lora_expand_kernel(
     b_base = b_ptr + adapter * stride_bl + expert * stride_be
     if ROW_BLOCKS:
         t = tl.zeros((RANK,), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
+        for s in range(SPLITS):
             t += tl.load(t_ptr + pid_m * stride_tm + s * stride_ts + r_offs)
         b_mask = (n_offs[:, None] < N) & (r_offs[None, :] < rank)
         b = tl.load(
@@ -239,7 +239,7 @@ def lora_expand_kernel(
         in_rows = rows < num_rows
         safe_rows = tl.where(in_rows, rows, 0)
         t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
+        for s in range(SPLITS):
             t += tl.load(t_ptr + safe_rows[:, None] * stride_tm + s * stride_ts + r_offs[None, :])
         b_mask = (r_offs[:, None] < rank) & (n_offs[None, :] < N)
         b_t = tl.load(  # [RANK, BLOCK_N]: B transposed

@@ -60,6 +60,12 @@ class LoraLayout:
         return self.block_pair.shape[0]
 
 
+def groups_rows(num_rows: int, num_pairs: int, options: TritonOptions) -> bool:
+    """Whether ``num_rows`` rows over ``num_pairs`` (adapter, expert) pairs are grouped by
+    pair (``options.lora_group_min_rows_per_pair``) rather than taken one row per block."""
+    return num_rows > 0 and num_rows >= options.lora_group_min_rows_per_pair * num_pairs
+
+
 def lora_layout(rows: HookRows, delta: LoraDelta, options: TritonOptions) -> LoraLayout:
     """The row layout of ``delta``'s adapters over ``rows`` (see ``LoraLayout``)."""
     num_rows = rows.expert.shape[0]
@@ -67,8 +73,7 @@ def lora_layout(rows: HookRows, delta: LoraDelta, options: TritonOptions) -> Lor
     expert, token = rows.expert.contiguous(), rows.token.contiguous()
     adapter_T = delta.adapter_T.contiguous()
     common = (expert, token, adapter_T, delta.lora.num_experts)
-    group_min = options.lora_group_min_rows_per_pair
-    if num_rows < group_min * num_pairs or num_rows == 0:
+    if not groups_rows(num_rows, num_pairs, options):
         return LoraLayout(*common, True, 16, expert, expert, expert)  # block_m unused
     dev = expert.device
     per_pair = num_rows / num_pairs
@@ -152,7 +157,7 @@ def apply_lora(
         layout.block_pair,
         layout.num_padded,
     )
-    blocks = num_rows if layout.row_blocks else layout.num_blocks
+    blocks = layout.num_blocks
     dot1, ieee1 = _dot_dtype(x_XK.dtype, a.dtype)
     _launch.launch(
         lora_shrink_kernel,
