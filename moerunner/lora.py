@@ -207,7 +207,11 @@ def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool 
         check_ids_async(adapter_ids[:, None], lora.num_adapters, where="lora adapter_ids")
     ids = adapter_ids.long()
     ids = torch.where((ids >= 0) & (ids < lora.num_adapters), ids, -1)
-    return MoeHooks(gate_up=LoraDelta(lora, ids, "w13"), down=LoraDelta(lora, ids, "w2"))
+    return MoeHooks(
+        gate_up=LoraDelta(lora, ids, "w13"),
+        down=LoraDelta(lora, ids, "w2"),
+        num_tokens=ids.shape[0],
+    )
 
 
 @dataclass(frozen=True, eq=False)

@@ -17,7 +17,7 @@ from moerunner.api import run_experts
 from moerunner.backends import triton as triton_backend
 from moerunner.backends.triton import TritonBackend, TritonOptions
 from moerunner.config import Activation
-from moerunner.hooks import HookRows
+from moerunner.hooks import HookRows, MoeHooks
 from moerunner.lora import LoraDelta, MoeLoraWeights, _gathered, lora_delta, lora_hooks
 from moerunner.testing import DTYPE_BOUND, assert_close
 from moerunner.weights import ExpertWeights
@@ -255,6 +255,11 @@ def test_bad_lora_input_is_named():
     )
     with pytest.raises(MoeInputError, match="w13_a has 33 where the experts need 32"):
         _run("torch", x, weights, wide, topk, adapters, act)
+    for backend in BACKENDS:  # one adapter id per token of the call
+        with pytest.raises(MoeInputError, match="hooks were made for 8 tokens.*call has 9"):
+            _run(backend, x, weights, lora, topk, adapters[:8], act)
+    with pytest.raises(TypeError, match="num_tokens must be None or an int"):
+        MoeHooks(num_tokens=-1)
 
 
 @pytest.mark.gpu

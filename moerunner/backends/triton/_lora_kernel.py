@@ -25,13 +25,14 @@ from . import _pdl
 
 
 @triton.jit
-def _row_pair(row, expert_ptr, token_ptr, adapter_ptr, num_experts):
+def _row_pair(row, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens):
     """(adapter, expert, valid) of row ``row``: its expert, its token's adapter id (-1: none,
-    also for a row without a token)."""
+    also for a row without a token or one past the ``num_tokens`` adapter ids)."""
     expert = tl.load(expert_ptr + row).to(tl.int64)
     token = tl.load(token_ptr + row).to(tl.int64)
-    adapter = tl.load(adapter_ptr + tl.maximum(token, 0)).to(tl.int64)
-    adapter = tl.where(token >= 0, adapter, -1)
+    has_id = (token >= 0) & (token < num_tokens)
+    adapter = tl.load(adapter_ptr + tl.where(has_id, token, 0), mask=has_id, other=-1)
+    adapter = adapter.to(tl.int64)
     valid = (adapter >= 0) & (expert >= 0) & (expert < num_experts)
     return adapter, expert, valid
 
@@ -44,6 +45,7 @@ def pair_ids_kernel(
     pair_ptr,
     num_rows,
     num_experts,
+    num_tokens,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -52,7 +54,9 @@ def pair_ids_kernel(
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = rows < num_rows
     safe = tl.where(inside, rows, 0)
-    adapter, expert, valid = _row_pair(safe, expert_ptr, token_ptr, adapter_ptr, num_experts)
+    adapter, expert, valid = _row_pair(
+        safe, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens
+    )
     pair = tl.where(valid, adapter * num_experts + expert, -1)
     tl.store(pair_ptr + rows, pair.to(tl.int32), mask=inside)
 
@@ -68,13 +72,16 @@ def _block_rows(
     num_padded_ptr,
     num_rows,
     num_experts,
+    num_tokens,
     BLOCK_M: tl.constexpr,
     ROW_BLOCKS: tl.constexpr,
 ):
     """(rows [BLOCK_M] with the sentinel ``num_rows`` for none, adapter, expert, valid) of
     block ``pid_m``; with ROW_BLOCKS, row ``pid_m`` in the first slot."""
     if ROW_BLOCKS:
-        adapter, expert, valid = _row_pair(pid_m, expert_ptr, token_ptr, adapter_ptr, num_experts)
+        adapter, expert, valid = _row_pair(
+            pid_m, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens
+        )
         rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
     else:
         valid = pid_m * BLOCK_M < tl.load(num_padded_ptr)
@@ -102,6 +109,7 @@ def lora_shrink_kernel(
     rank,
     num_rows,
     num_experts,
+    num_tokens,
     a_row_div,
     stride_xm,
     stride_xk,
@@ -127,7 +135,7 @@ def lora_shrink_kernel(
     split = tl.program_id(1)
     rows, adapter, expert, valid = _block_rows(
         pid_m, expert_ptr, token_ptr, adapter_ptr, sorted_rows_ptr, block_pair_ptr,
-        num_padded_ptr, num_rows, num_experts, BLOCK_M, ROW_BLOCKS,
+        num_padded_ptr, num_rows, num_experts, num_tokens, BLOCK_M, ROW_BLOCKS,
     )  # fmt: skip
     if valid == 0:  # no pair: the row (or the unused block) is left as it is
         return
@@ -184,6 +192,7 @@ def lora_expand_kernel(
     rank,
     num_rows,
     num_experts,
+    num_tokens,
     stride_tm,
     stride_ts,
     stride_bl,
@@ -210,7 +219,7 @@ def lora_expand_kernel(
     pid_n = tl.program_id(1)
     rows, adapter, expert, valid = _block_rows(
         pid_m, expert_ptr, token_ptr, adapter_ptr, sorted_rows_ptr, block_pair_ptr,
-        num_padded_ptr, num_rows, num_experts, BLOCK_M, ROW_BLOCKS,
+        num_padded_ptr, num_rows, num_experts, num_tokens, BLOCK_M, ROW_BLOCKS,
     )  # fmt: skip
     if valid == 0:  # no pair: the row (or the unused block) is left as it is
         return
