@@ -25,13 +25,12 @@ from ._align import align_rows
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
 from ._lora_kernel import lora_expand_kernel, lora_shrink_kernel, pair_ids_kernel
-from .experts import WORKSPACES, alignment_workspace
+from .experts import _TL_DTYPES, WORKSPACES, alignment_workspace
 from .options import TritonOptions
 
 # Elements of one factor tile of the row-block kernels ([rank, BLOCK_K] or [BLOCK_N, rank]):
 # 8 KiB of bf16 per program, so a decode call spreads its factor reads over many programs.
 _ROW_TILE = 4096
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ def _dot_dtype(x: torch.dtype, w: torch.dtype) -> tuple:
     """(Triton type in which ``tl.dot`` multiplies, whether in IEEE float32): the shared
     16-bit type, else float32 without TF32."""
     if x == w and x in (torch.bfloat16, torch.float16):
-        return _TL[x], False
+        return _TL_DTYPES[x], False
     return tl.float32, True
 
 
