@@ -145,11 +145,11 @@ needs_triton = pytest.mark.skipif(
 @needs_triton
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("rank", [8, 16, 64])
 def test_triton_lora_kernels_match_a_float64_loop_over_rows(layout, dtype, rank):
     """Rows of 2 slots per token (``a_row_div`` 2), unaligned K = 40 and N = 24, adapters
     and experts including -1, experts past E (no delta) and rows without a token; rows
-    without a pair keep their values. Rank 8 with a scaling tensor, 16 with a number."""
+    without a pair keep their values. Rank 8 with a scaling tensor, 16 and 64 with a number."""
     from moerunner.backends.triton.lora import apply_lora, lora_layout
 
     g = torch.Generator().manual_seed(rank)
