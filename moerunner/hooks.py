@@ -25,7 +25,9 @@ routing weight, the hook, weight and sum); a call without hooks is not affected.
 A hook's work must stay on the device (no host reads) for the call to remain CUDA-graph
 capturable on backends that are.
 
-LoRA over the experts (``moerunner.lora``) is built on these hooks.
+LoRA over the experts (``moerunner.lora``) is built on these hooks. Its hooks are
+callables and at once declarative records (``moerunner.lora.LoraDelta``) that a backend
+with kernels for them applies instead of calling them (the triton backend does).
 """
 
 from __future__ import annotations
@@ -54,16 +56,22 @@ class HookRows:
 
 @dataclass(frozen=True)
 class MoeHooks:
-    """The hooks of one call (see the module doc); either may be None."""
+    """The hooks of one call (see the module doc); either may be None. ``num_tokens``: the
+    number of tokens of the call they were made for (per-token data such as LoRA adapter
+    ids), checked by the runner; None: any call."""
 
     gate_up: Hook | None = None
     down: Hook | None = None
+    num_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("gate_up", "down"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"hooks: {name} must be callable or None, got {type(value)}")
+        n = self.num_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise TypeError(f"hooks: num_tokens must be None or an int >= 0, got {n!r}")
 
     def apply(self, which: str, out: torch.Tensor, inp: torch.Tensor, rows: HookRows):
         """Run hook ``which`` ("gate_up" or "down") if set; check what it returns."""

@@ -19,14 +19,18 @@ Shapes (L adapters, E experts, r rank, N13 = w13's rows):
 - ``scaling``: a number or float ``[L]`` (PEFT: ``lora_alpha / r``).
 
 Rows whose expert is past ``E`` (the shared experts of ``moerunner.shared``) get no delta.
-The shrink and expand run in float32 on the factors of each row:
+
+Each hook is a ``LoraDelta``: a callable (the PyTorch form below, which every backend that
+runs hooks can call) and at once a declarative record of one GEMM's LoRA that a backend
+with its own kernels applies instead (the triton backend's hooked sequence:
+``moerunner.backends.triton.lora``, punica-style shrink and expand kernels). The PyTorch
+form runs the shrink and expand in float32 on the factors of each row:
 
 - on CPU grouped by (adapter, expert), two GEMMs per group (one host read of the group
   bounds, as the torch backend's experts do);
 - elsewhere by gathering each row's factors in chunks of rows (batched GEMMs, no host read,
   CUDA-graph capturable). This reads r x (K + N) factor values per row: cheap at decode,
-  the dominant cost of a long prefill (a grouped GEMM over (adapter, expert) segments would
-  read each group's factors once).
+  the dominant cost of a long prefill.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from .device_checks import check_ids_async
 from .errors import MoeInputError
 from .hooks import HookRows, MoeHooks
 
-__all__ = ["MoeLoraWeights", "lora_hooks"]
+__all__ = ["LoraDelta", "MoeLoraWeights", "lora_hooks"]
 
 # Gathered factor elements per chunk of rows (off the CPU): ~16 MiB of float32.
 _GATHER_ELEMENTS = 1 << 22
@@ -203,19 +207,48 @@ def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool 
         check_ids_async(adapter_ids[:, None], lora.num_adapters, where="lora adapter_ids")
     ids = adapter_ids.long()
     ids = torch.where((ids >= 0) & (ids < lora.num_adapters), ids, -1)
+    return MoeHooks(
+        gate_up=LoraDelta(lora, ids, "w13"),
+        down=LoraDelta(lora, ids, "w2"),
+        num_tokens=ids.shape[0],
+    )
 
-    def per_row(rows: HookRows) -> tuple[torch.Tensor, torch.Tensor]:
-        adapter = torch.where(rows.token >= 0, ids[rows.token.clamp(min=0)], -1)
-        return adapter, _scales(lora, adapter)
 
-    def gate_up(h_RN: torch.Tensor, x_RK: torch.Tensor, rows: HookRows) -> torch.Tensor:
-        lora.check_against(h_RN.shape[1], x_RK.shape[1], lora.w2_a.shape[3])
-        adapter, scale = per_row(rows)
-        return h_RN.add_(lora_delta(x_RK, lora.w13_a, lora.w13_b, adapter, rows.expert, scale))
+@dataclass(frozen=True, eq=False)
+class LoraDelta:
+    """One GEMM's LoRA in one call: ``gemm`` "w13" (the gate/up hook) or "w2" (the down
+    hook) of ``lora``, token ``t`` with adapter ``adapter_T[t]`` (int64 ``[T]`` in
+    ``[-1, L)``; -1: none). Called as a hook it adds the delta in PyTorch (``lora_delta``);
+    a backend that recognises the record may apply it with its own kernels instead."""
 
-    def down(y_RH: torch.Tensor, a_RI: torch.Tensor, rows: HookRows) -> torch.Tensor:
-        lora.check_against(lora.w13_b.shape[2], y_RH.shape[1], a_RI.shape[1])
-        adapter, scale = per_row(rows)
-        return y_RH.add_(lora_delta(a_RI, lora.w2_a, lora.w2_b, adapter, rows.expert, scale))
+    lora: MoeLoraWeights
+    adapter_T: torch.Tensor
+    gemm: str
 
-    return MoeHooks(gate_up=gate_up, down=down)
+    @property
+    def a(self) -> torch.Tensor:
+        """Shrink factors ``[L, E, r, K]``."""
+        return self.lora.w13_a if self.gemm == "w13" else self.lora.w2_a
+
+    @property
+    def b(self) -> torch.Tensor:
+        """Expand factors ``[L, E, N, r]``."""
+        return self.lora.w13_b if self.gemm == "w13" else self.lora.w2_b
+
+    def check(self, out_RN: torch.Tensor, x_RK: torch.Tensor) -> None:
+        """The factors fit this GEMM's output ``[R, N]`` and input ``[R, K]`` (or ``[T, K]``)."""
+        lora = self.lora
+        if self.gemm == "w13":
+            lora.check_against(out_RN.shape[1], x_RK.shape[1], lora.w2_a.shape[3])
+        else:
+            lora.check_against(lora.w13_b.shape[2], out_RN.shape[1], x_RK.shape[1])
+
+    def row_adapters(self, rows: HookRows) -> torch.Tensor:
+        """Adapter of each row (-1: none)."""
+        return torch.where(rows.token >= 0, self.adapter_T[rows.token.clamp(min=0)], -1)
+
+    def __call__(self, out_RN: torch.Tensor, x_RK: torch.Tensor, rows: HookRows) -> torch.Tensor:
+        self.check(out_RN, x_RK)
+        adapter = self.row_adapters(rows)
+        scale = _scales(self.lora, adapter)
+        return out_RN.add_(lora_delta(x_RK, self.a, self.b, adapter, rows.expert, scale))

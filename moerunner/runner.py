@@ -104,7 +104,7 @@ class MoeRunner:
         prepared weights' backend must declare ``Capabilities.hooks``)."""
         hooks = check_hooks(hooks)
         if hooks is not None:
-            self._check_hooks(dispatch_output, prepared)
+            self._check_hooks(dispatch_output, prepared, hooks)
         if dispatch_output.num_tokens == 0:
             return empty_output(dispatch_output)
         hidden_size = dispatch_output.hidden_states.shape[-1]
@@ -116,11 +116,18 @@ class MoeRunner:
             return out[..., :hidden_size].contiguous()
         return self._run(dispatch_output, prepared, hooks)
 
-    def _check_hooks(self, dispatch_output: Any, prepared: PreparedWeights) -> None:
+    def _check_hooks(
+        self, dispatch_output: Any, prepared: PreparedWeights, hooks: MoeHooks
+    ) -> None:
         if dispatch_output.format != STANDARD:
             raise MoeInputError(
                 f"hooks need the {STANDARD!r} dispatch format (a row's token is known there), "
                 f"got {dispatch_output.format!r}"
+            )
+        if hooks.num_tokens is not None and hooks.num_tokens != dispatch_output.num_tokens:
+            raise MoeInputError(
+                f"hooks were made for {hooks.num_tokens} tokens (e.g. lora_hooks' adapter_ids), "
+                f"the call has {dispatch_output.num_tokens}"
             )
         backend = self.registry.backends.get(prepared.backend)
         if backend is None or not backend.capabilities.hooks:

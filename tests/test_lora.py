@@ -14,31 +14,42 @@ import torch
 import moerunner
 from moerunner import MoeInputError, MoeRunner
 from moerunner.api import run_experts
+from moerunner.backends import triton as triton_backend
+from moerunner.backends.triton import TritonBackend, TritonOptions
 from moerunner.config import Activation
-from moerunner.lora import MoeLoraWeights, _gathered, lora_delta, lora_hooks
+from moerunner.hooks import HookRows, MoeHooks
+from moerunner.lora import LoraDelta, MoeLoraWeights, _gathered, lora_delta, lora_hooks
 from moerunner.testing import DTYPE_BOUND, assert_close
 from moerunner.weights import ExpertWeights
 
 T, E, H, I, K, L = 9, 4, 32, 16, 2, 3
 BACKENDS = ["torch", "triton"]
+ADAPTERS = [0, 1, 2, -1, 0, 2, 1, -1, 0]
 
 
-def _case(rank=8, act="silu", seed=0, scaling=None):
+def _case(rank=8, act="silu", seed=0, scaling=None, tokens=T, hidden=H, inter=I, dtype=None):
+    """Random experts, adapters (the pattern of ADAPTERS repeated over ``tokens``) and
+    routing; ``dtype`` rounds every tensor to it (the reference then sees the same values)."""
     act = Activation.of(act)
     g = torch.Generator().manual_seed(seed)
-    rows = 2 * I if act.gated else I
-    w13 = torch.randn(E, rows, H, generator=g) * H**-0.5
-    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
+    rows = 2 * inter if act.gated else inter
+    w13 = torch.randn(E, rows, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(E, hidden, inter, generator=g) * inter**-0.5
     lora = MoeLoraWeights(
-        torch.randn(L, E, rank, H, generator=g) * H**-0.5,
+        torch.randn(L, E, rank, hidden, generator=g) * hidden**-0.5,
         torch.randn(L, E, rows, rank, generator=g) * rank**-0.5,
-        torch.randn(L, E, rank, I, generator=g) * I**-0.5,
-        torch.randn(L, E, H, rank, generator=g) * rank**-0.5,
+        torch.randn(L, E, rank, inter, generator=g) * inter**-0.5,
+        torch.randn(L, E, hidden, rank, generator=g) * rank**-0.5,
         torch.tensor([0.5, 1.0, 2.0]) if scaling is None else scaling,
     )
-    x = torch.randn(T, H, generator=g)
-    topk = moerunner.select_experts(torch.randn(T, E, generator=g), K, renormalize=True)
-    adapters = torch.tensor([0, 1, 2, -1, 0, 2, 1, -1, 0])
+    x = torch.randn(tokens, hidden, generator=g)
+    topk = moerunner.select_experts(torch.randn(tokens, E, generator=g), K, renormalize=True)
+    adapters = torch.tensor(ADAPTERS * (tokens // len(ADAPTERS) + 1))[:tokens]
+    if dtype is not None:
+        x, w13, w2 = (t.to(dtype) for t in (x, w13, w2))
+        lora = MoeLoraWeights(
+            *(t.to(dtype) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)), lora.scaling
+        )
     return x, ExpertWeights(w13, w2), lora, topk, adapters, act
 
 
@@ -46,7 +57,7 @@ def _reference(x, weights, lora, topk, adapters, act):
     """float64: per adapter, the merged weights on its tokens."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     w13, w2 = (w.double() for w in (weights.w13, weights.w2))
-    for a in [-1, *range(L)]:
+    for a in [-1, *range(lora.num_adapters)]:
         tok = (adapters == a).nonzero().flatten()
         if a < 0:
             merged = ExpertWeights(w13, w2)
@@ -86,6 +97,19 @@ def test_rank_64_non_gated_and_a_float_scaling(backend):
     assert_close(out, _reference(x, weights, lora, topk, adapters, act), DTYPE_BOUND[torch.float32])
 
 
+def _row_deltas(x_XK, a, b, adapter_R, expert_R, scale_R, row_div=1):
+    """float64 ``[R, N]``: row r's ``scale * (B A) x[r // row_div]`` for its (adapter,
+    expert); 0 where either is -1 or the expert is past E."""
+    rows, num_experts = adapter_R.shape[0], a.shape[1]
+    want = torch.zeros(rows, b.shape[2], dtype=torch.float64)
+    for r in range(rows):
+        ad, ex = int(adapter_R[r]), int(expert_R[r])
+        if ad >= 0 and 0 <= ex < num_experts:
+            ab = b[ad, ex].double() @ a[ad, ex].double()
+            want[r] = float(scale_R[r]) * (ab @ x_XK[r // row_div].double())
+    return want
+
+
 def test_gathered_and_grouped_deltas_agree():
     """The CPU grouped form and the off-CPU gathered form (run here on CPU tensors, in
     chunks of 7 rows) against a float64 loop over rows."""
@@ -95,11 +119,7 @@ def test_gathered_and_grouped_deltas_agree():
     adapter = torch.randint(-1, L, (40,), generator=g)
     expert = torch.randint(-1, E + 2, (40,), generator=g)  # past E: shared experts, no delta
     scale = torch.rand(40, generator=g)
-    want = torch.zeros(40, 2 * I, dtype=torch.float64)
-    for r in range(40):
-        if adapter[r] >= 0 and 0 <= expert[r] < E:
-            ab = b[adapter[r], expert[r]].double() @ a[adapter[r], expert[r]].double()
-            want[r] = scale[r] * (ab @ x[r].double())
+    want = _row_deltas(x, a, b, adapter, expert, scale)
     assert want.abs().sum() > 0
     grouped = lora_delta(x, a, b, adapter, expert, scale)
     assert_close(grouped, want, 1e-5)
@@ -107,6 +127,111 @@ def test_gathered_and_grouped_deltas_agree():
     key = torch.where(valid, adapter * E + expert, -1)
     gathered = _gathered(x, a, b, key, scale, torch.zeros(40, 2 * I), chunk=7)
     assert_close(gathered, want, 1e-5)
+
+
+# The triton backend's LoRA kernels (``moerunner.backends.triton.lora``), in both row
+# layouts: each row its own block (few rows per adapter/expert pair) and rows grouped by
+# pair (forced with ``lora_group_min_rows_per_pair``). fp32 bound: DTYPE_BOUND (float32
+# products and sums of rank r, as the GEMMs'). fp16 bound: DTYPE_BOUND too; the grouped
+# expand rounds the rank-r intermediate to fp16 (relative 2^-11 of the delta alone) before
+# its tensor-core product, below the bound.
+LAYOUTS = {"rows": 10**6, "grouped": 0}
+# On CPU tensors the kernels run under Triton's interpreter only (GPU: the gpu test below).
+needs_triton = pytest.mark.skipif(
+    not triton_backend.interpreted(), reason="needs Triton's interpreter for CPU tensors"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_triton_lora_kernels_match_a_float64_loop_over_rows(layout, dtype, rank):
+    """Rows of 2 slots per token (``a_row_div`` 2), unaligned K = 40 and N = 24, adapters
+    and experts including -1, experts past E (no delta) and rows without a token; rows
+    without a pair keep their values. Rank 8 with a scaling tensor, 16 and 64 with a number."""
+    from moerunner.backends.triton.lora import apply_lora, lora_layout
+
+    g = torch.Generator().manual_seed(rank)
+    tokens, row_div, k, n = 23, 2, 40, 24
+    rows = tokens * row_div
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    a = (torch.randn(L, E, rank, k, generator=g) * k**-0.5).to(dtype)
+    b = (torch.randn(L, E, n, rank, generator=g) * rank**-0.5).to(dtype)
+    scaling = torch.tensor([0.5, 1.0, 2.0]) if rank == 8 else 0.75
+    adapter_T = torch.randint(-1, L, (tokens,), generator=g)
+    expert = torch.randint(-1, E + 2, (rows,), generator=g).to(torch.int32)
+    token = torch.arange(rows) // row_div
+    token = torch.where(torch.rand(rows, generator=g) < 0.1, -1, token)
+    expert = torch.where(token < 0, -1, expert)
+    hook_rows = HookRows(expert=expert, token=token, slot=torch.where(token < 0, -1, 0))
+    w2_a, w2_b = torch.zeros(L, E, rank, n, dtype=dtype), torch.zeros(L, E, k, rank, dtype=dtype)
+    lora = MoeLoraWeights(a, b, w2_a, w2_b, scaling)  # w13's factors are the ones applied
+    delta = LoraDelta(lora, adapter_T, "w13")
+    options = TritonOptions(lora_group_min_rows_per_pair=LAYOUTS[layout])
+    plan = lora_layout(hook_rows, delta, options)
+    assert plan.row_blocks == (layout == "rows")
+    before = torch.randn(rows, n, generator=g)
+    out = apply_lora(before.clone(), x, row_div, delta, plan, options)
+    adapter_R = torch.where(token >= 0, adapter_T[token.clamp(min=0)], -1)
+    scale_R = scaling[adapter_R.clamp(min=0)] if rank == 8 else torch.full((rows,), scaling)
+    want = _row_deltas(x, a, b, adapter_R, expert, scale_R, row_div)
+    assert (want != 0).any(dim=1).sum() >= 8 and (want == 0).all(dim=1).sum() >= 8
+    assert_close(out - before, want, DTYPE_BOUND[dtype], what=f"{layout} {dtype} r={rank}")
+    untouched = (want == 0).all(dim=1)
+    assert torch.equal(out[untouched], before[untouched])
+    empty = HookRows(*(torch.empty(0, dtype=torch.int64) for _ in range(3)))
+    none = apply_lora(
+        torch.empty(0, n), x[:0], 1, delta, lora_layout(empty, delta, options), options
+    )
+    assert none.shape == (0, n)
+
+
+@pytest.fixture
+def lora_variants():
+    """The triton backend registered once per LoRA row layout (``LAYOUTS``)."""
+    names = {}
+    for layout, group_min in LAYOUTS.items():
+        options = TritonOptions(lora_group_min_rows_per_pair=group_min)
+        names[layout] = f"triton-lora-{layout}"
+        triton_backend.register(TritonBackend(options, name=names[layout]), replace=True)
+    yield names
+    for name in names.values():
+        moerunner.DEFAULT_REGISTRY.backends.pop(name, None)
+    moerunner.DEFAULT_REGISTRY._selections.clear()
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "dtype,force_permute", [(torch.float32, False), (torch.float32, True), (torch.float16, False)]
+)
+@pytest.mark.parametrize("rank", [8, 16])
+def test_triton_backend_applies_lora_with_its_kernels(
+    lora_variants, monkeypatch, layout, dtype, force_permute, rank
+):
+    """End to end against the merged-weights reference, H = 40 and I = 24 (unaligned), both
+    paths of the standard format; the PyTorch form is switched off, so the kernels ran."""
+    x, weights, lora, topk, adapters, act = _case(
+        rank, seed=rank, tokens=18, hidden=40, inter=24, dtype=dtype
+    )
+
+    def no_pytorch_form(*args):
+        raise AssertionError("the triton backend called the LoRA hook's PyTorch form")
+
+    monkeypatch.setattr(LoraDelta, "__call__", no_pytorch_form)
+    out = _run(lora_variants[layout], x, weights, lora, topk, adapters, act, force_permute)
+    ref = _reference(x.float(), weights, lora, topk, adapters, act)
+    assert_close(out, ref, DTYPE_BOUND[dtype], what=f"{layout} {dtype} r={rank}")
+    empty = _run(
+        lora_variants[layout], x[:0], weights, lora, topk_slice(topk, 0), adapters[:0], act
+    )
+    assert empty.shape == (0, 40)
+
+
+def topk_slice(topk, tokens):
+    """The first ``tokens`` rows of a routing result."""
+    return type(topk)(topk.weights[:tokens], topk.ids[:tokens])
 
 
 def test_bad_lora_input_is_named():
@@ -130,21 +255,33 @@ def test_bad_lora_input_is_named():
     )
     with pytest.raises(MoeInputError, match="w13_a has 33 where the experts need 32"):
         _run("torch", x, weights, wide, topk, adapters, act)
+    for backend in BACKENDS:  # one adapter id per token of the call
+        with pytest.raises(MoeInputError, match="hooks were made for 8 tokens.*call has 9"):
+            _run(backend, x, weights, lora, topk, adapters[:8], act)
+    with pytest.raises(TypeError, match="num_tokens must be None or an int"):
+        MoeHooks(num_tokens=-1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
-    """triton: the hooked sequence and the gathered LoRA deltas have no host read, so the
-    call captures; each replay with new inputs matches an eager call (bf16)."""
-    if backend == "torch":
-        pytest.skip("the torch backend reads expert bounds on the host")
-    x, weights, lora, topk, adapters, act = _case(16)
-    dev, bf = "cuda", torch.bfloat16
-    w = ExpertWeights(weights.w13.to(dev, bf), weights.w2.to(dev, bf))
-    lo = MoeLoraWeights(*(t.to(dev, bf) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
+@pytest.mark.parametrize("tokens", [9, 64], ids=["row-blocks", "grouped"])
+def test_lora_call_is_captured_in_a_cuda_graph_and_replays(monkeypatch, tokens):
+    """triton, bf16, the default options: 9 tokens give 18 rows, under 2 per (adapter,
+    expert) pair (row blocks); 64 give 128 rows (grouped by pair). The LoRA kernels ran (the
+    PyTorch form is switched off), the eager call reads nothing back to the host, the call
+    captures, each replay with new inputs matches an eager call, and the result matches
+    the float64 merged-weights reference (the torch backend reads expert bounds on the host
+    and does not capture)."""
+    bf, dev = torch.bfloat16, "cuda"
+    x, weights, lora, topk, adapters, act = _case(16, tokens=tokens, hidden=96, inter=48, dtype=bf)
+    w = ExpertWeights(weights.w13.to(dev), weights.w2.to(dev))
+    lo = MoeLoraWeights(*(t.to(dev) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
                         lora.scaling.to(dev))  # fmt: skip
-    xs, tw, ti, ad = x.to(dev, bf), topk.weights.to(dev), topk.ids.to(dev), adapters.to(dev)
+    xs, tw, ti, ad = x.to(dev), topk.weights.to(dev), topk.ids.to(dev), adapters.to(dev)
+
+    def no_pytorch_form(*args):
+        raise AssertionError("the triton backend called the LoRA hook's PyTorch form")
+
+    monkeypatch.setattr(LoraDelta, "__call__", no_pytorch_form)
 
     def call():
         hooks = lora_hooks(lo, ad, check_ids=False)
@@ -152,6 +289,15 @@ def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
             xs, w.w13, w.w2, tw, ti, backend="triton", check_ids=False, hooks=hooks
         )
 
+    call()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = _reference(x.float(), weights, lora, topk, adapters, act)
+    assert_close(eager, ref, DTYPE_BOUND[bf], what=f"T={tokens}")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -162,12 +308,9 @@ def test_lora_call_is_captured_in_a_cuda_graph_and_replays(backend):
     with torch.cuda.graph(graph):
         out = call()
     for step in range(2):
-        xs.copy_(torch.randn(T, H, generator=torch.Generator().manual_seed(step)).to(dev, bf))
+        g = torch.Generator().manual_seed(step)
+        xs.copy_(torch.randn(tokens, xs.shape[1], generator=g).to(dev, bf))
         graph.replay()
         torch.testing.assert_close(out, call())
-    lo32 = MoeLoraWeights(
-        *(t.float().cpu() for t in (lo.w13_a, lo.w13_b, lo.w2_a, lo.w2_b)), lora.scaling
-    )
-    w32 = ExpertWeights(w.w13.float().cpu(), w.w2.float().cpu())
-    ref = _reference(xs.float().cpu(), w32, lo32, topk, adapters, act)
-    assert_close(out, ref, DTYPE_BOUND[torch.bfloat16])
+    ref = _reference(xs.float().cpu(), weights, lora, topk, adapters, act)
+    assert_close(out, ref, DTYPE_BOUND[bf], what=f"T={tokens} replayed")

@@ -1,14 +1,16 @@
 # MoE LoRA with several adapters in one batch (moerunner.lora, through moerunner.hooks):
-# the cost over the same call without adapters, and of the hooked sequence alone (hooks
-# that do nothing), at decode and prefill token counts.
+# the cost over the same call without adapters, of the hooked sequence alone (hooks that do
+# nothing), and of the LoRA deltas in their PyTorch form instead of the triton backend's
+# kernels (moerunner.backends.triton.lora), at decode and prefill token counts.
 #
 #   python benchmarks/experiments/moe_lora.py --preset qwen3-30b-a3b --tokens 1,16,256,4096
 #   python benchmarks/experiments/moe_lora.py --preset cpu-small --device cpu --tokens 1,16
 #
 # Shapes come from moerunner.bench.presets (--shrink N divides H and I by N for CPU runs);
-# tokens are spread over --adapters adapters of rank --rank, a quarter of them without one.
+# tokens are spread over --adapters adapters of rank --rank, a fifth of them without one.
 # Prints a table (milliseconds per call, median; CUDA-graph replay on a GPU where capture
-# works) and writes --json.
+# works) with the ratio lora / plain and the kernels' row layout (each row its own block, or
+# rows grouped by (adapter, expert) pair), and writes --json.
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 import moerunner  # noqa: E402
+from moerunner.backends.triton.lora import groups_rows  # noqa: E402
+from moerunner.backends.triton.options import DEFAULT_OPTIONS  # noqa: E402
 from moerunner.bench.presets import PRESETS, get_preset  # noqa: E402
 from moerunner.bench.timing import time_cases  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
@@ -35,7 +40,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,256,4096")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--no-pytorch-form", action="store_true", help="skip the deltas' PyTorch form")
     ap.add_argument("--shrink", type=int, default=1, help="divide H and I by this")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -62,17 +68,28 @@ def main() -> None:
         2.0,
     )
     out_rows = []
-    print(f"{'T':>6} {'plain ms':>10} {'no-op hooks ms':>15} {'lora ms':>10} {'lora/plain':>11}")
+    print(
+        f"{'T':>6} {'layout':>10} {'plain ms':>9} {'no-op hooks':>11} {'lora ms':>9} "
+        f"{'pytorch form':>12} {'lora/plain':>10} {'lora/no-op':>10}"
+    )
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = rand(tokens, h, scale=1.0)
         topk = moerunner.select_experts(torch.randn(tokens, e, generator=g).to(device), k)
         adapter_ids = (torch.arange(tokens, device=device) % (n_ad + n_ad // 3 + 1)).clamp(max=n_ad)
         adapter_ids = torch.where(adapter_ids == n_ad, -1, adapter_ids)
+        lora_kernels = lora_hooks(lora, adapter_ids)
+        # The same deltas as plain callables: every backend calls their PyTorch form.
+        up, down = lora_kernels.gate_up, lora_kernels.down
         variants = {
             "plain": None,
             "noop_hooks": MoeHooks(gate_up=lambda h_, x_, r_: h_, down=lambda y_, a_, r_: y_),
-            "lora": lora_hooks(lora, adapter_ids),
+            "lora": lora_kernels,
+            "lora_pytorch_form": MoeHooks(
+                gate_up=lambda *a, up=up: up(*a), down=lambda *a, down=down: down(*a)
+            ),
         }
+        if args.no_pytorch_form:
+            del variants["lora_pytorch_form"]
         times = {}
         for name, hooks in variants.items():
 
@@ -85,21 +102,33 @@ def main() -> None:
             with torch.no_grad():
                 times[name] = time_cases(run, 1, device)
         plain, noop, lo = (times[n].seconds for n in ("plain", "noop_hooks", "lora"))
+        form = times.get("lora_pytorch_form")
+        grouped = groups_rows(tokens * k, n_ad * e, DEFAULT_OPTIONS)
+        layout = "grouped" if grouped else "row-blocks"
+        form_ms = f"{form.seconds * 1e3:>12.3f}" if form is not None else f"{'-':>12}"
         print(
-            f"{tokens:>6} {plain * 1e3:>10.3f} {noop * 1e3:>15.3f} {lo * 1e3:>10.3f} "
-            f"{lo / plain:>10.2f}x"
+            f"{tokens:>6} {layout:>10} {plain * 1e3:>9.3f} {noop * 1e3:>11.3f} {lo * 1e3:>9.3f} "
+            f"{form_ms} {lo / plain:>9.2f}x {lo / noop:>9.2f}x"
         )
         out_rows.append(
             {
                 "tokens": tokens,
                 **{f"{n}_s": t.seconds for n, t in times.items()},
                 **{f"{n}_mode": t.mode for n, t in times.items()},
+                **{f"{n}_iqr_pct": t.iqr_pct for n, t in times.items()},
+                "lora_over_plain": lo / plain,
+                "lora_over_noop_hooks": lo / noop,
+                "lora_layout": layout,
                 "shape": [e, h, i, k],
                 "rank": r,
                 "adapters": n_ad,
                 "preset": args.preset,
                 "shrink": args.shrink,
+                "backend": args.backend,
+                "dtype": str(dtype),
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "triton": triton.__version__,
             }
         )
     if args.json:

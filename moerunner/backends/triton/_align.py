@@ -348,6 +348,7 @@ def _topk_sum_kernel(
     ids_ptr,
     out_ptr,
     flags_ptr,
+    route_w_ptr,
     H,
     num_experts,
     stride_sm,
@@ -355,11 +356,13 @@ def _topk_sum_kernel(
     TOP_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     CHECK_IDS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[t] = sum over slots j with ids[t, j] in [0, E) of src[t * TOP_K + j] (float32 sum;
-    the GEMMs write no row for any other id). ``CHECK_IDS``: ids outside ``[-1, E)`` are
-    recorded in ``flags`` (``device_checks.IdFlags``) by the first program of each token."""
+    the GEMMs write no row for any other id), each times ``route_w[t * TOP_K + j]`` when
+    WEIGHTED. ``CHECK_IDS``: ids outside ``[-1, E)`` are recorded in ``flags``
+    (``device_checks.IdFlags``) by the first program of each token."""
     _pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     if CHECK_IDS:
@@ -379,7 +382,10 @@ def _topk_sum_kernel(
         e = tl.load(ids_ptr + t * TOP_K + j)
         row = src_ptr + (t * TOP_K + j) * stride_sm
         valid = (e >= 0) & (e < num_experts)
-        acc += tl.load(row + offs, mask=mask & valid, other=0.0).to(tl.float32)
+        y = tl.load(row + offs, mask=mask & valid, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y = y * tl.load(route_w_ptr + t * TOP_K + j, mask=valid, other=0.0)
+        acc += y
     tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -391,10 +397,12 @@ def topk_sum(
     *,
     options: TritonOptions,
     id_flags: torch.Tensor | None = None,
+    route_w: torch.Tensor | None = None,
 ) -> None:
-    """Reduce the k weighted expert outputs of each token; slots whose id is -1 (or not in
-    ``[0, num_experts)``) are skipped. ``options``: the backend's (launches). ``id_flags``:
-    a ``device_checks.IdFlags`` buffer to record ids outside ``[-1, E)`` in."""
+    """Reduce the k expert outputs of each token (weighted already, or by ``route_w``: float32
+    ``[T * k]``); slots whose id is -1 (or not in ``[0, num_experts)``) are skipped.
+    ``options``: the backend's (launches). ``id_flags``: a ``device_checks.IdFlags`` buffer
+    to record ids outside ``[-1, E)`` in."""
     num_tokens, top_k = ids_TK.shape
     hidden = out_TH.shape[1]
     block_h = min(1024, _pow2(hidden))
@@ -405,6 +413,7 @@ def topk_sum(
         ids_TK,
         out_TH,
         id_flags if id_flags is not None else ids_TK,
+        route_w if route_w is not None else src_PH,
         hidden,
         num_experts,
         src_PH.stride(0),
@@ -412,6 +421,61 @@ def topk_sum(
         TOP_K=top_k,
         BLOCK_H=block_h,
         CHECK_IDS=id_flags is not None,
+        WEIGHTED=route_w is not None,
         num_warps=4,
         options=options,
     )
+
+
+@triton.jit
+def _hook_rows_kernel(
+    ids_ptr,
+    expert_ptr,
+    token_ptr,
+    slot_ptr,
+    num_rows,
+    num_experts,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Row p = t * TOP_K + j: expert ids[p] if in [0, E) else -1, token t and slot j (-1
+    with expert -1)."""
+    _pdl.enter(PDL)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < num_rows
+    e = tl.load(ids_ptr + rows, mask=inside, other=-1)
+    valid = (e >= 0) & (e < num_experts)
+    tl.store(expert_ptr + rows, tl.where(valid, e, -1).to(tl.int32), mask=inside)
+    wide = rows.to(tl.int64)
+    tl.store(token_ptr + rows, tl.where(valid, wide // TOP_K, -1), mask=inside)
+    tl.store(slot_ptr + rows, tl.where(valid, wide % TOP_K, -1), mask=inside)
+
+
+def hook_rows(
+    ids_TK: torch.Tensor, num_experts: int, *, options: TritonOptions
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expert int32, token int64, slot int64), each ``[T * k]``, of the (token, slot) rows
+    of ``ids_TK`` (int32, contiguous): -1 for ids outside ``[0, num_experts)``. One launch;
+    fresh tensors (hooks may keep them)."""
+    num_tokens, top_k = ids_TK.shape
+    num_rows, dev = num_tokens * top_k, ids_TK.device
+    expert = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    token = torch.empty(num_rows, dtype=torch.int64, device=dev)
+    slot = torch.empty(num_rows, dtype=torch.int64, device=dev)
+    block = 1024
+    _launch.launch(
+        _hook_rows_kernel,
+        (_cdiv(num_rows, block),),
+        ids_TK,
+        expert,
+        token,
+        slot,
+        num_rows,
+        num_experts,
+        TOP_K=top_k,
+        BLOCK=block,
+        num_warps=4,
+        options=options,
+    )
+    return expert, token, slot

@@ -179,6 +179,42 @@ def _activate(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
+def activation_kernel(
+    h_ptr,
+    out_ptr,
+    inter,
+    alpha,
+    limit,
+    stride_hm,
+    stride_om,
+    BLOCK: tl.constexpr,
+    GATED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """GEMM1's activation on its stored float32 output (the hooked sequence): row
+    ``program_id(0)``, columns ``program_id(1)`` * BLOCK on of ``inter``. Gated: gate then up
+    halves, or alternating gate/up columns (INTERLEAVED)."""
+    _pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    h_row = h_ptr + row * stride_hm
+    if GATED and INTERLEAVED:
+        g = tl.load(h_row + 2 * offs, mask=mask, other=0.0)
+        u = tl.load(h_row + 2 * offs + 1, mask=mask, other=0.0)
+    elif GATED:
+        g = tl.load(h_row + offs, mask=mask, other=0.0)
+        u = tl.load(h_row + inter + offs, mask=mask, other=0.0)
+    else:
+        g = tl.load(h_row + offs, mask=mask, other=0.0)
+        u = g
+    out = _activate(g.to(tl.float32), u.to(tl.float32), alpha, limit, ACT)
+    tl.store(out_ptr + row * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gemm_block(
     rows_out,
     expert,

@@ -1,23 +1,30 @@
 # The triton backend with hooks (moerunner.hooks): the kernel sequence split where the hooks
-# go. GEMM1 runs without its fused activation into a float32 [rows, 2I] buffer, the gate/up
-# hook runs, the activation is applied in PyTorch; GEMM2 runs without the routing weight
-# into a float32 [rows, H] buffer, the down hook runs, and each token's rows are weighted
-# and summed in PyTorch. Slower than the fused sequence, but every step stays on the device
-# (no host read), so a hooked call is CUDA-graph capturable as the fused one is. Calls
-# without hooks never come here: ``experts.run_kernel_sequence`` is untouched by them.
+# go. One launch makes the rows' expert, token and slot; GEMM1 runs without its fused
+# activation into a float32 [rows, 2I] buffer, the gate/up hook runs, one launch applies the
+# activation; GEMM2 runs without the routing weight into a float32 [rows, H] buffer, the
+# down hook runs, and each token's rows are weighted and summed in one launch. Slower than
+# the fused sequence, but every step stays on the device (no host read), so a hooked call
+# is CUDA-graph capturable as the fused one is. Calls without hooks never come here:
+# ``experts.run_kernel_sequence`` is untouched by them.
 #
 # The GEMMs are the same launches as the fused sequence's (``experts._launch_gemm``) with
 # the activation and the routing weight switched off; the row layout is the same
-# (``experts.layout_rows``).
+# (``experts.layout_rows``). A hook that is a LoRA record (``moerunner.lora.LoraDelta``)
+# runs as the shrink and expand kernels of ``lora.py`` instead of its PyTorch form.
 
 from __future__ import annotations
 
 import torch
 
-from ...activations import apply_activation
+from ...config import ExpertSpec
 from ...hooks import HookRows, MoeHooks, RowHooks, expert_of_rows
 from ...weights import PreparedWeights
+from . import _gemm_kernel as K
+from . import _launch
+from ._align import hook_rows, topk_sum
+from ._launch import cdiv, next_power_of_2
 from .experts import (
+    _ACT_IDS,
     WORKSPACES,
     _check_hidden,
     _launch_gemm,
@@ -26,6 +33,8 @@ from .experts import (
     alignment_workspace,
     layout_rows,
 )
+from .lora import apply_hook
+from .options import TritonOptions
 
 
 def hooked_sequence(
@@ -57,16 +66,45 @@ def hooked_sequence(
         a, a_scale, w13, t["w13_bias"], h_RN, layout, num_rows, a_row_div, None,
         tiles.gemm1, n13, None, options=options,
     )  # fmt: skip
-    x_RK = a_RH if a_row_div == 1 else a_RH.repeat_interleave(a_row_div, dim=0)
-    h_RN = hooks.apply("gate_up", h_RN, x_RK, rows)
-    act_RI = apply_activation(h_RN, spec).to(a_RH.dtype)
+    layouts: dict = {}  # LoRA row layouts, shared by both GEMMs' deltas
+    h_RN = apply_hook(hooks, "gate_up", h_RN, a_RH, a_row_div, rows, options, layouts)
+    act_RI = _activate(h_RN, spec, a_RH.dtype, options)
     a2, a2_scale = _quantize_input(act_RI, w2, options)
     y_RH = torch.empty(num_rows, spec.hidden_size, dtype=torch.float32, device=dev)
     _launch_gemm(
         a2, a2_scale, w2, t["w2_bias"], y_RH, layout, num_rows, 1, None,
         tiles.gemm2, spec.hidden_size, None, options=options,
     )  # fmt: skip
-    return hooks.apply("down", y_RH, act_RI, rows)
+    return apply_hook(hooks, "down", y_RH, act_RI, 1, rows, options, layouts)
+
+
+def _activate(
+    h_RN: torch.Tensor, spec: ExpertSpec, dtype: torch.dtype, options: TritonOptions
+) -> torch.Tensor:
+    """GEMM1's activation (``_gemm_kernel.activation_kernel``, the fused epilogue's math) on
+    its float32 output, as ``dtype`` ``[rows, I]``: one launch."""
+    num_rows, inter = h_RN.shape[0], spec.intermediate_size
+    act = spec.activation
+    out = torch.empty(num_rows, inter, dtype=dtype, device=h_RN.device)
+    block = min(1024, max(16, next_power_of_2(inter)))
+    _launch.launch(
+        K.activation_kernel,
+        (num_rows, cdiv(inter, block)),
+        h_RN,
+        out,
+        inter,
+        float(act.alpha) if act.alpha is not None else 0.0,
+        float(act.limit) if act.limit is not None else 0.0,
+        h_RN.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        GATED=spec.gated,
+        INTERLEAVED=spec.gated and spec.gate_up_interleaved,
+        ACT=_ACT_IDS[act.name],
+        num_warps=4,
+        options=options,
+    )
+    return out
 
 
 def hooked_standard(
@@ -82,20 +120,14 @@ def hooked_standard(
     out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=hidden_TH.device)
     if num_tokens == 0:
         return out
-    valid_TK = (topk_ids >= 0) & (topk_ids < prepared.spec.num_experts)
-    ids = torch.where(valid_TK, topk_ids, -1).to(torch.int32).reshape(-1)
-    pair = torch.arange(num_tokens * top_k, device=hidden_TH.device)
-    valid = valid_TK.reshape(-1)
-    rows = HookRows(
-        expert=ids,
-        token=torch.where(valid, pair // top_k, -1),
-        slot=torch.where(valid, pair % top_k, -1),
-    )
+    ids_TK = topk_ids.to(torch.int32).contiguous()
+    options, num_experts = prepared.options, prepared.spec.num_experts
     with _on_device(hidden_TH):
-        y = hooked_sequence(hidden_TH.contiguous(), ids, top_k, prepared, hooks, rows)
-    y_TKH = y.view(num_tokens, top_k, -1) * topk_weights.float()[:, :, None]
-    summed = torch.where(valid_TK[:, :, None], y_TKH, 0.0).sum(dim=1)
-    return out.copy_(summed)
+        rows = HookRows(*hook_rows(ids_TK, num_experts, options=options))
+        y = hooked_sequence(hidden_TH.contiguous(), rows.expert, top_k, prepared, hooks, rows)
+        route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
+        topk_sum(y, ids_TK, out, num_experts, options=options, route_w=route_w)
+    return out
 
 
 def hooked_core(

@@ -70,6 +70,13 @@ class TritonOptions:
     #: Launch the sequence with programmatic dependent launch where the GPU supports it
     #: (compute capability 9 and later): 1.02-1.04x at T = 1 on an H200.
     pdl: bool = True
+    #: LoRA deltas of a hooked call (``moerunner.lora``) group the rows by (adapter, expert)
+    #: pair, so that each block of rows reads its pair's factors once, when the call has at
+    #: least this many rows per pair of the adapters (rows >= this x adapters x experts);
+    #: with fewer, each row reads its own factors and no grouping launch runs. 0: always
+    #: grouped. A first estimate (at 2 rows per pair a grouped block still pads to 16 rows
+    #: of which about 2 are used, but reads half the factors), not yet measured on a GPU.
+    lora_group_min_rows_per_pair: int = 2
     #: *Prepare time.* Folders of tuned tile files, searched in order before the files shipped
     #: with the package (the first file found for a shape is used whole). ``None``: the user
     #: tile folder that ``moerunner tune`` writes to (``tile_config.user_tile_dir()``);
@@ -81,6 +88,7 @@ class TritonOptions:
             _check_bool(self, name)
         _check_int(self, "row_blocks_max_tokens", 0)
         _check_int(self, "split_max_blocks_per_expert", 0)
+        _check_int(self, "lora_group_min_rows_per_pair", 0)
         if self.split_min_block_m is not None:
             _check_int(self, "split_min_block_m", 2)
         if not isinstance(self.e2m1_layout, str):

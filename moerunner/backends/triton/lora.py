@@ -1,0 +1,248 @@
+# Stage "experts" of the triton backend: LoRA deltas as Triton kernels (public launcher).
+#
+# The hooked sequence (``hooked.py``) hands every hook that is a ``moerunner.lora.LoraDelta``
+# to ``apply_hook`` here instead of calling its PyTorch form: a shrink launch (x @ A^T per
+# row, into a float32 [rows, splits, rank] workspace) and an expand launch (add
+# scale * t @ B^T to the float32 GEMM output), over one row layout per call
+# (``lora_layout``) that both GEMMs' deltas share. With few rows per (adapter, expert) pair
+# each row is its own block and finds its pair in the kernel (no launch before the shrink);
+# with many, the rows are grouped by pair on the device (pair ids, then the experts'
+# alignment step over pairs: ``_align.align_rows``), so each block reads one pair's factors
+# once. No host reads: a hooked call stays CUDA-graph capturable. Kernel bodies:
+# ``_lora_kernel``.
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from ...hooks import HookRows, MoeHooks
+from ...lora import LoraDelta
+from . import _launch
+from ._align import align_rows
+from ._launch import cdiv as _cdiv
+from ._launch import next_power_of_2 as _pow2
+from ._lora_kernel import lora_expand_kernel, lora_shrink_kernel, pair_ids_kernel
+from .experts import _TL_DTYPES, WORKSPACES, alignment_workspace
+from .options import TritonOptions
+
+# Elements of one factor tile of the row-block kernels ([rank, BLOCK_K] or [BLOCK_N, rank]):
+# 8 KiB of bf16 per program, so a decode call spreads its factor reads over many programs.
+_ROW_TILE = 4096
+
+
+@dataclass(frozen=True)
+class LoraLayout:
+    """Where the LoRA kernels find the rows of each block and their (adapter, expert) pair.
+
+    ``row_blocks``: block i is row i, its pair read in the kernel from ``expert[i]``,
+    ``token[i]`` and ``adapter_T``; otherwise ``sorted_rows`` holds the rows of each
+    ``block_m`` block (sentinel: the number of rows), ``block_pair`` its pair
+    (adapter x E + expert) and ``num_padded`` the used length (``_align.align_rows``).
+    ``num_experts``: the E the adapters cover (rows of experts past it have no pair)."""
+
+    expert: torch.Tensor
+    token: torch.Tensor
+    adapter_T: torch.Tensor
+    num_experts: int
+    row_blocks: bool
+    block_m: int
+    sorted_rows: torch.Tensor
+    block_pair: torch.Tensor
+    num_padded: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the grids cover (the kernels skip the unused ones)."""
+        return self.block_pair.shape[0]
+
+
+def groups_rows(num_rows: int, num_pairs: int, options: TritonOptions) -> bool:
+    """Whether ``num_rows`` rows over ``num_pairs`` (adapter, expert) pairs are grouped by
+    pair (``options.lora_group_min_rows_per_pair``) rather than taken one row per block."""
+    return num_rows > 0 and num_rows >= options.lora_group_min_rows_per_pair * num_pairs
+
+
+def lora_layout(rows: HookRows, delta: LoraDelta, options: TritonOptions) -> LoraLayout:
+    """The row layout of ``delta``'s adapters over ``rows`` (see ``LoraLayout``)."""
+    num_rows = rows.expert.shape[0]
+    num_pairs = delta.lora.num_adapters * delta.lora.num_experts
+    expert, token = rows.expert.contiguous(), rows.token.contiguous()
+    adapter_T = delta.adapter_T.contiguous()
+    common = (expert, token, adapter_T, delta.lora.num_experts)
+    if not groups_rows(num_rows, num_pairs, options):
+        return LoraLayout(*common, True, 16, expert, expert, expert)  # block_m unused
+    dev = expert.device
+    per_pair = num_rows / num_pairs
+    block_m = 16 if per_pair <= 16 else 32 if per_pair <= 32 else 64
+    ws = WORKSPACES.get(
+        (dev, "lora_align", num_rows, num_pairs, block_m),
+        lambda: {
+            **alignment_workspace(num_rows, num_pairs, block_m, dev),
+            "pair": torch.empty(num_rows, dtype=torch.int32, device=dev),
+        },
+    )
+    block = 1024
+    _launch.launch(
+        pair_ids_kernel,
+        (_cdiv(num_rows, block),),
+        expert,
+        token,
+        adapter_T,
+        ws["pair"],
+        num_rows,
+        delta.lora.num_experts,
+        adapter_T.shape[0],
+        BLOCK=block,
+        num_warps=4,
+        options=options,
+    )
+    align_rows(
+        ws["pair"],
+        num_pairs,
+        block_m,
+        ws["sorted_rows"],
+        ws["block_expert"],
+        ws["num_padded"],
+        ws["align_scratch"],
+        options=options,
+    )
+    return LoraLayout(
+        *common, False, block_m, ws["sorted_rows"], ws["block_expert"], ws["num_padded"]
+    )
+
+
+def _dot_dtype(x: torch.dtype, w: torch.dtype) -> tuple:
+    """(Triton type in which ``tl.dot`` multiplies, whether in IEEE float32): the shared
+    16-bit type, else float32 without TF32."""
+    if x == w and x in (torch.bfloat16, torch.float16):
+        return _TL_DTYPES[x], False
+    return tl.float32, True
+
+
+def apply_lora(
+    out_RN: torch.Tensor,
+    x_XK: torch.Tensor,
+    a_row_div: int,
+    delta: LoraDelta,
+    layout: LoraLayout,
+    options: TritonOptions,
+) -> torch.Tensor:
+    """``out_RN`` (float32 ``[R, N]``) += each row's delta in place; row r's input is
+    ``x_XK[r // a_row_div]``. Returns ``out_RN``."""
+    a, b, lora = delta.a, delta.b, delta.lora
+    num_rows, n = out_RN.shape
+    k, rank = a.shape[3], a.shape[2]
+    if num_rows == 0 or rank == 0:
+        return out_RN
+    rank_p = max(16, _pow2(rank))
+    dev = out_RN.device
+    if layout.row_blocks:
+        block_k = min(max(16, _ROW_TILE // rank_p), max(16, _pow2(k)))
+        block_n = min(max(16, _ROW_TILE // rank_p), max(16, _pow2(n)))
+        splits = _cdiv(k, block_k)
+    else:
+        block_k, block_n, splits = 64, 64, 1
+    t = WORKSPACES.get(
+        (dev, "lora_t", num_rows, splits, rank_p),
+        lambda: {"t": torch.empty(num_rows, splits, rank_p, dtype=torch.float32, device=dev)},
+    )["t"]
+    rows_args = (
+        layout.expert,
+        layout.token,
+        layout.adapter_T,
+        layout.sorted_rows,
+        layout.block_pair,
+        layout.num_padded,
+    )
+    blocks = layout.num_blocks
+    dot1, ieee1 = _dot_dtype(x_XK.dtype, a.dtype)
+    _launch.launch(
+        lora_shrink_kernel,
+        (blocks, splits),
+        x_XK,
+        a,
+        t,
+        *rows_args,
+        k,
+        rank,
+        num_rows,
+        layout.num_experts,
+        layout.adapter_T.shape[0],
+        a_row_div,
+        x_XK.stride(0),
+        x_XK.stride(1),
+        *a.stride(),
+        t.stride(0),
+        t.stride(1),
+        BLOCK_M=layout.block_m,
+        BLOCK_K=block_k,
+        RANK=rank_p,
+        ROW_BLOCKS=layout.row_blocks,
+        DOT_DTYPE=dot1,
+        IEEE=ieee1,
+        num_warps=4,
+        options=options,
+    )
+    scales = lora.scaling if isinstance(lora.scaling, torch.Tensor) else None
+    if scales is not None:
+        scales = scales.to(device=dev, dtype=torch.float32).contiguous()
+    dot2, ieee2 = _dot_dtype(b.dtype, b.dtype)
+    _launch.launch(
+        lora_expand_kernel,
+        (blocks, _cdiv(n, block_n)),
+        t,
+        b,
+        out_RN,
+        scales if scales is not None else t,
+        0.0 if scales is not None else float(lora.scaling),
+        *rows_args,
+        n,
+        rank,
+        num_rows,
+        layout.num_experts,
+        layout.adapter_T.shape[0],
+        t.stride(0),
+        t.stride(1),
+        *b.stride(),
+        out_RN.stride(0),
+        out_RN.stride(1),
+        BLOCK_M=layout.block_m,
+        BLOCK_N=block_n,
+        RANK=rank_p,
+        SPLITS=splits,
+        ROW_BLOCKS=layout.row_blocks,
+        HAS_SCALES=scales is not None,
+        DOT_DTYPE=dot2,
+        IEEE=ieee2,
+        num_warps=4,
+        options=options,
+    )
+    return out_RN
+
+
+def apply_hook(
+    hooks: MoeHooks,
+    which: str,
+    out: torch.Tensor,
+    x_XK: torch.Tensor,
+    a_row_div: int,
+    rows: HookRows,
+    options: TritonOptions,
+    layouts: dict,
+) -> torch.Tensor:
+    """Hook ``which`` of ``hooks`` on ``out``: a ``LoraDelta`` through the kernels (its row
+    layout made once per call in ``layouts``, keyed by its adapter ids), any other hook
+    called on the rows' inputs ``x_XK`` repeated ``a_row_div`` times."""
+    fn = getattr(hooks, which)
+    if not isinstance(fn, LoraDelta):
+        x_RK = x_XK if a_row_div == 1 else x_XK.repeat_interleave(a_row_div, dim=0)
+        return hooks.apply(which, out, x_RK, rows)
+    fn.check(out, x_XK)
+    key = (id(fn.adapter_T), fn.lora.num_adapters, fn.lora.num_experts)
+    layout = layouts.get(key)
+    if layout is None:
+        layout = layouts[key] = lora_layout(rows, fn, options)
+    return apply_lora(out, x_XK, a_row_div, fn, layout, options)
