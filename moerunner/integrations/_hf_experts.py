@@ -30,7 +30,7 @@ from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
 from ..held_quantized import HoldsQuantized
-from ..ops import adopt_quantized, canonical_from_transposed
+from ..ops import adopt_quantized, canonical_from_transposed, forget_memo
 from ..weights import ExpertWeights, is_quantized
 
 # Attributes kept on the experts module (plain attributes: never parameters or buffers).
@@ -207,6 +207,16 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     weights.validate(layout.activation)
     module.__dict__[_CACHE] = (key, weights)
     return weights, layout.activation
+
+
+def forget_weights(module: torch.nn.Module) -> None:
+    """Drop the module's cached canonical weights and the views memoised on its parameters
+    (before their data is replaced, so the old memory is freed at once)."""
+    module.__dict__.pop(_CACHE, None)
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        param = module._parameters.get(name)
+        if param is not None:
+            forget_memo(param)
 
 
 def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:
