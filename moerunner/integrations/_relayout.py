@@ -95,6 +95,8 @@ def relayout(module: torch.nn.Module, layout: str) -> bool:
     The caller checked ``blocker`` first."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout: got {layout!r}; accepted: {LAYOUTS}")
+    if not describe(module).transposed:  # stored canonical: its memory is already right
+        return False
     moved = False
     for _, param in _weights(module):
         if in_layout(param, layout):

@@ -82,6 +82,14 @@ def test_values_match_transformers_experts_and_kernels_read_contiguous_memory():
         assert w.w2.data_ptr() == experts.down_proj.data_ptr()
 
 
+def test_layers_stored_canonical_are_not_touched():
+    model = build("qwen3_moe")  # gate_up_proj [E, 2I, H], down_proj [E, H, I]: canonical
+    before = {n: (p.data_ptr(), p.stride()) for n, p in model.named_parameters()}
+    mt.use_moerunner(model)
+    assert set(mt.relayout_experts(model).values()) == {None}
+    assert {n: (p.data_ptr(), p.stride()) for n, p in model.named_parameters()} == before
+
+
 def test_relayout_false_keeps_the_stored_layout_and_the_same_values():
     model = _model()
     ref = _reference(model)
