@@ -9,7 +9,8 @@ Stage: the edge between a transformers 5 experts module (a class decorated with
   family whose gate differs is refused instead of silently computed wrong). It raises
   ``UnsupportedExpertsError`` with the reason when moerunner cannot run the module.
 - ``expert_weights(module)`` returns the module's weights in the canonical shape
-  (``w13 [E, 2I, H]``, ``w2 [E, H, I]``; strided views of transposed parameters, no copy),
+  (``w13 [E, 2I, H]``, ``w2 [E, H, I]``; views of transposed parameters, no copy: strided,
+  or contiguous where ``relayout_experts`` re-laid the parameters' memory),
   made once and cached on the module, keyed on
   the parameter objects, their storage, dtype and in-place version: a forward call after the
   first reuses the same tensors (so backends' prepared weights are cached as well).
