@@ -165,6 +165,12 @@ def _memoised(anchor, key: tuple, build):
     return value
 
 
+def forget_memo(t: torch.Tensor) -> None:
+    """Drop what ``_memoised`` keeps on ``t`` (e.g. canonical views of its old memory), so that
+    memory is freed when ``t``'s data is replaced instead of at the next call."""
+    t.__dict__.pop(_MEMO_ATTR, None)
+
+
 def quantized_tensors(weight) -> list[torch.Tensor | None]:
     """A ``QuantizedWeight``'s component tensors in ``QUANTIZED_FIELDS`` order (None if unset)."""
     return [getattr(weight, f) for f in QUANTIZED_FIELDS]

@@ -14,6 +14,13 @@ views (``--views``, GPU): GPT-OSS-120B bf16 experts stored as the model stores t
 integration now feeds, no copy) against contiguous copies, on the torch and triton
 backends: the time ratio is the speed cost of holding the experts once.
 
+integration (``--integration``): the transformers integration's call of one GPT-OSS-120B
+experts module (transformers' ``GptOssExperts``, bf16, experts implementation ``"moerunner"``)
+on the torch and triton backends, with its parameters as stored (moerunner reads them through
+views) and re-laid over contiguous canonical memory (``relayout_experts``, what
+``use_moerunner`` does): time per call, the memory allocated in both layouts and the peak
+while re-laying.
+
 On a GPU memory is ``torch.cuda`` allocator statistics; on CPU (``--device cpu``, use
 ``--shrink``) it is counted per op by ``moerunner.memory`` (storages created by torch ops,
 and storages reachable from the weights). ``--shrink S`` divides E by S and H, I by S
@@ -21,6 +28,7 @@ and storages reachable from the weights). ``--shrink S`` divides E by S and H, I
 
     python benchmarks/experiments/quantize_memory.py --unchunked --views --out result.json
     python benchmarks/experiments/quantize_memory.py --device cpu --shrink 16
+    python benchmarks/experiments/quantize_memory.py --schemes "" --skip-prepare --integration
 """
 
 from __future__ import annotations
@@ -192,6 +200,80 @@ def measure_views(device: torch.device, tokens=(1, 64, 1024, 4096)) -> list[dict
     return rows
 
 
+def _time_ms(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=50)
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - start) / 3 * 1e3
+
+
+def measure_integration(device: torch.device, shrink: int, tokens=(1, 64, 1024, 4096)) -> dict:
+    """A transformers GPT-OSS experts module called through the "moerunner" implementation,
+    stored layout against re-laid: time per call and memory."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    import moerunner
+    from moerunner.integrations import transformers as mt
+
+    e, n, h = shapes("gpt-oss-120b", shrink)["w13"]
+    s = presets.get_preset("gpt-oss-120b")
+    config = GptOssConfig(
+        hidden_size=h,
+        intermediate_size=n // 2,
+        num_local_experts=e,
+        num_experts_per_tok=s.top_k,
+        experts_implementation="moerunner",
+    )
+    with torch.device(device):
+        experts = GptOssExperts(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.02)
+    memory = {}
+
+    def allocated() -> int:
+        if device.type == "cuda":
+            return torch.cuda.memory_allocated(device)
+        return storage_bytes(experts)
+
+    memory["stored_bytes"] = allocated()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    mt.relayout_experts(experts, "canonical")
+    if device.type == "cuda":
+        memory["relayout_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    memory["canonical_bytes"] = allocated()
+    rows = []
+    backends = ("torch", "triton") if device.type == "cuda" else ("torch",)
+    for backend in backends:
+        config.moerunner_backend = backend
+        for t in tokens:
+            x = torch.randn(t, h, dtype=torch.bfloat16, device=device)
+            topk = moerunner.select_experts(torch.randn(t, e, device=device), s.top_k)
+            row = {"backend": backend, "tokens": t}
+            outs = {}
+            for layout in ("stored", "canonical"):
+                mt.relayout_experts(experts, layout)
+                with torch.no_grad():
+                    outs[layout] = experts(x, topk.ids, topk.weights).float()
+                    row[f"{layout}_ms"] = _time_ms(
+                        lambda x=x, topk=topk: experts(x, topk.ids, topk.weights), device
+                    )
+            row["speedup"] = row["stored_ms"] / row["canonical_ms"]
+            a, b = outs["canonical"], outs["stored"]
+            row["max_rel_diff"] = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+            rows.append(row)
+            print(json.dumps(row))
+    print(json.dumps(memory))
+    return {"memory": memory, "calls": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -205,6 +287,11 @@ def main() -> None:
     parser.add_argument(
         "--views", action="store_true", help="also time transposed-view weights (GPU)"
     )
+    parser.add_argument(
+        "--integration",
+        action="store_true",
+        help="also time the transformers GPT-OSS experts call, stored against re-laid",
+    )
     parser.add_argument("--out", help="write the rows to this JSON file")
     args = parser.parse_args()
     if args.shrink < 1:
@@ -217,7 +304,7 @@ def main() -> None:
         "quantize": [],
     }
     chunks = [args.chunk_mib * 2**20] + ([2**62] if args.unchunked else [])
-    for scheme in args.schemes.split(","):
+    for scheme in filter(None, args.schemes.split(",")):
         for name, shape in shapes("deepseek-v3", args.shrink).items():
             for chunk in chunks:
                 row = {"weight": name, **measure_quantize(shape, scheme, device, chunk)}
@@ -228,6 +315,8 @@ def main() -> None:
         print(json.dumps({"prepare": report["prepare"]}))
     if args.views:
         report["views"] = measure_views(device)
+    if args.integration:
+        report["integration"] = measure_integration(device, args.shrink)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -9,7 +9,8 @@ Stage: the edge between a transformers 5 experts module (a class decorated with
   family whose gate differs is refused instead of silently computed wrong). It raises
   ``UnsupportedExpertsError`` with the reason when moerunner cannot run the module.
 - ``expert_weights(module)`` returns the module's weights in the canonical shape
-  (``w13 [E, 2I, H]``, ``w2 [E, H, I]``; strided views of transposed parameters, no copy),
+  (``w13 [E, 2I, H]``, ``w2 [E, H, I]``; views of transposed parameters, no copy: strided,
+  or contiguous where ``relayout_experts`` re-laid the parameters' memory),
   made once and cached on the module, keyed on
   the parameter objects, their storage, dtype and in-place version: a forward call after the
   first reuses the same tensors (so backends' prepared weights are cached as well).
@@ -30,7 +31,7 @@ from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
 from ..held_quantized import HoldsQuantized
-from ..ops import adopt_quantized, canonical_from_transposed
+from ..ops import adopt_quantized, canonical_from_transposed, forget_memo
 from ..weights import ExpertWeights, is_quantized
 
 # Attributes kept on the experts module (plain attributes: never parameters or buffers).
@@ -207,6 +208,16 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     weights.validate(layout.activation)
     module.__dict__[_CACHE] = (key, weights)
     return weights, layout.activation
+
+
+def forget_weights(module: torch.nn.Module) -> None:
+    """Drop the module's cached canonical weights and the views memoised on its parameters
+    (before their data is replaced, so the old memory is freed at once)."""
+    module.__dict__.pop(_CACHE, None)
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        param = module._parameters.get(name)
+        if param is not None:
+            forget_memo(param)
 
 
 def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:

@@ -28,6 +28,7 @@ from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
 from ..shared import SharedExperts
 from ..weights import ExpertWeights
+from . import _relayout
 from ._hf_experts import (
     LAYER_NAME,
     UnsupportedExpertsError,
@@ -54,6 +55,7 @@ __all__ = [
     "make_experts_forward",
     "quantize_experts",
     "register",
+    "relayout_experts",
     "set_adapter_ids",
     "use_moerunner",
 ]
@@ -237,6 +239,7 @@ def use_moerunner(
     name: str = IMPLEMENTATION_NAME,
     lora=None,
     shared_experts: bool = False,
+    relayout: bool = True,
 ):
     """Switch a loaded transformers model's experts to moerunner; return the model.
 
@@ -246,7 +249,9 @@ def use_moerunner(
     ``moerunner_backend``. ``lora`` (a ``moerunner.lora_checkpoints.MoeLoraSet``) attaches
     LoRA adapters to the experts (``attach_lora``); ``set_adapter_ids`` then selects them.
     ``shared_experts=True`` runs the shared expert of Qwen2-MoE / DeepSeek-V3 MoE blocks in
-    the routed call (``fuse_shared_experts``).
+    the routed call (``fuse_shared_experts``). ``relayout`` (default) re-stores GPT-OSS's
+    transposed experts over contiguous canonical memory where that is safe
+    (``relayout_experts``); ``False`` keeps them as stored (read through strided views).
     """
     if fallback not in FALLBACKS:
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
@@ -265,12 +270,42 @@ def use_moerunner(
     if lora is not None:
         attach_lora(model, lora, _verdicts=verdicts)
     _install_shared(blocks, enable=True)
+    if relayout:
+        relayout_experts(model)
     for config in _configs(model):
         setattr(config, FALLBACK_ATTR, fallback)
         if backend is not None:
             setattr(config, BACKEND_ATTR, backend)
     model.set_experts_implementation(name)
     return model
+
+
+def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:
+    """Hold each transposed (GPT-OSS) experts layer's float weights in ``layout``; return
+    ``{layer path: None if its weights are in that layout, else why they were left}``.
+
+    ``"canonical"``: each parameter's memory becomes the contiguous ``[E, out, in]`` tensor
+    the kernels read fastest, and the parameter a transposed view of it (same object, name,
+    shape and values: ``state_dict``, ``load_state_dict``, ``save_pretrained``, ``.to()``
+    and transformers' own experts implementations work unchanged). ``"stored"``: contiguous
+    as the checkpoint stores them again. One copy of the experts either way; the re-lay
+    needs one parameter's worth of transient memory. Left as stored (moerunner reads them
+    through strided views): layers moerunner cannot run or that run quantized weights,
+    offloaded or meta weights, tensor subclasses (e.g. DTensor), and weights sharing memory
+    with another tensor of the model. Layers stored canonical already are not touched.
+    """
+    if layout not in _relayout.LAYOUTS:
+        raise MoeInputError(f"layout: got {layout!r}; accepted: {_relayout.LAYOUTS}")
+    owners = _relayout.storage_owners(model)
+    verdicts: dict[str, str | None] = {}
+    for path, module in experts_modules(model):
+        reason = _relayout.blocker(model, path, module, owners)
+        if reason is None:
+            _relayout.relayout(module, layout)
+        verdicts[path] = reason
+    if not verdicts:
+        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+    return verdicts
 
 
 class _AdapterIds:

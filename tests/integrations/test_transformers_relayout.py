@@ -1,0 +1,316 @@
+"""GPT-OSS experts held once, over the contiguous canonical memory the kernels read fastest.
+
+``use_moerunner`` (``relayout_experts``) makes each GPT-OSS experts parameter
+(``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``) a transposed view of a contiguous
+``[E, 2I, H]`` / ``[E, H, I]`` tensor. Checked here: the model computes what transformers'
+experts compute (float64 eager reference), the experts' memory is counted once, the state
+dict, ``save_pretrained`` / ``from_pretrained``, ``.to()``, ``deepcopy`` and transformers' own
+experts implementations see the parameters as before, and layers where re-laying is unsafe
+keep their stored layout (and still compute the same).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import moerunner.integrations.transformers as mt  # noqa: E402
+from moerunner.errors import MoeInputError  # noqa: E402
+from moerunner.integrations._hf_experts import expert_weights  # noqa: E402
+from moerunner.memory import storage_bytes  # noqa: E402
+from moerunner.testing import assert_close, compare  # noqa: E402
+
+from ._tiny_models import build  # noqa: E402
+
+# fp32 against the float64 model: a few fp32 ulps of the logits' magnitude after 2 layers and
+# the LM head, in any summation order (measured <= 4e-7; test_transformers.py uses the same).
+FP32_MAX_REL = 1e-5
+# I = 40: 2I = 80 != H = 64 != I, so no transposed shape equals the stored one.
+IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+
+
+def _model(seed: int = 0):
+    return build("gpt_oss", seed=seed, intermediate_size=40)
+
+
+def _logits(model, implementation: str | None = None) -> torch.Tensor:
+    if implementation is not None:
+        model.set_experts_implementation(implementation)
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _reference(model) -> torch.Tensor:
+    """Logits of a float64 copy of ``model`` with transformers' eager experts."""
+    return _logits(copy.deepcopy(model).double(), "eager").double()
+
+
+def _experts(model) -> list[torch.nn.Module]:
+    return [module for _, module in mt.experts_modules(model)]
+
+
+def _canonical(param: torch.Tensor) -> bool:
+    return param.transpose(1, 2).is_contiguous() and not param.is_contiguous()
+
+
+def test_values_match_transformers_experts_and_kernels_read_contiguous_memory():
+    model = _model()
+    ref = _reference(model)
+    stored = {k: v.clone() for k, v in model.state_dict().items()}
+    mt.use_moerunner(model, backend="torch")
+    verdicts = mt.relayout_experts(model)  # done by use_moerunner: nothing left to re-lay
+    assert verdicts == {"model.layers.0.mlp.experts": None, "model.layers.1.mlp.experts": None}
+    for experts in _experts(model):
+        assert experts.gate_up_proj.shape == (8, 64, 80)  # the parameters keep their shapes
+        assert experts.down_proj.shape == (8, 40, 64)
+        assert _canonical(experts.gate_up_proj) and _canonical(experts.down_proj)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, stored[key]), key  # values unchanged, bit for bit
+    assert_close(_logits(model), ref, FP32_MAX_REL, what="relaid, moerunner")
+    for experts in _experts(model):
+        w, _ = expert_weights(experts)
+        assert w.w13.is_contiguous() and w.w2.is_contiguous()
+        # The canonical weights are the parameters' memory itself, not a copy of it.
+        assert w.w13.data_ptr() == experts.gate_up_proj.data_ptr()
+        assert w.w2.data_ptr() == experts.down_proj.data_ptr()
+
+
+def test_layers_stored_canonical_are_not_touched():
+    model = build("qwen3_moe")  # gate_up_proj [E, 2I, H], down_proj [E, H, I]: canonical
+    before = {n: (p.data_ptr(), p.stride()) for n, p in model.named_parameters()}
+    mt.use_moerunner(model)
+    assert set(mt.relayout_experts(model).values()) == {None}
+    assert {n: (p.data_ptr(), p.stride()) for n, p in model.named_parameters()} == before
+
+
+def test_relayout_false_keeps_the_stored_layout_and_the_same_values():
+    model = _model()
+    ref = _reference(model)
+    mt.use_moerunner(model, backend="torch", relayout=False)
+    for experts in _experts(model):
+        assert experts.gate_up_proj.is_contiguous() and experts.down_proj.is_contiguous()
+        w, _ = expert_weights(experts)
+        assert not w.w13.is_contiguous()  # strided views of the stored memory
+    assert_close(_logits(model), ref, FP32_MAX_REL, what="stored layout, moerunner")
+
+
+def test_experts_memory_is_held_once_and_the_old_memory_is_freed():
+    model = _model()
+    experts = _experts(model)[0]
+    _logits(model, "moerunner")  # canonical views of the stored memory are cached now
+    before = storage_bytes(model)
+    freed = []
+    weakref.finalize(experts.gate_up_proj.untyped_storage(), freed.append, True)
+    mt.relayout_experts(model)
+    gc.collect()
+    assert freed  # the stored-layout memory went with the re-lay, not at the next call
+    _logits(model, "moerunner")
+    params = list(experts.parameters())
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    assert storage_bytes(experts.__dict__, params) == storage_bytes(params)
+    assert storage_bytes(model) == before  # the model holds as many bytes as before
+
+
+def test_state_dict_round_trip_is_bit_identical(tmp_path):
+    model = _model()
+    mt.use_moerunner(model)
+    expected = _logits(model)
+    state = model.state_dict()
+    fresh = _model(seed=9)
+    mt.use_moerunner(fresh)
+    assert not torch.equal(_logits(fresh), expected)  # other weights: the load must matter
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    result = fresh.load_state_dict(torch.load(buffer))
+    assert not result.missing_keys and not result.unexpected_keys
+    for experts in _experts(fresh):  # loaded in place: still held canonically
+        assert _canonical(experts.gate_up_proj) and _canonical(experts.down_proj)
+    assert torch.equal(_logits(fresh), expected)
+    # safetensors' save_file takes contiguous tensors only (save_pretrained makes them so).
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(ValueError, match="non contiguous"):
+        save_file(state, tmp_path / "raw.safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "m.safetensors")
+    other = _model(seed=10)
+    other.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    mt.use_moerunner(other)
+    assert torch.equal(_logits(other), expected)
+
+
+def test_save_pretrained_then_from_pretrained(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = _model()
+    mt.use_moerunner(model)
+    expected = _logits(model)
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:  # the checkpoint's own layout
+        assert f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape() == [8, 64, 80]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    mt.use_moerunner(loaded)
+    assert torch.equal(_logits(loaded), expected)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_transformers_own_experts_run_on_the_relaid_parameters(implementation):
+    model = _model()
+    ref = _reference(model)
+    mt.use_moerunner(model)
+    assert_close(_logits(model, implementation), ref, FP32_MAX_REL, what=implementation)
+    stored = {k: v.clone() for k, v in model.state_dict().items()}
+    assert set(mt.relayout_experts(model, "stored").values()) == {None}
+    for experts in _experts(model):
+        assert experts.gate_up_proj.is_contiguous() and experts.down_proj.is_contiguous()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, stored[key]), key
+    assert_close(_logits(model, "moerunner"), ref, FP32_MAX_REL, what="stored again")
+
+
+def test_to_and_deepcopy_keep_the_canonical_memory():
+    """``.to(dtype)`` and ``deepcopy`` preserve strides, so the canonical memory survives. fp16
+    bound: moerunner's fp16 logits are no further from the float64 model (of the same fp16
+    weights) than 1.5x transformers' eager fp16 logits are, plus 2 fp16 ulps (2^-10)."""
+    model = _model()
+    mt.use_moerunner(model)
+    moved = copy.deepcopy(model).to(torch.float16)
+    for experts in _experts(moved):
+        assert experts.gate_up_proj.dtype == torch.float16
+        assert _canonical(experts.gate_up_proj) and _canonical(experts.down_proj)
+    ref = _reference(moved)
+    eager = compare(_logits(moved, "eager"), ref)
+    ours = compare(_logits(moved, "moerunner"), ref)
+    assert ours.nonfinite == 0 and ours.max_rel <= 1.5 * eager.max_rel + 2.0**-10, (ours, eager)
+
+
+def test_training_sees_the_same_parameters():
+    """The parameters stay leaves that require grad: transformers' eager experts give them
+    the gradients they give the stored layout, and an optimizer step updates them in place
+    (in the canonical memory); moerunner's call under autograd behaves as with the stored
+    layout (same outputs, same gradients)."""
+    relaid, stored = _model(), _model()
+    mt.use_moerunner(relaid)
+    mt.use_moerunner(stored, relayout=False)
+    grads = []
+    for model in (relaid, stored):
+        model.set_experts_implementation("eager")
+        model.zero_grad()
+        model(IDS).logits.square().mean().backward()
+        experts = _experts(model)[0]
+        grads.append((experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+    for a, b in zip(*grads, strict=True):
+        assert_close(a, b.double(), FP32_MAX_REL, what="eager experts grad")
+    results = []
+    for model in (relaid, stored):
+        model.set_experts_implementation("moerunner")
+        model.zero_grad()
+        out = model(IDS).logits
+        out.square().mean().backward()
+        experts = _experts(model)[0]
+        results.append((out.detach(), model.model.embed_tokens.weight.grad, experts))
+    (out_a, grad_a, experts_a), (out_b, grad_b, experts_b) = results
+    assert_close(out_a, out_b.double(), FP32_MAX_REL, what="moerunner under autograd")
+    assert_close(grad_a, grad_b.double(), FP32_MAX_REL, what="moerunner input grads")
+    assert (experts_a.gate_up_proj.grad is None) == (experts_b.gate_up_proj.grad is None)
+    before = experts_a.gate_up_proj.detach().clone()
+    relaid.set_experts_implementation("eager")
+    relaid.zero_grad()
+    relaid(IDS).logits.square().mean().backward()
+    torch.optim.SGD(relaid.parameters(), lr=0.1).step()
+    assert _canonical(experts_a.gate_up_proj)
+    assert not torch.equal(experts_a.gate_up_proj, before)  # updated through the view
+    w, _ = expert_weights(experts_a)
+    assert torch.equal(w.w13, experts_a.gate_up_proj.detach().transpose(1, 2))
+
+
+def test_layers_that_cannot_be_relaid_keep_their_stored_layout():
+    with pytest.raises(MoeInputError, match="layout"):
+        mt.relayout_experts(_model(), "transposed")
+
+    # A parameter tied under two names is one tensor: re-laid once, still tied.
+    model = _model()
+    first, second = _experts(model)
+    second.down_proj = first.down_proj
+    ref = _reference(model)
+    assert set(mt.relayout_experts(model).values()) == {None}
+    assert second.down_proj is first.down_proj and _canonical(first.down_proj)
+    assert_close(_logits(model, "moerunner"), ref, FP32_MAX_REL, what="tied")
+
+    # Two parameters over one memory: re-laying one would untie them.
+    model = _model()
+    first, second = _experts(model)
+    second.gate_up_proj = torch.nn.Parameter(first.gate_up_proj.detach())
+    ref = _reference(model)
+    verdicts = mt.relayout_experts(model)
+    assert all("shares its memory" in reason for reason in verdicts.values())
+    assert second.gate_up_proj.data_ptr() == first.gate_up_proj.data_ptr()
+    assert first.gate_up_proj.is_contiguous()
+    assert_close(_logits(model, "moerunner"), ref, FP32_MAX_REL, what="shared memory")
+
+    # Quantized experts: the float weights are released, nothing to re-lay.
+    model = _model()
+    mt.quantize_experts(model, "fp8_channel")
+    assert all("quantized" in reason for reason in mt.relayout_experts(model).values())
+
+    # Weights on the meta device (not loaded) stay there.
+    from transformers import AutoModelForCausalLM
+
+    from moerunner.integrations.tiny_models import tiny_config
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("gpt_oss", intermediate_size=40))
+    assert all("meta" in reason for reason in mt.relayout_experts(meta).values())
+
+
+def test_offloaded_layers_keep_their_stored_layout():
+    accelerate = pytest.importorskip("accelerate")
+    model = _model()
+    ref = _reference(model)
+    accelerate.cpu_offload(model.model.layers[1], execution_device=torch.device("cpu"))
+    mt.use_moerunner(model)
+    verdicts = mt.relayout_experts(model)
+    assert verdicts["model.layers.0.mlp.experts"] is None
+    assert "offloaded" in verdicts["model.layers.1.mlp.experts"]
+    assert_close(_logits(model), ref, FP32_MAX_REL, what="offloaded layer")
+
+
+@pytest.mark.gpu
+def test_the_triton_backend_reads_the_parameters_memory_contiguously(monkeypatch):
+    """On CUDA with the triton backend: the weights the backend prepares are the contiguous
+    canonical parameters' memory (no copy), and the logits match the float64 eager model
+    (bound 1e-4: triton's GEMMs reduce in other orders than cuBLAS)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moerunner.backends.triton import TritonBackend
+
+    seen = []
+    prepare = TritonBackend.prepare_weights
+
+    def spy(self, weights, spec):
+        seen.append((weights.w13, weights.w2))
+        return prepare(self, weights, spec)
+
+    monkeypatch.setattr(TritonBackend, "prepare_weights", spy)
+    model = _model().cuda()
+    ref = _logits(copy.deepcopy(model).double(), "eager").double()
+    mt.use_moerunner(model, backend="triton")
+    with torch.no_grad():
+        out = model(IDS.cuda()).logits
+    assert_close(out, ref, 1e-4, what="triton, relaid")
+    params = {p.data_ptr() for e in _experts(model) for p in (e.gate_up_proj, e.down_proj)}
+    assert len(seen) >= 2  # each layer's weights, prepared once per form
+    for w13, w2 in seen:
+        assert w13.is_contiguous() and w2.is_contiguous()
+        assert {w13.data_ptr(), w2.data_ptr()} <= params
