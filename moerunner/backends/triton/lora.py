@@ -212,7 +212,7 @@ def apply_lora(
     a, b = delta.a, delta.b
     num_rows, n = out_RN.shape
     k, rank = a.shape[3], a.shape[2]
-    if num_rows == 0 or rank == 0:
+    if num_rows == 0 or rank == 0 or n == 0:
         return out_RN
     if layout.row_blocks:
         _apply_rows(out_RN, x_XK, a_row_div, delta, layout, options)
