@@ -187,6 +187,50 @@ def test_triton_lora_kernels_match_a_float64_loop_over_rows(layout, dtype, rank)
     assert none.shape == (0, n)
 
 
+@needs_triton
+@pytest.mark.parametrize("programs", [1, 24, 10**6], ids=["one-group", "two-groups", "per-block"])
+@pytest.mark.parametrize("rank", [16, 64])
+def test_triton_lora_row_kernel_over_several_k_steps_and_n_groups(monkeypatch, programs, rank):
+    """The row-block kernel (shrink and expand in one launch) with K = N = 300: rank 64 takes
+    two K steps (the second masked) and five N blocks, rank 16 one K step and two N blocks,
+    split into groups per row as ``_ROW_PROGRAMS`` asks (one group of all blocks, two groups
+    whose last block lies past N, one block per program). fp16 bound: DTYPE_BOUND (float32
+    products of fp16 values)."""
+    from moerunner.backends.triton import lora as lora_launcher
+
+    monkeypatch.setattr(lora_launcher, "_ROW_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(programs + rank)
+    tokens, row_div, k, n = 6, 2, 300, 300
+    rows = tokens * row_div
+    x = torch.randn(tokens, k, generator=g).half()
+    a = (torch.randn(L, E, rank, k, generator=g) * k**-0.5).half()
+    b = (torch.randn(L, E, n, rank, generator=g) * rank**-0.5).half()
+    adapter_T = torch.tensor([0, 2, -1, 1, 0, 2])
+    expert = torch.tensor([0, 3, 1, 2, 0, 1, 3, 3, -1, 2, 1, 0], dtype=torch.int32)
+    token = torch.arange(rows) // row_div
+    hook_rows = HookRows(expert=expert, token=token, slot=token % row_div)
+    zeros = torch.zeros(L, E, rank, n, dtype=x.dtype), torch.zeros(L, E, k, rank, dtype=x.dtype)
+    delta = LoraDelta(MoeLoraWeights(a, b, *zeros, 1.5), adapter_T, "w13")
+    options = TritonOptions(lora_group_min_rows_per_pair=10**6)
+    plan = lora_launcher.lora_layout(hook_rows, delta, options)
+    assert plan.row_blocks
+    groups, per_group = lora_launcher.rows_grid(rows, n, max(16, 4096 // max(16, rank)))
+    assert groups == {1: 1, 24: 2, 10**6: (5 if rank == 64 else 2)}[programs]
+    assert groups * per_group >= _cdiv(n, max(16, 4096 // max(16, rank)))
+    before = torch.randn(rows, n, generator=g)
+    out = lora_launcher.apply_lora(before.clone(), x, row_div, delta, plan, options)
+    adapter_R = adapter_T[token]
+    want = _row_deltas(x, a, b, adapter_R, expert, torch.full((rows,), 1.5), row_div)
+    assert (want == 0).all(dim=1).sum() == 3  # token 2's rows and the row of expert -1
+    assert_close(out - before, want, DTYPE_BOUND[torch.float16], what=f"r={rank} {programs}")
+    untouched = (want == 0).all(dim=1)
+    assert torch.equal(out[untouched], before[untouched])
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
 @pytest.fixture
 def lora_variants():
     """The triton backend registered once per LoRA row layout (``LAYOUTS``)."""

@@ -1,15 +1,14 @@
 # Stage "experts" of the triton backend: LoRA deltas as Triton kernels (public launcher).
 #
 # The hooked sequence (``hooked.py``) hands every hook that is a ``moerunner.lora.LoraDelta``
-# to ``apply_hook`` here instead of calling its PyTorch form: a shrink launch (x @ A^T per
-# row, into a float32 [rows, splits, rank] workspace) and an expand launch (add
-# scale * t @ B^T to the float32 GEMM output), over one row layout per call
-# (``lora_layout``) that both GEMMs' deltas share. With few rows per (adapter, expert) pair
-# each row is its own block and finds its pair in the kernel (no launch before the shrink);
-# with many, the rows are grouped by pair on the device (pair ids, then the experts'
-# alignment step over pairs: ``_align.align_rows``), so each block reads one pair's factors
-# once. No host reads: a hooked call stays CUDA-graph capturable. Kernel bodies:
-# ``_lora_kernel``.
+# to ``apply_hook`` here instead of calling its PyTorch form: the delta scale * (x @ A^T) @ B^T
+# added to the float32 GEMM output, over one row layout per call (``lora_layout``) that both
+# GEMMs' deltas share. With few rows per (adapter, expert) pair each row is its own block,
+# finds its pair in the kernel and runs shrink and expand in one launch; with many, the rows
+# are grouped by pair on the device (pair ids, then the experts' alignment step over pairs:
+# ``_align.align_rows``), so each block reads one pair's factors once, in a shrink launch
+# (into a float32 [rows, rank] workspace) and an expand launch. No host reads: a hooked call
+# stays CUDA-graph capturable. Kernel bodies: ``_lora_kernel``.
 
 from __future__ import annotations
 
@@ -24,13 +23,24 @@ from . import _launch
 from ._align import align_rows
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
-from ._lora_kernel import lora_expand_kernel, lora_shrink_kernel, pair_ids_kernel
+from ._lora_kernel import (
+    lora_expand_kernel,
+    lora_rows_kernel,
+    lora_shrink_kernel,
+    pair_ids_kernel,
+)
 from .experts import _TL_DTYPES, WORKSPACES, alignment_workspace
 from .options import TritonOptions
 
-# Elements of one factor tile of the row-block kernels ([rank, BLOCK_K] or [BLOCK_N, rank]):
-# 8 KiB of bf16 per program, so a decode call spreads its factor reads over many programs.
-_ROW_TILE = 4096
+# Elements of one factor tile of the row-block kernel: [RANK, BLOCK_K] of A (16 K: few K
+# steps, each a dependent round trip to memory, as one program reads all of A) and
+# [BLOCK_N, RANK] of B (4 K: a decode call spreads B over many programs).
+_ROW_A_TILE = 16384
+_ROW_B_TILE = 4096
+# Programs the row-block kernel aims at: each row's N blocks are split into groups (each
+# recomputing the row's rank values) only until the grid has about this many programs, so
+# few rows spread their factor reads wide and many rows read A about once each.
+_ROW_PROGRAMS = 256
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,73 @@ def _dot_dtype(x: torch.dtype, w: torch.dtype) -> tuple:
     return tl.float32, True
 
 
+def _scales(lora, dev: torch.device) -> tuple:
+    """(float32 scales per adapter or None, the scale as a number when one for all)."""
+    if isinstance(lora.scaling, torch.Tensor):
+        return lora.scaling.to(device=dev, dtype=torch.float32).contiguous(), 0.0
+    return None, float(lora.scaling)
+
+
+def rows_grid(num_rows: int, n: int, block_n: int) -> tuple:
+    """(N groups per row, BLOCK_N blocks per group) of the row-block kernel: the row's
+    ``cdiv(n, block_n)`` blocks split until the grid has about ``_ROW_PROGRAMS`` programs."""
+    n_blocks = _cdiv(n, block_n)
+    groups = min(n_blocks, max(1, _cdiv(_ROW_PROGRAMS, num_rows)))
+    per_group = _cdiv(n_blocks, groups)
+    return _cdiv(n_blocks, per_group), per_group
+
+
+def _apply_rows(
+    out_RN: torch.Tensor,
+    x_XK: torch.Tensor,
+    a_row_div: int,
+    delta: LoraDelta,
+    layout: LoraLayout,
+    options: TritonOptions,
+) -> None:
+    """Row blocks: shrink and expand of every row in one launch (``lora_rows_kernel``)."""
+    a, b = delta.a, delta.b
+    num_rows, n = out_RN.shape
+    k, rank = a.shape[3], a.shape[2]
+    rank_p = max(16, _pow2(rank))
+    block_k = min(max(16, _ROW_A_TILE // rank_p), max(16, _pow2(k)))
+    block_n = min(max(16, _ROW_B_TILE // rank_p), max(16, _pow2(n)))
+    groups, per_group = rows_grid(num_rows, n, block_n)
+    scales, scale_value = _scales(delta.lora, out_RN.device)
+    _launch.launch(
+        lora_rows_kernel,
+        (num_rows, groups),
+        x_XK,
+        a,
+        b,
+        out_RN,
+        scales if scales is not None else out_RN,
+        scale_value,
+        layout.expert,
+        layout.token,
+        layout.adapter_T,
+        k,
+        n,
+        rank,
+        layout.num_experts,
+        layout.adapter_T.shape[0],
+        a_row_div,
+        per_group,
+        x_XK.stride(0),
+        x_XK.stride(1),
+        *a.stride(),
+        *b.stride(),
+        out_RN.stride(0),
+        out_RN.stride(1),
+        BLOCK_K=block_k,
+        BLOCK_N=block_n,
+        RANK=rank_p,
+        HAS_SCALES=scales is not None,
+        num_warps=8 if block_k * rank_p > 8192 else 4,
+        options=options,
+    )
+
+
 def apply_lora(
     out_RN: torch.Tensor,
     x_XK: torch.Tensor,
@@ -132,36 +209,27 @@ def apply_lora(
 ) -> torch.Tensor:
     """``out_RN`` (float32 ``[R, N]``) += each row's delta in place; row r's input is
     ``x_XK[r // a_row_div]``. Returns ``out_RN``."""
-    a, b, lora = delta.a, delta.b, delta.lora
+    a, b = delta.a, delta.b
     num_rows, n = out_RN.shape
     k, rank = a.shape[3], a.shape[2]
-    if num_rows == 0 or rank == 0:
+    if num_rows == 0 or rank == 0 or n == 0:
+        return out_RN
+    if layout.row_blocks:
+        _apply_rows(out_RN, x_XK, a_row_div, delta, layout, options)
         return out_RN
     rank_p = max(16, _pow2(rank))
     dev = out_RN.device
-    if layout.row_blocks:
-        block_k = min(max(16, _ROW_TILE // rank_p), max(16, _pow2(k)))
-        block_n = min(max(16, _ROW_TILE // rank_p), max(16, _pow2(n)))
-        splits = _cdiv(k, block_k)
-    else:
-        block_k, block_n, splits = 64, 64, 1
+    block_k, block_n = 64, 64
     t = WORKSPACES.get(
-        (dev, "lora_t", num_rows, splits, rank_p),
-        lambda: {"t": torch.empty(num_rows, splits, rank_p, dtype=torch.float32, device=dev)},
+        (dev, "lora_t", num_rows, rank_p),
+        lambda: {"t": torch.empty(num_rows, rank_p, dtype=torch.float32, device=dev)},
     )["t"]
-    rows_args = (
-        layout.expert,
-        layout.token,
-        layout.adapter_T,
-        layout.sorted_rows,
-        layout.block_pair,
-        layout.num_padded,
-    )
+    rows_args = (layout.sorted_rows, layout.block_pair, layout.num_padded)
     blocks = layout.num_blocks
     dot1, ieee1 = _dot_dtype(x_XK.dtype, a.dtype)
     _launch.launch(
         lora_shrink_kernel,
-        (blocks, splits),
+        (blocks,),
         x_XK,
         a,
         t,
@@ -170,25 +238,20 @@ def apply_lora(
         rank,
         num_rows,
         layout.num_experts,
-        layout.adapter_T.shape[0],
         a_row_div,
         x_XK.stride(0),
         x_XK.stride(1),
         *a.stride(),
         t.stride(0),
-        t.stride(1),
         BLOCK_M=layout.block_m,
         BLOCK_K=block_k,
         RANK=rank_p,
-        ROW_BLOCKS=layout.row_blocks,
         DOT_DTYPE=dot1,
         IEEE=ieee1,
         num_warps=4,
         options=options,
     )
-    scales = lora.scaling if isinstance(lora.scaling, torch.Tensor) else None
-    if scales is not None:
-        scales = scales.to(device=dev, dtype=torch.float32).contiguous()
+    scales, scale_value = _scales(delta.lora, dev)
     dot2, ieee2 = _dot_dtype(b.dtype, b.dtype)
     _launch.launch(
         lora_expand_kernel,
@@ -197,23 +260,19 @@ def apply_lora(
         b,
         out_RN,
         scales if scales is not None else t,
-        0.0 if scales is not None else float(lora.scaling),
+        scale_value,
         *rows_args,
         n,
         rank,
         num_rows,
         layout.num_experts,
-        layout.adapter_T.shape[0],
         t.stride(0),
-        t.stride(1),
         *b.stride(),
         out_RN.stride(0),
         out_RN.stride(1),
         BLOCK_M=layout.block_m,
         BLOCK_N=block_n,
         RANK=rank_p,
-        SPLITS=splits,
-        ROW_BLOCKS=layout.row_blocks,
         HAS_SCALES=scales is not None,
         DOT_DTYPE=dot2,
         IEEE=ieee2,
