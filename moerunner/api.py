@@ -72,8 +72,8 @@ def fused_moe(
             7.0 and 1.0): floats, or per-expert ``[E]`` tensors (``moerunner.Activation``).
         backend: a backend name or ``"auto"``.
         check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
-            raising at a later call or at ``moerunner.check_errors()``
-            (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
+            raising at a later call (the triton kernels' check is read every 8th call) or at
+            ``moerunner.check_errors()`` (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
             pass False; every backend then skips ids outside ``[0, E)`` (any integer dtype,
             no wrap-around), silently.
         w13_order: w13's row order: ``"gate_up"`` (default), ``"up_gate"`` (FlashInfer /
