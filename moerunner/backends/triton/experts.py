@@ -261,6 +261,42 @@ def _quantize_input(
     return qx.data.contiguous(), qx.scale.float().contiguous()
 
 
+def launch_tile(tile: TileConfig, consts: dict, gated: bool) -> TileConfig:
+    """The tile one GEMM launch runs for ``tile`` on a weight with kernel constexprs
+    ``consts`` (``KernelWeight.constexprs``; ``gated``: GEMM1 of a gated activation): BLOCK_K
+    rounded to whole chunks of a packed layout, or MoeInputError naming the constraint the
+    tile breaks (K blocks of block-scaled fp8, scale groups, fragment-layout tile rows)."""
+    group_k = consts["GROUP_K"]
+    if consts["QDOT"] and group_k > 0 and group_k % tile.block_k and tile.block_k % group_k:
+        raise MoeInputError(
+            f"block_k {tile.block_k} must divide the K block {group_k} or be a multiple of it "
+            "for block-scaled fp8"
+        )
+    half = consts["HALF"]
+    if half:  # packed 4-bit: whole chunks of the split layout per K step
+        chunk = 2 * half
+        tile = dataclasses.replace(tile, block_k=max(chunk, tile.block_k // chunk * chunk))
+    if consts["FRAG"]:  # one chunk of the fragment layout per K step
+        tile = dataclasses.replace(tile, block_k=FRAGMENT_K)
+        width = 2 * tile.block_n if gated else tile.block_n
+        if width % 16 or FRAGMENT_ROWS % width:
+            raise MoeInputError(
+                f"e2m1 weights in the fragment layout need tiles of 16 to {FRAGMENT_ROWS} "
+                f"weight rows, a power of two; got block_n {tile.block_n} "
+                f"({width} rows{' with gate and up' if gated else ''})"
+            )
+    if (
+        group_k
+        and not consts["QDOT"]
+        and not half
+        and (tile.block_k % group_k and group_k % tile.block_k)
+    ):
+        raise MoeInputError(
+            f"block_k {tile.block_k} and scale group {group_k} must divide one another"
+        )
+    return tile
+
+
 def _launch_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -288,35 +324,8 @@ def _launch_gemm(
     dummy = _dummy(dev)
     k = w.shape[2]
     consts = dict(w.constexprs)
-    group_k = consts["GROUP_K"]
-    if consts["QDOT"] and group_k > 0 and group_k % tile.block_k and tile.block_k % group_k:
-        raise MoeInputError(
-            f"block_k {tile.block_k} must divide the K block {group_k} or be a multiple of it "
-            "for block-scaled fp8"
-        )
-    half = consts["HALF"]
-    if half:  # packed 4-bit: whole chunks of the split layout per K step
-        chunk = 2 * half
-        tile = dataclasses.replace(tile, block_k=max(chunk, tile.block_k // chunk * chunk))
     gated = spec is not None and spec.gated
-    if consts["FRAG"]:  # one chunk of the fragment layout per K step
-        tile = dataclasses.replace(tile, block_k=FRAGMENT_K)
-        width = 2 * tile.block_n if gated else tile.block_n
-        if width % 16 or FRAGMENT_ROWS % width:
-            raise MoeInputError(
-                f"e2m1 weights in the fragment layout need tiles of 16 to {FRAGMENT_ROWS} "
-                f"weight rows, a power of two; got block_n {tile.block_n} "
-                f"({width} rows{' with gate and up' if gated else ''})"
-            )
-    if (
-        group_k
-        and not consts["QDOT"]
-        and not half
-        and (tile.block_k % group_k and group_k % tile.block_k)
-    ):
-        raise MoeInputError(
-            f"block_k {tile.block_k} and scale group {group_k} must divide one another"
-        )
+    tile = launch_tile(tile, consts, gated)
     scale = w.scale if w.scale is not None else dummy
     zp = w.zero_point if w.zero_point is not None else dummy
     gs = w.global_scale if w.global_scale is not None else dummy

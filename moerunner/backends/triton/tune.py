@@ -36,6 +36,7 @@ from .tile_config import (
     k_blocked,
     load_config_file,
     mma_8bit,
+    rows_per_expert,
     write_config_file,
 )
 
@@ -58,12 +59,12 @@ def candidate_tiles(
 ) -> list[TileConfig]:
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these);
     ``layout`` is the weights' ``_prepare.weight_layout``."""
-    rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
+    rpe = rows_per_expert(num_tokens, top_k, num_experts)
     packed = get_scheme(scheme).packed
     quant8 = mma_8bit(scheme)  # 8-bit operands fed to the MMA
     bks = (128,) if k_blocked(scheme) or packed else (64, 128)
     out = []
-    if packed and rows_per_expert <= 16 and layout == "fragment":
+    if packed and rpe <= 16 and layout == "fragment":
         # e2m1 in the fragment layout at decode: K steps are one 128-wide chunk, so search the
         # tile's weight rows (2 * BLOCK_N for the gated GEMM1; tiles the layout cannot take
         # are skipped when they raise), the warps decoding them and the pipeline depth.
@@ -71,7 +72,7 @@ def candidate_tiles(
             for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4)):
                 out.append(TileConfig(16, bn, 128, 1, warps, stages))
         return out
-    if packed and rows_per_expert <= 16:
+    if packed and rpe <= 16:
         # Packed 4-bit in the split layout at decode: the weight decode dominates, so search
         # how many chunks one K step covers (per-step overhead) and the warps decoding them.
         # Beyond decode a K step is 128 elements (whole chunks, see the launcher).
@@ -82,25 +83,25 @@ def candidate_tiles(
                 for warps, stages in ((2, 3), (4, 3), (4, 4)):
                     out.append(TileConfig(16, bn, bk, 1, warps, stages))
         return out
-    if rows_per_expert <= 16:
+    if rpe <= 16:
         dec_bks = bks if len(bks) == 1 else (128, 256)
-        bms = (16, 32, 64) if rows_per_expert >= 8 else (16,)
+        bms = (16, 32, 64) if rpe >= 8 else (16,)
         for bm in bms:
             for bn in (32, 64, 128) if bm == 16 else (64, 128):
                 for bk in dec_bks:
                     for stages in (3, 4):
                         out.append(TileConfig(bm, bn, bk, 1, 4, stages))
-    elif rows_per_expert <= 128:
+    elif rpe <= 128:
         # Also search the wide GEMM2 tile and, near 128 rows per expert, BLOCK_M 128: masked
         # padding rows cost MMA time but are never loaded, so a half-empty 128-row block
         # moves fewer bytes than two 64-row blocks, and its tile runs two warpgroups.
         for bm in (16, 32, 64):
-            for bn in (64, 128, 256) if bm == 64 and rows_per_expert > 32 else (64, 128):
+            for bn in (64, 128, 256) if bm == 64 and rpe > 32 else (64, 128):
                 for bk in bks:
                     pipelines = ((4, 3), (4, 4), (8, 3)) if bm == 64 else ((4, 3),)
                     for warps, stages in pipelines:
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
-        if rows_per_expert > 64:
+        if rpe > 64:
             for bn in (64, 128) if quant8 else (64, 128, 256):
                 for warps, stages in ((8, 3), (8, 4)):
                     out.append(TileConfig(128, bn, bks[0] if quant8 else 64, 8, warps, stages))
@@ -114,7 +115,7 @@ def candidate_tiles(
                 for bk in (128,) if quant8 else bks[:1]:
                     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
-    if k_blocked(scheme) and rows_per_expert > 64:
+    if k_blocked(scheme) and rpe > 64:
         # Two scale groups per K step: the promotion of the first overlaps the second's MMA.
         for bm in (64, 128):
             for bn in (64, 128):
