@@ -63,22 +63,6 @@ def old_default_tiles(num_tokens, top_k, num_experts, n, k, scheme, dtype_bytes=
     )
 
 
-def limited_candidates(cands, limit, keep):
-    """At most ``limit`` of ``cands`` (besides ``keep``), taken in turn from each BLOCK_M so
-    every row band the tuner searches stays in; ``keep`` (the defaults) always included."""
-    by_m = {}
-    for c in cands:
-        by_m.setdefault(c.block_m, []).append(c)
-    for group in by_m.values():  # spread each band's picks over its list
-        group[:] = group[::2] + group[1::2]
-    out = []
-    while len(out) < limit and any(by_m.values()):
-        for group in by_m.values():
-            if group and len(out) < limit:
-                out.append(group.pop(0))
-    return list(dict.fromkeys([*keep, *out]))
-
-
 def fmt(t: TileConfig) -> str:
     return f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
 
@@ -165,7 +149,7 @@ def main() -> None:
                 old = old_default_tiles(t, s.top_k, *shape)
                 new = tile_config.heuristic_tiles(t, s.top_k, *shape)
                 cands = tune.candidate_tiles(t, s.top_k, s.num_experts, scheme, weight_layout(w13))
-                cands = limited_candidates(
+                cands = tune.limited_candidates(
                     cands, args.max_candidates, [old.gemm1, old.gemm2, new.gemm1, new.gemm2]
                 )
                 print(
@@ -173,7 +157,9 @@ def main() -> None:
                     f"{len(cands)} candidates",
                     flush=True,
                 )
+                searched = time.time()
                 best, gemm_ms = tune.tune_tokens(prepared, t, s.top_k, cands, progress=quiet)
+                searched = time.time() - searched
                 row = {
                     "preset": name,
                     "scheme": scheme,
@@ -181,6 +167,9 @@ def main() -> None:
                     "rows_per_expert": tile_config.rows_per_expert(t, s.top_k, s.num_experts),
                     "candidates": len(cands),
                     "best_gemm_us": gemm_ms * 1e3,
+                    # Wall time of the search, compilation included: what a first call with
+                    # TritonOptions(autotune="first_call") would spend on this bucket.
+                    "search_s": searched,
                 }
                 for which, tiles in (("old", old), ("new", new), ("best", best)):
                     ms, _ = time_fused(prepared, t, s.top_k, tiles=tiles)
@@ -197,7 +186,8 @@ def main() -> None:
                     f"[{time.time() - start:5.0f} s] {name} {scheme} T={t}: old "
                     f"{row['old']['us']:.1f} us, new {row['new']['us']:.1f} us, best "
                     f"{row['best']['us']:.1f} us ({row['best']['tiles']}); best/new "
-                    f"{row['best_over_new']:.3f}, best/old {row['best_over_old']:.3f}",
+                    f"{row['best_over_new']:.3f}, best/old {row['best_over_old']:.3f}; "
+                    f"search {searched:.1f} s",
                     flush=True,
                 )
             del prepared

@@ -29,7 +29,7 @@ from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import PreparedWeights
 from . import _gemm_kernel as K
-from . import _launch, _plan
+from . import _launch, _plan, autotune
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._launch import cdiv as _cdiv
 from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
@@ -468,7 +468,7 @@ def run_kernel_sequence(
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
     dev = a_RH.device
     if tiles is None:
-        tiles = t["tiles"].lookup(num_rows // a_row_div, a_row_div)
+        tiles = autotune.tiles_for_call(prepared, num_rows // a_row_div, a_row_div, dev)
     bm = tiles.gemm1.block_m
     fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1, options)
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
@@ -580,6 +580,9 @@ def fused_standard(
         # One eager call's launches, replayed from a plan where one exists (``_plan``).
         roles = (hidden_TH, ids, route_w, out)
         id_flags = ID_FLAGS.buffer(dev) if check_ids and dev.type == "cuda" else None
+        if tiles is None and prepared.options.autotune != "off":
+            # A new token bucket is tuned before a plan records this call's launches.
+            autotune.tiles_for_call(prepared, num_tokens, top_k, dev)
         planned = tiles is None and _plan.enabled(prepared.options, dev)
         if planned:
             plans = _plan.plans_of(prepared)

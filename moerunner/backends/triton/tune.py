@@ -126,6 +126,25 @@ def candidate_tiles(
     return out
 
 
+def limited_candidates(
+    cands: Iterable[TileConfig], limit: int, keep: Iterable[TileConfig] = ()
+) -> list[TileConfig]:
+    """``keep`` (e.g. the default tiles) and at most ``limit`` of ``cands``, taken in turn
+    from each BLOCK_M so every row band of the search stays in (each band's list is walked
+    every other entry first, to spread the picks over its block sizes and pipelines)."""
+    by_m: dict[int, list[TileConfig]] = {}
+    for c in cands:
+        by_m.setdefault(c.block_m, []).append(c)
+    for group in by_m.values():
+        group[:] = group[::2] + group[1::2]
+    out: list[TileConfig] = []
+    while len(out) < limit and any(by_m.values()):
+        for group in by_m.values():
+            if group and len(out) < limit:
+                out.append(group.pop(0))
+    return list(dict.fromkeys([*keep, *out]))
+
+
 def _bench(fn: Callable[[], None], graph: bool) -> float:
     """Median milliseconds of ``fn`` (CUDA-graph replay when ``graph``)."""
     import triton.testing as tt
@@ -135,6 +154,11 @@ def _bench(fn: Callable[[], None], graph: bool) -> float:
     return tt.do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def tune_tokens(
     prepared,
     num_tokens: int,
@@ -142,11 +166,14 @@ def tune_tokens(
     candidates: Iterable[TileConfig] | None = None,
     progress: Callable[[str], None] = print,
     compile_only: bool = False,
+    timer: Callable[[Callable[[], None], bool], float] = _bench,
 ) -> tuple[MoeTiles | None, float]:
     """Best tiles for ``num_tokens`` tokens (random routing); returns (tiles, GEMM ms).
 
     ``compile_only`` launches every candidate once (filling Triton's kernel cache) and times
-    nothing; it returns (None, nan).
+    nothing; it returns (None, nan). ``timer(fn, graph)``: milliseconds of one ``fn()`` call
+    (default ``_bench``; ``graph``: whether CUDA-graph replay suits the size), called once
+    per candidate and GEMM after a first launch.
     """
     from . import experts as X
 
@@ -156,7 +183,10 @@ def tune_tokens(
     dev = w13.data.device
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
     scheme = w13.scheme if w13.scheme is not None else plain_scheme(torch.bfloat16)
-    dtype = torch.bfloat16
+    # Inputs in the weights' float dtype where it is one of 16 bits or more (fp16 weights
+    # run with fp16 inputs), else bf16.
+    stored = w13.data.dtype
+    dtype = stored if stored.is_floating_point and stored.itemsize >= 2 else torch.bfloat16
     cands = (
         list(candidates)
         if candidates is not None
@@ -246,13 +276,13 @@ def tune_tokens(
         for which, fn in (("gemm1", gemm1), ("gemm2", gemm2)):
             try:
                 fn()
-                torch.cuda.synchronize()
+                _synchronize(dev)
                 if compile_only:
                     continue
-                ms = _bench(fn, graph) / rotations
+                ms = timer(fn, graph) / rotations
             except Exception as exc:  # out of shared memory, invalid combination...
                 times[which] = f"skipped ({type(exc).__name__})"
-                torch.cuda.synchronize()
+                _synchronize(dev)
                 continue
             cur = best.setdefault(bm, {}).get(which)
             if cur is None or ms < cur[0]:
