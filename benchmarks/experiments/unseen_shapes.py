@@ -84,6 +84,8 @@ def write(out: Path, doc: dict) -> None:
             f"{r['best']['us']:.1f} | {r['best_over_old']:.3f} | {r['best_over_new']:.3f} |"
         )
     rows = doc["rows"]
+    if doc.get("not_run"):
+        lines.append(f"\nnot run (time budget): {', '.join(doc['not_run'])}")
     if rows:
         for which in ("old", "new"):
             ratios = [r[f"best_over_{which}"] for r in rows]
@@ -192,6 +194,7 @@ def main() -> None:
                 )
             del prepared
             torch.cuda.empty_cache()
+    write(args.out, doc)  # with what the budget left out
     print((args.out / "unseen_shapes.md").read_text())
 
 
