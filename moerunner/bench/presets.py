@@ -148,6 +148,34 @@ PRESETS: dict[str, BenchShape] = {
             "relu2",
             source=_HF.format("NemotronHConfig() (n_routed_experts=8, moe_intermediate_size=7688)"),
         ),
+        # Models without a tuned tile file shipped: the shapes on which the triton backend's
+        # default tiles are judged (benchmarks/experiments/unseen_shapes.py).
+        BenchShape(
+            "olmoe-1b-7b",
+            64,
+            2048,
+            1024,
+            8,
+            source="OLMoE-1B-7B-0924 config.json (OlmoeConfig(intermediate_size=1024))",
+        ),
+        BenchShape(
+            "qwen1.5-moe-a2.7b",
+            60,
+            2048,
+            1408,
+            4,
+            source=_HF.format("Qwen2MoeConfig() (routed experts; the shared expert not included)"),
+        ),
+        BenchShape("phi-3.5-moe", 16, 4096, 6400, 2, source=_HF.format("PhimoeConfig()")),
+        BenchShape(
+            "dbrx",
+            16,
+            6144,
+            10752,
+            4,
+            source="DBRX config.json (d_model 6144, ffn_hidden_size 10752, moe_num_experts 16, "
+            "moe_top_k 4)",
+        ),
         # Scaled-down shapes for CPUs and CI.
         BenchShape("cpu-tiny", 8, 64, 96, 2, source="scaled down for tests"),
         BenchShape("cpu-small", 128, 256, 96, 8, source="qwen3-30b-a3b routing, H and I / 8"),
@@ -174,6 +202,10 @@ MODEL_PRESETS = tuple(
 
 #: The four presets of the GPU performance report.
 GPU_REPORT_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b")
+
+#: Model presets with no tuned tile file shipped (``backends/triton/configs``): where the
+#: triton backend's default tiles answer.
+UNSEEN_TILE_PRESETS = ("olmoe-1b-7b", "qwen1.5-moe-a2.7b", "phi-3.5-moe", "dbrx")
 
 
 def parse_shape(text: str, activation: str = "silu") -> BenchShape:

@@ -155,7 +155,10 @@ def test_tiles_key_on_the_mma_operand_not_the_name():
     args = (4096, 8, 8, 12288, 4096)
     w8a16 = tile_config.heuristic_tiles(*args, "int8_w8a16", dtype_bytes=1)
     assert w8a16 == tile_config.heuristic_tiles(*args, "bf16", dtype_bytes=2)
-    assert tile_config.heuristic_tiles(*args, "int8", dtype_bytes=1).gemm1.block_n == 64
+    w8a8 = tile_config.heuristic_tiles(*args, "int8", dtype_bytes=1)
+    assert w8a8 != w8a16 and w8a8 == tile_config.heuristic_tiles(*args, "fp8_channel", 1)
+    assert tile_config.tile_family("int8", 1) == "qdot8"
+    assert tile_config.tile_family("int8_w8a16", 1) == "plain"
     assert not tile_config.mma_8bit("int8_w8a16") and not tile_config.mma_8bit("int8_g64")
     assert tile_config.mma_8bit("fp8_channel") and tile_config.mma_8bit("int8")
     assert tile_config.k_blocked("fp8_block_128x64") and not tile_config.k_blocked("fp8_tensor")

@@ -107,6 +107,21 @@ def test_presets_match_transformers_configs():
         p["nemotron-h"].top_k,
     ) == (n.n_routed_experts, n.hidden_size, n.moe_intermediate_size, n.num_experts_per_tok)
     assert n.mlp_hidden_act == p["nemotron-h"].activation == "relu2"
+    from transformers import PhimoeConfig, Qwen2MoeConfig
+
+    q2, phi = Qwen2MoeConfig(), PhimoeConfig()
+    assert (
+        p["qwen1.5-moe-a2.7b"].num_experts,
+        p["qwen1.5-moe-a2.7b"].hidden_size,
+        p["qwen1.5-moe-a2.7b"].intermediate_size,
+        p["qwen1.5-moe-a2.7b"].top_k,
+    ) == (q2.num_experts, q2.hidden_size, q2.moe_intermediate_size, q2.num_experts_per_tok)
+    assert (
+        p["phi-3.5-moe"].num_experts,
+        p["phi-3.5-moe"].hidden_size,
+        p["phi-3.5-moe"].intermediate_size,
+        p["phi-3.5-moe"].top_k,
+    ) == (phi.num_local_experts, phi.hidden_size, phi.intermediate_size, phi.num_experts_per_tok)
     assert p["nemotron-h-tp8"].intermediate_size == 961  # 7688 / 8: not a multiple of 16
 
 

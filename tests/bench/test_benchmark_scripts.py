@@ -131,6 +131,10 @@ def test_model_presets_match_the_published_configs():
         "mixtral-8x7b": (4096, 14336, 8, 2),
         "gpt-oss-120b": (2880, 2880, 128, 4),
         "gpt-oss-20b": (2880, 2880, 32, 4),
+        "olmoe-1b-7b": (2048, 1024, 64, 8),
+        "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+        "phi-3.5-moe": (4096, 6400, 16, 2),
+        "dbrx": (6144, 10752, 16, 4),
     }
     for name, dims in published.items():
         s = presets.PRESETS[name]
@@ -139,8 +143,9 @@ def test_model_presets_match_the_published_configs():
 
 def test_no_other_source_spells_a_model_shape():
     """Integer literals that only a model's shape would use (DeepSeek-V3's H, Mixtral's I,
-    Nemotron-H's I) appear in the preset table and this test, nowhere else."""
-    distinctive = {7168, 14336, 7688}
+    Nemotron-H's, Phi-3.5-MoE's and DBRX's I) appear in the preset table and this test,
+    nowhere else."""
+    distinctive = {7168, 14336, 7688, 6400, 10752}
     here = Path(__file__).resolve()
     sources = [
         p

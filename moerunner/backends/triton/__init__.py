@@ -15,6 +15,7 @@
 #   _launch.py       every kernel launch: compiled kernels cached per argument key (eager cost)
 #   tile_config.py   heuristic tiles, tuned JSON files (user folder, then configs/)
 #   tune.py          ``moerunner tune``: searches tiles on the current GPU and writes them
+#   autotune.py      ``autotune="first_call"``: a missing token bucket tuned on its first call
 #   hooked.py        the sequence split around hooks (moerunner.hooks): calls with hooks only
 
 from __future__ import annotations

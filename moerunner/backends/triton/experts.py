@@ -29,7 +29,7 @@ from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import PreparedWeights
 from . import _gemm_kernel as K
-from . import _launch, _plan
+from . import _launch, _plan, autotune
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
 from ._launch import cdiv as _cdiv
 from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
@@ -261,6 +261,42 @@ def _quantize_input(
     return qx.data.contiguous(), qx.scale.float().contiguous()
 
 
+def launch_tile(tile: TileConfig, consts: dict, gated: bool) -> TileConfig:
+    """The tile one GEMM launch runs for ``tile`` on a weight with kernel constexprs
+    ``consts`` (``KernelWeight.constexprs``; ``gated``: GEMM1 of a gated activation): BLOCK_K
+    rounded to whole chunks of a packed layout, or MoeInputError naming the constraint the
+    tile breaks (K blocks of block-scaled fp8, scale groups, fragment-layout tile rows)."""
+    group_k = consts["GROUP_K"]
+    if consts["QDOT"] and group_k > 0 and group_k % tile.block_k and tile.block_k % group_k:
+        raise MoeInputError(
+            f"block_k {tile.block_k} must divide the K block {group_k} or be a multiple of it "
+            "for block-scaled fp8"
+        )
+    half = consts["HALF"]
+    if half:  # packed 4-bit: whole chunks of the split layout per K step
+        chunk = 2 * half
+        tile = dataclasses.replace(tile, block_k=max(chunk, tile.block_k // chunk * chunk))
+    if consts["FRAG"]:  # one chunk of the fragment layout per K step
+        tile = dataclasses.replace(tile, block_k=FRAGMENT_K)
+        width = 2 * tile.block_n if gated else tile.block_n
+        if width % 16 or FRAGMENT_ROWS % width:
+            raise MoeInputError(
+                f"e2m1 weights in the fragment layout need tiles of 16 to {FRAGMENT_ROWS} "
+                f"weight rows, a power of two; got block_n {tile.block_n} "
+                f"({width} rows{' with gate and up' if gated else ''})"
+            )
+    if (
+        group_k
+        and not consts["QDOT"]
+        and not half
+        and (tile.block_k % group_k and group_k % tile.block_k)
+    ):
+        raise MoeInputError(
+            f"block_k {tile.block_k} and scale group {group_k} must divide one another"
+        )
+    return tile
+
+
 def _launch_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -288,35 +324,8 @@ def _launch_gemm(
     dummy = _dummy(dev)
     k = w.shape[2]
     consts = dict(w.constexprs)
-    group_k = consts["GROUP_K"]
-    if consts["QDOT"] and group_k > 0 and group_k % tile.block_k and tile.block_k % group_k:
-        raise MoeInputError(
-            f"block_k {tile.block_k} must divide the K block {group_k} or be a multiple of it "
-            "for block-scaled fp8"
-        )
-    half = consts["HALF"]
-    if half:  # packed 4-bit: whole chunks of the split layout per K step
-        chunk = 2 * half
-        tile = dataclasses.replace(tile, block_k=max(chunk, tile.block_k // chunk * chunk))
     gated = spec is not None and spec.gated
-    if consts["FRAG"]:  # one chunk of the fragment layout per K step
-        tile = dataclasses.replace(tile, block_k=FRAGMENT_K)
-        width = 2 * tile.block_n if gated else tile.block_n
-        if width % 16 or FRAGMENT_ROWS % width:
-            raise MoeInputError(
-                f"e2m1 weights in the fragment layout need tiles of 16 to {FRAGMENT_ROWS} "
-                f"weight rows, a power of two; got block_n {tile.block_n} "
-                f"({width} rows{' with gate and up' if gated else ''})"
-            )
-    if (
-        group_k
-        and not consts["QDOT"]
-        and not half
-        and (tile.block_k % group_k and group_k % tile.block_k)
-    ):
-        raise MoeInputError(
-            f"block_k {tile.block_k} and scale group {group_k} must divide one another"
-        )
+    tile = launch_tile(tile, consts, gated)
     scale = w.scale if w.scale is not None else dummy
     zp = w.zero_point if w.zero_point is not None else dummy
     gs = w.global_scale if w.global_scale is not None else dummy
@@ -459,7 +468,7 @@ def run_kernel_sequence(
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
     dev = a_RH.device
     if tiles is None:
-        tiles = t["tiles"].lookup(num_rows // a_row_div, a_row_div)
+        tiles = autotune.tiles_for_call(prepared, num_rows // a_row_div, a_row_div, dev)
     bm = tiles.gemm1.block_m
     fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1, options)
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
@@ -571,6 +580,9 @@ def fused_standard(
         # One eager call's launches, replayed from a plan where one exists (``_plan``).
         roles = (hidden_TH, ids, route_w, out)
         id_flags = ID_FLAGS.buffer(dev) if check_ids and dev.type == "cuda" else None
+        if tiles is None and prepared.options.autotune != "off":
+            # A new token bucket is tuned before a plan records this call's launches.
+            autotune.tiles_for_call(prepared, num_tokens, top_k, dev)
         planned = tiles is None and _plan.enabled(prepared.options, dev)
         if planned:
             plans = _plan.plans_of(prepared)

@@ -20,7 +20,7 @@ from ...config import ExpertSpec
 from ...hooks import HookRows, MoeHooks, RowHooks, expert_of_rows
 from ...weights import PreparedWeights
 from . import _gemm_kernel as K
-from . import _launch
+from . import _launch, autotune
 from ._align import hook_rows, topk_sum
 from ._launch import cdiv, next_power_of_2
 from .experts import (
@@ -51,7 +51,7 @@ def hooked_sequence(
     w13, w2 = t["w13"], t["w2"]
     num_rows, num_experts = row_expert.shape[0], spec.num_experts
     dev = a_RH.device
-    tiles = t["tiles"].lookup(num_rows // a_row_div, a_row_div)
+    tiles = autotune.tiles_for_call(prepared, num_rows // a_row_div, a_row_div, dev)
     bm = tiles.gemm1.block_m
     ws = WORKSPACES.get(
         (dev, "hooked_align", num_rows, num_experts, bm),

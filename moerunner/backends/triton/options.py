@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 E2M1_LAYOUTS = ("fragment", "split")
+AUTOTUNE_MODES = ("off", "first_call")
 # Fields that change what ``prepare_weights`` makes (the rest only change launches).
 PREPARE_TIME_FIELDS = ("e2m1_layout", "tile_dirs")
 
@@ -82,6 +83,15 @@ class TritonOptions:
     #: tile folder that ``moerunner tune`` writes to (``tile_config.user_tile_dir()``);
     #: ``()``: shipped files only.
     tile_dirs: tuple[str, ...] | None = None
+    #: Where no tuned file has an entry for a call's token bucket (``autotune.token_bucket``),
+    #: ``"off"`` takes the default tiles (``tile_config.heuristic_tiles``); ``"first_call"``
+    #: times a few of the tuner's candidates for that bucket once per weights' shape and
+    #: device, on the first eager call that needs it (seconds; it synchronises once, as a
+    #: first compilation does), and caches the winner in the first tile folder (``tile_dirs``,
+    #: default the user tile folder; ``()``: in memory only) in ``moerunner tune``'s schema.
+    #: Under CUDA-graph capture or ``torch.compile`` tracing it never times: the default
+    #: tiles answer there.
+    autotune: str = "off"
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -99,6 +109,15 @@ class TritonOptions:
             raise ValueError(
                 f"TritonOptions.e2m1_layout must be one of {', '.join(E2M1_LAYOUTS)}, "
                 f"got {self.e2m1_layout!r}"
+            )
+        if not isinstance(self.autotune, str):
+            raise TypeError(
+                f"TritonOptions.autotune must be a str, got {type(self.autotune).__name__}"
+            )
+        if self.autotune not in AUTOTUNE_MODES:
+            raise ValueError(
+                f"TritonOptions.autotune must be one of {', '.join(AUTOTUNE_MODES)}, "
+                f"got {self.autotune!r}"
             )
         if self.tile_dirs is not None:
             object.__setattr__(self, "tile_dirs", _folders(self.tile_dirs))

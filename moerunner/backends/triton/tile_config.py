@@ -193,10 +193,80 @@ def k_blocked(scheme: str | QuantScheme) -> bool:
     return mma_operand(s) == "fp8" and s.granularity in ("block", "group")
 
 
-def _scheme_block_k(scheme: QuantScheme, k: int) -> int:
-    if k_blocked(scheme):
-        return 128  # K blocks of 128 or a divisor: BLOCK_K divides it or is a multiple of it
-    return 128 if k >= 128 else 64
+# Default tiles by MMA family and rows per expert (``rows_per_expert``), read off the tuned
+# files shipped in ``configs/`` (H100 and H200; GPT-OSS, Qwen3-30B, DeepSeek-V3, Mixtral):
+# across those shapes the tuner's BLOCK_M follows the rows an expert gets, not E, N or K, and
+# within a row band the same few tiles win (where the two GPUs disagree, the H100's choice is
+# taken). Each row is (rows per expert up to, GEMM1 tile, GEMM2 tile); every tile is one that
+# ``tune.candidate_tiles`` searches for that band, so a tuned file can only improve on it.
+# Every band keeps far more tiles than an H100 has SMs (from 16 rows per expert up, E * N /
+# BLOCK_N alone is >= 8 waves for the shapes of the files and of the unseen presets), so the
+# SM count does not enter.
+_INF = float("inf")
+_DEFAULT_TILES: dict[str, tuple[tuple[float, TileConfig, TileConfig], ...]] = {
+    # Weights reach the MMA in the hidden dtype as stored (bf16, fp16) or decoded from
+    # 8 bits (int8 W8A16, mxfp8). Decode streams weights: 16 rows, long K steps, GEMM1
+    # narrower (its MMA is gate and up, 2 * BLOCK_N wide). Past ~160 rows per expert both
+    # GEMMs turn compute-bound and take two-warpgroup 128-row tiles, GEMM2 256 wide.
+    "plain": (
+        (12, TileConfig(16, 64, 256, 1, 4, 4), TileConfig(16, 128, 256, 1, 4, 4)),
+        (24, TileConfig(32, 128, 128, 1, 4, 3), TileConfig(32, 128, 128, 1, 4, 3)),
+        (160, TileConfig(64, 128, 64, 8, 4, 3), TileConfig(64, 128, 64, 8, 4, 3)),
+        (384, TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4)),
+        (_INF, TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 8, 3)),
+    ),
+    # 8-bit operands (fp8 / int8 weights against quantized inputs): K steps of 128 (a
+    # block-scaled K block or a multiple of its divisors), and 64-row tiles from 24 rows per
+    # expert up (the tuner's H100 choice from 32 to 512 rows); GEMM1's 128 columns are
+    # whole groups, so it quantizes GEMM2's fp8_group128 input in its epilogue.
+    "qdot8": (
+        (12, TileConfig(16, 128, 128, 1, 4, 3), TileConfig(16, 128, 128, 1, 4, 3)),
+        (24, TileConfig(32, 128, 128, 1, 4, 3), TileConfig(32, 128, 128, 1, 4, 3)),
+        (_INF, TileConfig(64, 128, 128, 8, 8, 3), TileConfig(64, 128, 128, 8, 4, 4)),
+    ),
+    # Packed 4-bit weights decoded in registers (e2m1, int4): K steps of 128 (one chunk of
+    # the fragment layout, whole chunks of the split one); the decode costs per weight, so
+    # row blocks grow later than for plain weights. GEMM1 keeps BLOCK_N <= 128 (the fragment
+    # layout takes at most 256 weight rows, gate and up together). Decode ends at 16 rows,
+    # where the tuner's packed decode search does.
+    "packed": (
+        (16, TileConfig(16, 64, 128, 1, 4, 3), TileConfig(16, 128, 128, 1, 4, 3)),
+        (48, TileConfig(32, 64, 128, 8, 4, 3), TileConfig(32, 128, 128, 8, 4, 3)),
+        (256, TileConfig(64, 64, 128, 8, 4, 3), TileConfig(64, 128, 128, 8, 4, 3)),
+        (_INF, TileConfig(128, 64, 128, 8, 8, 3), TileConfig(128, 128, 128, 8, 8, 3)),
+    ),
+}
+
+
+def rows_per_expert(num_tokens: int, top_k: int, num_experts: int) -> float:
+    """Rows (token, expert pairs) an active expert gets on average: ``T * k`` spread over
+    ``min(E, T * k)`` experts. Tile choice (``heuristic_tiles``, ``tune.candidate_tiles``)
+    keys on it."""
+    pairs = max(1, num_tokens * top_k)
+    return pairs / max(1, min(num_experts, pairs))
+
+
+def tile_family(scheme: str | QuantScheme, dtype_bytes: int = 2) -> str:
+    """Which default-tile family (``_DEFAULT_TILES``) ``scheme`` takes: "qdot8" for 8-bit
+    MMA operands (``mma_8bit`` with 1-byte stored weights), "packed" for 4-bit weights
+    decoded in registers, else "plain"."""
+    scheme = get_scheme(scheme)
+    if mma_8bit(scheme) and dtype_bytes == 1:
+        return "qdot8"
+    return "packed" if scheme.packed else "plain"
+
+
+def _fit_block_k(tile: TileConfig, k: int, dtype_bytes: int) -> TileConfig:
+    """``tile`` with BLOCK_K no longer than K needs (a power of two, at least 64), and halved
+    for 4-byte weights (twice the shared memory per element)."""
+    bk = tile.block_k
+    if dtype_bytes > 2:
+        bk //= 2
+    whole = 64
+    while whole < k:
+        whole *= 2
+    bk = max(min(bk, whole), 32 if dtype_bytes > 2 else 64)
+    return tile if bk == tile.block_k else TileConfig(**{**asdict(tile), "block_k": bk})
 
 
 def heuristic_tiles(
@@ -208,31 +278,16 @@ def heuristic_tiles(
     scheme: str | QuantScheme,
     dtype_bytes: int = 2,
 ) -> MoeTiles:
-    """A sane default: small row blocks for decode (weight streaming), large MMA tiles after.
+    """Default tiles where no tuned file exists: the row band of ``rows_per_expert`` in the
+    scheme's family (``tile_family``, ``_DEFAULT_TILES``).
 
-    ``n`` is I, ``k`` is H. Rows per active expert decide between the regimes; 8-bit MMA
-    operands (``mma_8bit``, with ``dtype_bytes`` 1) take the quantized tiles.
+    ``n`` is I, ``k`` is H (GEMM1's K; GEMM2's K is ``n``). ``dtype_bytes``: bytes per
+    stored weight element (1 for 8-bit and packed weights, 4 for fp32).
     """
-    pairs = max(1, num_tokens * top_k)
-    rows_per_expert = pairs / max(1, min(num_experts, pairs))
-    scheme = get_scheme(scheme)
-    bk = _scheme_block_k(scheme, k)
-    quant8 = mma_8bit(scheme) and dtype_bytes == 1
-    if rows_per_expert <= 16:
-        g1 = TileConfig(16, 64, bk, 1, 4, 4)
-        g2 = TileConfig(16, 64, bk, 1, 4, 4)
-    elif rows_per_expert <= 64:
-        g1 = TileConfig(32, 64, bk, 8, 4, 4)
-        g2 = TileConfig(32, 128, bk, 8, 4, 4)
-    elif rows_per_expert <= 256:
-        g1 = TileConfig(64, 64, min(bk, 64) if not quant8 else bk, 8, 4, 4)
-        g2 = TileConfig(64, 128, min(bk, 64) if not quant8 else bk, 8, 4, 4)
-    else:
-        bk_large = bk if quant8 or k_blocked(scheme) else 64
-        # Two fp32 accumulators (gate, up): keep quantized tiles narrow to avoid spills.
-        g1 = TileConfig(128, 64 if quant8 else 128, bk_large, 8, 8, 3)
-        g2 = TileConfig(128, 128, bk_large, 8, 8, 3)
-    return MoeTiles(g1, g2)
+    rpe = rows_per_expert(num_tokens, top_k, num_experts)
+    bands = _DEFAULT_TILES[tile_family(scheme, dtype_bytes)]
+    g1, g2 = next((a, b) for upto, a, b in bands if rpe <= upto)
+    return MoeTiles(_fit_block_k(g1, k, dtype_bytes), _fit_block_k(g2, n, dtype_bytes))
 
 
 def gpu_name(device: torch.device) -> str | None:

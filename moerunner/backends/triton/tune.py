@@ -36,6 +36,7 @@ from .tile_config import (
     k_blocked,
     load_config_file,
     mma_8bit,
+    rows_per_expert,
     write_config_file,
 )
 
@@ -58,12 +59,12 @@ def candidate_tiles(
 ) -> list[TileConfig]:
     """Candidates for the rows-per-expert regime of this call (both GEMMs draw from these);
     ``layout`` is the weights' ``_prepare.weight_layout``."""
-    rows_per_expert = num_tokens * top_k / max(1, min(num_experts, num_tokens * top_k))
+    rpe = rows_per_expert(num_tokens, top_k, num_experts)
     packed = get_scheme(scheme).packed
     quant8 = mma_8bit(scheme)  # 8-bit operands fed to the MMA
     bks = (128,) if k_blocked(scheme) or packed else (64, 128)
     out = []
-    if packed and rows_per_expert <= 16 and layout == "fragment":
+    if packed and rpe <= 16 and layout == "fragment":
         # e2m1 in the fragment layout at decode: K steps are one 128-wide chunk, so search the
         # tile's weight rows (2 * BLOCK_N for the gated GEMM1; tiles the layout cannot take
         # are skipped when they raise), the warps decoding them and the pipeline depth.
@@ -71,7 +72,7 @@ def candidate_tiles(
             for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4)):
                 out.append(TileConfig(16, bn, 128, 1, warps, stages))
         return out
-    if packed and rows_per_expert <= 16:
+    if packed and rpe <= 16:
         # Packed 4-bit in the split layout at decode: the weight decode dominates, so search
         # how many chunks one K step covers (per-step overhead) and the warps decoding them.
         # Beyond decode a K step is 128 elements (whole chunks, see the launcher).
@@ -82,25 +83,25 @@ def candidate_tiles(
                 for warps, stages in ((2, 3), (4, 3), (4, 4)):
                     out.append(TileConfig(16, bn, bk, 1, warps, stages))
         return out
-    if rows_per_expert <= 16:
+    if rpe <= 16:
         dec_bks = bks if len(bks) == 1 else (128, 256)
-        bms = (16, 32, 64) if rows_per_expert >= 8 else (16,)
+        bms = (16, 32, 64) if rpe >= 8 else (16,)
         for bm in bms:
             for bn in (32, 64, 128) if bm == 16 else (64, 128):
                 for bk in dec_bks:
                     for stages in (3, 4):
                         out.append(TileConfig(bm, bn, bk, 1, 4, stages))
-    elif rows_per_expert <= 128:
+    elif rpe <= 128:
         # Also search the wide GEMM2 tile and, near 128 rows per expert, BLOCK_M 128: masked
         # padding rows cost MMA time but are never loaded, so a half-empty 128-row block
         # moves fewer bytes than two 64-row blocks, and its tile runs two warpgroups.
         for bm in (16, 32, 64):
-            for bn in (64, 128, 256) if bm == 64 and rows_per_expert > 32 else (64, 128):
+            for bn in (64, 128, 256) if bm == 64 and rpe > 32 else (64, 128):
                 for bk in bks:
                     pipelines = ((4, 3), (4, 4), (8, 3)) if bm == 64 else ((4, 3),)
                     for warps, stages in pipelines:
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
-        if rows_per_expert > 64:
+        if rpe > 64:
             for bn in (64, 128) if quant8 else (64, 128, 256):
                 for warps, stages in ((8, 3), (8, 4)):
                     out.append(TileConfig(128, bn, bks[0] if quant8 else 64, 8, warps, stages))
@@ -114,7 +115,7 @@ def candidate_tiles(
                 for bk in (128,) if quant8 else bks[:1]:
                     for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                         out.append(TileConfig(bm, bn, bk, 8, warps, stages))
-    if k_blocked(scheme) and rows_per_expert > 64:
+    if k_blocked(scheme) and rpe > 64:
         # Two scale groups per K step: the promotion of the first overlaps the second's MMA.
         for bm in (64, 128):
             for bn in (64, 128):
@@ -123,6 +124,25 @@ def candidate_tiles(
     if layout == "fragment":  # K steps are one 128-wide chunk whatever block_k says
         out = list(dict.fromkeys(dataclasses.replace(t, block_k=128) for t in out))
     return out
+
+
+def limited_candidates(
+    cands: Iterable[TileConfig], limit: int, keep: Iterable[TileConfig] = ()
+) -> list[TileConfig]:
+    """``keep`` (e.g. the default tiles) and at most ``limit`` of ``cands``, taken in turn
+    from each BLOCK_M so every row band of the search stays in (each band's list is walked
+    every other entry first, to spread the picks over its block sizes and pipelines)."""
+    by_m: dict[int, list[TileConfig]] = {}
+    for c in cands:
+        by_m.setdefault(c.block_m, []).append(c)
+    for group in by_m.values():
+        group[:] = group[::2] + group[1::2]
+    out: list[TileConfig] = []
+    while len(out) < limit and any(by_m.values()):
+        for group in by_m.values():
+            if group and len(out) < limit:
+                out.append(group.pop(0))
+    return list(dict.fromkeys([*keep, *out]))
 
 
 def _bench(fn: Callable[[], None], graph: bool) -> float:
@@ -134,6 +154,11 @@ def _bench(fn: Callable[[], None], graph: bool) -> float:
     return tt.do_bench(fn, warmup=5, rep=30, return_mode="median")
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def tune_tokens(
     prepared,
     num_tokens: int,
@@ -141,11 +166,14 @@ def tune_tokens(
     candidates: Iterable[TileConfig] | None = None,
     progress: Callable[[str], None] = print,
     compile_only: bool = False,
+    timer: Callable[[Callable[[], None], bool], float] = _bench,
 ) -> tuple[MoeTiles | None, float]:
     """Best tiles for ``num_tokens`` tokens (random routing); returns (tiles, GEMM ms).
 
     ``compile_only`` launches every candidate once (filling Triton's kernel cache) and times
-    nothing; it returns (None, nan).
+    nothing; it returns (None, nan). ``timer(fn, graph)``: milliseconds of one ``fn()`` call
+    (default ``_bench``; ``graph``: whether CUDA-graph replay suits the size), called once
+    per candidate and GEMM after a first launch.
     """
     from . import experts as X
 
@@ -155,7 +183,10 @@ def tune_tokens(
     dev = w13.data.device
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
     scheme = w13.scheme if w13.scheme is not None else plain_scheme(torch.bfloat16)
-    dtype = torch.bfloat16
+    # Inputs in the weights' float dtype where it is one of 16 bits or more (fp16 weights
+    # run with fp16 inputs), else bf16.
+    stored = w13.data.dtype
+    dtype = stored if stored.is_floating_point and stored.itemsize >= 2 else torch.bfloat16
     cands = (
         list(candidates)
         if candidates is not None
@@ -245,13 +276,13 @@ def tune_tokens(
         for which, fn in (("gemm1", gemm1), ("gemm2", gemm2)):
             try:
                 fn()
-                torch.cuda.synchronize()
+                _synchronize(dev)
                 if compile_only:
                     continue
-                ms = _bench(fn, graph) / rotations
+                ms = timer(fn, graph) / rotations
             except Exception as exc:  # out of shared memory, invalid combination...
                 times[which] = f"skipped ({type(exc).__name__})"
-                torch.cuda.synchronize()
+                _synchronize(dev)
                 continue
             cur = best.setdefault(bm, {}).get(which)
             if cur is None or ms < cur[0]:

@@ -1,0 +1,169 @@
+"""The triton backend's default tiles (``tile_config.heuristic_tiles``), where no tuned file is.
+
+The defaults must be tiles every launch accepts (``experts.launch_tile``: K blocks of
+block-scaled fp8, scale groups, the fragment layout's tile rows), tiles the tuner itself
+searches (``tune.candidate_tiles``), and agree with the tuned files shipped in ``configs/``
+where those files agree with one another. Checked on the CPU: nothing here launches a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("moerunner.backends.triton")
+
+from moerunner import Activation  # noqa: E402
+from moerunner.backends.triton import TritonBackend, TritonOptions, tile_config, tune  # noqa: E402
+from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.backends.triton._prepare import SUPPORTED_SCHEMES, weight_layout  # noqa: E402
+from moerunner.bench.presets import PRESETS  # noqa: E402
+from moerunner.quant.schemes import SCHEME_NAMES, get_scheme  # noqa: E402
+
+E, TOP_K = 8, 2
+# Token counts whose rows per expert (T * 2 / 8) fall in every band of every family:
+# 1, 2.5, 4, 10, 14, 20, 40, 100, 150, 200, 300, 1000, 4096.
+TOKENS = (1, 10, 16, 40, 56, 80, 160, 400, 600, 800, 1200, 4000, 16384)
+SCHEMES = [n for n in SCHEME_NAMES if n in SUPPORTED_SCHEMES]
+
+
+def _prepared(scheme: str, e2m1_layout: str | None, hidden: int = 256, inter: int = 256):
+    """Random CPU weights prepared as the backend does (``e2m1_layout`` None: default)."""
+    weights = tune.random_weights(hidden, inter, E, "silu", scheme, torch.device("cpu"))
+    options = TritonOptions(e2m1_layout=e2m1_layout or "fragment", tile_dirs=())
+    return TritonBackend(options).prepare_weights(weights, weights.spec(Activation("silu")))
+
+
+def _no_group(tile: tile_config.TileConfig) -> tile_config.TileConfig:
+    # GROUP_M only orders the launch of row blocks; the tuner's decode and mid-band
+    # candidates differ in it alone.
+    return dataclasses.replace(tile, group_m=0)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "layout"),
+    [
+        (s, lay)
+        for s in SCHEMES
+        for lay in (("fragment", "split") if get_scheme(s).weight_format == "e2m1" else (None,))
+    ],
+)
+def test_default_tiles_launch_on_every_scheme(scheme, layout):
+    """Every band's default tiles pass the launch's tile constraints for both GEMMs, with H
+    shorter than the decode K step (128), I not a power of two (384), and both longer (1024)."""
+    for hidden, inter in ((128, 384), (1024, 1024)):
+        prepared = _prepared(scheme, layout, hidden, inter)
+        w13, w2 = prepared.tensors["w13"], prepared.tensors["w2"]
+        source = prepared.tensors["tiles"]
+        assert source.path is None  # off the GPU: the heuristic answers
+        for t in TOKENS:
+            tiles = source.lookup(t, TOP_K)
+            assert tiles.gemm1.block_m == tiles.gemm2.block_m
+            X.launch_tile(tiles.gemm1, dict(w13.constexprs), gated=True)
+            X.launch_tile(tiles.gemm2, dict(w2.constexprs), gated=False)
+            if w2.activation_format == "fp8_group128":  # GEMM1 quantizes GEMM2's input
+                fused = dataclasses.replace(prepared.options, fuse_input_quant_off_gpu=True)
+                x = torch.empty(1, hidden)
+                assert X.fuses_gemm2_input_quant(w2, x, tiles.gemm1, fused)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "layout"),
+    [
+        ("bf16", None),
+        ("fp32", None),
+        ("int8_w8a16", None),
+        ("fp8_block", None),
+        ("fp8_channel", None),
+        ("int8", None),
+        ("mxfp4", "fragment"),
+        ("mxfp4", None),
+        ("nvfp4", "fragment"),
+        ("int4_g32", None),
+    ],
+)
+def test_default_tiles_are_tuner_candidates(scheme, layout):
+    """At every band the default is one of the tiles ``moerunner tune`` times for that call
+    (GROUP_M aside), so a tuned file can only match or beat it (fp32, whose K steps are
+    halved, only where its K step is one the tuner searches)."""
+    dtype_bytes = {"bf16": 2, "fp32": 4, "int8_w8a16": 1}.get(scheme, 1)
+    for t in TOKENS:
+        cands = {_no_group(c) for c in tune.candidate_tiles(t, TOP_K, E, scheme, layout)}
+        tiles = tile_config.heuristic_tiles(t, TOP_K, E, 2048, 4096, scheme, dtype_bytes)
+        for tile in (tiles.gemm1, tiles.gemm2):
+            if scheme == "fp32" and tile.block_k not in {c.block_k for c in cands}:
+                continue
+            assert _no_group(tile) in cands, (t, tile)
+
+
+def _shipped():
+    shapes = {(s.num_experts, s.intermediate_size, s.hidden_size): s for s in PRESETS.values()}
+    for path in sorted(tile_config.SHIPPED_DIR.glob("*.json")):
+        key = json.loads(path.read_text())["key"]
+        shape = shapes[(key["E"], key["N"], key["K"])]
+        dtype_bytes = 2 if key["scheme"] in ("bf16", "fp16") else 1
+        for t, tiles in tile_config.load_config_file(str(path)).items():
+            rpe = tile_config.rows_per_expert(t, shape.top_k, shape.num_experts)
+            default = tile_config.heuristic_tiles(
+                t, shape.top_k, key["E"], key["N"], key["K"], key["scheme"], dtype_bytes
+            )
+            yield key, rpe, tiles, default
+
+
+def test_default_block_m_is_the_shipped_files():
+    """BLOCK_M (the row band) is the tuner's at every entry of every shipped file except
+    where the H200 took 128-row blocks from 128 rows per expert on while the H100 kept 64:
+    the default follows the H100 there."""
+    entries = list(_shipped())
+    assert len(entries) >= 100  # every shipped file is read
+    for key, rpe, tiles, default in entries:
+        if tiles.gemm1.block_m == default.gemm1.block_m:
+            continue
+        what = (key["scheme"], key["device"], rpe, tiles.gemm1, default.gemm1)
+        assert "H200" in key["device"] and rpe >= 128, what
+        assert (tiles.gemm1.block_m, default.gemm1.block_m) == (128, 64), what
+
+
+def test_default_tiles_are_the_h100_files_where_compute_bound():
+    """On the H100 from 128 rows per expert on (bf16 and block-scaled fp8) and from 32 to 128
+    rows (mxfp4 in the split layout), the tuned tiles are the default's but for the pipeline
+    depth, which the tuner's files vary by one stage from T to T."""
+    checked = 0
+    for key, rpe, tiles, default in _shipped():
+        if "H100" not in key["device"] or key.get("layout"):
+            continue
+        if (key["scheme"] in ("bf16", "fp8_block") and rpe >= 128) or (
+            key["scheme"] == "mxfp4" and 32 <= rpe <= 128
+        ):
+            for got, want in ((default.gemm1, tiles.gemm1), (default.gemm2, tiles.gemm2)):
+                assert dataclasses.replace(_no_group(got), num_stages=0) == dataclasses.replace(
+                    _no_group(want), num_stages=0
+                ), (key, rpe)
+            checked += 1
+    assert checked >= 12
+
+
+def test_rows_per_expert_bands():
+    """Bands key on rows per expert, T * k over the experts those rows can reach."""
+    assert tile_config.rows_per_expert(1, 8, 128) == 1.0  # 8 experts, one row each
+    assert tile_config.rows_per_expert(1024, 8, 64) == 128.0
+    assert tile_config.rows_per_expert(0, 8, 64) == 1.0  # an empty batch takes decode tiles
+    heur = tile_config.heuristic_tiles
+    assert heur(1, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 16
+    assert heur(1024, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 64
+    assert heur(4096, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 128
+    # K steps no longer than K needs: GEMM1's K is H (96 -> 128), GEMM2's is I.
+    small = heur(1, 2, 8, 64, 96, "bf16")
+    assert (small.gemm1.block_k, small.gemm2.block_k) == (128, 64)
+    # fp32 weights hold twice the bytes per element: half the K step of bf16.
+    assert heur(1, 2, 8, 4096, 4096, "fp32", 4).gemm1.block_k == 128
+    assert heur(1, 2, 8, 4096, 4096, "bf16", 2).gemm1.block_k == 256
+
+
+def test_prepared_layout_of_the_test_weights():
+    """The launch test above covers both e2m1 layouts (the option re-lays e2m1 weights)."""
+    assert weight_layout(_prepared("mxfp4", "fragment").tensors["w13"]) == "fragment"
+    assert weight_layout(_prepared("mxfp4", "split").tensors["w13"]) is None
