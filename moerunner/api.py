@@ -73,9 +73,9 @@ def fused_moe(
         backend: a backend name or ``"auto"``.
         check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
             raising at a later call (the triton kernels' check is read every 8th call) or at
-            ``moerunner.check_errors()`` (``moerunner.device_checks``). Callers whose ids come from ``select_experts`` may
-            pass False; every backend then skips ids outside ``[0, E)`` (any integer dtype,
-            no wrap-around), silently.
+            ``moerunner.check_errors()`` (``moerunner.device_checks``). Callers whose ids
+            come from ``select_experts`` may pass False; every backend then skips ids
+            outside ``[0, E)`` (any integer dtype, no wrap-around), silently.
         w13_order: w13's row order: ``"gate_up"`` (default), ``"up_gate"`` (FlashInfer /
             TensorRT-LLM; swapped once where the weights are prepared, and the result is
             memoised on them like any preparation) or ``"interleaved"``.
