@@ -493,7 +493,10 @@ class MoE(HoldsQuantized):
         if out is None:  # the step died (a workspace it used was dropped): make it again
             self._steps.pop(key, None)
             return None
-        self._steps.move_to_end(key)
+        try:
+            self._steps.move_to_end(key)
+        except KeyError:  # dropped meanwhile by another thread's call (keys name the thread)
+            pass
         return out.reshape(hidden_states.shape)
 
     def _make_step(self, key: tuple, x: torch.Tensor, router_logits) -> None:
@@ -510,7 +513,10 @@ class MoE(HoldsQuantized):
         step = None if make is None else make(x, logits, self._routing_kwargs(), prepared)
         self._steps[key] = tries + 1 if step is None else step
         while len(self._steps) > self._STEPS_MAX:
-            self._steps.popitem(last=False)
+            try:
+                self._steps.popitem(last=False)
+            except KeyError:  # emptied meanwhile by another thread
+                break
 
     def _inputs(self, hidden_states, router_logits, topk) -> tuple[torch.Tensor, TopK, bool]:
         """Checked ``[T, H]`` hidden states, routing, and whether this layer routed."""
