@@ -190,15 +190,14 @@ def test_triton_lora_kernels_match_a_float64_loop_over_rows(layout, dtype, rank)
 @needs_triton
 @pytest.mark.parametrize("programs", [1, 24, 10**6], ids=["one-group", "two-groups", "per-block"])
 @pytest.mark.parametrize("rank", [16, 64])
-def test_triton_lora_row_kernel_over_several_k_steps_and_n_groups(monkeypatch, programs, rank):
+def test_triton_lora_row_kernel_over_several_k_steps_and_n_groups(programs, rank):
     """The row-block kernel (shrink and expand in one launch) with K = N = 300: rank 64 takes
     two K steps (the second masked) and five N blocks, rank 16 one K step and two N blocks,
-    split into groups per row as ``_ROW_PROGRAMS`` asks (one group of all blocks, two groups
-    whose last block lies past N, one block per program). fp16 bound: DTYPE_BOUND (float32
-    products of fp16 values)."""
+    split into groups per row as the grid target ``programs`` asks (one group of all
+    blocks, two groups whose last block lies past N, one block per program). fp16 bound:
+    DTYPE_BOUND (float32 products of fp16 values)."""
     from moerunner.backends.triton import lora as lora_launcher
 
-    monkeypatch.setattr(lora_launcher, "_ROW_PROGRAMS", programs)
     g = torch.Generator().manual_seed(programs + rank)
     tokens, row_div, k, n = 6, 2, 300, 300
     rows = tokens * row_div
@@ -214,11 +213,11 @@ def test_triton_lora_row_kernel_over_several_k_steps_and_n_groups(monkeypatch, p
     options = TritonOptions(lora_group_min_rows_per_pair=10**6)
     plan = lora_launcher.lora_layout(hook_rows, delta, options)
     assert plan.row_blocks
-    groups, per_group = lora_launcher.rows_grid(rows, n, max(16, 4096 // max(16, rank)))
+    groups, per_group = lora_launcher.rows_grid(rows, n, max(16, 4096 // max(16, rank)), programs)
     assert groups == {1: 1, 24: 2, 10**6: (5 if rank == 64 else 2)}[programs]
     assert groups * per_group >= _cdiv(n, max(16, 4096 // max(16, rank)))
     before = torch.randn(rows, n, generator=g)
-    out = lora_launcher.apply_lora(before.clone(), x, row_div, delta, plan, options)
+    out = lora_launcher.apply_lora(before.clone(), x, row_div, delta, plan, options, programs)
     adapter_R = adapter_T[token]
     want = _row_deltas(x, a, b, adapter_R, expert, torch.full((rows,), 1.5), row_div)
     assert (want == 0).all(dim=1).sum() == 3  # token 2's rows and the row of expert -1

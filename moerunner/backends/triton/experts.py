@@ -28,6 +28,7 @@ from ...device_checks import ID_FLAGS
 from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import PreparedWeights
+from ..base import caller
 from . import _gemm_kernel as K
 from . import _launch, _plan, autotune
 from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
@@ -65,7 +66,7 @@ class _Workspaces:
     """LRU cache of per-call buffers, bounded in entries and in bytes, keyed per caller.
 
     ``get(key, make)`` returns the buffers of ``key`` for the calling thread and its current
-    CUDA stream (``_launch.caller``), making them with ``make()`` on a miss. Least recently
+    CUDA stream (``backends.base.caller``), making them with ``make()`` on a miss. Least recently
     used entries are evicted until at most ``capacity`` entries and ``max_bytes`` bytes
     remain; buffers larger than ``max_bytes`` on their own are made per call and not kept.
     A buffer in use is never freed under its user: eviction only drops the cache's reference.
@@ -81,7 +82,7 @@ class _Workspaces:
 
     def get(self, key: tuple, make) -> dict[str, torch.Tensor]:
         device = key[0] if key and isinstance(key[0], torch.device) else torch.device("cpu")
-        full = (_launch.caller(device), *key)
+        full = (caller(device), *key)
         with self._lock:
             entry = self.entries.get(full)
             if entry is not None:
@@ -216,9 +217,22 @@ def layout_rows(
     device-side alignment into ``ws`` (from ``alignment_workspace``)."""
     if row_expert.shape[0] <= options.row_blocks_max_tokens * rows_per_token:
         return RowLayout(row_expert, row_expert, row_expert, True)
+    return aligned_rows(row_expert, num_experts, block_m, ws, options)
+
+
+def aligned_rows(
+    row_group: torch.Tensor,
+    num_groups: int,
+    block_m: int,
+    ws: dict[str, torch.Tensor],
+    options: TritonOptions,
+) -> RowLayout:
+    """Rows grouped by ``row_group`` (an expert, or any id in ``[0, num_groups)``; -1
+    skipped) and padded to ``block_m``-row blocks on the device, into ``ws`` (from
+    ``alignment_workspace``)."""
     align_rows(
-        row_expert,
-        num_experts,
+        row_group,
+        num_groups,
         block_m,
         ws["sorted_rows"],
         ws["block_expert"],

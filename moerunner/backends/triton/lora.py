@@ -20,7 +20,6 @@ import triton.language as tl
 from ...hooks import HookRows, MoeHooks
 from ...lora import LoraDelta
 from . import _launch
-from ._align import align_rows
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
 from ._lora_kernel import (
@@ -29,7 +28,7 @@ from ._lora_kernel import (
     lora_shrink_kernel,
     pair_ids_kernel,
 )
-from .experts import _TL_DTYPES, WORKSPACES, alignment_workspace
+from .experts import _TL_DTYPES, WORKSPACES, aligned_rows, alignment_workspace
 from .options import TritonOptions
 
 # Elements of one factor tile of the row-block kernel: [RANK, BLOCK_K] of A (16 K: few K
@@ -109,18 +108,9 @@ def lora_layout(rows: HookRows, delta: LoraDelta, options: TritonOptions) -> Lor
         num_warps=4,
         options=options,
     )
-    align_rows(
-        ws["pair"],
-        num_pairs,
-        block_m,
-        ws["sorted_rows"],
-        ws["block_expert"],
-        ws["num_padded"],
-        ws["align_scratch"],
-        options=options,
-    )
+    grouped = aligned_rows(ws["pair"], num_pairs, block_m, ws, options)
     return LoraLayout(
-        *common, False, block_m, ws["sorted_rows"], ws["block_expert"], ws["num_padded"]
+        *common, False, block_m, grouped.sorted_rows, grouped.block_expert, grouped.num_padded
     )
 
 
@@ -139,11 +129,11 @@ def _scales(lora, dev: torch.device) -> tuple:
     return None, float(lora.scaling)
 
 
-def rows_grid(num_rows: int, n: int, block_n: int) -> tuple:
+def rows_grid(num_rows: int, n: int, block_n: int, programs: int = _ROW_PROGRAMS) -> tuple:
     """(N groups per row, BLOCK_N blocks per group) of the row-block kernel: the row's
-    ``cdiv(n, block_n)`` blocks split until the grid has about ``_ROW_PROGRAMS`` programs."""
+    ``cdiv(n, block_n)`` blocks split until the grid has about ``programs`` programs."""
     n_blocks = _cdiv(n, block_n)
-    groups = min(n_blocks, max(1, _cdiv(_ROW_PROGRAMS, num_rows)))
+    groups = min(n_blocks, max(1, _cdiv(programs, num_rows)))
     per_group = _cdiv(n_blocks, groups)
     return _cdiv(n_blocks, per_group), per_group
 
@@ -155,6 +145,7 @@ def _apply_rows(
     delta: LoraDelta,
     layout: LoraLayout,
     options: TritonOptions,
+    programs: int,
 ) -> None:
     """Row blocks: shrink and expand of every row in one launch (``lora_rows_kernel``)."""
     a, b = delta.a, delta.b
@@ -163,7 +154,7 @@ def _apply_rows(
     rank_p = max(16, _pow2(rank))
     block_k = min(max(16, _ROW_A_TILE // rank_p), max(16, _pow2(k)))
     block_n = min(max(16, _ROW_B_TILE // rank_p), max(16, _pow2(n)))
-    groups, per_group = rows_grid(num_rows, n, block_n)
+    groups, per_group = rows_grid(num_rows, n, block_n, programs)
     scales, scale_value = _scales(delta.lora, out_RN.device)
     _launch.launch(
         lora_rows_kernel,
@@ -206,16 +197,18 @@ def apply_lora(
     delta: LoraDelta,
     layout: LoraLayout,
     options: TritonOptions,
+    programs: int = _ROW_PROGRAMS,
 ) -> torch.Tensor:
     """``out_RN`` (float32 ``[R, N]``) += each row's delta in place; row r's input is
-    ``x_XK[r // a_row_div]``. Returns ``out_RN``."""
+    ``x_XK[r // a_row_div]``. Returns ``out_RN``. ``programs``: the row-block kernel's
+    grid target (``rows_grid``)."""
     a, b = delta.a, delta.b
     num_rows, n = out_RN.shape
     k, rank = a.shape[3], a.shape[2]
     if num_rows == 0 or rank == 0 or n == 0:
         return out_RN
     if layout.row_blocks:
-        _apply_rows(out_RN, x_XK, a_row_div, delta, layout, options)
+        _apply_rows(out_RN, x_XK, a_row_div, delta, layout, options, programs)
         return out_RN
     rank_p = max(16, _pow2(rank))
     dev = out_RN.device
