@@ -22,7 +22,6 @@ import threading
 import torch
 from triton import knobs
 
-from ..base import caller  # noqa: F401  (the backend's users import it from here)
 from . import _pdl
 from .options import TritonOptions
 

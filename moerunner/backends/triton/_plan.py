@@ -33,6 +33,7 @@ import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...weights import PreparedWeights
+from ..base import caller
 from . import _launch
 
 _TRITON_VERSION = triton.__version__
@@ -184,7 +185,7 @@ def key(roles: tuple[torch.Tensor, ...], *extra) -> tuple:
     alignments; ``extra``: the call's other facts (options and the like)."""
     device = roles[0].device
     return (
-        _launch.caller(device),
+        caller(device),
         device.index,
         *[(tuple(t.shape), t.dtype, t.data_ptr() & 15) for t in roles],
         *extra,
