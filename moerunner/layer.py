@@ -44,7 +44,7 @@ from .ops import adopt_quantized, call_fused_experts
 from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
-from .runner import DerivedCache, MoeRunner, _tensor_state, prepared_for
+from .runner import DerivedCache, MoeRunner, prepared_for, tensor_state
 from .shared import SharedExperts, shared_dense
 from .weights import ExpertWeights, is_quantized
 
@@ -468,7 +468,7 @@ class MoE(HoldsQuantized):
 
     def _weight_state(self) -> tuple:
         """Identity, address, shape and in-place version of every tensor the call reads
-        besides its inputs (``runner._tensor_state``); no device sync."""
+        besides its inputs (``runner.tensor_state``); no device sync."""
         w = self.quantized
         tensors = (
             (self.w13, self.w2, self.w13_bias, self.w2_bias)
@@ -477,8 +477,8 @@ class MoE(HoldsQuantized):
         )
         return (
             id(w),
-            *[(id(t), _tensor_state(t)) for t in tensors],
-            (id(self.correction_bias), _tensor_state(self.correction_bias)),
+            *[(id(t), tensor_state(t)) for t in tensors],
+            (id(self.correction_bias), tensor_state(self.correction_bias)),
         )
 
     def _replay_step(self, key: tuple, hidden_states, router_logits) -> torch.Tensor | None:

@@ -230,7 +230,7 @@ def prepared_for(
     runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
 ) -> PreparedWeights:
     """``runner.prepare`` memoised on the weight objects and on the state of every tensor
-    they consist of (see ``_tensor_state``): an in-place edit, a ``.data`` assignment or a
+    they consist of (see ``tensor_state``): an in-place edit, a ``.data`` assignment or a
     replaced ``QuantizedWeight`` field prepares again. Forms for several backends (or
     options) of the same weights are kept side by side (``_PREPARED_PER_WEIGHT``)."""
     backend = runner.select(problem).backend
@@ -239,10 +239,10 @@ def prepared_for(
         id(weights.w13_bias),
         id(weights.w2_bias),
         weights.w13_order,
-        _tensor_state(weights.w13),
-        _tensor_state(weights.w2),
-        _tensor_state(weights.w13_bias),
-        _tensor_state(weights.w2_bias),
+        tensor_state(weights.w13),
+        tensor_state(weights.w2),
+        tensor_state(weights.w13_bias),
+        tensor_state(weights.w2_bias),
     )
     key = (backend.name, backend.options, spec)
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
@@ -287,7 +287,7 @@ def prepare_for_backend(
     return prepared
 
 
-def _tensor_state(weight: Any) -> tuple:
+def tensor_state(weight: Any) -> tuple:
     """Host-side identity of a weight's contents, no device sync: per tensor (a plain tensor,
     or each component of a quantized weight) its storage address, dtype, shape and in-place
     version counter. ``.data`` assignment changes the address; in-place edits the version
