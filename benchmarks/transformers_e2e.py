@@ -11,7 +11,13 @@ compared with the first one's (max |d| / max |ref|).
 "Time in experts" is an implementation's step time minus the zero-cost implementation's step
 time (medians): everything else in the step (attention, routers, norms, LM head, the host's
 work between them) is the same. The table gives it per implementation for prefill and decode,
-and its ratio to grouped_mm's.
+and its ratio to grouped_mm's. Where the step is host-bound (the GPU waits for the host), that
+difference hides GPU work that overlaps the host's: an implementation whose own host work is
+long can show no time in experts at all. The table therefore also gives the experts' span:
+the time on the GPU's timeline from the point the experts call is reached to the end of its
+last kernel (CUDA events recorded by hooks around every experts module, summed over a step;
+on a CPU the calls' wall time), which counts an implementation's kernels and the GPU's idle
+time inside its own call, and nothing of the rest of the step.
 
 Options:
 
@@ -253,6 +259,76 @@ def time_decode(model, ids, steps: int, repeats: int) -> list[float]:
     return samples
 
 
+class ExpertsSpan:
+    """Hooks around every experts module that time each call's span on the device's
+    timeline (module docstring): a CUDA event pair per call on CUDA, read after the step's
+    synchronisation, or the call's wall time on a CPU. ``take()`` returns the milliseconds
+    of the calls since the last ``take()`` and starts over."""
+
+    def __init__(self, model, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list = []
+        self.handles = []
+        for _, module in mt.experts_modules(model):
+            self.handles.append(module.register_forward_pre_hook(self._enter))
+            self.handles.append(module.register_forward_hook(self._leave))
+
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _enter(self, module, args):
+        self.pending.append([self._stamp(), None])
+
+    def _leave(self, module, args, output):
+        self.pending[-1][1] = self._stamp()
+
+    def take(self) -> float:
+        if self.cuda:
+            ms = sum(a.elapsed_time(b) for a, b in self.pending)
+        else:
+            ms = sum(1e3 * (b - a) for a, b in self.pending)
+        self.pending = []
+        return ms
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def time_spans(model, prompt, decode_ids, steps: int, repeats: int) -> tuple[list, list]:
+    """Experts' span (ms) per prefill of ``prompt`` and per decode step after a prefill of
+    ``decode_ids``: ``repeats`` samples each, after a warm-up, in runs of their own (the
+    events are not in the timed runs)."""
+    span = ExpertsSpan(model, prompt.device)
+    prefill, decode = [], []
+    try:
+        with torch.no_grad():
+            for i in range(repeats + 1):
+                model(prompt, use_cache=False, logits_to_keep=1)
+                _sync(prompt.device)
+                ms = span.take()
+                if i:
+                    prefill.append(ms)
+            cache = _dynamic_cache(model)
+            out = model(decode_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            token = model(token, past_key_values=cache, use_cache=True).logits.argmax(-1)
+            _sync(prompt.device)
+            span.take()
+            for _ in range(repeats):
+                for _ in range(steps):
+                    token = model(token, past_key_values=cache, use_cache=True).logits.argmax(-1)
+                _sync(prompt.device)
+                decode.append(span.take() / steps)
+    finally:
+        span.remove()
+    return [ms / 1e3 for ms in prefill], [ms / 1e3 for ms in decode]
+
+
 def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
     """One implementation's row: logits error vs the first implementation, prefill, decode."""
     model.set_experts_implementation(registered)
@@ -265,6 +341,9 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
         err = ((logits - ref).abs().max() / ref.abs().max()).item()
     prefill = spread(time_prefill(model, prompt, args.repeats))
     decode = spread(time_decode(model, decode_prompt, args.decode_steps, args.repeats))
+    prefill_span, decode_span = time_spans(
+        model, prompt, decode_prompt, args.decode_steps, args.repeats
+    )
     row = {
         "shape": shape,
         "impl": impl,
@@ -276,6 +355,8 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
         "decode_ms": decode,
         "decode_tok_s": decode_prompt.shape[0] / decode["median"] * 1e3,
         "max_rel_vs_first": err,
+        "prefill_span_ms": spread(prefill_span),
+        "decode_span_ms": spread(decode_span),
     }
     print(
         f"[{shape}] {impl:<16} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
@@ -582,6 +663,9 @@ def add_experts_time(rows: list[dict], phases, key=("shape",)) -> None:
                 base = None if grouped is None else grouped.get(f"{phase}_experts_ms")
                 if mine is not None and base and r["impl"] != ZERO_IMPL:
                     r[f"{phase}_experts_vs_grouped_mm"] = mine / base
+                span, base = r.get(f"{phase}_span_ms"), (grouped or {}).get(f"{phase}_span_ms")
+                if span and base and base["median"] > 0 and r["impl"] != ZERO_IMPL:
+                    r[f"{phase}_span_vs_grouped_mm"] = span["median"] / base["median"]
 
 
 def _fmt(value, spec: str, width: int = 0) -> str:
@@ -622,10 +706,34 @@ def table(results: dict) -> str:
         "exp ms: median step time minus the zero-cost row's (time in experts); "
         "/gm: that time over grouped_mm's"
     )
+    lines += ["", span_table(results["rows"])]
     if results.get("graph_rows"):
         lines += ["", graph_table(results["graph_rows"])]
     if results.get("breakdown"):
         lines += ["", breakdown_table(results["breakdown"])]
+    return "\n".join(lines)
+
+
+def span_table(rows: list[dict]) -> str:
+    """The experts' span per prefill and per decode step (min/median/max) and the median's
+    ratio to grouped_mm's."""
+    lines = [
+        f"{'shape':<15}{'impl':<17}{'prefill span ms min/med/max':>30}{'/gm':>6}"
+        f"{'decode span ms min/med/max':>29}{'/gm':>6}"
+    ]
+    for r in rows:
+        if "error" in r or r["impl"] == ZERO_IMPL or "prefill_span_ms" not in r:
+            continue
+        lines.append(
+            f"{r['shape']:<15}{r['impl']:<17}{_spread_text(r['prefill_span_ms']):>30}"
+            f"{_fmt(r.get('prefill_span_vs_grouped_mm'), '.2f', 6)}"
+            f"{_spread_text(r['decode_span_ms']):>29}"
+            f"{_fmt(r.get('decode_span_vs_grouped_mm'), '.2f', 6)}"
+        )
+    lines.append(
+        "span: the experts calls' time on the device's timeline per prefill / decode step "
+        "(CUDA events around each call, summed); /gm: median over grouped_mm's"
+    )
     return "\n".join(lines)
 
 

@@ -139,6 +139,37 @@ def _check_rows(results, shapes, impls):
             assert r["max_rel_vs_first"] < 1e-4
         if r["impl"] == "moerunner":
             assert "decode_experts_vs_grouped_mm" in r
+            assert "prefill_span_vs_grouped_mm" in r and "decode_span_vs_grouped_mm" in r
+        for phase in ("prefill", "decode"):  # the experts' span, measured in runs of its own
+            span = r[f"{phase}_span_ms"]
+            assert 0 < span["min"] <= span["median"] <= span["max"]
+
+
+def test_experts_span_counts_only_the_experts_calls(e2e):
+    """The span hooks time the experts modules' calls and nothing else: with experts that
+    sleep 20 ms per call, and a 30 ms sleep outside them (a hook that runs before the
+    span's own), a 2-layer forward's span is 40 ms and a bit, not 100."""
+    import time
+
+    from transformers.integrations.moe import ExpertsInterface
+
+    def slow_zero(self, hidden_states, *args, **kwargs):
+        time.sleep(0.02)
+        return hidden_states.new_zeros(hidden_states.shape)
+
+    ExpertsInterface.register("slow_zero_for_test", slow_zero)
+    model = e2e.build_model("qwen3-30b-a3b", 2, 128, True, torch.float32, "cpu")
+    model.set_experts_implementation("slow_zero_for_test")
+    for _, experts in e2e.mt.experts_modules(model):
+        experts.register_forward_pre_hook(lambda m, a: time.sleep(0.03))
+    span = e2e.ExpertsSpan(model, torch.device("cpu"))
+    assert span.take() == 0.0
+    with torch.no_grad():
+        model(torch.arange(6)[None])
+    ms = span.take()
+    span.remove()
+    assert 40.0 <= ms < 60.0, ms
+    assert span.take() == 0.0  # taken: starts over
 
 
 def test_tiny_run_of_the_new_shapes(e2e, tmp_path, capsys):
