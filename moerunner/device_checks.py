@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .errors import MoeInputError
+from .memory import kept
 
 
 @dataclass
@@ -218,7 +219,8 @@ class IdFlags:
             with self._lock:
                 state = self._state.get(device)
                 if state is None:
-                    buf = torch.tensor(self.CLEAN, dtype=torch.int32, device=device)
+                    make = lambda: torch.tensor(self.CLEAN, dtype=torch.int32, device=device)  # noqa: E731
+                    buf = kept(make, device)
                     host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
                     state = self._state[device] = [buf, host, None, False, 0]
         return state[0]

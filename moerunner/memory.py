@@ -8,13 +8,17 @@
 - ``storage_bytes(*roots)``: bytes of the distinct storages reachable from some objects
   (tensors, containers, dataclasses, objects with ``__dict__`` / ``__slots__``), each storage
   counted once however many tensors view it: what holding those objects keeps alive.
+- ``kept(make, device)``: runs ``make`` so that the CUDA memory of what it makes (state kept
+  across calls: workspaces, prepared weights) is not taken from a CUDA graph's private pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,3 +119,39 @@ def storages(*roots: Any) -> dict[tuple[str, int], int]:
 def storage_bytes(*roots: Any) -> int:
     """Total bytes of ``storages(*roots)``: the memory holding ``roots`` keeps alive."""
     return sum(storages(*roots).values())
+
+
+_KEEPER: list = []  # the one worker thread of ``kept`` (made on first use)
+_KEEPER_LOCK = threading.Lock()
+
+
+def kept(make: Callable[[], Any], device: torch.device) -> Any:
+    """``make()``, for state that outlives the call (workspaces, prepared weights, flag
+    buffers), with its CUDA memory taken from the device's ordinary memory.
+
+    While a CUDA graph warms up or records (inductor's cudagraph trees, ``torch.cuda.graph``),
+    the allocator hands the calling thread's allocations to the graph's private pool. The
+    pool then holds memory that outlives the graph and that the graph's owner does not know
+    of: inductor refuses it ("tensor(s) in the cudagraph pool not tracked as outputs") and
+    may hand the same memory to a later graph. So on CUDA, except while the caller's stream
+    is capturing (where new memory cannot be had anyway, and state must exist before), the
+    function runs on a worker thread, whose allocations no pool claims, on the caller's
+    current stream: its kernels stay in the caller's order and its tensors belong to that
+    stream. The caller waits for the thread on the host (``make`` only queues work); this
+    happens once per kept object, never per call. Elsewhere ``make()`` runs here.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return make()
+    stream = torch.cuda.current_stream(device)
+    if not _KEEPER:
+        with _KEEPER_LOCK:
+            if not _KEEPER:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _KEEPER.append(ThreadPoolExecutor(1, thread_name_prefix="moerunner-kept"))
+
+    def run() -> Any:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            return make()
+
+    return _KEEPER[0].submit(run).result()

@@ -31,6 +31,7 @@ from .config import Activation, ExpertSpec
 from .dispatch.formats import STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
+from .memory import kept
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, Registry, Selection
 from .weights import ExpertWeights, PreparedWeights, gate_up_first
@@ -261,7 +262,8 @@ def prepared_for(
     if cached is None:
         if len(per_weight) >= _PREPARED_PER_WEIGHT:  # bound the forms kept (oldest first)
             del per_weight[next(iter(per_weight))]
-        cached = per_weight[key] = prepare_for_backend(backend, weights, spec)
+        make = lambda: prepare_for_backend(backend, weights, spec)  # noqa: E731
+        cached = per_weight[key] = kept(make, weights.device)
     return cached
 
 

@@ -42,3 +42,24 @@ def test_storage_bytes_counts_each_storage_once():
     assert storage_bytes(holder, base, other) == 480
     assert storage_bytes(torch.zeros(0)) == 0
     assert storage_bytes(torch) == 0  # modules are not walked
+
+
+def test_kept_runs_in_place_off_cuda_and_passes_errors_on():
+    """Off CUDA no graph pool can claim memory: ``kept`` is the call itself (same thread),
+    and an error of ``make`` reaches the caller as it is. The CUDA side (a worker thread,
+    outside a graph's pool) is tested in tests/test_cuda_graphs.py."""
+    import threading
+
+    import pytest
+
+    from moerunner.memory import kept
+
+    seen = []
+    out = kept(lambda: seen.append(threading.get_ident()) or torch.ones(2), torch.device("cpu"))
+    assert seen == [threading.get_ident()] and torch.equal(out, torch.ones(2))
+
+    def bad():
+        raise ValueError("made badly")
+
+    with pytest.raises(ValueError, match="made badly"):
+        kept(bad, torch.device("cpu"))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ...memory import kept
 from ...weights import PreparedWeights
 from . import _plan, _routing, experts
 
@@ -76,8 +77,13 @@ def layer_step(
     if bias is not None and not bias.is_contiguous():
         return None
     tokens = hidden_TH.shape[0]
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=dev)
-    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=dev)
+    weights, ids = kept(  # the step's own routing buffers, outside any graph's pool
+        lambda: (
+            torch.empty((tokens, top_k), dtype=torch.float32, device=dev),
+            torch.empty((tokens, top_k), dtype=torch.int32, device=dev),
+        ),
+        dev,
+    )
     out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=dev)
     route_roles = (router_logits, weights, ids) + (() if bias is None else (bias,))
     route = _routing.routing_plan(route_roles, top_k, **settings)

@@ -9,7 +9,8 @@
 # ``fused_standard`` feeds it (token, slot) rows and reduces the k rows of each token;
 # ``grouped_core`` feeds it the rows of the grouped ("permuted") layout as they are.
 # Workspaces are cached per (caller thread and CUDA stream, device, shapes, dtype), bounded in
-# bytes (``WORKSPACES.max_bytes``), and reused across calls. Switches come from the prepared
+# bytes (``WORKSPACES.max_bytes``), reused across calls, and made outside any CUDA-graph
+# memory pool (``backends.base.kept``). Switches come from the prepared
 # weights' ``TritonOptions`` (``prepared.options``), read per call.
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton
 from ...config import ExpertSpec
 from ...device_checks import ID_FLAGS
 from ...errors import MoeInputError
+from ...memory import kept
 from ...profiling import trace_range
 from ...weights import PreparedWeights
 from ..base import caller
@@ -88,7 +90,7 @@ class _Workspaces:
             if entry is not None:
                 self.entries.move_to_end(full)
                 return entry
-        entry = make()
+        entry = kept(make, device)
         size = sum(t.numel() * t.element_size() for t in entry.values())
         if size > self.max_bytes:
             return entry
@@ -117,7 +119,8 @@ _DUMMIES: dict[torch.device, torch.Tensor] = {}
 def _dummy(device: torch.device) -> torch.Tensor:
     d = _DUMMIES.get(device)
     if d is None:
-        d = _DUMMIES[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        make = lambda: torch.zeros(1, dtype=torch.float32, device=device)  # noqa: E731
+        d = _DUMMIES[device] = kept(make, device)
     return d
 
 
