@@ -36,6 +36,17 @@ def _e_pow2(num_experts: int) -> int:
     return max(16, _pow2(num_experts))
 
 
+def _chunk(e_pow2: int) -> int:
+    """Rows per step of the count and scatter loops ([CHUNK, E_POW2] one-hot tiles)."""
+    return max(16, min(64, 8192 // e_pow2))
+
+
+def one_program_constants(num_experts: int, block_m: int) -> dict:
+    """The constexprs of ``align_in_program`` for ``num_experts`` and ``block_m``."""
+    e_pow2 = _e_pow2(num_experts)
+    return dict(BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=_chunk(e_pow2), FILL=1024)
+
+
 def scratch_size(num_rows: int, num_experts: int, rows_per_program: int = ROWS_PER_PROGRAM) -> int:
     """int32 elements of the scratch that the multi-program alignment needs (0: none)."""
     if num_rows <= SINGLE_PROGRAM_MAX_ROWS:
@@ -135,6 +146,30 @@ def _scatter(
 
 
 @triton.jit
+def align_in_program(
+    ids_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_rows,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """The whole alignment of ``num_rows`` ids in the calling program: count per expert, lay
+    out padded segments, scatter row ids (``one_program_constants`` gives the constexprs)."""
+    counts = _count(ids_ptr, 0, num_rows, num_experts, CHUNK, E_POW2)
+    starts, ends = _segments(counts, num_padded_ptr, num_experts, BLOCK_M, E_POW2)
+    total = tl.max(ends, axis=0)
+    _block_experts(ends, block_expert_ptr, 0, total // BLOCK_M, num_experts, BLOCK_M, E_POW2, CHUNK)
+    _fill_sentinel(sorted_rows_ptr, 0, total, FILL, num_rows, FILL)
+    tl.debug_barrier()  # the sentinel fill must land before the scatter
+    _scatter(ids_ptr, sorted_rows_ptr, 0, num_rows, num_experts, starts, CHUNK, E_POW2)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,
     sorted_rows_ptr,
@@ -148,15 +183,20 @@ def _align_kernel(
     FILL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: count per expert, lay out padded segments, scatter row ids."""
+    """One program aligns every row (``align_in_program``)."""
     _pdl.enter(PDL)
-    counts = _count(ids_ptr, 0, num_rows, num_experts, CHUNK, E_POW2)
-    starts, ends = _segments(counts, num_padded_ptr, num_experts, BLOCK_M, E_POW2)
-    total = tl.max(ends, axis=0)
-    _block_experts(ends, block_expert_ptr, 0, total // BLOCK_M, num_experts, BLOCK_M, E_POW2, CHUNK)
-    _fill_sentinel(sorted_rows_ptr, 0, total, FILL, num_rows, FILL)
-    tl.debug_barrier()  # the sentinel fill must land before the scatter
-    _scatter(ids_ptr, sorted_rows_ptr, 0, num_rows, num_experts, starts, CHUNK, E_POW2)
+    align_in_program(
+        ids_ptr,
+        sorted_rows_ptr,
+        block_expert_ptr,
+        num_padded_ptr,
+        num_rows,
+        num_experts,
+        BLOCK_M,
+        E_POW2,
+        CHUNK,
+        FILL,
+    )
 
 
 @triton.jit
@@ -264,8 +304,6 @@ def align_rows(
     per-block counts and the segment bounds. ``options``: the backend's (launches).
     """
     num_rows = row_expert.shape[0]
-    e_pow2 = _e_pow2(num_experts)
-    chunk = max(16, min(64, 8192 // e_pow2))
     if num_rows <= single_program_max_rows:
         _launch.launch(
             _align_kernel,
@@ -276,14 +314,13 @@ def align_rows(
             num_padded,
             num_rows,
             num_experts,
-            BLOCK_M=block_m,
-            E_POW2=e_pow2,
-            CHUNK=chunk,
-            FILL=1024,
+            **one_program_constants(num_experts, block_m),
             num_warps=4,
             options=options,
         )
         return
+    e_pow2 = _e_pow2(num_experts)
+    chunk = _chunk(e_pow2)
     need = _multi_scratch_size(num_rows, num_experts, rows_per_program)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.int32, device=row_expert.device)

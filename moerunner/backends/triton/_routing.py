@@ -14,6 +14,8 @@
 #     one slot and equal values go to the lowest index first: a stable descending sort;
 #   - renormalising sum and division in float64, rounded once; scaling in float32.
 # One program handles BLOCK_T rows; nothing is read back to the host (CUDA-graph capturable).
+# ``route_aligned`` (a layer step at decode sizes) runs every block in one program and then
+# the experts' one-program alignment of the ids it wrote: one launch instead of two.
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import triton.language as tl
 from ...errors import BackendUnavailableError, MoeInputError
 from ...routing import TopK
 from . import _launch, _pdl, _plan
+from ._align import align_in_program, one_program_constants
 from ._launch import cdiv as _cdiv
 from ._launch import next_power_of_2 as _pow2
 from .options import DEFAULT_OPTIONS
@@ -58,11 +61,12 @@ def _index_of(key, POW2: tl.constexpr):
 
 
 @triton.jit
-def _routing_kernel(
+def _route_rows(
     logits_ptr,
     bias_ptr,
     weights_ptr,
     ids_ptr,
+    first,
     num_tokens,
     stride_lt,
     scale,
@@ -79,13 +83,11 @@ def _routing_kernel(
     G_POW2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     SCALED: tl.constexpr,
-    PDL: tl.constexpr,
-    GROUP_MAX: tl.constexpr = False,
-    ON_LOGITS: tl.constexpr = False,
+    GROUP_MAX: tl.constexpr,
+    ON_LOGITS: tl.constexpr,
 ):
-    """Rows [pid * BLOCK_T, +BLOCK_T): scores, (grouped) choice, top-k, weights."""
-    _pdl.enter(PDL)
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Rows [first, first + BLOCK_T): scores, (grouped) choice, top-k, weights."""
+    rows = first + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
     rows64 = rows.to(tl.int64)
     experts = tl.arange(0, E_POW2)
@@ -167,6 +169,138 @@ def _routing_kernel(
     out_mask = row_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(ids_ptr + out, ids, mask=out_mask)
     tl.store(weights_ptr + out, weights, mask=out_mask)
+
+
+@triton.jit
+def _routing_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    stride_lt,
+    scale,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    E_POW2: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    G_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALED: tl.constexpr,
+    PDL: tl.constexpr,
+    GROUP_MAX: tl.constexpr = False,
+    ON_LOGITS: tl.constexpr = False,
+):
+    """Program p routes rows [p * BLOCK_T, +BLOCK_T)."""
+    _pdl.enter(PDL)
+    _route_rows(
+        logits_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        tl.program_id(0) * BLOCK_T,
+        num_tokens,
+        stride_lt,
+        scale,
+        NUM_EXPERTS,
+        TOP_K,
+        E_POW2,
+        K_POW2,
+        BLOCK_T,
+        SIGMOID,
+        HAS_BIAS,
+        NUM_GROUPS,
+        GROUP_SIZE,
+        TOPK_GROUP,
+        G_POW2,
+        RENORMALIZE,
+        SCALED,
+        GROUP_MAX,
+        ON_LOGITS,
+    )
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_tokens,
+    stride_lt,
+    scale,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    E_POW2: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    G_POW2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALED: tl.constexpr,
+    GROUP_MAX: tl.constexpr,
+    ON_LOGITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ALIGN_E_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: routes every row, BLOCK_T rows at a time (each block as a program of
+    ``_routing_kernel`` would), then aligns the ids it wrote (``_align.align_in_program``)."""
+    _pdl.enter(PDL)
+    for first in range(0, num_tokens, BLOCK_T):
+        _route_rows(
+            logits_ptr,
+            bias_ptr,
+            weights_ptr,
+            ids_ptr,
+            first,
+            num_tokens,
+            stride_lt,
+            scale,
+            NUM_EXPERTS,
+            TOP_K,
+            E_POW2,
+            K_POW2,
+            BLOCK_T,
+            SIGMOID,
+            HAS_BIAS,
+            NUM_GROUPS,
+            GROUP_SIZE,
+            TOPK_GROUP,
+            G_POW2,
+            RENORMALIZE,
+            SCALED,
+            GROUP_MAX,
+            ON_LOGITS,
+        )
+    tl.debug_barrier()  # every thread's ids are stored before any thread counts them
+    align_in_program(
+        ids_ptr,
+        sorted_rows_ptr,
+        block_expert_ptr,
+        num_padded_ptr,
+        num_tokens * TOP_K,
+        NUM_EXPERTS,
+        BLOCK_M,
+        ALIGN_E_POW2,
+        CHUNK,
+        FILL,
+    )
 
 
 def _runnable(device: torch.device) -> bool:
@@ -279,14 +413,21 @@ def _launch_routing(
     topk_group,
     group_score,
 ) -> None:
-    num_tokens, num_experts = router_logits.shape
-    e_pow2 = _pow2(num_experts)
-    block_t = max(1, min(_pow2(num_tokens), _TILE // e_pow2))
-    grouped = num_expert_group is not None
-    num_groups = num_expert_group if grouped else 0
+    num_tokens = router_logits.shape[0]
+    consts = _constants(
+        router_logits.shape,
+        correction_bias is not None,
+        routed_scaling_factor,
+        top_k,
+        scoring_func,
+        renormalize,
+        num_expert_group,
+        topk_group,
+        group_score,
+    )
     _launch.launch(
         _routing_kernel,
-        (_cdiv(num_tokens, block_t),),
+        (_cdiv(num_tokens, consts["BLOCK_T"]),),
         router_logits,
         bias,
         weights,
@@ -294,13 +435,36 @@ def _launch_routing(
         num_tokens,
         stride_t,
         float(routed_scaling_factor),
+        **consts,
+        options=DEFAULT_OPTIONS,
+        num_warps=4,
+    )
+
+
+def _constants(
+    logits_shape,
+    has_bias,
+    routed_scaling_factor,
+    top_k,
+    scoring_func,
+    renormalize,
+    num_expert_group,
+    topk_group,
+    group_score,
+) -> dict:
+    """The routing constexprs of ``_route_rows`` for ``[T, E]`` logits and these settings."""
+    num_tokens, num_experts = logits_shape
+    e_pow2 = _pow2(num_experts)
+    grouped = num_expert_group is not None
+    num_groups = num_expert_group if grouped else 0
+    return dict(
         NUM_EXPERTS=num_experts,
         TOP_K=top_k,
         E_POW2=e_pow2,
         K_POW2=_pow2(top_k),
-        BLOCK_T=block_t,
+        BLOCK_T=_block_t(num_tokens, num_experts),
         SIGMOID=scoring_func != "softmax",
-        HAS_BIAS=correction_bias is not None,
+        HAS_BIAS=has_bias,
         NUM_GROUPS=num_groups,
         GROUP_SIZE=num_experts // num_groups if grouped else 1,
         TOPK_GROUP=topk_group if grouped else 0,
@@ -309,6 +473,72 @@ def _launch_routing(
         SCALED=routed_scaling_factor != 1.0,
         GROUP_MAX=group_score == "max",
         ON_LOGITS=scoring_func == "topk_sigmoid",
-        options=DEFAULT_OPTIONS,
+    )
+
+
+def _block_t(num_tokens: int, num_experts: int) -> int:
+    """Rows of one routing program: up to ``_TILE`` elements of [rows, E_POW2]."""
+    return max(1, min(_pow2(num_tokens), _TILE // _pow2(num_experts)))
+
+
+def route_aligned(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    block_m: int,
+    *,
+    options,
+    top_k: int,
+    scoring_func: str = "softmax",
+    renormalize: bool = False,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+    group_score: str = "top2_sum",
+) -> None:
+    """``route`` and the experts' one-program alignment (``_align.align_rows``) of its ids
+    in one launch of one program: ``weights`` [T, k] float32 and ``ids`` [T, k] int32
+    (contiguous) get what ``route`` returns, ``layout`` = (sorted_rows, block_expert,
+    num_padded) what ``align_rows(ids.view(-1), E, block_m, ...)`` writes, bit for bit.
+
+    For decode sizes (the caller bounds T): the one program routes the T rows serially, in
+    the blocks that ``route`` gives one program each. ``router_logits`` [T >= 1, E] with unit
+    stride along E on the device of the other tensors; settings already validated as for
+    ``route``. ``options``: the experts' (launches)."""
+    num_tokens, num_experts = router_logits.shape
+    consts = _constants(
+        router_logits.shape,
+        correction_bias is not None,
+        routed_scaling_factor,
+        top_k,
+        scoring_func,
+        renormalize,
+        num_expert_group,
+        topk_group,
+        group_score,
+    )
+    align = one_program_constants(num_experts, block_m)
+    sorted_rows, block_expert, num_padded = layout
+    _launch.launch(
+        _route_align_kernel,
+        (1,),
+        router_logits,
+        router_logits if correction_bias is None else correction_bias,
+        weights,
+        ids,
+        sorted_rows,
+        block_expert,
+        num_padded,
+        num_tokens,
+        router_logits.stride(0),
+        float(routed_scaling_factor),
+        **consts,
+        BLOCK_M=block_m,
+        ALIGN_E_POW2=align["E_POW2"],
+        CHUNK=align["CHUNK"],
+        FILL=align["FILL"],
+        options=options,
         num_warps=4,
     )

@@ -18,12 +18,20 @@
 # A step is made from the plans that the ordinary path recorded for the same shapes (so a
 # layer's first calls take that path); where either has none (it compiled, the interpreter or
 # a profiler is on, a hidden size padded for the kernels) there is no step.
+#
+# At decode sizes (``TritonOptions.route_align_max_tokens``) where the experts align their
+# rows in one program, the step routes and aligns in one launch (``_routing.route_aligned``)
+# and the experts run on that layout: ``routed_sequence``, recorded once when the step is
+# made, replaces the routing launch and the alignment launch of the joined plans.
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
 from ...memory import kept
+from ...profiling import trace_range
 from ...weights import PreparedWeights
 from . import _plan, _routing, experts
 
@@ -88,8 +96,66 @@ def layer_step(
     route_roles = (router_logits, weights, ids) + (() if bias is None else (bias,))
     route = _routing.routing_plan(route_roles, top_k, **settings)
     run = experts.standard_plan((hidden_TH, ids, weights.view(-1), out), prepared)
-    if route is None or run is None:
+    if route is None or run is None:  # the ordinary path: not both halves triton kernels
         return None
+    if fuses_routing_and_alignment(tokens, top_k, prepared.options):
+        roles = (hidden_TH, router_logits, out, weights, ids) + (() if bias is None else (bias,))
+        plans: OrderedDict = OrderedDict()
+        for _ in range(2):  # the first run may compile the kernel (no plan from that run)
+            with _plan.recorded(plans, "step", roles):
+                routed_sequence(
+                    hidden_TH, router_logits, bias, settings, top_k, prepared, *roles[2:5]
+                )
+            if isinstance(plans.get("step"), _plan.LaunchPlan):
+                return LayerStep(plans["step"], weights, ids, prepared.options)
     # step roles: 0 hidden, 1 logits, 2 out, 3 weights, 4 ids, 5 bias
     plan = _plan.LaunchPlan.join([(route, (1, 3, 4, 5)), (run, (0, 4, 3, 2))])
     return LayerStep(plan, weights, ids, prepared.options)
+
+
+def fuses_routing_and_alignment(num_tokens: int, top_k: int, options) -> bool:
+    """Whether a layer call of ``num_tokens`` tokens routes and aligns in one launch
+    (module comment): at most ``options.route_align_max_tokens`` tokens, and the experts
+    align their ``num_tokens * top_k`` rows in one program."""
+    return 1 <= num_tokens <= options.route_align_max_tokens and experts.aligns_in_one_program(
+        num_tokens * top_k, top_k, options
+    )
+
+
+def routed_sequence(
+    hidden_TH: torch.Tensor,
+    router_logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    settings: dict,
+    top_k: int,
+    prepared: PreparedWeights,
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> None:
+    """A layer call's launches with routing and alignment in one (``_routing.route_aligned``
+    into the experts' workspace, then the experts on that layout): ``out`` [T, H], the
+    routing into ``weights`` [T, k] float32 and ``ids`` [T, k] int32, all as the ordinary
+    path (``select_experts`` on the triton kernel, then ``experts.fused_standard``) gives
+    them, bit for bit. Only where ``fuses_routing_and_alignment``; ``settings``:
+    ``select_experts``' keyword arguments without ``top_k`` and ``correction_bias``, already
+    checked; ``hidden_TH`` contiguous, ``router_logits`` with unit stride along E."""
+    tokens = hidden_TH.shape[0]
+    tiles, ws, _ = experts.sequence_workspace(hidden_TH, tokens * top_k, top_k, prepared)
+    layout = (ws["sorted_rows"], ws["block_expert"], ws["num_padded"])
+    with experts._on_device(hidden_TH):
+        with trace_range("route"):
+            _routing.route_aligned(
+                router_logits,
+                bias,
+                weights,
+                ids,
+                layout,
+                tiles.gemm1.block_m,
+                options=prepared.options,
+                top_k=top_k,
+                **settings,
+            )
+        experts.standard_sequence(
+            hidden_TH, ids, weights.view(-1), out, prepared, tiles, prealigned=True
+        )

@@ -33,7 +33,13 @@ from ...weights import PreparedWeights
 from ..base import caller
 from . import _gemm_kernel as K
 from . import _launch, _plan, autotune
-from ._align import align_rows, max_padded_rows, scratch_size, topk_sum
+from ._align import (
+    SINGLE_PROGRAM_MAX_ROWS,
+    align_rows,
+    max_padded_rows,
+    scratch_size,
+    topk_sum,
+)
 from ._launch import cdiv as _cdiv
 from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
 from ._quant_kernel import quantize_rows
@@ -218,9 +224,21 @@ def layout_rows(
     """The row layout of one call: the row ids as blocks for at most
     ``options.row_blocks_max_tokens`` tokens (of ``rows_per_token`` rows each), else the
     device-side alignment into ``ws`` (from ``alignment_workspace``)."""
-    if row_expert.shape[0] <= options.row_blocks_max_tokens * rows_per_token:
+    if _row_blocks(row_expert.shape[0], rows_per_token, options):
         return RowLayout(row_expert, row_expert, row_expert, True)
     return aligned_rows(row_expert, num_experts, block_m, ws, options)
+
+
+def _row_blocks(num_rows: int, rows_per_token: int, options: TritonOptions) -> bool:
+    return num_rows <= options.row_blocks_max_tokens * rows_per_token
+
+
+def aligns_in_one_program(num_rows: int, rows_per_token: int, options: TritonOptions) -> bool:
+    """Whether a kernel sequence call of ``num_rows`` rows (``rows_per_token`` per token)
+    aligns its rows, and in the alignment's one-program form (``align_rows``)."""
+    return (
+        not _row_blocks(num_rows, rows_per_token, options) and num_rows <= SINGLE_PROGRAM_MAX_ROWS
+    )
 
 
 def aligned_rows(
@@ -464,6 +482,33 @@ def _scale_strides(w: KernelWeight) -> tuple[int, int, int]:
     return (s.stride(0), s.stride(1), s.stride(2))
 
 
+def sequence_workspace(
+    a_RH: torch.Tensor,
+    num_rows: int,
+    a_row_div: int,
+    prepared: PreparedWeights,
+    tiles: MoeTiles | None = None,
+) -> tuple[MoeTiles, dict[str, torch.Tensor], bool]:
+    """(tiles, workspace, whether GEMM1 quantizes GEMM2's input) of a ``run_kernel_sequence``
+    call of ``num_rows`` rows on ``a_RH``: its alignment and intermediate buffers."""
+    spec = prepared.spec
+    num_experts, inter = spec.num_experts, spec.intermediate_size
+    dev = a_RH.device
+    if tiles is None:
+        tiles = autotune.tiles_for_call(prepared, num_rows // a_row_div, a_row_div, dev)
+    bm = tiles.gemm1.block_m
+    fuse = fuses_gemm2_input_quant(prepared.tensors["w2"], a_RH, tiles.gemm1, prepared.options)
+    key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
+    ws = WORKSPACES.get(
+        key,
+        lambda: {
+            **alignment_workspace(num_rows, num_experts, bm, dev),
+            **intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
+        },
+    )
+    return tiles, ws, fuse
+
+
 def run_kernel_sequence(
     a_RH: torch.Tensor,
     row_expert: torch.Tensor,
@@ -472,10 +517,13 @@ def run_kernel_sequence(
     prepared: PreparedWeights,
     out_PH: torch.Tensor,
     tiles: MoeTiles | None = None,
+    prealigned: bool = False,
 ) -> None:
     """The one kernel sequence: rows ``p`` of ``out_PH`` get expert ``row_expert[p]`` applied
     to ``a_RH[p // a_row_div]`` (times ``route_w[p]`` when given); rows with id -1 are left
     unwritten. ``tiles``: None for the prepared weights' tuned or heuristic ones.
+    ``prealigned``: the caller wrote the alignment of ``row_expert`` into the call's
+    workspace (``sequence_workspace``) with ``tiles.gemm1.block_m``; no alignment runs.
     """
     spec = prepared.spec
     options = prepared.options
@@ -483,21 +531,12 @@ def run_kernel_sequence(
     w13, w2 = t["w13"], t["w2"]
     num_rows = row_expert.shape[0]
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
-    dev = a_RH.device
-    if tiles is None:
-        tiles = autotune.tiles_for_call(prepared, num_rows // a_row_div, a_row_div, dev)
+    tiles, ws, fuse = sequence_workspace(a_RH, num_rows, a_row_div, prepared, tiles)
     bm = tiles.gemm1.block_m
-    fuse = fuses_gemm2_input_quant(w2, a_RH, tiles.gemm1, options)
-    key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
-
-    ws = WORKSPACES.get(
-        key,
-        lambda: {
-            **alignment_workspace(num_rows, num_experts, bm, dev),
-            **intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
-        },
-    )
-    rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws, options)
+    if prealigned:
+        rows = RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
+    else:
+        rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws, options)
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13, options)
         _launch_gemm(
@@ -608,28 +647,45 @@ def fused_standard(
                 if id_flags is not None:
                     ID_FLAGS.poll(dev)
                 return out
-        num_rows = num_tokens * top_k
-        hidden = prepared.spec.hidden_size
-        cache = WORKSPACES.get(
-            (dev, "per_slot", num_rows, hidden, hidden_TH.dtype),
-            lambda: {"y": torch.empty(num_rows, hidden, dtype=hidden_TH.dtype, device=dev)},
-        )
         with _plan.recorded(plans, plan_key, roles) if planned else contextlib.nullcontext():
-            run_kernel_sequence(
-                hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles
-            )
-            with trace_range("combine"):
-                topk_sum(
-                    cache["y"],
-                    ids,
-                    out,
-                    prepared.spec.num_experts,
-                    options=prepared.options,
-                    id_flags=id_flags,
-                )
+            standard_sequence(hidden_TH, ids, route_w, out, prepared, tiles, id_flags)
         if id_flags is not None:
             ID_FLAGS.poll(dev)
     return out
+
+
+def standard_sequence(
+    hidden_TH: torch.Tensor,
+    ids: torch.Tensor,
+    route_w: torch.Tensor,
+    out: torch.Tensor,
+    prepared: PreparedWeights,
+    tiles: MoeTiles | None = None,
+    id_flags: torch.Tensor | None = None,
+    prealigned: bool = False,
+) -> None:
+    """The launches of a ``fused_standard`` call on checked, contiguous inputs (T >= 1):
+    ``ids`` [T, k] int32, ``route_w`` [T * k] float32, into ``out`` [T, H].
+    ``prealigned``: as ``run_kernel_sequence``'s, for the rows ``ids.view(-1)``."""
+    num_rows = ids.numel()
+    hidden, dev = prepared.spec.hidden_size, hidden_TH.device
+    cache = WORKSPACES.get(
+        (dev, "per_slot", num_rows, hidden, hidden_TH.dtype),
+        lambda: {"y": torch.empty(num_rows, hidden, dtype=hidden_TH.dtype, device=dev)},
+    )
+    top_k = ids.shape[1]
+    run_kernel_sequence(
+        hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles, prealigned
+    )
+    with trace_range("combine"):
+        topk_sum(
+            cache["y"],
+            ids,
+            out,
+            prepared.spec.num_experts,
+            options=prepared.options,
+            id_flags=id_flags,
+        )
 
 
 def _standard_plan_key(roles: tuple, prepared: PreparedWeights, checks_ids: bool) -> tuple:

@@ -33,6 +33,14 @@ class TritonOptions:
     #: (on an H200 row blocks saved 3-5 us at T = 1 on every preset and cost up to 2x on
     #: Mixtral-8x7B's 8 experts at T = 2-8, where the alignment groups the repeats).
     row_blocks_max_tokens: int = 1
+    #: A layer call of at most this many tokens (0: none) whose experts align their rows
+    #: (more than ``row_blocks_max_tokens`` tokens) and whose routing runs on the triton
+    #: kernel routes and aligns in one launch of one program: that program routes the
+    #: tokens in the blocks the routing kernel gives one program each (8 tokens at 128
+    #: experts, 4 at 256), one after the other, then aligns the ids it wrote. One launch
+    #: fewer, against serial routing where a call spans several blocks. Applies to the
+    #: layer's replayed eager calls (``MoE`` on CUDA); the first estimate, not yet measured.
+    route_align_max_tokens: int = 8
     #: Aligned blocks of at least this many rows run a tile of half the rows when their second
     #: half is padding (an expert's last block; ``None``: never), if the experts average at
     #: most ``split_max_blocks_per_expert`` blocks. Near one block per expert a third of the
@@ -97,6 +105,7 @@ class TritonOptions:
         for name in _BOOL_FIELDS:
             _check_bool(self, name)
         _check_int(self, "row_blocks_max_tokens", 0)
+        _check_int(self, "route_align_max_tokens", 0)
         _check_int(self, "split_max_blocks_per_expert", 0)
         _check_int(self, "lora_group_min_rows_per_pair", 0)
         if self.split_min_block_m is not None:
