@@ -167,7 +167,7 @@ def _row(layer, runners, steps, tokens, gen, args) -> dict:
 
     graph = {}
     with torch.inference_mode():
-        if _step.fuses_routing_and_alignment(tokens, top_k, fused_p.options):
+        if _step.fuses_routing_and_alignment(tokens, top_k, logits.shape[-1], fused_p.options):
             graph["fused"] = _graph_us(fused, args.graph_calls, args.repeats)
         graph["unfused"] = _graph_us(ordinary, args.graph_calls, args.repeats)
     row["graph_us"] = graph

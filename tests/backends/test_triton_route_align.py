@@ -146,17 +146,22 @@ def test_which_calls_route_and_align_in_one_launch():
     options = TritonOptions()
     bound = options.route_align_max_tokens
     fuses = _step.fuses_routing_and_alignment
-    assert not fuses(0, 8, options)  # nothing to launch
-    assert not fuses(1, 8, options)  # one token: row blocks, no alignment at all
-    assert fuses(2, 8, options) and fuses(bound, 8, options)
-    assert not fuses(bound + 1, 8, options)
-    assert fuses(1, 8, TritonOptions(row_blocks_max_tokens=0))
-    assert not fuses(4, 8, TritonOptions(route_align_max_tokens=0))  # off
-    # the alignment's one-program form only
+    assert not fuses(0, 8, 128, options)  # nothing to launch
+    assert not fuses(1, 8, 128, options)  # one token: row blocks, no alignment at all
+    assert fuses(2, 8, 128, options) and fuses(bound, 8, 128, options)
+    assert not fuses(bound + 1, 8, 128, options)
+    assert fuses(1, 8, 128, TritonOptions(row_blocks_max_tokens=0))
+    assert not fuses(4, 8, 128, TritonOptions(route_align_max_tokens=0))  # off
+    # one routing block only: 8 tokens at 128 experts, 4 at 256
     many = TritonOptions(route_align_max_tokens=1 << 20)
-    per_token = 8
+    for experts_, block in ((128, 8), (256, 4), (8, 128)):
+        assert _routing.block_rows(block, experts_) == block
+        assert fuses(block, 2, experts_, many) and not fuses(block + 1, 2, experts_, many)
+    # the alignment's one-program form only (here below the routing block of 8 experts)
+    per_token = 32
     limit = _align.SINGLE_PROGRAM_MAX_ROWS // per_token
-    assert fuses(limit, per_token, many) and not fuses(limit + 1, per_token, many)
+    assert _routing.block_rows(limit + 1, 8) > limit
+    assert fuses(limit, per_token, 8, many) and not fuses(limit + 1, per_token, 8, many)
 
 
 def test_the_option_is_checked():
@@ -187,7 +192,7 @@ def test_a_routed_sequence_gives_the_ordinary_paths_output(routing, tokens, dtyp
     aligns too."""
     num_experts, top_k, settings = ROUTINGS[routing]
     options = TritonOptions(row_blocks_max_tokens=0, route_align_max_tokens=16)
-    assert _step.fuses_routing_and_alignment(tokens, top_k, options)
+    assert _step.fuses_routing_and_alignment(tokens, top_k, num_experts, options)
     weights, prepared = _prepared(num_experts, 64, 32, dtype, options)
     logits, bias = _logits_and_bias(tokens, num_experts, settings, dtype, 5)
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)

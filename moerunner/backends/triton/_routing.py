@@ -462,7 +462,7 @@ def _constants(
         TOP_K=top_k,
         E_POW2=e_pow2,
         K_POW2=_pow2(top_k),
-        BLOCK_T=_block_t(num_tokens, num_experts),
+        BLOCK_T=block_rows(num_tokens, num_experts),
         SIGMOID=scoring_func != "softmax",
         HAS_BIAS=has_bias,
         NUM_GROUPS=num_groups,
@@ -476,8 +476,8 @@ def _constants(
     )
 
 
-def _block_t(num_tokens: int, num_experts: int) -> int:
-    """Rows of one routing program: up to ``_TILE`` elements of [rows, E_POW2]."""
+def block_rows(num_tokens: int, num_experts: int) -> int:
+    """Rows of one routing program (``BLOCK_T``): up to ``_TILE`` elements of [rows, E_POW2]."""
     return max(1, min(_pow2(num_tokens), _TILE // _pow2(num_experts)))
 
 
