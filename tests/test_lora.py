@@ -414,10 +414,11 @@ def test_bad_lora_input_is_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [9, 64], ids=["row-blocks", "grouped"])
+@pytest.mark.parametrize("tokens", [9, 64], ids=["fused-row-blocks", "hooked-grouped"])
 def test_lora_call_is_captured_in_a_cuda_graph_and_replays(monkeypatch, tokens):
     """triton, bf16, the default options: 9 tokens give 18 rows, under 2 per (adapter,
-    expert) pair (row blocks); 64 give 128 rows (grouped by pair). The LoRA kernels ran (the
+    expert) pair (row blocks, inside the fused sequence); 64 give 128 rows (grouped by pair,
+    the hooked sequence). The LoRA kernels ran (the
     PyTorch form is switched off), the eager call reads nothing back to the host, the call
     captures, each replay with new inputs matches an eager call, and the result matches
     the float64 merged-weights reference (the torch backend reads expert bounds on the host
@@ -465,3 +466,35 @@ def test_lora_call_is_captured_in_a_cuda_graph_and_replays(monkeypatch, tokens):
         torch.testing.assert_close(out, call())
     ref = _reference(xs.float().cpu(), weights, lora, topk, adapters, act)
     assert_close(out, ref, DTYPE_BOUND[bf], what=f"T={tokens} replayed")
+
+
+@pytest.mark.gpu
+def test_lora_calls_take_no_launch_plan_of_plain_calls():
+    """triton, bf16, CUDA (where eager calls record and replay launch plans): plain calls
+    of one shape until their plan replays, then LoRA calls of the same shape inside the
+    fused sequence with two sets of adapter ids, then plain again. Each matches its own
+    float64 reference: a LoRA call neither replays the plain calls' plan nor leaves one
+    that a plain call (or a LoRA call with other ids) would replay."""
+    bf, dev = torch.bfloat16, "cuda"
+    x, weights, lora, topk, adapters, act = _case(16, tokens=9, hidden=96, inter=48, dtype=bf)
+    w13, w2 = weights.w13.to(dev), weights.w2.to(dev)
+    lo = MoeLoraWeights(*(t.to(dev) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
+                        lora.scaling.to(dev))  # fmt: skip
+    xs, tw, ti = x.to(dev), topk.weights.to(dev), topk.ids.to(dev)
+    other = torch.tensor([2, 2, -1, 0, 1, 1, 0, 2, -1])
+
+    def call(ids):
+        hooks = None if ids is None else lora_hooks(lo, ids.to(dev), check_ids=False)
+        return moerunner.fused_moe(xs, w13, w2, tw, ti, backend="triton", hooks=hooks)
+
+    def ref(ids):
+        return _reference(x.float(), weights, lora, topk, ids, act)
+
+    bound = DTYPE_BOUND[bf]
+    plain = ref(torch.full((9,), -1))
+    for _ in range(4):  # records, then replays the plain calls' plan
+        assert_close(call(None), plain, bound, what="plain")
+    for ids in (adapters, other, adapters):
+        for _ in range(4):
+            assert_close(call(ids), ref(ids), bound, what=f"lora {ids.tolist()}")
+    assert_close(call(None), plain, bound, what="plain after lora")
