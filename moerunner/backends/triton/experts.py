@@ -336,7 +336,7 @@ def _launch_gemm(
     takes the codes, ``out_scale`` [rows, ceil(N / 128)] the scales of the output as rounded
     to ``inter_dtype``. ``options``: the prepared weights' (``prepared.options``).
     ``delta``: float32 [rows, w's rows] added to the product before the activation and the
-    routing weight (``SequenceDeltas``)."""
+    routing weight (``lora.SequenceLora``)."""
     dev = a.device
     dummy = _dummy(dev)
     k = w.shape[2]
