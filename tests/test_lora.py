@@ -57,15 +57,15 @@ def _reference(x, weights, lora, topk, adapters, act):
     """float64: per adapter, the merged weights on its tokens."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     w13, w2 = (w.double() for w in (weights.w13, weights.w2))
+    b13, b2 = (b.double() if b is not None else None for b in (weights.w13_bias, weights.w2_bias))
     for a in [-1, *range(lora.num_adapters)]:
         tok = (adapters == a).nonzero().flatten()
-        if a < 0:
-            merged = ExpertWeights(w13, w2)
-        else:
+        s, d13, d2 = 0.0, 0.0, 0.0
+        if a >= 0:
             s = lora.scaling[a].item() if isinstance(lora.scaling, torch.Tensor) else lora.scaling
             d13 = lora.w13_b[a].double() @ lora.w13_a[a].double()
             d2 = lora.w2_b[a].double() @ lora.w2_a[a].double()
-            merged = ExpertWeights(w13 + s * d13, w2 + s * d2)
+        merged = ExpertWeights(w13 + s * d13, w2 + s * d2, b13, b2, w13_order=weights.w13_order)
         out[tok] = moerunner.reference_moe(
             x[tok].double(), merged, topk.weights[tok], topk.ids[tok], act
         )
@@ -136,6 +136,11 @@ def test_gathered_and_grouped_deltas_agree():
 # expand rounds the rank-r intermediate to fp16 (relative 2^-11 of the delta alone) before
 # its tensor-core product, below the bound.
 LAYOUTS = {"rows": 10**6, "grouped": 0}
+# Backend variants of the end-to-end tests: (rows grouped from this many per pair, LoRA in
+# the fused sequence). "rows" runs inside the fused sequence (``lora.sequence_lora``),
+# "rows-hooked" the same row-block kernel in the hooked sequence, "grouped" the hooked
+# sequence's grouped kernels (never in the fused sequence).
+VARIANTS = {"rows": (10**6, True), "rows-hooked": (10**6, False), "grouped": (0, True)}
 # On CPU tensors the kernels run under Triton's interpreter only (GPU: the gpu test below).
 needs_triton = pytest.mark.skipif(
     not triton_backend.interpreted(), reason="needs Triton's interpreter for CPU tensors"
@@ -232,10 +237,12 @@ def _cdiv(a, b):
 
 @pytest.fixture
 def lora_variants():
-    """The triton backend registered once per LoRA row layout (``LAYOUTS``)."""
+    """The triton backend registered once per LoRA variant (``VARIANTS``)."""
     names = {}
-    for layout, group_min in LAYOUTS.items():
-        options = TritonOptions(lora_group_min_rows_per_pair=group_min)
+    for layout, (group_min, in_sequence) in VARIANTS.items():
+        options = TritonOptions(
+            lora_group_min_rows_per_pair=group_min, lora_in_sequence=in_sequence
+        )
         names[layout] = f"triton-lora-{layout}"
         triton_backend.register(TritonBackend(options, name=names[layout]), replace=True)
     yield names
@@ -245,31 +252,132 @@ def lora_variants():
 
 
 @needs_triton
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(VARIANTS))
 @pytest.mark.parametrize(
     "dtype,force_permute", [(torch.float32, False), (torch.float32, True), (torch.float16, False)]
 )
-@pytest.mark.parametrize("rank", [8, 16])
+@pytest.mark.parametrize("rank", [8, 16, 64])
 def test_triton_backend_applies_lora_with_its_kernels(
     lora_variants, monkeypatch, layout, dtype, force_permute, rank
 ):
     """End to end against the merged-weights reference, H = 40 and I = 24 (unaligned), both
-    paths of the standard format; the PyTorch form is switched off, so the kernels ran."""
+    paths of the standard format; the PyTorch form is switched off, so the kernels ran, and
+    the fused op took the sequence the variant names (the hooked one for "rows-hooked" and
+    "grouped", the fused one for "rows"). Tokens of different adapters (and without one)
+    share experts. Empty calls (T = 0) return [0, H]."""
     x, weights, lora, topk, adapters, act = _case(
         rank, seed=rank, tokens=18, hidden=40, inter=24, dtype=dtype
     )
+    shared = [e for e in range(E) if len(set(adapters[(topk.ids == e).any(dim=1)].tolist())) >= 3]
+    assert shared, "the case must route tokens of several adapters to one expert"
 
     def no_pytorch_form(*args):
         raise AssertionError("the triton backend called the LoRA hook's PyTorch form")
 
+    hooked_calls = []
+
+    def hooked_standard(*args):
+        hooked_calls.append(args)
+        return hooked_sequence_standard(*args)
+
+    hooked_sequence_standard = triton_backend.hooked_standard
     monkeypatch.setattr(LoraDelta, "__call__", no_pytorch_form)
+    monkeypatch.setattr(triton_backend, "hooked_standard", hooked_standard)
     out = _run(lora_variants[layout], x, weights, lora, topk, adapters, act, force_permute)
+    if not force_permute:
+        assert bool(hooked_calls) == (layout != "rows")
     ref = _reference(x.float(), weights, lora, topk, adapters, act)
     assert_close(out, ref, DTYPE_BOUND[dtype], what=f"{layout} {dtype} r={rank}")
     empty = _run(
         lora_variants[layout], x[:0], weights, lora, topk_slice(topk, 0), adapters[:0], act
     )
     assert empty.shape == (0, 40)
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["rows", "rows-hooked"])
+def test_triton_lora_with_biases_and_interleaved_gate_up(lora_variants, layout):
+    """swiglu_oai over interleaved gate/up rows with both biases (GPT-OSS's layout): the
+    fused sequence's GEMM1 adds each delta column to its own weight row (gate and up
+    alternating), after the bias, as the hooked sequence does. fp32 bound: DTYPE_BOUND."""
+    x, weights, lora, topk, adapters, act = _case(16, "swiglu_oai", seed=3, tokens=12)
+    g = torch.Generator().manual_seed(4)
+    weights = ExpertWeights(
+        weights.w13,
+        weights.w2,
+        torch.randn(E, 2 * I, generator=g) * 0.1,
+        torch.randn(E, H, generator=g) * 0.1,
+        gate_up_interleaved=True,
+    )
+    out = _run(lora_variants[layout], x, weights, lora, topk, adapters, act)
+    ref = _reference(x, weights, lora, topk, adapters, act)
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what=layout)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_sequence_lora_stores_each_rows_delta_and_zero_without_a_pair(dtype, rank):
+    """The fused sequence's deltas (``SequenceLora``): rows are (token, slot) pairs of k = 3
+    slots, each row's token ``p // 3``; experts include -1 and ids past the adapters' E,
+    adapters include -1. Every row of the float32 workspace is set, whatever it held (NaN
+    before the call): the delta, or exactly 0 for a row without a pair. GEMM1's delta reads
+    the token's input, GEMM2's the row's own. fp16 bound: DTYPE_BOUND (float32 products of
+    fp16 values), fp32 likewise."""
+    from moerunner.backends.triton.lora import SequenceLora
+
+    g = torch.Generator().manual_seed(rank + 1)
+    tokens, top_k, hidden, inter = 7, 3, 40, 24
+    rows = tokens * top_k
+    lora = MoeLoraWeights(
+        (torch.randn(L, E, rank, hidden, generator=g) * hidden**-0.5).to(dtype),
+        (torch.randn(L, E, 2 * inter, rank, generator=g) * rank**-0.5).to(dtype),
+        (torch.randn(L, E, rank, inter, generator=g) * inter**-0.5).to(dtype),
+        (torch.randn(L, E, hidden, rank, generator=g) * rank**-0.5).to(dtype),
+        torch.tensor([0.5, 1.0, 2.0]),
+    )
+    adapter_T = torch.tensor([0, -1, 2, 1, 0, 2, -1])
+    expert = torch.randint(-1, E + 2, (rows,), generator=g).to(torch.int32)
+    hooks = lora_hooks(lora, adapter_T)
+    seq = SequenceLora(hooks.gate_up, hooks.down, top_k, TritonOptions())
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    inter_RI = torch.randn(rows, inter, generator=g).to(dtype)
+    adapter_R = adapter_T[torch.arange(rows) // top_k]
+    scale_R = lora.scaling[adapter_R.clamp(min=0)]
+    for which, inp, row_div, a, b in (
+        ("gate_up", x, top_k, lora.w13_a, lora.w13_b),
+        ("down", inter_RI, 1, lora.w2_a, lora.w2_b),
+    ):
+        first = getattr(seq, which)(inp, expert)
+        first.fill_(float("nan"))  # the cached workspace: the next call must set every row
+        out = getattr(seq, which)(inp, expert)
+        assert out.data_ptr() == first.data_ptr() and out.dtype == torch.float32
+        want = _row_deltas(inp, a, b, adapter_R, expert, scale_R, row_div)
+        without = (want == 0).all(dim=1)
+        assert without.sum() >= 4 and (~without).sum() >= 4
+        assert torch.equal(out[without], torch.zeros_like(out[without]))
+        assert_close(out, want, DTYPE_BOUND[dtype], what=f"{which} {dtype} r={rank}")
+
+
+@needs_triton
+def test_lora_and_plain_calls_of_one_shape_do_not_share_results(lora_variants):
+    """On one set of weights and one shape: a plain call, a LoRA call in the fused sequence,
+    the plain call again, then LoRA with other adapter ids: each matches its own reference
+    (nothing of a call's deltas is kept for the next, whatever ids it has)."""
+    x, weights, lora, topk, adapters, act = _case(16, seed=6, tokens=9)
+    runner = MoeRunner(lora_variants["rows"])
+
+    def call(ids):
+        hooks = None if ids is None else lora_hooks(lora, ids)
+        return run_experts(runner, weights, x, topk.weights, topk.ids, act, hooks=hooks)
+
+    other = torch.tensor([2, 2, -1, 0, 1, 1, 0, 2, -1])
+    plain_ref = _reference(x, weights, lora, topk, torch.full((9,), -1), act)
+    bound = DTYPE_BOUND[torch.float32]
+    assert_close(call(None), plain_ref, bound, what="plain")
+    assert_close(call(adapters), _reference(x, weights, lora, topk, adapters, act), bound)
+    assert_close(call(None), plain_ref, bound, what="plain after lora")
+    assert_close(call(other), _reference(x, weights, lora, topk, other, act), bound)
 
 
 def topk_slice(topk, tokens):
@@ -306,10 +414,11 @@ def test_bad_lora_input_is_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [9, 64], ids=["row-blocks", "grouped"])
+@pytest.mark.parametrize("tokens", [9, 64], ids=["fused-row-blocks", "hooked-grouped"])
 def test_lora_call_is_captured_in_a_cuda_graph_and_replays(monkeypatch, tokens):
     """triton, bf16, the default options: 9 tokens give 18 rows, under 2 per (adapter,
-    expert) pair (row blocks); 64 give 128 rows (grouped by pair). The LoRA kernels ran (the
+    expert) pair (row blocks, inside the fused sequence); 64 give 128 rows (grouped by pair,
+    the hooked sequence). The LoRA kernels ran (the
     PyTorch form is switched off), the eager call reads nothing back to the host, the call
     captures, each replay with new inputs matches an eager call, and the result matches
     the float64 merged-weights reference (the torch backend reads expert bounds on the host
@@ -357,3 +466,35 @@ def test_lora_call_is_captured_in_a_cuda_graph_and_replays(monkeypatch, tokens):
         torch.testing.assert_close(out, call())
     ref = _reference(xs.float().cpu(), weights, lora, topk, adapters, act)
     assert_close(out, ref, DTYPE_BOUND[bf], what=f"T={tokens} replayed")
+
+
+@pytest.mark.gpu
+def test_lora_calls_take_no_launch_plan_of_plain_calls():
+    """triton, bf16, CUDA (where eager calls record and replay launch plans): plain calls
+    of one shape until their plan replays, then LoRA calls of the same shape inside the
+    fused sequence with two sets of adapter ids, then plain again. Each matches its own
+    float64 reference: a LoRA call neither replays the plain calls' plan nor leaves one
+    that a plain call (or a LoRA call with other ids) would replay."""
+    bf, dev = torch.bfloat16, "cuda"
+    x, weights, lora, topk, adapters, act = _case(16, tokens=9, hidden=96, inter=48, dtype=bf)
+    w13, w2 = weights.w13.to(dev), weights.w2.to(dev)
+    lo = MoeLoraWeights(*(t.to(dev) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
+                        lora.scaling.to(dev))  # fmt: skip
+    xs, tw, ti = x.to(dev), topk.weights.to(dev), topk.ids.to(dev)
+    other = torch.tensor([2, 2, -1, 0, 1, 1, 0, 2, -1])
+
+    def call(ids):
+        hooks = None if ids is None else lora_hooks(lo, ids.to(dev), check_ids=False)
+        return moerunner.fused_moe(xs, w13, w2, tw, ti, backend="triton", hooks=hooks)
+
+    def ref(ids):
+        return _reference(x.float(), weights, lora, topk, ids, act)
+
+    bound = DTYPE_BOUND[bf]
+    plain = ref(torch.full((9,), -1))
+    for _ in range(4):  # records, then replays the plain calls' plan
+        assert_close(call(None), plain, bound, what="plain")
+    for ids in (adapters, other, adapters):
+        for _ in range(4):
+            assert_close(call(ids), ref(ids), bound, what=f"lora {ids.tolist()}")
+    assert_close(call(None), plain, bound, what="plain after lora")

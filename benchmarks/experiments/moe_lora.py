@@ -10,7 +10,10 @@
 # tokens are spread over --adapters adapters of rank --rank, a fifth of them without one.
 # Prints a table (milliseconds per call, median; CUDA-graph replay on a GPU where capture
 # works) with the ratio lora / plain and the kernels' row layout (each row its own block, or
-# rows grouped by (adapter, expert) pair), and writes --json.
+# rows grouped by (adapter, expert) pair), and writes --json. With the triton backend also
+# the sequence the LoRA call ran (path: "fused", its deltas inside the fused kernel sequence,
+# or "hooked") and, where that is the fused one, the same call through the hooked sequence
+# (TritonOptions(lora_in_sequence=False)).
 
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import moerunner  # noqa: E402
-from moerunner.backends.triton.lora import groups_rows  # noqa: E402
+from moerunner.backends.triton import TritonBackend, TritonOptions, register  # noqa: E402
+from moerunner.backends.triton.lora import groups_rows, sequence_lora  # noqa: E402
 from moerunner.backends.triton.options import DEFAULT_OPTIONS  # noqa: E402
 from moerunner.bench.presets import PRESETS, get_preset  # noqa: E402
 from moerunner.bench.timing import time_cases  # noqa: E402
@@ -67,10 +71,18 @@ def main() -> None:
         rand(n_ad, e, h, r, scale=r**-0.5),
         2.0,
     )
+    hooked_backend = None
+    if args.backend == "triton":
+        hooked_backend = "triton-lora-hooked"
+        register(
+            TritonBackend(TritonOptions(lora_in_sequence=False), name=hooked_backend),
+            replace=True,
+        )
     out_rows = []
     print(
         f"{'T':>6} {'layout':>10} {'plain ms':>9} {'no-op hooks':>11} {'lora ms':>9} "
-        f"{'pytorch form':>12} {'lora/plain':>10} {'lora/no-op':>10}"
+        f"{'pytorch form':>12} {'lora/plain':>10} {'lora/no-op':>10} {'path':>6} "
+        f"{'hooked ms':>9} {'hooked/plain':>12}"
     )
     for tokens in (int(t) for t in args.tokens.split(",")):
         x = rand(tokens, h, scale=1.0)
@@ -90,12 +102,19 @@ def main() -> None:
         }
         if args.no_pytorch_form:
             del variants["lora_pytorch_form"]
+        path = "-"
+        if args.backend == "triton":
+            in_sequence = sequence_lora(lora_kernels, tokens * k, k, DEFAULT_OPTIONS)
+            path = "fused" if in_sequence is not None else "hooked"
+            if in_sequence is not None:
+                variants["lora_hooked"] = lora_kernels
         times = {}
         for name, hooks in variants.items():
+            backend = hooked_backend if name == "lora_hooked" else args.backend
 
-            def run(_i, hooks=hooks, x=x, topk=topk):
+            def run(_i, hooks=hooks, x=x, topk=topk, backend=backend):
                 return moerunner.fused_moe(
-                    x, w13, w2, topk.weights, topk.ids, activation=act, backend=args.backend,
+                    x, w13, w2, topk.weights, topk.ids, activation=act, backend=backend,
                     check_ids=False, hooks=hooks,
                 )  # fmt: skip
 
@@ -106,9 +125,15 @@ def main() -> None:
         grouped = groups_rows(tokens * k, n_ad * e, DEFAULT_OPTIONS)
         layout = "grouped" if grouped else "row-blocks"
         form_ms = f"{form.seconds * 1e3:>12.3f}" if form is not None else f"{'-':>12}"
+        hooked = times.get("lora_hooked")
+        hooked_cols = (
+            f"{hooked.seconds * 1e3:>9.3f} {hooked.seconds / plain:>11.2f}x"
+            if hooked is not None
+            else f"{'-':>9} {'-':>12}"
+        )
         print(
             f"{tokens:>6} {layout:>10} {plain * 1e3:>9.3f} {noop * 1e3:>11.3f} {lo * 1e3:>9.3f} "
-            f"{form_ms} {lo / plain:>9.2f}x {lo / noop:>9.2f}x"
+            f"{form_ms} {lo / plain:>9.2f}x {lo / noop:>9.2f}x {path:>6} {hooked_cols}"
         )
         out_rows.append(
             {
@@ -119,6 +144,7 @@ def main() -> None:
                 "lora_over_plain": lo / plain,
                 "lora_over_noop_hooks": lo / noop,
                 "lora_layout": layout,
+                "lora_path": path,
                 "shape": [e, h, i, k],
                 "rank": r,
                 "adapters": n_ad,

@@ -51,10 +51,22 @@ SCHEMES = {
 
 
 def _signature(scale_ty: str, a_ty: str, w_ty: str, out_ty: str) -> dict[str, str]:
-    ptrs = {"a_ptr": a_ty, "a_scale_ptr": "*fp32", "w_ptr": w_ty, "w_scale_ptr": scale_ty,
-            "w_zp_ptr": "*u8", "w_gscale_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*bf16",
-            "out_scale_ptr": "*fp32", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
-            "num_padded_ptr": "*i32", "route_w_ptr": "*fp32"}
+    ptrs = {
+        "a_ptr": a_ty,
+        "a_scale_ptr": "*fp32",
+        "w_ptr": w_ty,
+        "w_scale_ptr": scale_ty,
+        "w_zp_ptr": "*u8",
+        "w_gscale_ptr": "*fp32",
+        "bias_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "out_scale_ptr": "*fp32",
+        "sorted_rows_ptr": "*i32",
+        "block_expert_ptr": "*i32",
+        "num_padded_ptr": "*i32",
+        "route_w_ptr": "*fp32",
+        "delta_ptr": "*fp32",
+    }
     sig = {}
     for param in K.moe_gemm_kernel.params:
         name = param.name
@@ -85,45 +97,76 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
     # DeepSeek/Qwen-style layer (gate rows then up rows, silu, no biases).
     gpt_oss = wf in (K.WF_E2M1, K.WF_UINT4)
     qdot = wf == K.WF_FP8
-    consts = dict(BLOCK_M=int(bm), BLOCK_N=int(bn), BLOCK_K=int(bk), GROUP_M=8, EVEN_K=True,
-                  GATED=gemm1, INTERLEAVED=gemm1 and gpt_oss,
-                  ACT=(K.ACT_SWIGLU_OAI if gpt_oss else K.ACT_SILU) if gemm1 else K.ACT_NONE,
-                  HAS_BIAS=gpt_oss, MUL_ROUTE_W=not gemm1, W_FORMAT=wf, QDOT=qdot,
-                  A_SCALE=K.AS_GROUP128 if qdot else K.AS_NONE, SCALE_FMT=sf, GROUP_K=group_k,
-                  SCALE_ROW_BLOCK=128 if qdot else 1, HAS_ZP=zp, HAS_GSCALE=gscale, IEEE=False,
-                  BF16_FP4=wf == K.WF_E2M1, HALF=half, MERGED_SCALE=merged,
-                  UNIFORM_WS=qdot and uniform, ROW_BLOCKS=False,
-                  # fp8_block GEMM1 quantizes GEMM2's input itself when its tile holds whole
-                  # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
-                  OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
-                  INTER_DTYPE=tl.bfloat16, FP8_ROUND_FIRST=False, PDL=options.pdl and arch >= 90,
-                  S_PREFETCH=options.scale_prefetch, S_TILE=options.scale_tiles, FRAG=frag,
-                  K_NONEMPTY=frag and options.fragment_async_mma)
-    consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm),
-                                        options=options)
+    consts = dict(
+        BLOCK_M=int(bm),
+        BLOCK_N=int(bn),
+        BLOCK_K=int(bk),
+        GROUP_M=8,
+        EVEN_K=True,
+        GATED=gemm1,
+        INTERLEAVED=gemm1 and gpt_oss,
+        ACT=(K.ACT_SWIGLU_OAI if gpt_oss else K.ACT_SILU) if gemm1 else K.ACT_NONE,
+        HAS_BIAS=gpt_oss,
+        MUL_ROUTE_W=not gemm1,
+        W_FORMAT=wf,
+        QDOT=qdot,
+        A_SCALE=K.AS_GROUP128 if qdot else K.AS_NONE,
+        SCALE_FMT=sf,
+        GROUP_K=group_k,
+        SCALE_ROW_BLOCK=128 if qdot else 1,
+        HAS_ZP=zp,
+        HAS_GSCALE=gscale,
+        IEEE=False,
+        BF16_FP4=wf == K.WF_E2M1,
+        HALF=half,
+        MERGED_SCALE=merged,
+        UNIFORM_WS=qdot and uniform,
+        ROW_BLOCKS=False,
+        # fp8_block GEMM1 quantizes GEMM2's input itself when its tile holds whole
+        # 128-column groups, as experts.fuses_gemm2_input_quant decides on the GPU.
+        OUT_QUANT=qdot and gemm1 and int(bn) % 128 == 0,
+        INTER_DTYPE=tl.bfloat16,
+        FP8_ROUND_FIRST=False,
+        PDL=options.pdl and arch >= 90,
+        S_PREFETCH=options.scale_prefetch,
+        S_TILE=options.scale_tiles,
+        FRAG=frag,
+        K_NONEMPTY=frag and options.fragment_async_mma,
+        HAS_DELTA=False,
+    )
+    consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm), options=options)
     fn = K.moe_gemm_kernel
     fp8 = "*fp8e4nv"
-    sig = _signature(scale_ty, fp8 if qdot else "*bf16",
-                     "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"),
-                     fp8 if consts["OUT_QUANT"] else "*bf16")
+    sig = _signature(
+        scale_ty,
+        fp8 if qdot else "*bf16",
+        "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"),
+        fp8 if consts["OUT_QUANT"] else "*bf16",
+    )
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes; so
     # are the scale strides of packed schemes with one group per half and of the fragment
     # layout, whose scales prepare pads to whole 16-byte rows (_prepare.pad_scale_groups,
     # _prepare.fragment_scales).
     padded = ("stride_se", "stride_sn") if (half and half == group_k) or frag else ()
-    div16 = [name for name in fn.arg_names if sig[name].startswith("*")
-             or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")
-             or name in padded]
+    div16 = [
+        name
+        for name in fn.arg_names
+        if sig[name].startswith("*")
+        or name in ("stride_am", "stride_we", "stride_wn", "stride_om", "N_OUT", "K")
+        or name in padded
+    ]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
     # Unit strides are specialised to 1 (group and block scales are contiguous along K).
     for name in ("stride_ak", "stride_wk", "stride_on", "stride_sk"):
         sig[name] = "constexpr"
         consts[name] = 1
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
+    src = ASTSource(
+        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs
+    )
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(src, target=target, options={"num_warps": int(warps),
-                                                       "num_stages": int(stages)}), consts
+    return triton.compile(
+        src, target=target, options={"num_warps": int(warps), "num_stages": int(stages)}
+    ), consts
 
 
 def report(spec: str, arch: int, sass_dir: Path | None) -> dict:
@@ -132,30 +175,54 @@ def report(spec: str, arch: int, sass_dir: Path | None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(ck.asm["cubin"])
-        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", str(cubin)], check=True,
-                              capture_output=True, text=True).stdout
+        sass = subprocess.run(
+            [str(BIN / "cuobjdump"), "-sass", str(cubin)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(ck.asm["ptx"])
-        res = subprocess.run([str(BIN / "ptxas"), f"-arch=sm_{arch}a", "-v", str(ptx), "-o",
-                              str(Path(tmp) / "v.cubin")], capture_output=True, text=True)
+        res = subprocess.run(
+            [
+                str(BIN / "ptxas"),
+                f"-arch=sm_{arch}a",
+                "-v",
+                str(ptx),
+                "-o",
+                str(Path(tmp) / "v.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+        )
     info = res.stderr
     regs = re.search(r"Used (\d+) registers", info)
     spill = re.search(r"(\d+) bytes spill stores", info)
     ins = [(int(m.group(1), 16), m.group(2)) for m in _SASS_LINE.finditer(sass)]
     ops = collections.Counter(_opcode(t) for _, t in ins)
     # The hot loop: the longest span closed by a backward branch.
-    loops = [(int(m.group(1), 16), addr) for addr, t in ins
-             if (m := re.search(r"BRA (?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", t)) and m.group(1)
-             and int(m.group(1), 16) < addr]
+    loops = [
+        (int(m.group(1), 16), addr)
+        for addr, t in ins
+        if (m := re.search(r"BRA (?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", t))
+        and m.group(1)
+        and int(m.group(1), 16) < addr
+    ]
     lo, hi = max(loops, key=lambda ab: ab[1] - ab[0], default=(0, -1))
     loop_ops = collections.Counter(_opcode(t) for a, t in ins if lo <= a <= hi)
     if sass_dir is not None:
         sass_dir.mkdir(parents=True, exist_ok=True)
         (sass_dir / (spec.replace(":", "_") + ".sass")).write_text(sass)
-    return dict(variant=spec, registers=int(regs.group(1)) if regs else -1,
-                spill_bytes=int(spill.group(1)) if spill else -1,
-                shared=ck.metadata.shared, instructions=sum(ops.values()), ops=ops,
-                loop_instructions=sum(loop_ops.values()), loop_ops=loop_ops)
+    return dict(
+        variant=spec,
+        registers=int(regs.group(1)) if regs else -1,
+        spill_bytes=int(spill.group(1)) if spill else -1,
+        shared=ck.metadata.shared,
+        instructions=sum(ops.values()),
+        ops=ops,
+        loop_instructions=sum(loop_ops.values()),
+        loop_ops=loop_ops,
+    )
 
 
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4})\*/\s+(.*?);")
@@ -168,17 +235,21 @@ def _opcode(text: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("variants", nargs="*", default=["mxfp4:1:16:64:64:4:3",
-                                                    "mxfp4:1:16:64:128:4:3",
-                                                    "mxfp4u:1:16:64:64:4:3"])
+    ap.add_argument(
+        "variants",
+        nargs="*",
+        default=["mxfp4:1:16:64:64:4:3", "mxfp4:1:16:64:128:4:3", "mxfp4u:1:16:64:64:4:3"],
+    )
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", type=Path, default=None, help="write each variant's SASS here")
     args = ap.parse_args()
     for v in args.variants:
         r = report(v, args.arch, args.sass)
         top = ", ".join(f"{op} {n}" for op, n in r["loop_ops"].most_common(10))
-        print(f"{v:24s} regs {r['registers']:3d} spill {r['spill_bytes']:3d} B "
-              f"smem {r['shared']:6d} B  loop {r['loop_instructions']:4d} instr: {top}")
+        print(
+            f"{v:24s} regs {r['registers']:3d} spill {r['spill_bytes']:3d} B "
+            f"smem {r['shared']:6d} B  loop {r['loop_instructions']:4d} instr: {top}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@
 #   tune.py          ``moerunner tune``: searches tiles on the current GPU and writes them
 #   autotune.py      ``autotune="first_call"``: a missing token bucket tuned on its first call
 #   hooked.py        the sequence split around hooks (moerunner.hooks): calls with hooks only
+#   lora.py          LoRA kernels' launchers: in the hooked sequence, or its deltas in the fused
+#                    one (decode sizes)
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from ._prepare import SUPPORTED_SCHEMES, WeightLayout, fragment_ok, prepare
 from ._step import layer_step
 from .experts import fused_standard, grouped_core
 from .hooked import hooked_core, hooked_standard
+from .lora import sequence_lora
 from .options import DEFAULT_OPTIONS, PREPARE_TIME_FIELDS, TritonOptions
 
 NAME = "triton"
@@ -141,18 +144,24 @@ def with_options(prepared: PreparedWeights, options: TritonOptions) -> PreparedW
 
 def triton_fused_standard(dispatch_output, prepared: PreparedWeights, hooks=None) -> torch.Tensor:
     """Standard format in one kernel sequence: ``[T, H]`` weighted and reduced over k
-    (``hooks``: the hooked sequence of ``hooked.py``)."""
+    (``hooks``: LoRA records at decode sizes inside the sequence, ``lora.sequence_lora``;
+    others through the hooked sequence of ``hooked.py``)."""
     topk = dispatch_output.topk
+    deltas = None
     if hooks is not None:
-        return hooked_standard(
-            dispatch_output.hidden_states, topk.weights, topk.ids, prepared, hooks
-        )
+        num_rows, top_k = topk.ids.numel(), topk.ids.shape[-1]
+        deltas = sequence_lora(hooks, num_rows, top_k, prepared.options)
+        if deltas is None:
+            return hooked_standard(
+                dispatch_output.hidden_states, topk.weights, topk.ids, prepared, hooks
+            )
     return fused_standard(
         dispatch_output.hidden_states,
         topk.weights,
         topk.ids,
         prepared,
         check_ids=dispatch_output.check_ids,
+        deltas=deltas,
     )
 
 

@@ -229,6 +229,7 @@ def _gemm_block(
     out_ptr,
     out_scale_ptr,
     route_w_ptr,
+    delta_ptr,
     N_OUT,
     K,
     num_rows,
@@ -254,6 +255,8 @@ def _gemm_block(
     stride_on,
     stride_osm,
     stride_osg,
+    stride_dm,
+    stride_dn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -282,6 +285,7 @@ def _gemm_block(
     S_PREFETCH: tl.constexpr,
     S_TILE: tl.constexpr,
     FRAG: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
 ):
     """One output tile: rows ``rows_out`` (BLOCK_M of them; ``num_rows`` marks padding) of
     expert ``expert`` times weight columns block ``pid_n``, K loop and epilogue (see
@@ -510,6 +514,13 @@ def _gemm_block(
         acc = acc + tl.load(bias_ptr + expert * stride_be + rows_w * stride_bn)[None, :].to(
             tl.float32
         )
+    if HAS_DELTA:
+        # Per-row float32 additions in the weight's row order (w13 or w2 rows), before the
+        # activation and the routing weight: LoRA computed by the launch before this one.
+        d_ptrs = (
+            delta_ptr + rows_out.to(tl.int64)[:, None] * stride_dm + rows_w[None, :] * stride_dn
+        )
+        acc = acc + tl.load(d_ptrs, mask=row_mask[:, None], other=0.0)
     if GATED:
         g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     else:
@@ -553,6 +564,7 @@ def moe_gemm_kernel(
     block_expert_ptr,
     num_padded_ptr,
     route_w_ptr,
+    delta_ptr,
     N_OUT,
     K,
     num_rows,
@@ -580,6 +592,8 @@ def moe_gemm_kernel(
     stride_on,
     stride_osm,
     stride_osg,
+    stride_dm,
+    stride_dn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -613,6 +627,7 @@ def moe_gemm_kernel(
     SPLIT_M: tl.constexpr,
     FRAG: tl.constexpr,
     K_NONEMPTY: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -637,6 +652,9 @@ def moe_gemm_kernel(
     FRAG: e2m1 weights in the fragment layout (``_prepare.fragment_packed``; BLOCK_K 128): the
     tile's weight rows are rows pid_n * WIDTH on of that layout (w13 as gate/up row pairs),
     decoded in registers as the MMA's left operand against the transposed A tile.
+    HAS_DELTA: ``delta_ptr`` holds float32 [rows, weight rows] added to the accumulator after
+    the bias, before the activation and the routing weight (not with FRAG, whose tile
+    columns are not weight rows in order).
     K_NONEMPTY: K > 0, so the K loop runs at least once. The compiler then drops the loop's
     zero-trip path, which sets the accumulator outside the loop; with that path in place
     ptxas serializes every wgmma whose left operand comes from registers (its advisory
@@ -696,6 +714,7 @@ def moe_gemm_kernel(
                 out_ptr,
                 out_scale_ptr,
                 route_w_ptr,
+                delta_ptr,
                 N_OUT,
                 K,
                 num_rows,
@@ -721,6 +740,8 @@ def moe_gemm_kernel(
                 stride_on,
                 stride_osm,
                 stride_osg,
+                stride_dm,
+                stride_dn,
                 BM,
                 BLOCK_N,
                 BLOCK_K,
@@ -749,4 +770,5 @@ def moe_gemm_kernel(
                 S_PREFETCH,
                 S_TILE,
                 FRAG,
+                HAS_DELTA,
             )

@@ -7,12 +7,15 @@
 #   out[r, :] += scale(adapter) * B[p(r)] @ t[r, :]       (expand)
 # Two row layouts:
 #   row blocks (decode, ``lora_rows_kernel``): one launch. Program (r, g) takes row r alone,
-#     derives its pair from the row's expert and token (``_row_pair``, no launch before it),
+#     derives its pair from the row's expert and token (``_row_pair``, no launch before it;
+#     the token read from a row array, or r // rows_per_token for (token, slot) rows),
 #     computes all of t[r] (rank values: cheap, so each of the row's N groups recomputes it
-#     rather than a second launch reading it back) and adds the expand of its N group's
-#     blocks. The products are float32 FMAs over [RANK, BLOCK_K] / [BLOCK_N, RANK] factor
-#     tiles: memory-bound on the factors. At decode every launch costs about as much device
-#     time as the work, hence one launch, not a shrink and an expand.
+#     rather than a second launch reading it back) and the expand of its N group's blocks,
+#     added to ``out`` (the hooked sequence) or stored as they are, zero for rows without a
+#     pair (the fused sequence, whose GEMMs add them). The products are float32 FMAs over
+#     [RANK, BLOCK_K] / [BLOCK_N, RANK] factor tiles: memory-bound on the factors. At
+#     decode every launch costs about as much device time as the work, hence one launch,
+#     not a shrink and an expand.
 #   grouped (prefill, ``lora_shrink_kernel`` then ``lora_expand_kernel``): ``sorted_rows`` /
 #     ``block_pair`` from ``_align.align_rows`` over the pair ids (``pair_ids_kernel``): every
 #     BLOCK_M block shares one pair, so a program reads its factors once and multiplies with
@@ -29,11 +32,24 @@ from . import _pdl
 
 
 @triton.jit
-def _row_pair(row, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens):
+def _row_pair(
+    row,
+    expert_ptr,
+    token_ptr,
+    adapter_ptr,
+    num_experts,
+    num_tokens,
+    rows_per_token,
+    ROW_TOKENS: tl.constexpr,
+):
     """(adapter, expert, valid) of row ``row``: its expert, its token's adapter id (-1: none,
-    also for a row without a token or one past the ``num_tokens`` adapter ids)."""
+    also for a row without a token or one past the ``num_tokens`` adapter ids). The token:
+    ``row // rows_per_token`` (ROW_TOKENS: (token, slot) rows), else ``token_ptr[row]``."""
     expert = tl.load(expert_ptr + row).to(tl.int64)
-    token = tl.load(token_ptr + row).to(tl.int64)
+    if ROW_TOKENS:
+        token = (row // rows_per_token).to(tl.int64)
+    else:
+        token = tl.load(token_ptr + row).to(tl.int64)
     has_id = (token >= 0) & (token < num_tokens)
     adapter = tl.load(adapter_ptr + tl.where(has_id, token, 0), mask=has_id, other=-1)
     adapter = adapter.to(tl.int64)
@@ -59,7 +75,7 @@ def pair_ids_kernel(
     inside = rows < num_rows
     safe = tl.where(inside, rows, 0)
     adapter, expert, valid = _row_pair(
-        safe, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens
+        safe, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens, 1, False
     )
     pair = tl.where(valid, adapter * num_experts + expert, -1)
     tl.store(pair_ptr + rows, pair.to(tl.int32), mask=inside)
@@ -112,6 +128,7 @@ def lora_rows_kernel(
     num_experts,
     num_tokens,
     a_row_div,
+    rows_per_token,
     n_blocks_per_program,
     stride_xm,
     stride_xk,
@@ -129,18 +146,28 @@ def lora_rows_kernel(
     BLOCK_N: tl.constexpr,
     RANK: tl.constexpr,
     HAS_SCALES: tl.constexpr,
+    ROW_TOKENS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Row blocks, shrink and expand in one: out[r, N group ``program_id(1)``] +=
     scale * B[p(r)] @ (A[p(r)] @ x[r // a_row_div]) for row r = ``program_id(0)``; the
-    group is ``n_blocks_per_program`` BLOCK_N-wide blocks of N."""
+    group is ``n_blocks_per_program`` BLOCK_N-wide blocks of N. Without ACCUMULATE ``out``
+    is set to the delta instead (0 for a row without a pair). ROW_TOKENS: ``_row_pair``."""
     _pdl.enter(PDL)
     row = tl.program_id(0)
     group = tl.program_id(1)
     adapter, expert, valid = _row_pair(
-        row, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens
-    )
-    if valid == 0:  # no pair: the row is left as it is
+        row, expert_ptr, token_ptr, adapter_ptr, num_experts, num_tokens, rows_per_token,
+        ROW_TOKENS,
+    )  # fmt: skip
+    o_row = out_ptr + row.to(tl.int64) * stride_om
+    if valid == 0:  # no pair: the row is left as it is, or its delta is 0
+        if not ACCUMULATE:
+            for j in range(n_blocks_per_program):
+                n_offs = (group * n_blocks_per_program + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+                zero = tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty)
+                tl.store(o_row + n_offs * stride_on, zero, mask=n_offs < N)
         return
     r_offs = tl.arange(0, RANK)
     r_in = r_offs < rank
@@ -157,7 +184,6 @@ def lora_rows_kernel(
         t += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
     scale = _scale(scales_ptr, scale_value, adapter, HAS_SCALES)
     b_base = b_ptr + adapter * stride_bl + expert * stride_be + r_offs[None, :] * stride_br
-    o_row = out_ptr + row.to(tl.int64) * stride_om
     for j in range(n_blocks_per_program):
         n_offs = (group * n_blocks_per_program + j) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_in = n_offs < N
@@ -166,7 +192,9 @@ def lora_rows_kernel(
         )
         d = tl.sum(b.to(tl.float32) * t[None, :], axis=1) * scale
         o_ptrs = o_row + n_offs * stride_on
-        tl.store(o_ptrs, tl.load(o_ptrs, mask=n_in, other=0.0) + d, mask=n_in)
+        if ACCUMULATE:
+            d += tl.load(o_ptrs, mask=n_in, other=0.0)
+        tl.store(o_ptrs, d, mask=n_in)
 
 
 @triton.jit

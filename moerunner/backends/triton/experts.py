@@ -349,12 +349,15 @@ def _launch_gemm(
     inter_dtype: torch.dtype | None = None,
     *,
     options: TritonOptions,
+    delta: torch.Tensor | None = None,
 ) -> None:
     """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused).
 
     ``out_scale`` given (GEMM1 only, see ``fuses_gemm2_input_quant``): ``out`` is e4m3 and
     takes the codes, ``out_scale`` [rows, ceil(N / 128)] the scales of the output as rounded
-    to ``inter_dtype``. ``options``: the prepared weights' (``prepared.options``)."""
+    to ``inter_dtype``. ``options``: the prepared weights' (``prepared.options``).
+    ``delta``: float32 [rows, w's rows] added to the product before the activation and the
+    routing weight (``lora.SequenceLora``)."""
     dev = a.device
     dummy = _dummy(dev)
     k = w.shape[2]
@@ -383,6 +386,12 @@ def _launch_gemm(
         )
     o_s = out_scale if out_scale is not None else dummy
     o_s_strides = (o_s.stride(0), o_s.stride(1)) if out_scale is not None else (0, 0)
+    if delta is not None and consts["FRAG"]:
+        raise MoeInputError(
+            "a per-row delta needs the GEMM's columns in weight row order; e2m1 weights in "
+            "the fragment layout store gate/up row pairs"
+        )
+    d_strides = (delta.stride(0), delta.stride(1)) if delta is not None else (0, 0)
     _launch.launch(
         K.moe_gemm_kernel,
         grid,
@@ -399,6 +408,7 @@ def _launch_gemm(
         rows.block_expert,
         rows.num_padded,
         route_w if route_w is not None else dummy,
+        delta if delta is not None else dummy,
         n_out,
         k,
         num_rows,
@@ -419,6 +429,7 @@ def _launch_gemm(
         out.stride(0),
         out.stride(1),
         *o_s_strides,
+        *d_strides,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
@@ -448,6 +459,7 @@ def _launch_gemm(
             tile.block_m, consts, num_rows / w.shape[0], rows.row_blocks, options=options
         ),
         K_NONEMPTY=consts["FRAG"] and options.fragment_async_mma and k > 0,
+        HAS_DELTA=delta is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         options=options,
@@ -488,16 +500,20 @@ def sequence_workspace(
     a_row_div: int,
     prepared: PreparedWeights,
     tiles: MoeTiles | None = None,
+    deltas=None,
 ) -> tuple[MoeTiles, dict[str, torch.Tensor], bool]:
     """(tiles, workspace, whether GEMM1 quantizes GEMM2's input) of a ``run_kernel_sequence``
-    call of ``num_rows`` rows on ``a_RH``: its alignment and intermediate buffers."""
+    call of ``num_rows`` rows on ``a_RH``: its alignment and intermediate buffers. With
+    ``deltas`` GEMM2's input stays in the hidden dtype (their ``down`` reads it)."""
     spec = prepared.spec
     num_experts, inter = spec.num_experts, spec.intermediate_size
     dev = a_RH.device
     if tiles is None:
         tiles = autotune.tiles_for_call(prepared, num_rows // a_row_div, a_row_div, dev)
     bm = tiles.gemm1.block_m
-    fuse = fuses_gemm2_input_quant(prepared.tensors["w2"], a_RH, tiles.gemm1, prepared.options)
+    fuse = deltas is None and fuses_gemm2_input_quant(
+        prepared.tensors["w2"], a_RH, tiles.gemm1, prepared.options
+    )
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
     ws = WORKSPACES.get(
         key,
@@ -518,12 +534,19 @@ def run_kernel_sequence(
     out_PH: torch.Tensor,
     tiles: MoeTiles | None = None,
     prealigned: bool = False,
+    deltas=None,
 ) -> None:
     """The one kernel sequence: rows ``p`` of ``out_PH`` get expert ``row_expert[p]`` applied
     to ``a_RH[p // a_row_div]`` (times ``route_w[p]`` when given); rows with id -1 are left
     unwritten. ``tiles``: None for the prepared weights' tuned or heuristic ones.
     ``prealigned``: the caller wrote the alignment of ``row_expert`` into the call's
     workspace (``sequence_workspace``) with ``tiles.gemm1.block_m``; no alignment runs.
+
+    ``deltas``: None, or per-row additions to both GEMMs (``lora.SequenceLora``): its
+    ``gate_up(a_RH, row_expert)`` launches before GEMM1 and its ``down(inter_RI,
+    row_expert)`` before GEMM2, each returning float32 [rows, w's rows] (or None: nothing
+    to add), which GEMM1 adds before its activation and GEMM2 before the routing weight.
+    GEMM2's input then stays in the hidden dtype (``down`` reads it).
     """
     spec = prepared.spec
     options = prepared.options
@@ -531,13 +554,14 @@ def run_kernel_sequence(
     w13, w2 = t["w13"], t["w2"]
     num_rows = row_expert.shape[0]
     num_experts, inter, hidden = spec.num_experts, spec.intermediate_size, spec.hidden_size
-    tiles, ws, fuse = sequence_workspace(a_RH, num_rows, a_row_div, prepared, tiles)
+    tiles, ws, fuse = sequence_workspace(a_RH, num_rows, a_row_div, prepared, tiles, deltas)
     bm = tiles.gemm1.block_m
     if prealigned:
         rows = RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
     else:
         rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws, options)
     with trace_range("gemm1"):
+        delta = deltas.gate_up(a_RH, row_expert) if deltas is not None else None
         a, a_scale = _quantize_input(a_RH, w13, options)
         _launch_gemm(
             a,
@@ -555,8 +579,10 @@ def run_kernel_sequence(
             ws.get("inter_scale"),
             a_RH.dtype,
             options=options,
+            delta=delta,
         )
     with trace_range("gemm2"):
+        delta = deltas.down(ws["inter"], row_expert) if deltas is not None else None
         if fuse:
             a2, a2_scale = ws["inter"], ws["inter_scale"]
         else:
@@ -575,6 +601,7 @@ def run_kernel_sequence(
             hidden,
             None,
             options=options,
+            delta=delta,
         )
 
 
@@ -608,10 +635,13 @@ def fused_standard(
     prepared: PreparedWeights,
     tiles: MoeTiles | None = None,
     check_ids: bool = False,
+    deltas=None,
 ) -> torch.Tensor:
     """Standard format whole: ``[T, H]`` routed, weighted, reduced over k; -1 ids skipped.
     ``check_ids`` (CUDA): the top-k reduction also checks the ids (``device_checks.IdFlags``:
-    a bad id raises from a later call or ``moerunner.check_errors()``)."""
+    a bad id raises from a later call or ``moerunner.check_errors()``). ``deltas``: per-row
+    additions to the GEMMs (``run_kernel_sequence``); such a call neither records nor
+    replays a launch plan, whose key does not name the deltas' tensors."""
     _check_hidden(hidden_TH, prepared, "hidden_states")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_TH.shape[0]:
         raise MoeInputError(
@@ -639,7 +669,7 @@ def fused_standard(
         if tiles is None and prepared.options.autotune != "off":
             # A new token bucket is tuned before a plan records this call's launches.
             autotune.tiles_for_call(prepared, num_tokens, top_k, dev)
-        planned = tiles is None and _plan.enabled(prepared.options, dev)
+        planned = tiles is None and deltas is None and _plan.enabled(prepared.options, dev)
         if planned:
             plans = _plan.plans_of(prepared)
             plan_key = _standard_plan_key(roles, prepared, id_flags is not None)
@@ -648,7 +678,9 @@ def fused_standard(
                     ID_FLAGS.poll(dev)
                 return out
         with _plan.recorded(plans, plan_key, roles) if planned else contextlib.nullcontext():
-            standard_sequence(hidden_TH, ids, route_w, out, prepared, tiles, id_flags)
+            standard_sequence(
+                hidden_TH, ids, route_w, out, prepared, tiles, id_flags, deltas=deltas
+            )
         if id_flags is not None:
             ID_FLAGS.poll(dev)
     return out
@@ -663,10 +695,11 @@ def standard_sequence(
     tiles: MoeTiles | None = None,
     id_flags: torch.Tensor | None = None,
     prealigned: bool = False,
+    deltas=None,
 ) -> None:
     """The launches of a ``fused_standard`` call on checked, contiguous inputs (T >= 1):
     ``ids`` [T, k] int32, ``route_w`` [T * k] float32, into ``out`` [T, H].
-    ``prealigned``: as ``run_kernel_sequence``'s, for the rows ``ids.view(-1)``."""
+    ``prealigned``, ``deltas``: as ``run_kernel_sequence``'s, for the rows ``ids.view(-1)``."""
     num_rows = ids.numel()
     hidden, dev = prepared.spec.hidden_size, hidden_TH.device
     cache = WORKSPACES.get(
@@ -675,7 +708,7 @@ def standard_sequence(
     )
     top_k = ids.shape[1]
     run_kernel_sequence(
-        hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles, prealigned
+        hidden_TH, ids.view(-1), top_k, route_w, prepared, cache["y"], tiles, prealigned, deltas
     )
     with trace_range("combine"):
         topk_sum(

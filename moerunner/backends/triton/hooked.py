@@ -4,8 +4,10 @@
 # activation; GEMM2 runs without the routing weight into a float32 [rows, H] buffer, the
 # down hook runs, and each token's rows are weighted and summed in one launch. Slower than
 # the fused sequence, but every step stays on the device (no host read), so a hooked call
-# is CUDA-graph capturable as the fused one is. Calls without hooks never come here:
-# ``experts.run_kernel_sequence`` is untouched by them.
+# is CUDA-graph capturable as the fused one is. Calls without hooks never come here
+# (``experts.run_kernel_sequence`` is untouched by them), nor standard-format calls whose
+# hooks are all LoRA records at decode sizes (``lora.sequence_lora``: their deltas run inside
+# the fused sequence).
 #
 # The GEMMs are the same launches as the fused sequence's (``experts._launch_gemm``) with
 # the activation and the routing weight switched off; the row layout is the same

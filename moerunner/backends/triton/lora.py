@@ -1,14 +1,20 @@
 # Stage "experts" of the triton backend: LoRA deltas as Triton kernels (public launcher).
 #
-# The hooked sequence (``hooked.py``) hands every hook that is a ``moerunner.lora.LoraDelta``
-# to ``apply_hook`` here instead of calling its PyTorch form: the delta scale * (x @ A^T) @ B^T
-# added to the float32 GEMM output, over one row layout per call (``lora_layout``) that both
-# GEMMs' deltas share. With few rows per (adapter, expert) pair each row is its own block,
-# finds its pair in the kernel and runs shrink and expand in one launch; with many, the rows
-# are grouped by pair on the device (pair ids, then the experts' alignment step over pairs:
-# ``_align.align_rows``), so each block reads one pair's factors once, in a shrink launch
-# (into a float32 [rows, rank] workspace) and an expand launch. No host reads: a hooked call
-# stays CUDA-graph capturable. Kernel bodies: ``_lora_kernel``.
+# A standard-format call whose hooks are all ``moerunner.lora.LoraDelta`` records and whose
+# rows are few per (adapter, expert) pair (decode) runs them inside the fused kernel sequence
+# (``sequence_lora``): before each GEMM one row-block launch stores its delta
+# scale * (x @ A^T) @ B^T into a float32 workspace, and the GEMM adds it to its accumulator
+# before the activation (GEMM1) or the routing weight (GEMM2).
+#
+# Otherwise the hooked sequence (``hooked.py``) hands every such hook to ``apply_hook``
+# here instead of calling its PyTorch form: the delta added to the float32 GEMM output, over
+# one row layout per call (``lora_layout``) that both GEMMs' deltas share. With few rows per
+# (adapter, expert) pair each row is its own block, finds its pair in the kernel and runs
+# shrink and expand in one launch; with many, the rows are grouped by pair on the device
+# (pair ids, then the experts' alignment step over pairs: ``_align.align_rows``), so each
+# block reads one pair's factors once, in a shrink launch (into a float32 [rows, rank]
+# workspace) and an expand launch. No host reads in either sequence: a call with LoRA stays
+# CUDA-graph capturable. Kernel bodies: ``_lora_kernel``.
 
 from __future__ import annotations
 
@@ -147,7 +153,25 @@ def _apply_rows(
     options: TritonOptions,
     programs: int,
 ) -> None:
-    """Row blocks: shrink and expand of every row in one launch (``lora_rows_kernel``)."""
+    """Row blocks of the hooked sequence: each row's delta added to ``out_RN``."""
+    _launch_rows(out_RN, x_XK, a_row_div, delta, layout.expert, layout.token, 0, options, programs)
+
+
+def _launch_rows(
+    out_RN: torch.Tensor,
+    x_XK: torch.Tensor,
+    a_row_div: int,
+    delta: LoraDelta,
+    expert_R: torch.Tensor,
+    token_R: torch.Tensor | None,
+    rows_per_token: int,
+    options: TritonOptions,
+    programs: int = _ROW_PROGRAMS,
+) -> None:
+    """Shrink and expand of every row in one launch (``lora_rows_kernel``): row r's token is
+    ``token_R[r]``, or with ``token_R`` None ``r // rows_per_token``, and its delta is added
+    to ``out_RN`` (``token_R`` given: the hooked sequence) or stored into it (None: the fused
+    sequence's delta buffers, 0 for rows without a pair)."""
     a, b = delta.a, delta.b
     num_rows, n = out_RN.shape
     k, rank = a.shape[3], a.shape[2]
@@ -156,6 +180,7 @@ def _apply_rows(
     block_n = min(max(16, _ROW_B_TILE // rank_p), max(16, _pow2(n)))
     groups, per_group = rows_grid(num_rows, n, block_n, programs)
     scales, scale_value = _scales(delta.lora, out_RN.device)
+    adapter_T = delta.adapter_T.contiguous()
     _launch.launch(
         lora_rows_kernel,
         (num_rows, groups),
@@ -165,15 +190,16 @@ def _apply_rows(
         out_RN,
         scales if scales is not None else out_RN,
         scale_value,
-        layout.expert,
-        layout.token,
-        layout.adapter_T,
+        expert_R,
+        token_R if token_R is not None else expert_R,
+        adapter_T,
         k,
         n,
         rank,
-        layout.num_experts,
-        layout.adapter_T.shape[0],
+        delta.lora.num_experts,
+        adapter_T.shape[0],
         a_row_div,
+        max(1, rows_per_token),
         per_group,
         x_XK.stride(0),
         x_XK.stride(1),
@@ -185,6 +211,8 @@ def _apply_rows(
         BLOCK_N=block_n,
         RANK=rank_p,
         HAS_SCALES=scales is not None,
+        ROW_TOKENS=token_R is None,
+        ACCUMULATE=token_R is not None,
         num_warps=8 if block_k * rank_p > 8192 else 4,
         options=options,
     )
@@ -273,6 +301,60 @@ def apply_lora(
         options=options,
     )
     return out_RN
+
+
+@dataclass(frozen=True)
+class SequenceLora:
+    """The LoRA of a standard-format call run inside the fused kernel sequence
+    (``experts.run_kernel_sequence``'s ``deltas``): rows are the call's (token, slot) pairs
+    in order (row p is token ``p // top_k``), so each delta is one row-block launch that
+    stores it into a float32 workspace, and the GEMM after it adds it.
+    ``gate_up_lora`` / ``down_lora``: the hooks' LoRA records (either may be None)."""
+
+    gate_up_lora: LoraDelta | None
+    down_lora: LoraDelta | None
+    top_k: int
+    options: TritonOptions
+
+    def gate_up(self, x_TH: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor | None:
+        """float32 [rows, w13 rows]: GEMM1's delta of every row (input ``x_TH[p // k]``)."""
+        return self._delta(self.gate_up_lora, x_TH, self.top_k, expert_R)
+
+    def down(self, inter_RI: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor | None:
+        """float32 [rows, H]: GEMM2's delta of every row (input ``inter_RI[p]``)."""
+        return self._delta(self.down_lora, inter_RI, 1, expert_R)
+
+    def _delta(self, delta, x_XK, a_row_div, expert_R):
+        if delta is None:
+            return None
+        num_rows, dev = expert_R.shape[0], expert_R.device
+        n = delta.b.shape[2]
+        out = WORKSPACES.get(
+            (dev, "lora_delta", delta.gemm, num_rows, n),
+            lambda: {"d": torch.empty(num_rows, n, dtype=torch.float32, device=dev)},
+        )["d"]
+        delta.check(out, x_XK)
+        if delta.a.shape[2] == 0:  # rank 0: nothing to add
+            return None
+        _launch_rows(out, x_XK, a_row_div, delta, expert_R, None, self.top_k, self.options)
+        return out
+
+
+def sequence_lora(hooks: MoeHooks, num_rows: int, top_k: int, options: TritonOptions):
+    """``SequenceLora`` of ``hooks`` for a standard-format call of ``num_rows`` (token, slot)
+    rows, or None where the hooked sequence runs them: ``options.lora_in_sequence`` is off,
+    a hook is not a LoRA record, or its rows would be grouped by pair (``groups_rows``)."""
+    fns = (hooks.gate_up, hooks.down)
+    if not options.lora_in_sequence or any(
+        fn is not None
+        and (
+            not isinstance(fn, LoraDelta)
+            or groups_rows(num_rows, fn.lora.num_adapters * fn.lora.num_experts, options)
+        )
+        for fn in fns
+    ):
+        return None
+    return SequenceLora(hooks.gate_up, hooks.down, top_k, options)
 
 
 def apply_hook(

@@ -86,6 +86,13 @@ class TritonOptions:
     #: grouped. A first estimate (at 2 rows per pair a grouped block still pads to 16 rows
     #: of which about 2 are used, but reads half the factors), not yet measured on a GPU.
     lora_group_min_rows_per_pair: int = 2
+    #: A standard-format call whose hooks are all LoRA records (``moerunner.lora``) and whose
+    #: rows are not grouped by pair (``lora_group_min_rows_per_pair``) runs them inside the
+    #: fused sequence: one launch per GEMM makes its float32 delta and the GEMM adds it
+    #: before the activation (GEMM1) or the routing weight (GEMM2), two launches over the
+    #: plain call. Off: the hooked sequence (GEMM1 without its activation, the delta, an
+    #: activation launch, GEMM2, the delta, the weighted sum), four launches over it.
+    lora_in_sequence: bool = True
     #: *Prepare time.* Folders of tuned tile files, searched in order before the files shipped
     #: with the package (the first file found for a shape is used whole). ``None``: the user
     #: tile folder that ``moerunner tune`` writes to (``tile_config.user_tile_dir()``);
@@ -152,6 +159,7 @@ _BOOL_FIELDS = (
     "fuse_input_quant_off_gpu",
     "launch_cache",
     "pdl",
+    "lora_in_sequence",
 )
 
 
