@@ -110,6 +110,41 @@ class ShapeKey:
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def problem(self, device_type: str) -> Any:
+        """The ``MoeProblem`` this key describes on ``device_type`` (for printing verdicts)."""
+        from .backends.base import MoeProblem
+
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise BackendTableError(f"dtype {self.dtype!r} is not a torch dtype")
+        return MoeProblem(
+            device_type=device_type,
+            dtype=dtype,
+            w13_scheme=self.w13_scheme,
+            w2_scheme=self.w2_scheme,
+            activation=self.activation,
+            dispatch_format=self.dispatch_format,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_experts=self.num_experts,
+            has_bias=self.has_bias,
+            interleaved=self.interleaved,
+        )
+
+    def describe(self) -> str:
+        """ "E=128 H=2880 I=2880 k=4 mxfp4 bfloat16 swiglu_oai (bias, interleaved)"."""
+        schemes = self.w13_scheme
+        if self.w2_scheme != self.w13_scheme:
+            schemes += f"/{self.w2_scheme}"
+        extra = [n for n, on in (("bias", self.has_bias), ("interleaved", self.interleaved)) if on]
+        if self.dispatch_format != "standard":
+            extra.append(self.dispatch_format)
+        return (
+            f"E={self.num_experts} H={self.hidden_size} I={self.intermediate_size} "
+            f"k={self.top_k} {schemes} {self.dtype} {self.activation}"
+            + (f" ({', '.join(extra)})" if extra else "")
+        )
+
     @classmethod
     def from_dict(cls, d: Any, where: str) -> ShapeKey:
         if not isinstance(d, dict):
@@ -153,7 +188,7 @@ class Bucket:
     def measured(self) -> str:
         """ "triton 41 us vs flashinfer 55 us" (fastest first)."""
         ranked = sorted(self.times_us.items(), key=lambda item: item[1])
-        return " vs ".join(f"{name} {t:.3g} us" for name, t in ranked) or "no times recorded"
+        return " vs ".join(f"{name} {_us(t)} us" for name, t in ranked) or "no times recorded"
 
     def to_dict(self) -> dict:
         return {
@@ -187,6 +222,10 @@ class Bucket:
                 f"{where}.times_us: must map backend names to positive times, got {times!r}"
             )
         return cls(top, tokens, backend, {k: float(v) for k, v in times.items()})
+
+
+def _us(t: float) -> str:
+    return f"{t:.3g}" if t < 100 else f"{t:.0f}"
 
 
 def _check_buckets(buckets: Sequence[Bucket], where: str) -> None:
