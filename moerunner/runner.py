@@ -353,13 +353,16 @@ def form_bytes(prepared: PreparedWeights, weights: ExpertWeights) -> int:
     from (storages each counted once: a form computing from the weights as stored holds 0)."""
     from .memory import storages
 
+    sources = [weights.w13, weights.w2, weights.w13_bias, weights.w2_bias]
     canonical = set()
-    for weight in (weights.w13, weights.w2, weights.w13_bias, weights.w2_bias):
+    for weight in sources:
         parts = (weight,) if isinstance(weight, torch.Tensor) else ()
         if weight is not None and hasattr(weight, "tensors"):
             parts = tuple(t for t in weight.tensors().values() if isinstance(t, torch.Tensor))
         canonical.update((str(t.device), t.untyped_storage().data_ptr()) for t in parts)
-    held = storages(prepared.tensors)
+    # The canonical weight objects are not walked: w13 carries the memo of every form.
+    roots = [v for v in prepared.tensors.values() if not any(v is w for w in sources)]
+    held = storages(*roots)
     return sum(n for key, n in held.items() if key not in canonical)
 
 
