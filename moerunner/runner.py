@@ -342,7 +342,7 @@ def prepare_forms(
     weight conversion (and CUDA-graph capture free of it)."""
     plan = runner.bucket_plan(problem, top_k)
     if plan is None:
-        selected = [runner.registry.select(problem, runner.requested, runner.preference).backend]
+        selected = [runner.select(problem).backend]
     else:
         selected = [runner.registry.backends[name] for name in plan.forms]
     return {b.name: prepared_for(runner, weights, problem, spec, backend=b) for b in selected}
