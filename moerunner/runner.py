@@ -130,7 +130,13 @@ class MoeRunner:
         """Choose the backend for ``problem`` (for a call of ``tokens`` tokens with ``top_k``
         slots each: its bucket's measured choice, see ``bucket_plan``) and remember it.
         Memoised: a call costs dictionary lookups and one bisect, no device work."""
-        plan = None if tokens is None or top_k is None else self.bucket_plan(problem, top_k)
+        plan = None
+        if tokens is not None and top_k is not None and self.requested == "auto":
+            table = self.table_for(problem.device_type)
+            if table.entries:  # (most tables are empty: no plan to look up)
+                plan = self.registry.bucket_plan(
+                    problem, top_k, table, self.preference, self.backend_forms
+                )
         if plan is not None:
             self.selection = plan.choose(tokens)
         else:
