@@ -239,7 +239,9 @@ def run_experts(
         return _differentiable(
             runner, runner.requested, problem, hidden_states, weights, topk, spec
         )
-    prepared = prepared_for(runner, weights, problem, spec)
+    prepared = prepared_for(
+        runner, weights, problem, spec, hidden_states.shape[0], topk_ids.shape[1]
+    )
     # A fused op that checks ids inside its kernels (CUDA) saves the check's own launches.
     on_device = (
         check_ids
@@ -293,7 +295,9 @@ def _run_extended(
         return _differentiable(
             runner, runner.requested, problem, hidden_states, weights, topk, spec
         )
-    prepared = prepared_for(runner, weights, problem, spec)
+    prepared = prepared_for(
+        runner, weights, problem, spec, hidden_states.shape[0], topk.ids.shape[1]
+    )
     return runner.run(dispatch_output, prepared, hooks)
 
 

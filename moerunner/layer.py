@@ -44,7 +44,14 @@ from .ops import adopt_quantized, call_fused_experts
 from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
-from .runner import DerivedCache, MoeRunner, prepared_for, tensor_state
+from .runner import (
+    DerivedCache,
+    MoeRunner,
+    form_bytes,
+    prepare_forms,
+    prepared_for,
+    tensor_state,
+)
 from .shared import SharedExperts, shared_dense
 from .weights import ExpertWeights, is_quantized
 
@@ -70,6 +77,10 @@ class MoE(HoldsQuantized):
             default group; ``None`` without one: a single process).
         capacity, on_overflow: the ``masked`` dispatcher's capacity and overflow policy.
         registry: where backends and dispatchers are looked up (default: the global one).
+        backend_forms: with ``backend="auto"`` and a measured backend table naming several
+            backends for this layer's shape, at most this many serve it, each holding its
+            own prepared weights (None: every backend the table names; 1: the one winning
+            the most token-count buckets serves every T). See ``MoeRunner``.
     """
 
     def __init__(
@@ -85,13 +96,14 @@ class MoE(HoldsQuantized):
         capacity: int | None = None,
         on_overflow: str = "raise",
         registry: Registry | None = None,
+        backend_forms: int | None = None,
     ):
         super().__init__()
         if not isinstance(config, MoeConfig):
             raise TypeError(f"config must be a MoeConfig, got {type(config).__name__}")
         self.config = config
         self.backend = backend
-        self.runner = MoeRunner(backend, registry=registry)
+        self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
         num_local = self._setup_dispatch(
             dispatcher, placement, group, capacity, on_overflow, config.num_experts, config
         )
@@ -247,13 +259,14 @@ class MoE(HoldsQuantized):
         on_overflow: str = "raise",
         registry: Registry | None = None,
         shared_experts: SharedExperts | None = None,
+        backend_forms: int | None = None,
     ) -> MoE:
         """A layer over given (this rank's) expert weights, plain or quantized, that takes
         pre-routed calls (``forward(hidden_states, topk=...)``).
 
         ``num_experts``: routed experts of the whole layer (default: the placement's, or the
         weights' count). ``shared_experts``: shared experts run with the routed ones (one
-        process, standard dispatcher).
+        process, standard dispatcher). ``backend_forms``: as in ``MoE``.
         """
         layer = cls.__new__(cls)
         layer._init_from_weights(
@@ -267,6 +280,7 @@ class MoE(HoldsQuantized):
             capacity=capacity,
             on_overflow=on_overflow,
             registry=registry,
+            backend_forms=backend_forms,
         )
         if shared_experts is not None:
             if not isinstance(shared_experts, SharedExperts):
@@ -291,6 +305,7 @@ class MoE(HoldsQuantized):
         capacity: int | None,
         on_overflow: str,
         registry: Registry | None,
+        backend_forms: int | None = None,
     ) -> None:
         nn.Module.__init__(self)
         if not isinstance(weights, ExpertWeights):
@@ -310,7 +325,7 @@ class MoE(HoldsQuantized):
         )
         self.config = config
         self.backend = backend
-        self.runner = MoeRunner(backend, registry=registry)
+        self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
         self._setup_dispatch(
             dispatcher,
             placement,
@@ -506,7 +521,7 @@ class MoE(HoldsQuantized):
         if not isinstance(tries, int) or tries >= self._STEP_TRIES:
             return
         weights = self.expert_weights()
-        prepared = self._prepared(x, weights, STANDARD)
+        prepared = self._prepared(x, weights, STANDARD, self.config.top_k)
         fused = self.runner.registry.fused_op(STANDARD, prepared.backend)
         make = getattr(fused, "layer_step", None)
         logits = router_logits.reshape(-1, router_logits.shape[-1])
@@ -697,7 +712,9 @@ class MoE(HoldsQuantized):
             self._top_k = topk.ids.shape[1]
             x = x.detach()  # inference only
             weights = self.expert_weights()
-            prepared = self._prepared(x, weights, self.dispatcher.dispatch_format)
+            prepared = self._prepared(
+                x, weights, self.dispatcher.dispatch_format, topk.ids.shape[1]
+            )
             if (
                 self.dispatcher_kind == "standard"  # (others carry rows in their wire dtype)
                 and not is_quantized(weights.w13)
@@ -762,19 +779,52 @@ class MoE(HoldsQuantized):
         ids = torch.zeros((0, k), dtype=torch.int32, device=device)
         return x, TopK(torch.zeros((0, k), dtype=torch.float32, device=device), ids)
 
-    def _prepared(self, x: torch.Tensor, weights: ExpertWeights, dispatch_format: str):
+    def _prepared(self, x: torch.Tensor, weights: ExpertWeights, dispatch_format: str, top_k: int):
+        """The prepared weights for a call of ``x [T, H]`` with ``top_k`` slots: those of the
+        backend chosen for T's token-count bucket (``MoeRunner.select``)."""
         spec = weights.spec(self.config.activation)
         problem = MoeProblem.of(x, weights, spec, dispatch_format)
-        prepared = prepared_for(self.runner, weights, problem, spec)
+        prepared = prepared_for(self.runner, weights, problem, spec, x.shape[0], top_k)
         self._dtype = x.dtype  # the hidden dtype of the last call that could run
         return prepared
 
-    def prepare(self, dtype: torch.dtype) -> None:
+    def prepare(self, dtype: torch.dtype, top_k: int | None = None) -> None:
         """Choose the backend and prepare the weights for hidden states of ``dtype`` now
-        (else the first call does): an unservable request raises here, on every rank."""
+        (else the first call does): an unservable request raises here, on every rank.
+        Where a measured table names several backends for this shape, every form they
+        need is prepared (``runner.prepare_forms``). ``top_k``: of the calls (default: the
+        config's; give it for a layer built ``from_weights``)."""
         weights = self.expert_weights()
         probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
-        self._prepared(probe, weights, self.dispatcher.dispatch_format)
+        spec = weights.spec(self.config.activation)
+        problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)
+        prepare_forms(self.runner, weights, problem, spec, top_k or self.config.top_k)
+        self._dtype = dtype
+
+    def backend_plan(self, dtype: torch.dtype, top_k: int | None = None) -> dict:
+        """Which backend serves each token-count bucket for hidden states of ``dtype`` and
+        why, and the bytes each prepared form holds beyond the layer's weights (it prepares
+        them, as ``prepare`` does): ``{"buckets": [(range, backend, reason)], "forms":
+        {backend: bytes}}``."""
+        weights = self.expert_weights()
+        probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
+        spec = weights.spec(self.config.activation)
+        problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)
+        top_k = top_k or self.config.top_k
+        forms = prepare_forms(self.runner, weights, problem, spec, top_k)
+        plan = self.runner.bucket_plan(problem, top_k)
+        if plan is None:
+            selection = self.runner.select(problem)
+            buckets = [("every T", selection.backend.name, f"no table: {selection.reason}")]
+        else:
+            buckets = [
+                (s.reason.split(": ", 1)[0], s.backend.name, s.reason.split(": ", 1)[1])
+                for s in plan.selections
+            ]
+        return {
+            "buckets": buckets,
+            "forms": {name: form_bytes(p, weights) for name, p in forms.items()},
+        }
 
     def extra_repr(self) -> str:
         parts = [f"config={self.config!r}", f"backend={self.backend!r}"]

@@ -17,6 +17,7 @@ Backend choice travels as arguments: there is no process-global "current backend
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,12 +28,14 @@ from .dispatch.formats import MASKED, PERMUTED, STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 
 if TYPE_CHECKING:  # annotations only: the backends import this module, not the reverse
+    from .backend_table import BackendTable
     from .backends.base import Backend, MoeProblem
     from .dispatch.base import Dispatcher
 
 __all__ = [
     "DEFAULT_PREFERENCE",
     "DEFAULT_REGISTRY",
+    "BucketPlan",
     "DispatcherFactory",
     "Registry",
     "Selection",
@@ -146,7 +149,7 @@ class Registry:
 
         Successful choices are memoised (a decode step asks the same question every layer).
         """
-        key = (problem, requested, None if preference is None else tuple(preference.items()))
+        key = (problem, requested, _pref_key(preference))
         cached = self._selections.get(key)
         if cached is not None:
             return cached
@@ -179,6 +182,75 @@ class Registry:
                 return Selection(self.backends[name], verdicts, f"first of {ranked} that serves")
         raise BackendUnavailableError(_explain(problem, verdicts, "auto"))
 
+    def bucket_plan(
+        self,
+        problem: MoeProblem,
+        top_k: int,
+        table: BackendTable,
+        preference: dict[str, tuple[str, ...]] | None = None,
+        backend_forms: int | None = None,
+    ) -> BucketPlan | None:
+        """``backend="auto"`` per token-count bucket from a measured ``table`` (None where
+        it has no entry for the problem: the preference order serves every T). Memoised
+        like ``select``; a call then only bisects ``plan.bounds`` (``BucketPlan.choose``).
+
+        Per bucket: the measured winner where it can serve (its verdict), else the fastest
+        measured backend that can, else the preference order's choice. ``backend_forms``
+        (None: no limit) bounds how many backends, each with its own prepared weights, the
+        plan uses: those winning the most buckets stay (ties: the one winning the lowest
+        token counts), and a bucket won by another takes the fastest kept one measured.
+        """
+        key = (problem, "table", top_k, table, backend_forms, _pref_key(preference))
+        if key in self._selections:
+            return self._selections[key]
+        plan = self._bucket_plan(problem, top_k, table, preference, backend_forms)
+        self._selections[key] = plan
+        return plan
+
+    def _bucket_plan(self, problem, top_k, table, preference, backend_forms):
+        from .backend_table import ShapeKey, bucket_range
+
+        buckets = table.buckets(ShapeKey.of(problem, top_k))
+        if buckets is None:
+            return None
+        fallback = self.select(problem, "auto", preference)  # raises where none can serve
+        verdicts = fallback.verdicts
+        names, reasons = [], []
+        for bucket in buckets:
+            ok, why = verdicts.get(bucket.backend, (False, "not registered"))
+            if ok:
+                names.append(bucket.backend)
+                reasons.append(f"measured: {bucket.measured()}")
+                continue
+            serving = [
+                n for n in sorted(bucket.times_us, key=bucket.times_us.get) if _ok(verdicts, n)
+            ]
+            name = serving[0] if serving else fallback.backend.name
+            names.append(name)
+            how = (
+                f"fastest measured that serves ({bucket.measured()})"
+                if serving
+                else f"preference order ({fallback.reason})"
+            )
+            reasons.append(f"measured winner {bucket.backend!r} cannot serve ({why}); {how}")
+        if backend_forms is not None and len(set(names)) > backend_forms:
+            won = {n: names.count(n) for n in dict.fromkeys(names)}  # first = lowest T
+            keep = sorted(won, key=lambda n: -won[n])[:backend_forms]
+            for i, (bucket, name) in enumerate(zip(buckets, names, strict=True)):
+                if name in keep:
+                    continue
+                timed = [n for n in keep if n in bucket.times_us]
+                names[i] = min(timed, key=bucket.times_us.get) if timed else keep[0]
+                reasons[i] = (
+                    f"backend_forms={backend_forms} keeps {', '.join(keep)}: {names[i]} "
+                    f"instead of {name} ({bucket.measured()})"
+                )
+        selections = tuple(
+            Selection(self.backends[n], verdicts, f"{bucket_range(buckets, i)}: {r}")
+            for i, (n, r) in enumerate(zip(names, reasons, strict=True))
+        )
+        return BucketPlan(table.bounds(buckets), selections, buckets)
+
     def copy(self) -> Registry:
         """A registry with the same entries, to add to or replace in (tests, experiments)."""
         return Registry(
@@ -195,6 +267,33 @@ class Selection:
     backend: Any
     verdicts: dict[str, tuple[bool, str]]
     reason: str
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The measured choice for one problem and top-k: bucket ``i`` serves the token counts
+    up to ``bounds[i]`` (the last, every count above) with ``selections[i]``."""
+
+    bounds: tuple[int, ...]
+    selections: tuple[Selection, ...]
+    buckets: tuple = ()  # the table's ``Bucket`` values (for printing)
+
+    def choose(self, tokens: int) -> Selection:
+        """The selection for a call of ``tokens`` tokens: one bisect on the host."""
+        return self.selections[bisect_left(self.bounds, tokens)]
+
+    @property
+    def forms(self) -> tuple[str, ...]:
+        """The backends the plan uses (each holds its own prepared weights), lowest T first."""
+        return tuple(dict.fromkeys(s.backend.name for s in self.selections))
+
+
+def _ok(verdicts: dict[str, tuple[bool, str]], name: str) -> bool:
+    return verdicts.get(name, (False, ""))[0]
+
+
+def _pref_key(preference: dict[str, tuple[str, ...]] | None) -> tuple | None:
+    return None if preference is None else tuple(preference.items())
 
 
 def _explain(problem: Any, verdicts: dict[str, tuple[bool, str]], requested: str) -> str:

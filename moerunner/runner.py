@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import backends as _backends  # noqa: F401  (importing registers every backend)
+from .backend_table import BackendTable, default_table
 from .backends.base import Backend, MoeProblem
 from .backends.prepare import pad_to_alignment
 from .config import Activation, ExpertSpec
@@ -33,7 +34,7 @@ from .errors import BackendUnavailableError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
 from .memory import kept
 from .profiling import trace_range
-from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, Registry, Selection
+from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, BucketPlan, Registry, Selection
 from .weights import ExpertWeights, PreparedWeights, gate_up_first
 
 __all__ = [
@@ -43,7 +44,9 @@ __all__ = [
     "Registry",
     "Selection",
     "default_registry",
+    "form_bytes",
     "prepare_for_backend",
+    "prepare_forms",
     "prepared_for",
 ]
 
@@ -58,10 +61,18 @@ class MoeRunner:
     """Runs dispatched tokens through one backend's experts.
 
     Args:
-        backend: a registered backend name, or ``"auto"`` (chosen per problem at ``prepare``).
+        backend: a registered backend name, or ``"auto"`` (chosen per problem, and per
+            token-count bucket where a measured table has the problem's shape).
         registry: where backends and paths are looked up (default: the one filled at import).
         force_permute: take pre-permute -> core -> post-permute even where a fused op exists.
         preference: per device type, backend names in order of preference for ``"auto"``.
+        table: the measured table ``"auto"`` consults (``backend_table.BackendTable``);
+            None: the table of the problem's device in the table folders
+            (``backend_table.default_table``: read once per process and device);
+            ``BackendTable("none")`` (no entries): the preference order alone.
+        backend_forms: at most this many backends (each with its own prepared weights)
+            serve one problem under a table (None: as many as the table names); with 1 the
+            backend winning the most buckets serves every T (``Registry.bucket_plan``).
     """
 
     def __init__(
@@ -71,30 +82,79 @@ class MoeRunner:
         registry: Registry | None = None,
         force_permute: bool = False,
         preference: dict[str, tuple[str, ...]] | None = None,
+        table: BackendTable | None = None,
+        backend_forms: int | None = None,
     ) -> None:
         if not isinstance(backend, str):
             raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        if table is not None and not isinstance(table, BackendTable):
+            raise TypeError(f"table must be a BackendTable or None, got {type(table).__name__}")
+        if backend_forms is not None and (
+            not isinstance(backend_forms, int)
+            or isinstance(backend_forms, bool)
+            or backend_forms < 1
+        ):
+            raise MoeInputError(f"backend_forms must be None or an int >= 1, got {backend_forms!r}")
         self.requested = backend
         self.registry = registry if registry is not None else default_registry()
         self.force_permute = force_permute
         self.preference = preference
+        self.table = table
+        self.backend_forms = backend_forms
         self.selection: Selection | None = None
 
     @property
     def backend(self) -> str | None:
-        """Name of the backend chosen by the last ``prepare`` (None before)."""
+        """Name of the backend chosen by the last ``select`` / ``prepare`` (None before)."""
         return None if self.selection is None else self.selection.backend.name
 
-    def select(self, problem: MoeProblem) -> Selection:
-        """Choose the backend for ``problem`` and remember the choice and its reason."""
-        self.selection = self.registry.select(problem, self.requested, self.preference)
+    def table_for(self, device_type: str) -> BackendTable:
+        """The measured table ``"auto"`` consults on ``device_type`` (``table`` above)."""
+        return self.table if self.table is not None else default_table(device_type)
+
+    def bucket_plan(self, problem: MoeProblem, top_k: int) -> BucketPlan | None:
+        """The measured per-bucket choice for ``problem`` with ``top_k`` slots, or None
+        (a named backend, or no table entry: one choice serves every T)."""
+        if self.requested != "auto":
+            return None
+        return self.registry.bucket_plan(
+            problem,
+            top_k,
+            self.table_for(problem.device_type),
+            self.preference,
+            self.backend_forms,
+        )
+
+    def select(
+        self, problem: MoeProblem, tokens: int | None = None, top_k: int | None = None
+    ) -> Selection:
+        """Choose the backend for ``problem`` (for a call of ``tokens`` tokens with ``top_k``
+        slots each: its bucket's measured choice, see ``bucket_plan``) and remember it.
+        Memoised: a call costs dictionary lookups and one bisect, no device work."""
+        plan = None
+        if tokens is not None and top_k is not None and self.requested == "auto":
+            table = self.table_for(problem.device_type)
+            if table.entries:  # (most tables are empty: no plan to look up)
+                plan = self.registry.bucket_plan(
+                    problem, top_k, table, self.preference, self.backend_forms
+                )
+        if plan is not None:
+            self.selection = plan.choose(tokens)
+        else:
+            self.selection = self.registry.select(problem, self.requested, self.preference)
         return self.selection
 
     def prepare(
-        self, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
+        self,
+        weights: ExpertWeights,
+        problem: MoeProblem,
+        spec: ExpertSpec,
+        tokens: int | None = None,
+        top_k: int | None = None,
     ) -> PreparedWeights:
-        """Select a backend for ``problem`` and convert ``weights`` for it (do this once)."""
-        return prepare_for_backend(self.select(problem).backend, weights, spec)
+        """Select a backend for ``problem`` (and a call's ``tokens`` / ``top_k``, as in
+        ``select``) and convert ``weights`` for it (do this once)."""
+        return prepare_for_backend(self.select(problem, tokens, top_k).backend, weights, spec)
 
     def run(
         self, dispatch_output: Any, prepared: PreparedWeights, hooks: MoeHooks | None = None
@@ -228,13 +288,23 @@ class _PreparedCache(DerivedCache):
 
 
 def prepared_for(
-    runner: MoeRunner, weights: ExpertWeights, problem: MoeProblem, spec: ExpertSpec
+    runner: MoeRunner,
+    weights: ExpertWeights,
+    problem: MoeProblem,
+    spec: ExpertSpec,
+    tokens: int | None = None,
+    top_k: int | None = None,
+    backend: Backend | None = None,
 ) -> PreparedWeights:
     """``runner.prepare`` memoised on the weight objects and on the state of every tensor
     they consist of (see ``tensor_state``): an in-place edit, a ``.data`` assignment or a
     replaced ``QuantizedWeight`` field prepares again. Forms for several backends (or
-    options) of the same weights are kept side by side (``_PREPARED_PER_WEIGHT``)."""
-    backend = runner.select(problem).backend
+    options) of the same weights are kept side by side (``_PREPARED_PER_WEIGHT``): a
+    measured table that names two backends for a shape (``MoeRunner.bucket_plan``) holds
+    two forms, the second prepared on the first call of a bucket it serves (or at once by
+    ``prepare_forms``). ``backend``: prepare for this one instead of the runner's choice."""
+    if backend is None:
+        backend = runner.select(problem, tokens, top_k).backend
     state = (
         id(weights.w2),
         id(weights.w13_bias),
@@ -265,6 +335,43 @@ def prepared_for(
         make = lambda: prepare_for_backend(backend, weights, spec)  # noqa: E731
         cached = per_weight[key] = kept(make, weights.device)
     return cached
+
+
+def prepare_forms(
+    runner: MoeRunner,
+    weights: ExpertWeights,
+    problem: MoeProblem,
+    spec: ExpertSpec,
+    top_k: int,
+) -> dict[str, PreparedWeights]:
+    """Every prepared form ``problem`` can run on with ``top_k`` slots: one per backend of
+    its bucket plan (the runner's single choice where there is none), memoised as in
+    ``prepared_for``. Preparing them up front keeps the first call of a bucket free of
+    weight conversion (and CUDA-graph capture free of it)."""
+    plan = runner.bucket_plan(problem, top_k)
+    if plan is None:
+        selected = [runner.select(problem).backend]
+    else:
+        selected = [runner.registry.backends[name] for name in plan.forms]
+    return {b.name: prepared_for(runner, weights, problem, spec, backend=b) for b in selected}
+
+
+def form_bytes(prepared: PreparedWeights, weights: ExpertWeights) -> int:
+    """Bytes a prepared form's tensors hold beyond the canonical ``weights`` it was made
+    from (storages each counted once: a form computing from the weights as stored holds 0)."""
+    from .memory import storages
+
+    sources = [weights.w13, weights.w2, weights.w13_bias, weights.w2_bias]
+    canonical = set()
+    for weight in sources:
+        parts = (weight,) if isinstance(weight, torch.Tensor) else ()
+        if weight is not None and hasattr(weight, "tensors"):
+            parts = tuple(t for t in weight.tensors().values() if isinstance(t, torch.Tensor))
+        canonical.update((str(t.device), t.untyped_storage().data_ptr()) for t in parts)
+    # The canonical weight objects are not walked: w13 carries the memo of every form.
+    roots = [v for v in prepared.tensors.values() if not any(v is w for w in sources)]
+    held = storages(*roots)
+    return sum(n for key, n in held.items() if key not in canonical)
 
 
 def _ref(obj: Any):

@@ -207,6 +207,47 @@ def table(
     return align_table(lines, left={0, 1, 2, 3})
 
 
+def backends_side_by_side(rows: list[Row]) -> str:
+    """The backends of each (preset, scheme, routing, T) on one line: each one's time, each
+    later one's time as a ratio of the first's (below 1: faster than it) and the fastest
+    ("" where fewer than two backends were timed: nothing to compare)."""
+    backends = list(dict.fromkeys(r.impl for r in rows if not r.impl.startswith("baseline:")))
+    if len(backends) < 2:
+        return ""
+    first = backends[0]
+    head = [
+        "preset",
+        "scheme",
+        "routing",
+        "T",
+        *[f"{b} us" for b in backends],
+        *[f"{b}/{first}" for b in backends[1:]],
+        "fastest",
+    ]
+    points: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r.impl in backends:
+            key = (r.preset, r.scheme, r.routing, r.tokens)
+            ok = r.status == "ok" and r.time_us == r.time_us
+            points.setdefault(key, {})[r.impl] = r.time_us if ok else float("nan")
+    lines = [head]
+    for (preset, scheme, routing, tokens), times in points.items():
+        base = times.get(first, float("nan"))
+        timed = {b: t for b, t in times.items() if t == t}
+        lines.append(
+            [
+                preset,
+                scheme,
+                routing,
+                str(tokens),
+                *[fmt_cell(times.get(b, float("nan")), ".1f") for b in backends],
+                *[fmt_cell(times.get(b, float("nan")) / base, ".2f") for b in backends[1:]],
+                min(timed, key=timed.get) if timed else "-",
+            ]
+        )
+    return align_table([*lines], left={0, 1, 2})
+
+
 def plot(
     path: Path, rows: list[Row], title: str, transformers_version: str | None | bool = None
 ) -> None:

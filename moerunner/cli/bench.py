@@ -417,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         file=out,
     )
     print(report.table(rows, config.baselines, env.get("transformers") or False), file=out)
+    side_by_side = report.backends_side_by_side(rows)
+    if side_by_side:  # two or more backends: their times and ratios on one line per point
+        print("\nbackends side by side (ratio: time / the first backend's time)", file=out)
+        print(side_by_side, file=out)
     warning = report.spread_warning(rows, SPREAD_WARN_PCT)
     if warning:
         print(f"moerunner bench: warning: {warning}", file=sys.stderr)

@@ -1,4 +1,6 @@
-"""``moerunner info``: every registered backend, whether it runs here, what it supports, why not."""
+"""``moerunner info``: every registered backend, whether it runs here, what it supports, why not;
+and the measured backend table of this device: per shape and token-count bucket, which backend
+``backend="auto"`` takes and why."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def main(argv: list[str]) -> int:
             "dispatch_formats": {str(f): str(p) for f, p in registry.paths(backend_name).items()},
             "capabilities": capabilities,
         }
+    table_rows, table_paths, table_error = _table(registry, device)
     if args.json is not None:
         from .. import __version__
 
@@ -50,6 +53,11 @@ def main(argv: list[str]) -> int:
             "python": platform.python_version(),
             "auto_preference": preference,
             "backends": backends,
+            "backend_table": {
+                "files": table_paths,
+                "error": table_error,
+                "entries": table_rows,
+            },
         }
         _common.write_json(args.json, record)
         if str(args.json) == _common.STDOUT:
@@ -70,6 +78,43 @@ def main(argv: list[str]) -> int:
             if isinstance(value, list):
                 value = ", ".join(value)
             print(f"  {key}: {value}")
+    print(f"\nbackend table ({device}): " + (", ".join(table_paths) or "none"))
+    if table_error:
+        print(f"  error: {table_error}")
+    for entry in table_rows:
+        print(f"  {entry['shape']}")
+        for bucket in entry["buckets"]:
+            print(f"    {bucket['tokens']}: {bucket['backend']} ({bucket['reason']})")
+    print("  other shapes: no table: preference order")
     if args.json is not None:
         print(f"wrote {args.json}")
     return 0
+
+
+def _table(registry, device: str) -> tuple[list[dict], list[str], str]:
+    """This device's backend table as the runner reads it: per entry and bucket, the
+    backend ``auto`` takes and why; the files read; an error reading them ("" if none)."""
+    from ..backend_table import BackendTableError, default_table
+
+    try:
+        table = default_table(device)
+    except BackendTableError as exc:
+        return [], [], str(exc)
+    rows = []
+    for key in table.entries:
+        try:
+            plan = registry.bucket_plan(key.problem(device), key.top_k, table)
+        except ValueError as exc:  # no backend serves it here, or a bad dtype name
+            rows.append({"shape": key.describe(), "buckets": [], "error": str(exc)})
+            continue
+        rows.append(
+            {
+                "shape": key.describe(),
+                "buckets": [
+                    dict(zip(("tokens", "reason"), s.reason.split(": ", 1), strict=True))
+                    | {"backend": s.backend.name}
+                    for s in plan.selections
+                ],
+            }
+        )
+    return rows, [str(p) for p in table.paths], ""

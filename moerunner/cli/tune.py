@@ -11,6 +11,12 @@ per shape, scheme and device in ``--out-dir`` (default: the folder the triton ba
 its tile configs from), merged with the token counts a file already holds. A tile file marks
 itself with a top-level "schema": "moerunner.triton.tiles/1"; a file of the same name without
 that marker is never merged into or overwritten (a usage error, before any work).
+
+With ``--backends`` it measures backends instead of tiles: which backend is fastest per
+token count, written to the device's backend table (``moerunner.cli._tune_backends``)::
+
+    moerunner tune --preset gpt-oss-120b --schemes mxfp4 --backends triton,flashinfer
+    moerunner tune --shape 8,64,96,2 --schemes fp32 --backends --device cpu
 """
 
 from __future__ import annotations
@@ -102,6 +108,24 @@ def build_parser() -> _common.Parser:
         "(TritonOptions.e2m1_layout; default: fragment, whose files are keyed layout=fragment)",
     )
     p.add_argument(
+        "--backends",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="A,B",
+        help="measure backends instead of tiles: the fastest per token count goes to the "
+        "device's backend table (default folder: $XDG_CACHE_HOME/moerunner/backends or "
+        "~/.cache/moerunner/backends); no list: every backend available here that serves "
+        "the shape",
+    )
+    _common.add_device(p, "cuda; with --backends only")
+    p.add_argument(
+        "--min-time",
+        type=_common.float_type(0.0, strict=True),
+        default=0.2,
+        help="with --backends: seconds of timing per backend and token count (default 0.2)",
+    )
+    p.add_argument(
         "--jobs",
         type=_common.int_type(1),
         default=1,
@@ -163,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     """Tune every (shape, scheme); exit status 2 on usage errors or without a GPU."""
     p = build_parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    _common.require_module(p, "triton", "moerunner tune", "triton")
+    if args.backends is None:
+        _common.require_module(p, "triton", "moerunner tune", "triton")
+    elif args.compile_only or args.e2m1_layout or args.jobs != 1:
+        p.error("--backends measures backends: --compile-only, --e2m1-layout and --jobs tune tiles")
     if args.out is not None:
         _common.deprecated(p, "--out", "--out-dir")
         if args.out_dir is not None:
@@ -186,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or args.out
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out-dir {out_dir}: exists and is not a directory")
+    if args.backends is not None:
+        from . import _tune_backends
+
+        return _tune_backends.main(p, args, shapes, schemes, tokens)
+    if args.device is not None:
+        p.error("--device: only with --backends (tiles are tuned on the current GPU)")
 
     import torch
 

@@ -312,3 +312,38 @@ def test_timing_spread_and_its_warning():
     text = report.table([calm, noisy], ("eager",), transformers_version=False)
     assert "spread%" in text.splitlines()[0] and "torch-eq:eager" in text and "hf:" not in text
     assert "hf:eager" in report.table([noisy], ("eager",), transformers_version="5.0")
+
+
+def test_backends_side_by_side_with_ratios():
+    from moerunner.bench import report
+    from moerunner.bench.sweep import Row
+
+    def row(impl, tokens, t, status="ok"):
+        return Row("p", "bf16", "bf16", impl, "uniform", tokens, status=status, time_us=t)
+
+    rows = [
+        row("triton", 1, 40.0),
+        row("flashinfer", 1, 50.0),
+        row("baseline:eager", 1, 400.0),
+        row("triton", 64, 80.0),
+        row("flashinfer", 64, 60.0),
+        row("triton", 4096, 900.0),
+        row("flashinfer", 4096, float("nan"), status="failed"),
+    ]
+    lines = report.backends_side_by_side(rows).splitlines()
+    assert lines[0].split() == [
+        "preset",
+        "scheme",
+        "routing",
+        "T",
+        "triton",
+        "us",
+        "flashinfer",
+        "us",
+        "flashinfer/triton",
+        "fastest",
+    ]
+    assert lines[1].split()[3:] == ["1", "40.0", "50.0", "1.25", "triton"]
+    assert lines[2].split()[3:] == ["64", "80.0", "60.0", "0.75", "flashinfer"]
+    assert lines[3].split()[3:] == ["4096", "900.0", "-", "-", "triton"]  # a failed row
+    assert report.backends_side_by_side([rows[0], rows[2]]) == ""  # one backend: nothing

@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from ...config import ExpertSpec
+from ...device_files import gpu_name
 from ...errors import MoeInputError
 from ...quant.schemes import QuantScheme
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from ..base import SchemeSupport
 from . import _gemm_kernel as K
 from .options import DEFAULT_OPTIONS, TritonOptions
-from .tile_config import find_tiles, gpu_name
+from .tile_config import find_tiles
 
 _log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...device_files import gpu_name
 from . import tune
 from ._prepare import weight_layout
 from .tile_config import (
@@ -24,7 +25,6 @@ from .tile_config import (
     MoeTiles,
     TileSource,
     config_file_name,
-    gpu_name,
     heuristic_tiles,
     tile_folders,
 )

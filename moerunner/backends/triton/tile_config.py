@@ -8,7 +8,8 @@
 # folder), then in ``configs/`` shipped beside this module; the first file found is used
 # whole. A call takes the entry whose token count is nearest to its own; with no file the
 # heuristic below answers. The environment is read in one place: where the user's cache
-# folder is (``user_tile_dir``).
+# folder is (``device_files.user_cache_dir``). Files are keyed by ``gpu_name`` (None off
+# CUDA: heuristic tiles) in ``device_key`` form.
 #
 # Files name a scheme by ``registered_name`` (schemes with equal fields share files). The
 # heuristic keys on scheme fields: the MMA's operand type (``_prepare.mma_operand``) and
@@ -24,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
+from ...device_files import device_key, user_cache_dir
 from ...quant.schemes import QuantScheme, get_scheme, registered_name
 
 SCHEMA = "moerunner.triton.tiles/1"
@@ -34,13 +34,10 @@ SHIPPED_DIR = Path(__file__).with_name("configs")
 
 
 def user_tile_dir() -> Path:
-    """The user tile folder: ``$XDG_CACHE_HOME/moerunner/tiles``, or
-    ``~/.cache/moerunner/tiles`` where that variable is unset (the XDG base directory
-    convention). ``moerunner tune`` writes there by default and the runtime reads it first
-    (``TritonOptions.tile_dirs=None``)."""
-    cache = os.environ.get("XDG_CACHE_HOME")
-    base = Path(cache) if cache else Path.home() / ".cache"
-    return base / "moerunner" / "tiles"
+    """The user tile folder: ``tiles`` in the user cache folder (``user_cache_dir``:
+    ``$XDG_CACHE_HOME/moerunner`` or ``~/.cache/moerunner``). ``moerunner tune`` writes
+    there by default and the runtime reads it first (``TritonOptions.tile_dirs=None``)."""
+    return user_cache_dir() / "tiles"
 
 
 def tile_folders(tile_dirs: Sequence[str | os.PathLike] | None) -> tuple[Path, ...]:
@@ -89,11 +86,6 @@ class MoeTiles:
     def from_dict(cls, d: dict) -> MoeTiles:
         """Inverse of ``to_dict``."""
         return cls(TileConfig.from_dict(d["gemm1"]), TileConfig.from_dict(d["gemm2"]))
-
-
-def device_key(device_name: str) -> str:
-    """File-name-safe form of a device name ("NVIDIA H100 80GB HBM3" -> "NVIDIA_H100_80GB_HBM3")."""
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_")
 
 
 def scheme_key(scheme: str | QuantScheme) -> str:
@@ -288,13 +280,6 @@ def heuristic_tiles(
     bands = _DEFAULT_TILES[tile_family(scheme, dtype_bytes)]
     g1, g2 = next((a, b) for upto, a, b in bands if rpe <= upto)
     return MoeTiles(_fit_block_k(g1, k, dtype_bytes), _fit_block_k(g2, n, dtype_bytes))
-
-
-def gpu_name(device: torch.device) -> str | None:
-    """The name tile files are keyed by: the GPU's, or None off CUDA (heuristic tiles)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_name(device)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""``moerunner tune --backends``: which backend is fastest per token count, into a table.
+
+For each shape and scheme, every candidate backend (``--backends a,b``; no list: every
+backend available here that serves the shape) is checked against the reference and timed
+at each token count (``moerunner.bench.backend_choice``); the winners go to the device's
+backend table (``moerunner.backend_table``) in ``--out-dir`` (default: the user table
+folder, read before the shipped tables), merged with the entries the file already holds.
+A file of that name that is not a backend table is never overwritten (a usage error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import _common
+
+
+def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
+    """Measure and write; ``shapes``: (label, (H, I, E, top_k, activation))."""
+    from ..backend_table import (
+        BackendTable,
+        BackendTableError,
+        bucket_range,
+        load_table_file,
+        table_file_name,
+        user_table_dir,
+    )
+    from ..bench.backend_choice import tune_backends
+    from ..bench.presets import PRESETS, BenchShape
+    from ..device_files import device_name
+    from ..runner import default_registry
+
+    if args.device is None and not torch.cuda.is_available():
+        print(
+            "moerunner tune: error: --backends measures on a CUDA GPU and none is available "
+            "here; pass --device cpu to measure the CPU backends (small shapes)",
+            file=sys.stderr,
+        )
+        return 2
+    device = _common.resolve_device(p, args.device)
+    registry = default_registry()
+    names = _common.csv(args.backends)
+    unknown = [n for n in names if n not in registry.backends]
+    if unknown:
+        p.error(
+            f"--backends: unknown {', '.join(map(repr, unknown))}; registered: "
+            f"{', '.join(sorted(registry.backends))}"
+        )
+    out_dir = args.out_dir or args.out or user_table_dir()
+    name = device_name(device)
+    path = out_dir / table_file_name(name)
+    table = BackendTable(name)
+    if path.exists():
+        try:
+            table = load_table_file(str(path)) or table
+        except BackendTableError as exc:
+            p.error(f"{path}: exists and is not a moerunner backend table ({exc}); move it away")
+        if table.device != name:
+            p.error(f"{path}: holds the table of {table.device!r}, not of {name!r}")
+    for label, (hidden, inter, experts, top_k, act) in shapes:
+        preset = PRESETS.get(label)
+        shape = (
+            preset
+            if preset is not None and preset.activation == act
+            else BenchShape(label, experts, hidden, inter, top_k, act)
+        )
+        for scheme in schemes:
+            try:
+                key, buckets, _ = tune_backends(
+                    shape,
+                    scheme,
+                    tokens,
+                    backends=names or None,
+                    device=device,
+                    registry=registry,
+                    min_time_s=args.min_time,
+                )
+            except ValueError as exc:
+                print(f"moerunner tune: {label} {scheme}: {exc}", file=sys.stderr)
+                return 1
+            table = table.with_entry(key, buckets)
+            print(f"{label} {scheme} on {name}:")
+            for i, bucket in enumerate(buckets):
+                print(f"  {bucket_range(buckets, i)}: {bucket.backend} ({bucket.measured()})")
+    table.write(path)
+    print(f"wrote {path}")
+    return 0
