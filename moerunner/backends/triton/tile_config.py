@@ -188,22 +188,28 @@ def k_blocked(scheme: str | QuantScheme) -> bool:
 # Default tiles by MMA family and rows per expert (``rows_per_expert``), read off the tuned
 # files shipped in ``configs/`` (H100 and H200; GPT-OSS, Qwen3-30B, DeepSeek-V3, Mixtral):
 # across those shapes the tuner's BLOCK_M follows the rows an expert gets, not E, N or K, and
-# within a row band the same few tiles win (where the two GPUs disagree, the H100's choice is
-# taken). Each row is (rows per expert up to, GEMM1 tile, GEMM2 tile); every tile is one that
-# ``tune.candidate_tiles`` searches for that band, so a tuned file can only improve on it.
-# Every band keeps far more tiles than an H100 has SMs (from 16 rows per expert up, E * N /
-# BLOCK_N alone is >= 8 waves for the shapes of the files and of the unseen presets), so the
-# SM count does not enter.
+# within a row band the same few tiles win. Where the two GPUs disagree the H100's choice is
+# taken, except from 64 to 160 rows per expert: there the H100 files keep 64-row tiles (at
+# 128 rows: GPT-OSS-120B and DeepSeek-V3, T = 4096), but on both GPUs the four shapes
+# without a file (E 16-64, I 1024-10752) ran 1.2x faster with 128-row ones (see "plain").
+# Each row is (rows per expert up
+# to, GEMM1 tile, GEMM2 tile); every tile is one that ``tune.candidate_tiles`` searches for
+# that band, so a tuned file can only improve on it. Every band keeps far more tiles than an
+# H100 has SMs (from 16 rows per expert up, E * N / BLOCK_N alone is >= 8 waves for the
+# shapes of the files and of the unseen presets), so the SM count does not enter.
 _INF = float("inf")
 _DEFAULT_TILES: dict[str, tuple[tuple[float, TileConfig, TileConfig], ...]] = {
     # Weights reach the MMA in the hidden dtype as stored (bf16, fp16) or decoded from
     # 8 bits (int8 W8A16, mxfp8). Decode streams weights: 16 rows, long K steps, GEMM1
-    # narrower (its MMA is gate and up, 2 * BLOCK_N wide). Past ~160 rows per expert both
-    # GEMMs turn compute-bound and take two-warpgroup 128-row tiles, GEMM2 256 wide.
+    # narrower (its MMA is gate and up, 2 * BLOCK_N wide). Past 64 rows per expert both
+    # GEMMs take two-warpgroup 128-row tiles (four shapes without a file at 68-128 rows:
+    # 64-row tiles ran at 0.82-0.84x the tuner's best on an H200, where these were the
+    # best, and within 0.995-1.005x of the best on an H100), past ~160 GEMM2 256 wide.
     "plain": (
         (12, TileConfig(16, 64, 256, 1, 4, 4), TileConfig(16, 128, 256, 1, 4, 4)),
         (24, TileConfig(32, 128, 128, 1, 4, 3), TileConfig(32, 128, 128, 1, 4, 3)),
-        (160, TileConfig(64, 128, 64, 8, 4, 3), TileConfig(64, 128, 64, 8, 4, 3)),
+        (64, TileConfig(64, 128, 64, 8, 4, 3), TileConfig(64, 128, 64, 8, 4, 3)),
+        (160, TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 128, 64, 8, 8, 3)),
         (384, TileConfig(128, 128, 64, 8, 8, 4), TileConfig(128, 256, 64, 8, 8, 4)),
         (_INF, TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 256, 64, 8, 8, 3)),
     ),
