@@ -286,6 +286,7 @@ def _gemm_block(
     S_TILE: tl.constexpr,
     FRAG: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    LATE_WAIT: tl.constexpr,
 ):
     """One output tile: rows ``rows_out`` (BLOCK_M of them; ``num_rows`` marks padding) of
     expert ``expert`` times weight columns block ``pid_n``, K loop and epilogue (see
@@ -517,6 +518,8 @@ def _gemm_block(
     if HAS_DELTA:
         # Per-row float32 additions in the weight's row order (w13 or w2 rows), before the
         # activation and the routing weight: LoRA computed by the launch before this one.
+        if LATE_WAIT:  # that launch may still run: wait for it here (``moe_gemm_kernel``)
+            tl.extra.cuda.gdc_wait()
         d_ptrs = (
             delta_ptr + rows_out.to(tl.int64)[:, None] * stride_dm + rows_w[None, :] * stride_dn
         )
@@ -654,7 +657,8 @@ def moe_gemm_kernel(
     decoded in registers as the MMA's left operand against the transposed A tile.
     HAS_DELTA: ``delta_ptr`` holds float32 [rows, weight rows] added to the accumulator after
     the bias, before the activation and the routing weight (not with FRAG, whose tile
-    columns are not weight rows in order).
+    columns are not weight rows in order). With PDL the kernel waits for the launch before
+    it (the delta's) only before that addition, not on entry.
     K_NONEMPTY: K > 0, so the K loop runs at least once. The compiler then drops the loop's
     zero-trip path, which sets the accumulator outside the loop; with that path in place
     ptxas serializes every wgmma whose left operand comes from registers (its advisory
@@ -662,7 +666,14 @@ def moe_gemm_kernel(
     """
     if K_NONEMPTY:
         tl.assume(K > 0)
-    _pdl.enter(PDL)
+    if HAS_DELTA and PDL:
+        # The launch before this one computes the delta from inputs that this kernel does
+        # not write, and it started only once its own predecessor had finished (``_pdl``):
+        # everything else this kernel reads is complete. So it streams its weights while
+        # the delta is computed and waits for that launch only where the epilogue reads it.
+        tl.extra.cuda.gdc_launch_dependents()
+    else:
+        _pdl.enter(PDL)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
     # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
@@ -771,4 +782,5 @@ def moe_gemm_kernel(
                 S_TILE,
                 FRAG,
                 HAS_DELTA,
+                HAS_DELTA and PDL,
             )

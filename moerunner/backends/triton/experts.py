@@ -560,9 +560,12 @@ def run_kernel_sequence(
         rows = RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
     else:
         rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws, options)
+    # A delta's launch comes right before its GEMM, which with PDL waits for it only in
+    # its epilogue (``_gemm_kernel.moe_gemm_kernel``): nothing the GEMM's K loop reads may
+    # be written by that launch, so the input's quantization goes first.
     with trace_range("gemm1"):
-        delta = deltas.gate_up(a_RH, row_expert) if deltas is not None else None
         a, a_scale = _quantize_input(a_RH, w13, options)
+        delta = deltas.gate_up(a_RH, row_expert) if deltas is not None else None
         _launch_gemm(
             a,
             a_scale,
@@ -582,11 +585,11 @@ def run_kernel_sequence(
             delta=delta,
         )
     with trace_range("gemm2"):
-        delta = deltas.down(ws["inter"], row_expert) if deltas is not None else None
         if fuse:
             a2, a2_scale = ws["inter"], ws["inter_scale"]
         else:
             a2, a2_scale = _quantize_input(ws["inter"], w2, options)
+        delta = deltas.down(ws["inter"], row_expert) if deltas is not None else None
         _launch_gemm(
             a2,
             a2_scale,
