@@ -140,7 +140,11 @@ def kept(make: Callable[[], Any], device: torch.device) -> Any:
     stream. The caller waits for the thread on the host (``make`` only queues work); this
     happens once per kept object, never per call. Elsewhere ``make()`` runs here.
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if (
+        device.type != "cuda"
+        or not torch.cuda.is_available()
+        or torch.cuda.is_current_stream_capturing()
+    ):
         return make()
     stream = torch.cuda.current_stream(device)
     if not _KEEPER:
