@@ -24,8 +24,11 @@ Options:
 - ``--graph``: decode again with a static cache, uncompiled ("static"), with the decode step
   under ``torch.compile(mode="default", fullgraph=True)`` ("compile") and, on CUDA, with the
   step captured by hand in a CUDA graph, uncompiled ("cudagraph") and compiled
-  ("compile+cudagraph"). Every implementation but eager (a data-dependent loop) is tried;
-  a mode that fails is reported with its error and the run goes on.
+  ("compile+cudagraph"), and with the forward under ``torch.compile(mode="reduce-overhead",
+  fullgraph=True)`` ("reduce-overhead": inductor's CUDA graphs, the next token made eagerly
+  between steps, as transformers' generate runs it). Every implementation but eager (a
+  data-dependent loop) is tried; a mode that fails is reported with its error and the run
+  goes on.
 - ``--breakdown``: profile a few decode steps (``torch.profiler``) and split one step into
   embedding, attention, norms, router (the MoE block less its experts), experts, shared
   experts, LM head and the rest; host time per stage and, on CUDA, kernel time per stage and
@@ -372,7 +375,7 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
 def graph_modes(device: torch.device) -> tuple[str, ...]:
     """The decode modes ``--graph`` times on ``device`` (CUDA graphs need CUDA)."""
     if device.type == "cuda":
-        return ("static", "compile", "cudagraph", "compile+cudagraph")
+        return ("static", "compile", "cudagraph", "compile+cudagraph", "reduce-overhead")
     return ("static", "compile")
 
 
@@ -410,6 +413,21 @@ def time_static_decode(model, ids, steps: int, repeats: int, mode: str, backend:
     if mode.startswith("compile"):
         torch._dynamo.reset()
         fn = torch.compile(step, mode="default", fullgraph=True, backend=backend)
+    elif mode == "reduce-overhead":
+        # As generate(compile_config=CompileConfig(mode="reduce-overhead")) runs it: the
+        # forward compiled, its CUDA graphs managed by inductor's cudagraph trees, the next
+        # token and position made eagerly from the logits between steps.
+        torch._dynamo.reset()
+
+        def forward(token, pos):
+            return model(token, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+        forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+
+        def fn(token, pos):
+            token.copy_(forward(token, pos)[:, -1:].argmax(-1))
+            pos.add_(1)
+
     with torch.no_grad():
         out = model(
             ids,

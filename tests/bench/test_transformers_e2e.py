@@ -233,13 +233,17 @@ def test_tiny_run_on_a_gpu_reports_every_graph_mode(e2e, tmp_path, capsys):
         "inductor",
         device="cuda",
     )
-    modes = ("static", "compile", "cudagraph", "compile+cudagraph")
+    modes = ("static", "compile", "cudagraph", "compile+cudagraph", "reduce-overhead")
     graph = {(r["impl"], r["mode"]): r for r in results["graph_rows"]}
     assert set(graph) == {(i, m) for i in impls for m in modes}
     for key, r in graph.items():  # each mode either ran or says why not
         assert ("decode_ms" in r) != ("error" in r), (key, r)
     for mode in modes:  # zeros for experts: nothing of moerunner's can stop these
         assert "error" not in graph[("zero-cost", mode)], graph[("zero-cost", mode)]
+    # moerunner's state lives outside the trees' pool (``moerunner.memory.kept``)
+    assert "error" not in graph[("moerunner", "reduce-overhead")], graph[
+        ("moerunner", "reduce-overhead")
+    ]
     for r in results["breakdown"]:
         assert r["device_busy_ms"] > 0 and r["step_ms"] >= r["device_busy_ms"]
         assert r["stages"]["experts"]["device_ms"] >= 0
