@@ -123,6 +123,7 @@ def storage_bytes(*roots: Any) -> int:
 
 _KEEPER: list = []  # the one worker thread of ``kept`` (made on first use)
 _KEEPER_LOCK = threading.Lock()
+_ON_KEEPER = threading.local()  # set on that thread while it runs a ``make``
 
 
 def kept(make: Callable[[], Any], device: torch.device) -> Any:
@@ -142,6 +143,7 @@ def kept(make: Callable[[], Any], device: torch.device) -> Any:
     """
     if (
         device.type != "cuda"
+        or getattr(_ON_KEEPER, "active", False)  # kept state made while making kept state
         or not torch.cuda.is_available()
         or torch.cuda.is_current_stream_capturing()
     ):
@@ -155,7 +157,11 @@ def kept(make: Callable[[], Any], device: torch.device) -> Any:
                 _KEEPER.append(ThreadPoolExecutor(1, thread_name_prefix="moerunner-kept"))
 
     def run() -> Any:
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            return make()
+        _ON_KEEPER.active = True
+        try:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                return make()
+        finally:
+            _ON_KEEPER.active = False
 
     return _KEEPER[0].submit(run).result()

@@ -93,6 +93,33 @@ def test_state_kept_across_calls_is_not_taken_from_a_graph_pool(path, scheme):
             del out
 
 
+def test_kept_state_made_inside_kept_state_does_not_wait_on_itself():
+    """A ``make`` that makes kept state of its own (preparing weights may build a workspace)
+    runs it in place on the worker thread instead of queueing behind itself."""
+    import threading
+
+    from moerunner.memory import kept
+
+    dev = torch.device("cuda")
+    threads = []
+
+    def inner():
+        threads.append(threading.get_ident())
+        return torch.ones(4, device=dev)
+
+    def outer():
+        threads.append(threading.get_ident())
+        return kept(inner, dev) * 2
+
+    done = []
+    worker = threading.Thread(target=lambda: done.append(kept(outer, dev)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done, "kept inside kept did not return"
+    assert torch.equal(done[0], torch.full((4,), 2.0, device=dev))
+    assert len(threads) == 2 and threads[0] == threads[1] != worker.ident
+
+
 @pytest.mark.parametrize("scheme", [None, "fp8_block"])
 def test_transformers_static_cache_generate_with_graphed_decode_matches_eager(scheme):
     pytest.importorskip("transformers")
