@@ -4,8 +4,10 @@
 #   python benchmarks/experiments/gpu_tiles_ab.py --preset deepseek-v3 --scheme fp8_block --tokens 16384 \
 #       --a 64,128,128,8,4/64,128,128,4,4 --b 128,64,256,8,3/128,128,256,8,3
 #
-# A tile choice is "GEMM1/GEMM2", each "block_m,block_n,block_k,num_warps,num_stages"
-# (group_m 8). Prints one line per round and the median ratio; --json writes the rounds.
+# A tile choice is "GEMM1/GEMM2", each "block_m,block_n,block_k,num_warps,num_stages" with
+# an optional ",group_m" (8 when not given). ``--routing zipf`` draws skewed expert loads (a few hot
+# experts; ``moerunner.bench.sweep.draw_routing``) instead of the recorded uniform routing.
+# Prints one line per round and the median ratio; --json writes the rounds.
 
 from __future__ import annotations
 
@@ -24,20 +26,24 @@ import triton.testing as tt  # noqa: E402
 from gpu_triton import routing  # noqa: E402  (same random routing as the recorded runs)
 
 from moerunner import Activation  # noqa: E402
-from moerunner.backends.triton import TritonBackend, tune  # noqa: E402
+from moerunner.backends.triton import TritonBackend, TritonOptions, tune  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.backends.triton.tile_config import MoeTiles, TileConfig  # noqa: E402
 
 
 def parse_tiles(text: str) -> MoeTiles:
-    """'bm,bn,bk,warps,stages/bm,bn,bk,warps,stages' -> MoeTiles (group_m 8)."""
+    """'bm,bn,bk,warps,stages[,group_m]/...' -> MoeTiles (group_m 8 when not given)."""
     parts = text.split("/")
     if len(parts) != 2:
         raise SystemExit(f"tiles {text!r}: expected GEMM1/GEMM2")
     tiles = []
     for p in parts:
-        bm, bn, bk, warps, stages = (int(v) for v in p.split(","))
-        tiles.append(TileConfig(bm, bn, bk, 8, warps, stages))
+        values = [int(v) for v in p.split(",")]
+        if len(values) not in (5, 6):
+            raise SystemExit(f"tiles {text!r}: expected bm,bn,bk,warps,stages[,group_m]")
+        bm, bn, bk, warps, stages = values[:5]
+        group_m = values[5] if len(values) == 6 else 8
+        tiles.append(TileConfig(bm, bn, bk, group_m, warps, stages))
     return MoeTiles(*tiles)
 
 
@@ -49,17 +55,29 @@ def main() -> None:
     ap.add_argument("--a", required=True, help="baseline tiles")
     ap.add_argument("--b", required=True, help="candidate tiles")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--routing", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--zipf-exponent", type=float, default=1.2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
     H, I, E, k, act = tune.PRESETS[args.preset]
     weights = tune.random_weights(H, I, E, act, args.scheme, dev)
-    prepared = TritonBackend().prepare_weights(weights, weights.spec(Activation(act)))
+    # min_group_m=1: every GEMM launches with the GROUP_M given here (the A/B may be of it)
+    options = TritonOptions(min_group_m=1)
+    prepared = TritonBackend(options).prepare_weights(weights, weights.spec(Activation(act)))
     choices = {"a": parse_tiles(args.a), "b": parse_tiles(args.b)}
     out = []
     for T in args.tokens:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        w, ids = routing(T, E, k, dev)
+        if args.routing == "uniform":
+            w, ids = routing(T, E, k, dev)
+        else:
+            from moerunner.bench.presets import get_preset
+            from moerunner.bench.sweep import draw_routing
+
+            gen = torch.Generator().manual_seed(T)
+            topk = draw_routing(T, get_preset(args.preset), "zipf", gen, args.zipf_exponent)
+            w, ids = topk.weights.to(dev), topk.ids.to(dev)
         ms = {"a": [], "b": []}
         for r in range(args.rounds):
             for name, tiles in choices.items():

@@ -236,3 +236,56 @@ def test_a_registered_variant_runs_with_its_options(variant, caplog):
     prepared = forms[-1]
     assert prepared.tensors["w13"].layout.kind == "fragment"
     assert ((again.double() - ref.double()).norm() / ref.double().norm()) < 1e-5
+
+
+@pytest.mark.skipif(not RUNS, reason="needs CUDA or the Triton interpreter")
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_min_group_m_orders_programs_without_changing_bits(tokens, monkeypatch):
+    """``min_group_m`` only reorders the GEMM's programs (each output tile is one program's):
+    the outputs are bit-identical to GROUP_M 1, and within the float32 bound of the float64
+    reference. Aligned rows launch with at least ``min_group_m``; row blocks (one token) keep
+    the tile's own GROUP_M."""
+    from moerunner.backends.triton import _launch, experts
+    from moerunner.reference import reference_moe
+    from moerunner.testing import DTYPE_BOUND, assert_close
+
+    E, H, I, k = 6, 64, 32, 2
+    gen = torch.Generator().manual_seed(tokens)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(DEVICE)
+    w2 = (torch.randn(E, H, I, generator=gen) / I**0.5).to(DEVICE)
+    x = torch.randn(tokens, H, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+    ids = ids.to(torch.int32).to(DEVICE)
+    wts = torch.softmax(torch.randn(tokens, k, generator=gen), -1).to(DEVICE)
+    weights = ExpertWeights(w13, w2)
+    spec = weights.spec(moerunner.Activation("silu"))
+    group_ms = []
+    launch = _launch.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if "GROUP_M" in kw:
+            group_ms.append(kw["GROUP_M"])
+        return launch(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(experts._launch, "launch", spy)
+    outs = {}
+    for least in (1, 8):
+        options = TritonOptions(min_group_m=least, launch_cache=False)
+        prepared = TritonBackend(options).prepare_weights(weights, spec)
+        tiles = tile_config.MoeTiles(
+            tile_config.TileConfig(16, 32, 64, 1, 4, 2), tile_config.TileConfig(16, 32, 64, 1, 4, 2)
+        )
+        group_ms.clear()
+        outs[least] = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
+        row_blocks = tokens <= options.row_blocks_max_tokens
+        assert group_ms == [1 if row_blocks else least] * 2, group_ms
+    assert torch.equal(outs[1], outs[8])
+    ref = reference_moe(x, weights, wts, ids)
+    assert_close(outs[8], ref, DTYPE_BOUND[torch.float32])
+
+
+def test_min_group_m_is_checked():
+    with pytest.raises(ValueError, match="min_group_m"):
+        TritonOptions(min_group_m=0)
+    with pytest.raises(TypeError, match="min_group_m"):
+        TritonOptions(min_group_m=8.0)

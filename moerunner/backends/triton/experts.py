@@ -433,7 +433,7 @@ def _launch_gemm(
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
-        GROUP_M=tile.group_m,
+        GROUP_M=tile.group_m if rows.row_blocks else max(tile.group_m, options.min_group_m),
         EVEN_K=k % tile.block_k == 0,
         GATED=gated,
         INTERLEAVED=interleaved,

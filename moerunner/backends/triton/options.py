@@ -93,6 +93,14 @@ class TritonOptions:
     #: plain call. Off: the hooked sequence (GEMM1 without its activation, the delta, an
     #: activation launch, GEMM2, the delta, the weighted sum), four launches over it.
     lora_in_sequence: bool = True
+    #: GEMMs over aligned rows (not row blocks) launch with GROUP_M at least this: programs of
+    #: the same weight tile then take several M-blocks in a row, so an expert that gets many
+    #: blocks reads each weight tile about once instead of once per block. Tuned files were
+    #: searched with uniform routing, where it hardly matters (GROUP_M 1 at decode sizes);
+    #: real routers send many rows to a few experts. On an H100, bf16, Zipf-skewed routing
+    #: (s = 1.2): DeepSeek-V3 T = 256 1.15x, T = 64 1.03x, GPT-OSS-120B T = 256 1.03x;
+    #: uniform routing 0.993-0.998x (``gpu_tiles_ab.py --routing``). 1: the tile's own.
+    min_group_m: int = 8
     #: *Prepare time.* Folders of tuned tile files, searched in order before the files shipped
     #: with the package (the first file found for a shape is used whole). ``None``: the user
     #: tile folder that ``moerunner tune`` writes to (``tile_config.user_tile_dir()``);
@@ -115,6 +123,7 @@ class TritonOptions:
         _check_int(self, "route_align_max_tokens", 0)
         _check_int(self, "split_max_blocks_per_expert", 0)
         _check_int(self, "lora_group_min_rows_per_pair", 0)
+        _check_int(self, "min_group_m", 1)
         if self.split_min_block_m is not None:
             _check_int(self, "split_min_block_m", 2)
         if not isinstance(self.e2m1_layout, str):
