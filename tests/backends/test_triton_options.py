@@ -289,3 +289,21 @@ def test_min_group_m_is_checked():
         TritonOptions(min_group_m=0)
     with pytest.raises(TypeError, match="min_group_m"):
         TritonOptions(min_group_m=8.0)
+
+
+def test_every_option_is_in_the_architecture_table():
+    """docs/architecture.md's table of ``TritonOptions`` names every field with its default
+    (one list of the knobs a reader can trust)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0].endswith("`"):
+            rows[cells[0].strip("`")] = cells[1]
+    for f in dataclasses.fields(TritonOptions):
+        assert f.name in rows, f"TritonOptions.{f.name} is missing from the table"
+        default = f.default
+        want = f'`"{default}"`' if isinstance(default, str) else str(default)
+        assert rows[f.name] == want, (f.name, rows[f.name], want)
