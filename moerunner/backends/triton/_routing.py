@@ -259,35 +259,34 @@ def _route_align_kernel(
     FILL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: routes every row, BLOCK_T rows at a time (each block as a program of
+    """One program: routes the rows (one block of BLOCK_T rows, as the first program of
     ``_routing_kernel`` would), then aligns the ids it wrote (``_align.align_in_program``)."""
     _pdl.enter(PDL)
-    for first in range(0, num_tokens, BLOCK_T):
-        _route_rows(
-            logits_ptr,
-            bias_ptr,
-            weights_ptr,
-            ids_ptr,
-            first,
-            num_tokens,
-            stride_lt,
-            scale,
-            NUM_EXPERTS,
-            TOP_K,
-            E_POW2,
-            K_POW2,
-            BLOCK_T,
-            SIGMOID,
-            HAS_BIAS,
-            NUM_GROUPS,
-            GROUP_SIZE,
-            TOPK_GROUP,
-            G_POW2,
-            RENORMALIZE,
-            SCALED,
-            GROUP_MAX,
-            ON_LOGITS,
-        )
+    _route_rows(
+        logits_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        0,
+        num_tokens,
+        stride_lt,
+        scale,
+        NUM_EXPERTS,
+        TOP_K,
+        E_POW2,
+        K_POW2,
+        BLOCK_T,
+        SIGMOID,
+        HAS_BIAS,
+        NUM_GROUPS,
+        GROUP_SIZE,
+        TOPK_GROUP,
+        G_POW2,
+        RENORMALIZE,
+        SCALED,
+        GROUP_MAX,
+        ON_LOGITS,
+    )
     tl.debug_barrier()  # every thread's ids are stored before any thread counts them
     align_in_program(
         ids_ptr,
@@ -503,10 +502,11 @@ def route_aligned(
     (contiguous) get what ``route`` returns, ``layout`` = (sorted_rows, block_expert,
     num_padded) what ``align_rows(ids.view(-1), E, block_m, ...)`` writes, bit for bit.
 
-    For decode sizes (the caller bounds T): the one program routes the T rows serially, in
-    the blocks that ``route`` gives one program each. ``router_logits`` [T >= 1, E] with unit
-    stride along E on the device of the other tensors; settings already validated as for
-    ``route``. ``options``: the experts' (launches)."""
+    For decode sizes: the T rows must fit the one block that ``route`` gives one program
+    (``block_rows``; routing several blocks in turn in one program cost more than the launch
+    it saves). ``router_logits`` [T >= 1, E] with unit stride along E on the device of the
+    other tensors; settings already validated as for ``route``. ``options``: the experts'
+    (launches)."""
     num_tokens, num_experts = router_logits.shape
     consts = _constants(
         router_logits.shape,
@@ -519,6 +519,11 @@ def route_aligned(
         topk_group,
         group_score,
     )
+    if num_tokens > consts["BLOCK_T"]:
+        raise ValueError(
+            f"route_aligned: {num_tokens} tokens do not fit one routing block of "
+            f"{consts['BLOCK_T']} rows at {num_experts} experts"
+        )
     align = one_program_constants(num_experts, block_m)
     sorted_rows, block_expert, num_padded = layout
     _launch.launch(
