@@ -35,6 +35,7 @@ form runs the shrink and expand in float32 on the factors of each row:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,15 @@ class MoeLoraWeights:
     def num_experts(self) -> int:
         """E covered by the adapters."""
         return self.w13_a.shape[1]
+
+    @functools.cached_property
+    def scale_per_adapter(self) -> torch.Tensor | None:
+        """``scaling`` as float32 ``[L]`` on the factors' device, made on first use and kept
+        (the tensor itself where it already is one), so no call converts or copies it; None
+        where one number scales every adapter."""
+        if not isinstance(self.scaling, torch.Tensor):
+            return None
+        return self.scaling.to(device=self.w13_a.device, dtype=torch.float32).contiguous()
 
     def validate(self) -> None:
         """Shapes, dtypes and devices; raises naming the field."""
@@ -124,8 +134,9 @@ class MoeLoraWeights:
 
 
 def _scales(lora: MoeLoraWeights, adapter_R: torch.Tensor) -> torch.Tensor:
-    if isinstance(lora.scaling, torch.Tensor):
-        return lora.scaling.float().to(adapter_R.device)[adapter_R.clamp(min=0)]
+    per_adapter = lora.scale_per_adapter
+    if per_adapter is not None:
+        return per_adapter.to(adapter_R.device)[adapter_R.clamp(min=0)]
     return torch.full(adapter_R.shape, float(lora.scaling), device=adapter_R.device)
 
 

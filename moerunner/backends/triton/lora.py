@@ -129,9 +129,11 @@ def _dot_dtype(x: torch.dtype, w: torch.dtype) -> tuple:
 
 
 def _scales(lora, dev: torch.device) -> tuple:
-    """(float32 scales per adapter or None, the scale as a number when one for all)."""
-    if isinstance(lora.scaling, torch.Tensor):
-        return lora.scaling.to(device=dev, dtype=torch.float32).contiguous(), 0.0
+    """(float32 scales per adapter or None, the scale as a number when one for all); the
+    per-adapter tensor is the one kept on the weights (``MoeLoraWeights.scale_per_adapter``)."""
+    per_adapter = lora.scale_per_adapter
+    if per_adapter is not None:
+        return per_adapter.to(dev), 0.0
     return None, float(lora.scaling)
 
 
