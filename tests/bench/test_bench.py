@@ -68,60 +68,38 @@ def test_floor_is_the_slower_of_memory_and_compute():
 
 
 def test_presets_match_transformers_configs():
-    from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        GptOssConfig,
+        MixtralConfig,
+        PhimoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
     from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
 
-    m, q, d, g = MixtralConfig(), Qwen3MoeConfig(), DeepseekV3Config(), GptOssConfig()
     n = NemotronHConfig()
+    # preset -> (config, its names of E, H, I and k)
+    expected = {
+        "mixtral-8x7b": (MixtralConfig(), "num_local_experts", "intermediate_size"),
+        "qwen3-30b-a3b": (Qwen3MoeConfig(), "num_experts", "moe_intermediate_size"),
+        "deepseek-v3": (DeepseekV3Config(), "n_routed_experts", "moe_intermediate_size"),
+        "gpt-oss-120b": (GptOssConfig(), "num_local_experts", "intermediate_size"),
+        "nemotron-h": (n, "n_routed_experts", "moe_intermediate_size"),
+        "qwen1.5-moe-a2.7b": (Qwen2MoeConfig(), "num_experts", "moe_intermediate_size"),
+        "phi-3.5-moe": (PhimoeConfig(), "num_local_experts", "intermediate_size"),
+    }
     p = presets.PRESETS
-    assert (p["mixtral-8x7b"].num_experts, p["mixtral-8x7b"].hidden_size) == (
-        m.num_local_experts,
-        m.hidden_size,
-    )
-    assert (p["mixtral-8x7b"].intermediate_size, p["mixtral-8x7b"].top_k) == (
-        m.intermediate_size,
-        m.num_experts_per_tok,
-    )
-    assert (
-        p["qwen3-30b-a3b"].num_experts,
-        p["qwen3-30b-a3b"].hidden_size,
-        p["qwen3-30b-a3b"].intermediate_size,
-        p["qwen3-30b-a3b"].top_k,
-    ) == (q.num_experts, q.hidden_size, q.moe_intermediate_size, q.num_experts_per_tok)
-    assert (
-        p["deepseek-v3"].num_experts,
-        p["deepseek-v3"].hidden_size,
-        p["deepseek-v3"].intermediate_size,
-        p["deepseek-v3"].top_k,
-    ) == (d.n_routed_experts, d.hidden_size, d.moe_intermediate_size, d.num_experts_per_tok)
-    assert (
-        p["gpt-oss-120b"].num_experts,
-        p["gpt-oss-120b"].hidden_size,
-        p["gpt-oss-120b"].intermediate_size,
-        p["gpt-oss-120b"].top_k,
-    ) == (g.num_local_experts, g.hidden_size, g.intermediate_size, g.num_experts_per_tok)
-    assert (
-        p["nemotron-h"].num_experts,
-        p["nemotron-h"].hidden_size,
-        p["nemotron-h"].intermediate_size,
-        p["nemotron-h"].top_k,
-    ) == (n.n_routed_experts, n.hidden_size, n.moe_intermediate_size, n.num_experts_per_tok)
+    for name, (cfg, experts, inter) in expected.items():
+        got = (p[name].num_experts, p[name].hidden_size, p[name].intermediate_size, p[name].top_k)
+        want = (
+            getattr(cfg, experts),
+            cfg.hidden_size,
+            getattr(cfg, inter),
+            cfg.num_experts_per_tok,
+        )
+        assert got == want, name
     assert n.mlp_hidden_act == p["nemotron-h"].activation == "relu2"
-    from transformers import PhimoeConfig, Qwen2MoeConfig
-
-    q2, phi = Qwen2MoeConfig(), PhimoeConfig()
-    assert (
-        p["qwen1.5-moe-a2.7b"].num_experts,
-        p["qwen1.5-moe-a2.7b"].hidden_size,
-        p["qwen1.5-moe-a2.7b"].intermediate_size,
-        p["qwen1.5-moe-a2.7b"].top_k,
-    ) == (q2.num_experts, q2.hidden_size, q2.moe_intermediate_size, q2.num_experts_per_tok)
-    assert (
-        p["phi-3.5-moe"].num_experts,
-        p["phi-3.5-moe"].hidden_size,
-        p["phi-3.5-moe"].intermediate_size,
-        p["phi-3.5-moe"].top_k,
-    ) == (phi.num_local_experts, phi.hidden_size, phi.intermediate_size, phi.num_experts_per_tok)
     assert p["nemotron-h-tp8"].intermediate_size == 961  # 7688 / 8: not a multiple of 16
 
 
