@@ -161,7 +161,9 @@ def test_rows_per_expert_bands():
     assert tile_config.rows_per_expert(0, 8, 64) == 1.0  # an empty batch takes decode tiles
     heur = tile_config.heuristic_tiles
     assert heur(1, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 16
-    assert heur(512, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 64  # 64 rows per expert
+    assert heur(384, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 64  # 48 rows per expert
+    assert heur(504, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 64  # 63
+    assert heur(512, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 128  # 64: half overflow 64
     assert heur(1024, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 128  # 128
     assert heur(4096, 8, 64, 1024, 2048, "bf16").gemm1.block_m == 128
     # K steps no longer than K needs: GEMM1's K is H (96 -> 128), GEMM2's is I.
@@ -170,6 +172,22 @@ def test_rows_per_expert_bands():
     # fp32 weights hold twice the bytes per element: half the K step of bf16.
     assert heur(1, 2, 8, 4096, 4096, "fp32", 4).gemm1.block_k == 128
     assert heur(1, 2, 8, 4096, 4096, "bf16", 2).gemm1.block_k == 256
+
+
+def test_search_times_128_row_tiles_where_experts_overflow_64_rows():
+    """The middle band's search also times 128-row tiles once many experts overflow one
+    64-row block (from ``tune.MIN_RPE_128_ROWS`` rows per expert on): at exactly 64 rows per
+    expert about half of them do (Mixtral-8x7B at T = 256, where such tiles won on an H200);
+    at 32 rows per expert none is searched."""
+    def block_ms(t, k, e):
+        return {c.block_m for c in tune.candidate_tiles(t, k, e, "bf16")}
+
+    assert tile_config.rows_per_expert(256, 2, 8) == 64.0
+    assert 128 in block_ms(256, 2, 8)  # Mixtral-8x7B, T = 256
+    assert 128 in block_ms(1024, 8, 128)  # Qwen3-30B-A3B, T = 1024
+    assert tile_config.rows_per_expert(1024, 8, 256) == 32.0
+    assert 128 not in block_ms(1024, 8, 256)  # DeepSeek-V3, T = 1024
+    assert 128 not in block_ms(128 * tune.MIN_RPE_128_ROWS // 8, 8, 128)  # the bound itself
 
 
 def test_prepared_layout_of_the_test_weights():
