@@ -179,6 +179,7 @@ def test_search_times_128_row_tiles_where_experts_overflow_64_rows():
     64-row block (from ``tune.MIN_RPE_128_ROWS`` rows per expert on): at exactly 64 rows per
     expert about half of them do (Mixtral-8x7B at T = 256, where such tiles won on an H200);
     at 32 rows per expert none is searched."""
+
     def block_ms(t, k, e):
         return {c.block_m for c in tune.candidate_tiles(t, k, e, "bf16")}
 
