@@ -212,6 +212,12 @@ class IdFlags:
         # device -> [buffer, host, event, in flight, polls since the last read]
         self._state: dict[torch.device, list] = {}
 
+    def _clean(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` set to ``CLEAN`` by kernels on its device, no host copy; returns it."""
+        buf[:2].fill_(self.CLEAN[0])
+        buf[2:].fill_(self.CLEAN[2])
+        return buf
+
     def buffer(self, device: torch.device) -> torch.Tensor:
         """The device's flag buffer (made on first use, then the same tensor)."""
         state = self._state.get(device)
@@ -219,7 +225,8 @@ class IdFlags:
             with self._lock:
                 state = self._state.get(device)
                 if state is None:
-                    make = lambda: torch.tensor(self.CLEAN, dtype=torch.int32, device=device)  # noqa: E731
+                    # Filled on the device: a copy from pageable host memory would sync.
+                    make = lambda: self._clean(torch.empty(3, dtype=torch.int32, device=device))  # noqa: E731
                     buf = kept(make, device)
                     host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
                     state = self._state[device] = [buf, host, None, False, 0]
@@ -259,9 +266,7 @@ class IdFlags:
         low, high, num_experts = values
         if low >= -1 and high < 0:
             return
-        buf = state[0]  # reset on the device (a copy from pageable memory would sync)
-        buf[:2].fill_(self.CLEAN[0])
-        buf[2:].fill_(self.CLEAN[2])
+        self._clean(state[0])
         seen = []
         if low < -1:
             seen.append(f"ids below -1 (lowest {low})")

@@ -14,7 +14,7 @@ import torch
 
 import moerunner
 from moerunner import MoeInputError
-from moerunner.device_checks import ID_FLAGS, QUEUE, CheckQueue, check_ids_async
+from moerunner.device_checks import ID_FLAGS, QUEUE, CheckQueue, IdFlags, check_ids_async
 
 E = 8
 
@@ -181,6 +181,20 @@ def test_gpu_bad_id_raises_later_without_sync(backend):
         with pytest.raises(MoeInputError, match=match):
             moerunner.fused_moe(x, w13, w2, weights, ids, backend=backend)
     moerunner.check_errors()  # the remaining (good) checks
+
+
+@pytest.mark.gpu
+def test_gpu_first_flag_buffer_does_not_sync():
+    """The id flag buffer is made on a process's first checked call: made by kernels on the
+    device, so even that call does not synchronise (a tensor copied from a Python tuple
+    would; this failed when the test below was the first checked call of its worker)."""
+    flags = IdFlags()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        buf = flags.buffer(torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert buf.tolist() == list(IdFlags.CLEAN)
 
 
 @pytest.mark.gpu
