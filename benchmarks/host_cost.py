@@ -65,6 +65,30 @@ def _routing(name: str) -> dict:
     return dict(ROUTING.get(name, dict(renormalize=True)))
 
 
+def layer_config(preset: str, shape=None) -> moerunner.MoeConfig:
+    """The ``MoE`` layer config of ``preset`` with its routing (``ROUTING``); ``shape``: the
+    preset's shape as given (e.g. shrunk), else the preset's own."""
+    shape = get_preset(preset) if shape is None else shape
+    routing = _routing(preset)
+    return moerunner.MoeConfig(
+        shape.num_experts,
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.top_k,
+        activation=shape.activation,
+        bias=shape.bias,
+        gate_up_interleaved=shape.gate_up_interleaved,
+        routing=moerunner.RoutingConfig(
+            scoring_func=routing.get("scoring_func", "softmax"),
+            renormalize=routing["renormalize"],
+            num_expert_group=routing.get("num_expert_group"),
+            topk_group=routing.get("topk_group"),
+            routed_scaling_factor=routing.get("routed_scaling_factor", 1.0),
+            correction_bias=routing.get("scoring_func") == "sigmoid",
+        ),
+    )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -132,24 +156,7 @@ def _rows_for(preset: str, tokens: list[int], args, device: torch.device, dtype:
         )
     e, h, k = shape.num_experts, shape.hidden_size, shape.top_k
     routing = _routing(preset)
-    has_bias = routing.get("scoring_func") == "sigmoid"
-    cfg = moerunner.MoeConfig(
-        e,
-        h,
-        shape.intermediate_size,
-        k,
-        activation=shape.activation,
-        bias=shape.bias,
-        gate_up_interleaved=shape.gate_up_interleaved,
-        routing=moerunner.RoutingConfig(
-            scoring_func=routing.get("scoring_func", "softmax"),
-            renormalize=routing["renormalize"],
-            num_expert_group=routing.get("num_expert_group"),
-            topk_group=routing.get("topk_group"),
-            routed_scaling_factor=routing.get("routed_scaling_factor", 1.0),
-            correction_bias=has_bias,
-        ),
-    )
+    cfg = layer_config(preset, shape)
     with torch.device(device):
         layer = moerunner.MoE(cfg, backend=args.backend, dtype=dtype, device=device)
     bias = layer.correction_bias

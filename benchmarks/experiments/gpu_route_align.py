@@ -31,34 +31,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import moerunner  # noqa: E402
-from moerunner.bench.presets import get_preset  # noqa: E402
 
 
 def _layer(preset: str, bound: int):
     """The preset's bf16 layer and two runners: fusion on (``bound``) and off."""
-    from host_cost import _routing
+    from host_cost import layer_config
 
     from moerunner.backends.triton import TritonBackend, TritonOptions
 
-    shape = get_preset(preset)
-    routing = _routing(preset)
-    cfg = moerunner.MoeConfig(
-        shape.num_experts,
-        shape.hidden_size,
-        shape.intermediate_size,
-        shape.top_k,
-        activation=shape.activation,
-        bias=shape.bias,
-        gate_up_interleaved=shape.gate_up_interleaved,
-        routing=moerunner.RoutingConfig(
-            scoring_func=routing.get("scoring_func", "softmax"),
-            renormalize=routing["renormalize"],
-            num_expert_group=routing.get("num_expert_group"),
-            topk_group=routing.get("topk_group"),
-            routed_scaling_factor=routing.get("routed_scaling_factor", 1.0),
-            correction_bias=routing.get("scoring_func") == "sigmoid",
-        ),
-    )
+    cfg = layer_config(preset)
     dev = torch.device("cuda")
     with torch.device(dev):
         layer = moerunner.MoE(cfg, backend="triton", dtype=torch.bfloat16, device=dev).eval()
