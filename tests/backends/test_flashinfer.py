@@ -298,3 +298,118 @@ def test_prepare_plain_and_block_fp8(scheme, activation, mode):
     want = up_gate_rows(weights.w13, False) if act.gated else weights.w13
     want = want.dequantize() if scheme != "bf16" else want.float()
     assert torch.equal(w13, want)
+
+
+# --- kernel choice: FlashInfer's autotuner at the first call of each weight set -------------
+
+
+class _FakeFlashInfer:
+    """Stands in for ``flashinfer.fused_moe`` and its ``autotune``: records each
+    ``cutlass_fused_moe`` call and whether it ran inside a tuning context."""
+
+    class ActivationType:
+        Swiglu, Geglu, GegluTanh, Relu2 = "Swiglu", "Geglu", "GegluTanh", "Relu2"
+
+    def __init__(self):
+        self.calls, self.contexts, self.tuning = [], [], False
+
+    def cutlass_fused_moe(self, x, ids, weights, *, output, **kwargs):
+        self.calls.append({"tuning": self.tuning, "tokens": x.shape[0], **kwargs})
+        output.zero_()
+
+    def autotune(self, tune_mode, tuning_buckets=None):
+        import contextlib
+
+        fake = self
+        fake.contexts.append((tune_mode, tuning_buckets))
+
+        @contextlib.contextmanager
+        def ctx():
+            fake.tuning = True
+            try:
+                yield
+            finally:
+                fake.tuning = False
+
+        return ctx()
+
+
+def _fake_call(monkeypatch, tuning):
+    from moerunner.backends.flashinfer import FlashInferTuning, _call
+    from moerunner.dispatch.formats import StandardDispatchOutput
+    from moerunner.routing import TopK
+
+    fake = _FakeFlashInfer()
+    monkeypatch.setattr(_call, "_flashinfer", lambda: (fake, fake.ActivationType, fake.autotune))
+    backend = FlashInferBackend(tuning=tuning if tuning is not None else FlashInferTuning())
+    weights, act = _weights("bf16", "silu", 128, 128, False, False)
+    prepared = prepare_for_backend(backend, weights, weights.spec(act))
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1]] * 5)
+    topk = TopK(torch.full((5, 2), 0.5), ids)
+
+    def call(rows=5):
+        routed = TopK(topk.weights[:rows], ids[:rows])
+        return _call.fused_standard(StandardDispatchOutput(x[:rows], routed), prepared)
+
+    return fake, call
+
+
+def test_first_call_tunes_once_then_runs_the_chosen_tactics(monkeypatch):
+    from moerunner.backends.flashinfer import FlashInferTuning
+
+    fake, call = _fake_call(monkeypatch, FlashInferTuning(max_tokens=4096, tokens=(1, 16, 64)))
+    call(), call(), call(3)
+    assert fake.contexts == [(True, (1, 16, 64))]
+    assert [c["tuning"] for c in fake.calls] == [True, False, False]
+    assert all(c["tune_max_num_tokens"] == 4096 for c in fake.calls)
+
+
+def test_no_tuning_when_disabled_and_nothing_launched_at_t0(monkeypatch):
+    from moerunner.backends.flashinfer import FlashInferTuning
+
+    fake, call = _fake_call(monkeypatch, FlashInferTuning(enabled=False))
+    assert call(0).shape == (0, 128) and fake.calls == []
+    call()
+    assert fake.contexts == [] and [c["tuning"] for c in fake.calls] == [False]
+    fake, call = _fake_call(monkeypatch, None)
+    call(0)
+    assert fake.contexts == []  # T = 0 neither launches nor tunes
+
+
+def test_capture_before_tuning_warns_runs_untuned_and_tunes_later(monkeypatch):
+    fake, call = _fake_call(monkeypatch, None)
+    from moerunner.backends.flashinfer import _call
+
+    monkeypatch.setattr(_call, "_capturing", lambda x: True)
+    with pytest.warns(RuntimeWarning, match="outside the capture"):
+        call()
+    call()  # warned once per weight set
+    assert fake.contexts == [] and [c["tuning"] for c in fake.calls] == [False, False]
+    monkeypatch.setattr(_call, "_capturing", lambda x: False)
+    call()
+    assert fake.contexts == [(True, None)] and fake.calls[-1]["tuning"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,word",
+    [
+        ({"enabled": 1}, TypeError, "enabled"),
+        ({"max_tokens": 2.0}, TypeError, "max_tokens"),
+        ({"max_tokens": 0}, ValueError, "max_tokens"),
+        ({"tokens": [1, 2]}, TypeError, "tokens"),
+        ({"tokens": ()}, TypeError, "tokens"),
+        ({"tokens": (1, 9000)}, ValueError, "tokens"),
+        ({"tokens": (True,)}, ValueError, "tokens"),
+    ],
+)
+def test_tuning_rejects_bad_values(kwargs, error, word):
+    from moerunner.backends.flashinfer import FlashInferTuning
+
+    with pytest.raises(error, match=word):
+        FlashInferTuning(**kwargs)
+
+
+def test_backend_rejects_a_tuning_of_another_type():
+    with pytest.raises(TypeError, match="tuning must be a FlashInferTuning"):
+        FlashInferBackend(tuning={"enabled": False})

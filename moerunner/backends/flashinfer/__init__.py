@@ -10,7 +10,9 @@
 # multiples of 128 by the runner (the mixed-input interleave and the block scales need them).
 # Weights are converted once in ``prepare_weights`` (``layout.py``: up-then-gate rows, the
 # e2m1 interleave and folded scales); a call is one ``cutlass_fused_moe`` launch sequence
-# with the routing weights applied and the top-k sum done inside (``_call.py``).
+# with the routing weights applied and the top-k sum done inside (``_call.py``). FlashInfer's
+# autotuner picks the kernels per token bucket at the first call of each weight set
+# (``FlashInferTuning``, passed to the backend).
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from ...quant.schemes import QuantScheme
 from ...registry import DEFAULT_REGISTRY, Registry
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem, SchemeSupport
-from ._call import fused_standard
+from ._call import FlashInferTuning, fused_standard
 from ._prepare import prepare
 
 NAME = "flashinfer"
@@ -37,7 +39,7 @@ SM90 = (9, 0)
 ALIGN = 128
 ACTIVATION_DTYPES = frozenset({torch.bfloat16, torch.float16})
 
-__all__ = ["ALIGN", "NAME", "FlashInferBackend", "register"]
+__all__ = ["ALIGN", "NAME", "FlashInferBackend", "FlashInferTuning", "register"]
 
 
 def _scheme_rule(s: QuantScheme) -> str:
@@ -89,10 +91,15 @@ class FlashInferBackend(Backend):
 
     name = NAME
 
-    def __init__(self, *, name: str = NAME) -> None:
+    def __init__(self, *, name: str = NAME, tuning: FlashInferTuning | None = None) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if tuning is None:
+            tuning = FlashInferTuning()
+        if not isinstance(tuning, FlashInferTuning):
+            raise TypeError(f"tuning must be a FlashInferTuning, got {type(tuning).__name__}")
         self.name = name
+        self.tuning = tuning
         self.capabilities = Capabilities(
             devices=frozenset({"cuda"}),
             dtypes=ACTIVATION_DTYPES,
@@ -144,8 +151,11 @@ class FlashInferBackend(Backend):
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
         """FlashInfer's layouts, once: w13 rows up-then-gate, mxfp4 interleaved with folded
-        scales, biases and swiglu parameters as the kernels read them."""
-        return prepare(weights, spec, self.name)
+        scales, biases and swiglu parameters as the kernels read them; the backend's tuning
+        travels with them to the first call."""
+        prepared = prepare(weights, spec, self.name)
+        prepared.tensors["tuning"] = self.tuning
+        return prepared
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
