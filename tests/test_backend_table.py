@@ -416,3 +416,16 @@ def test_info_reports_a_malformed_table(tmp_path, monkeypatch, capsys):
         bt.default_table.cache_clear()
     out = capsys.readouterr().out
     assert f"error: {path}: field 'schema'" in out
+
+
+def test_shipped_tables_load_under_their_device_name_and_name_each_buckets_fastest():
+    paths = sorted(bt.SHIPPED_DIR.glob("*.json"))
+    assert paths, "no backend table ships with the package"
+    for path in paths:
+        table = bt.load_table_file(path)
+        assert path.name == bt.table_file_name(table.device)
+        assert table.entries
+        for key, buckets in table.entries.items():
+            for bucket in buckets:
+                fastest = min(bucket.times_us, key=bucket.times_us.get)
+                assert bucket.backend == fastest, (path.name, key, bucket)
