@@ -334,14 +334,14 @@ class _FakeFlashInfer:
         return ctx()
 
 
-def _fake_call(monkeypatch, tuning):
-    from moerunner.backends.flashinfer import FlashInferTuning, _call
+def _fake_call(monkeypatch, options):
+    from moerunner.backends.flashinfer import _call
     from moerunner.dispatch.formats import StandardDispatchOutput
     from moerunner.routing import TopK
 
     fake = _FakeFlashInfer()
     monkeypatch.setattr(_call, "_flashinfer", lambda: (fake, fake.ActivationType, fake.autotune))
-    backend = FlashInferBackend(tuning=tuning if tuning is not None else FlashInferTuning())
+    backend = FlashInferBackend(options)
     weights, act = _weights("bf16", "silu", 128, 128, False, False)
     prepared = prepare_for_backend(backend, weights, weights.spec(act))
     x = torch.randn(5, 128, dtype=torch.bfloat16)
@@ -356,9 +356,10 @@ def _fake_call(monkeypatch, tuning):
 
 
 def test_first_call_tunes_once_then_runs_the_chosen_tactics(monkeypatch):
-    from moerunner.backends.flashinfer import FlashInferTuning
+    from moerunner.backends.flashinfer import FlashInferOptions
 
-    fake, call = _fake_call(monkeypatch, FlashInferTuning(max_tokens=4096, tokens=(1, 16, 64)))
+    options = FlashInferOptions(tune_max_tokens=4096, tune_tokens=(1, 16, 64))
+    fake, call = _fake_call(monkeypatch, options)
     call(), call(), call(3)
     assert fake.contexts == [(True, (1, 16, 64))]
     assert [c["tuning"] for c in fake.calls] == [True, False, False]
@@ -366,9 +367,9 @@ def test_first_call_tunes_once_then_runs_the_chosen_tactics(monkeypatch):
 
 
 def test_no_tuning_when_disabled_and_nothing_launched_at_t0(monkeypatch):
-    from moerunner.backends.flashinfer import FlashInferTuning
+    from moerunner.backends.flashinfer import FlashInferOptions
 
-    fake, call = _fake_call(monkeypatch, FlashInferTuning(enabled=False))
+    fake, call = _fake_call(monkeypatch, FlashInferOptions(autotune=False))
     assert call(0).shape == (0, 128) and fake.calls == []
     call()
     assert fake.contexts == [] and [c["tuning"] for c in fake.calls] == [False]
@@ -394,22 +395,33 @@ def test_capture_before_tuning_warns_runs_untuned_and_tunes_later(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs,error,word",
     [
-        ({"enabled": 1}, TypeError, "enabled"),
-        ({"max_tokens": 2.0}, TypeError, "max_tokens"),
-        ({"max_tokens": 0}, ValueError, "max_tokens"),
-        ({"tokens": [1, 2]}, TypeError, "tokens"),
-        ({"tokens": ()}, TypeError, "tokens"),
-        ({"tokens": (1, 9000)}, ValueError, "tokens"),
-        ({"tokens": (True,)}, ValueError, "tokens"),
+        ({"autotune": 1}, TypeError, "autotune"),
+        ({"tune_max_tokens": 2.0}, TypeError, "tune_max_tokens"),
+        ({"tune_max_tokens": 0}, ValueError, "tune_max_tokens"),
+        ({"tune_tokens": [1, 2]}, TypeError, "tune_tokens"),
+        ({"tune_tokens": ()}, TypeError, "tune_tokens"),
+        ({"tune_tokens": (1, 9000)}, ValueError, "tune_tokens"),
+        ({"tune_tokens": (True,)}, ValueError, "tune_tokens"),
     ],
 )
-def test_tuning_rejects_bad_values(kwargs, error, word):
-    from moerunner.backends.flashinfer import FlashInferTuning
+def test_options_reject_bad_values(kwargs, error, word):
+    from moerunner.backends.flashinfer import FlashInferOptions
 
     with pytest.raises(error, match=word):
-        FlashInferTuning(**kwargs)
+        FlashInferOptions(**kwargs)
 
 
-def test_backend_rejects_a_tuning_of_another_type():
-    with pytest.raises(TypeError, match="tuning must be a FlashInferTuning"):
-        FlashInferBackend(tuning={"enabled": False})
+def test_backend_rejects_options_of_another_type():
+    with pytest.raises(TypeError, match="options must be a FlashInferOptions"):
+        FlashInferBackend({"autotune": False})
+
+
+def test_options_travel_with_the_prepared_weights_and_key_their_cache():
+    from moerunner.backends.flashinfer import FlashInferOptions
+
+    options = FlashInferOptions(autotune=False)
+    weights, act = _weights("bf16", "silu", 128, 128, False, False)
+    prepared = prepare_for_backend(FlashInferBackend(options), weights, weights.spec(act))
+    assert prepared.options is options
+    assert FlashInferBackend().options == FlashInferOptions()
+    assert hash(options) != hash(FlashInferOptions())

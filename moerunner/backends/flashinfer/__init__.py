@@ -12,7 +12,7 @@
 # e2m1 interleave and folded scales); a call is one ``cutlass_fused_moe`` launch sequence
 # with the routing weights applied and the top-k sum done inside (``_call.py``). FlashInfer's
 # autotuner picks the kernels per token bucket at the first call of each weight set
-# (``FlashInferTuning``, passed to the backend).
+# (``FlashInferOptions``, the backend's options).
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ...quant.schemes import QuantScheme
 from ...registry import DEFAULT_REGISTRY, Registry
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem, SchemeSupport
-from ._call import FlashInferTuning, fused_standard
+from ._call import FlashInferOptions, fused_standard
 from ._prepare import prepare
 
 NAME = "flashinfer"
@@ -39,7 +39,7 @@ SM90 = (9, 0)
 ALIGN = 128
 ACTIVATION_DTYPES = frozenset({torch.bfloat16, torch.float16})
 
-__all__ = ["ALIGN", "NAME", "FlashInferBackend", "FlashInferTuning", "register"]
+__all__ = ["ALIGN", "NAME", "FlashInferBackend", "FlashInferOptions", "register"]
 
 
 def _scheme_rule(s: QuantScheme) -> str:
@@ -87,19 +87,27 @@ def _device_verdict(index: int) -> tuple[bool, str]:
 
 
 class FlashInferBackend(Backend):
-    """FlashInfer's SM90 CUTLASS fused MoE (standard dispatch format, fused op only)."""
+    """FlashInfer's SM90 CUTLASS fused MoE (standard dispatch format, fused op only).
+
+    Args:
+        options: how FlashInfer chooses its kernels (default: ``FlashInferOptions()``, its
+            autotuner over every bucket up to 8192 tokens at the first call); recorded in every
+            prepared weight set and read from there by its first call.
+        name: the name it is registered and selected under (``register``); a backend with
+            options of its own needs a name of its own beside the default ``"flashinfer"``.
+    """
 
     name = NAME
 
-    def __init__(self, *, name: str = NAME, tuning: FlashInferTuning | None = None) -> None:
+    def __init__(self, options: FlashInferOptions | None = None, *, name: str = NAME) -> None:
+        if options is None:
+            options = FlashInferOptions()
+        elif not isinstance(options, FlashInferOptions):
+            raise TypeError(f"options must be a FlashInferOptions, got {type(options).__name__}")
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
-        if tuning is None:
-            tuning = FlashInferTuning()
-        if not isinstance(tuning, FlashInferTuning):
-            raise TypeError(f"tuning must be a FlashInferTuning, got {type(tuning).__name__}")
+        self.options = options
         self.name = name
-        self.tuning = tuning
         self.capabilities = Capabilities(
             devices=frozenset({"cuda"}),
             dtypes=ACTIVATION_DTYPES,
@@ -151,11 +159,9 @@ class FlashInferBackend(Backend):
 
     def prepare_weights(self, weights: ExpertWeights, spec: ExpertSpec) -> PreparedWeights:
         """FlashInfer's layouts, once: w13 rows up-then-gate, mxfp4 interleaved with folded
-        scales, biases and swiglu parameters as the kernels read them; the backend's tuning
-        travels with them to the first call."""
-        prepared = prepare(weights, spec, self.name)
-        prepared.tensors["tuning"] = self.tuning
-        return prepared
+        scales, biases and swiglu parameters as the kernels read them; the backend's options
+        travel with them to the first call (its tuning)."""
+        return prepare(weights, spec, self.name, self.options)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

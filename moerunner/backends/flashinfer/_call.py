@@ -7,7 +7,7 @@
 # Kernel choice: FlashInfer picks each GEMM's CUTLASS tile per token-count bucket with its own
 # autotuner. Untuned, it runs a fallback tile that can be tens of times slower (an SM90 MXFP4
 # GPT-OSS layer measured 10 ms at T = 16 against 0.38 ms tuned), so the first call of each
-# prepared weight set profiles every bucket once (``FlashInferTuning``), outside any capture.
+# prepared weight set profiles every bucket once (``FlashInferOptions``), outside any capture.
 
 from __future__ import annotations
 
@@ -24,38 +24,40 @@ DEFAULT_TUNE_MAX_TOKENS = 8192
 
 
 @dataclass(frozen=True)
-class FlashInferTuning:
-    """How the flashinfer backend has FlashInfer choose its kernels, fixed per backend.
+class FlashInferOptions:
+    """The flashinfer backend's options: how FlashInfer chooses its kernels.
 
-    ``enabled``: profile FlashInfer's tactics at the first call of each prepared weight set
+    ``autotune``: profile FlashInfer's tactics at the first call of each prepared weight set
     (seconds, once per shape and process; FlashInfer keeps the winners per token bucket).
-    ``max_tokens``: the largest token count the buckets reach (FlashInfer's
+    ``tune_max_tokens``: the largest token count the buckets reach (FlashInfer's
     ``tune_max_num_tokens``); larger batches use the last bucket's tactic.
-    ``tokens``: profile only these buckets (each should be one of FlashInfer's buckets, e.g.
-    powers of two up to 256); ``None`` profiles all of them up to ``max_tokens``. A token count
-    whose bucket was not profiled runs FlashInfer's fallback tactic.
+    ``tune_tokens``: profile only these buckets (each should be one of FlashInfer's buckets,
+    e.g. powers of two up to 256); ``None`` profiles all of them up to ``tune_max_tokens``. A
+    token count whose bucket was not profiled runs FlashInfer's fallback tactic.
     """
 
-    enabled: bool = True
-    max_tokens: int = DEFAULT_TUNE_MAX_TOKENS
-    tokens: tuple[int, ...] | None = None
+    autotune: bool = True
+    tune_max_tokens: int = DEFAULT_TUNE_MAX_TOKENS
+    tune_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise TypeError(f"enabled must be a bool, got {self.enabled!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.tokens is not None:
-            if not isinstance(self.tokens, tuple) or not self.tokens:
+        if not isinstance(self.autotune, bool):
+            raise TypeError(f"autotune must be a bool, got {self.autotune!r}")
+        top = self.tune_max_tokens
+        if isinstance(top, bool) or not isinstance(top, int):
+            raise TypeError(f"tune_max_tokens must be an int, got {top!r}")
+        if top < 1:
+            raise ValueError(f"tune_max_tokens must be at least 1, got {top}")
+        if self.tune_tokens is not None:
+            if not isinstance(self.tune_tokens, tuple) or not self.tune_tokens:
                 raise TypeError(
-                    f"tokens must be a non-empty tuple of ints or None, got {self.tokens!r}"
+                    "tune_tokens must be a non-empty tuple of ints or None, got "
+                    f"{self.tune_tokens!r}"
                 )
-            for t in self.tokens:
-                if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= self.max_tokens:
+            for t in self.tune_tokens:
+                if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= top:
                     raise ValueError(
-                        f"tokens must hold ints in [1, max_tokens={self.max_tokens}], got {t!r}"
+                        f"tune_tokens must hold ints in [1, tune_max_tokens={top}], got {t!r}"
                     )
 
 
@@ -90,7 +92,7 @@ def _call_kwargs(prepared: PreparedWeights) -> dict:
         "use_deepseek_fp8_block_scale": t["mode"] == "fp8_block",
         "use_w4_group_scaling": t["mode"] == "w4a16",
         "activation_type": getattr(activation_type, t["activation_type"]),
-        "tune_max_num_tokens": t["tuning"].max_tokens,
+        "tune_max_num_tokens": prepared.options.tune_max_tokens,
     }
     t["call"] = kwargs
     return kwargs
@@ -107,8 +109,8 @@ def _tuning_context(prepared: PreparedWeights, x: torch.Tensor):
     t = prepared.tensors
     if t.get("tuned"):
         return None
-    tuning: FlashInferTuning = t["tuning"]
-    if not tuning.enabled:
+    options: FlashInferOptions = prepared.options
+    if not options.autotune:
         t["tuned"] = True
         return None
     if _capturing(x):
@@ -124,7 +126,7 @@ def _tuning_context(prepared: PreparedWeights, x: torch.Tensor):
         return None
     t["tuned"] = True
     _, _, autotune = _flashinfer()
-    return autotune(True, tuning_buckets=tuning.tokens)
+    return autotune(True, tuning_buckets=options.tune_tokens)
 
 
 def fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.Tensor:

@@ -59,9 +59,11 @@ def _bias(bias: torch.Tensor | None, rows: int, spec: ExpertSpec, dtype, device)
     return bias.to(dtype=dtype).contiguous()
 
 
-def prepare(weights: ExpertWeights, spec: ExpertSpec, backend: str) -> PreparedWeights:
+def prepare(
+    weights: ExpertWeights, spec: ExpertSpec, backend: str, options=None
+) -> PreparedWeights:
     """``PreparedWeights`` whose ``tensors`` hold the fused call's weights, scales, biases and
-    activation parameters, and ``notes`` what was re-laid."""
+    activation parameters, ``notes`` what was re-laid and ``options`` the backend's options."""
     families = {_family(weights.w13), _family(weights.w2)}
     if len(families) != 1:
         raise MoeInputError(
@@ -105,4 +107,6 @@ def prepare(weights: ExpertWeights, spec: ExpertSpec, backend: str) -> PreparedW
     if spec.activation.name == "swiglu_oai":
         tensors.update(_swiglu_params(spec, device))
     tensors["out_dtype"] = out_dtype
-    return PreparedWeights(backend=backend, source=None, spec=spec, tensors=tensors, notes=notes)
+    return PreparedWeights(
+        backend=backend, source=None, spec=spec, tensors=tensors, notes=notes, options=options
+    )
