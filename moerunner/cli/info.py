@@ -39,6 +39,7 @@ def main(argv: list[str]) -> int:
             "reason": "" if ok else reason,
             "dispatch_formats": {str(f): str(p) for f, p in registry.paths(backend_name).items()},
             "capabilities": capabilities,
+            "options": None if backend.options is None else repr(backend.options),
         }
     table_rows, table_paths, table_error = _table(registry, device)
     if args.json is not None:
@@ -78,6 +79,8 @@ def main(argv: list[str]) -> int:
             if isinstance(value, list):
                 value = ", ".join(value)
             print(f"  {key}: {value}")
+        if info["options"] is not None:
+            print(f"  options: {info['options']}")
     print(f"\nbackend table ({device}): " + (", ".join(table_paths) or "none"))
     if table_error:
         print(f"  error: {table_error}")

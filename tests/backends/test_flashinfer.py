@@ -79,6 +79,7 @@ def test_info_lists_it():
     if not INSTALLED:
         assert "not installed" in first_line
     assert "mxfp4" in block and "fp8_block" in block
+    assert "options: FlashInferOptions(autotune=True, tune_max_tokens=8192" in block
 
 
 # --- what it declares ---------------------------------------------------------------------
