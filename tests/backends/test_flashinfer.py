@@ -314,8 +314,13 @@ class _FakeFlashInfer:
     def __init__(self):
         self.calls, self.contexts, self.tuning = [], [], False
 
+    fail = 0  # calls left to fail (a kernel error inside tuning)
+
     def cutlass_fused_moe(self, x, ids, weights, *, output, **kwargs):
         self.calls.append({"tuning": self.tuning, "tokens": x.shape[0], **kwargs})
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("kernel failed")
         output.zero_()
 
     def autotune(self, tune_mode, tuning_buckets=None):
@@ -365,6 +370,16 @@ def test_first_call_tunes_once_then_runs_the_chosen_tactics(monkeypatch):
     assert fake.contexts == [(True, (1, 16, 64))]
     assert [c["tuning"] for c in fake.calls] == [True, False, False]
     assert all(c["tune_max_num_tokens"] == 4096 for c in fake.calls)
+
+
+def test_a_failed_tuning_call_raises_and_the_next_call_tunes_again(monkeypatch):
+    fake, call = _fake_call(monkeypatch, None)
+    fake.fail = 1
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        call()
+    call(), call()
+    assert fake.contexts == [(True, None), (True, None)]
+    assert [c["tuning"] for c in fake.calls] == [True, True, False]
 
 
 def test_no_tuning_when_disabled_and_nothing_launched_at_t0(monkeypatch):
