@@ -323,11 +323,11 @@ class _FakeFlashInfer:
             raise RuntimeError("kernel failed")
         output.zero_()
 
-    def autotune(self, tune_mode, tuning_buckets=None):
+    def autotune(self, tune_mode, **kwargs):
         import contextlib
 
         fake = self
-        fake.contexts.append((tune_mode, tuning_buckets))
+        fake.contexts.append((tune_mode, kwargs))
 
         @contextlib.contextmanager
         def ctx():
@@ -367,7 +367,7 @@ def test_first_call_tunes_once_then_runs_the_chosen_tactics(monkeypatch):
     options = FlashInferOptions(tune_max_tokens=4096, tune_tokens=(1, 16, 64))
     fake, call = _fake_call(monkeypatch, options)
     call(), call(), call(3)
-    assert fake.contexts == [(True, (1, 16, 64))]
+    assert fake.contexts == [(True, {"tuning_buckets": (1, 16, 64)})]
     assert [c["tuning"] for c in fake.calls] == [True, False, False]
     assert all(c["tune_max_num_tokens"] == 4096 for c in fake.calls)
 
@@ -378,7 +378,7 @@ def test_a_failed_tuning_call_raises_and_the_next_call_tunes_again(monkeypatch):
     with pytest.raises(RuntimeError, match="kernel failed"):
         call()
     call(), call()
-    assert fake.contexts == [(True, None), (True, None)]
+    assert fake.contexts == [(True, {}), (True, {})]  # FlashInfer's own buckets
     assert [c["tuning"] for c in fake.calls] == [True, True, False]
 
 
@@ -405,7 +405,7 @@ def test_capture_before_tuning_warns_runs_untuned_and_tunes_later(monkeypatch):
     assert fake.contexts == [] and [c["tuning"] for c in fake.calls] == [False, False]
     monkeypatch.setattr(_call, "_capturing", lambda x: False)
     call()
-    assert fake.contexts == [(True, None)] and fake.calls[-1]["tuning"]
+    assert fake.contexts == [(True, {})] and fake.calls[-1]["tuning"]
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,8 @@ def _tuning_context(prepared: PreparedWeights, x: torch.Tensor):
             )
         return None
     _, _, autotune = _flashinfer()
+    if options.tune_tokens is None:  # FlashInfer's own buckets (any version's autotune)
+        return autotune(True)
     return autotune(True, tuning_buckets=options.tune_tokens)
 
 
