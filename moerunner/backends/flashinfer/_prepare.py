@@ -9,6 +9,7 @@ import torch
 from ...config import ExpertSpec
 from ...errors import MoeInputError
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
+from ._call import FlashInferOptions
 from .layout import E2m1Sm90Layout, up_gate_rows
 
 # moerunner activation -> FlashInfer ``ActivationType`` member name (resolved at the first call,
@@ -60,7 +61,10 @@ def _bias(bias: torch.Tensor | None, rows: int, spec: ExpertSpec, dtype, device)
 
 
 def prepare(
-    weights: ExpertWeights, spec: ExpertSpec, backend: str, options=None
+    weights: ExpertWeights,
+    spec: ExpertSpec,
+    backend: str,
+    options: FlashInferOptions | None = None,
 ) -> PreparedWeights:
     """``PreparedWeights`` whose ``tensors`` hold the fused call's weights, scales, biases and
     activation parameters, ``notes`` what was re-laid and ``options`` the backend's options."""
