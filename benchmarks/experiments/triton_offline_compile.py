@@ -133,6 +133,7 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
         FRAG=frag,
         K_NONEMPTY=frag and options.fragment_async_mma,
         HAS_DELTA=False,
+        MASK_ROWS=options.mask_padding_rows,
     )
     consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm), options=options)
     fn = K.moe_gemm_kernel

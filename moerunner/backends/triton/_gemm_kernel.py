@@ -59,13 +59,29 @@ def _plain_tile(
 
 
 @triton.jit
-def _a_tile(a_row_ptrs, k0, K, stride_ak, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] A tile of the block's rows from ``k0`` (zeros past K)."""
+def _a_tile(
+    a_row_ptrs,
+    k0,
+    K,
+    stride_ak,
+    row_mask,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_K] A tile of the block's rows from ``k0`` (zeros past K). MASK_ROWS:
+    padding rows (``row_mask`` false) are not read but zero-filled."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak)
+    ptrs = a_row_ptrs + offs_k[None, :] * stride_ak
+    if MASK_ROWS:
+        if EVEN_K:
+            a = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            a = tl.load(ptrs, mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    elif EVEN_K:
+        a = tl.load(ptrs)
     else:
-        a = tl.load(a_row_ptrs + offs_k[None, :] * stride_ak, mask=offs_k[None, :] < K, other=0.0)
+        a = tl.load(ptrs, mask=offs_k[None, :] < K, other=0.0)
     return a
 
 
@@ -287,6 +303,7 @@ def _gemm_block(
     FRAG: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     LATE_WAIT: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
 ):
     """One output tile: rows ``rows_out`` (BLOCK_M of them; ``num_rows`` marks padding) of
     expert ``expert`` times weight columns block ``pid_n``, K loop and epilogue (see
@@ -372,7 +389,7 @@ def _gemm_block(
                 BF16_FP4,
                 MERGED_SCALE,
             )
-            a = _a_tile(a_row_ptrs, k0, K, stride_ak, BLOCK_K, EVEN_K)
+            a = _a_tile(a_row_ptrs, k0, K, stride_ak, row_mask, BLOCK_K, EVEN_K, MASK_ROWS)
             acc_t = _mma(w_t, tl.trans(a), acc_t, False, IEEE)
         elif PACKED:
             s_lo_c = s_lo_n
@@ -399,12 +416,15 @@ def _gemm_block(
                         s_base, rows_w, kc, K, stride_sn, stride_sk, GROUP_K, HALF
                     )
                 offs_h = kc + tl.arange(0, HALF)
+                rows_in = row_mask[:, None] | (not MASK_ROWS)
                 a_lo = tl.load(
-                    a_row_ptrs + offs_h[None, :] * stride_ak, mask=offs_h[None, :] < K, other=0
+                    a_row_ptrs + offs_h[None, :] * stride_ak,
+                    mask=rows_in & (offs_h[None, :] < K),
+                    other=0,
                 )
                 a_hi = tl.load(
                     a_row_ptrs + (offs_h + HALF)[None, :] * stride_ak,
-                    mask=(offs_h + HALF)[None, :] < K,
+                    mask=rows_in & ((offs_h + HALF)[None, :] < K),
                     other=0,
                 )
                 w_lo, w_hi = _split_halves(
@@ -439,7 +459,7 @@ def _gemm_block(
             SUB_K: tl.constexpr = BLOCK_K if BLOCK_K < GROUP_K else GROUP_K
             for sub in tl.static_range(BLOCK_K // SUB_K):
                 kq = k0 + sub * SUB_K
-                a = _a_tile(a_row_ptrs, kq, K, stride_ak, SUB_K, EVEN_K)
+                a = _a_tile(a_row_ptrs, kq, K, stride_ak, row_mask, SUB_K, EVEN_K, MASK_ROWS)
                 b = _plain_tile(w_base, rows_w, kq, K, stride_wn, stride_wk, SUB_K, EVEN_K)
                 # A group past K (last step of an uneven K) has no scales: they load as 0,
                 # against a product of masked zeros.
@@ -472,7 +492,7 @@ def _gemm_block(
                     scale = a_s[:, None] * w_s[None, :]
                 acc += tl.dot(a, b) * scale
         else:
-            a = _a_tile(a_row_ptrs, k0, K, stride_ak, BLOCK_K, EVEN_K)
+            a = _a_tile(a_row_ptrs, k0, K, stride_ak, row_mask, BLOCK_K, EVEN_K, MASK_ROWS)
             b = _weight_tile(
                 w_base,
                 s_base,
@@ -631,6 +651,7 @@ def moe_gemm_kernel(
     FRAG: tl.constexpr,
     K_NONEMPTY: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -663,6 +684,9 @@ def moe_gemm_kernel(
     zero-trip path, which sets the accumulator outside the loop; with that path in place
     ptxas serializes every wgmma whose left operand comes from registers (its advisory
     C7515): the fragment layout's K loop waited for each 16-deep MMA before the next.
+    MASK_ROWS: the A tile's padding rows are zero-filled instead of read (they would all read
+    row 0): an expert with few rows fills most of its block with padding, so unmasked they
+    move as many A bytes from L2 as real rows do.
     """
     if K_NONEMPTY:
         tl.assume(K > 0)
@@ -783,4 +807,5 @@ def moe_gemm_kernel(
                 FRAG,
                 HAS_DELTA,
                 HAS_DELTA and PDL,
+                MASK_ROWS,
             )

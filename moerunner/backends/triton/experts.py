@@ -460,6 +460,7 @@ def _launch_gemm(
         ),
         K_NONEMPTY=consts["FRAG"] and options.fragment_async_mma and k > 0,
         HAS_DELTA=delta is not None,
+        MASK_ROWS=options.mask_padding_rows,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         options=options,

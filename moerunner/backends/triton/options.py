@@ -79,6 +79,12 @@ class TritonOptions:
     #: Launch the sequence with programmatic dependent launch where the GPU supports it
     #: (compute capability 9 and later): 1.02-1.04x at T = 1 on an H200.
     pdl: bool = True
+    #: The GEMMs zero-fill the A rows of a block's padding instead of reading them (they would
+    #: all read row 0). Blocks of experts with few rows are mostly padding, so unmasked they
+    #: move about as many A bytes from L2 as their real rows (measurement: see the results
+    #: page). Off: padding rows read row 0; results are identical (padding rows are never
+    #: stored).
+    mask_padding_rows: bool = True
     #: LoRA deltas of a hooked call (``moerunner.lora``) group the rows by (adapter, expert)
     #: pair, so that each block of rows reads its pair's factors once, when the call has at
     #: least this many rows per pair of the adapters (rows >= this x adapters x experts);
@@ -165,6 +171,7 @@ _BOOL_FIELDS = (
     "scale_prefetch",
     "scale_tiles",
     "fragment_async_mma",
+    "mask_padding_rows",
     "fuse_input_quant_off_gpu",
     "launch_cache",
     "pdl",
