@@ -428,6 +428,54 @@ def test_packed_k_steps_of_several_chunks(scheme, activation, chunks, prefetch):
     assert _rel(out, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("scheme", "layout"),
+    [("fp32", None), ("fp8_block", None), ("int4", "split"), ("mxfp4", "fragment")],
+)
+def test_padding_rows_masked_or_read_give_the_same_output(scheme, layout, monkeypatch):
+    """``mask_padding_rows`` zero-fills the A rows of a block's padding instead of reading
+    row 0; every A load path (plain, block-fp8 groups, split-layout halves, fragment layout)
+    must give the output it gives unmasked, bit for bit, and match the torch backend. Three
+    experts for 14 rows: each expert's block of 16 is mostly padding. Row 0 of the input is
+    huge, so a padding row that leaked into a real one would show."""
+    act = moerunner.Activation("silu")
+    torch.manual_seed(11)
+    T, H, I, E, k = 7, 128, 128, 3, 2
+    scheme_name = None if scheme == "fp32" else scheme
+    w13 = torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEVICE) / I**0.5
+    if scheme_name is not None:
+        w13, w2 = moerunner.quantize(w13, scheme_name), moerunner.quantize(w2, scheme_name)
+    weights = ExpertWeights(w13, w2)
+    x = torch.randn(T, H, device=DEVICE)
+    x[0] *= 1e4
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0], [2, 1], [0, 1]], device=DEVICE)
+    ids = ids.to(torch.int32)
+    wts = torch.rand(T, k, device=DEVICE)
+    extra = {"e2m1_layout": layout} if layout is not None else {}
+    seen = []
+    launch = experts._launch.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if "MASK_ROWS" in kw:
+            seen.append(kw["MASK_ROWS"])
+        return launch(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(experts._launch, "launch", spy)
+    outs = []
+    for masked in (True, False):
+        options = TritonOptions(mask_padding_rows=masked, launch_cache=False, **extra)
+        prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))
+        tile = tile_config.TileConfig(16, 32, 128, 1, 4, 2)
+        seen.clear()
+        outs.append(
+            experts.fused_standard(x, wts, ids, prepared, tiles=tile_config.MoeTiles(tile, tile))
+        )
+        assert seen == [masked, masked]  # both GEMMs launched with the option's value
+    assert torch.equal(outs[0], outs[1])
+    assert _rel(outs[0], _run("torch", x, weights, act, wts, ids)) < 1e-5
+
+
 def test_merged_fp4_scale_only_for_small_e8m0_scales():
     """One bf16 multiply can carry both the fp4 decode's 2^126 and an e8m0 scale only when the
     scale is at most 2^1 (code 128); the flag is decided per weight when it is prepared."""
