@@ -33,7 +33,8 @@ ORDERS = {  # operand byte p is memory byte order[p] of the word
 
 
 def _rotating(asm: str) -> str:
-    asm = asm.replace("prmt.b32 t, $4,", "prmt.b32 t, w,")
+    """``asm`` reading its packed operand ``$4`` with the bytes rotated (byte i <- i + 1)."""
+    asm = asm.replace("$4", "w")
     return asm.replace("{\n", "{\n.reg .b32 w;\nprmt.b32 w, $4, 0, 0x0321;\n", 1)
 
 
@@ -43,9 +44,11 @@ def child(mode: str, out: str) -> None:
 
     from moerunner.backends.triton import _weight_decode as D
 
-    if mode == "rotated":  # before any kernel is compiled
-        D._E2M1_BF16_ASM = tl.constexpr(_rotating(D._e2m1_bf16_asm(False)))
-        D._E2M1_BF16_MERGED_ASM = tl.constexpr(_rotating(D._e2m1_bf16_asm(True)))
+    if mode == "rotated":  # before any kernel is compiled; every fp4 decode assembly
+        for name in dir(D):
+            value = getattr(D, name)
+            if name.startswith("_E2M1") and name.endswith("ASM"):
+                setattr(D, name, tl.constexpr(_rotating(value.value)))
 
     import moerunner
     from moerunner.backends.triton import TritonBackend
