@@ -35,8 +35,8 @@ from gpu_triton import routing  # noqa: E402  (same random routing as the record
 from moerunner import Activation  # noqa: E402
 from moerunner.backends.triton import TritonBackend, TritonOptions, tune  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
-from moerunner.backends.triton.tile_config import MoeTiles, TileConfig, find_tiles  # noqa: E402
-from moerunner.device_files import gpu_name  # noqa: E402
+from moerunner.backends.triton._prepare import layer_tiles  # noqa: E402
+from moerunner.backends.triton.tile_config import MoeTiles, TileConfig  # noqa: E402
 
 
 def parse_tiles(text: str) -> MoeTiles:
@@ -106,17 +106,12 @@ def main() -> None:
             tiles = parse_tiles(text)
             return lambda T: tiles
         folder = text[len("dir:") :]
-        # The lookup prepare makes for users' weights (``_prepare.prepare``).
-        w13 = prepared["a"].tensors["w13"]
-        found = find_tiles(
-            E,
-            I,
-            H,
+        # The lookup prepare makes for users' weights, in another folder.
+        found = layer_tiles(
+            prepared["a"].spec,
             weights.w13_scheme,
-            gpu_name(w13.data.device),
-            dtype_bytes=w13.data.element_size(),
-            layout=w13.layout.tile_key,
-            tile_dirs=(folder,) if folder else (),
+            prepared["a"].tensors["w13"],
+            (folder,) if folder else (),
         )
         print(f"{text}: {found.describe()}")
         return lambda T: found.lookup(T, k)

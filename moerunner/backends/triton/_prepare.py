@@ -26,7 +26,7 @@ from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from ..base import SchemeSupport
 from . import _gemm_kernel as K
 from .options import DEFAULT_OPTIONS, TritonOptions
-from .tile_config import find_tiles
+from .tile_config import TileSource, find_tiles
 
 _log = logging.getLogger(__name__)
 
@@ -466,6 +466,27 @@ class WeightLayout:
 STORED = WeightLayout()
 
 
+def layer_tiles(
+    spec: ExpertSpec,
+    scheme: QuantScheme,
+    w13: KernelWeight,
+    tile_dirs: tuple[str, ...] | None,
+) -> TileSource:
+    """The tiles of a layer whose w13 (of ``scheme``) was prepared as ``w13``: the first
+    tuned file for its shape, layout and GPU in ``tile_dirs`` (``TritonOptions.tile_dirs``),
+    else the heuristic."""
+    return find_tiles(
+        spec.num_experts,
+        spec.intermediate_size,
+        spec.hidden_size,
+        scheme,
+        gpu_name(w13.data.device),
+        dtype_bytes=w13.data.element_size(),
+        layout=w13.layout.tile_key,
+        tile_dirs=tile_dirs,
+    )
+
+
 def prepare(
     weights: ExpertWeights, spec: ExpertSpec, name: str, options: TritonOptions
 ) -> PreparedWeights:
@@ -484,16 +505,7 @@ def prepare(
     for key, bias in (("w13_bias", weights.w13_bias), ("w2_bias", weights.w2_bias)):
         t[key] = None if bias is None else bias.float().contiguous()
     w13 = t["w13"]
-    t["tiles"] = find_tiles(
-        spec.num_experts,
-        spec.intermediate_size,
-        spec.hidden_size,
-        weights.w13_scheme,
-        gpu_name(w13.data.device),
-        dtype_bytes=w13.data.element_size(),
-        layout=w13.layout.tile_key,
-        tile_dirs=options.tile_dirs,
-    )
+    t["tiles"] = layer_tiles(spec, weights.w13_scheme, w13, options.tile_dirs)
     layouts = sorted({t["w13"].layout.kind, t["w2"].layout.kind})
     prepared.notes.append(
         f"weights in the {'/'.join(layouts)} layout; biases as float32; "
