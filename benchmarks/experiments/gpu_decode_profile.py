@@ -56,16 +56,8 @@ def weight_bytes(prepared, name: str) -> int:
 
 def graph_kernels(prepared, T: int, k: int, rotations: int = 8, replays: int = 20):
     """(us per call of the replay, {kernel: us per call}, experts hit per call)."""
-    H, E = prepared.spec.hidden_size, prepared.spec.num_experts
-    xs = [torch.randn(T, H, device=DEV, dtype=torch.bfloat16) for _ in range(rotations)]
-    rs = [G.routing(T, E, k) for _ in range(rotations)]
-    uniq = sum(torch.unique(r[1][r[1] >= 0]).numel() for r in rs) / rotations
-    for x, (w, i) in zip(xs, rs, strict=True):
-        X.fused_standard(x, w, i, prepared)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for x, (w, i) in zip(xs, rs, strict=True):
-            X.fused_standard(x, w, i, prepared)
+    xs, rs, uniq = G.rotated_inputs(prepared, T, k, rotations)
+    g = G.fused_graph(prepared, xs, rs)
     ms = tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / rotations
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CUDA]

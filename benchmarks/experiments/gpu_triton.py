@@ -142,22 +142,35 @@ def floor_pcts(cost: roofline.RowCost, peaks, scheme: str, ms: float) -> tuple[f
     return 100 * t_mem / (ms * 1e-3), 100 * t_flop / (ms * 1e-3)
 
 
-def time_fused(prepared, T, k, rotations=None, tiles=None):
-    """(ms per call, experts hit per call) over ``rotations`` routings (default 8 at decode
-    sizes, else 2), graph-replayed up to T = 256; ``tiles``: these instead of the lookup."""
-    rotations = rotations or (8 if T <= 64 else 2)
+def rotated_inputs(prepared, T, k, rotations):
+    """``rotations`` (hidden states, (routing weights, ids)) pairs and the experts hit per
+    call."""
     H = prepared.spec.hidden_size
     E = prepared.spec.num_experts
     xs = [torch.randn(T, H, device=DEV, dtype=torch.bfloat16) for _ in range(rotations)]
     rs = [routing(T, E, k) for _ in range(rotations)]
     uniq = sum(torch.unique(r[1][r[1] >= 0]).numel() for r in rs) / rotations
-    if T <= 256:
+    return xs, rs, uniq
+
+
+def fused_graph(prepared, xs, rs, tiles=None):
+    """A CUDA graph of one fused call per (hidden states, routing) pair, in turn."""
+    for x, (w, i) in zip(xs, rs, strict=True):
+        X.fused_standard(x, w, i, prepared, tiles)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
         for x, (w, i) in zip(xs, rs, strict=True):
             X.fused_standard(x, w, i, prepared, tiles)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for x, (w, i) in zip(xs, rs, strict=True):
-                X.fused_standard(x, w, i, prepared, tiles)
+    return g
+
+
+def time_fused(prepared, T, k, rotations=None, tiles=None):
+    """(ms per call, experts hit per call) over ``rotations`` routings (default 8 at decode
+    sizes, else 2), graph-replayed up to T = 256; ``tiles``: these instead of the lookup."""
+    rotations = rotations or (8 if T <= 64 else 2)
+    xs, rs, uniq = rotated_inputs(prepared, T, k, rotations)
+    if T <= 256:
+        g = fused_graph(prepared, xs, rs, tiles)
         ms = tt.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / rotations
     else:
         state = {"n": 0}
