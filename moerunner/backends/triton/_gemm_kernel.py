@@ -26,8 +26,10 @@ from ._weight_decode import (
     _decode_scale,
     _fragment_tile,
     _half_group_codes,
+    _plain_tile,
     _split_halves,
     _step_scale_codes,
+    _weight_tile,
 )
 
 # Weight storage formats (constexpr W_FORMAT).
@@ -40,22 +42,6 @@ ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 # weight's K block, GROUP_K).
 AS_NONE, AS_ROW, AS_GROUP = 0, 1, 2
 AS_GROUP128 = AS_GROUP  # its former name
-
-
-@triton.jit
-def _plain_tile(
-    w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
-):
-    """Raw [BLOCK_K, BLOCK_N] tile of one byte-or-wider element per weight."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    ptrs = w_base + offs_k[:, None] * stride_wk + rows[None, :] * stride_wn
-    if EVEN_K:
-        raw = tl.load(ptrs)
-    else:
-        raw = tl.load(
-            ptrs, mask=offs_k[:, None] < K, other=0.0
-        )  # 0.0 casts to every operand type, fp8 included
-    return raw
 
 
 @triton.jit
@@ -83,75 +69,6 @@ def _a_tile(
     else:
         a = tl.load(ptrs, mask=offs_k[None, :] < K, other=0.0)
     return a
-
-
-@triton.jit
-def _weight_tile(
-    w_base,
-    s_base,
-    z_base,
-    rows,
-    k0,
-    K,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    stride_sk,
-    stride_zn,
-    stride_zk,
-    COMPUTE: tl.constexpr,
-    W_FORMAT: tl.constexpr,
-    QDOT: tl.constexpr,
-    GROUP_K: tl.constexpr,
-    SCALE_FMT: tl.constexpr,
-    HAS_ZP: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """Load one [BLOCK_K, BLOCK_N] weight tile of expert rows ``rows`` starting at ``k0``.
-
-    Returns the tile in the MMA operand type: the storage type for plain and qdot paths,
-    ``COMPUTE`` (A's dtype) for weight-only dequantization (group scales applied here;
-    per-channel scales are applied by the caller after the K loop).
-    """
-    # K groups per tile and the K span each group scale covers inside the tile.
-    SPT: tl.constexpr = BLOCK_K // GROUP_K if GROUP_K > 0 and GROUP_K < BLOCK_K else 1
-    SPAN: tl.constexpr = BLOCK_K // SPT
-    if W_FORMAT == 0:
-        tile = _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
-    else:
-        raw = _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
-        if QDOT:
-            tile = raw  # e4m3 or int8, fed to the MMA as stored
-        else:
-            v = raw.to(tl.float32)
-            if GROUP_K > 0:
-                offs_s = (k0 + tl.arange(0, SPT) * SPAN) // GROUP_K
-                s_mask = offs_s[:, None] < (K + GROUP_K - 1) // GROUP_K
-                s = tl.load(
-                    s_base + offs_s[:, None] * stride_sk + rows[None, :] * stride_sn,
-                    mask=s_mask,
-                    other=0,
-                )
-                s = _decode_scale(s, SCALE_FMT)
-                s = tl.reshape(
-                    tl.broadcast_to(s[:, None, :], (SPT, SPAN, rows.shape[0])),
-                    (BLOCK_K, rows.shape[0]),
-                )
-                if HAS_ZP:  # group-wise int8 with zero point: (q - zero) * scale
-                    z = tl.load(
-                        z_base + offs_s[:, None] * stride_zk + rows[None, :] * stride_zn,
-                        mask=s_mask,
-                        other=0,
-                    ).to(tl.float32)
-                    z = tl.reshape(
-                        tl.broadcast_to(z[:, None, :], (SPT, SPAN, rows.shape[0])),
-                        (BLOCK_K, rows.shape[0]),
-                    )
-                    v = v - z
-                v = v * s
-            tile = v.to(COMPUTE)
-    return tile
 
 
 @triton.jit

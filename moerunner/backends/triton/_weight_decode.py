@@ -1,9 +1,10 @@
 # Stage "experts" of the triton backend: weight decoding for the grouped GEMM (private).
 #
-# Scale codes (e8m0, e4m3, fp32) to multipliers, and packed 4-bit weights (int4, fp4 e2m1) in
-# the split layout of ``_prepare.split_packed`` to the MMA's operand type: on the GPU through
-# packed integer PTX for fp4 with bf16 activations, elsewhere in float32. ``_gemm_kernel``
-# calls these from its K loop.
+# Weight tiles as the grouped GEMM's K loop reads them (one element per weight, dequantized by
+# group scales where the scheme has them), scale codes (e8m0, e4m3, fp32) to multipliers, and
+# packed 4-bit weights (int4, fp4 e2m1) in the split layout of ``_prepare.split_packed`` to
+# the MMA's operand type: on the GPU through packed integer PTX for fp4 with bf16
+# activations, elsewhere in float32. ``_gemm_kernel`` calls these from its K loop.
 
 from __future__ import annotations
 
@@ -295,3 +296,88 @@ def _fragment_tile(
     # (t, a, j, nibble) -> k = 16a + 8 * nibble + 2t + j
     w = tl.permute(tl.reshape(tl.join(lo, hi), (WIDTH, 4, 8, 2, 2)), (0, 2, 4, 1, 3))
     return tl.reshape(w, (WIDTH, 128))
+
+
+@triton.jit
+def _plain_tile(
+    w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+):
+    """Raw [BLOCK_K, BLOCK_N] tile of one byte-or-wider element per weight."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = w_base + offs_k[:, None] * stride_wk + rows[None, :] * stride_wn
+    if EVEN_K:
+        raw = tl.load(ptrs)
+    else:
+        raw = tl.load(
+            ptrs, mask=offs_k[:, None] < K, other=0.0
+        )  # 0.0 casts to every operand type, fp8 included
+    return raw
+
+
+@triton.jit
+def _weight_tile(
+    w_base,
+    s_base,
+    z_base,
+    rows,
+    k0,
+    K,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    stride_zn,
+    stride_zk,
+    COMPUTE: tl.constexpr,
+    W_FORMAT: tl.constexpr,
+    QDOT: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    SCALE_FMT: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Load one [BLOCK_K, BLOCK_N] weight tile of expert rows ``rows`` starting at ``k0``.
+
+    Returns the tile in the MMA operand type: the storage type for plain and qdot paths,
+    ``COMPUTE`` (A's dtype) for weight-only dequantization (group scales applied here;
+    per-channel scales are applied by the caller after the K loop).
+    """
+    # K groups per tile and the K span each group scale covers inside the tile.
+    SPT: tl.constexpr = BLOCK_K // GROUP_K if GROUP_K > 0 and GROUP_K < BLOCK_K else 1
+    SPAN: tl.constexpr = BLOCK_K // SPT
+    if W_FORMAT == 0:
+        tile = _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
+    else:
+        raw = _plain_tile(w_base, rows, k0, K, stride_wn, stride_wk, BLOCK_K, EVEN_K)
+        if QDOT:
+            tile = raw  # e4m3 or int8, fed to the MMA as stored
+        else:
+            v = raw.to(tl.float32)
+            if GROUP_K > 0:
+                offs_s = (k0 + tl.arange(0, SPT) * SPAN) // GROUP_K
+                s_mask = offs_s[:, None] < (K + GROUP_K - 1) // GROUP_K
+                s = tl.load(
+                    s_base + offs_s[:, None] * stride_sk + rows[None, :] * stride_sn,
+                    mask=s_mask,
+                    other=0,
+                )
+                s = _decode_scale(s, SCALE_FMT)
+                s = tl.reshape(
+                    tl.broadcast_to(s[:, None, :], (SPT, SPAN, rows.shape[0])),
+                    (BLOCK_K, rows.shape[0]),
+                )
+                if HAS_ZP:  # group-wise int8 with zero point: (q - zero) * scale
+                    z = tl.load(
+                        z_base + offs_s[:, None] * stride_zk + rows[None, :] * stride_zn,
+                        mask=s_mask,
+                        other=0,
+                    ).to(tl.float32)
+                    z = tl.reshape(
+                        tl.broadcast_to(z[:, None, :], (SPT, SPAN, rows.shape[0])),
+                        (BLOCK_K, rows.shape[0]),
+                    )
+                    v = v - z
+                v = v * s
+            tile = v.to(COMPUTE)
+    return tile
