@@ -29,6 +29,7 @@ from moerunner.backends.triton import (  # noqa: E402
     TritonOptions,
     _align,
     _prepare,
+    _weight_decode,
     experts,
     tile_config,
 )
@@ -657,10 +658,33 @@ def test_backend_declares_interpreter_bf16_limit():
         assert not ok and "interpreter" in reason
 
 
+def _unplaced_bytes(storage: torch.Tensor) -> torch.Tensor:
+    """Plain bytes of placed fragment words, from the documented rule: nibble ``nb`` of byte
+    ``i`` is the value the decode puts in half ``i % 2`` of register ``2 nb + i // 2``, whose
+    recipe (DS, DM) has its sign at bit 15 (31 for the high half) of the word rotated right by
+    DS and its three other bits, low first, at bits 6-8 (22-24) of the word rotated by DM."""
+    b = storage.to(torch.int64).reshape(-1, 4)
+    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+
+    def rotated(d):
+        return ((word >> d) | (word << (32 - d))) & 0xFFFFFFFF
+
+    plain = torch.zeros_like(b)
+    for i in range(4):
+        for nb in range(2):
+            ds, dm = _weight_decode.E2M1_WORD_RECIPES[2 * nb + i // 2]
+            half = 16 * (i % 2)
+            code = (((rotated(ds) >> (15 + half)) & 1) << 3) | ((rotated(dm) >> (6 + half)) & 7)
+            plain[:, i] |= code << (4 * nb)
+    return plain.to(torch.uint8).reshape(storage.shape)
+
+
 def _fragment_codes(storage: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Inverse of ``_prepare.fragment_packed`` written from its documented layout, element by
     element: storage row 8b + g, byte t*32 + a*4 + r*2 + j of chunk q holds weight row
-    16b + 8r + g at k = 128q + 16a + 2t + j (low nibble) and k + 8 (high nibble)."""
+    16b + 8r + g at k = 128q + 16a + 2t + j (low nibble) and k + 8 (high nibble), once each
+    4-byte word's bits are read back from their placement (``_unplaced_bytes``)."""
+    storage = _unplaced_bytes(storage)
     e, rows2, kp = storage.shape
     out = torch.full((e, 2 * rows2, kp), 255, dtype=torch.uint8)
     for b in range(rows2 // 8):
@@ -695,6 +719,78 @@ def test_fragment_layout_keeps_every_nibble(n, k, pairs):
         assert torch.equal(want[:, 1], codes[:, n // 2]) and torch.equal(want[:, 2], codes[:, 1])
     assert torch.equal(got[:, :n, :k], want)
     assert not got[:, n:].any() and not got[:, :, k:].any()
+
+
+def _run_ptx(asm: str, word: int) -> list:
+    """The four outputs of a decode assembly (``_weight_decode``) on the 32-bit ``word``: its
+    integer instructions computed, each bf16x2 FMA kept as a term ("fma", a, b, c) over the
+    operands' names and values, so two decodes agree exactly when their outputs are equal."""
+    mask = 0xFFFFFFFF
+    regs = {"$4": word}
+
+    def val(token):
+        return regs.get(token, token) if token.startswith("$") else regs.get(token, None)
+
+    for stmt in asm.replace("{", ";").replace("}", ";").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        dst, *srcs = (a.strip() for a in rest.split(","))
+        x = [int(a, 0) if a[0].isdigit() else val(a) for a in srcs]
+        if op == "mov.b32":
+            out = x[0]
+        elif op == "and.b32":
+            out = x[0] & x[1]
+        elif op == "or.b32":
+            out = x[0] | x[1]
+        elif op == "shl.b32":
+            out = (x[0] << x[1]) & mask
+        elif op == "shr.b32":
+            out = x[0] >> x[1]
+        elif op == "shf.r.wrap.b32":  # low word of (b:a) >> n
+            n = x[2] % 32
+            out = ((x[0] >> n) | (x[1] << (32 - n))) & mask if n else x[0]
+        elif op == "prmt.b32":  # bytes of {b, a}; selector nibble k picks output byte k
+            pool = x[0] | (x[1] << 32)
+            out = 0
+            for k in range(4):
+                sel = (x[2] >> (4 * k)) & 0xF
+                byte = (pool >> (8 * (sel & 7))) & 0xFF
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * k)
+        elif op == "fma.rn.bf16x2":
+            out = ("fma", *x)
+        else:
+            raise AssertionError(f"instruction {op} is not emulated")
+        regs[dst] = out
+    return [regs[f"${m}"] for m in range(4)]
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_placed_word_decode_equals_the_byte_decode(merged):
+    """The fragment layout's decode of a placed word (``_e2m1_word_asm``) gives every
+    output the byte-local decode (``_e2m1_bf16_asm``) gives for the plain word, term for
+    term, for 2000 random words and the all-zero and all-one words."""
+    gen = torch.Generator().manual_seed(5)
+    plain = torch.randint(0, 256, (2002, 4), dtype=torch.uint8, generator=gen)
+    plain[0], plain[1] = 0, 255
+    placed = _prepare._permute_word_bits(plain, _weight_decode.e2m1_word_bits())
+    words = [int.from_bytes(bytes(row.tolist()), "little") for row in (plain, placed)[0]]
+    placed_words = [int.from_bytes(bytes(row.tolist()), "little") for row in placed]
+    byte_asm = _weight_decode._e2m1_bf16_asm(merged)
+    word_asm = _weight_decode._e2m1_word_asm(merged)
+    for w, p in zip(words, placed_words, strict=True):
+        assert _run_ptx(word_asm, p) == _run_ptx(byte_asm, w), hex(w)
+
+    def integer_ops(asm):
+        lines = [line.strip() for line in asm.splitlines()]
+        ops = ("shf.", "and.", "or.", "shl.", "shr.", "prmt.")
+        return sum(line.startswith(ops) for line in lines)
+
+    # 13 against 20 in PTX; ptxas fuses each (and, and, or) into two LOP3: 11 against ~15.
+    assert integer_ops(word_asm) == 13 and integer_ops(byte_asm) == 20
 
 
 def test_fragment_scales_follow_the_rows():

@@ -25,6 +25,7 @@ from ...quant.schemes import QuantScheme
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from ..base import SchemeSupport
 from . import _gemm_kernel as K
+from ._weight_decode import e2m1_word_bits
 from .options import DEFAULT_OPTIONS, TritonOptions
 from .tile_config import TileSource, find_tiles
 
@@ -302,9 +303,10 @@ def unsplit_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
 # chunk of FRAGMENT_K = 128 along K this layout stores, per pair of rows (g, g + 8) of each
 # 16-row block, the 32 bytes of each t contiguously; byte (a, r, j) of a run (a = 0..7, r =
 # 0 for row g and 1 for g + 8, j = 0, 1) holds k = 16a + 2t + j in its low nibble and
-# k = 16a + 8 + 2t + j in its high one. So a 4-byte word decodes (``_e2m1_halves_bf16``)
-# into four bf16x2 registers that are MMA fragments as they stand, its 8 values share one
-# scale group of 16 or 32 per row, and a thread loads its bytes 16 at a time.
+# k = 16a + 8 + 2t + j in its high one. So a 4-byte word decodes into four bf16x2 registers
+# that are MMA fragments as they stand, its 8 values share one scale group of 16 or 32 per
+# row, and a thread loads its bytes 16 at a time. Each word's 32 bits are then placed for
+# that decode (``_weight_decode.e2m1_word_bits``: a rotate and a mask per register).
 FRAGMENT_K = 128
 # Rows are zero-padded to a multiple of the widest tile (2 * BLOCK_N <= 256 rows).
 FRAGMENT_ROWS = 256
@@ -357,8 +359,29 @@ def fragment_packed(
         # rows (block, r, g), k (chunk, a, nibble, t, j)
         c = codes.view(n_pad // 16, 2, 8, k_pad // FRAGMENT_K, 8, 2, 4, 2)
         byte = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # block, r, g, chunk, a, t, j
-        out[i] = byte.permute(0, 2, 3, 5, 4, 1, 6).reshape(n_pad // 2, k_pad)
+        plain = byte.permute(0, 2, 3, 5, 4, 1, 6).reshape(n_pad // 2, k_pad)
+        out[i] = _permute_word_bits(plain, e2m1_word_bits())
     return out
+
+
+def _permute_word_bits(data: torch.Tensor, bits: tuple[int, ...]) -> torch.Tensor:
+    """uint8 ``data`` (last dim a multiple of 4) as little-endian 32-bit words with bit ``p``
+    of each moved to bit ``bits[p]`` (``e2m1_word_bits``: the fragment layout's placement)."""
+    shape = data.shape
+    b = data.reshape(-1, 4).to(torch.int64)
+    words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+    placed = torch.zeros_like(words)
+    for src, dst in enumerate(bits):
+        placed |= ((words >> src) & 1) << dst
+    out = torch.stack([(placed >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
+    return out.to(torch.uint8).reshape(shape)
+
+
+def _inverse_bits(bits: tuple[int, ...]) -> tuple[int, ...]:
+    out = [0] * len(bits)
+    for src, dst in enumerate(bits):
+        out[dst] = src
+    return tuple(out)
 
 
 def unfragment_packed(
@@ -368,6 +391,7 @@ def unfragment_packed(
     ``row_order``) and ``k`` columns back to packed ``[E, N, K/2]``."""
     e, half_rows, k_pad = data.shape
     n_pad = 2 * half_rows
+    data = _permute_word_bits(data, _inverse_bits(e2m1_word_bits()))
     # storage (block, g, chunk, t, a, r, j) -> (block, r, g, chunk, a, t, j)
     byte = data.view(e, n_pad // 16, 8, k_pad // FRAGMENT_K, 4, 8, 2, 2)
     byte = byte.permute(0, 1, 6, 2, 3, 5, 4, 7)

@@ -90,6 +90,124 @@ _E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm(merged=False))
 _E2M1_BF16_MERGED_ASM = tl.constexpr(_e2m1_bf16_asm(merged=True))
 
 
+# Words of the fragment layout (``_prepare.fragment_packed``). Byte i of a word holds, in its
+# low and high nibble, the values of bf16x2 registers 2 * nibble + i // 2 (half i % 2) of the
+# decode's output (``_e2m1_halves_bf16``: low nibbles of bytes 0, 1; of bytes 2, 3; high
+# nibbles of bytes 0, 1; of bytes 2, 3). Stored, the 32 bits are placed for that decode:
+# register m is rotate-right(word, DS) masked to its two sign bits (15, 31) plus
+# rotate-right(word, DM) masked to its two 3-bit exponent/mantissa fields (bits 6-8, 22-24),
+# the bf16 patterns of the values times 2^-126, as the byte-local decode makes them with a
+# byte permute, three shifts and four masks per two bytes. (DS, DM) per register, from a
+# search over such placements: 11 integer instructions per word, against 15 (8 LOP3, 4 SHF,
+# 3 PRMT in the byte-local decode's SASS).
+E2M1_WORD_RECIPES = ((0, 10), (4, 2), (5, 5), (15, 15))
+_DS0, _DM0 = tl.constexpr(E2M1_WORD_RECIPES[0][0]), tl.constexpr(E2M1_WORD_RECIPES[0][1])
+_DS1, _DM1 = tl.constexpr(E2M1_WORD_RECIPES[1][0]), tl.constexpr(E2M1_WORD_RECIPES[1][1])
+_DS2, _DM2 = tl.constexpr(E2M1_WORD_RECIPES[2][0]), tl.constexpr(E2M1_WORD_RECIPES[2][1])
+_DS3, _DM3 = tl.constexpr(E2M1_WORD_RECIPES[3][0]), tl.constexpr(E2M1_WORD_RECIPES[3][1])
+
+
+def e2m1_word_bits() -> tuple[int, ...]:
+    """Where each bit of a plain word goes in a placed one: ``placed[bits[p]] = plain[p]``.
+    Plain bit ``8i + 4 * nibble + b`` is bit b of that nibble of byte i (b = 3: the sign)."""
+    out = [0] * 32
+    for i in range(4):
+        for nibble in range(2):
+            ds, dm = E2M1_WORD_RECIPES[2 * nibble + i // 2]
+            half = 16 * (i % 2)
+            base = 8 * i + 4 * nibble
+            out[base + 3] = (15 + half + ds) % 32
+            for b in range(3):
+                out[base + b] = (6 + b + half + dm) % 32
+    return tuple(out)
+
+
+def _rotated_word(lines: list[str], d: int, reg: str) -> str:
+    """The register holding ``$4`` rotated right by ``d`` (appending the rotation to
+    ``lines`` unless ``d`` is 0)."""
+    if d == 0:
+        return "$4"
+    lines.append(f"shf.r.wrap.b32 {reg}, $4, $4, {d};")
+    return reg
+
+
+def _e2m1_word_asm(merged: bool) -> str:
+    """PTX of ``_e2m1_words_bf16``: the operand ``$4`` is a placed word (``e2m1_word_bits``);
+    outputs and scales as ``_e2m1_bf16_asm``'s."""
+    lines = [
+        ".reg .b32 s, g, r, v, bias, nz;",
+        "mov.b32 bias, 0x7E807E80;",
+        "mov.b32 nz, 0x80008000;",
+    ]
+    for m, (ds, dm) in enumerate(E2M1_WORD_RECIPES):
+        if ds == dm:
+            lines.append(f"and.b32 r, {_rotated_word(lines, ds, 's')}, 0x81C081C0;")
+        else:
+            sign, mag = _rotated_word(lines, ds, "s"), _rotated_word(lines, dm, "g")
+            lines += [f"and.b32 r, {sign}, 0x80008000;", f"and.b32 v, {mag}, 0x01C001C0;"]
+            lines.append("or.b32 r, r, v;")
+        if not merged:
+            lines.append("fma.rn.bf16x2 r, r, bias, nz;")
+        lines.append(f"fma.rn.bf16x2 ${m}, r, ${5 + m}, nz;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_E2M1_WORD_ASM = tl.constexpr(_e2m1_word_asm(merged=False))
+_E2M1_WORD_MERGED_ASM = tl.constexpr(_e2m1_word_asm(merged=True))
+
+
+@triton.jit
+def _e2m1_words_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
+    """``_e2m1_halves_bf16`` for placed words (``e2m1_word_bits``): the same outputs, four
+    bytes per instance, which must be one stored word in memory order (checked on an H200:
+    the kernel with an assembly that rotates its operand's bytes equals, bit for bit, the
+    plain kernel on weights rotated within each 4-byte memory word, and no other order)."""
+    return tl.inline_asm_elementwise(
+        asm=_E2M1_WORD_MERGED_ASM if MERGED else _E2M1_WORD_ASM,
+        constraints="=r,=r,=r,=r,r,r,r,r,r",
+        args=[packed, scale_lo, scale_hi],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _rotr(w, D: tl.constexpr):
+    """Rotate a uint32 tensor right by D bits."""
+    if D == 0:
+        out = w
+    else:
+        out = (w >> D) | (w << (32 - D))
+    return out
+
+
+@triton.jit
+def _placed_nibble(w, DS: tl.constexpr, DM: tl.constexpr, HALF: tl.constexpr):
+    """One e2m1 code (uint32, 0..15) of placed words ``w``: the value the decode puts in half
+    HALF of the register whose recipe is (DS, DM)."""
+    sign = (_rotr(w, DS) >> (15 + 16 * HALF)) & 1
+    mag = (_rotr(w, DM) >> (6 + 16 * HALF)) & 7
+    return (sign << 3) | mag
+
+
+@triton.jit
+def _unplace_words(q, ROWS: tl.constexpr):
+    """[ROWS, 128] bytes of placed words back to plain bytes (byte j: low nibble, high
+    nibble), for decodes that take nibbles one by one (off the GPU, or fp16/fp32 activations)."""
+    x = tl.reshape(q.to(tl.uint32), (ROWS, 32, 2, 2))  # word, byte // 2, byte % 2
+    even, odd = tl.split(x)
+    b0, b2 = tl.split(even)
+    b1, b3 = tl.split(odd)
+    w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+    o0 = _placed_nibble(w, _DS0, _DM0, 0) | (_placed_nibble(w, _DS2, _DM2, 0) << 4)
+    o1 = _placed_nibble(w, _DS0, _DM0, 1) | (_placed_nibble(w, _DS2, _DM2, 1) << 4)
+    o2 = _placed_nibble(w, _DS1, _DM1, 0) | (_placed_nibble(w, _DS3, _DM3, 0) << 4)
+    o3 = _placed_nibble(w, _DS1, _DM1, 1) | (_placed_nibble(w, _DS3, _DM3, 1) << 4)
+    out = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # word, byte // 2, byte % 2
+    return tl.reshape(out, (ROWS, 128)).to(tl.uint8)
+
+
 @triton.jit
 def _e2m1_halves_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
     """Packed bytes -> (low nibbles * scale_lo, high nibbles * scale_hi) in bf16, on the GPU.
@@ -275,6 +393,8 @@ def _fragment_tile(
     # storage row are (t, a, r, j) with the MMA's thread-in-group t outermost.
     srows = row0 // 2 + tl.arange(0, WIDTH // 2)
     q = tl.load(w_base + srows[:, None] * stride_wn + (k0 + tl.arange(0, 128))[None, :])
+    if not BF16_FP4:
+        q = _unplace_words(q, WIDTH // 2)
     q = tl.permute(tl.reshape(q, (WIDTH // 16, 8, 4, 8, 2, 2)), (0, 4, 1, 2, 3, 5))
     packed = tl.reshape(q, (WIDTH, 64))  # row, byte (t, a, j)
     # One scale group of GROUP_K (16 or 32) spans 16 // G_STEP consecutive bytes of a t.
@@ -289,7 +409,7 @@ def _fragment_tile(
     s = tl.broadcast_to(tl.reshape(s, (WIDTH, 1, G_STEP, 1)), (WIDTH, 4, G_STEP, 16 // G_STEP))
     s = tl.reshape(s, (WIDTH, 64))
     if BF16_FP4:
-        lo, hi = _e2m1_halves_bf16(packed, s, s, MERGED_SCALE)
+        lo, hi = _e2m1_words_bf16(packed, s, s, MERGED_SCALE)
     else:
         lo = (_decode_e2m1(packed & 0xF) * s).to(COMPUTE)
         hi = (_decode_e2m1(packed >> 4) * s).to(COMPUTE)
