@@ -33,6 +33,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.backends.triton._prepare import placed_words  # noqa: E402
+from moerunner.backends.triton._weight_decode import e2m1_words  # noqa: E402
 from moerunner.backends.triton.options import TritonOptions  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -120,6 +122,12 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
         BF16_FP4=wf == K.WF_E2M1,
         HALF=half,
         MERGED_SCALE=merged,
+        E2M1_WORDS=e2m1_words(
+            frag and placed_words(options),
+            wf == K.WF_E2M1,
+            (2 if gemm1 else 1) * int(bn),
+            int(warps),
+        ),
         UNIFORM_WS=qdot and uniform,
         ROW_BLOCKS=False,
         # fp8_block GEMM1 quantizes GEMM2's input itself when its tile holds whole

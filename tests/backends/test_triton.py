@@ -679,12 +679,14 @@ def _unplaced_bytes(storage: torch.Tensor) -> torch.Tensor:
     return plain.to(torch.uint8).reshape(storage.shape)
 
 
-def _fragment_codes(storage: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _fragment_codes(storage: torch.Tensor, n: int, k: int, placed: bool) -> torch.Tensor:
     """Inverse of ``_prepare.fragment_packed`` written from its documented layout, element by
     element: storage row 8b + g, byte t*32 + a*4 + r*2 + j of chunk q holds weight row
     16b + 8r + g at k = 128q + 16a + 2t + j (low nibble) and k + 8 (high nibble), once each
-    4-byte word's bits are read back from their placement (``_unplaced_bytes``)."""
-    storage = _unplaced_bytes(storage)
+    4-byte word's bits are read back from their placement (``_unplaced_bytes``) if
+    ``placed``."""
+    if placed:
+        storage = _unplaced_bytes(storage)
     e, rows2, kp = storage.shape
     out = torch.full((e, 2 * rows2, kp), 255, dtype=torch.uint8)
     for b in range(rows2 // 8):
@@ -702,18 +704,22 @@ def _fragment_codes(storage: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("placed", [True, False])
 @pytest.mark.parametrize("n,k,pairs", [(32, 128, False), (48, 160, True), (300, 96, False)])
-def test_fragment_layout_keeps_every_nibble(n, k, pairs):
-    """The fragment layout holds every code of the packed weight at its documented place,
-    rows in gate/up pair order when asked, and zeros in the row and K padding."""
+def test_fragment_layout_keeps_every_nibble(n, k, pairs, placed):
+    """The fragment layout holds every code of the packed weight at its documented place
+    (words with their bits placed for the word decode, or plain bytes), rows in gate/up pair
+    order when asked, and zeros in the row and K padding; ``unfragment_packed`` undoes it."""
     gen = torch.Generator().manual_seed(n + k)
     codes = torch.randint(0, 16, (2, n, k), dtype=torch.uint8, generator=gen)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     order = _prepare.gate_up_pair_order(n) if pairs else None
-    storage = _prepare.fragment_packed(packed, k, order)
+    storage = _prepare.fragment_packed(packed, k, order, placed)
     n_pad, k_pad = -(-n // 256) * 256, -(-k // 128) * 128
     assert storage.shape == (2, n_pad // 2, k_pad)
-    got = _fragment_codes(storage, n, k)
+    back = _prepare.unfragment_packed(storage, n, k, order, placed)
+    assert torch.equal(back, packed)
+    got = _fragment_codes(storage, n, k, placed)
     want = codes if order is None else codes[:, order]
     if pairs:  # (gate c, up c): rows c and c + n / 2 of the stored weight
         assert torch.equal(want[:, 1], codes[:, n // 2]) and torch.equal(want[:, 2], codes[:, 1])
@@ -837,6 +843,60 @@ def test_fragment_layout_matches_torch_backend(scheme, activation, block_n):
     g2 = tile_config.TileConfig(16, 2 * block_n, 64, 1, 4, 2)  # block_k: 128 is forced
     out = experts.fused_standard(x, wts, ids, prepared, tiles=tile_config.MoeTiles(g1, g2))
     assert _rel(out, _run("torch", x, weights, act, wts, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
+def test_placed_and_plain_words_give_the_same_output(scheme):
+    """The fragment layout's words stored placed (``e2m1_placed_words=True``: off the GPU
+    the kernel puts them back to plain bytes before decoding) and stored plain give bit-equal
+    outputs on GPT-OSS-style tiles (interleaved gate/up, biases) of 32 and 128 weight rows."""
+    act = moerunner.Activation("swiglu_oai")
+    T, H, I, E, k = 5, 96, 64, 3, 2
+    torch.manual_seed(3)
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5, scheme),
+        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme),
+        torch.randn(E, 2 * I, device=DEVICE) * 0.1,
+        torch.randn(E, H, device=DEVICE) * 0.1,
+        True,
+    )
+    outs = []
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    wts = torch.rand(T, k, device=DEVICE)
+    g1 = tile_config.TileConfig(16, 64, 128, 1, 4, 2)
+    g2 = tile_config.TileConfig(16, 32, 128, 1, 4, 2)
+    for placed in (True, False):
+        backend = TritonBackend(TritonOptions(e2m1_placed_words=placed))
+        prepared = backend.prepare_weights(weights, weights.spec(act))
+        assert prepared.tensors["w13"].layout.placed_words is placed
+        tiles = tile_config.MoeTiles(g1, g2)
+        outs.append(experts.fused_standard(x, wts, ids, prepared, tiles=tiles))
+    assert torch.equal(outs[0], outs[1])
+    assert _rel(outs[0], _run("torch", x, weights, act, wts, ids)) < 1e-5
+
+
+def test_word_decode_is_chosen_per_tile_and_triton_version():
+    """Placed words are stored with the Triton versions the GPU suite checked (or when the
+    option forces it) and decoded as words only on tiles whose register layout was checked;
+    elsewhere the kernel unplaces them first, and plain words take the byte decode."""
+    import triton
+
+    D = _weight_decode
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    assert D.placed_words_checked() is ((major, minor) in D.PLACED_WORDS_TRITON)
+    assert _prepare.placed_words(TritonOptions()) is D.placed_words_checked()
+    assert _prepare.placed_words(TritonOptions(e2m1_placed_words=False)) is False
+    assert _prepare.placed_words(TritonOptions(e2m1_placed_words=True)) is True
+    w = moerunner.quantize(torch.randn(2, 64, 128, device=DEVICE), "mxfp4")
+    assert _prepare.kernel_weight(w).layout.placed_words is D.placed_words_checked()
+    with pytest.raises(TypeError, match="e2m1_placed_words must be a bool"):
+        TritonOptions(e2m1_placed_words="yes")
+    assert D.e2m1_words(False, True, 64, 4) == D.WORDS_PLAIN
+    assert D.e2m1_words(True, True, 64, 4) == D.WORDS_DECODE
+    assert D.e2m1_words(True, True, 32, 8) == D.WORDS_DECODE
+    assert D.e2m1_words(True, True, 32, 4) == D.WORDS_UNPLACE  # the layout that mixes words
+    assert D.e2m1_words(True, False, 64, 4) == D.WORDS_UNPLACE  # off the GPU, fp16/fp32
 
 
 def test_fragment_layout_rejects_a_tile_it_cannot_take():

@@ -266,6 +266,48 @@ def test_fragment_layout_bf16(scheme, activation, block_m, block_n, warps, stage
     assert torch.equal(out, serial)
 
 
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("gemm", [1, 2])
+def test_placed_words_decode_on_every_tile_width(gemm, warps):
+    """The word decode reads the four bytes that the compiler hands one assembly instance as
+    one stored word, which depends on the register layout of the tile: for every tile width
+    one GEMM can run (16 to 256 weight rows; the other GEMM on a fixed tile) and 4 or 8
+    warps, the weights stored placed give bit-equal outputs to the same weights stored as
+    plain bytes (byte decode), with the same tiles. Tiles ``word_decode_serves`` refuses
+    unplace first, so they are checked here too."""
+    from moerunner.backends.triton import TritonBackend, TritonOptions
+    from moerunner.backends.triton.experts import fused_standard
+    from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
+
+    dev = torch.device("cuda")
+    torch.manual_seed(gemm * 10 + warps)
+    H, I, E, T, k = 384, 256, 8, 37, 4
+    act = moerunner.Activation("swiglu_oai")
+    weights = ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, "mxfp4"),
+        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, "mxfp4"),
+        torch.randn(E, 2 * I, device=dev) * 0.1,
+        torch.randn(E, H, device=dev) * 0.1,
+        True,
+    )
+    placed, plain = (
+        TritonBackend(TritonOptions(e2m1_placed_words=p)).prepare_weights(
+            weights, weights.spec(act)
+        )
+        for p in (True, False)
+    )
+    x = torch.randn(T, H, device=dev).bfloat16()
+    ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int()
+    wts = torch.rand(T, k, device=dev)
+    fixed = TileConfig(16, 64, 128, 1, 4, 3)
+    for block_n in (16, 32, 64, 128) if gemm == 1 else (16, 32, 64, 128, 256):
+        tile = TileConfig(16, block_n, 128, 1, warps, 3)
+        tiles = MoeTiles(tile, fixed) if gemm == 1 else MoeTiles(fixed, tile)
+        got = fused_standard(x, wts, ids, placed, tiles=tiles)
+        want = fused_standard(x, wts, ids, plain, tiles=tiles)
+        assert torch.equal(got, want), (block_n, warps)
+
+
 @pytest.mark.parametrize(
     "block_m,block_n,warps,stages",
     [(16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 8, 3), (32, 64, 4, 3), (128, 64, 8, 3)],

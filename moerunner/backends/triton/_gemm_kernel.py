@@ -211,6 +211,7 @@ def _gemm_block(
     BF16_FP4: tl.constexpr,
     HALF: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
+    E2M1_WORDS: tl.constexpr,
     UNIFORM_WS: tl.constexpr,
     OUT_QUANT: tl.constexpr,
     INTER_DTYPE: tl.constexpr,
@@ -305,6 +306,7 @@ def _gemm_block(
                 SCALE_FMT,
                 BF16_FP4,
                 MERGED_SCALE,
+                E2M1_WORDS,
             )
             a = _a_tile(a_row_ptrs, k0, K, stride_ak, row_mask, BLOCK_K, EVEN_K, MASK_ROWS)
             acc_t = _mma(w_t, tl.trans(a), acc_t, False, IEEE)
@@ -556,6 +558,7 @@ def moe_gemm_kernel(
     BF16_FP4: tl.constexpr,
     HALF: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
+    E2M1_WORDS: tl.constexpr,
     UNIFORM_WS: tl.constexpr,
     ROW_BLOCKS: tl.constexpr,
     OUT_QUANT: tl.constexpr,
@@ -590,6 +593,8 @@ def moe_gemm_kernel(
     tile (an expert's last block: with ~BLOCK_M rows per expert about a third of all blocks).
     HALF: packed 4-bit weights in the split layout with chunks of 2 * HALF along K (0: not
     packed). MERGED_SCALE: e8m0 scales small enough to carry the fp4 decode's 2^126.
+    E2M1_WORDS: how the fragment layout's words are stored and decoded
+    (``_weight_decode.WORDS_*``).
     FRAG: e2m1 weights in the fragment layout (``_prepare.fragment_packed``; BLOCK_K 128): the
     tile's weight rows are rows pid_n * WIDTH on of that layout (w13 as gate/up row pairs),
     decoded in registers as the MMA's left operand against the transposed A tile.
@@ -715,6 +720,7 @@ def moe_gemm_kernel(
                 BF16_FP4,
                 HALF,
                 MERGED_SCALE,
+                E2M1_WORDS,
                 UNIFORM_WS,
                 OUT_QUANT,
                 INTER_DTYPE,

@@ -25,7 +25,7 @@ from ...quant.schemes import QuantScheme
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from ..base import SchemeSupport
 from . import _gemm_kernel as K
-from ._weight_decode import e2m1_word_bits
+from ._weight_decode import e2m1_word_bits, placed_words_checked
 from .options import DEFAULT_OPTIONS, TritonOptions
 from .tile_config import TileSource, find_tiles
 
@@ -215,7 +215,14 @@ def kernel_weight(
         n, k = w.shape[1], w.shape[2]
         if fragment_ok(scheme, options):
             consts["FRAG"] = True
-            layout = WeightLayout("fragment", n, k, group_k=group_k, gate_up_pairs=gate_up_pairs)
+            layout = WeightLayout(
+                "fragment",
+                n,
+                k,
+                group_k=group_k,
+                gate_up_pairs=gate_up_pairs,
+                placed_words=placed_words(options),
+            )
         else:
             half = consts["HALF"] = split_half(scheme)
             layout = WeightLayout("split", n, k, half=half, pad_scales=half == group_k)
@@ -324,6 +331,14 @@ def fragment_ok(scheme: Any, options: TritonOptions = DEFAULT_OPTIONS) -> bool:
     )
 
 
+def placed_words(options: TritonOptions = DEFAULT_OPTIONS) -> bool:
+    """Whether the fragment layout stores its words placed for the word decode
+    (``TritonOptions.e2m1_placed_words``; ``None``: with the Triton versions checked on a GPU)."""
+    if options.e2m1_placed_words is None:
+        return placed_words_checked()
+    return options.e2m1_placed_words
+
+
 def weight_layout(w: KernelWeight) -> str | None:
     """Name of ``w``'s prepared layout where its tiles are tuned apart from the scheme's
     default: "fragment" for e2m1 in the fragment layout, else None."""
@@ -341,13 +356,14 @@ def _round_up(x: int, m: int) -> int:
 
 
 def fragment_packed(
-    data: torch.Tensor, k: int, row_order: torch.Tensor | None = None
+    data: torch.Tensor, k: int, row_order: torch.Tensor | None = None, placed: bool = True
 ) -> torch.Tensor:
     """Packed e2m1 ``[E, N, K/2]`` (byte j: k = 2j low nibble, 2j + 1 high) to the fragment
     layout ``[E, N_pad / 2, K_pad]`` (module comment above): rows taken in ``row_order``
     (default: as stored) and zero-padded to a multiple of ``FRAGMENT_ROWS``, K zero-padded
     to a multiple of ``FRAGMENT_K``. Storage row ``8b + g`` holds weight rows ``16b + g``
-    and ``16b + g + 8``. Done once per expert at prepare time."""
+    and ``16b + g + 8``. ``placed``: each word's bits placed for the word decode
+    (``e2m1_word_bits``), else plain bytes. Done once per expert at prepare time."""
     e, n, _ = data.shape
     n_pad, k_pad = _round_up(n, FRAGMENT_ROWS), _round_up(k, FRAGMENT_K)
     out = torch.empty(e, n_pad // 2, k_pad, dtype=torch.uint8, device=data.device)
@@ -360,7 +376,7 @@ def fragment_packed(
         c = codes.view(n_pad // 16, 2, 8, k_pad // FRAGMENT_K, 8, 2, 4, 2)
         byte = c[..., 0, :, :] | (c[..., 1, :, :] << 4)  # block, r, g, chunk, a, t, j
         plain = byte.permute(0, 2, 3, 5, 4, 1, 6).reshape(n_pad // 2, k_pad)
-        out[i] = _permute_word_bits(plain, e2m1_word_bits())
+        out[i] = _permute_word_bits(plain, e2m1_word_bits()) if placed else plain
     return out
 
 
@@ -385,13 +401,18 @@ def _inverse_bits(bits: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def unfragment_packed(
-    data: torch.Tensor, n: int, k: int, row_order: torch.Tensor | None = None
+    data: torch.Tensor,
+    n: int,
+    k: int,
+    row_order: torch.Tensor | None = None,
+    placed: bool = True,
 ) -> torch.Tensor:
     """Inverse of ``fragment_packed``: the fragment layout of ``n`` rows (stored in
-    ``row_order``) and ``k`` columns back to packed ``[E, N, K/2]``."""
+    ``row_order``, words ``placed`` or plain) and ``k`` columns back to packed ``[E, N, K/2]``."""
     e, half_rows, k_pad = data.shape
     n_pad = 2 * half_rows
-    data = _permute_word_bits(data, _inverse_bits(e2m1_word_bits()))
+    if placed:
+        data = _permute_word_bits(data, _inverse_bits(e2m1_word_bits()))
     # storage (block, g, chunk, t, a, r, j) -> (block, r, g, chunk, a, t, j)
     byte = data.view(e, n_pad // 16, 8, k_pad // FRAGMENT_K, 4, 8, 2, 2)
     byte = byte.permute(0, 1, 6, 2, 3, 5, 4, 7)
@@ -428,7 +449,8 @@ class WeightLayout:
     - "split": packed 4-bit in chunks of ``2 * half`` along K (``split_packed``), group
       scales zero-padded to 16-byte rows when ``pad_scales`` (``pad_scale_groups``);
     - "fragment": packed e2m1 in MMA fragment order (``fragment_packed``), rows as (gate,
-      up) pairs when ``gate_up_pairs``, scales to match (``fragment_scales``).
+      up) pairs when ``gate_up_pairs``, scales to match (``fragment_scales``), words with
+      their bits placed for the word decode when ``placed_words``.
 
     ``rows`` and ``k`` are the canonical weight's N and K; ``group_k`` its scale group."""
 
@@ -439,6 +461,7 @@ class WeightLayout:
     pad_scales: bool = False
     group_k: int = 0
     gate_up_pairs: bool = False
+    placed_words: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("stored", "split", "fragment"):
@@ -463,7 +486,7 @@ class WeightLayout:
                 scale = pad_scale_groups(scale)
         elif self.kind == "fragment":
             order = self._row_order()
-            data = fragment_packed(data, self.k, order)
+            data = fragment_packed(data, self.k, order, self.placed_words)
             if scale is not None:
                 scale = fragment_scales(scale, self.k, self.group_k, order)
         return data, scale
@@ -478,7 +501,7 @@ class WeightLayout:
                 scale = scale[..., : -(-self.k // self.half)]
         elif self.kind == "fragment":
             order = self._row_order()
-            data = unfragment_packed(data, self.rows, self.k, order)
+            data = unfragment_packed(data, self.rows, self.k, order, self.placed_words)
             if scale is not None:
                 scale = scale[:, : self.rows, : -(-self.k // self.group_k)]
                 if order is not None:

@@ -101,6 +101,51 @@ _E2M1_BF16_MERGED_ASM = tl.constexpr(_e2m1_bf16_asm(merged=True))
 # search over such placements: 11 integer instructions per word, against 15 (8 LOP3, 4 SHF,
 # 3 PRMT in the byte-local decode's SASS).
 E2M1_WORD_RECIPES = ((0, 10), (4, 2), (5, 5), (15, 15))
+
+# How a fragment-layout GEMM reads its words (kernel constexpr E2M1_WORDS):
+# - WORDS_PLAIN: stored as plain bytes, decoded byte by byte (``_e2m1_halves_bf16``, or the
+#   float32 decode off the GPU);
+# - WORDS_UNPLACE: stored placed, put back to plain bytes in the kernel first
+#   (``_unplace_words``), then decoded as plain ones;
+# - WORDS_DECODE: stored placed, decoded four bytes at a time (``_e2m1_words_bf16``).
+# The word decode is only right where the four bytes that the compiler hands one assembly
+# instance are one stored word in memory order. That depends on the register layout Triton
+# picks for the tile, so it is used only where the GPU suite has checked it: with the Triton
+# versions in PLACED_WORDS_TRITON (weights of other versions are stored plain) and on tiles
+# ``word_decode_serves`` admits.
+WORDS_PLAIN, WORDS_UNPLACE, WORDS_DECODE = 0, 1, 2
+_WORDS_UNPLACE = tl.constexpr(WORDS_UNPLACE)
+_WORDS_DECODE = tl.constexpr(WORDS_DECODE)
+PLACED_WORDS_TRITON = ((3, 6),)
+
+
+def placed_words_checked() -> bool:
+    """Whether this Triton's version is one the word decode was checked with on a GPU."""
+    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
+    return (major, minor) in PLACED_WORDS_TRITON
+
+
+def word_decode_serves(width: int, num_warps: int) -> bool:
+    """Whether a fragment-layout tile of ``width`` weight rows (2 * BLOCK_N for a gated
+    GEMM1) and ``num_warps`` warps decodes placed words as words. On an H100 with Triton 3.6
+    every tile of 16-128 token rows, 16-256 weight rows and 4 or 8 warps got the words in
+    memory order (outputs bit-identical to the split layout's) except 32 weight rows with 4
+    warps, whose assembly instances get bytes of two words (relative error 1.3-1.4); those
+    put the words back to plain bytes first (``WORDS_UNPLACE``)."""
+    return not (width == 32 and num_warps == 4)
+
+
+def e2m1_words(placed: bool, bf16_fp4: bool, width: int, num_warps: int) -> int:
+    """E2M1_WORDS of a fragment-layout launch: weights stored ``placed`` (or plain), decoded
+    through the packed bf16 assembly (``bf16_fp4``) or not, on a tile of ``width`` weight rows
+    and ``num_warps`` warps."""
+    if not placed:
+        return WORDS_PLAIN
+    if bf16_fp4 and word_decode_serves(width, num_warps):
+        return WORDS_DECODE
+    return WORDS_UNPLACE
+
+
 _DS0, _DM0 = tl.constexpr(E2M1_WORD_RECIPES[0][0]), tl.constexpr(E2M1_WORD_RECIPES[0][1])
 _DS1, _DM1 = tl.constexpr(E2M1_WORD_RECIPES[1][0]), tl.constexpr(E2M1_WORD_RECIPES[1][1])
 _DS2, _DM2 = tl.constexpr(E2M1_WORD_RECIPES[2][0]), tl.constexpr(E2M1_WORD_RECIPES[2][1])
@@ -384,6 +429,7 @@ def _fragment_tile(
     SCALE_FMT: tl.constexpr,
     BF16_FP4: tl.constexpr,
     MERGED_SCALE: tl.constexpr,
+    E2M1_WORDS: tl.constexpr,
 ):
     """Dequantized ``[WIDTH, 128]`` tile (weight rows ``row0`` on, K from ``k0``) of e2m1
     weights in the fragment layout of ``_prepare.fragment_packed``, in ``COMPUTE``: the MMA's
@@ -393,7 +439,7 @@ def _fragment_tile(
     # storage row are (t, a, r, j) with the MMA's thread-in-group t outermost.
     srows = row0 // 2 + tl.arange(0, WIDTH // 2)
     q = tl.load(w_base + srows[:, None] * stride_wn + (k0 + tl.arange(0, 128))[None, :])
-    if not BF16_FP4:
+    if E2M1_WORDS == _WORDS_UNPLACE:
         q = _unplace_words(q, WIDTH // 2)
     q = tl.permute(tl.reshape(q, (WIDTH // 16, 8, 4, 8, 2, 2)), (0, 4, 1, 2, 3, 5))
     packed = tl.reshape(q, (WIDTH, 64))  # row, byte (t, a, j)
@@ -408,8 +454,10 @@ def _fragment_tile(
         s = _decode_scale(s, SCALE_FMT)
     s = tl.broadcast_to(tl.reshape(s, (WIDTH, 1, G_STEP, 1)), (WIDTH, 4, G_STEP, 16 // G_STEP))
     s = tl.reshape(s, (WIDTH, 64))
-    if BF16_FP4:
+    if E2M1_WORDS == _WORDS_DECODE:
         lo, hi = _e2m1_words_bf16(packed, s, s, MERGED_SCALE)
+    elif BF16_FP4:
+        lo, hi = _e2m1_halves_bf16(packed, s, s, MERGED_SCALE)
     else:
         lo = (_decode_e2m1(packed & 0xF) * s).to(COMPUTE)
         hi = (_decode_e2m1(packed >> 4) * s).to(COMPUTE)

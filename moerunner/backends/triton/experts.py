@@ -43,6 +43,7 @@ from ._align import (
 from ._launch import cdiv as _cdiv
 from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
 from ._quant_kernel import quantize_rows
+from ._weight_decode import e2m1_words
 from .options import TritonOptions
 from .tile_config import MoeTiles, TileConfig
 
@@ -392,6 +393,14 @@ def _launch_gemm(
             "the fragment layout store gate/up row pairs"
         )
     d_strides = (delta.stride(0), delta.stride(1)) if delta is not None else (0, 0)
+    # fp4 -> bf16 through packed integer ops (inline PTX: compiled GPU code only).
+    bf16_fp4 = (
+        consts["W_FORMAT"] == K.WF_E2M1
+        and a.dtype == torch.bfloat16
+        and a.is_cuda
+        and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)
+    )
+    width = 2 * tile.block_n if gated else tile.block_n
     _launch.launch(
         K.moe_gemm_kernel,
         grid,
@@ -441,13 +450,8 @@ def _launch_gemm(
         HAS_BIAS=bias is not None,
         MUL_ROUTE_W=route_w is not None,
         IEEE=a.dtype == torch.float32,
-        # fp4 -> bf16 through packed integer ops (inline PTX: compiled GPU code only).
-        BF16_FP4=(
-            consts["W_FORMAT"] == K.WF_E2M1
-            and a.dtype == torch.bfloat16
-            and a.is_cuda
-            and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)
-        ),
+        BF16_FP4=bf16_fp4,
+        E2M1_WORDS=e2m1_words(w.layout.placed_words, bf16_fp4, width, tile.num_warps),
         UNIFORM_WS=_uniform_block_scale(consts, tile.block_n, n_out, gated, interleaved),
         ROW_BLOCKS=rows.row_blocks,
         OUT_QUANT=out_scale is not None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 E2M1_LAYOUTS = ("fragment", "split")
 AUTOTUNE_MODES = ("off", "first_call")
 # Fields that change what ``prepare_weights`` makes (the rest only change launches).
-PREPARE_TIME_FIELDS = ("e2m1_layout", "tile_dirs")
+PREPARE_TIME_FIELDS = ("e2m1_layout", "e2m1_placed_words", "tile_dirs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,15 @@ class TritonOptions:
     #: wants those microseconds back chooses ``"split"``; ``moerunner tune --e2m1-layout``
     #: tunes either layout.
     e2m1_layout: str = "fragment"
+    #: *Prepare time.* The fragment layout stores each 4-byte word with its bits placed for a
+    #: rotate-and-mask decode (``_weight_decode.e2m1_word_bits``: 11 integer instructions per
+    #: 8 values against 15 for plain bytes). mxfp4 on an H100, same process, alternating
+    #: (``benchmarks/version_ab.py``): geomean 1.052x over four presets at T = 1, 16, 64 and
+    #: 4096, 1.008-1.120x per point. The decode relies on the register layout Triton picks,
+    #: so ``None`` (the default) places the words only with the Triton versions whose GPU
+    #: suite checked it (``_weight_decode.PLACED_WORDS_TRITON``) and stores plain bytes
+    #: elsewhere; ``True`` / ``False`` force either.
+    e2m1_placed_words: bool | None = None
     #: Launch through the compiled-kernel cache of ``_launch`` (False: always through Triton's
     #: JIT launch, which costs 58 against 13 us of CPU per GEMM launch on an H200 host).
     launch_cache: bool = True
@@ -131,6 +140,8 @@ class TritonOptions:
         _check_int(self, "split_max_blocks_per_expert", 0)
         _check_int(self, "lora_group_min_rows_per_pair", 0)
         _check_int(self, "min_group_m", 1)
+        if self.e2m1_placed_words is not None:
+            _check_bool(self, "e2m1_placed_words")
         if self.split_min_block_m is not None:
             _check_int(self, "split_min_block_m", 2)
         if not isinstance(self.e2m1_layout, str):
