@@ -189,9 +189,10 @@ def k_blocked(scheme: str | QuantScheme) -> bool:
 # files shipped in ``configs/`` (H100 and H200; GPT-OSS, Qwen3-30B, DeepSeek-V3, Mixtral):
 # across those shapes the tuner's BLOCK_M follows the rows an expert gets, not E, N or K, and
 # within a row band the same few tiles win. Where the two GPUs disagree the H100's choice is
-# taken, except from 64 to 160 rows per expert: there the H100 files keep 64-row tiles (at
-# 128 rows: GPT-OSS-120B and DeepSeek-V3, T = 4096), but on both GPUs the four shapes
-# without a file (E 16-64, I 1024-10752) ran 1.2x faster with 128-row ones (see "plain").
+# taken, except from 64 to 160 rows per expert: there some H100 files keep 64-row tiles
+# (Qwen3-30B-A3B T = 1024, Mixtral-8x7B T = 256; re-tuned 128-row ones ran within 1 % of
+# them), but on both GPUs the four shapes without a file (E 16-64, I 1024-10752) ran 1.2x
+# faster with 128-row ones (see "plain").
 # Each row is (rows per expert up
 # to, GEMM1 tile, GEMM2 tile); every tile is one that ``tune.candidate_tiles`` searches for
 # that band, so a tuned file can only improve on it. Every band keeps far more tiles than an
@@ -217,8 +218,11 @@ _DEFAULT_TILES: dict[str, tuple[tuple[float, TileConfig, TileConfig], ...]] = {
     ),
     # 8-bit operands (fp8 / int8 weights against quantized inputs): K steps of 128 (a
     # block-scaled K block or a multiple of its divisors), and 64-row tiles from 24 rows per
-    # expert up (the tuner's H100 choice from 32 to 512 rows); GEMM1's 128 columns are
-    # whole groups, so it quantizes GEMM2's fp8_group128 input in its epilogue.
+    # expert up (the tuner's H100 choice from 32 to 512 rows until padding rows stopped
+    # being read; since then both GPUs' DeepSeek-V3 fp8_block files take 128-row tiles with
+    # a 64-column GEMM1 from 128 rows on, not yet measured on shapes without a file); GEMM1's
+    # 128 columns are whole groups, so it quantizes GEMM2's fp8_group128 input in its
+    # epilogue.
     "qdot8": (
         (12, TileConfig(16, 128, 128, 1, 4, 3), TileConfig(16, 128, 128, 1, 4, 3)),
         (24, TileConfig(32, 128, 128, 1, 4, 3), TileConfig(32, 128, 128, 1, 4, 3)),
