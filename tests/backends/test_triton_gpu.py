@@ -33,6 +33,17 @@ def _run(backend, x, weights, act, wts, ids):
     return runner.run(StandardDispatchOutput(x, TopK(wts, ids)), prepared)
 
 
+def _gpt_oss_mxfp4(E, H, I, dev):
+    """Random GPT-OSS-style mxfp4 experts: interleaved gate/up rows with biases."""
+    return ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, "mxfp4"),
+        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, "mxfp4"),
+        torch.randn(E, 2 * I, device=dev) * 0.1,
+        torch.randn(E, H, device=dev) * 0.1,
+        True,
+    )
+
+
 def _rel(a, b):
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).norm() / b.norm()).item()
@@ -106,7 +117,7 @@ def _fp4_decode_kernel(q_ptr, s_ptr, lo_ptr, hi_ptr, SCALE_FMT: tl.constexpr, ME
     r = tl.arange(0, 256)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [byte, scale]
     q = tl.load(q_ptr + r // 16)
     s = _scale_bf16(tl.load(s_ptr + r % 16), SCALE_FMT, MERGED)
-    lo, hi = _e2m1_halves_bf16(q, s, s, MERGED)
+    lo, hi = _e2m1_halves_bf16(q, s, s, MERGED, False)
     tl.store(lo_ptr + r, lo)
     tl.store(hi_ptr + r, hi)
 
@@ -283,13 +294,7 @@ def test_placed_words_decode_on_every_tile_width(gemm, warps):
     torch.manual_seed(gemm * 10 + warps)
     H, I, E, T, k = 384, 256, 8, 37, 4
     act = moerunner.Activation("swiglu_oai")
-    weights = ExpertWeights(
-        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, "mxfp4"),
-        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, "mxfp4"),
-        torch.randn(E, 2 * I, device=dev) * 0.1,
-        torch.randn(E, H, device=dev) * 0.1,
-        True,
-    )
+    weights = _gpt_oss_mxfp4(E, H, I, dev)
     placed, plain = (
         TritonBackend(TritonOptions(e2m1_placed_words=p)).prepare_weights(
             weights, weights.spec(act)
@@ -326,13 +331,7 @@ def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages):
     H = I = 2880
     E, T, k = 8, 64, 4
     act = moerunner.Activation("swiglu_oai")
-    weights = ExpertWeights(
-        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, "mxfp4"),
-        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, "mxfp4"),
-        torch.randn(E, 2 * I, device=dev) * 0.1,
-        torch.randn(E, H, device=dev) * 0.1,
-        True,
-    )
+    weights = _gpt_oss_mxfp4(E, H, I, dev)
     in_flight = TritonOptions(e2m1_layout="fragment", fragment_async_mma=True)
     frag = TritonBackend(in_flight).prepare_weights(weights, weights.spec(act))
     serialized = with_options(frag, TritonOptions(fragment_async_mma=False))

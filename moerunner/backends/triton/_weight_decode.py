@@ -107,7 +107,8 @@ E2M1_WORD_RECIPES = ((0, 10), (4, 2), (5, 5), (15, 15))
 #   float32 decode off the GPU);
 # - WORDS_UNPLACE: stored placed, put back to plain bytes in the kernel first
 #   (``_unplace_words``), then decoded as plain ones;
-# - WORDS_DECODE: stored placed, decoded four bytes at a time (``_e2m1_words_bf16``).
+# - WORDS_DECODE: stored placed, decoded four bytes at a time (``_e2m1_halves_bf16`` with
+#   PLACED).
 # The word decode is only right where the four bytes that the compiler hands one assembly
 # instance are one stored word in memory order. That depends on the register layout Triton
 # picks for the tile, so it is used only where the GPU suite has checked it: with the Triton
@@ -177,8 +178,8 @@ def _rotated_word(lines: list[str], d: int, reg: str) -> str:
 
 
 def _e2m1_word_asm(merged: bool) -> str:
-    """PTX of ``_e2m1_words_bf16``: the operand ``$4`` is a placed word (``e2m1_word_bits``);
-    outputs and scales as ``_e2m1_bf16_asm``'s."""
+    """PTX of ``_e2m1_halves_bf16`` with PLACED: the operand ``$4`` is a placed word
+    (``e2m1_word_bits``); outputs and scales as ``_e2m1_bf16_asm``'s."""
     lines = [
         ".reg .b32 s, g, r, v, bias, nz;",
         "mov.b32 bias, 0x7E807E80;",
@@ -199,22 +200,6 @@ def _e2m1_word_asm(merged: bool) -> str:
 
 _E2M1_WORD_ASM = tl.constexpr(_e2m1_word_asm(merged=False))
 _E2M1_WORD_MERGED_ASM = tl.constexpr(_e2m1_word_asm(merged=True))
-
-
-@triton.jit
-def _e2m1_words_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
-    """``_e2m1_halves_bf16`` for placed words (``e2m1_word_bits``): the same outputs, four
-    bytes per instance, which must be one stored word in memory order (checked on an H200:
-    the kernel with an assembly that rotates its operand's bytes equals, bit for bit, the
-    plain kernel on weights rotated within each 4-byte memory word, and no other order)."""
-    return tl.inline_asm_elementwise(
-        asm=_E2M1_WORD_MERGED_ASM if MERGED else _E2M1_WORD_ASM,
-        constraints="=r,=r,=r,=r,r,r,r,r,r",
-        args=[packed, scale_lo, scale_hi],
-        dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=4,
-    )
 
 
 @triton.jit
@@ -254,15 +239,22 @@ def _unplace_words(q, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_halves_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr):
+def _e2m1_halves_bf16(packed, scale_lo, scale_hi, MERGED: tl.constexpr, PLACED: tl.constexpr):
     """Packed bytes -> (low nibbles * scale_lo, high nibbles * scale_hi) in bf16, on the GPU.
 
     Four bytes per instance in packed integer ops (``_e2m1_bf16_asm``). Products of e2m1 with
     e8m0 or e4m3 scales are exact in bf16. The scales are bf16 tensors of packed's shape, from
-    ``_scale_bf16`` with the same ``MERGED``.
+    ``_scale_bf16`` with the same ``MERGED``. ``PLACED``: the bytes are placed words
+    (``e2m1_word_bits``) for the word decode (``_e2m1_word_asm``), with the same outputs; an
+    instance's four bytes must then be one stored word in memory order (``e2m1_words``
+    decides where; on an H200 the kernel with an assembly that rotates its operand's bytes
+    equalled, bit for bit, the plain kernel on weights rotated within each 4-byte memory
+    word, and no other order).
     """
     return tl.inline_asm_elementwise(
-        asm=_E2M1_BF16_MERGED_ASM if MERGED else _E2M1_BF16_ASM,
+        asm=(_E2M1_WORD_MERGED_ASM if MERGED else _E2M1_WORD_ASM)
+        if PLACED
+        else (_E2M1_BF16_MERGED_ASM if MERGED else _E2M1_BF16_ASM),
         constraints="=r,=r,=r,=r,r,r,r,r,r",
         args=[packed, scale_lo, scale_hi],
         dtype=(tl.bfloat16, tl.bfloat16),
@@ -388,6 +380,7 @@ def _split_halves(
             tl.broadcast_to(_scale_bf16(s_lo, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
             tl.broadcast_to(_scale_bf16(s_hi, SCALE_FMT, MERGED_SCALE)[None, :], packed.shape),
             MERGED_SCALE,
+            False,
         )
     else:
         lo = packed & 0xF
@@ -454,10 +447,8 @@ def _fragment_tile(
         s = _decode_scale(s, SCALE_FMT)
     s = tl.broadcast_to(tl.reshape(s, (WIDTH, 1, G_STEP, 1)), (WIDTH, 4, G_STEP, 16 // G_STEP))
     s = tl.reshape(s, (WIDTH, 64))
-    if E2M1_WORDS == _WORDS_DECODE:
-        lo, hi = _e2m1_words_bf16(packed, s, s, MERGED_SCALE)
-    elif BF16_FP4:
-        lo, hi = _e2m1_halves_bf16(packed, s, s, MERGED_SCALE)
+    if BF16_FP4:
+        lo, hi = _e2m1_halves_bf16(packed, s, s, MERGED_SCALE, E2M1_WORDS == _WORDS_DECODE)
     else:
         lo = (_decode_e2m1(packed & 0xF) * s).to(COMPUTE)
         hi = (_decode_e2m1(packed >> 4) * s).to(COMPUTE)
