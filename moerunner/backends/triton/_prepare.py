@@ -312,8 +312,9 @@ def unsplit_packed(data: torch.Tensor, k: int, half: int) -> torch.Tensor:
 # 0 for row g and 1 for g + 8, j = 0, 1) holds k = 16a + 2t + j in its low nibble and
 # k = 16a + 8 + 2t + j in its high one. So a 4-byte word decodes into four bf16x2 registers
 # that are MMA fragments as they stand, its 8 values share one scale group of 16 or 32 per
-# row, and a thread loads its bytes 16 at a time. Each word's 32 bits are then placed for
-# that decode (``_weight_decode.e2m1_word_bits``: a rotate and a mask per register).
+# row, and a thread loads its bytes 16 at a time. Where ``placed_words`` says so, each
+# word's 32 bits are then placed for that decode (``_weight_decode.e2m1_word_bits``: a
+# rotate and a mask per register).
 FRAGMENT_K = 128
 # Rows are zero-padded to a multiple of the widest tile (2 * BLOCK_N <= 256 rows).
 FRAGMENT_ROWS = 256
