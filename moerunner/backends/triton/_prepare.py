@@ -357,7 +357,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def fragment_packed(
-    data: torch.Tensor, k: int, row_order: torch.Tensor | None = None, placed: bool = True
+    data: torch.Tensor, k: int, row_order: torch.Tensor | None = None, placed: bool = False
 ) -> torch.Tensor:
     """Packed e2m1 ``[E, N, K/2]`` (byte j: k = 2j low nibble, 2j + 1 high) to the fragment
     layout ``[E, N_pad / 2, K_pad]`` (module comment above): rows taken in ``row_order``
@@ -406,7 +406,7 @@ def unfragment_packed(
     n: int,
     k: int,
     row_order: torch.Tensor | None = None,
-    placed: bool = True,
+    placed: bool = False,
 ) -> torch.Tensor:
     """Inverse of ``fragment_packed``: the fragment layout of ``n`` rows (stored in
     ``row_order``, words ``placed`` or plain) and ``k`` columns back to packed ``[E, N, K/2]``."""
