@@ -68,6 +68,8 @@ def _signature(scale_ty: str, a_ty: str, w_ty: str, out_ty: str) -> dict[str, st
         "num_padded_ptr": "*i32",
         "route_w_ptr": "*fp32",
         "delta_ptr": "*fp32",
+        "ids_ptr": "*i32",
+        "block_done_ptr": "*i32",
     }
     sig = {}
     for param in K.moe_gemm_kernel.params:
@@ -142,6 +144,16 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
         K_NONEMPTY=frag and options.fragment_async_mma,
         HAS_DELTA=False,
         MASK_ROWS=options.mask_padding_rows,
+        # The early prefetch as a decode call launches it (64 rows of 128 experts).
+        EARLY=(K.EARLY_FROM_IDS if gemm1 else K.EARLY_FROM_BLOCKS)
+        if frag and options.early_prefetch_steps
+        else K.EARLY_NONE,
+        EARLY_STEPS=max(1, options.early_prefetch_steps),
+        IDS_POW2=64,
+        E_POW2=128,
+        STREAM=(K.STREAM_PUBLISH if gemm1 else K.STREAM_CONSUME)
+        if options.stream_gemms
+        else K.STREAM_NONE,
     )
     consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm), options=options)
     fn = K.moe_gemm_kernel

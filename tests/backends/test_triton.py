@@ -24,10 +24,14 @@ from moerunner.weights import ExpertWeights
 
 triton_pkg = pytest.importorskip("moerunner.backends.triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from moerunner.backends.triton import (  # noqa: E402
     TritonBackend,
     TritonOptions,
     _align,
+    _gemm_kernel,
     _prepare,
     _weight_decode,
     experts,
@@ -35,6 +39,7 @@ from moerunner.backends.triton import (  # noqa: E402
 )
 
 OPTIONS = TritonOptions()
+K = _gemm_kernel
 
 if not triton_pkg.interpreted() and not torch.cuda.is_available():
     pytest.skip("triton backend cannot run here", allow_module_level=True)
@@ -96,6 +101,66 @@ def test_alignment_kernel_equals_reference(rows, experts, block_m, multi):
     assert int(n) == used and used % block_m == 0
     assert torch.equal(s[:used].cpu(), want_s)
     assert torch.equal(b[: used // block_m].cpu(), want_b)
+
+
+@triton.jit
+def _experts_of_blocks_kernel(
+    ids_ptr, out_ptr, num_rows, num_experts, BLOCK_M: tl.constexpr, IDS: tl.constexpr,
+    EP: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    expert = _gemm_kernel._block_expert_from_ids(
+        ids_ptr, num_rows, num_experts, pid, BLOCK_M, IDS, EP
+    )
+    tl.store(out_ptr + pid, expert)
+
+
+@pytest.mark.parametrize(
+    "rows,experts,block_m",
+    [(1, 4, 16), (37, 8, 16), (64, 128, 16), (256, 128, 16), (100, 3, 64), (50, 20, 16)],
+)
+def test_gemm1_prefetch_computes_the_alignments_block_experts(rows, experts, block_m):
+    """GEMM1's early prefetch computes each block's expert from the row ids while the
+    alignment runs: it must name the expert the alignment gives the block (-1 past the
+    used blocks), with -1 ids and ids past E ignored as the alignment ignores them."""
+    gen = torch.Generator().manual_seed(rows * experts)
+    ids = torch.randint(-1, experts + 2, (rows,), generator=gen, dtype=torch.int32).to(DEVICE)
+    cap = _align.max_padded_rows(rows, experts, block_m)
+    s = torch.empty(cap, dtype=torch.int32, device=DEVICE)
+    b = torch.empty(cap // block_m, dtype=torch.int32, device=DEVICE)
+    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    _align.align_rows(ids, experts, block_m, s, b, n, options=OPTIONS)
+    used = int(n) // block_m
+    got = torch.empty(cap // block_m, dtype=torch.int32, device=DEVICE)
+    _experts_of_blocks_kernel[(cap // block_m,)](
+        ids, got, rows, experts, block_m, triton.next_power_of_2(rows),
+        max(16, triton.next_power_of_2(experts)),
+    )  # fmt: skip
+    assert torch.equal(got[:used].cpu(), b[:used].cpu())
+    assert (got[used:] == -1).all()
+
+
+def test_early_prefetch_launch_values():
+    """Steps a power of two within K (0 or a block without experts: off); the ids path off
+    once its one-hot of rows x experts would pass the bound."""
+    opts = TritonOptions(early_prefetch_steps=6)
+    none = (K.EARLY_NONE, 1, 1, 1)
+    assert experts.early_prefetch(K.EARLY_FROM_BLOCKS, 23, 128, 64, opts) == (
+        K.EARLY_FROM_BLOCKS, 4, 1, 1,
+    )  # fmt: skip
+    assert experts.early_prefetch(K.EARLY_FROM_BLOCKS, 3, 128, 64, opts)[1] == 2
+    assert experts.early_prefetch(K.EARLY_FROM_IDS, 23, 128, 64, opts) == (
+        K.EARLY_FROM_IDS, 4, 64, 128,
+    )  # fmt: skip
+    limit = experts.EARLY_IDS_MAX_ELEMENTS
+    assert experts.early_prefetch(K.EARLY_FROM_IDS, 23, 128, limit // 128 + 1, opts) == none
+    assert experts.early_prefetch(K.EARLY_NONE, 23, 128, 64, opts) == none
+    off = TritonOptions(early_prefetch_steps=0)
+    assert experts.early_prefetch(K.EARLY_FROM_BLOCKS, 23, 128, 64, off) == none
+    with pytest.raises(ValueError, match="early_prefetch_steps"):
+        TritonOptions(early_prefetch_steps=-1)
+    with pytest.raises(TypeError, match="stream_gemms"):
+        TritonOptions(stream_gemms=1)
 
 
 def test_alignment_rejects_small_scratch():

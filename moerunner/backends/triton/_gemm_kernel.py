@@ -24,6 +24,7 @@ from ._quant_kernel import quant_groups_e4m3
 from ._weight_decode import (
     _column,
     _decode_scale,
+    _fragment_prefetch,
     _fragment_tile,
     _half_group_codes,
     _plain_tile,
@@ -42,6 +43,14 @@ ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 # weight's K block, GROUP_K).
 AS_NONE, AS_ROW, AS_GROUP = 0, 1, 2
 AS_GROUP128 = AS_GROUP  # its former name
+# Where a GEMM's early L2 prefetch finds its tile's expert (constexpr EARLY).
+EARLY_NONE, EARLY_FROM_BLOCKS, EARLY_FROM_IDS = 0, 1, 2
+_EARLY_NONE = tl.constexpr(EARLY_NONE)
+_EARLY_FROM_IDS = tl.constexpr(EARLY_FROM_IDS)
+# GEMM1 -> GEMM2 streaming per block (constexpr STREAM).
+STREAM_NONE, STREAM_PUBLISH, STREAM_CONSUME = 0, 1, 2
+_STREAM_PUBLISH = tl.constexpr(STREAM_PUBLISH)
+_STREAM_CONSUME = tl.constexpr(STREAM_CONSUME)
 
 
 @triton.jit
@@ -492,6 +501,40 @@ def _gemm_block(
 
 
 @triton.jit
+def _await_block(count_ptr, producers, consumers):
+    """Wait until ``producers`` tiles of GEMM1 counted this block done (acquire: their stores
+    are visible after it), then count this tile in; the last of the block's ``consumers``
+    tiles to do so resets the count for the next call."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    while seen < producers:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    if tl.atomic_add(count_ptr, 1, sem="relaxed") == producers + consumers - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")
+
+
+@triton.jit
+def _block_expert_from_ids(
+    ids_ptr,
+    num_rows,
+    num_experts,
+    pid_m,
+    BLOCK_M: tl.constexpr,
+    IDS_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,
+):
+    """The expert that the alignment (``_align``) gives block ``pid_m`` (-1: none), computed
+    from the ``num_rows`` row ids: experts in ascending order, each padded to whole blocks."""
+    offs = tl.arange(0, IDS_POW2)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
+    experts = tl.arange(0, E_POW2)
+    hit = (ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]
+    counts = tl.sum(hit.to(tl.int32), axis=0)
+    ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0)
+    expert = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    return tl.where(pid_m < tl.max(ends, axis=0), expert, -1)
+
+
+@triton.jit
 def moe_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -507,11 +550,15 @@ def moe_gemm_kernel(
     num_padded_ptr,
     route_w_ptr,
     delta_ptr,
+    ids_ptr,
+    block_done_ptr,
     N_OUT,
     K,
     num_rows,
     num_m_blocks,
     num_experts,
+    early_programs,
+    stream_producers,
     a_row_div,
     alpha,
     limit,
@@ -572,6 +619,11 @@ def moe_gemm_kernel(
     K_NONEMPTY: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     MASK_ROWS: tl.constexpr,
+    EARLY: tl.constexpr,
+    EARLY_STEPS: tl.constexpr,
+    IDS_POW2: tl.constexpr,
+    E_POW2: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -609,17 +661,24 @@ def moe_gemm_kernel(
     MASK_ROWS: the A tile's padding rows are zero-filled instead of read (they would all read
     row 0): an expert with few rows fills most of its block with padding, so unmasked they
     move as many A bytes from L2 as real rows do.
+    EARLY (with PDL and FRAG): programs below ``early_programs`` ask L2 for their tile's first
+    EARLY_STEPS K steps before waiting for the launch before this one, so a launch that
+    starts while its predecessor drains streams weights meanwhile. The tile's expert comes
+    from ``block_expert`` (EARLY_FROM_BLOCKS: the launcher guarantees that the rows were
+    laid out at least two launches back, so they are complete) or is computed from the row
+    ids in ``ids_ptr`` (EARLY_FROM_IDS: the alignment is the launch before; the ids, written
+    before it, are complete; IDS_POW2 >= num_rows, E_POW2 >= num_experts). Only a hint: the
+    tile reads everything again after the wait.
+    STREAM (with PDL; the launcher pairs the two GEMMs of one sequence, nothing between
+    them): GEMM1 (STREAM_PUBLISH) counts each finished tile in ``block_done[pid_m]``;
+    GEMM2 (STREAM_CONSUME) does not wait for GEMM1 to finish but, per block, for that
+    block's count to reach ``stream_producers`` (GEMM1's tiles per block), so its blocks
+    start while GEMM1's last ones still run. The last GEMM2 tile of a block resets the
+    count to 0 for the next call; GEMM2 waits for GEMM1's end before it exits, so a finished
+    GEMM2 still means a finished GEMM1 (``_pdl``).
     """
     if K_NONEMPTY:
         tl.assume(K > 0)
-    if HAS_DELTA and PDL:
-        # The launch before this one computes the delta from inputs that this kernel does
-        # not write, and it started only once its own predecessor had finished (``_pdl``):
-        # everything else this kernel reads is complete. So it streams its weights while
-        # the delta is computed and waits for that launch only where the epilogue reads it.
-        tl.extra.cuda.gdc_launch_dependents()
-    else:
-        _pdl.enter(PDL)
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
     # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
@@ -628,6 +687,42 @@ def moe_gemm_kernel(
     group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
+    CONSUME: tl.constexpr = PDL and STREAM == _STREAM_CONSUME and not HAS_DELTA
+    PUBLISH: tl.constexpr = PDL and STREAM == _STREAM_PUBLISH and not HAS_DELTA
+    if HAS_DELTA and PDL:
+        # The launch before this one computes the delta from inputs that this kernel does
+        # not write, and it started only once its own predecessor had finished (``_pdl``):
+        # everything else this kernel reads is complete. So it streams its weights while
+        # the delta is computed and waits for that launch only where the epilogue reads it.
+        tl.extra.cuda.gdc_launch_dependents()
+    else:
+        if PDL and FRAG and EARLY != _EARLY_NONE:
+            if pid < early_programs:
+                if EARLY == _EARLY_FROM_IDS:
+                    guess = _block_expert_from_ids(
+                        ids_ptr, num_rows, num_experts, pid_m, BLOCK_M, IDS_POW2, E_POW2
+                    )
+                elif ROW_BLOCKS:
+                    guess = tl.load(block_expert_ptr + pid_m)
+                else:
+                    guess = tl.where(
+                        pid_m * BLOCK_M < tl.load(num_padded_ptr),
+                        tl.load(block_expert_ptr + pid_m),
+                        -1,
+                    )
+                if (guess >= 0) & (guess < num_experts):
+                    WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+                    _fragment_prefetch(
+                        w_ptr + guess.to(tl.int64) * stride_we,
+                        pid_n * WIDTH,
+                        stride_wn,
+                        WIDTH,
+                        EARLY_STEPS,
+                    )
+        if CONSUME:
+            tl.extra.cuda.gdc_launch_dependents()
+        else:
+            _pdl.enter(PDL)
 
     if ROW_BLOCKS:
         # Few rows (decode): block pid_m is row pid_m alone and ``block_expert_ptr`` holds
@@ -635,12 +730,16 @@ def moe_gemm_kernel(
         # -1 (or out of range) has nothing to compute.
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         if (expert < 0) | (expert >= num_experts):
+            if CONSUME:
+                tl.extra.cuda.gdc_wait()
             return
         first = sorted_rows_ptr
         short = False
     else:
         num_padded = tl.load(num_padded_ptr)
         if pid_m * BLOCK_M >= num_padded:
+            if CONSUME:
+                tl.extra.cuda.gdc_wait()
             return
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         first = sorted_rows_ptr + pid_m * BLOCK_M
@@ -649,6 +748,8 @@ def moe_gemm_kernel(
             # An expert's padding rows end its segment, so a block whose middle row is
             # padding has all its rows in the first half.
             short = tl.load(first + BLOCK_M // 2) >= num_rows
+    if CONSUME:
+        _await_block(block_done_ptr + pid_m, stream_producers, num_n_blocks)
     # One instance of the tile per row count: BLOCK_M, and BLOCK_M // 2 for short blocks.
     for half in tl.static_range(1 + SPLIT_M):
         if short == (half == 1):
@@ -732,3 +833,10 @@ def moe_gemm_kernel(
                 HAS_DELTA and PDL,
                 MASK_ROWS,
             )
+    if PUBLISH:
+        # Every thread's stores of the tile come before the count (a CTA barrier, then one
+        # release at GPU scope).
+        tl.debug_barrier()
+        tl.atomic_add(block_done_ptr + pid_m, 1, sem="release")
+    if CONSUME:
+        tl.extra.cuda.gdc_wait()

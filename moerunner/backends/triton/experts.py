@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from ...profiling import trace_range
 from ...weights import PreparedWeights
 from ..base import caller
 from . import _gemm_kernel as K
-from . import _launch, _plan, autotune
+from . import _launch, _pdl, _plan, autotune
 from ._align import (
     SINGLE_PROGRAM_MAX_ROWS,
     align_rows,
@@ -351,6 +352,11 @@ def _launch_gemm(
     *,
     options: TritonOptions,
     delta: torch.Tensor | None = None,
+    early: int = K.EARLY_NONE,
+    row_ids: torch.Tensor | None = None,
+    stream: int = K.STREAM_NONE,
+    block_done: torch.Tensor | None = None,
+    stream_producers: int = 0,
 ) -> None:
     """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused).
 
@@ -358,7 +364,11 @@ def _launch_gemm(
     takes the codes, ``out_scale`` [rows, ceil(N / 128)] the scales of the output as rounded
     to ``inter_dtype``. ``options``: the prepared weights' (``prepared.options``).
     ``delta``: float32 [rows, w's rows] added to the product before the activation and the
-    routing weight (``lora.SequenceLora``)."""
+    routing weight (``lora.SequenceLora``). ``early``: where the launch's early L2 prefetch
+    may find its tiles' experts (``_gemm_kernel.EARLY_*``; the caller vouches for it, see
+    ``moe_gemm_kernel``), with ``row_ids`` the rows' expert ids for ``EARLY_FROM_IDS``.
+    ``stream``: this GEMM's side of GEMM1 -> GEMM2 streaming (``_gemm_kernel.STREAM_*``),
+    counting in ``block_done``; GEMM2 waits per block for ``stream_producers`` GEMM1 tiles."""
     dev = a.device
     dummy = _dummy(dev)
     k = w.shape[2]
@@ -401,6 +411,11 @@ def _launch_gemm(
         and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)
     )
     width = 2 * tile.block_n if gated else tile.block_n
+    if not (consts["FRAG"] and w.data.is_cuda):  # the prefetch is inline PTX
+        early = K.EARLY_NONE
+    early, early_steps, ids_pow2, e_pow2 = early_prefetch(
+        early, w.data.shape[2] // FRAGMENT_K, w.shape[0], num_rows, options
+    )
     _launch.launch(
         K.moe_gemm_kernel,
         grid,
@@ -418,11 +433,15 @@ def _launch_gemm(
         rows.num_padded,
         route_w if route_w is not None else dummy,
         delta if delta is not None else dummy,
+        row_ids if early == K.EARLY_FROM_IDS else dummy,
+        block_done if stream != K.STREAM_NONE else dummy,
         n_out,
         k,
         num_rows,
         num_m_blocks,
         w.shape[0],
+        _early_programs(dev) if early != K.EARLY_NONE else 0,
+        stream_producers,
         a_row_div,
         float(act.alpha) if act is not None and act.alpha is not None else 0.0,
         float(act.limit) if act is not None and act.limit is not None else 0.0,
@@ -465,11 +484,49 @@ def _launch_gemm(
         K_NONEMPTY=consts["FRAG"] and options.fragment_async_mma and k > 0,
         HAS_DELTA=delta is not None,
         MASK_ROWS=options.mask_padding_rows,
+        EARLY=early,
+        EARLY_STEPS=early_steps,
+        IDS_POW2=ids_pow2,
+        E_POW2=e_pow2,
+        STREAM=stream,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         options=options,
         **consts,
     )
+
+
+# GEMM1's early prefetch computes its blocks' experts from the row ids in a [rows, experts]
+# one-hot per program (``_gemm_kernel._block_expert_from_ids``): only while that stays small.
+EARLY_IDS_MAX_ELEMENTS = 32768
+# Programs per SM that may start while the launch before is still running and so prefetch
+# (later ones start after it has finished, when a prefetch gains nothing).
+EARLY_PROGRAMS_PER_SM = 4
+
+
+@functools.cache
+def _early_programs(device: torch.device) -> int:
+    return EARLY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def early_prefetch(
+    early: int, k_steps: int, num_experts: int, num_rows: int, options: TritonOptions
+) -> tuple[int, int, int, int]:
+    """(EARLY, EARLY_STEPS, IDS_POW2, E_POW2) of a fragment-layout GEMM launch asked for
+    ``early`` on weights of ``k_steps`` K steps: off unless ``options.early_prefetch_steps``
+    is set; steps a power of two within K; EARLY_FROM_IDS only while its one-hot of rows x
+    experts stays within ``EARLY_IDS_MAX_ELEMENTS``."""
+    steps = min(options.early_prefetch_steps, k_steps)
+    if early == K.EARLY_NONE or steps < 1:
+        return K.EARLY_NONE, 1, 1, 1
+    steps = 1 << (steps.bit_length() - 1)
+    if early == K.EARLY_FROM_IDS:
+        ids_pow2 = triton.next_power_of_2(max(num_rows, 1))
+        e_pow2 = triton.next_power_of_2(num_experts)
+        if ids_pow2 * e_pow2 > EARLY_IDS_MAX_ELEMENTS:
+            return K.EARLY_NONE, 1, 1, 1
+        return early, steps, ids_pow2, e_pow2
+    return early, steps, 1, 1
 
 
 def _uniform_block_scale(
@@ -525,6 +582,13 @@ def sequence_workspace(
         lambda: {
             **alignment_workspace(num_rows, num_experts, bm, dev),
             **intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
+            # GEMM1 -> GEMM2 streaming counts per block (row blocks: one per row); zero
+            # between calls (``_gemm_kernel.moe_gemm_kernel``, STREAM).
+            "block_done": torch.zeros(
+                max(max_padded_rows(num_rows, num_experts, bm) // bm, num_rows),
+                dtype=torch.int32,
+                device=dev,
+            ),
         },
     )
     return tiles, ws, fuse
@@ -568,6 +632,17 @@ def run_kernel_sequence(
     # A delta's launch comes right before its GEMM, which with PDL waits for it only in
     # its epilogue (``_gemm_kernel.moe_gemm_kernel``): nothing the GEMM's K loop reads may
     # be written by that launch, so the input's quantization goes first.
+    # GEMM2 starts each block once GEMM1 has finished its rows: only where GEMM2 follows
+    # GEMM1 directly (no quantization or delta launch between) under PDL, over aligned rows
+    # (row blocks: a token's few experts leave nothing to overlap; measured 0.99x at T = 1).
+    stream = (
+        options.stream_gemms
+        and not rows.row_blocks
+        and deltas is None
+        and (fuse or w2.activation_format == "none")
+        and options.pdl
+        and _pdl.supported(a_RH)
+    )
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13, options)
         delta = deltas.gate_up(a_RH, row_expert) if deltas is not None else None
@@ -588,6 +663,10 @@ def run_kernel_sequence(
             a_RH.dtype,
             options=options,
             delta=delta,
+            early=_gemm1_early(prealigned, rows, a is not a_RH, deltas),
+            row_ids=row_expert,
+            stream=K.STREAM_PUBLISH if stream else K.STREAM_NONE,
+            block_done=ws["block_done"],
         )
     with trace_range("gemm2"):
         if fuse:
@@ -595,22 +674,43 @@ def run_kernel_sequence(
         else:
             a2, a2_scale = _quantize_input(ws["inter"], w2, options)
         delta = deltas.down(ws["inter"], row_expert) if deltas is not None else None
-        _launch_gemm(
-            a2,
-            a2_scale,
-            w2,
-            t["w2_bias"],
-            out_PH,
-            rows,
-            num_rows,
-            1,
-            route_w,
-            tiles.gemm2,
-            hidden,
-            None,
-            options=options,
-            delta=delta,
-        )
+        try:
+            _launch_gemm(
+                a2,
+                a2_scale,
+                w2,
+                t["w2_bias"],
+                out_PH,
+                rows,
+                num_rows,
+                1,
+                route_w,
+                tiles.gemm2,
+                hidden,
+                None,
+                options=options,
+                delta=delta,
+                # The rows were laid out before GEMM1 (and a delta's GEMM waits late anyway).
+                early=K.EARLY_FROM_BLOCKS if delta is None else K.EARLY_NONE,
+                stream=K.STREAM_CONSUME if stream else K.STREAM_NONE,
+                block_done=ws["block_done"],
+                stream_producers=_cdiv(inter, tiles.gemm1.block_n),
+            )
+        except BaseException:
+            # GEMM1 counted its blocks done and no GEMM2 will reset the counts.
+            if stream:
+                ws["block_done"].zero_()
+            raise
+
+
+def _gemm1_early(prealigned: bool, rows: RowLayout, quantized: bool, deltas) -> int:
+    """Where GEMM1's early prefetch finds its tiles' experts: the row layout, if an input
+    quantization launch came between it and GEMM1; else the row ids, when this call's
+    alignment is the launch right before GEMM1 (not the caller's launch, not row blocks
+    whose ids the launch before may have written, no delta launch between)."""
+    if prealigned or rows.row_blocks or deltas is not None:
+        return K.EARLY_NONE
+    return K.EARLY_FROM_BLOCKS if quantized else K.EARLY_FROM_IDS
 
 
 def _check_hidden(hidden: torch.Tensor, prepared: PreparedWeights, name: str) -> None:

@@ -95,6 +95,25 @@ class TritonOptions:
     #: 1.05x (Zipf 1.15x); 1.00-1.06x at the other points measured, none slower. Off: padding
     #: rows read row 0; the output is identical (padding rows are never stored).
     mask_padding_rows: bool = True
+    #: With PDL, GEMM2 does not wait for all of GEMM1 but starts each block of rows once
+    #: GEMM1's tiles of that block are done (a count per block on the device), so GEMM2's
+    #: first blocks run under GEMM1's last ones instead of after a drain and a ramp. Only
+    #: where GEMM2 follows GEMM1 directly (no input quantization or LoRA launch between) over
+    #: aligned rows (not row blocks). Outputs are bit-identical either way. On an H100, same
+    #: process, CUDA-graph replay, 7 alternating rounds: GPT-OSS-120B mxfp4 T = 16 / 64 / 256
+    #: 1.079 / 1.022 / 1.013x (T = 1, row blocks: 0.988x, hence not there); Qwen3-30B-A3B
+    #: bf16 T = 16 / 64 / 256 / 1024 0.994 / 0.998 / 1.010 / 1.017x; DeepSeek-V3 fp8_block
+    #: T = 16 / 256 1.008 / 1.002x.
+    stream_gemms: bool = True
+    #: With PDL, the GEMMs on e2m1 weights in the fragment layout ask L2 for this many K steps
+    #: of their first tiles before they wait for the launch before them (0: off): GEMM2 (or
+    #: its stream wait) while GEMM1 drains, GEMM1 while the one-program alignment runs (it
+    #: computes its blocks' experts from the row ids meanwhile). A prefetch only warms L2:
+    #: outputs are bit-identical. GPT-OSS-120B mxfp4 on an H100, same runs as
+    #: ``stream_gemms``: alone T = 1 / 16 / 64 1.005 / 1.023 / 1.007x; with the streaming
+    #: 1.006 / 1.008x more at T = 16 / 64. On an H200, whose decode is bound by instruction
+    #: issue, 0.99-1.01x.
+    early_prefetch_steps: int = 4
     #: LoRA deltas of a hooked call (``moerunner.lora``) group the rows by (adapter, expert)
     #: pair, so that each block of rows reads its pair's factors once, when the call has at
     #: least this many rows per pair of the adapters (rows >= this x adapters x experts);
@@ -140,6 +159,7 @@ class TritonOptions:
         _check_int(self, "split_max_blocks_per_expert", 0)
         _check_int(self, "lora_group_min_rows_per_pair", 0)
         _check_int(self, "min_group_m", 1)
+        _check_int(self, "early_prefetch_steps", 0)
         if self.e2m1_placed_words is not None:
             _check_bool(self, "e2m1_placed_words")
         if self.split_min_block_m is not None:
@@ -188,6 +208,7 @@ _BOOL_FIELDS = (
     "launch_cache",
     "pdl",
     "lora_in_sequence",
+    "stream_gemms",
 )
 
 
