@@ -159,6 +159,8 @@ def test_early_prefetch_launch_values():
     assert experts.early_prefetch(K.EARLY_FROM_BLOCKS, 23, 128, 64, off) == none
     with pytest.raises(ValueError, match="early_prefetch_steps"):
         TritonOptions(early_prefetch_steps=-1)
+    with pytest.raises(ValueError, match="overlap_max_tokens"):
+        TritonOptions(overlap_max_tokens=-1)
     with pytest.raises(TypeError, match="stream_gemms"):
         TritonOptions(stream_gemms=1)
 

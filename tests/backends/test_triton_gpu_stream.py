@@ -12,6 +12,8 @@ of column blocks, -1 ids and empty blocks, and a GEMM2 launch that fails after G
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -180,7 +182,7 @@ def test_failed_gemm2_launch_leaves_no_counts(monkeypatch):
 )
 def test_which_calls_stream(scheme, streams, monkeypatch):
     """Aligned rows stream unless a quantization launch separates the GEMMs; row blocks
-    (one token) and the switch turned off never do."""
+    (one token), calls past ``overlap_max_tokens`` and the switch turned off never do."""
     dev = torch.device("cuda")
     E, H, I, k = 16, 256, 256, 4
     on, off = _prepare(scheme, E, H, I, dev)
@@ -192,7 +194,9 @@ def test_which_calls_stream(scheme, streams, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(X, "_launch_gemm", spy)
-    for T, prepared, want in ((8, on, streams), (1, on, False), (8, off, False)):
+    short = with_options(on, dataclasses.replace(ON, overlap_max_tokens=4))
+    cases = ((8, on, streams), (1, on, False), (8, off, False), (8, short, False))
+    for T, prepared, want in cases:
         seen.clear()
         x, wts, ids = _inputs(T, H, E, k, dev)
         X.run_kernel_sequence(

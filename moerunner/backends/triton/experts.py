@@ -635,8 +635,10 @@ def run_kernel_sequence(
     # GEMM2 starts each block once GEMM1 has finished its rows: only where GEMM2 follows
     # GEMM1 directly (no quantization or delta launch between) under PDL, over aligned rows
     # (row blocks: a token's few experts leave nothing to overlap; measured 0.99x at T = 1).
+    overlap = num_rows // a_row_div <= options.overlap_max_tokens
     stream = (
         options.stream_gemms
+        and overlap
         and not rows.row_blocks
         and deltas is None
         and (fuse or w2.activation_format == "none")
@@ -663,7 +665,9 @@ def run_kernel_sequence(
             a_RH.dtype,
             options=options,
             delta=delta,
-            early=_gemm1_early(prealigned, rows, a is not a_RH, deltas),
+            early=_gemm1_early(prealigned, rows, a is not a_RH, deltas)
+            if overlap
+            else K.EARLY_NONE,
             row_ids=row_expert,
             stream=K.STREAM_PUBLISH if stream else K.STREAM_NONE,
             block_done=ws["block_done"],
@@ -691,7 +695,7 @@ def run_kernel_sequence(
                 options=options,
                 delta=delta,
                 # The rows were laid out before GEMM1 (and a delta's GEMM waits late anyway).
-                early=K.EARLY_FROM_BLOCKS if delta is None else K.EARLY_NONE,
+                early=K.EARLY_FROM_BLOCKS if delta is None and overlap else K.EARLY_NONE,
                 stream=K.STREAM_CONSUME if stream else K.STREAM_NONE,
                 block_done=ws["block_done"],
                 stream_producers=_cdiv(inter, tiles.gemm1.block_n),

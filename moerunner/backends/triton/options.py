@@ -103,7 +103,8 @@ class TritonOptions:
     #: process, CUDA-graph replay, 7 alternating rounds: GPT-OSS-120B mxfp4 T = 16 / 64 / 256
     #: 1.079 / 1.022 / 1.013x (T = 1, row blocks: 0.988x, hence not there); Qwen3-30B-A3B
     #: bf16 T = 16 / 64 / 256 / 1024 0.994 / 0.998 / 1.010 / 1.017x; DeepSeek-V3 fp8_block
-    #: T = 16 / 256 1.008 / 1.002x.
+    #: T = 16 / 256 1.008 / 1.002x. Calls of more than ``overlap_max_tokens`` tokens do not
+    #: stream.
     stream_gemms: bool = True
     #: With PDL, the GEMMs on e2m1 weights in the fragment layout ask L2 for this many K steps
     #: of their first tiles before they wait for the launch before them (0: off): GEMM2 (or
@@ -112,8 +113,13 @@ class TritonOptions:
     #: outputs are bit-identical. GPT-OSS-120B mxfp4 on an H100, same runs as
     #: ``stream_gemms``: alone T = 1 / 16 / 64 1.005 / 1.023 / 1.007x; with the streaming
     #: 1.006 / 1.008x more at T = 16 / 64. On an H200, whose decode is bound by instruction
-    #: issue, 0.99-1.01x.
+    #: issue, 0.99-1.01x. Calls of more than ``overlap_max_tokens`` tokens do not prefetch.
     early_prefetch_steps: int = 4
+    #: ``stream_gemms`` and ``early_prefetch_steps`` apply to calls of at most this many
+    #: tokens: they hide a drain and a ramp, which matter where the GEMMs are short. On an
+    #: H100, GPT-OSS-120B mxfp4 with both against neither: T = 1024 0.992x, T = 4096 0.972x
+    #: (5 rounds, spread 0.93-1.06x); Qwen3-30B-A3B bf16 streaming at T = 1024: 1.017x.
+    overlap_max_tokens: int = 1024
     #: LoRA deltas of a hooked call (``moerunner.lora``) group the rows by (adapter, expert)
     #: pair, so that each block of rows reads its pair's factors once, when the call has at
     #: least this many rows per pair of the adapters (rows >= this x adapters x experts);
@@ -160,6 +166,7 @@ class TritonOptions:
         _check_int(self, "lora_group_min_rows_per_pair", 0)
         _check_int(self, "min_group_m", 1)
         _check_int(self, "early_prefetch_steps", 0)
+        _check_int(self, "overlap_max_tokens", 0)
         if self.e2m1_placed_words is not None:
             _check_bool(self, "e2m1_placed_words")
         if self.split_min_block_m is not None:
