@@ -117,8 +117,9 @@ class TritonOptions:
     early_prefetch_steps: int = 4
     #: ``stream_gemms`` and ``early_prefetch_steps`` apply to calls of at most this many
     #: tokens: they hide a drain and a ramp, which matter where the GEMMs are short. On an
-    #: H100, GPT-OSS-120B mxfp4 with both against neither: T = 1024 0.992x, T = 4096 0.972x
-    #: (5 rounds, spread 0.93-1.06x); Qwen3-30B-A3B bf16 streaming at T = 1024: 1.017x.
+    #: H100, GPT-OSS-120B mxfp4 with both against neither: T = 1024 0.98-0.99x in two runs
+    #: (spread 0.93-1.11x), T = 4096 0.972x; Qwen3-30B-A3B bf16 streaming at T = 1024 1.017x
+    #: in two runs (spread 1.015-1.018x).
     overlap_max_tokens: int = 1024
     #: LoRA deltas of a hooked call (``moerunner.lora``) group the rows by (adapter, expert)
     #: pair, so that each block of rows reads its pair's factors once, when the call has at
