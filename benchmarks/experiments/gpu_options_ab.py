@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_triton
 
 import torch  # noqa: E402
 import triton.testing as tt  # noqa: E402
+from gpu_decode_profile import weight_bytes  # noqa: E402
 from gpu_triton import fused_graph, rotated_inputs  # noqa: E402
 
 from moerunner.backends.triton import TritonBackend, TritonOptions, tune, with_options  # noqa: E402
@@ -56,20 +57,6 @@ def parse_variants(text: str) -> dict[str, dict]:
     return out
 
 
-def stored_bytes_per_expert(prepared) -> int:
-    """Bytes of one expert's stored w13 and w2 (data, scales, biases) as the kernels read them."""
-    total = 0
-    for name in ("w13", "w2"):
-        w = prepared.tensors[name]
-        total += w.data[0].numel() * w.data.element_size()
-        if w.scale is not None and w.scale.dim() == w.data.dim():
-            total += w.scale[0].numel() * w.scale.element_size()
-        bias = prepared.tensors.get(f"{name}_bias")
-        if bias is not None:
-            total += bias[0].numel() * bias.element_size()
-    return total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description="TritonOptions variants side by side")
     ap.add_argument("--preset", default="gpt-oss-120b", choices=sorted(tune.PRESETS))
@@ -91,7 +78,8 @@ def main() -> None:
     }
     names = list(variants)
     copy_gbps = roofline.measure_ceilings(dev).copy_gbps
-    per_expert = stored_bytes_per_expert(prepared)
+    # Stored bytes of one expert's w13 and w2 (data, scales, biases) as the kernels read them.
+    per_expert = weight_bytes(prepared, "w13") + weight_bytes(prepared, "w2")
     device = torch.cuda.get_device_name(dev)
     print(f"{device}  copy {copy_gbps:.0f} GB/s  {per_expert / 1e6:.2f} MB per expert", flush=True)
     result = dict(
