@@ -103,6 +103,17 @@ CASES = [
 TOLERANCE = DTYPE_BOUND
 
 
+def gpt_oss_experts(scheme: str, E: int, H: int, I: int, device) -> ExpertWeights:
+    """Random GPT-OSS-style experts quantized as ``scheme``: interleaved gate/up rows, biases."""
+    return ExpertWeights(
+        moerunner.quantize(torch.randn(E, 2 * I, H, device=device) / H**0.5, scheme),
+        moerunner.quantize(torch.randn(E, H, I, device=device) / I**0.5, scheme),
+        torch.randn(E, 2 * I, device=device) * 0.1,
+        torch.randn(E, H, device=device) * 0.1,
+        True,
+    )
+
+
 def backend_paths(dispatch_format: str = STANDARD):
     """(backend, force_permute) for every available backend and every path it registers."""
     registry = moerunner.default_registry()

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES
+from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, gpt_oss_experts
 
 import moerunner
 from moerunner.backends.base import MoeProblem
@@ -920,13 +920,7 @@ def test_placed_and_plain_words_give_the_same_output(scheme):
     act = moerunner.Activation("swiglu_oai")
     T, H, I, E, k = 5, 96, 64, 3, 2
     torch.manual_seed(3)
-    weights = ExpertWeights(
-        moerunner.quantize(torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5, scheme),
-        moerunner.quantize(torch.randn(E, H, I, device=DEVICE) / I**0.5, scheme),
-        torch.randn(E, 2 * I, device=DEVICE) * 0.1,
-        torch.randn(E, H, device=DEVICE) * 0.1,
-        True,
-    )
+    weights = gpt_oss_experts(scheme, E, H, I, DEVICE)
     outs = []
     x = torch.randn(T, H, device=DEVICE)
     ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES
+from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, gpt_oss_experts
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -31,17 +31,6 @@ def _run(backend, x, weights, act, wts, ids):
     spec = weights.spec(act)
     prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
     return runner.run(StandardDispatchOutput(x, TopK(wts, ids)), prepared)
-
-
-def _gpt_oss_mxfp4(E, H, I, dev):
-    """Random GPT-OSS-style mxfp4 experts: interleaved gate/up rows with biases."""
-    return ExpertWeights(
-        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, "mxfp4"),
-        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, "mxfp4"),
-        torch.randn(E, 2 * I, device=dev) * 0.1,
-        torch.randn(E, H, device=dev) * 0.1,
-        True,
-    )
 
 
 def _rel(a, b):
@@ -195,13 +184,7 @@ def test_packed_bf16_k_steps_of_several_chunks(scheme, chunks, scales):
     torch.manual_seed(chunks)
     H, I, E, T, k = (384, 256, 8, 11, 4) if scheme == "int4" else (352, 160, 8, 11, 4)
     act = moerunner.Activation("swiglu_oai")
-    weights = ExpertWeights(
-        moerunner.quantize(torch.randn(E, 2 * I, H, device=dev) / H**0.5, scheme),
-        moerunner.quantize(torch.randn(E, H, I, device=dev) / I**0.5, scheme),
-        torch.randn(E, 2 * I, device=dev) * 0.1,
-        torch.randn(E, H, device=dev) * 0.1,
-        True,
-    )
+    weights = gpt_oss_experts(scheme, E, H, I, dev)
     prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))
     if scheme.startswith("mxfp4"):
         assert prepared.tensors["w13"].constexprs["MERGED_SCALE"]
@@ -294,7 +277,7 @@ def test_placed_words_decode_on_every_tile_width(gemm, warps):
     torch.manual_seed(gemm * 10 + warps)
     H, I, E, T, k = 384, 256, 8, 37, 4
     act = moerunner.Activation("swiglu_oai")
-    weights = _gpt_oss_mxfp4(E, H, I, dev)
+    weights = gpt_oss_experts("mxfp4", E, H, I, dev)
     placed, plain = (
         TritonBackend(TritonOptions(e2m1_placed_words=p)).prepare_weights(
             weights, weights.spec(act)
@@ -331,7 +314,7 @@ def test_fragment_async_mma_equals_serialized(block_m, block_n, warps, stages):
     H = I = 2880
     E, T, k = 8, 64, 4
     act = moerunner.Activation("swiglu_oai")
-    weights = _gpt_oss_mxfp4(E, H, I, dev)
+    weights = gpt_oss_experts("mxfp4", E, H, I, dev)
     in_flight = TritonOptions(e2m1_layout="fragment", fragment_async_mma=True)
     frag = TritonBackend(in_flight).prepare_weights(weights, weights.spec(act))
     serialized = with_options(frag, TritonOptions(fragment_async_mma=False))

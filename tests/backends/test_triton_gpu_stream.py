@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from cases import gpt_oss_experts
 
 pytest.importorskip("triton")
 
@@ -34,17 +35,10 @@ ON = TritonOptions(stream_gemms=True, early_prefetch_steps=4)
 def _weights(scheme: str, E: int, H: int, I: int, dev) -> tuple[ExpertWeights, str]:
     """Random experts: GPT-OSS-style (interleaved, biases, swiglu_oai) for mxfp4, else
     DeepSeek-style (gate then up rows, silu)."""
+    if scheme == "mxfp4":
+        return gpt_oss_experts("mxfp4", E, H, I, dev), "swiglu_oai"
     w13 = torch.randn(E, 2 * I, H, device=dev) / H**0.5
     w2 = torch.randn(E, H, I, device=dev) / I**0.5
-    if scheme == "mxfp4":
-        w = ExpertWeights(
-            moerunner.quantize(w13, "mxfp4"),
-            moerunner.quantize(w2, "mxfp4"),
-            torch.randn(E, 2 * I, device=dev) * 0.1,
-            torch.randn(E, H, device=dev) * 0.1,
-            True,
-        )
-        return w, "swiglu_oai"
     if scheme == "bf16":
         return ExpertWeights(w13.bfloat16(), w2.bfloat16()), "silu"
     return ExpertWeights(moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)), "silu"
@@ -169,7 +163,7 @@ def test_failed_gemm2_launch_leaves_no_counts(monkeypatch):
     with pytest.raises(RuntimeError, match="launch failed"):
         X.fused_standard(x, wts, ids, on)
     assert calls == [X.K.STREAM_PUBLISH, X.K.STREAM_CONSUME]
-    monkeypatch.setattr(X, "_launch_gemm", real)
+    monkeypatch.undo()
     torch.cuda.synchronize()
     assert not _block_done(on, x, ids).any()
     x, wts, ids = _inputs(T, H, E, k, dev)
