@@ -579,19 +579,21 @@ def sequence_workspace(
     key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
     ws = WORKSPACES.get(
         key,
-        lambda: {
-            **alignment_workspace(num_rows, num_experts, bm, dev),
-            **intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
-            # GEMM1 -> GEMM2 streaming counts per block (row blocks: one per row); zero
-            # between calls (``_gemm_kernel.moe_gemm_kernel``, STREAM).
-            "block_done": torch.zeros(
-                max(max_padded_rows(num_rows, num_experts, bm) // bm, num_rows),
-                dtype=torch.int32,
-                device=dev,
-            ),
-        },
+        lambda: _sequence_buffers(num_rows, num_experts, inter, a_RH.dtype, bm, fuse, dev),
     )
     return tiles, ws, fuse
+
+
+def _sequence_buffers(num_rows, num_experts, inter, dtype, bm, fuse, dev) -> dict:
+    """A sequence call's alignment and intermediate buffers, and GEMM1 -> GEMM2 streaming's
+    count per aligned block (row blocks never stream), zero between calls
+    (``_gemm_kernel.moe_gemm_kernel``, STREAM)."""
+    ws = {
+        **alignment_workspace(num_rows, num_experts, bm, dev),
+        **intermediate_buffers(num_rows, inter, dtype, fuse, dev),
+    }
+    ws["block_done"] = torch.zeros_like(ws["block_expert"])
+    return ws
 
 
 def run_kernel_sequence(
@@ -629,9 +631,6 @@ def run_kernel_sequence(
         rows = RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
     else:
         rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws, options)
-    # A delta's launch comes right before its GEMM, which with PDL waits for it only in
-    # its epilogue (``_gemm_kernel.moe_gemm_kernel``): nothing the GEMM's K loop reads may
-    # be written by that launch, so the input's quantization goes first.
     # GEMM2 starts each block once GEMM1 has finished its rows: only where GEMM2 follows
     # GEMM1 directly (no quantization or delta launch between) under PDL, over aligned rows
     # (row blocks: a token's few experts leave nothing to overlap; measured 0.99x at T = 1).
@@ -645,6 +644,9 @@ def run_kernel_sequence(
         and options.pdl
         and _pdl.supported(a_RH)
     )
+    # A delta's launch comes right before its GEMM, which with PDL waits for it only in
+    # its epilogue (``_gemm_kernel.moe_gemm_kernel``): nothing the GEMM's K loop reads may
+    # be written by that launch, so the input's quantization goes first.
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13, options)
         delta = deltas.gate_up(a_RH, row_expert) if deltas is not None else None
