@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
+from moerunner.backends.triton import _overlap as O  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.backends.triton._prepare import placed_words  # noqa: E402
 from moerunner.backends.triton._weight_decode import e2m1_words  # noqa: E402
@@ -145,15 +146,15 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
         HAS_DELTA=False,
         MASK_ROWS=options.mask_padding_rows,
         # The early prefetch as a decode call launches it (64 rows of 128 experts).
-        EARLY=(K.EARLY_FROM_IDS if gemm1 else K.EARLY_FROM_BLOCKS)
+        EARLY=(O.EARLY_FROM_IDS if gemm1 else O.EARLY_FROM_BLOCKS)
         if frag and options.early_prefetch_steps
-        else K.EARLY_NONE,
+        else O.EARLY_NONE,
         EARLY_STEPS=max(1, options.early_prefetch_steps),
         IDS_POW2=64,
         E_POW2=128,
-        STREAM=(K.STREAM_PUBLISH if gemm1 else K.STREAM_CONSUME)
+        STREAM=(O.STREAM_PUBLISH if gemm1 else O.STREAM_CONSUME)
         if options.stream_gemms
-        else K.STREAM_NONE,
+        else O.STREAM_NONE,
     )
     consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm), options=options)
     fn = K.moe_gemm_kernel

@@ -31,7 +31,7 @@ from moerunner.backends.triton import (  # noqa: E402
     TritonBackend,
     TritonOptions,
     _align,
-    _gemm_kernel,
+    _overlap,
     _prepare,
     _weight_decode,
     experts,
@@ -39,7 +39,7 @@ from moerunner.backends.triton import (  # noqa: E402
 )
 
 OPTIONS = TritonOptions()
-K = _gemm_kernel
+O = _overlap
 
 if not triton_pkg.interpreted() and not torch.cuda.is_available():
     pytest.skip("triton backend cannot run here", allow_module_level=True)
@@ -109,9 +109,7 @@ def _experts_of_blocks_kernel(
     EP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    expert = _gemm_kernel._block_expert_from_ids(
-        ids_ptr, num_rows, num_experts, pid, BLOCK_M, IDS, EP
-    )
+    expert = _overlap.block_expert_from_ids(ids_ptr, num_rows, num_experts, pid, BLOCK_M, IDS, EP)
     tl.store(out_ptr + pid, expert)
 
 
@@ -144,19 +142,19 @@ def test_early_prefetch_launch_values():
     """Steps a power of two within K (0 or a block without experts: off); the ids path off
     once its one-hot of rows x experts would pass the bound."""
     opts = TritonOptions(early_prefetch_steps=6)
-    none = (K.EARLY_NONE, 1, 1, 1)
-    assert experts.early_prefetch(K.EARLY_FROM_BLOCKS, 23, 128, 64, opts) == (
-        K.EARLY_FROM_BLOCKS, 4, 1, 1,
+    none = (O.EARLY_NONE, 1, 1, 1)
+    assert O.early_prefetch(O.EARLY_FROM_BLOCKS, 23, 128, 64, opts) == (
+        O.EARLY_FROM_BLOCKS, 4, 1, 1,
     )  # fmt: skip
-    assert experts.early_prefetch(K.EARLY_FROM_BLOCKS, 3, 128, 64, opts)[1] == 2
-    assert experts.early_prefetch(K.EARLY_FROM_IDS, 23, 128, 64, opts) == (
-        K.EARLY_FROM_IDS, 4, 64, 128,
+    assert O.early_prefetch(O.EARLY_FROM_BLOCKS, 3, 128, 64, opts)[1] == 2
+    assert O.early_prefetch(O.EARLY_FROM_IDS, 23, 128, 64, opts) == (
+        O.EARLY_FROM_IDS, 4, 64, 128,
     )  # fmt: skip
-    limit = experts.EARLY_IDS_MAX_ELEMENTS
-    assert experts.early_prefetch(K.EARLY_FROM_IDS, 23, 128, limit // 128 + 1, opts) == none
-    assert experts.early_prefetch(K.EARLY_NONE, 23, 128, 64, opts) == none
+    limit = O.EARLY_IDS_MAX_ELEMENTS
+    assert O.early_prefetch(O.EARLY_FROM_IDS, 23, 128, limit // 128 + 1, opts) == none
+    assert O.early_prefetch(O.EARLY_NONE, 23, 128, 64, opts) == none
     off = TritonOptions(early_prefetch_steps=0)
-    assert experts.early_prefetch(K.EARLY_FROM_BLOCKS, 23, 128, 64, off) == none
+    assert O.early_prefetch(O.EARLY_FROM_BLOCKS, 23, 128, 64, off) == none
     with pytest.raises(ValueError, match="early_prefetch_steps"):
         TritonOptions(early_prefetch_steps=-1)
     with pytest.raises(ValueError, match="overlap_max_tokens"):

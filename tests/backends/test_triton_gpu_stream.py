@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 import moerunner  # noqa: E402
 from moerunner.backends.triton import TritonBackend, TritonOptions, with_options  # noqa: E402
+from moerunner.backends.triton import _overlap as O  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.backends.triton.tile_config import MoeTiles, TileConfig  # noqa: E402
 from moerunner.weights import ExpertWeights  # noqa: E402
@@ -155,14 +156,14 @@ def test_failed_gemm2_launch_leaves_no_counts(monkeypatch):
 
     def gemm2_fails(*args, **kwargs):
         calls.append(kwargs.get("stream"))
-        if kwargs.get("stream") == X.K.STREAM_CONSUME:
+        if kwargs.get("stream") == O.STREAM_CONSUME:
             raise RuntimeError("launch failed")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(X, "_launch_gemm", gemm2_fails)
     with pytest.raises(RuntimeError, match="launch failed"):
         X.fused_standard(x, wts, ids, on)
-    assert calls == [X.K.STREAM_PUBLISH, X.K.STREAM_CONSUME]
+    assert calls == [O.STREAM_PUBLISH, O.STREAM_CONSUME]
     monkeypatch.undo()
     torch.cuda.synchronize()
     assert not _block_done(on, x, ids).any()
@@ -184,7 +185,7 @@ def test_which_calls_stream(scheme, streams, monkeypatch):
     seen = []
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("stream", X.K.STREAM_NONE))
+        seen.append(kwargs.get("stream", O.STREAM_NONE))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(X, "_launch_gemm", spy)
@@ -196,5 +197,5 @@ def test_which_calls_stream(scheme, streams, monkeypatch):
         X.run_kernel_sequence(
             x, ids.view(-1), k, wts.view(-1), prepared, torch.empty(T * k, H, device=dev).bfloat16()
         )
-        expect = [X.K.STREAM_PUBLISH, X.K.STREAM_CONSUME] if want else [X.K.STREAM_NONE] * 2
+        expect = [O.STREAM_PUBLISH, O.STREAM_CONSUME] if want else [O.STREAM_NONE] * 2
         assert seen == expect, (T, prepared.options)

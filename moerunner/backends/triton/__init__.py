@@ -14,6 +14,8 @@
 #                    decodes (inline PTX on the GPU)
 #   _quant_kernel.py GEMM-input quantization (fp8 per token / per 128, int8) on the GPU
 #   _pdl.py          programmatic dependent launch: how each kernel waits for its predecessor
+#   _overlap.py      a GEMM launch overlapping the one before: GEMM2 streamed behind GEMM1,
+#                    early L2 prefetch
 #   _launch.py       every kernel launch: compiled kernels cached per argument key (eager cost)
 #   tile_config.py   heuristic tiles, tuned JSON files (user folder, then configs/)
 #   tune.py          ``moerunner tune``: searches tiles on the current GPU and writes them

@@ -20,6 +20,14 @@ import triton
 import triton.language as tl
 
 from . import _pdl
+from ._overlap import (
+    _EARLY_FROM_IDS,
+    _EARLY_NONE,
+    _STREAM_CONSUME,
+    _STREAM_PUBLISH,
+    await_block,
+    block_expert_from_ids,
+)
 from ._quant_kernel import quant_groups_e4m3
 from ._weight_decode import (
     _column,
@@ -43,14 +51,6 @@ ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 # weight's K block, GROUP_K).
 AS_NONE, AS_ROW, AS_GROUP = 0, 1, 2
 AS_GROUP128 = AS_GROUP  # its former name
-# Where a GEMM's early L2 prefetch finds its tile's expert (constexpr EARLY).
-EARLY_NONE, EARLY_FROM_BLOCKS, EARLY_FROM_IDS = 0, 1, 2
-_EARLY_NONE = tl.constexpr(EARLY_NONE)
-_EARLY_FROM_IDS = tl.constexpr(EARLY_FROM_IDS)
-# GEMM1 -> GEMM2 streaming per block (constexpr STREAM).
-STREAM_NONE, STREAM_PUBLISH, STREAM_CONSUME = 0, 1, 2
-_STREAM_PUBLISH = tl.constexpr(STREAM_PUBLISH)
-_STREAM_CONSUME = tl.constexpr(STREAM_CONSUME)
 
 
 @triton.jit
@@ -501,40 +501,6 @@ def _gemm_block(
 
 
 @triton.jit
-def _await_block(count_ptr, producers, consumers):
-    """Wait until ``producers`` tiles of GEMM1 counted this block done (acquire: their stores
-    are visible after it), then count this tile in; the last of the block's ``consumers``
-    tiles to do so resets the count for the next call."""
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-    while seen < producers:
-        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-    if tl.atomic_add(count_ptr, 1, sem="relaxed") == producers + consumers - 1:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed")
-
-
-@triton.jit
-def _block_expert_from_ids(
-    ids_ptr,
-    num_rows,
-    num_experts,
-    pid_m,
-    BLOCK_M: tl.constexpr,
-    IDS_POW2: tl.constexpr,
-    E_POW2: tl.constexpr,
-):
-    """The expert that the alignment (``_align``) gives block ``pid_m`` (-1: none), computed
-    from the ``num_rows`` row ids: experts in ascending order, each padded to whole blocks."""
-    offs = tl.arange(0, IDS_POW2)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_rows, other=-1)
-    experts = tl.arange(0, E_POW2)
-    hit = (ids[:, None] == experts[None, :]) & (experts < num_experts)[None, :]
-    counts = tl.sum(hit.to(tl.int32), axis=0)
-    ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0)
-    expert = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-    return tl.where(pid_m < tl.max(ends, axis=0), expert, -1)
-
-
-@triton.jit
 def moe_gemm_kernel(
     a_ptr,
     a_scale_ptr,
@@ -699,7 +665,7 @@ def moe_gemm_kernel(
         if PDL and FRAG and EARLY != _EARLY_NONE:
             if pid < early_programs:
                 if EARLY == _EARLY_FROM_IDS:
-                    guess = _block_expert_from_ids(
+                    guess = block_expert_from_ids(
                         ids_ptr, num_rows, num_experts, pid_m, BLOCK_M, IDS_POW2, E_POW2
                     )
                 elif ROW_BLOCKS:
@@ -749,7 +715,7 @@ def moe_gemm_kernel(
             # padding has all its rows in the first half.
             short = tl.load(first + BLOCK_M // 2) >= num_rows
     if CONSUME:
-        _await_block(block_done_ptr + pid_m, stream_producers, num_n_blocks)
+        await_block(block_done_ptr + pid_m, stream_producers, num_n_blocks)
     # One instance of the tile per row count: BLOCK_M, and BLOCK_M // 2 for short blocks.
     for half in tl.static_range(1 + SPLIT_M):
         if short == (half == 1):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from ...weights import PreparedWeights
 from ..base import caller
 from . import _gemm_kernel as K
 from . import _launch, _pdl, _plan, autotune
+from . import _overlap as O
 from ._align import (
     SINGLE_PROGRAM_MAX_ROWS,
     align_rows,
@@ -352,9 +352,9 @@ def _launch_gemm(
     *,
     options: TritonOptions,
     delta: torch.Tensor | None = None,
-    early: int = K.EARLY_NONE,
+    early: int = O.EARLY_NONE,
     row_ids: torch.Tensor | None = None,
-    stream: int = K.STREAM_NONE,
+    stream: int = O.STREAM_NONE,
     block_done: torch.Tensor | None = None,
     stream_producers: int = 0,
 ) -> None:
@@ -365,9 +365,9 @@ def _launch_gemm(
     to ``inter_dtype``. ``options``: the prepared weights' (``prepared.options``).
     ``delta``: float32 [rows, w's rows] added to the product before the activation and the
     routing weight (``lora.SequenceLora``). ``early``: where the launch's early L2 prefetch
-    may find its tiles' experts (``_gemm_kernel.EARLY_*``; the caller vouches for it, see
+    may find its tiles' experts (``_overlap.EARLY_*``; the caller vouches for it, see
     ``moe_gemm_kernel``), with ``row_ids`` the rows' expert ids for ``EARLY_FROM_IDS``.
-    ``stream``: this GEMM's side of GEMM1 -> GEMM2 streaming (``_gemm_kernel.STREAM_*``),
+    ``stream``: this GEMM's side of GEMM1 -> GEMM2 streaming (``_overlap.STREAM_*``),
     counting in ``block_done``; GEMM2 waits per block for ``stream_producers`` GEMM1 tiles."""
     dev = a.device
     dummy = _dummy(dev)
@@ -412,8 +412,8 @@ def _launch_gemm(
     )
     width = 2 * tile.block_n if gated else tile.block_n
     if not (consts["FRAG"] and w.data.is_cuda):  # the prefetch is inline PTX
-        early = K.EARLY_NONE
-    early, early_steps, ids_pow2, e_pow2 = early_prefetch(
+        early = O.EARLY_NONE
+    early, early_steps, ids_pow2, e_pow2 = O.early_prefetch(
         early, w.data.shape[2] // FRAGMENT_K, w.shape[0], num_rows, options
     )
     _launch.launch(
@@ -433,14 +433,14 @@ def _launch_gemm(
         rows.num_padded,
         route_w if route_w is not None else dummy,
         delta if delta is not None else dummy,
-        row_ids if early == K.EARLY_FROM_IDS else dummy,
-        block_done if stream != K.STREAM_NONE else dummy,
+        row_ids if early == O.EARLY_FROM_IDS else dummy,
+        block_done if stream != O.STREAM_NONE else dummy,
         n_out,
         k,
         num_rows,
         num_m_blocks,
         w.shape[0],
-        _early_programs(dev) if early != K.EARLY_NONE else 0,
+        O.early_programs(dev) if early != O.EARLY_NONE else 0,
         stream_producers,
         a_row_div,
         float(act.alpha) if act is not None and act.alpha is not None else 0.0,
@@ -494,39 +494,6 @@ def _launch_gemm(
         options=options,
         **consts,
     )
-
-
-# GEMM1's early prefetch computes its blocks' experts from the row ids in a [rows, experts]
-# one-hot per program (``_gemm_kernel._block_expert_from_ids``): only while that stays small.
-EARLY_IDS_MAX_ELEMENTS = 32768
-# Programs per SM that may start while the launch before is still running and so prefetch
-# (later ones start after it has finished, when a prefetch gains nothing).
-EARLY_PROGRAMS_PER_SM = 4
-
-
-@functools.cache
-def _early_programs(device: torch.device) -> int:
-    return EARLY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def early_prefetch(
-    early: int, k_steps: int, num_experts: int, num_rows: int, options: TritonOptions
-) -> tuple[int, int, int, int]:
-    """(EARLY, EARLY_STEPS, IDS_POW2, E_POW2) of a fragment-layout GEMM launch asked for
-    ``early`` on weights of ``k_steps`` K steps: off unless ``options.early_prefetch_steps``
-    is set; steps a power of two within K; EARLY_FROM_IDS only while its one-hot of rows x
-    experts stays within ``EARLY_IDS_MAX_ELEMENTS``."""
-    steps = min(options.early_prefetch_steps, k_steps)
-    if early == K.EARLY_NONE or steps < 1:
-        return K.EARLY_NONE, 1, 1, 1
-    steps = 1 << (steps.bit_length() - 1)
-    if early == K.EARLY_FROM_IDS:
-        ids_pow2 = triton.next_power_of_2(max(num_rows, 1))
-        e_pow2 = triton.next_power_of_2(num_experts)
-        if ids_pow2 * e_pow2 > EARLY_IDS_MAX_ELEMENTS:
-            return K.EARLY_NONE, 1, 1, 1
-        return early, steps, ids_pow2, e_pow2
-    return early, steps, 1, 1
 
 
 def _uniform_block_scale(
@@ -667,11 +634,11 @@ def run_kernel_sequence(
             a_RH.dtype,
             options=options,
             delta=delta,
-            early=_gemm1_early(prealigned, rows, a is not a_RH, deltas)
+            early=O.gemm1_early(prealigned, rows.row_blocks, a is not a_RH, deltas)
             if overlap
-            else K.EARLY_NONE,
+            else O.EARLY_NONE,
             row_ids=row_expert,
-            stream=K.STREAM_PUBLISH if stream else K.STREAM_NONE,
+            stream=O.STREAM_PUBLISH if stream else O.STREAM_NONE,
             block_done=ws["block_done"],
         )
     with trace_range("gemm2"):
@@ -697,8 +664,8 @@ def run_kernel_sequence(
                 options=options,
                 delta=delta,
                 # The rows were laid out before GEMM1 (and a delta's GEMM waits late anyway).
-                early=K.EARLY_FROM_BLOCKS if delta is None and overlap else K.EARLY_NONE,
-                stream=K.STREAM_CONSUME if stream else K.STREAM_NONE,
+                early=O.EARLY_FROM_BLOCKS if delta is None and overlap else O.EARLY_NONE,
+                stream=O.STREAM_CONSUME if stream else O.STREAM_NONE,
                 block_done=ws["block_done"],
                 stream_producers=_cdiv(inter, tiles.gemm1.block_n),
             )
@@ -707,16 +674,6 @@ def run_kernel_sequence(
             if stream:
                 ws["block_done"].zero_()
             raise
-
-
-def _gemm1_early(prealigned: bool, rows: RowLayout, quantized: bool, deltas) -> int:
-    """Where GEMM1's early prefetch finds its tiles' experts: the row layout, if an input
-    quantization launch came between it and GEMM1; else the row ids, when this call's
-    alignment is the launch right before GEMM1 (not the caller's launch, not row blocks
-    whose ids the launch before may have written, no delta launch between)."""
-    if prealigned or rows.row_blocks or deltas is not None:
-        return K.EARLY_NONE
-    return K.EARLY_FROM_BLOCKS if quantized else K.EARLY_FROM_IDS
 
 
 def _check_hidden(hidden: torch.Tensor, prepared: PreparedWeights, name: str) -> None:
