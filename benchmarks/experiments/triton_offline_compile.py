@@ -3,7 +3,8 @@
 #
 #   python benchmarks/experiments/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
 #
-# A variant is "scheme:gemm:BLOCK_M:BLOCK_N:BLOCK_K:warps:stages", e.g. "mxfp4:1:16:64:128:4:3"
+# A variant is "scheme:gemm:BLOCK_M:BLOCK_N:BLOCK_K:warps:stages[:split_k]", e.g.
+# "mxfp4:1:16:64:128:4:3"
 # (gemm 1 = w13 with the gated epilogue, 2 = w2 with the routing weight; scheme mxfp4, mxfp4u
 # (scales too large to merge into the decode), nvfp4 or int4 as GPT-OSS layers, bf16, fp8_block
 # or fp8_block_pc (per-element block scales) as DeepSeek-style layers). Compilation uses
@@ -71,6 +72,8 @@ def _signature(scale_ty: str, a_ty: str, w_ty: str, out_ty: str) -> dict[str, st
         "delta_ptr": "*fp32",
         "ids_ptr": "*i32",
         "block_done_ptr": "*i32",
+        "split_part_ptr": "*fp32",
+        "split_count_ptr": "*i32",
     }
     sig = {}
     for param in K.moe_gemm_kernel.params:
@@ -92,7 +95,7 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
     """Compile one variant as the backend with ``options`` (default: the defaults) launches
     it; returns (compiled kernel, its constexprs)."""
     options = TritonOptions() if options is None else options
-    scheme, gemm, bm, bn, bk, warps, stages = spec.split(":")
+    scheme, gemm, bm, bn, bk, warps, stages, *split = spec.split(":")
     # "fp8_block_pc": per-column weight block scales (no UNIFORM_WS alignment).
     uniform = scheme != "fp8_block_pc"
     scheme = scheme.removesuffix("_pc")
@@ -155,6 +158,7 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
         STREAM=(O.STREAM_PUBLISH if gemm1 else O.STREAM_CONSUME)
         if options.stream_gemms
         else O.STREAM_NONE,
+        SPLIT_K=int(split[0]) if split else 1,
     )
     consts["SPLIT_M"] = X.splits_blocks(int(bm), consts, rows_per_expert=int(bm), options=options)
     fn = K.moe_gemm_kernel

@@ -199,6 +199,11 @@ def _gemm_block(
     stride_osg,
     stride_dm,
     stride_dn,
+    k_lo,
+    k_hi,
+    split_part_ptr,
+    split_count_ptr,
+    pid_k,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -231,6 +236,7 @@ def _gemm_block(
     HAS_DELTA: tl.constexpr,
     LATE_WAIT: tl.constexpr,
     MASK_ROWS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """One output tile: rows ``rows_out`` (BLOCK_M of them; ``num_rows`` marks padding) of
     expert ``expert`` times weight columns block ``pid_n``, K loop and epilogue (see
@@ -294,12 +300,12 @@ def _gemm_block(
     s_hi_n = 0
     if PREFETCH:
         s_lo_n, s_hi_n = _half_group_codes(
-            s_base, rows_w, 0, K, stride_sn, stride_sk, GROUP_K, HALF
+            s_base, rows_w, k_lo, K, stride_sn, stride_sk, GROUP_K, HALF
         )
     if FRAG:
         # Weights as the MMA's left operand, decoded in registers: acc^T = W @ A^T.
         acc_t = tl.zeros((WIDTH, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if FRAG:
             w_t = _fragment_tile(
                 w_base,
@@ -447,6 +453,37 @@ def _gemm_block(
 
     if FRAG:
         acc = tl.trans(acc_t)
+    if SPLIT_K > 1:
+        # Split K: each of the SPLIT_K programs of this tile stores its partial sum in its
+        # slot of the tile's region and counts itself in; the last to arrive sums the slots
+        # in slot order (the same result whichever arrives last) and runs the epilogue.
+        # The stores come before the count (a CTA barrier, then a release at GPU scope); the
+        # last program's acquire comes before its loads, which bypass L1.
+        slots = tl.arange(0, BLOCK_M)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+        if IS_INT:
+            bits = acc.to(tl.float32, bitcast=True)
+        else:
+            bits = acc
+        tl.store(split_part_ptr + pid_k * (BLOCK_M * WIDTH) + slots, bits, mask=row_mask[:, None])
+        tl.debug_barrier()
+        if tl.atomic_add(split_count_ptr, 1, sem="acq_rel") < SPLIT_K - 1:
+            if LATE_WAIT:
+                tl.extra.cuda.gdc_wait()  # as the epilogue would (``moe_gemm_kernel``)
+            return
+        tl.debug_barrier()
+        total = tl.zeros((BLOCK_M, WIDTH), dtype=acc.dtype)
+        for p in tl.static_range(SPLIT_K):
+            part = tl.load(
+                split_part_ptr + p * (BLOCK_M * WIDTH) + slots,
+                mask=row_mask[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            if IS_INT:
+                part = part.to(tl.int32, bitcast=True)
+            total += part
+        acc = total
+        tl.atomic_xchg(split_count_ptr, 0, sem="relaxed")  # for the next call
     acc = acc.to(tl.float32)
     # Scales that are constant along K are applied once, after the loop.
     if A_SCALE == 1:
@@ -518,6 +555,8 @@ def moe_gemm_kernel(
     delta_ptr,
     ids_ptr,
     block_done_ptr,
+    split_part_ptr,
+    split_count_ptr,
     N_OUT,
     K,
     num_rows,
@@ -590,6 +629,7 @@ def moe_gemm_kernel(
     IDS_POW2: tl.constexpr,
     E_POW2: tl.constexpr,
     STREAM: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """out[row, n] = epilogue(sum_k A[row // a_row_div, k] * W[expert, n, k]) on the MMA.
 
@@ -641,11 +681,31 @@ def moe_gemm_kernel(
     block's count to reach ``stream_producers`` (GEMM1's tiles per block), so its blocks
     start while GEMM1's last ones still run. The last GEMM2 tile of a block resets the
     count to 0 for the next call; GEMM2 waits for GEMM1's end before it exits, so a finished
-    GEMM2 still means a finished GEMM1 (``_pdl``).
+    GEMM2 still means a finished GEMM1 (``_pdl``). Every program of a split tile counts (so
+    SPLIT_K per tile on either side).
+    SPLIT_K: each output tile is SPLIT_K adjacent programs, each over its share of whole K
+    steps (the launcher leaves none empty): for calls with too few tiles to fill the GPU.
+    ``split_part_ptr`` holds float32 [tiles, SPLIT_K, BLOCK_M, WIDTH] partial sums (the
+    int32 bits for the int8 MMA), ``split_count_ptr`` int32 [tiles] zeros; the last program
+    of a tile to finish its share sums the partials in order, runs the epilogue and leaves
+    the count at 0.
     """
     if K_NONEMPTY:
         tl.assume(K > 0)
     pid = tl.program_id(0)
+    # Split K: a tile's SPLIT_K programs are adjacent.
+    pid_k = pid % SPLIT_K
+    tile = pid // SPLIT_K
+    pid = tile
+    if SPLIT_K > 1:
+        k_share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = pid_k * k_share
+        k_hi = tl.minimum(K, k_lo + k_share)
+        if K_NONEMPTY:
+            tl.assume(k_hi > k_lo)
+    else:
+        k_lo = 0
+        k_hi = K
     num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
     # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
     per_group = GROUP_M * num_n_blocks
@@ -681,6 +741,7 @@ def moe_gemm_kernel(
                     _fragment_prefetch(
                         w_ptr + guess.to(tl.int64) * stride_we,
                         pid_n * WIDTH,
+                        k_lo // BLOCK_K,
                         stride_wn,
                         WIDTH,
                         EARLY_STEPS,
@@ -715,7 +776,8 @@ def moe_gemm_kernel(
             # padding has all its rows in the first half.
             short = tl.load(first + BLOCK_M // 2) >= num_rows
     if CONSUME:
-        await_block(block_done_ptr + pid_m, stream_producers, num_n_blocks)
+        await_block(block_done_ptr + pid_m, stream_producers, num_n_blocks * SPLIT_K)
+    SPLIT_WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     # One instance of the tile per row count: BLOCK_M, and BLOCK_M // 2 for short blocks.
     for half in tl.static_range(1 + SPLIT_M):
         if short == (half == 1):
@@ -766,6 +828,11 @@ def moe_gemm_kernel(
                 stride_osg,
                 stride_dm,
                 stride_dn,
+                k_lo,
+                k_hi,
+                split_part_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * SPLIT_WIDTH),
+                split_count_ptr + tile,
+                pid_k,
                 BM,
                 BLOCK_N,
                 BLOCK_K,
@@ -798,6 +865,7 @@ def moe_gemm_kernel(
                 HAS_DELTA,
                 HAS_DELTA and PDL,
                 MASK_ROWS,
+                SPLIT_K,
             )
     if PUBLISH:
         # Every thread's stores of the tile come before the count (a CTA barrier, then one

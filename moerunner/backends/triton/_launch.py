@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -184,6 +185,12 @@ def launch(kernel, grid: tuple, *args, options: TritonOptions, **kwargs) -> None
     rec = getattr(_local, "rec", None)
     if rec is not None:
         rec.launches.append((compiled.run, head, args, tail))
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """SMs of a CUDA ``device`` (looked up once)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def cdiv(a: int, b: int) -> int:

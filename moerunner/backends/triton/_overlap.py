@@ -15,12 +15,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ._launch import multiprocessors
 from .options import TritonOptions
 
 # Where a GEMM's early L2 prefetch finds its tile's expert (constexpr EARLY).
@@ -75,9 +74,8 @@ EARLY_IDS_MAX_ELEMENTS = 32768
 EARLY_PROGRAMS_PER_SM = 4
 
 
-@functools.cache
 def early_programs(device: torch.device) -> int:
-    return EARLY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return EARLY_PROGRAMS_PER_SM * multiprocessors(device)
 
 
 def early_prefetch(

@@ -458,12 +458,12 @@ def _fragment_tile(
 
 
 @triton.jit
-def _fragment_prefetch(w_base, row0, stride_wn, WIDTH: tl.constexpr, STEPS: tl.constexpr):
-    """Ask L2 for the first ``STEPS`` K steps of the fragment tile at weight rows ``row0`` on
-    (one 128-byte line per storage row and step, as ``_fragment_tile`` reads them) without
-    waiting for them: compiled GPU code only (inline PTX)."""
+def _fragment_prefetch(w_base, row0, step0, stride_wn, WIDTH: tl.constexpr, STEPS: tl.constexpr):
+    """Ask L2 for ``STEPS`` K steps from step ``step0`` of the fragment tile at weight rows
+    ``row0`` on (one 128-byte line per storage row and step, as ``_fragment_tile`` reads
+    them) without waiting for them: compiled GPU code only (inline PTX)."""
     srows = row0 // 2 + tl.arange(0, WIDTH // 2)
-    ptrs = w_base + srows[:, None] * stride_wn + (tl.arange(0, STEPS) * 128)[None, :]
+    ptrs = w_base + srows[:, None] * stride_wn + ((step0 + tl.arange(0, STEPS)) * 128)[None, :]
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
         "=r,l",

@@ -75,7 +75,7 @@ def hooked_sequence(
     y_RH = torch.empty(num_rows, spec.hidden_size, dtype=torch.float32, device=dev)
     _launch_gemm(
         a2, a2_scale, w2, t["w2_bias"], y_RH, layout, num_rows, 1, None,
-        tiles.gemm2, spec.hidden_size, None, options=options,
+        tiles.gemm2, spec.hidden_size, None, options=options, slot=1,
     )  # fmt: skip
     return apply_hook(hooks, "down", y_RH, act_RI, 1, rows, options, layouts)
 

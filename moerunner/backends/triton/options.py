@@ -121,6 +121,15 @@ class TritonOptions:
     #: (spread 0.93-1.11x), T = 4096 0.972x; Qwen3-30B-A3B bf16 streaming at T = 1024 1.017x
     #: in two runs (spread 1.015-1.018x).
     overlap_max_tokens: int = 1024
+    #: GEMMs on e2m1 weights in the fragment layout whose tile leaves ``split_k`` to the
+    #: launcher (``TileConfig.split_k`` None, as tuned files without the field) split each
+    #: 16-row tile's K loop over up to this many programs per SM, in all (0: never split;
+    #: ``experts.split_k_for``). A decode of few rows per tile is bound by each program's K
+    #: loop latency, not by bandwidth, once the tiles are few: GPT-OSS-120B mxfp4 on an H100,
+    #: GEMM2 split 6 ways at T = 1 (92 tiles) 1.15x, both GEMMs split at T = 2 1.34x, T = 4
+    #: 1.07x, nothing to gain at T = 8. bf16 and fp8 weights gained nothing at T = 1-4 (they
+    #: stream their bytes at 75-99 % of the copy bandwidth there) and do not split.
+    decode_split_programs: int = 8
     #: LoRA deltas of a hooked call (``moerunner.lora``) group the rows by (adapter, expert)
     #: pair, so that each block of rows reads its pair's factors once, when the call has at
     #: least this many rows per pair of the adapters (rows >= this x adapters x experts);
@@ -168,6 +177,7 @@ class TritonOptions:
         _check_int(self, "min_group_m", 1)
         _check_int(self, "early_prefetch_steps", 0)
         _check_int(self, "overlap_max_tokens", 0)
+        _check_int(self, "decode_split_programs", 0)
         if self.e2m1_placed_words is not None:
             _check_bool(self, "e2m1_placed_words")
         if self.split_min_block_m is not None:

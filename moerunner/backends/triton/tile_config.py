@@ -49,7 +49,10 @@ def tile_folders(tile_dirs: Sequence[str | os.PathLike] | None) -> tuple[Path, .
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile of one grouped GEMM: block sizes, launch order group, warps and pipeline depth."""
+    """Tile of one grouped GEMM: block sizes, launch order group, warps, pipeline depth and
+    how many programs share each tile's K loop (``split_k``: None leaves it to the launcher,
+    ``experts.split_k_for``; a count is capped at the K steps. For calls whose tiles are too
+    few to keep the GPU busy, see ``_gemm_kernel.moe_gemm_kernel``)."""
 
     block_m: int
     block_n: int
@@ -57,11 +60,24 @@ class TileConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.split_k is not None and self.split_k < 1:
+            raise ValueError(f"split_k must be None or at least 1, got {self.split_k}")
 
     @classmethod
     def from_dict(cls, d: dict) -> TileConfig:
-        """Build from a JSON object with exactly these field names."""
-        return cls(**{k: int(v) for k, v in d.items()})
+        """Build from a JSON object with these field names (``split_k`` may be left out or
+        null: the launcher's choice)."""
+        return cls(**{k: None if v is None else int(v) for k, v in d.items()})
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (``split_k`` only when set, as files written before it)."""
+        d = asdict(self)
+        if self.split_k is None:
+            del d["split_k"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -80,7 +96,7 @@ class MoeTiles:
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return {"gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+        return {"gemm1": self.gemm1.to_dict(), "gemm2": self.gemm2.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> MoeTiles:
