@@ -48,6 +48,10 @@ PRESETS = {
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 # Routings a decode-sized search times in turn (``tune_tokens``).
 ROUTINGS = 8
+# The fragment-layout decode search also times split K (``SPLIT_K_CANDIDATES`` programs per
+# tile) while the call's rows are at most 1 / SPLIT_K_MAX_SHARE of the experts.
+SPLIT_K_CANDIDATES = (1, 2, 3, 4, 6)
+SPLIT_K_MAX_SHARE = 4
 # Rows per expert above which the search of the middle band also times 128-row tiles
 # (``candidate_tiles``).
 MIN_RPE_128_ROWS = 48
@@ -74,6 +78,14 @@ def candidate_tiles(
         for bn in (32, 64, 128, 256):
             for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4)):
                 out.append(TileConfig(16, bn, 128, 1, warps, stages))
+        if num_tokens * top_k * SPLIT_K_MAX_SHARE <= num_experts:
+            # Few experts hit: too few tiles to keep every SM's decode busy, so also try each
+            # tile's K loop split over several programs (``TileConfig.split_k``; the
+            # candidates above leave it to the launcher's rule, which splits GEMM2 only).
+            for bn in (64, 128):
+                for warps, stages in ((4, 4), (4, 5), (8, 4)):
+                    for split in SPLIT_K_CANDIDATES:
+                        out.append(TileConfig(16, bn, 128, 1, warps, stages, split))
         return out
     if packed and rpe <= 16:
         # Packed 4-bit in the split layout at decode: the weight decode dominates, so search
