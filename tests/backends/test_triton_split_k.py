@@ -153,10 +153,12 @@ def test_split_k_rejects_a_bad_tile_file():
         # GPT-OSS-120B mxfp4 GEMM2 on 132 SMs (8 programs per SM wanted, 23 K steps, >= 4 each)
         (92, 23, 5),  # T = 1 (4 experts x 23 column tiles)
         (184, 23, 5),  # T = 2
-        (368, 23, 2),  # T = 4
+        (300, 23, 3),
+        (368, 23, 1),  # T = 4: two programs per tile are not worth it
         (736, 23, 1),  # T = 8
-        (20, 6, 1),  # too few K steps to share
-        (20, 9, 2),
+        (20, 9, 1),  # too few K steps to share three ways
+        (20, 12, 3),
+        (20, 13, 3),  # shares of 5, 5, 3
     ],
 )
 def test_split_k_rule_fills_the_gpu_at_decode(tiles, k_steps, expected):
@@ -182,4 +184,5 @@ def test_split_k_rule_applies_only_where_it_was_measured():
     own = tile_config.TileConfig(16, 128, 128, 1, 4, 4, split_k=3)
     assert experts.split_k_for(own, {"FRAG": False}, 5000, 23, None, off) == 3
     capped = tile_config.TileConfig(16, 128, 128, 1, 4, 4, split_k=8)
+    assert experts.split_k_for(capped, {"FRAG": True}, 92, 23, 132, on) == 8
     assert experts.split_k_for(capped, {"FRAG": True}, 92, 5, 132, on) == 5

@@ -511,8 +511,12 @@ def _launch_gemm(
     )
 
 
-# ``split_k_for`` gives each split program at least this many K steps.
+# ``split_k_for``'s rule gives each split program at least this many K steps, and splits a
+# tile only into at least SPLIT_K_MIN_PROGRAMS programs: every split of 3 to 6 measured on
+# e2m1 GEMM2 gained (1.05-1.26x), splits of 2 went either way (0.978x DeepSeek-V3 mxfp4 at
+# T = 1, 0.984x GPT-OSS-20B at T = 4, 1.05x GPT-OSS-120B at T = 4; H100).
 SPLIT_K_MIN_STEPS = 4
+SPLIT_K_MIN_PROGRAMS = 3
 
 
 def split_k_for(
@@ -529,7 +533,8 @@ def split_k_for(
     ``k_steps`` K steps on a GPU of ``sms`` SMs (None: not a GPU). The tile's ``split_k`` if
     set; else, for a GEMM without an activation on e2m1 weights in the fragment layout in
     16-row tiles on a GPU, as many as bring the launch to ``options.decode_split_programs``
-    programs per SM with at least ``SPLIT_K_MIN_STEPS`` steps each; else 1. Either way no
+    programs per SM with at least ``SPLIT_K_MIN_STEPS`` steps each, if that makes at least
+    ``SPLIT_K_MIN_PROGRAMS`` programs per tile; else 1. Either way no
     program is left without steps (``split_k_steps``). GEMM1 is left to tuned files: split
     by this rule it lost 3-5 % at T = 1 on Qwen3-30B-A3B and GPT-OSS-120B (H100), while at
     T = 2 GPT-OSS-120B gained 9 % from two programs per tile."""
@@ -538,8 +543,8 @@ def split_k_for(
     per_sm = options.decode_split_programs
     if activation or not (per_sm and sms and consts["FRAG"] and tile.block_m == 16):
         return 1
-    want = per_sm * sms // max(num_tiles, 1)
-    return split_k_steps(max(1, min(want, k_steps // SPLIT_K_MIN_STEPS)), k_steps)
+    want = min(per_sm * sms // max(num_tiles, 1), k_steps // SPLIT_K_MIN_STEPS)
+    return split_k_steps(want, k_steps) if want >= SPLIT_K_MIN_PROGRAMS else 1
 
 
 def _sms(x: torch.Tensor) -> int | None:

@@ -127,8 +127,9 @@ class TritonOptions:
     #: ``experts.split_k_for``). A decode of few rows per tile is bound by each program's K
     #: loop latency, not by bandwidth, once the tiles are few: GPT-OSS-120B mxfp4 on an H100,
     #: GEMM2 split 6 ways at T = 1 (92 tiles) 1.15x, both GEMMs split at T = 2 1.34x, T = 4
-    #: 1.07x, nothing to gain at T = 8. bf16 and fp8 weights gained nothing at T = 1-4 (they
-    #: stream their bytes at 75-99 % of the copy bandwidth there) and do not split.
+    #: 1.07x, nothing to gain at T = 8; GPT-OSS-20B (no tuned file) T = 1 / 2 1.17 / 1.14x.
+    #: bf16 and fp8 weights gained nothing at T = 1-4 (they stream their bytes at 75-99 % of
+    #: the copy bandwidth there) and do not split.
     decode_split_programs: int = 8
     #: LoRA deltas of a hooked call (``moerunner.lora``) group the rows by (adapter, expert)
     #: pair, so that each block of rows reads its pair's factors once, when the call has at
