@@ -182,7 +182,18 @@ def test_split_k_rule_applies_only_where_it_was_measured():
     off = TritonOptions(decode_split_programs=0)
     assert experts.split_k_for(tile, {"FRAG": True}, 92, 23, 132, off) == 1
     own = tile_config.TileConfig(16, 128, 128, 1, 4, 4, split_k=3)
-    assert experts.split_k_for(own, {"FRAG": False}, 5000, 23, None, off) == 3
+    assert experts.split_k_for(own, {"FRAG": False}, 500, 23, None, off) == 3
     capped = tile_config.TileConfig(16, 128, 128, 1, 4, 4, split_k=8)
     assert experts.split_k_for(capped, {"FRAG": True}, 92, 23, 132, on) == 8
     assert experts.split_k_for(capped, {"FRAG": True}, 92, 5, 132, on) == 5
+
+
+def test_split_k_is_not_taken_where_the_partial_sums_would_be_large():
+    """A tile file pinning split_k at a large T (its nearest entry) runs unsplit rather than
+    allocate gigabytes of partial sums; at decode sizes the pinned split stands."""
+    tile = tile_config.TileConfig(128, 128, 64, 8, 8, 3, split_k=2)
+    options = TritonOptions()
+    # Mixtral-8x7B GEMM1 at T = 16384: ~264 row blocks x 112 column tiles.
+    assert experts.split_k_for(tile, {"FRAG": False}, 264 * 112, 64, 132, options) == 1
+    small = tile_config.TileConfig(16, 64, 128, 1, 4, 4, split_k=2)
+    assert experts.split_k_for(small, {"FRAG": True}, 32 * 45, 23, 132, options) == 2

@@ -517,6 +517,10 @@ def _launch_gemm(
 # T = 1, 0.984x GPT-OSS-20B at T = 4, 1.05x GPT-OSS-120B at T = 4; H100).
 SPLIT_K_MIN_STEPS = 4
 SPLIT_K_MIN_PROGRAMS = 3
+# A launch whose partial sums would take more than this many bytes runs unsplit, whatever its
+# tile asks: split K is for calls of few tiles, and a tile file pinning it at a large T (a
+# user's, or a lookup nearest to a decode entry) must not allocate gigabytes.
+SPLIT_K_MAX_BYTES = 64 << 20
 
 
 def split_k_for(
@@ -535,16 +539,21 @@ def split_k_for(
     16-row tiles on a GPU, as many as bring the launch to ``options.decode_split_programs``
     programs per SM with at least ``SPLIT_K_MIN_STEPS`` steps each, if that makes at least
     ``SPLIT_K_MIN_PROGRAMS`` programs per tile; else 1. Either way no
-    program is left without steps (``split_k_steps``). GEMM1 is left to tuned files: split
+    program is left without steps (``split_k_steps``), and a split whose partial sums would
+    exceed ``SPLIT_K_MAX_BYTES`` (counted for the widest, gated tile) is not taken. GEMM1 is
+    left to tuned files: split
     by this rule it lost 3-5 % at T = 1 on Qwen3-30B-A3B and GPT-OSS-120B (H100), while at
     T = 2 GPT-OSS-120B gained 9 % from two programs per tile."""
     if tile.split_k is not None:
-        return split_k_steps(tile.split_k, k_steps)
-    per_sm = options.decode_split_programs
-    if activation or not (per_sm and sms and consts["FRAG"] and tile.block_m == 16):
-        return 1
-    want = min(per_sm * sms // max(num_tiles, 1), k_steps // SPLIT_K_MIN_STEPS)
-    return split_k_steps(want, k_steps) if want >= SPLIT_K_MIN_PROGRAMS else 1
+        split = split_k_steps(tile.split_k, k_steps)
+    else:
+        per_sm = options.decode_split_programs
+        if activation or not (per_sm and sms and consts["FRAG"] and tile.block_m == 16):
+            return 1
+        want = min(per_sm * sms // max(num_tiles, 1), k_steps // SPLIT_K_MIN_STEPS)
+        split = split_k_steps(want, k_steps) if want >= SPLIT_K_MIN_PROGRAMS else 1
+    part_bytes = num_tiles * split * tile.block_m * 2 * tile.block_n * 4
+    return split if part_bytes <= SPLIT_K_MAX_BYTES else 1
 
 
 def _sms(x: torch.Tensor) -> int | None:
