@@ -197,3 +197,36 @@ def test_split_k_is_not_taken_where_the_partial_sums_would_be_large():
     assert experts.split_k_for(tile, {"FRAG": False}, 264 * 112, 64, 132, options) == 1
     small = tile_config.TileConfig(16, 64, 128, 1, 4, 4, split_k=2)
     assert experts.split_k_for(small, {"FRAG": True}, 32 * 45, 23, 132, options) == 2
+
+
+class _Timer:
+    """Milliseconds by call order: 1.0, except the calls in ``fast`` (0.5)."""
+
+    def __init__(self, fast):
+        self.fast, self.calls = set(fast), 0
+
+    def __call__(self, fn, graph):
+        self.calls += 1
+        return 0.5 if self.calls - 1 in self.fast else 1.0
+
+
+@pytest.mark.parametrize("split_call_faster", [True, False])
+def test_tuner_keeps_a_split_only_if_the_whole_call_is_faster(split_call_faster):
+    """The search times GEMM by GEMM; a winner that pins split K is then timed as a whole
+    call against the same tiles with split_k left to the launcher, and loses to them unless
+    faster (timer calls: 0-3 the two candidates' GEMMs, 4 the split call, 5 the other)."""
+    from moerunner.backends.triton import tune
+
+    weights, act = _weights("fp32", "silu", 4, 128, 64, seed=1)
+    prepared = TritonBackend(TritonOptions()).prepare_weights(weights, weights.spec(act))
+    split = tile_config.TileConfig(16, 32, 64, 1, 4, 2, split_k=2)
+    plain = tile_config.TileConfig(16, 64, 64, 1, 4, 2)
+    timer = _Timer({0, 1, 4 if split_call_faster else 5})
+    lines = []
+    tiles, ms = tune.tune_tokens(prepared, 1, 2, [split, plain], progress=lines.append, timer=timer)
+    assert timer.calls == 6 and any("whole call" in line for line in lines)
+    if split_call_faster:
+        assert tiles == tile_config.MoeTiles(split, split)
+    else:
+        unset = tile_config.TileConfig(16, 32, 64, 1, 4, 2)
+        assert tiles == tile_config.MoeTiles(unset, unset)

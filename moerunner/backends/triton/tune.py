@@ -187,6 +187,9 @@ def tune_tokens(
     timer: Callable[[Callable[[], None], bool], float] = _bench,
 ) -> tuple[MoeTiles | None, float]:
     """Best tiles for ``num_tokens`` tokens (random routing); returns (tiles, GEMM ms).
+    A winner that pins split K is kept only if the whole fused call runs faster with it than
+    with ``split_k`` left to the launcher (both timed by ``timer``; the GEMM ms are then
+    scaled by the calls' ratio).
 
     ``compile_only`` launches every candidate once (filling Triton's kernel cache) and times
     nothing; it returns (None, nan). ``timer(fn, graph)``: milliseconds of one ``fn()`` call
@@ -319,7 +322,40 @@ def tune_tokens(
     if not pairs:
         raise RuntimeError(f"no candidate tile ran for T={num_tokens}")
     ms, tiles = min(pairs, key=lambda p: p[0])
+    if _pins_split(tiles):
+        # Splits win GEMM by GEMM but can lose in the call, where GEMM2 streams behind GEMM1
+        # and the top-k sum follows (GPT-OSS-120B mxfp4 at T = 8 on an H100: the searched
+        # splits took 167.4 us per call against 161.4 unsplit). Keep them only if the whole
+        # call is faster with them than with split_k left to the launcher.
+        unpinned = MoeTiles(
+            dataclasses.replace(tiles.gemm1, split_k=None),
+            dataclasses.replace(tiles.gemm2, split_k=None),
+        )
+        weights_tk = route_w.view(num_tokens, top_k)
+
+        def call(t: MoeTiles):
+            def run():
+                for ids in routings:
+                    X.fused_standard(x, weights_tk, ids.view(num_tokens, top_k), prepared, t)
+
+            return run
+
+        calls = {}
+        for name, t in (("split", tiles), ("unsplit", unpinned)):
+            call(t)()
+            _synchronize(dev)
+            calls[name] = timer(call(t), graph) / rotations
+        progress(
+            f"  whole call: split {calls['split'] * 1e3:.1f} us, "
+            f"split_k left to the launcher {calls['unsplit'] * 1e3:.1f} us"
+        )
+        if calls["unsplit"] <= calls["split"]:
+            ms, tiles = ms * calls["unsplit"] / calls["split"], unpinned
     return tiles, ms
+
+
+def _pins_split(tiles: MoeTiles) -> bool:
+    return any(t.split_k is not None and t.split_k > 1 for t in (tiles.gemm1, tiles.gemm2))
 
 
 def random_weights(
