@@ -114,6 +114,33 @@ def gpt_oss_experts(scheme: str, E: int, H: int, I: int, device) -> ExpertWeight
     )
 
 
+def random_experts(scheme: str, activation: str, E: int, H: int, I: int, device) -> ExpertWeights:
+    """Random experts for ``activation`` in ``scheme`` ("fp32": unquantized): gate then up rows,
+    or for swiglu_oai interleaved rows with biases (GPT-OSS style)."""
+    gated = moerunner.Activation(activation).gated
+    n13 = 2 * I if gated else I
+    w13 = torch.randn(E, n13, H, device=device) / H**0.5
+    w2 = torch.randn(E, H, I, device=device) / I**0.5
+    if scheme != "fp32":
+        w13, w2 = moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
+    interleaved = activation == "swiglu_oai"
+    b13 = torch.randn(E, n13, device=device) * 0.1 if interleaved else None
+    b2 = torch.randn(E, H, device=device) * 0.1 if interleaved else None
+    return ExpertWeights(w13, w2, b13, b2, interleaved)
+
+
+def gpu_experts(scheme: str, E: int, H: int, I: int, device) -> tuple[ExpertWeights, str]:
+    """(experts, activation) for GPU tests: GPT-OSS-style for mxfp4, else DeepSeek-style (gate
+    then up rows, silu) in bf16 or quantized as ``scheme``."""
+    if scheme == "mxfp4":
+        return gpt_oss_experts("mxfp4", E, H, I, device), "swiglu_oai"
+    w13 = torch.randn(E, 2 * I, H, device=device) / H**0.5
+    w2 = torch.randn(E, H, I, device=device) / I**0.5
+    if scheme == "bf16":
+        return ExpertWeights(w13.bfloat16(), w2.bfloat16()), "silu"
+    return ExpertWeights(moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)), "silu"
+
+
 def backend_paths(dispatch_format: str = STANDARD):
     """(backend, force_permute) for every available backend and every path it registers."""
     registry = moerunner.default_registry()

@@ -22,7 +22,6 @@ import argparse
 import ast
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,9 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_triton
 
 import torch  # noqa: E402
-import triton.testing as tt  # noqa: E402
 from gpu_decode_profile import weight_bytes  # noqa: E402
-from gpu_triton import fused_graph, rotated_inputs  # noqa: E402
+from gpu_triton import alternate, fused_graph, ratio_summary, rotated_inputs  # noqa: E402
 
 from moerunner.backends.triton import TritonBackend, TritonOptions, tune, with_options  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
@@ -101,20 +99,13 @@ def main() -> None:
             outs = [X.fused_standard(x, w, i, p) for x, (w, i) in zip(xs, rs, strict=True)]
             equal[name] = all(torch.equal(a, b) for a, b in zip(first, outs, strict=True))
         graphs = {name: fused_graph(p, xs, rs) for name, p in variants.items()}
-        us = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                ms = tt.do_bench(graphs[name].replay, warmup=10, rep=100, return_mode="median")
-                us[name].append(ms * 1e3 / ROTATIONS)
+        us = alternate(graphs, args.rounds, ROTATIONS)
         floor_us = hit * per_expert / (copy_gbps * 1e9) * 1e6
         result["rows"].append(dict(T=T, experts_hit=hit, floor_us=floor_us, us=us, bit_equal=equal))
         for name in names:
-            ratios = [a / b for a, b in zip(us[names[0]], us[name], strict=True)]
-            med = statistics.median(us[name])
             print(
-                f"{args.preset} {args.scheme} T={T:>5} {name:>6}: {med:8.1f} us  "
-                f"weights%copy {100 * floor_us / med:5.1f}  x{statistics.median(ratios):.3f} "
-                f"[{min(ratios):.3f}-{max(ratios):.3f}]  bit_equal {equal[name]}",
+                f"{args.preset} {args.scheme} T={T:>5} {name:>6}: "
+                f"{ratio_summary(us[names[0]], us[name], floor_us)}  bit_equal {equal[name]}",
                 flush=True,
             )
     if args.json:

@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_triton
 
 import torch  # noqa: E402
-import triton.testing as tt  # noqa: E402
 from gpu_decode_profile import weight_bytes  # noqa: E402
-from gpu_triton import fused_graph, rotated_inputs  # noqa: E402
+from gpu_triton import alternate, fused_graph, ratio_summary, rotated_inputs  # noqa: E402
 
 from moerunner.backends.triton import TritonBackend, TritonOptions, autotune, tune  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
@@ -51,16 +50,6 @@ def _pinned(tiles: MoeTiles, s1: int, s2: int) -> MoeTiles:
     return MoeTiles(
         dataclasses.replace(tiles.gemm1, split_k=s1), dataclasses.replace(tiles.gemm2, split_k=s2)
     )
-
-
-def _time(graphs: dict, rounds: int) -> dict[str, list[float]]:
-    names = list(graphs)
-    us = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            ms = tt.do_bench(graphs[name].replay, warmup=10, rep=60, return_mode="median")
-            us[name].append(ms * 1e3 / ROTATIONS)
-    return us
 
 
 def main() -> None:
@@ -124,7 +113,7 @@ def main() -> None:
             }
             if split_layout is not None:
                 graphs["split-layout"] = fused_graph(split_layout, xs, rs)
-            us = _time(graphs, args.rounds)
+            us = alternate(graphs, args.rounds, ROTATIONS)
             floor_us = hit * per_expert / (copy_gbps * 1e9) * 1e6
             row = dict(
                 preset=preset,
@@ -143,11 +132,8 @@ def main() -> None:
             shown = order[: args.show] + [n for n in fixed if n in us]
             print(f"{preset} {scheme} T={T} hit {hit:.1f} base {base}", flush=True)
             for name in dict.fromkeys(shown):
-                ratios = [a / b for a, b in zip(one, us[name], strict=True)]
-                med = statistics.median(us[name])
                 print(
-                    f"  {name:>12}: {med:8.1f} us  weights%copy {100 * floor_us / med:5.1f}  "
-                    f"x{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
+                    f"  {name:>12}: {ratio_summary(one, us[name], floor_us)}"
                     f"  rel_err {err.get(name, float('nan')):.1e}",
                     flush=True,
                 )

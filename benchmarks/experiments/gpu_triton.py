@@ -164,6 +164,29 @@ def fused_graph(prepared, xs, rs, tiles=None):
     return g
 
 
+def alternate(graphs: dict, rounds: int, calls_per_replay: int) -> dict[str, list[float]]:
+    """us per call of each named CUDA graph (``calls_per_replay`` calls per replay, median of
+    ``triton.testing.do_bench``), the graphs timed in rotated order for ``rounds`` rounds, so
+    each is judged against the same drift."""
+    names = list(graphs)
+    us = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            ms = tt.do_bench(graphs[name].replay, warmup=10, rep=100, return_mode="median")
+            us[name].append(ms * 1e3 / calls_per_replay)
+    return us
+
+
+def ratio_summary(base: list[float], us: list[float], floor_us: float) -> str:
+    """"median us, % of a floor, x base/this median [min-max]" of paired samples."""
+    ratios = [a / b for a, b in zip(base, us, strict=True)]
+    med = statistics.median(us)
+    return (
+        f"{med:8.1f} us  weights%copy {100 * floor_us / med:5.1f}  "
+        f"x{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
+    )
+
+
 def time_fused(prepared, T, k, rotations=None, tiles=None):
     """(ms per call, experts hit per call) over ``rotations`` routings (default 8 at decode
     sizes, else 2), graph-replayed up to T = 256; ``tiles``: these instead of the lookup."""

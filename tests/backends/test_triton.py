@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, gpt_oss_experts
+from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, gpt_oss_experts, random_experts
 
 import moerunner
 from moerunner.backends.base import MoeProblem
@@ -236,15 +236,7 @@ def test_half_row_tiles_equal_whole_blocks(scheme, activation, block_n, monkeypa
     ids = torch.stack([slots[:T], slots[T:]], dim=1).to(DEVICE)
     assert (ids[:, 0] != ids[:, 1]).all()
     assert torch.bincount(ids.flatten().long(), minlength=E).tolist() == counts
-    n13 = 2 * I if act.gated else I
-    w13 = torch.randn(E, n13, H, device=DEVICE) / H**0.5
-    w2 = torch.randn(E, H, I, device=DEVICE) / I**0.5
-    if scheme != "fp32":
-        w13, w2 = moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
-    interleaved = activation == "swiglu_oai"
-    b13 = torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None
-    b2 = torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None
-    weights = ExpertWeights(w13, w2, b13, b2, interleaved)
+    weights = random_experts(scheme, activation, E, H, I, DEVICE)
     fuse = block_n == 128
     options = TritonOptions(fuse_input_quant_off_gpu=fuse, split_min_block_m=32)
     prepared = TritonBackend(options).prepare_weights(weights, weights.spec(act))

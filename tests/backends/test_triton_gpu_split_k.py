@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from cases import gpt_oss_experts
+from cases import gpu_experts
 
 pytest.importorskip("triton")
 
@@ -22,19 +22,8 @@ from moerunner.backends.triton import TritonBackend, TritonOptions  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.backends.triton.tile_config import MoeTiles, TileConfig  # noqa: E402
 from moerunner.testing import assert_close, error_bound  # noqa: E402
-from moerunner.weights import ExpertWeights  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-def _weights(scheme: str, E: int, H: int, I: int, dev) -> tuple[ExpertWeights, str]:
-    if scheme == "mxfp4":
-        return gpt_oss_experts("mxfp4", E, H, I, dev), "swiglu_oai"
-    w13 = torch.randn(E, 2 * I, H, device=dev) / H**0.5
-    w2 = torch.randn(E, H, I, device=dev) / I**0.5
-    if scheme == "bf16":
-        return ExpertWeights(w13.bfloat16(), w2.bfloat16()), "silu"
-    return ExpertWeights(moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)), "silu"
 
 
 def _split(tiles: MoeTiles, s1: int, s2: int) -> MoeTiles:
@@ -68,7 +57,7 @@ def test_split_k_matches_reference_and_is_deterministic(
     """T = 1 runs row blocks, T = 3 and 16 aligned rows that stream GEMM2 behind GEMM1."""
     dev = torch.device("cuda")
     torch.manual_seed(T + 10 * splits[0] + splits[1])
-    weights, act = _weights(scheme, E, H, I, dev)
+    weights, act = gpu_experts(scheme, E, H, I, dev)
     prepared = TritonBackend(TritonOptions()).prepare_weights(
         weights, weights.spec(moerunner.Activation(act))
     )
@@ -98,7 +87,7 @@ def test_split_k_graph_replays_with_fresh_inputs():
     dev = torch.device("cuda")
     torch.manual_seed(0)
     E, H, I, k, T = 16, 2880, 2880, 4, 1
-    weights, act = _weights("mxfp4", E, H, I, dev)
+    weights, act = gpu_experts("mxfp4", E, H, I, dev)
     prepared = TritonBackend(TritonOptions()).prepare_weights(
         weights, weights.spec(moerunner.Activation(act))
     )

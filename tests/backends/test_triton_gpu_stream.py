@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from cases import gpt_oss_experts
+from cases import gpu_experts
 
 pytest.importorskip("triton")
 
@@ -25,7 +25,6 @@ from moerunner.backends.triton import TritonBackend, TritonOptions, with_options
 from moerunner.backends.triton import _overlap as O  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.backends.triton.tile_config import MoeTiles, TileConfig  # noqa: E402
-from moerunner.weights import ExpertWeights  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -33,20 +32,8 @@ OFF = TritonOptions(stream_gemms=False, early_prefetch_steps=0)
 ON = TritonOptions(stream_gemms=True, early_prefetch_steps=4)
 
 
-def _weights(scheme: str, E: int, H: int, I: int, dev) -> tuple[ExpertWeights, str]:
-    """Random experts: GPT-OSS-style (interleaved, biases, swiglu_oai) for mxfp4, else
-    DeepSeek-style (gate then up rows, silu)."""
-    if scheme == "mxfp4":
-        return gpt_oss_experts("mxfp4", E, H, I, dev), "swiglu_oai"
-    w13 = torch.randn(E, 2 * I, H, device=dev) / H**0.5
-    w2 = torch.randn(E, H, I, device=dev) / I**0.5
-    if scheme == "bf16":
-        return ExpertWeights(w13.bfloat16(), w2.bfloat16()), "silu"
-    return ExpertWeights(moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)), "silu"
-
-
 def _prepare(scheme, E, H, I, dev):
-    weights, act = _weights(scheme, E, H, I, dev)
+    weights, act = gpu_experts(scheme, E, H, I, dev)
     on = TritonBackend(ON).prepare_weights(weights, weights.spec(moerunner.Activation(act)))
     return on, with_options(on, OFF)
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import random_experts
 
 import moerunner
 from moerunner.quant import get_scheme
 from moerunner.testing import assert_close, error_bound
-from moerunner.weights import ExpertWeights
 
 triton_pkg = pytest.importorskip("moerunner.backends.triton")
 
@@ -36,16 +36,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _weights(scheme, activation, E, H, I, seed):
     torch.manual_seed(seed)
-    act = moerunner.Activation(activation)
-    n13 = 2 * I if act.gated else I
-    w13 = torch.randn(E, n13, H, device=DEVICE) / H**0.5
-    w2 = torch.randn(E, H, I, device=DEVICE) / I**0.5
-    if scheme != "fp32":
-        w13, w2 = moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
-    interleaved = activation == "swiglu_oai"
-    b13 = torch.randn(E, n13, device=DEVICE) * 0.1 if interleaved else None
-    b2 = torch.randn(E, H, device=DEVICE) * 0.1 if interleaved else None
-    return ExpertWeights(w13, w2, b13, b2, interleaved), act
+    return random_experts(scheme, activation, E, H, I, DEVICE), moerunner.Activation(activation)
 
 
 def _split_counts():
