@@ -69,8 +69,9 @@ class TritonOptions:
     #: ``"fragment"`` or ``"split"``. GPT-OSS-120B mxfp4 on an H100, tiles tuned for each
     #: layout on it, same process: fragment 1.20x at T = 16, 1.26x at 64, 1.26x at 256, 1.27x
     #: at 1024, 1.33x at 4096, 1.35x at 16384, and 0.87x at T = 1, where one token's four
-    #: experts give too few programs to hide the K loop's latency. Batch-1 generation that
-    #: wants those microseconds back chooses ``"split"``; ``moerunner tune --e2m1-layout``
+    #: experts gave too few programs to hide the K loop's latency; with split K there
+    #: (``decode_split_programs``, re-tuned tiles) the fragment layout is ahead at T = 1 too
+    #: (38.0 against 43.7 us, same process, 2026-11-28). ``moerunner tune --e2m1-layout``
     #: tunes either layout.
     e2m1_layout: str = "fragment"
     #: *Prepare time.* The fragment layout stores each 4-byte word with its bits placed for a
