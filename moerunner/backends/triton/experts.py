@@ -538,12 +538,13 @@ def split_k_for(
     set; else, for a GEMM without an activation on e2m1 weights in the fragment layout in
     16-row tiles on a GPU, as many as bring the launch to ``options.decode_split_programs``
     programs per SM with at least ``SPLIT_K_MIN_STEPS`` steps each, if that makes at least
-    ``SPLIT_K_MIN_PROGRAMS`` programs per tile; else 1. Either way no
-    program is left without steps (``split_k_steps``), and a split whose partial sums would
-    exceed ``SPLIT_K_MAX_BYTES`` (counted for the widest, gated tile) is not taken. GEMM1 is
-    left to tuned files: split
-    by this rule it lost 3-5 % at T = 1 on Qwen3-30B-A3B and GPT-OSS-120B (H100), while at
-    T = 2 GPT-OSS-120B gained 9 % from two programs per tile."""
+    ``SPLIT_K_MIN_PROGRAMS`` programs per tile; else 1. Either way no program is left without
+    steps (``split_k_steps``), and a split whose partial sums would exceed
+    ``SPLIT_K_MAX_BYTES`` (counted for the widest, gated tile) is not taken.
+
+    GEMM1 splits only where its tile says so (tuned files): split by this rule it lost 3-5 %
+    at T = 1 on Qwen3-30B-A3B and GPT-OSS-120B (H100), and where splitting it gained, the
+    tuner finds it (GPT-OSS-120B T = 4)."""
     if tile.split_k is not None:
         split = split_k_steps(tile.split_k, k_steps)
     else:
