@@ -141,6 +141,12 @@ def gpu_experts(scheme: str, E: int, H: int, I: int, device) -> tuple[ExpertWeig
     return ExpertWeights(moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)), "silu"
 
 
+def split_k_counts(workspaces) -> list[torch.Tensor]:
+    """Every split-K count buffer a triton workspace cache (``experts.WORKSPACES``) holds
+    (keys: caller, then ``split_k_workspace``'s key)."""
+    return [v["count"] for k, v in workspaces.entries.items() if k[2:3] == ("split_k",)]
+
+
 def backend_paths(dispatch_format: str = STANDARD):
     """(backend, force_permute) for every available backend and every path it registers."""
     registry = moerunner.default_registry()

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from cases import gpu_experts
+from cases import gpu_experts, split_k_counts
 
 pytest.importorskip("triton")
 
@@ -33,7 +33,7 @@ def _split(tiles: MoeTiles, s1: int, s2: int) -> MoeTiles:
 
 
 def _counts_zero() -> bool:
-    counts = [v["count"] for k, v in X.WORKSPACES.entries.items() if k[2:3] == ("split_k",)]
+    counts = split_k_counts(X.WORKSPACES)
     return bool(counts) and all(int(c.abs().sum()) == 0 for c in counts)
 
 

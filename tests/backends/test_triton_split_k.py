@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import random_experts
+from cases import random_experts, split_k_counts
 
 import moerunner
 from moerunner.quant import get_scheme
@@ -37,11 +37,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _weights(scheme, activation, E, H, I, seed):
     torch.manual_seed(seed)
     return random_experts(scheme, activation, E, H, I, DEVICE), moerunner.Activation(activation)
-
-
-def _split_counts():
-    """Every split-K count buffer the workspaces hold."""
-    return [v["count"] for k, v in experts.WORKSPACES.entries.items() if k[2:3] == ("split_k",)]
 
 
 # (scheme, activation, H, I, block_k): K = H for GEMM1 and I for GEMM2; every case has
@@ -83,7 +78,7 @@ def test_split_k_matches_reference_and_unsplit_tile(case, split_k, tokens):
     whole = experts.fused_standard(x, wts, ids, prepared, tiles=tile_config.MoeTiles(g1, g2))
     assert_close(out, whole, 1e-5, what="split against whole")
     # Counts are back at zero, so a second call computes the same, bit for bit.
-    counts = _split_counts()
+    counts = split_k_counts(experts.WORKSPACES)
     assert counts and all(int(c.abs().sum()) == 0 for c in counts)
     again = experts.fused_standard(x, wts, ids, prepared, tiles=split)
     assert torch.equal(out, again)

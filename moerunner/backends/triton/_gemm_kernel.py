@@ -707,6 +707,7 @@ def moe_gemm_kernel(
         k_lo = 0
         k_hi = K
     num_n_blocks = tl.cdiv(N_OUT, BLOCK_N)
+    WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N  # weight rows of a tile
     # Grouped launch order: GROUP_M M-blocks share each weight tile while it is in L2.
     per_group = GROUP_M * num_n_blocks
     first_m = (pid // per_group) * GROUP_M
@@ -737,7 +738,6 @@ def moe_gemm_kernel(
                         -1,
                     )
                 if (guess >= 0) & (guess < num_experts):
-                    WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
                     _fragment_prefetch(
                         w_ptr + guess.to(tl.int64) * stride_we,
                         pid_n * WIDTH,
@@ -777,7 +777,6 @@ def moe_gemm_kernel(
             short = tl.load(first + BLOCK_M // 2) >= num_rows
     if CONSUME:
         await_block(block_done_ptr + pid_m, stream_producers, num_n_blocks * SPLIT_K)
-    SPLIT_WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     # One instance of the tile per row count: BLOCK_M, and BLOCK_M // 2 for short blocks.
     for half in tl.static_range(1 + SPLIT_M):
         if short == (half == 1):
@@ -830,7 +829,7 @@ def moe_gemm_kernel(
                 stride_dn,
                 k_lo,
                 k_hi,
-                split_part_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * SPLIT_WIDTH),
+                split_part_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * WIDTH),
                 split_count_ptr + tile,
                 pid_k,
                 BM,

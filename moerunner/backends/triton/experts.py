@@ -358,8 +358,10 @@ def _launch_gemm(
     block_done: torch.Tensor | None = None,
     stream_producers: int = 0,
     slot: int = 0,
-) -> None:
+) -> int:
     """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused).
+    Returns the programs it ran per block of rows (column tiles times split-K programs per
+    tile): the count a streaming GEMM1 leaves per block for GEMM2 to wait for.
 
     ``out_scale`` given (GEMM1 only, see ``fuses_gemm2_input_quant``): ``out`` is e4m3 and
     takes the codes, ``out_scale`` [rows, ceil(N / 128)] the scales of the output as rounded
@@ -390,7 +392,8 @@ def _launch_gemm(
     interleaved = gated and spec.gate_up_interleaved
     num_m_blocks = rows.num_blocks
     k_steps = _cdiv(k, tile.block_k)
-    num_tiles = num_m_blocks * _cdiv(n_out, tile.block_n)
+    n_blocks = _cdiv(n_out, tile.block_n)
+    num_tiles = num_m_blocks * n_blocks
     split = split_k_for(tile, consts, num_tiles, k_steps, _sms(w.data), options, spec is not None)
     grid = (num_tiles * split,)
     act = spec.activation if spec is not None else None
@@ -509,6 +512,7 @@ def _launch_gemm(
         options=options,
         **consts,
     )
+    return n_blocks * split
 
 
 # ``split_k_for``'s rule gives each split program at least this many K steps, and splits a
@@ -710,7 +714,7 @@ def run_kernel_sequence(
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13, options)
         delta = deltas.gate_up(a_RH, row_expert) if deltas is not None else None
-        _launch_gemm(
+        gemm1_programs = _launch_gemm(
             a,
             a_scale,
             w13,
@@ -760,9 +764,7 @@ def run_kernel_sequence(
                 early=O.EARLY_FROM_BLOCKS if delta is None and overlap else O.EARLY_NONE,
                 stream=O.STREAM_CONSUME if stream else O.STREAM_NONE,
                 block_done=ws["block_done"],
-                stream_producers=_stream_producers(w13, tiles.gemm1, spec, rows, options)
-                if stream
-                else 0,
+                stream_producers=gemm1_programs if stream else 0,
                 slot=1,
             )
         except BaseException:
@@ -770,20 +772,6 @@ def run_kernel_sequence(
             if stream:
                 ws["block_done"].zero_()
             raise
-
-
-def _stream_producers(
-    w13: KernelWeight, tile1: TileConfig, spec: ExpertSpec, rows: RowLayout, options
-) -> int:
-    """The count GEMM1 leaves per block of rows when it streams: one per program of each of
-    its column tiles (split K runs several per tile), as ``_launch_gemm`` launches it."""
-    consts = dict(w13.constexprs)
-    tile = launch_tile(tile1, consts, spec.gated)
-    n_blocks = _cdiv(spec.intermediate_size, tile.block_n)
-    k_steps = _cdiv(w13.shape[2], tile.block_k)
-    num_tiles = rows.num_blocks * n_blocks
-    sms = _sms(w13.data)
-    return n_blocks * split_k_for(tile, consts, num_tiles, k_steps, sms, options, True)
 
 
 def _check_hidden(hidden: torch.Tensor, prepared: PreparedWeights, name: str) -> None:
