@@ -24,6 +24,7 @@ triton_pkg = pytest.importorskip("moerunner.backends.triton")
 from moerunner.backends.triton import (  # noqa: E402
     TritonBackend,
     TritonOptions,
+    _split_k,
     experts,
     tile_config,
 )
@@ -91,7 +92,7 @@ def test_split_k_matches_reference_and_unsplit_tile(case, split_k, tokens):
 def test_split_k_never_leaves_a_program_without_k_steps(split_k, k_steps, programs):
     """Shares are ceil(k_steps / programs) steps, the last the rest: the count is lowered
     until the last share is not empty (the kernel relies on it)."""
-    got = experts.split_k_steps(split_k, k_steps)
+    got = _split_k.split_k_steps(split_k, k_steps)
     assert got == programs
     share = -(-k_steps // got)
     assert (got - 1) * share < k_steps
@@ -151,9 +152,9 @@ def test_split_k_rule_fills_the_gpu_at_decode(tiles, k_steps, expected):
     frag = {"FRAG": True}
     tile = tile_config.TileConfig(16, 128, 128, 1, 4, 4)
     options = TritonOptions()
-    assert experts.split_k_for(tile, frag, tiles, k_steps, 132, options) == expected
+    assert _split_k.split_k_for(tile, frag, tiles, k_steps, 132, options) == expected
     # A GEMM with an activation epilogue (GEMM1) is split only by its tile's own split_k.
-    assert experts.split_k_for(tile, frag, tiles, k_steps, 132, options, True) == 1
+    assert _split_k.split_k_for(tile, frag, tiles, k_steps, 132, options, True) == 1
 
 
 def test_split_k_rule_applies_only_where_it_was_measured():
@@ -161,17 +162,17 @@ def test_split_k_rule_applies_only_where_it_was_measured():
     a tile's own split_k always wins (capped at the K steps)."""
     tile = tile_config.TileConfig(16, 128, 128, 1, 4, 4)
     on = TritonOptions()
-    assert experts.split_k_for(tile, {"FRAG": False}, 92, 23, 132, on) == 1  # bf16, fp8, ...
-    assert experts.split_k_for(tile, {"FRAG": True}, 92, 23, None, on) == 1  # not a GPU
+    assert _split_k.split_k_for(tile, {"FRAG": False}, 92, 23, 132, on) == 1  # bf16, fp8, ...
+    assert _split_k.split_k_for(tile, {"FRAG": True}, 92, 23, None, on) == 1  # not a GPU
     wide = tile_config.TileConfig(32, 128, 128, 1, 4, 4)
-    assert experts.split_k_for(wide, {"FRAG": True}, 92, 23, 132, on) == 1
+    assert _split_k.split_k_for(wide, {"FRAG": True}, 92, 23, 132, on) == 1
     off = TritonOptions(decode_split_programs=0)
-    assert experts.split_k_for(tile, {"FRAG": True}, 92, 23, 132, off) == 1
+    assert _split_k.split_k_for(tile, {"FRAG": True}, 92, 23, 132, off) == 1
     own = tile_config.TileConfig(16, 128, 128, 1, 4, 4, split_k=3)
-    assert experts.split_k_for(own, {"FRAG": False}, 500, 23, None, off) == 3
+    assert _split_k.split_k_for(own, {"FRAG": False}, 500, 23, None, off) == 3
     capped = tile_config.TileConfig(16, 128, 128, 1, 4, 4, split_k=8)
-    assert experts.split_k_for(capped, {"FRAG": True}, 92, 23, 132, on) == 8
-    assert experts.split_k_for(capped, {"FRAG": True}, 92, 5, 132, on) == 5
+    assert _split_k.split_k_for(capped, {"FRAG": True}, 92, 23, 132, on) == 8
+    assert _split_k.split_k_for(capped, {"FRAG": True}, 92, 5, 132, on) == 5
 
 
 def test_split_k_is_not_taken_where_the_partial_sums_would_be_large():
@@ -180,9 +181,9 @@ def test_split_k_is_not_taken_where_the_partial_sums_would_be_large():
     tile = tile_config.TileConfig(128, 128, 64, 8, 8, 3, split_k=2)
     options = TritonOptions()
     # Mixtral-8x7B GEMM1 at T = 16384: ~264 row blocks x 112 column tiles.
-    assert experts.split_k_for(tile, {"FRAG": False}, 264 * 112, 64, 132, options) == 1
+    assert _split_k.split_k_for(tile, {"FRAG": False}, 264 * 112, 64, 132, options) == 1
     small = tile_config.TileConfig(16, 64, 128, 1, 4, 4, split_k=2)
-    assert experts.split_k_for(small, {"FRAG": True}, 32 * 45, 23, 132, options) == 2
+    assert _split_k.split_k_for(small, {"FRAG": True}, 32 * 45, 23, 132, options) == 2
 
 
 class _Timer:

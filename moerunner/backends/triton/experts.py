@@ -34,6 +34,7 @@ from ..base import caller
 from . import _gemm_kernel as K
 from . import _launch, _pdl, _plan, autotune
 from . import _overlap as O
+from . import _split_k as SK
 from ._align import (
     SINGLE_PROGRAM_MAX_ROWS,
     align_rows,
@@ -394,7 +395,8 @@ def _launch_gemm(
     k_steps = _cdiv(k, tile.block_k)
     n_blocks = _cdiv(n_out, tile.block_n)
     num_tiles = num_m_blocks * n_blocks
-    split = split_k_for(tile, consts, num_tiles, k_steps, _sms(w.data), options, spec is not None)
+    sms = _launch.multiprocessors(dev) if w.data.is_cuda else None
+    split = SK.split_k_for(tile, consts, num_tiles, k_steps, sms, options, spec is not None)
     grid = (num_tiles * split,)
     act = spec.activation if spec is not None else None
     a_s = a_scale if a_scale is not None else dummy
@@ -513,66 +515,6 @@ def _launch_gemm(
         **consts,
     )
     return n_blocks * split
-
-
-# ``split_k_for``'s rule gives each split program at least this many K steps, and splits a
-# tile only into at least SPLIT_K_MIN_PROGRAMS programs: every split of 3 to 6 measured on
-# e2m1 GEMM2 gained (1.05-1.26x), splits of 2 went either way (0.978x DeepSeek-V3 mxfp4 at
-# T = 1, 0.984x GPT-OSS-20B at T = 4, 1.05x GPT-OSS-120B at T = 4; H100).
-SPLIT_K_MIN_STEPS = 4
-SPLIT_K_MIN_PROGRAMS = 3
-# A launch whose partial sums would take more than this many bytes runs unsplit, whatever its
-# tile asks: split K is for calls of few tiles, and a tile file pinning it at a large T (a
-# user's, or a lookup nearest to a decode entry) must not allocate gigabytes.
-SPLIT_K_MAX_BYTES = 64 << 20
-
-
-def split_k_for(
-    tile: TileConfig,
-    consts: dict,
-    num_tiles: int,
-    k_steps: int,
-    sms: int | None,
-    options: TritonOptions,
-    activation: bool = False,
-) -> int:
-    """Programs per tile of one GEMM launch of ``num_tiles`` tiles (``tile`` as launched,
-    weight constexprs ``consts``; ``activation``: its epilogue applies one, as GEMM1's) over
-    ``k_steps`` K steps on a GPU of ``sms`` SMs (None: not a GPU). The tile's ``split_k`` if
-    set; else, for a GEMM without an activation on e2m1 weights in the fragment layout in
-    16-row tiles on a GPU, as many as bring the launch to ``options.decode_split_programs``
-    programs per SM with at least ``SPLIT_K_MIN_STEPS`` steps each, if that makes at least
-    ``SPLIT_K_MIN_PROGRAMS`` programs per tile; else 1. Either way no program is left without
-    steps (``split_k_steps``), and a split whose partial sums would exceed
-    ``SPLIT_K_MAX_BYTES`` (counted for the widest, gated tile) is not taken.
-
-    GEMM1 splits only where its tile says so (tuned files): split by this rule it lost 3-5 %
-    at T = 1 on Qwen3-30B-A3B and GPT-OSS-120B (H100), and where splitting it gained, the
-    tuner finds it (GPT-OSS-120B T = 4)."""
-    if tile.split_k is not None:
-        split = split_k_steps(tile.split_k, k_steps)
-    else:
-        per_sm = options.decode_split_programs
-        if activation or not (per_sm and sms and consts["FRAG"] and tile.block_m == 16):
-            return 1
-        want = min(per_sm * sms // max(num_tiles, 1), k_steps // SPLIT_K_MIN_STEPS)
-        split = split_k_steps(want, k_steps) if want >= SPLIT_K_MIN_PROGRAMS else 1
-    part_bytes = num_tiles * split * tile.block_m * 2 * tile.block_n * 4
-    return split if part_bytes <= SPLIT_K_MAX_BYTES else 1
-
-
-def _sms(x: torch.Tensor) -> int | None:
-    return _launch.multiprocessors(x.device) if x.is_cuda else None
-
-
-def split_k_steps(split_k: int, k_steps: int) -> int:
-    """The programs per tile a launch runs for a tile's ``split_k`` over ``k_steps`` K
-    steps: the largest count up to ``split_k`` whose every program gets at least one step
-    (shares of ``ceil(k_steps / count)`` steps, the last one the rest)."""
-    split = max(1, min(split_k, k_steps))
-    while split > 1 and (split - 1) * _cdiv(k_steps, split) >= k_steps:
-        split -= 1
-    return split
 
 
 def split_k_workspace(

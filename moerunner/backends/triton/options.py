@@ -125,7 +125,7 @@ class TritonOptions:
     #: GEMMs on e2m1 weights in the fragment layout whose tile leaves ``split_k`` to the
     #: launcher (``TileConfig.split_k`` None, as tuned files without the field) split each
     #: 16-row tile's K loop over up to this many programs per SM, in all (0: never split;
-    #: ``experts.split_k_for``). A decode of few rows per tile is bound by each program's K
+    #: ``_split_k.split_k_for``). A decode of few rows per tile is bound by each program's K
     #: loop latency, not by bandwidth, once the tiles are few: GPT-OSS-120B mxfp4 on an H100,
     #: GEMM2 split 6 ways at T = 1 (92 tiles) 1.15x, both GEMMs split at T = 2 1.34x, T = 4
     #: 1.07x, nothing to gain at T = 8; GPT-OSS-20B (no tuned file) T = 1 / 2 1.17 / 1.14x.

@@ -51,7 +51,7 @@ def tile_folders(tile_dirs: Sequence[str | os.PathLike] | None) -> tuple[Path, .
 class TileConfig:
     """Tile of one grouped GEMM: block sizes, launch order group, warps, pipeline depth and
     how many programs share each tile's K loop (``split_k``: None leaves it to the launcher,
-    ``experts.split_k_for``; a count is capped at the K steps, and not taken where the partial
+    ``_split_k.split_k_for``; a count is capped at the K steps, and not taken where the partial
     sums would be large. For calls whose tiles are too few to keep the GPU busy, see
     ``_gemm_kernel.moe_gemm_kernel``)."""
 
