@@ -11,6 +11,8 @@ programs a tile gets. GPU runs: test_triton_gpu_split_k.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from cases import random_experts, split_k_counts
@@ -217,3 +219,34 @@ def test_tuner_keeps_a_split_only_if_the_whole_call_is_faster(split_call_faster)
     else:
         unset = tile_config.TileConfig(16, 32, 64, 1, 4, 2)
         assert tiles == tile_config.MoeTiles(unset, unset)
+
+
+def test_lookup_keeps_a_pinned_split_only_up_to_its_bucket():
+    """A tuned entry's split_k is kept for calls of at most its token count; a larger call
+    nearest to it has more tiles, and takes the entry's tiles with split_k left to the
+    launcher (its rule, ``split_k_for``). The shipped GPT-OSS-120B mxfp4 H100 file pins
+    splits at T = 4: T = 3 and 4 keep them, T = 5 and 6 do not."""
+    g1 = tile_config.TileConfig(16, 64, 128, 1, 4, 4, split_k=3)
+    g2 = tile_config.TileConfig(16, 128, 128, 1, 4, 4, split_k=4)
+    plain = tile_config.TileConfig(16, 64, 128, 1, 4, 4)
+    table = {
+        2: tile_config.MoeTiles(plain, plain),
+        4: tile_config.MoeTiles(g1, g2),
+        16: tile_config.MoeTiles(plain, plain),
+    }
+    source = tile_config.TileSource(8, 256, 256, "mxfp4", table=table)
+    assert source.lookup(4, 2) == table[4]
+    assert source.lookup(3, 2) == table[2]  # a tie goes to the smaller entry
+    for tokens in (5, 6, 7):
+        got = source.lookup(tokens, 2)
+        assert (got.gemm1.split_k, got.gemm2.split_k) == (None, None)
+        assert got == tile_config.MoeTiles(plain, dataclasses.replace(g2, split_k=None))
+    assert table[2].unpinned() is table[2]
+    path = tile_config.SHIPPED_DIR / (
+        "E=128,N=2880,K=2880,scheme=mxfp4,layout=fragment,device=NVIDIA_H100_80GB_HBM3.json"
+    )
+    shipped = tile_config.TileSource(
+        128, 2880, 2880, "mxfp4", path=path, table=tile_config.load_config_file(str(path))
+    )
+    assert shipped.lookup(4, 4).gemm2.split_k == 4
+    assert shipped.lookup(6, 4).gemm2.split_k is None

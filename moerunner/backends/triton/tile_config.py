@@ -22,7 +22,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ...device_files import device_key, user_cache_dir
@@ -98,6 +98,12 @@ class MoeTiles:
     def to_dict(self) -> dict:
         """JSON-ready form."""
         return {"gemm1": self.gemm1.to_dict(), "gemm2": self.gemm2.to_dict()}
+
+    def unpinned(self) -> MoeTiles:
+        """These tiles with ``split_k`` left to the launcher (itself if neither pins one)."""
+        if self.gemm1.split_k is None and self.gemm2.split_k is None:
+            return self
+        return MoeTiles(replace(self.gemm1, split_k=None), replace(self.gemm2, split_k=None))
 
     @classmethod
     def from_dict(cls, d: dict) -> MoeTiles:
@@ -326,10 +332,15 @@ class TileSource:
     table: dict[int, MoeTiles] | None = field(default=None, compare=False, repr=False)
 
     def lookup(self, num_tokens: int, top_k: int) -> MoeTiles:
-        """Tuned tiles for the nearest token count, else ``heuristic_tiles``."""
+        """Tuned tiles for the nearest token count, else ``heuristic_tiles``. A call larger
+        than its entry's token count takes that entry with ``split_k`` unset (``unpinned``):
+        a split is tuned to the tile count of its bucket, and a larger call has more tiles,
+        so the launcher's rule decides there (GPT-OSS-120B mxfp4 at T = 6 with the T = 4
+        entry's splits ran 0.93x the same tiles unsplit on an H100)."""
         if self.table:
             nearest = min(self.table, key=lambda t: (abs(t - num_tokens), t))
-            return self.table[nearest]
+            tiles = self.table[nearest]
+            return tiles.unpinned() if num_tokens > nearest else tiles
         return heuristic_tiles(
             num_tokens, top_k, self.num_experts, self.n, self.k, self.scheme, self.dtype_bytes
         )

@@ -327,10 +327,7 @@ def tune_tokens(
         # and the top-k sum follows (GPT-OSS-120B mxfp4 at T = 8 on an H100: the searched
         # splits took 167.4 us per call against 161.4 unsplit). Keep them only if the whole
         # call is faster with them than with split_k left to the launcher.
-        unpinned = MoeTiles(
-            dataclasses.replace(tiles.gemm1, split_k=None),
-            dataclasses.replace(tiles.gemm2, split_k=None),
-        )
+        unpinned = tiles.unpinned()
         weights_tk = route_w.view(num_tokens, top_k)
 
         def call(t: MoeTiles):
