@@ -396,7 +396,7 @@ def test_a_failed_tuning_call_raises_and_the_next_call_tunes_again(monkeypatch):
 
 def test_a_tuning_pass_that_profiled_nothing_warns(monkeypatch):
     """FlashInfer skips every tactic whose profiling fails and runs its fallback tile without
-    an error (on an H100, 4-6x slower: its delay-kernel module was missing): the backend
+    an error (on an H100 up to 5x slower: its delay-kernel module was missing): the backend
     warns once, naming the GEMMs and what to check; a pass that profiled, or a FlashInfer
     that does not expose its cache, stays silent."""
     import warnings
