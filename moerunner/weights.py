@@ -241,12 +241,19 @@ def gate_up_first(weights: ExpertWeights) -> ExpertWeights:
     )
 
 
+#: Prefix of a ``PreparedWeights`` note by which a backend says that these weights' kernels run
+#: without the tuning their speed depends on (``PreparedWeights.untuned``): the results are
+#: right, the times are not the backend's. Benchmarks mark such rows and tables leave them out.
+UNTUNED_NOTE = "untuned: "
+
+
 @dataclass
 class PreparedWeights:
     """A backend's own form of one layer's weights, made once by ``prepare_weights``.
 
     ``tensors`` holds whatever the backend's kernels read; ``notes`` records what preparation
-    did (padding, reordering) so it can be inspected and tested; ``options`` the options of
+    did (padding, reordering), and what a backend found at a first call (``UNTUNED_NOTE``), so
+    it can be inspected and tested; ``options`` the options of
     the backend that prepared them (None for a backend without options), which its kernels
     read per call.
 
@@ -265,3 +272,8 @@ class PreparedWeights:
     tensors: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     options: Any = None
+
+    def untuned(self) -> str | None:
+        """Why these weights' kernels run untuned (a backend's ``UNTUNED_NOTE``), or None."""
+        notes = (n[len(UNTUNED_NOTE) :] for n in self.notes if n.startswith(UNTUNED_NOTE))
+        return next(notes, None)

@@ -372,6 +372,44 @@ def test_tune_on_cpu_between_torch_and_the_triton_interpreter_then_info(tmp_path
     assert "measured: " in info.stdout and "other shapes: no table: preference order" in info.stdout
 
 
+class UntunedTorch(CopyingTorch):
+    """A torch variant that, like a backend whose autotuner failed, notes at its first call
+    that its kernels run untuned (``PreparedWeights.untuned``), and returns the right result."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        super().__init__(name, calls)
+        base = self.fused_ops["standard"]
+
+        def fused(dispatch_output, prepared, **kw):
+            if prepared.untuned() is None:
+                prepared.notes.append(f"{moerunner.weights.UNTUNED_NOTE}tuning failed (test)")
+            return base(dispatch_output, prepared, **kw)
+
+        self.fused_ops = {"standard": fused}
+
+
+def test_tune_leaves_out_a_backend_whose_kernels_ran_untuned():
+    """A backend that ran right but untuned (its weights' note) gets rows of status
+    ``untuned`` at every T, and no time of it reaches the table: the fastest tuned backend
+    wins each bucket, however fast the untuned one looked."""
+    from moerunner.bench.backend_choice import tune_backends
+    from moerunner.bench.presets import BenchShape
+
+    calls: list = []
+    registry = _registry(calls)
+    registry.register_backend(UntunedTorch("u", calls))
+    shape = BenchShape("tiny", 4, 32, 32, 2)
+    _, buckets, rows = tune_backends(
+        shape, "fp32", (1, 16), backends=("a", "u"), device="cpu", registry=registry,
+        min_time_s=0.01,
+    )  # fmt: skip
+    status = {(r.impl, r.tokens): r.status for r in rows}
+    assert status == {("a", 1): "ok", ("a", 16): "ok", ("u", 1): "untuned", ("u", 16): "untuned"}
+    assert all("tuning failed (test)" in r.note for r in rows if r.impl == "u")
+    assert ("u", 1) in calls and ("u", 16) in calls  # it ran at both counts
+    assert [(b.backend, set(b.times_us)) for b in buckets] == [("a", {"a"}), ("a", {"a"})]
+
+
 def test_tune_backends_usage_errors(tmp_path, capsys):
     from moerunner.cli import tune
 

@@ -66,7 +66,8 @@ def serving_backends(
 
 def buckets_from_rows(rows: Sequence[Row]) -> tuple[Bucket, ...]:
     """One bucket per measured token count: the fastest backend whose row is ``ok`` (its
-    output within tolerance of the reference) wins; a count where none is ok gets none."""
+    output within tolerance of the reference, its kernels tuned) wins; a count where none is
+    ok gets none. Rows of other statuses (``untuned`` included) leave no time in the table."""
     times: dict[int, dict[str, float]] = {}
     for row in rows:
         if row.status == "ok" and not row.impl.startswith("baseline:"):

@@ -80,7 +80,9 @@ class Row:
     impl: str  # backend name, or "baseline:eager" / "baseline:grouped_mm"
     routing: str
     tokens: int
-    status: str = "ok"  # ok | wrong | skipped | failed
+    # ok | wrong | untuned (right, but the backend's kernels ran untuned: PreparedWeights.untuned)
+    # | skipped | failed
+    status: str = "ok"
     note: str = ""
     experts_hit: float = 0.0
     bytes: float = 0.0
@@ -322,26 +324,31 @@ class Sweep:
         probe = torch.zeros(1, shape.hidden_size, dtype=dtype, device=self.device)
         problem = MoeProblem.of(probe, expert_weights[0], spec, STANDARD)
         verdicts = self.registry.verdicts(problem)
-        impls: list[tuple[str, Callable | None, str]] = []
+        # (name, call, note, why its kernels run untuned: a callable, None for baselines)
+        impls: list[tuple[str, Callable | None, str, Callable | None]] = []
         names = c.backends if c.backends is not None else tuple(sorted(verdicts))
         for name in names:
             ok, reason = verdicts.get(name, (False, "not registered"))
             if not ok:
                 self.skipped_backends[f"{shape.name}/{scheme}/{name}"] = reason
                 if c.backends is not None:
-                    impls.append((name, None, reason))
+                    impls.append((name, None, reason, None))
                 continue
             try:
                 runner = MoeRunner(name, registry=self.registry)
                 prepared = [runner.prepare(ew, problem, spec) for ew in expert_weights]
             except Exception as exc:  # noqa: BLE001  (a broken backend must not end the sweep)
-                impls.append((name, None, f"prepare failed: {type(exc).__name__}: {exc}"[:200]))
+                note = f"prepare failed: {type(exc).__name__}: {exc}"[:200]
+                impls.append((name, None, note, None))
                 continue
 
             def fn(case: _Case, runner=runner, prepared=prepared):
                 return runner.run(StandardDispatchOutput(case.x, case.topk), prepared[case.copy])
 
-            impls.append((name, fn, ""))
+            def untuned(prepared=prepared):
+                return next((why for p in prepared if (why := p.untuned())), None)
+
+            impls.append((name, fn, "", untuned))
         if with_baselines:
             for impl in c.baselines:
                 try:
@@ -350,13 +357,13 @@ class Sweep:
                         for w in copies
                     ]
                 except (ImportError, ValueError, RuntimeError) as exc:
-                    impls.append((f"baseline:{impl}", None, str(exc)[:160]))
+                    impls.append((f"baseline:{impl}", None, str(exc)[:160], None))
                     continue
 
                 def base_fn(case: _Case, built=built):
                     return built[case.copy][0](case.x, case.ids_long, case.weights_hf)
 
-                impls.append((f"baseline:{impl}", base_fn, built[0][1]))
+                impls.append((f"baseline:{impl}", base_fn, built[0][1], None))
         plain_ew = [
             ExpertWeights(w["w13"], w["w2"], w["w13_bias"], w["w2_bias"], shape.gate_up_interleaved)
             for w in copies
@@ -365,7 +372,7 @@ class Sweep:
             for tokens in c.tokens:
                 cases = self._cases(shape, dtype, routing, tokens, len(copies))
                 measured = []
-                for name, fn, note in impls:
+                for name, fn, note, _ in impls:
                     is_base = name.startswith("baseline:")
                     row = Row(
                         shape.name,
@@ -383,6 +390,7 @@ class Sweep:
                         ref_weights = plain_ew if is_base else expert_weights
                         measured.append((row, fn, ref_weights, note))
                 self._measure_all(measured, shape, cases, dtype)
+                _mark_untuned(measured, impls)
                 del cases, measured
         del impls, expert_weights
         gc.collect()
@@ -537,6 +545,18 @@ class Sweep:
         row.floor_us = floor * 1e6
         row.pct_roofline = 100.0 * floor / timing.seconds
         self.progress(row)
+
+
+def _mark_untuned(measured: list, impls: list) -> None:
+    """Rows whose backend said (``PreparedWeights.untuned``), at this T or before, that its
+    kernels ran untuned: status ``untuned``, the reason in the note. Their outputs passed the
+    check; their times are not the backend's, so tables leave them out."""
+    untuned_of = {name: untuned for name, _, _, untuned in impls if untuned is not None}
+    for row, *_ in measured:
+        why = untuned_of[row.impl]() if row.impl in untuned_of else None
+        if why and row.status == "ok":
+            row.status = "untuned"
+            row.note = "; ".join(n for n in (row.note, why) if n)
 
 
 def fill_speedups(rows: list[Row]) -> None:

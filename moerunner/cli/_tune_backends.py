@@ -69,7 +69,7 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
         )
         for scheme in schemes:
             try:
-                key, buckets, _ = tune_backends(
+                key, buckets, rows = tune_backends(
                     shape,
                     scheme,
                     tokens,
@@ -82,6 +82,13 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
                 print(f"moerunner tune: {label} {scheme}: {exc}", file=sys.stderr)
                 return 1
             table = table.with_entry(key, buckets)
+            untuned = {r.impl: r.note for r in rows if r.status == "untuned"}
+            for impl, why in untuned.items():
+                print(
+                    f"moerunner tune: {label} {scheme}: {impl} left out: its kernels ran "
+                    f"untuned ({why})",
+                    file=sys.stderr,
+                )
             print(f"{label} {scheme} on {name}:")
             for i, bucket in enumerate(buckets):
                 print(f"  {bucket_range(buckets, i)}: {bucket.backend} ({bucket.measured()})")

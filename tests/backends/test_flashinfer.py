@@ -370,6 +370,7 @@ def _fake_call(monkeypatch, options):
         routed = TopK(topk.weights[:rows], ids[:rows])
         return _call.fused_standard(StandardDispatchOutput(x[:rows], routed), prepared)
 
+    call.prepared = prepared
     return fake, call
 
 
@@ -403,9 +404,12 @@ def test_a_tuning_pass_that_profiled_nothing_warns(monkeypatch):
 
     fake, call = _fake_call(monkeypatch, None)
     fake.profiles = False
+    assert call.prepared.untuned() is None
     with pytest.warns(RuntimeWarning, match="profiled no tactic.*trtllm_utils") as record:
         call()
     assert "trtllm::fused_moe::gemm1" in str(record[0].message)
+    # Noted on the weights too: benchmarks mark such rows and `moerunner tune` leaves them out.
+    assert "profiled no tactic" in call.prepared.untuned()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         call()  # tuned once per weight set: no second pass, no second warning
@@ -413,6 +417,7 @@ def test_a_tuning_pass_that_profiled_nothing_warns(monkeypatch):
             fake, call = _fake_call(monkeypatch, None)
             fake.profiled = profiled
             call(), call()
+            assert call.prepared.untuned() is None
     assert fake.contexts == [(True, {})]
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...weights import PreparedWeights
+from ...weights import UNTUNED_NOTE, PreparedWeights
 
 #: FlashInfer's own default for the largest token count its buckets reach.
 DEFAULT_TUNE_MAX_TOKENS = 8192
@@ -90,12 +90,18 @@ def _flashinfer():
 FUSED_MOE_OPS = ("trtllm::fused_moe::gemm1", "trtllm::fused_moe::gemm2")
 
 
-def _check_profiled() -> None:
-    """After a weight set's tuning call: warn if FlashInfer's autotuner holds no profiled
-    tactic for the fused-MoE GEMMs, which then run its fallback tile."""
+def _check_profiled(prepared: PreparedWeights) -> None:
+    """After a weight set's tuning call: if FlashInfer's autotuner holds no profiled tactic
+    for the fused-MoE GEMMs, which then run its fallback tile, note it on the weights
+    (``PreparedWeights.untuned``: benchmarks and ``moerunner tune`` leave such times out)
+    and warn."""
     profiled = _flashinfer()[3]()
     missing = [op for op in FUSED_MOE_OPS if profiled is not None and op not in profiled]
     if missing:
+        prepared.notes.append(
+            f"{UNTUNED_NOTE}FlashInfer's autotuner profiled no tactic for {missing}; "
+            "its fallback tile runs"
+        )
         warnings.warn(
             f"flashinfer backend: FlashInfer's autotuner profiled no tactic for {missing}: "
             "every candidate failed to profile (FLASHINFER_LOGGING_LEVEL=DEBUG shows why), so "
@@ -187,5 +193,5 @@ def fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.Tensor:
         with tuning:
             fused_moe.cutlass_fused_moe(*args, output=out, **kwargs)
         prepared.tensors["tuned"] = True  # only once a tuning call has gone through
-        _check_profiled()
+        _check_profiled(prepared)
     return out
