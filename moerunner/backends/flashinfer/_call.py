@@ -8,11 +8,12 @@
 # autotuner. Untuned, it runs a fallback tile that can be tens of times slower (an SM90 MXFP4
 # GPT-OSS layer measured 10 ms at T = 16 against 0.38 ms tuned), so the first call of each
 # prepared weight set profiles every bucket once (``FlashInferOptions``), outside any capture.
-# A tuning pass in which every tactic fails to profile leaves FlashInfer on that fallback without
-# an error (it logs at debug level); the backend then warns (``_check_profiled``). With
-# FLASHINFER_DISABLE_JIT set, the profiling needs FlashInfer's ``trtllm_utils`` module (the delay
-# kernel its timer launches first) among the prebuilt modules: without it every bf16 and MXFP4
-# tactic failed and a layer ran 3.3-5.3x slower than tuned (bf16; mxfp4 1.1-2.3x) on an H100.
+# A tuning pass in which every tactic fails to profile leaves FlashInfer on that fallback
+# without an error (it logs at debug level); the backend then notes it on the prepared weights
+# and warns (``_check_profiled``). With FLASHINFER_DISABLE_JIT set, the profiling needs
+# FlashInfer's ``trtllm_utils`` module (the delay kernel its timer launches first) among the
+# prebuilt modules: without it every bf16 and MXFP4 tactic failed and a layer ran 3.3-5.3x
+# slower than tuned (bf16; mxfp4 1.1-2.3x) on an H100.
 
 from __future__ import annotations
 
