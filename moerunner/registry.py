@@ -127,8 +127,10 @@ class Registry:
             and dispatch_format in self.permutes
         )
 
-    def verdicts(self, problem: MoeProblem) -> dict[str, tuple[bool, str]]:
-        """Each backend's (can serve, reason if not) for ``problem``."""
+    def verdicts(self, problem: MoeProblem, auto: bool = False) -> dict[str, tuple[bool, str]]:
+        """Each backend's (can serve, reason if not) for ``problem``. ``auto``: for a choice
+        the caller left to us, where a backend that is not ``ready`` (its first call would
+        build kernels for minutes) does not serve either."""
         result = {}
         for name, backend in self.backends.items():
             ok, reason = backend.available()
@@ -136,6 +138,10 @@ class Registry:
                 ok, reason = False, f"no path for dispatch format {problem.dispatch_format!r}"
             if ok:
                 ok, reason = backend.supports(problem)
+            if ok and auto:
+                ready, why = backend.ready()
+                if not ready:
+                    ok, reason = False, f"not ready for 'auto': {why}"
             result[name] = (ok, reason)
         return result
 
@@ -169,7 +175,7 @@ class Registry:
                 f"backend {requested!r} is not registered; registered: "
                 f"{', '.join(sorted(self.backends))} or 'auto'"
             )
-        verdicts = self.verdicts(problem)
+        verdicts = self.verdicts(problem, auto=requested == "auto")
         if requested != "auto":
             ok, reason = verdicts[requested]
             if not ok:

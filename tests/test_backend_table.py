@@ -224,6 +224,31 @@ def test_a_winner_that_cannot_serve_falls_back():
     )
 
 
+def test_auto_passes_over_a_backend_that_is_not_ready_and_a_named_call_takes_it():
+    """A backend whose first call would build kernels for minutes (``Backend.ready`` False,
+    as flashinfer without its module built) serves no ``auto`` choice, neither from the
+    preference order nor as a table's winner; named, it serves (and would build)."""
+    calls: list = []
+    registry = _registry(calls)
+    slow = registry.backends["b"]
+    slow.ready = lambda: (False, "kernels not built (test)")
+    x, weights, tw, ids, spec, problem = _problem(Case("ready", tokens=10))
+    runner = MoeRunner(registry=registry, table=_table(problem, 2))
+    chosen = runner.select(problem, 10, 2)  # b's bucket in the table
+    assert chosen.backend.name == "a"
+    assert "measured winner 'b' cannot serve (not ready for 'auto': kernels not built" in (
+        chosen.reason
+    )
+    pref = MoeRunner(registry=registry, preference={"cpu": ("b", "a")}, table=BackendTable("none"))
+    assert pref.select(problem, 10, 2).backend.name == "a"
+    named = MoeRunner("b", registry=registry)
+    assert named.select(problem, 10, 2).backend.name == "b"
+    out = moerunner.api.run_experts(named, weights, x, tw, ids, moerunner.Activation("silu"))
+    assert calls[-1] == ("b", 10)
+    ref = moerunner.reference_moe(x, weights, tw, ids)
+    assert_close(out, ref, TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize(
     ("buckets", "kept"),
     [

@@ -13,6 +13,24 @@ def test_info_lists_torch_backend(capsys):
     assert "[torch] available" in out and "dispatch formats" in out
 
 
+def test_info_says_when_auto_passes_over_an_available_backend(capsys, monkeypatch, tmp_path):
+    """A backend that runs here but is not ready (``Backend.ready``: its kernels would build
+    for minutes at a first call) is listed as available, with why ``auto`` passes over it."""
+    import json
+
+    from moerunner.registry import DEFAULT_REGISTRY
+
+    torch_backend = DEFAULT_REGISTRY.backends["torch"]
+    monkeypatch.setattr(torch_backend, "ready", lambda: (False, "kernels not built (test)"))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "[torch] available (auto passes over it: kernels not built (test))" in out
+    assert main(["info", "--json", str(tmp_path / "info.json")]) == 0
+    record = json.loads((tmp_path / "info.json").read_text())["backends"]["torch"]
+    assert record["available"] and not record["ready_for_auto"]
+    assert record["not_ready_reason"] == "kernels not built (test)"
+
+
 def test_demo_small_passes(capsys):
     assert (
         main(["demo", "--tokens", "4", "--hidden", "64", "--intermediate", "32", "--repeats", "1"])

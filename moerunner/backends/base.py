@@ -246,6 +246,12 @@ class Backend:
         """Whether this machine can run the backend at all, and why not."""
         return True, ""
 
+    def ready(self) -> tuple[bool, str]:
+        """Whether a first call can start without a one-time build of many minutes (its
+        kernels compiled or prebuilt), and why not. ``backend="auto"`` takes only ready
+        backends; naming the backend builds what it needs. Default: ready."""
+        return True, ""
+
     def supports(self, problem: MoeProblem) -> tuple[bool, str]:
         """Whether the declared capabilities cover ``problem``; the reason when not."""
         caps = self.capabilities

@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
     backends = {}
     for backend_name, backend in registry.backends.items():
         ok, reason = backend.available()
+        ready, not_ready = backend.ready() if ok else (False, "")
         capabilities = {
             key: list(map(str, value)) if isinstance(value, list | tuple | set) else value
             for key, value in backend.capabilities.describe().items()
@@ -37,6 +38,9 @@ def main(argv: list[str]) -> int:
         backends[backend_name] = {
             "available": bool(ok),
             "reason": "" if ok else reason,
+            # an available backend that `auto` passes over until its kernels are built
+            "ready_for_auto": bool(ok and ready),
+            "not_ready_reason": not_ready,
             "dispatch_formats": {str(f): str(p) for f, p in registry.paths(backend_name).items()},
             "capabilities": capabilities,
             "options": None if backend.options is None else repr(backend.options),
@@ -70,6 +74,8 @@ def main(argv: list[str]) -> int:
     print(f"auto preference on {device}: {' > '.join(preference)}")
     for backend_name, info in backends.items():
         status = "available" if info["available"] else "NOT available: " + info["reason"]
+        if info["available"] and not info["ready_for_auto"]:
+            status += " (auto passes over it: " + info["not_ready_reason"] + ")"
         print(f"\n[{backend_name}] {status}")
         print(
             "  dispatch formats: "

@@ -301,6 +301,21 @@ def test_prepare_plain_and_block_fp8(scheme, activation, mode):
     assert torch.equal(w13, want)
 
 
+def test_module_built_means_prebuilt_or_compiled_before(tmp_path):
+    """``ready`` (what ``auto`` asks) holds where FlashInfer's SM90 module loads without a
+    build: a prebuilt artifact, or a compiled one in the JIT folder."""
+    from moerunner.backends.flashinfer import SM90_MODULES, _module_built
+
+    none = lambda name: ()  # noqa: E731
+    assert not _module_built(SM90_MODULES, none, tmp_path)
+    assert _module_built(SM90_MODULES, lambda name: ("artifact",), tmp_path)
+    (tmp_path / "fused_moe_90_h20_prebuilt_d").mkdir()
+    (tmp_path / "fused_moe_90_h20_prebuilt_d" / "fused_moe_90_h20_prebuilt_d.so").touch()
+    assert _module_built(SM90_MODULES, none, tmp_path)
+    (tmp_path / "fused_moe_90").mkdir()  # a folder without the library is not a build
+    assert not _module_built(("fused_moe_90",), none, tmp_path)
+
+
 # --- kernel choice: FlashInfer's autotuner at the first call of each weight set -------------
 
 

@@ -77,6 +77,37 @@ def _installed() -> tuple[bool, str]:
     return True, ""
 
 
+#: Names FlashInfer gives its SM90 fused-MoE module (the second: its H20 variant).
+SM90_MODULES = ("fused_moe_90", "fused_moe_90_h20_prebuilt_d")
+
+
+def _module_built(names, aot_artifacts, jit_dir) -> bool:
+    """Whether one of FlashInfer's modules ``names`` loads without compiling: prebuilt
+    (``aot_artifacts(name)`` non-empty: its wheel or ``flashinfer-jit-cache``) or compiled
+    before into ``jit_dir/<name>/<name>.so``."""
+    return any(aot_artifacts(n) or (jit_dir / n / f"{n}.so").exists() for n in names)
+
+
+@functools.cache
+def _module_ready() -> tuple[bool, str]:
+    """Whether FlashInfer's SM90 fused-MoE module is built (checked once per process)."""
+    try:
+        from flashinfer.jit import env
+    except ImportError:  # a FlashInfer that does not say: as before, assume it is
+        return True, ""
+    get_artifacts = getattr(env, "get_aot_artifacts", None)
+    jit_dir = getattr(env, "FLASHINFER_JIT_DIR", None)
+    if get_artifacts is None or jit_dir is None:
+        return True, ""
+    if _module_built(SM90_MODULES, get_artifacts, jit_dir):
+        return True, ""
+    return False, (
+        "FlashInfer's SM90 fused-MoE module is not built: its first call would compile it "
+        "(many minutes). Install FlashInfer's prebuilt kernels (flashinfer-jit-cache), or "
+        "call once with backend='flashinfer' to build it"
+    )
+
+
 @functools.cache
 def _device_verdict(index: int) -> tuple[bool, str]:
     cap = torch.cuda.get_device_capability(index)
@@ -128,6 +159,12 @@ class FlashInferBackend(Backend):
         if not torch.cuda.is_available():
             return False, "needs a CUDA GPU (SM90)"
         return _device_verdict(torch.cuda.current_device())
+
+    def ready(self) -> tuple[bool, str]:
+        """Ready for ``backend="auto"`` once FlashInfer's SM90 fused-MoE module is built
+        (prebuilt or compiled before): otherwise a first call would compile it for many
+        minutes. Checked once per process."""
+        return _module_ready()
 
     def supports(self, problem: MoeProblem) -> tuple[bool, str]:
         """Declared capabilities, plus what each weight format runs with."""
