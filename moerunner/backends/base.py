@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -245,6 +245,13 @@ class Backend:
     def available(self) -> tuple[bool, str]:
         """Whether this machine can run the backend at all, and why not."""
         return True, ""
+
+    def measuring(self, tokens: Sequence[int]) -> Backend:
+        """This backend as a benchmark should time it at these token counts (``moerunner
+        bench`` and ``tune --backends``): itself by default. A backend that tunes its kernels
+        per token bucket at a first call returns a variant that tunes exactly these counts,
+        so each is timed with the kernels chosen for it."""
+        return self
 
     def ready(self) -> tuple[bool, str]:
         """Whether a first call can start without a one-time build of many minutes (its

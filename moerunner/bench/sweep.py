@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -247,7 +247,9 @@ class Sweep:
     ) -> None:
         self.config = config
         self.ceilings = ceilings
-        self.registry = registry if registry is not None else default_registry()
+        self.registry = _measuring(
+            registry if registry is not None else default_registry(), config.tokens
+        )
         self.progress = progress or (lambda row: None)
         self.device = torch.device(config.device)
         self.gen = torch.Generator().manual_seed(config.seed)
@@ -545,6 +547,20 @@ class Sweep:
         row.floor_us = floor * 1e6
         row.pct_roofline = 100.0 * floor / timing.seconds
         self.progress(row)
+
+
+def _measuring(registry: Registry, tokens: Sequence[int]) -> Registry:
+    """``registry`` with each backend as it should be timed at ``tokens``
+    (``Backend.measuring``: e.g. flashinfer tuning exactly these counts); a copy where any
+    backend changes, so the caller's registry stays as it was."""
+    variants = {name: b.measuring(tokens) for name, b in registry.backends.items()}
+    changed = {n: v for n, v in variants.items() if v is not registry.backends[n]}
+    if not changed:
+        return registry
+    copy = registry.copy()
+    for variant in changed.values():
+        copy.register_backend(variant, replace=True)
+    return copy
 
 
 def _mark_untuned(measured: list, impls: list) -> None:

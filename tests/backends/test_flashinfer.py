@@ -301,6 +301,33 @@ def test_prepare_plain_and_block_fp8(scheme, activation, mode):
     assert torch.equal(w13, want)
 
 
+def test_measuring_tunes_exactly_the_counts_a_benchmark_times():
+    """``moerunner bench`` / ``tune --backends`` time flashinfer with FlashInfer's autotuner
+    profiling exactly the measured counts (each count runs the tactics tuned for it), the
+    largest included; the registry the caller passed keeps its backend."""
+    from moerunner.backends.flashinfer import FlashInferOptions
+    from moerunner.bench.presets import BenchShape
+    from moerunner.bench.roofline import DeviceCeilings
+    from moerunner.bench.sweep import BenchConfig, Sweep
+
+    backend = FlashInferBackend()
+    measured = backend.measuring((0, 16, 1, 16384, 16))
+    assert measured is not backend and measured.name == backend.name
+    assert measured.options == FlashInferOptions(tune_max_tokens=16384, tune_tokens=(1, 16, 16384))
+    assert backend.measuring((1, 64)).options.tune_max_tokens == 8192  # FlashInfer's default
+    assert backend.measuring((0,)) is backend  # T = 0 launches nothing, tunes nothing
+    off = FlashInferBackend(FlashInferOptions(autotune=False))
+    assert off.measuring((1, 16)) is off
+
+    registry = moerunner.default_registry()
+    shape = BenchShape("tiny", 4, 32, 32, 2)
+    sweep = Sweep(BenchConfig(shapes=(shape,), tokens=(1, 16)), DeviceCeilings("cpu", 1.0))
+    assert sweep.registry is not registry
+    assert sweep.registry.backends["flashinfer"].options.tune_tokens == (1, 16)
+    assert registry.backends["flashinfer"].options.tune_tokens is None
+    assert sweep.registry.backends["torch"] is registry.backends["torch"]
+
+
 def test_module_built_means_prebuilt_or_compiled_before(tmp_path):
     """``ready`` (what ``auto`` asks) holds where FlashInfer's SM90 module loads without a
     build: a prebuilt artifact, or a compiled one in the JIT folder."""

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -159,6 +160,21 @@ class FlashInferBackend(Backend):
         if not torch.cuda.is_available():
             return False, "needs a CUDA GPU (SM90)"
         return _device_verdict(torch.cuda.current_device())
+
+    def measuring(self, tokens) -> FlashInferBackend:
+        """For a benchmark at ``tokens``: the same backend with FlashInfer's autotuner
+        profiling exactly those counts (``FlashInferOptions.tune_tokens``, reaching the
+        largest), so each count runs the tactics tuned for it rather than its nearest
+        bucket's; itself where tuning is off or no count is positive."""
+        counts = tuple(sorted({int(t) for t in tokens if t > 0}))
+        if not self.options.autotune or not counts:
+            return self
+        options = dataclasses.replace(
+            self.options,
+            tune_tokens=counts,
+            tune_max_tokens=max(counts[-1], self.options.tune_max_tokens),
+        )
+        return FlashInferBackend(options, name=self.name)
 
     def ready(self) -> tuple[bool, str]:
         """Ready for ``backend="auto"`` once FlashInfer's SM90 fused-MoE module is built
