@@ -435,6 +435,33 @@ def test_tune_leaves_out_a_backend_whose_kernels_ran_untuned():
     assert [(b.backend, set(b.times_us)) for b in buckets] == [("a", {"a"}), ("a", {"a"})]
 
 
+def test_tune_cli_says_which_backend_it_left_out_as_untuned(tmp_path, capsys):
+    """``moerunner tune --backends`` names a backend whose kernels ran untuned and keeps its
+    times out of the table it writes."""
+    from moerunner.cli import main
+    from moerunner.registry import DEFAULT_REGISTRY
+
+    calls: list = []
+    added = [CopyingTorch("a", calls), UntunedTorch("u", calls)]
+    for backend in added:
+        DEFAULT_REGISTRY.register_backend(backend)
+    try:
+        code = main(
+            ["tune", "--shape", "4,32,32,2", "--schemes", "fp32", "--tokens", "1,16",
+             "--device", "cpu", "--backends", "a,u", "--min-time", "0.01",
+             "--out-dir", str(tmp_path)]
+        )  # fmt: skip
+    finally:
+        for backend in added:
+            del DEFAULT_REGISTRY.backends[backend.name]
+        DEFAULT_REGISTRY._selections.clear()
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "u left out: its kernels ran untuned (tuning failed (test))" in err
+    (key,) = bt.load_table_file(str(tmp_path / bt.table_file_name("cpu"))).entries.items()
+    assert all(b.backend == "a" and set(b.times_us) == {"a"} for b in key[1])
+
+
 def test_tune_backends_usage_errors(tmp_path, capsys):
     from moerunner.cli import tune
 
