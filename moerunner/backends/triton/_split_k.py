@@ -63,6 +63,12 @@ def split_k_steps(split_k: int, k_steps: int) -> int:
     steps: the largest count up to ``split_k`` whose every program gets at least one step
     (shares of ``ceil(k_steps / count)`` steps, the last one the rest)."""
     split = max(1, min(split_k, k_steps))
-    while split > 1 and (split - 1) * _cdiv(k_steps, split) >= k_steps:
+    while split > 1 and last_share(split, k_steps) < 1:
         split -= 1
     return split
+
+
+def last_share(split: int, k_steps: int) -> int:
+    """K steps of the last of ``split`` programs sharing ``k_steps`` (the smallest share;
+    the others take ``ceil(k_steps / split)`` each, as the kernel splits them)."""
+    return k_steps - (split - 1) * _cdiv(k_steps, split)

@@ -424,10 +424,12 @@ def _launch_gemm(
     width = 2 * tile.block_n if gated else tile.block_n
     if not (consts["FRAG"] and w.data.is_cuda):  # the prefetch is inline PTX
         early = O.EARLY_NONE
-    # The smallest share of K steps a split program gets (the last one's).
-    share = k_steps - (split - 1) * _cdiv(k_steps, split)
     early, early_steps, ids_pow2, e_pow2 = O.early_prefetch(
-        early, min(share, w.data.shape[2] // FRAGMENT_K), w.shape[0], num_rows, options
+        early,
+        min(SK.last_share(split, k_steps), w.data.shape[2] // FRAGMENT_K),
+        w.shape[0],
+        num_rows,
+        options,
     )
     if split > 1:
         split_ws = split_k_workspace(dev, slot, num_tiles, split, tile.block_m, width)
