@@ -399,7 +399,7 @@ def _fake_call(monkeypatch, options):
     monkeypatch.setattr(
         _call,
         "_flashinfer",
-        lambda: (fake, fake.ActivationType, fake.autotune, fake.profiled_ops),
+        lambda: _call._FlashInfer(fake, fake.ActivationType, fake.autotune, fake.profiled_ops),
     )
     backend = FlashInferBackend(options)
     weights, act = _weights("bf16", "silu", 128, 128, False, False)

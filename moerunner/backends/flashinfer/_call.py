@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,11 +69,20 @@ class FlashInferOptions:
                     )
 
 
+class _FlashInfer(NamedTuple):
+    """What the backend uses of FlashInfer, imported once (``_flashinfer``)."""
+
+    fused_moe: Any  # the ``flashinfer.fused_moe`` module
+    activation_type: Any  # its ``ActivationType``
+    autotune: Callable  # ``flashinfer.autotuner.autotune``
+    # The custom ops its autotuner holds profiled tactics for (a set of names), or None
+    # where this FlashInfer version does not expose them.
+    profiled_ops: Callable[[], set[str] | None]
+
+
 @functools.cache
-def _flashinfer():
-    """The imported ``flashinfer.fused_moe`` module, its ``ActivationType``, ``autotune``, and
-    ``profiled_ops``: the custom ops its autotuner holds profiled tactics for (a set of names),
-    or None where this FlashInfer version does not expose them."""
+def _flashinfer() -> _FlashInfer:
+    """FlashInfer's parts the backend calls (``_FlashInfer``)."""
     from flashinfer import fused_moe
     from flashinfer.autotuner import autotune
     from flashinfer.fused_moe import ActivationType
@@ -84,7 +95,7 @@ def _flashinfer():
             return None
         return {str(getattr(key, "custom_op", "")) for key in cache}
 
-    return fused_moe, ActivationType, autotune, profiled_ops
+    return _FlashInfer(fused_moe, ActivationType, autotune, profiled_ops)
 
 
 #: The custom ops of ``cutlass_fused_moe``'s two GEMMs in FlashInfer's autotuner.
@@ -96,7 +107,7 @@ def _check_profiled(prepared: PreparedWeights) -> None:
     for the fused-MoE GEMMs, which then run its fallback tile, note it on the weights
     (``PreparedWeights.untuned``: benchmarks and ``moerunner tune`` leave such times out)
     and warn."""
-    profiled = _flashinfer()[3]()
+    profiled = _flashinfer().profiled_ops()
     missing = [op for op in FUSED_MOE_OPS if profiled is not None and op not in profiled]
     if missing:
         prepared.notes.append(
@@ -121,7 +132,7 @@ def _call_kwargs(prepared: PreparedWeights) -> dict:
     cached = t.get("call")
     if cached is not None:
         return cached
-    activation_type = _flashinfer()[1]
+    activation_type = _flashinfer().activation_type
     kwargs = {
         "fc1_expert_weights": t["w13"],
         "fc2_expert_weights": t["w2"],
@@ -167,7 +178,7 @@ def _tuning_context(prepared: PreparedWeights, x: torch.Tensor):
                 stacklevel=4,
             )
         return None
-    autotune = _flashinfer()[2]
+    autotune = _flashinfer().autotune
     if options.tune_tokens is None:  # FlashInfer's own buckets (any version's autotune)
         return autotune(True)
     return autotune(True, tuning_buckets=options.tune_tokens)
@@ -180,7 +191,7 @@ def fused_standard(dispatch_output, prepared: PreparedWeights) -> torch.Tensor:
     if x.shape[0] == 0:
         return out
     topk = dispatch_output.topk
-    fused_moe = _flashinfer()[0]
+    fused_moe = _flashinfer().fused_moe
     kwargs = _call_kwargs(prepared)
     args = (
         x.contiguous(),
