@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 import warnings
@@ -332,8 +333,51 @@ def time_spans(model, prompt, decode_ids, steps: int, repeats: int) -> tuple[lis
     return [ms / 1e3 for ms in prefill], [ms / 1e3 for ms in decode]
 
 
+class BackendLog(logging.Handler):
+    """The backends moerunner ran while a row was measured, from the registry's debug log:
+    each per-bucket plan of a measured table (``T <= 2048: triton; T > 2048: flashinfer``)
+    and each single choice, logged once per problem when first made."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.plans: dict[str, None] = {}
+        self.chosen: dict[str, None] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("backend plan"):
+            self.plans[str(record.args[0])] = None
+        elif record.msg.startswith("backend %r selected"):
+            self.chosen[getattr(record.args[0], "name", str(record.args[0]))] = None
+
+    def served(self) -> list[str]:
+        """The plans if a table chose per bucket, else the backends chosen."""
+        return list(self.plans) or list(self.chosen)
+
+    def __enter__(self) -> BackendLog:
+        log = logging.getLogger("moerunner")
+        self._level = log.level
+        log.addHandler(self)
+        log.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        log = logging.getLogger("moerunner")
+        log.removeHandler(self)
+        log.setLevel(self._level)
+
+
 def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
-    """One implementation's row: logits error vs the first implementation, prefill, decode."""
+    """One implementation's row: logits error vs the first implementation, prefill, decode,
+    and (moerunner) the backends that served it."""
+    with BackendLog() as backends:
+        row, ref = _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args)
+    if impl.startswith("moerunner"):
+        row["backends"] = backends.served()
+        print(f"[{shape}] {impl:<16} served by: {' | '.join(row['backends']) or '?'}", flush=True)
+    return row, ref
+
+
+def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
     model.set_experts_implementation(registered)
     with torch.no_grad():
         logits = model(prompt[:1, :256]).logits.float()

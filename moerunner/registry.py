@@ -211,6 +211,8 @@ class Registry:
             return self._selections[key]
         plan = self._bucket_plan(problem, top_k, table, preference, backend_forms)
         self._selections[key] = plan
+        if plan is not None:
+            _log.debug("backend plan %s for %s, top_k %d", plan.summary(), problem, top_k)
         return plan
 
     def _bucket_plan(self, problem, top_k, table, preference, backend_forms):
@@ -287,6 +289,28 @@ class BucketPlan:
     def choose(self, tokens: int) -> Selection:
         """The selection for a call of ``tokens`` tokens: one bisect on the host."""
         return self.selections[bisect_left(self.bounds, tokens)]
+
+    def summary(self) -> str:
+        """``"T <= 2048: triton; T > 2048: flashinfer"``: the backend of each run of
+        buckets (for logs and benchmark records)."""
+        runs: list[tuple[int | None, str]] = []  # (last bound of the run, backend)
+        for i, selection in enumerate(self.selections):
+            bound = self.bounds[i] if i < len(self.bounds) else None
+            name = selection.backend.name
+            if runs and runs[-1][1] == name:
+                runs[-1] = (bound, name)
+            else:
+                runs.append((bound, name))
+        parts, low = [], None
+        for bound, name in runs:
+            if bound is None:
+                parts.append(f"T > {low}: {name}" if low is not None else f"every T: {name}")
+            else:
+                parts.append(
+                    f"T <= {bound}: {name}" if low is None else f"{low} < T <= {bound}: {name}"
+                )
+            low = bound
+        return "; ".join(parts)
 
     @property
     def forms(self) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ prepared forms it needs, and the CLI that writes and prints it."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -194,6 +195,18 @@ def test_auto_takes_the_measured_winner_per_bucket_and_the_result_is_right():
         assert_close(out, ref, TOLERANCE[torch.float32])
     reason = runner.select(problem, 10, 2).reason
     assert reason == "T 5-64: measured: b 20 us vs a 30 us"
+
+
+def test_the_plan_says_which_backend_serves_each_run_of_buckets(caplog):
+    registry = _registry([])
+    *_, problem = _problem(Case("summary", tokens=70))
+    with caplog.at_level(logging.DEBUG, logger="moerunner"):
+        plan = MoeRunner(registry=registry, table=_table(problem, 2)).bucket_plan(problem, 2)
+    summary = "T <= 4: a; 4 < T <= 64: b; T > 64: a"
+    assert plan.summary() == summary
+    assert any(summary in r.getMessage() for r in caplog.records)  # logged once, when made
+    one = MoeRunner(registry=registry, table=_table(problem, 2), backend_forms=1)
+    assert one.bucket_plan(problem, 2).summary() == "every T: a"
 
 
 def test_no_table_entry_takes_the_preference_order():

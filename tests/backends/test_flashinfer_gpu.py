@@ -170,3 +170,22 @@ def test_layouts_match_flashinfer_functions():
     assert torch.equal(
         fold_scales(scale), fused_moe.interleave_moe_scales_for_sm90_mixed_gemm(scale)
     )
+
+
+def test_after_a_call_the_module_is_built_and_both_gemms_were_profiled():
+    """What ``auto`` and the benchmarks rely on, on the real FlashInfer: once a call has run,
+    its SM90 fused-MoE module counts as built (``ready``: ``auto`` may take the backend), and
+    its autotuner holds profiled tactics for both GEMMs (the weights are not marked untuned:
+    no fallback tile)."""
+    from moerunner.backends.flashinfer import _module_ready
+
+    backend = _backend_or_skip()
+    x, weights, act, wts, ids = _case("bf16", "silu", T=64)
+    runner = moerunner.MoeRunner(NAME)
+    spec = weights.spec(act)
+    prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
+    runner.run(StandardDispatchOutput(x, TopK(wts, ids)), prepared)
+    torch.cuda.synchronize()
+    assert not prepared.untuned(), prepared.notes
+    _module_ready.cache_clear()  # checked afresh: the module now exists
+    assert backend.ready() == (True, "")
