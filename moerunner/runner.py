@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -285,6 +286,8 @@ class _PreparedCache(DerivedCache):
     def __init__(self) -> None:
         super().__init__()
         self.w2 = lambda: None
+        # ``auto`` only: forms that ran out of memory -> the held form serving instead
+        self.stand_ins: dict = {}
 
 
 def prepared_for(
@@ -326,15 +329,48 @@ def prepared_for(
     if per_weight.state != state or per_weight.w2() is not weights.w2:
         # The weights changed (or id(w2) was reused by a new object): every form is stale.
         per_weight.clear()
+        per_weight.stand_ins.clear()
         per_weight.state = state
         per_weight.w2 = _ref(weights.w2)
+    auto = runner.requested == "auto"
     cached = per_weight.get(key)
+    if cached is None and auto:
+        cached = per_weight.stand_ins.get(key)
     if cached is None:
         if len(per_weight) >= _PREPARED_PER_WEIGHT:  # bound the forms kept (oldest first)
             del per_weight[next(iter(per_weight))]
+            per_weight.stand_ins.clear()
         make = lambda: prepare_for_backend(backend, weights, spec)  # noqa: E731
-        cached = per_weight[key] = kept(make, weights.device)
+        try:
+            cached = per_weight[key] = kept(make, weights.device)
+        except torch.OutOfMemoryError as err:
+            if not auto:  # a named backend is not replaced
+                raise
+            cached = per_weight.stand_ins[key] = _form_in_memory(per_weight, spec, backend, err)
     return cached
+
+
+def _form_in_memory(
+    per_weight: _PreparedCache, spec: ExpertSpec, backend: Backend, err: Exception
+) -> PreparedWeights:
+    """``backend="auto"``: a further prepared form of weights that already have one ran out
+    of device memory: the form held serves in its place (every form of a plan serves the
+    problem at every T), once warned. The memo's ``stand_ins`` then map the failed form to it
+    for ``auto``, so no call tries again (a named backend still prepares its own). With no
+    form held, the error stands."""
+    held = [p for (_, _, s), p in per_weight.items() if s == spec]
+    if not held:
+        raise err
+    first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+    warnings.warn(
+        f"moerunner: preparing the {backend.name!r} form of these weights (a measured table "
+        f"chose it for some token counts) ran out of device memory ({first_line}); the "
+        f"{held[0].backend!r} form already prepared serves those counts instead. Pass "
+        "backend_forms=1 (MoeRunner, MoE) to keep one form from the start.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return held[0]
 
 
 def prepare_forms(

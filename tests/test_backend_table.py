@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 
 import pytest
 import torch
@@ -532,3 +533,46 @@ def test_shipped_tables_load_under_their_device_name_and_name_each_buckets_faste
             for bucket in buckets:
                 fastest = min(bucket.times_us, key=bucket.times_us.get)
                 assert bucket.backend == fastest, (path.name, key, bucket)
+
+
+class OutOfMemory(CopyingTorch):
+    """A backend whose prepared form does not fit in memory (counts its attempts)."""
+
+    def __init__(self, name: str, calls: list, attempts: list) -> None:
+        super().__init__(name, calls)
+        self.attempts = attempts
+
+    def prepare_weights(self, weights, spec):
+        self.attempts.append(self.name)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 60.00 GiB (test)")
+
+
+def test_a_second_form_that_runs_out_of_memory_leaves_the_first_serving():
+    """A table naming two backends: the second form's preparation runs out of device memory.
+    ``auto`` warns once and the form already held serves those counts (right answer, no
+    retry per call); a named backend, or a first form, keeps the error."""
+    calls: list = []
+    attempts: list = []
+    registry = _registry(calls)
+    registry.register_backend(OutOfMemory("b", calls, attempts), replace=True)
+    x, weights, tw, ids, spec, problem = _problem(Case("oom", tokens=70))
+    runner = MoeRunner(registry=registry, table=_table(problem, 2))
+    act = moerunner.Activation("silu")
+    run = moerunner.api.run_experts
+    out = run(runner, weights, x[:2], tw[:2], ids[:2], act)  # a's bucket: a's form
+    assert calls == [("a", 2)]
+    with pytest.warns(RuntimeWarning, match="'b' form .* ran out of device memory .* 'a' form"):
+        out = run(runner, weights, x[:10], tw[:10], ids[:10], act)  # b's bucket
+    assert calls[-1] == ("a", 10) and attempts == ["b"]
+    assert_close(
+        out, moerunner.reference_moe(x[:10], weights, tw[:10], ids[:10]), TOLERANCE[torch.float32]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(runner, weights, x[:20], tw[:20], ids[:20], act)
+    assert calls[-1] == ("a", 20) and attempts == ["b"]  # no second attempt
+    with pytest.raises(torch.OutOfMemoryError):  # named: not replaced
+        run(MoeRunner("b", registry=registry), weights, x[:10], tw[:10], ids[:10], act)
+    fresh = Case("oom-first", tokens=70).build(torch.float32)[1]
+    with pytest.raises(torch.OutOfMemoryError):  # b's form first: nothing to fall back on
+        run(runner, fresh, x[:10], tw[:10], ids[:10], act)
