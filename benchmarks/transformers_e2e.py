@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+import moerunner
 import moerunner.integrations.transformers as mt
 from moerunner.bench.presets import get_preset
 
@@ -361,6 +362,7 @@ class BackendLog(logging.Handler):
         return list(self.plans) or list(self.chosen)
 
     def __enter__(self) -> BackendLog:
+        moerunner.default_registry().forget_choices()  # every choice made again, and logged
         log = logging.getLogger("moerunner")
         self._level = log.level
         log.addHandler(self)
@@ -695,7 +697,9 @@ def run(args) -> dict:
         print(f"[{name}] built in {time.perf_counter() - t0:.1f}s", flush=True)
         gen = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=gen).to(device)
-        decode_prompt = prompt[: args.decode_batch, : args.decode_prompt]
+        # its own rows: a slice of the prefill prompt would hold only ``--batch`` of them
+        dims = (args.decode_batch, args.decode_prompt)
+        decode_prompt = torch.randint(0, args.vocab, dims, generator=gen).to(device)
         t0 = time.perf_counter()
         warm_pass(model, names[ZERO_IMPL], prompt, decode_prompt, args)
         print(f"[{name}] warm-up pass in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -936,7 +940,7 @@ def main(argv=None) -> None:
         args.dtype = "float32" if args.tiny and cpu else "bfloat16"
     if args.tiny:
         args.repeats = min(args.repeats, 2)
-        args.prompt, args.batch, args.decode_prompt = min(args.prompt, 64), 2, 16
+        args.prompt, args.batch, args.decode_prompt = min(args.prompt, 64), 1, 16
         args.decode_batch = min(args.decode_batch, 2)
         args.decode_steps = min(args.decode_steps, 4)
     results = run(args)

@@ -77,6 +77,13 @@ class Registry:
         self.backends[name] = backend
         return backend
 
+    def forget_choices(self) -> None:
+        """Drop the memoised selections and bucket plans: the next call of each problem
+        chooses again (and logs its choice at debug level on the ``moerunner`` logger). For a
+        process whose backends changed state (a kernel module built since, a table edited)
+        and for benchmarks that record which backend served what."""
+        self._selections.clear()
+
     def register_permute(self, dispatch_format: str, pre: Callable, post: Callable) -> None:
         """Pre- and post-permute between ``dispatch_format`` and the grouped layout."""
         self._selections.clear()

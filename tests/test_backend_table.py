@@ -208,6 +208,15 @@ def test_the_plan_says_which_backend_serves_each_run_of_buckets(caplog):
     assert any(summary in r.getMessage() for r in caplog.records)  # logged once, when made
     one = MoeRunner(registry=registry, table=_table(problem, 2), backend_forms=1)
     assert one.bucket_plan(problem, 2).summary() == "every T: a"
+    table = _table(problem, 2)
+    MoeRunner(registry=registry, table=table).bucket_plan(problem, 2)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="moerunner"):
+        MoeRunner(registry=registry, table=table).bucket_plan(problem, 2)
+        assert not caplog.records  # memoised: made and logged once
+        registry.forget_choices()
+        MoeRunner(registry=registry, table=table).bucket_plan(problem, 2)
+    assert any(summary in r.getMessage() for r in caplog.records)  # chosen again
 
 
 def test_no_table_entry_takes_the_preference_order():

@@ -179,6 +179,10 @@ def test_tiny_run_of_the_new_shapes(e2e, tmp_path, capsys):
     )
     _check_rows(results, shapes, ["grouped_mm", "moerunner", "zero-cost"])
     assert results["graph_rows"] == [] and results["breakdown"] == []
+    # --tiny: a one-row prefill and two-row decode (the decode prompt has its own rows)
+    assert {(r["prefill_tokens"], r["decode_batch"]) for r in results["rows"]} == {(64, 2)}
+    served = {r["shape"]: r["backends"] for r in results["rows"] if r["impl"] == "moerunner"}
+    assert served == {"deepseek-v3": ["torch"], "mixtral-8x7b": ["torch"]}  # no table on a CPU
     assert "decode ms min/med/max" in table and "exp ms" in table
     assert "deepseek-v3    zero-cost" in table and "mixtral-8x7b   moerunner" in table
 
