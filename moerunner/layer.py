@@ -40,7 +40,7 @@ from .dispatch.expert_map import ExpertPlacement
 from .dispatch.formats import STANDARD
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
-from .ops import adopt_quantized, call_fused_experts
+from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
@@ -629,18 +629,20 @@ class MoE(HoldsQuantized):
         return self.group is None and self.placement is None and self.dispatcher_kind == "standard"
 
     def expert_weights(self) -> ExpertWeights:
-        """The weights the experts run on: the quantized ones, or detached views of the
-        parameters (rebuilt only when a parameter is replaced, moved or edited in place, so
-        the runner's prepared weights are reused across calls)."""
+        """The weights the experts run on: the quantized ones, or the parameters (where grad
+        mode is off: as the compiled op gets them, so eager and compiled calls share the
+        runner's prepared weights memoised on them; detached views where it is on). Rebuilt
+        only when a parameter is replaced, moved or edited in place, so the prepared weights
+        are reused across calls."""
         if self.quantized is not None:
             return self.quantized
         params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
         key = tuple(
             None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
             for p in params
-        )
+        ) + (torch.is_grad_enabled(),)
         if key != self._weights_key:
-            w13, w2, b13, b2 = (None if p is None else p.detach() for p in params)
+            w13, w2, b13, b2 = (op_tensor(p) for p in params)
             self._weights_view = ExpertWeights(w13, w2, b13, b2, self.config.gate_up_interleaved)
             self._weights_key = key
         return self._weights_view
@@ -656,7 +658,7 @@ class MoE(HoldsQuantized):
                     "and beta 1 only; per-expert parameters or another beta run eagerly"
                 )
             w = self if self.quantized is None else self.quantized  # plain, or as held
-            b13, b2 = (None if b is None else b.detach() for b in (w.w13_bias, w.w2_bias))
+            b13, b2 = op_tensor(w.w13_bias), op_tensor(w.w2_bias)
             routed = call_fused_experts(
                 x.detach(),
                 w.w13,

@@ -296,6 +296,17 @@ def _fused_experts_quantized_fake(
     return hidden_states.new_empty(hidden_states.shape)
 
 
+def op_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight or bias as a traced op argument: the tensor itself where grad mode is off,
+    so the op gets the caller's own object on every call and finds what is memoised on it
+    (the runner's prepared weights, keyed on the objects); a detached alias where grad mode
+    is on (the ops have no backward). An alias made per call is a new object per compiled
+    step, and the weights were prepared again on every one."""
+    if t is None or not torch.is_grad_enabled():
+        return t
+    return t.detach()
+
+
 def call_fused_experts(
     hidden_states: torch.Tensor,
     w13,
@@ -316,8 +327,8 @@ def call_fused_experts(
     if isinstance(w13, torch.Tensor):
         return torch.ops.moerunner.fused_experts(
             hidden_states,
-            w13.detach(),
-            w2.detach(),
+            op_tensor(w13),
+            op_tensor(w2),
             topk_weights,
             topk_ids,
             w13_bias,

@@ -174,3 +174,29 @@ def test_layer_from_weights_compiles_fullgraph_with_pre_routed_calls(scheme):
         out = compiled(x, topk=topk)
         assert out.shape == (tokens, 32)
         torch.testing.assert_close(out, layer(x, topk=topk), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8_channel"])
+def test_compiled_calls_prepare_the_weights_once(monkeypatch, scheme):
+    """Under ``torch.compile`` (no grad) the op gets the layer's own parameters, not an alias
+    made per call, so what the runner memoises on them holds: compiled calls of several
+    sizes prepare the weights once (biases included: their identities key the memo too)."""
+    torch._dynamo.reset()
+    prepares = []
+    original = moerunner.runner.prepare_for_backend
+
+    def spy(*args, **kwargs):
+        prepares.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moerunner.runner, "prepare_for_backend", spy)
+    cfg = moerunner.MoeConfig(8, 64, 32, 2, bias=True, routing=moerunner.RoutingConfig())
+    layer = moerunner.MoE(cfg)
+    if scheme is not None:
+        layer.quantize_(scheme)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for tokens in (5, 3, 7, 5, 3):
+            x, logits = torch.randn(tokens, 64), torch.randn(tokens, 8)
+            torch.testing.assert_close(compiled(x, logits), layer(x, logits))
+    assert len(prepares) == 1

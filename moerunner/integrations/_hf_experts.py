@@ -31,7 +31,7 @@ from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
 from ..held_quantized import HoldsQuantized
-from ..ops import adopt_quantized, canonical_from_transposed, forget_memo
+from ..ops import adopt_quantized, canonical_from_transposed, forget_memo, op_tensor
 from ..weights import ExpertWeights, is_quantized
 
 # Attributes kept on the experts module (plain attributes: never parameters or buffers).
@@ -200,7 +200,7 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     if quantized is not None:
         return quantized, layout.activation
     sources = _sources(module, layout)
-    key = sources_key(sources)
+    key = (sources_key(sources), torch.is_grad_enabled())
     cached = module.__dict__.get(_CACHE)
     if cached is not None and cached[0] == key:
         return cached[1], layout.activation
@@ -221,13 +221,16 @@ def forget_weights(module: torch.nn.Module) -> None:
 
 
 def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:
-    """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` shape, detached, without a copy.
+    """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` shape, without a copy: the parameters
+    themselves where grad mode is off (as the compiled ops get them, ``ops.op_tensor``, so
+    eager and compiled calls find one set of prepared weights memoised on them), detached
+    where it is on.
 
     A transposed layout (GPT-OSS) becomes strided views through ``canonical_from_transposed``,
     memoised on the source parameter, so the experts live once (in the model's parameters)
     and eager calls and the compiled ``moerunner::fused_experts_transposed`` op given the
     parameter share the views (and the backend's prepared weights)."""
-    w13, w2, b13, b2 = (None if t is None else t.detach() for t in sources)
+    w13, w2, b13, b2 = (op_tensor(t) for t in sources)
     if layout.transposed:  # [E, in, out] -> [E, out, in]
         w13, w2 = canonical_from_transposed(sources[0], sources[1])
     return ExpertWeights(w13, w2, b13, b2, layout.interleaved)

@@ -25,7 +25,7 @@ import torch
 from ..api import fused_moe
 from ..errors import MoeInputError
 from ..lora import MoeLoraWeights, lora_hooks
-from ..ops import call_fused_experts
+from ..ops import call_fused_experts, op_tensor
 from ..shared import SharedExperts
 from ..weights import ExpertWeights
 from . import _relayout
@@ -170,11 +170,11 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     ids = ids.reshape(x.shape[0], -1)
     if getattr(module, "_is_expert_parallel", False):
         ids = torch.where(ids >= num_experts, -1, ids)
-    b13, b2 = (None if b is None else b.detach() for b in (b13, b2))
+    b13, b2 = op_tensor(b13), op_tensor(b2)
     args = (ids, b13, b2, act, alpha, limit, interleaved, chosen, False)
     if quantized is None and transposed:
         out = torch.ops.moerunner.fused_experts_transposed(
-            x, w13.detach(), w2.detach(), weights.reshape(ids.shape), *args
+            x, op_tensor(w13), op_tensor(w2), weights.reshape(ids.shape), *args
         )
     else:
         topk_weights = weights.reshape(ids.shape)
