@@ -220,8 +220,8 @@ class MoE(HoldsQuantized):
         self.last_overflow: torch.Tensor | None = None
         self._dtype: torch.dtype | None = None  # of the last call that could run (stand-in)
         self._top_k: int | None = None
-        self._weights_key: tuple | None = None
-        self._weights_view: ExpertWeights | None = None
+        # per grad mode: (key of the parameters, the ExpertWeights of them)
+        self._weights_views: dict[bool, tuple[tuple, ExpertWeights]] = {}
         return num_local
 
     @staticmethod
@@ -640,12 +640,14 @@ class MoE(HoldsQuantized):
         key = tuple(
             None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
             for p in params
-        ) + (torch.is_grad_enabled(),)
-        if key != self._weights_key:
+        )
+        grad = torch.is_grad_enabled()
+        cached = self._weights_views.get(grad)
+        if cached is None or cached[0] != key:
             w13, w2, b13, b2 = (op_tensor(p) for p in params)
-            self._weights_view = ExpertWeights(w13, w2, b13, b2, self.config.gate_up_interleaved)
-            self._weights_key = key
-        return self._weights_view
+            view = ExpertWeights(w13, w2, b13, b2, self.config.gate_up_interleaved)
+            cached = self._weights_views[grad] = (key, view)
+        return cached[1]
 
     def _run_local(self, x: torch.Tensor, topk: TopK, check_ids: bool) -> torch.Tensor:
         """One process: the fused path (the custom op while compiling)."""
@@ -795,8 +797,10 @@ class MoE(HoldsQuantized):
         (else the first call does): an unservable request raises here, on every rank.
         Where a measured table names several backends for this shape, every form they
         need is prepared (``runner.prepare_forms``). ``top_k``: of the calls (default: the
-        config's; give it for a layer built ``from_weights``)."""
-        weights = self.expert_weights()
+        config's; give it for a layer built ``from_weights``). The forms prepared are those
+        of inference calls (grad mode off)."""
+        with torch.no_grad():
+            weights = self.expert_weights()
         probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
         spec = weights.spec(self.config.activation)
         problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)
@@ -808,7 +812,8 @@ class MoE(HoldsQuantized):
         why, and the bytes each prepared form holds beyond the layer's weights (it prepares
         them, as ``prepare`` does): ``{"buckets": [(range, backend, reason)], "forms":
         {backend: bytes}}``."""
-        weights = self.expert_weights()
+        with torch.no_grad():
+            weights = self.expert_weights()
         probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
         spec = weights.spec(self.config.activation)
         problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)

@@ -139,7 +139,9 @@ def kept(make: Callable[[], Any], device: torch.device) -> Any:
     function runs on a worker thread, whose allocations no pool claims, on the caller's
     current stream: its kernels stay in the caller's order and its tensors belong to that
     stream. The caller waits for the thread on the host (``make`` only queues work); this
-    happens once per kept object, never per call. Elsewhere ``make()`` runs here.
+    happens once per kept object, never per call. Elsewhere ``make()`` runs here. Either way
+    it runs with grad mode off (grad mode is per thread, and kept state is never part of an
+    autograd graph, even where it is made from parameters that require grad).
     """
     if (
         device.type != "cuda"
@@ -147,7 +149,8 @@ def kept(make: Callable[[], Any], device: torch.device) -> Any:
         or not torch.cuda.is_available()
         or torch.cuda.is_current_stream_capturing()
     ):
-        return make()
+        with torch.no_grad():
+            return make()
     stream = torch.cuda.current_stream(device)
     if not _KEEPER:
         with _KEEPER_LOCK:
@@ -159,7 +162,7 @@ def kept(make: Callable[[], Any], device: torch.device) -> Any:
     def run() -> Any:
         _ON_KEEPER.active = True
         try:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
+            with torch.no_grad(), torch.cuda.device(device), torch.cuda.stream(stream):
                 return make()
         finally:
             _ON_KEEPER.active = False

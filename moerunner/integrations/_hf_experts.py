@@ -200,13 +200,15 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     if quantized is not None:
         return quantized, layout.activation
     sources = _sources(module, layout)
-    key = (sources_key(sources), torch.is_grad_enabled())
-    cached = module.__dict__.get(_CACHE)
+    key = sources_key(sources)
+    per_mode = module.__dict__.setdefault(_CACHE, {})  # per grad mode (canonical_weights)
+    grad = torch.is_grad_enabled()
+    cached = per_mode.get(grad)
     if cached is not None and cached[0] == key:
         return cached[1], layout.activation
     weights = canonical_weights(sources, layout)
     weights.validate(layout.activation)
-    module.__dict__[_CACHE] = (key, weights)
+    per_mode[grad] = (key, weights)
     return weights, layout.activation
 
 

@@ -92,13 +92,13 @@ def test_layout_converted_once_and_refreshed_on_update():
     experts = model.model.layers[0].mlp.experts
     ids = _ids(length=6)
     first = _logits(model, "moerunner", ids)
-    w13 = experts.__dict__["_moerunner_weights"][1].w13
+    w13 = experts.__dict__["_moerunner_weights"][False][1].w13  # (grad mode off: the views)
     _logits(model, "moerunner", ids)
-    assert experts.__dict__["_moerunner_weights"][1].w13 is w13  # no conversion per call
+    assert experts.__dict__["_moerunner_weights"][False][1].w13 is w13  # no conversion per call
     with torch.no_grad():
         experts.gate_up_proj.mul_(0.5)  # in-place update: the cached layout must follow
     changed = _logits(model, "moerunner", ids)
-    assert experts.__dict__["_moerunner_weights"][1].w13 is not w13
+    assert experts.__dict__["_moerunner_weights"][False][1].w13 is not w13
     assert_close(changed, _logits(model, "eager", ids), FP32_MAX_REL, what="after update")
     assert not torch.allclose(changed, first)
 
