@@ -11,7 +11,9 @@ work of a decode step, so this measures both, per call, for eager back-to-back c
   enqueues the calls, so they run back to back: the device time without host gaps.
 
 Rows: ``select_experts`` with the torch path and with the Triton routing kernel (GPU),
-``fused_moe`` with and without the expert-id check, and the ``MoE`` layer, at T = 1 and 32
+``fused_moe`` with and without the expert-id check, the ``MoE`` layer, and (with
+transformers installed) one transformers experts call on the same weights through
+moerunner's experts function and through transformers' grouped_mm, at T = 1 and 32
 on the Qwen3-30B-A3B and DeepSeek-V3 shapes (``moerunner.bench.presets``; DeepSeek-V3 with
 its routing: sigmoid + bias, 8 groups / top 4, scale 2.5). A bare ``torch.add`` row calibrates
 the host's speed. Each measurement is repeated ``--repeats`` times: min / median / max.
@@ -166,6 +168,7 @@ def _rows_for(preset: str, tokens: list[int], args, device: torch.device, dtype:
     gen = torch.Generator(device=device).manual_seed(0)
     route_kw = dict(routing, correction_bias=bias)
     backends = ["torch"] + (["triton"] if device.type == "cuda" and _has_triton() else [])
+    experts = _transformers_experts(layer)
     for t in tokens:
         x = torch.randn(t, h, generator=gen, device=device).to(dtype)
         logits = torch.randn(t, e, generator=gen, device=device).to(dtype)
@@ -187,11 +190,59 @@ def _rows_for(preset: str, tokens: list[int], args, device: torch.device, dtype:
                 check_ids=check,
             )
         cases[f"MoE layer[{args.backend}]"] = partial(layer, x, logits)
+        cases.update(_transformers_cases(experts, x, topk, args.backend))
         for op, fn in cases.items():
             with torch.inference_mode():
                 row = measure(fn, args.calls, args.repeats, device)
             yield dict(preset=shape.name, tokens=t, op=op, **row)
     moerunner.check_errors()
+
+
+def _transformers_experts(layer: moerunner.MoE):
+    """A transformers experts module (Qwen3-MoE's class: gate_up_proj ``[E, 2I, H]``,
+    down_proj ``[E, H, I]``, SiLU) holding the layer's weights, or None without
+    transformers: the unit its experts functions are called on."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except ImportError:
+        return None
+    cfg = layer.config
+    hf_cfg = AutoConfig.for_model(
+        "qwen3_moe",
+        hidden_size=cfg.hidden_size,
+        moe_intermediate_size=cfg.intermediate_size,
+        num_experts=cfg.num_experts,
+        hidden_act="silu",
+    )
+    experts = Qwen3MoeExperts(hf_cfg).to(device=layer.w13.device, dtype=layer.w13.dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(layer.w13)
+        experts.down_proj.copy_(layer.w2)
+    return experts
+
+
+def _transformers_cases(experts, x, topk, backend: str) -> dict:
+    """One transformers experts call (what a model's MoE block calls per layer) through
+    moerunner's experts function and through transformers' own grouped_mm."""
+    if experts is None:
+        return {}
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    import moerunner.integrations.transformers as mt
+
+    ours = mt.make_experts_forward(backend)
+    cases = {
+        f"transformers experts[moerunner {backend}]": partial(
+            ours, experts, x, topk.ids, topk.weights
+        )
+    }
+    theirs = ALL_EXPERTS_FUNCTIONS.get("grouped_mm")
+    if theirs is not None:
+        cases["transformers experts[grouped_mm]"] = partial(
+            theirs, experts, x, topk.ids, topk.weights
+        )
+    return cases
 
 
 def _has_triton() -> bool:
