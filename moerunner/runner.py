@@ -340,6 +340,7 @@ def prepared_for(
         if len(per_weight) >= _PREPARED_PER_WEIGHT:  # bound the forms kept (oldest first)
             del per_weight[next(iter(per_weight))]
             per_weight.stand_ins.clear()
+        _note_repeat(key, state, weights.w13)
         make = lambda: prepare_for_backend(backend, weights, spec)  # noqa: E731
         try:
             cached = per_weight[key] = kept(make, weights.device)
@@ -348,6 +349,42 @@ def prepared_for(
                 raise
             cached = per_weight.stand_ins[key] = _form_in_memory(per_weight, spec, backend, err)
     return cached
+
+
+#: Forms prepared lately, by what they were made of (memory and versions, not tensor
+#: objects): a weak reference to w13's storage and how often the form was prepared for it
+#: (``_note_repeat``). Holds no tensors.
+_RECENT_FORMS: OrderedDict = OrderedDict()
+_RECENT_MAX = 256
+_REPEATS_WARNED = [False]
+
+
+def _note_repeat(key: tuple, state: tuple, w13: Any) -> None:
+    """Warn once per process where the same memory, unchanged, is prepared a third time: a
+    caller that passes a new tensor object per call (``param.data``, ``param.detach()``)
+    misses the memo, which lives on the objects, and pays the preparation every call (for
+    some backends a copy of the weights). Twice is normal (a layer's parameters and, in grad
+    mode, their detached views)."""
+    memory = (key, state[3:])  # backend, options, spec; order and tensor states, no ids
+    data = w13 if isinstance(w13, torch.Tensor) else getattr(w13, "data", None)
+    if not isinstance(data, torch.Tensor):
+        return
+    storage = data.untyped_storage()  # one object per allocation, while it lives
+    ref, count = _RECENT_FORMS.pop(memory, (None, 0))
+    count = count + 1 if ref is not None and ref() is storage else 1  # else: new weights
+    _RECENT_FORMS[memory] = (_ref(storage), count)
+    if len(_RECENT_FORMS) > _RECENT_MAX:
+        _RECENT_FORMS.popitem(last=False)
+    if count >= 3 and not _REPEATS_WARNED[0]:
+        _REPEATS_WARNED[0] = True
+        warnings.warn(
+            f"moerunner: the same expert weights, unchanged, were prepared for {key[0]!r} "
+            f"{count} times, each for new tensor objects over the same memory. Prepared weights "
+            "are kept on the weight objects: pass the same objects every call (the parameter "
+            "itself, not param.data or param.detach() made per call)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _form_in_memory(

@@ -193,3 +193,34 @@ def test_a_declining_fused_op_hands_the_call_to_the_permute_path():
     assert len(declined) == 1
     ref = moerunner.reference_moe(x, weights, tw, ids)
     assert_close(out, ref, TOLERANCE[torch.float32], what="declined -> permute path")
+
+
+def test_weights_prepared_again_per_call_are_named_once(monkeypatch):
+    """A new tensor object over the same unchanged memory per call (``.detach()``, ``.data``)
+    misses the prepared-weights memo every call: the third preparation warns, once per
+    process. New weights that happen to reuse an address, and a layer switching grad mode
+    (its parameters and their detached views: two objects), do not."""
+    import warnings
+
+    import moerunner.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "_REPEATS_WARNED", [False])
+    x = torch.randn(3, 24)
+    topk = moerunner.select_experts(torch.randn(3, 5), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):  # fresh weights each call (the allocator may reuse addresses)
+            w13, w2 = torch.randn(5, 40, 24), torch.randn(5, 24, 20)
+            moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="torch")
+            del w13, w2
+        layer = moerunner.MoE(moerunner.MoeConfig(5, 24, 20, 2))
+        for call in range(4):
+            with torch.set_grad_enabled(call % 2 == 0):
+                layer(x, torch.randn(3, 5))
+    w13, w2 = torch.randn(5, 40, 24), torch.randn(5, 24, 20)
+    with pytest.warns(RuntimeWarning, match="prepared for 'torch' 3 times.*not param.data"):
+        for _ in range(5):
+            moerunner.fused_moe(x, w13.detach(), w2.detach(), topk.weights, topk.ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        moerunner.fused_moe(x, w13.detach(), w2.detach(), topk.weights, topk.ids)
