@@ -26,6 +26,11 @@ last kernel (CUDA events recorded by hooks around every experts module, summed o
 on a CPU the calls' wall time), which counts an implementation's kernels and the GPU's idle
 time inside its own call, and nothing of the rest of the step.
 
+Then (``--rounds``, default 3) the implementations are timed again in turns: each round one
+prefill and one block of decode steps per implementation, so a drift of the host's speed
+during the run (an eager decode step is host-bound) falls on all of them alike; a table of
+its medians follows the others.
+
 Options:
 
 - ``--graph``: decode again with a static cache, uncompiled ("static"), with the decode step
@@ -690,7 +695,13 @@ def run(args) -> dict:
     for impl in impls[:-1]:  # "moerunner:triton" -> a name bound to that backend
         base, _, backend = impl.partition(":")
         names[impl] = mt.register(f"moerunner_{backend}", backend=backend) if backend else base
-    results = {"args": dict(vars(args)), "rows": [], "graph_rows": [], "breakdown": []}
+    results = {
+        "args": dict(vars(args)),
+        "rows": [],
+        "round_rows": [],
+        "graph_rows": [],
+        "breakdown": [],
+    }
     for name in args.shapes.split(","):
         t0 = time.perf_counter()
         model = build_model(name, args.layers, args.vocab, args.tiny, dtype, device)
@@ -718,12 +729,43 @@ def run(args) -> dict:
                 results["breakdown"].append(
                     measure_breakdown(model, name, impl, names[impl], decode_prompt, args)
                 )
+        if args.rounds:
+            ran = [r["impl"] for r in results["rows"] if r["shape"] == name and "error" not in r]
+            picked = {impl: names[impl] for impl in impls if impl in ran}
+            results["round_rows"].extend(
+                measure_rounds(model, name, picked, prompt, decode_prompt, args)
+            )
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     add_experts_time(results["rows"], ("prefill", "decode"))
+    add_experts_time(results["round_rows"], ("prefill", "decode"))
     add_experts_time(results["graph_rows"], ("decode",), key=("shape", "mode"))
     return results
+
+
+def measure_rounds(model, shape, names: dict, prompt, decode_prompt, args) -> list[dict]:
+    """Prefill and eager decode once more, the implementations taking turns: ``--rounds``
+    rounds, each timing one prefill and one block of decode steps of every implementation
+    in order, so a drift of the host's speed during the run falls on all of them alike (an
+    eager decode step is host-bound: its time moved by a third between two processes on one
+    machine). One row per implementation: medians over the rounds."""
+    samples = {impl: {"prefill": [], "decode": []} for impl in names}
+    for _ in range(args.rounds):
+        for impl, registered in names.items():
+            model.set_experts_implementation(registered)
+            samples[impl]["prefill"] += time_prefill(model, prompt, 1)
+            samples[impl]["decode"] += time_decode(model, decode_prompt, args.decode_steps, 1)
+    return [
+        {
+            "shape": shape,
+            "impl": impl,
+            "rounds": args.rounds,
+            "prefill_ms": spread(got["prefill"]),
+            "decode_ms": spread(got["decode"]),
+        }
+        for impl, got in samples.items()
+    ]
 
 
 def add_experts_time(rows: list[dict], phases, key=("shape",)) -> None:
@@ -791,10 +833,36 @@ def table(results: dict) -> str:
         "/gm: that time over grouped_mm's"
     )
     lines += ["", span_table(results["rows"])]
+    if results.get("round_rows"):
+        lines += ["", rounds_table(results["round_rows"])]
     if results.get("graph_rows"):
         lines += ["", graph_table(results["graph_rows"])]
     if results.get("breakdown"):
         lines += ["", breakdown_table(results["breakdown"])]
+    return "\n".join(lines)
+
+
+def rounds_table(rows: list[dict]) -> str:
+    """The implementations timed in turns (``measure_rounds``): step times and time in
+    experts with its ratio to grouped_mm's."""
+    lines = [
+        f"{'shape':<15}{'impl':<17}{'prefill ms min/med/max':>26}{'exp ms':>9}{'/gm':>6}"
+        f"{'decode ms min/med/max':>24}{'exp ms':>9}{'/gm':>6}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['shape']:<15}{r['impl']:<17}{_spread_text(r['prefill_ms']):>26}"
+            f"{_fmt(r.get('prefill_experts_ms'), '.2f', 9)}"
+            f"{_fmt(r.get('prefill_experts_vs_grouped_mm'), '.2f', 6)}"
+            f"{_spread_text(r['decode_ms']):>24}"
+            f"{_fmt(r.get('decode_experts_ms'), '.2f', 9)}"
+            f"{_fmt(r.get('decode_experts_vs_grouped_mm'), '.2f', 6)}"
+        )
+    rounds = rows[0]["rounds"] if rows else 0
+    lines.append(
+        f"in turns ({rounds} rounds): each round one prefill and one decode block per "
+        "implementation, in order; medians over the rounds"
+    )
     return "\n".join(lines)
 
 
@@ -905,6 +973,12 @@ def main(argv=None) -> None:
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps per timed block")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills / decode blocks")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="then time the implementations in turns, this many rounds (0: not)",
+    )
     p.add_argument("--dtype", default=None, help="default: bfloat16; float32 for --tiny on a CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU check")
@@ -940,6 +1014,7 @@ def main(argv=None) -> None:
         args.dtype = "float32" if args.tiny and cpu else "bfloat16"
     if args.tiny:
         args.repeats = min(args.repeats, 2)
+        args.rounds = min(args.rounds, 1)
         args.prompt, args.batch, args.decode_prompt = min(args.prompt, 64), 1, 16
         args.decode_batch = min(args.decode_batch, 2)
         args.decode_steps = min(args.decode_steps, 4)

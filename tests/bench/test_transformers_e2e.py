@@ -183,6 +183,15 @@ def test_tiny_run_of_the_new_shapes(e2e, tmp_path, capsys):
     assert {(r["prefill_tokens"], r["decode_batch"]) for r in results["rows"]} == {(64, 2)}
     served = {r["shape"]: r["backends"] for r in results["rows"] if r["impl"] == "moerunner"}
     assert served == {"deepseek-v3": ["torch"], "mixtral-8x7b": ["torch"]}  # no table on a CPU
+    # then in turns: one row per shape and implementation, time in experts against zero-cost
+    turns = {(r["shape"], r["impl"]): r for r in results["round_rows"]}
+    assert set(turns) == {(s, i) for s in shapes for i in ("grouped_mm", "moerunner", "zero-cost")}
+    for (shape, _), r in turns.items():
+        zero = turns[(shape, "zero-cost")]
+        for phase in ("prefill", "decode"):
+            got = r[f"{phase}_ms"]["median"] - zero[f"{phase}_ms"]["median"]
+            assert r[f"{phase}_experts_ms"] == pytest.approx(got)
+    assert "in turns (1 rounds)" in table
     assert "decode ms min/med/max" in table and "exp ms" in table
     assert "deepseek-v3    zero-cost" in table and "mixtral-8x7b   moerunner" in table
 
