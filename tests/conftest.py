@@ -30,3 +30,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def prepares(monkeypatch):
+    """Every preparation of weights for a backend (``runner.prepare_for_backend``) from here
+    on: one entry per call, whether grad mode was on while it ran."""
+    import torch
+
+    import moerunner.runner
+
+    calls: list[bool] = []
+    original = moerunner.runner.prepare_for_backend
+
+    def spy(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(moerunner.runner, "prepare_for_backend", spy)
+    return calls

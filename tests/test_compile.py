@@ -177,19 +177,11 @@ def test_layer_from_weights_compiles_fullgraph_with_pre_routed_calls(scheme):
 
 
 @pytest.mark.parametrize("scheme", [None, "fp8_channel"])
-def test_compiled_calls_prepare_the_weights_once(monkeypatch, scheme):
+def test_compiled_calls_prepare_the_weights_once(prepares, scheme):
     """Under ``torch.compile`` (no grad) the op gets the layer's own parameters, not an alias
     made per call, so what the runner memoises on them holds: compiled calls of several
     sizes prepare the weights once (biases included: their identities key the memo too)."""
     torch._dynamo.reset()
-    prepares = []
-    original = moerunner.runner.prepare_for_backend
-
-    def spy(*args, **kwargs):
-        prepares.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(moerunner.runner, "prepare_for_backend", spy)
     cfg = moerunner.MoeConfig(8, 64, 32, 2, bias=True, routing=moerunner.RoutingConfig())
     layer = moerunner.MoE(cfg)
     if scheme is not None:
@@ -202,25 +194,17 @@ def test_compiled_calls_prepare_the_weights_once(monkeypatch, scheme):
     assert len(prepares) == 1
 
 
-def test_grad_mode_flips_keep_one_prepared_form_each(monkeypatch):
+def test_grad_mode_flips_keep_one_prepared_form_each(prepares):
     """Eager calls with grad mode off run on the parameters (the objects compiled calls get),
     with it on on detached views: each mode's weights are prepared once however the calls
     alternate, and always with grad mode off (prepared state is never part of autograd)."""
-    grad_modes = []
-    original = moerunner.runner.prepare_for_backend
-
-    def spy(*args, **kwargs):
-        grad_modes.append(torch.is_grad_enabled())
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(moerunner.runner, "prepare_for_backend", spy)
     layer = moerunner.MoE(moerunner.MoeConfig(8, 64, 32, 2, bias=True))
     x, logits = torch.randn(5, 64), torch.randn(5, 8)
     outs = []
     for call in range(6):
         with torch.set_grad_enabled(call % 2 == 0):
             outs.append(layer(x, logits))
-    assert grad_modes == [False, False]
+    assert prepares == [False, False]
     assert not any(o.requires_grad for o in outs)  # the experts are inference only
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0])

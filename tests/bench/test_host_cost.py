@@ -3,24 +3,17 @@ through moerunner and through transformers' grouped_mm computing the same thing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import moerunner
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_cost.py"
-
 
 @pytest.fixture(scope="module")
-def host_cost():
-    spec = importlib.util.spec_from_file_location("host_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def host_cost(load_benchmark):
+    return load_benchmark("host_cost.py")
 
 
 def test_rows_include_the_transformers_experts_call(host_cost, tmp_path):

@@ -4,16 +4,13 @@ CPU (the ``gpu`` test runs the CUDA-only modes)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "transformers_e2e.py"
 # Tiny and quick: 1-2 timed blocks of 2 decode steps, a 128-word vocabulary, aot_eager (traces
 # the whole decode step under fullgraph=True without generating code).
 FAST = ("--tiny", "--dtype", "float32", "--vocab", "128", "--repeats", "2", "--decode-steps", "2")
@@ -21,11 +18,8 @@ FAST += ("--profile-steps", "1", "--backend", "aot_eager")
 
 
 @pytest.fixture(scope="module")
-def e2e():
-    spec = importlib.util.spec_from_file_location("transformers_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def e2e(load_benchmark):
+    return load_benchmark("transformers_e2e.py")
 
 
 def _run(e2e, tmp_path, capsys, *options, device="cpu"):

@@ -71,22 +71,12 @@ def test_model_forward_compiles_fullgraph(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_compiled_steps_prepare_each_layer_once(family, monkeypatch):
+def test_compiled_steps_prepare_each_layer_once(family, prepares):
     """The compiled forward hands the experts op the module's own tensors (no alias per
     call): steps after the first, and eager calls in between, find the prepared weights
     memoised on them. GPT-OSS has biases and weights stored transposed (the op's canonical
     views are memoised too)."""
-    import moerunner.runner
-
     torch._dynamo.reset()
-    prepares = []
-    original = moerunner.runner.prepare_for_backend
-
-    def spy(*args, **kwargs):
-        prepares.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(moerunner.runner, "prepare_for_backend", spy)
     model = build(family, implementation="moerunner")
     compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
