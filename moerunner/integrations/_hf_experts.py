@@ -31,7 +31,7 @@ from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
 from ..held_quantized import HoldsQuantized
-from ..ops import adopt_quantized, canonical_from_transposed, forget_memo, op_tensor
+from ..ops import adopt_quantized, canonical_from_transposed, forget_memo
 from ..weights import ExpertWeights, is_quantized
 
 # Attributes kept on the experts module (plain attributes: never parameters or buffers).
@@ -224,17 +224,22 @@ def forget_weights(module: torch.nn.Module) -> None:
 
 def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:
     """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` shape, without a copy: the parameters
-    themselves where grad mode is off (as the compiled ops get them, ``ops.op_tensor``, so
-    eager and compiled calls find one set of prepared weights memoised on them), detached
-    where it is on.
+    themselves (as the compiled ops get them with grad mode off, ``ops.op_tensor``, so eager
+    and compiled calls find one set of prepared weights memoised on them).
 
-    A transposed layout (GPT-OSS) becomes strided views through ``canonical_from_transposed``,
-    memoised on the source parameter, so the experts live once (in the model's parameters)
-    and eager calls and the compiled ``moerunner::fused_experts_transposed`` op given the
-    parameter share the views (and the backend's prepared weights)."""
-    w13, w2, b13, b2 = (op_tensor(t) for t in sources)
+    A transposed layout (GPT-OSS) becomes strided views. With grad mode off they are
+    detached and memoised on the source parameter (``canonical_from_transposed``), so the
+    experts live once (in the model's parameters) and eager calls and the compiled
+    ``moerunner::fused_experts_transposed`` op given the parameter share the views (and the
+    backend's prepared weights). With grad mode on they are plain views, through which
+    ``fused_moe``'s differentiable path (the torch backend) gives the parameters their
+    gradients."""
+    w13, w2, b13, b2 = sources
     if layout.transposed:  # [E, in, out] -> [E, out, in]
-        w13, w2 = canonical_from_transposed(sources[0], sources[1])
+        if torch.is_grad_enabled():
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        else:
+            w13, w2 = canonical_from_transposed(w13, w2)
     return ExpertWeights(w13, w2, b13, b2, layout.interleaved)
 
 
