@@ -663,8 +663,8 @@ class MoE(HoldsQuantized):
             b13, b2 = op_tensor(w.w13_bias), op_tensor(w.w2_bias)
             routed = call_fused_experts(
                 x.detach(),
-                w.w13,
-                w.w2,
+                op_tensor(w.w13),
+                op_tensor(w.w2),
                 topk.weights,
                 topk.ids,
                 b13,

@@ -8,10 +8,16 @@
 
 Each fake implementation only describes the output (``[T, H]`` in the hidden dtype), so the
 compiler never traces into the backends' data-dependent code (host reads of expert offsets,
-Triton launches). ``call_fused_experts`` picks the op for a pair of weights.
+Triton launches). ``call_fused_experts`` picks the op for a pair of weights. The plain ops
+have a backward (``moerunner::fused_experts_backward``, "gradients" below), so a compiled
+training step differentiates through them.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,23 +40,25 @@ def _op_body(
     check_ids,
 ) -> torch.Tensor:
     """What every moerunner op computes once its weights are objects ``fused_moe`` takes:
-    ``fused_moe`` with the op's arguments; an empty result is a new tensor (an op's output
-    may not alias its input)."""
-    out = fused_moe(
-        hidden_states,
-        w13,
-        w2,
-        topk_weights,
-        topk_ids,
-        activation=activation,
-        w13_bias=w13_bias,
-        w2_bias=w2_bias,
-        gate_up_interleaved=gate_up_interleaved,
-        swiglu_alpha=swiglu_alpha,
-        swiglu_limit=swiglu_limit,
-        backend=backend,
-        check_ids=check_ids,
-    )
+    ``fused_moe`` with the op's arguments, with grad mode off (an op's forward runs the chosen
+    backend's kernels; gradients come from the backward registered below); an empty result
+    is a new tensor (an op's output may not alias its input)."""
+    with torch.no_grad():
+        out = fused_moe(
+            hidden_states,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            activation=activation,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
+            gate_up_interleaved=gate_up_interleaved,
+            swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+            backend=backend,
+            check_ids=check_ids,
+        )
     return out if out.numel() else out.clone()
 
 
@@ -296,13 +304,14 @@ def _fused_experts_quantized_fake(
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def op_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A weight or bias as a traced op argument: the tensor itself where grad mode is off,
-    so the op gets the caller's own object on every call and finds what is memoised on it
-    (the runner's prepared weights, keyed on the objects); a detached alias where grad mode
-    is on (the ops have no backward). An alias made per call is a new object per compiled
-    step, and the weights were prepared again on every one."""
-    if t is None or not torch.is_grad_enabled():
+def op_tensor(t):
+    """A weight or bias of an inference-only caller (the ``MoE`` layer) as an op argument:
+    the tensor itself where grad mode is off, so the op gets the caller's own object on every
+    call and finds what is memoised on it (the runner's prepared weights, keyed on the
+    objects); a detached alias where grad mode is on (no gradient for it). An alias made per
+    call is a new object per compiled step, and the weights were prepared again on every
+    one. Anything but a tensor passes as it is."""
+    if not isinstance(t, torch.Tensor) or not torch.is_grad_enabled():
         return t
     return t.detach()
 
@@ -327,8 +336,8 @@ def call_fused_experts(
     if isinstance(w13, torch.Tensor):
         return torch.ops.moerunner.fused_experts(
             hidden_states,
-            op_tensor(w13),
-            op_tensor(w2),
+            w13,
+            w2,
             topk_weights,
             topk_ids,
             w13_bias,
@@ -439,3 +448,157 @@ def _fused_experts_transposed_fake(
     check_ids=True,
 ):
     return hidden_states.new_empty(hidden_states.shape)
+
+
+# -- gradients ----------------------------------------------------------------------------
+#
+# The plain ops (``fused_experts``, ``fused_experts_transposed``) have a backward, so a
+# compiled training step differentiates through them: the forward runs the chosen backend's
+# kernels, and the backward recomputes the experts on the torch backend's differentiable
+# path (``fused_moe`` with grad mode on) and differentiates that, inside one more opaque op
+# (its Python is not traced: the path reads expert offsets on the host). The quantized op
+# has none: quantized weights are not trained through (``fused_moe`` says so in eager mode).
+
+#: Argument positions of the ops that can take a gradient: hidden states, w13, w2, topk
+#: weights, w13 bias, w2 bias.
+_GRAD_ARGS = (0, 1, 2, 3, 5, 6)
+
+
+@torch.library.custom_op("moerunner::fused_experts_backward", mutates_args=())
+def fused_experts_backward(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float | None,
+    swiglu_limit: float | None,
+    gate_up_interleaved: bool,
+    transposed: bool,
+    needs: list[bool],
+) -> list[torch.Tensor]:
+    """Gradients of ``fused_experts`` (``transposed``: of ``fused_experts_transposed``) for the
+    arguments at ``_GRAD_ARGS`` whose entry in ``needs`` is set (an empty tensor for the
+    others): the experts recomputed on ``fused_moe``'s differentiable path and differentiated
+    against ``grad_out``."""
+    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias)
+    leaves = [
+        None if t is None else t.detach().requires_grad_(need)
+        for t, need in zip(inputs, needs, strict=True)
+    ]
+    wanted = [t for t, need in zip(leaves, needs, strict=True) if need and t is not None]
+
+    def differentiate():
+        x, a, b, weights, b13, b2 = leaves
+        if transposed:
+            a, b = a.transpose(1, 2), b.transpose(1, 2)
+        out = fused_moe(
+            x,
+            a,
+            b,
+            weights,
+            topk_ids,
+            activation=activation,
+            w13_bias=b13,
+            w2_bias=b2,
+            gate_up_interleaved=gate_up_interleaved,
+            swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+            backend="torch",
+            check_ids=False,
+        )
+        return torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+
+    got = iter(_with_autograd(differentiate, grad_out.device) if wanted else ())
+    grads = []
+    for t, need in zip(leaves, needs, strict=True):
+        g = next(got) if need and t is not None else None
+        if g is None:
+            g = torch.zeros_like(t) if need and t is not None else grad_out.new_empty(0)
+        grads.append(g)
+    return grads
+
+
+_GRAD_THREAD: list = []
+_GRAD_THREAD_LOCK = threading.Lock()
+
+
+def _with_autograd(fn, device: torch.device):
+    """``fn()`` with autograd recording, on a thread of its own. A custom op's implementation
+    runs below the dispatcher's autograd keys, so nothing it computes records a graph, even
+    under ``torch.enable_grad()``; those keys, like grad mode, are per thread. On CUDA the
+    thread uses the caller's device and current stream, so its kernels stay in the caller's
+    order; the caller waits for it."""
+    if not _GRAD_THREAD:
+        with _GRAD_THREAD_LOCK:
+            if not _GRAD_THREAD:
+                _GRAD_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="moerunner-grad"))
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def run():
+        with contextlib.ExitStack() as scope:
+            if stream is not None:
+                scope.enter_context(torch.cuda.device(device))
+                scope.enter_context(torch.cuda.stream(stream))
+            scope.enter_context(torch.enable_grad())
+            return fn()
+
+    return _GRAD_THREAD[0].submit(run).result()
+
+
+@fused_experts_backward.register_fake
+def _fused_experts_backward_fake(
+    grad_out,
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    w13_bias,
+    w2_bias,
+    activation,
+    swiglu_alpha,
+    swiglu_limit,
+    gate_up_interleaved,
+    transposed,
+    needs,
+):
+    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias)
+    return [
+        torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
+        for t, need in zip(inputs, needs, strict=True)
+    ]
+
+
+def _saving(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*(inputs[i] for i in _GRAD_ARGS), inputs[4])
+    ctx.settings = inputs[7:11]  # activation, swiglu alpha and limit, interleaved
+
+
+def _backward(transposed: bool):
+    def backward(ctx, grad_out):
+        *saved, topk_ids = ctx.saved_tensors
+        needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_ARGS]
+        grads = torch.ops.moerunner.fused_experts_backward(
+            grad_out.contiguous(),
+            *saved[:4],
+            topk_ids,
+            *saved[4:],
+            *ctx.settings,
+            transposed,
+            needs,
+        )
+        result: list = [None] * 13
+        for i, need, g in zip(_GRAD_ARGS, needs, grads, strict=True):
+            result[i] = g if need else None
+        return tuple(result)
+
+    return backward
+
+
+fused_experts.register_autograd(_backward(False), setup_context=_saving)
+fused_experts_transposed.register_autograd(_backward(True), setup_context=_saving)

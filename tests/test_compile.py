@@ -8,6 +8,8 @@ import torch
 import moerunner
 from moerunner import ops
 from moerunner.quant import quantize
+from moerunner.testing import assert_close
+from moerunner.weights import ExpertWeights
 
 
 def test_layer_compiles_fullgraph_and_matches_eager():
@@ -208,3 +210,62 @@ def test_grad_mode_flips_keep_one_prepared_form_each(prepares):
     assert not any(o.requires_grad for o in outs)  # the experts are inference only
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0])
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+def test_ops_backward_matches_the_float64_reference(transposed, activation):
+    """The plain ops' registered backward (``ops.fused_experts_backward``: the torch backend's
+    differentiable path recomputed on a thread that records autograd) against autograd of
+    the float64 reference, for every argument that takes a gradient. fp32 sums in another
+    order than the float64 reference: 1e-5 of each gradient's magnitude."""
+    gen = torch.Generator().manual_seed(7)
+    E, T, H, I = 4, 6, 16, 12
+    x64 = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    w13_64 = torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float64) / 4
+    w2_64 = torch.randn(E, H, I, generator=gen, dtype=torch.float64) / 3
+    b13_64 = torch.randn(E, 2 * I, generator=gen, dtype=torch.float64) / 4
+    b2_64 = torch.randn(E, H, generator=gen, dtype=torch.float64) / 4
+    topk = moerunner.select_experts(torch.randn(T, E, generator=gen), 2)
+    wts64 = topk.weights.double()
+    alpha, limit = (1.702, 7.0) if activation == "swiglu_oai" else (None, None)
+    act = moerunner.Activation(activation, alpha=alpha, limit=limit)
+    leaves64 = [t.clone().requires_grad_(True) for t in (x64, w13_64, w2_64, b13_64, b2_64, wts64)]
+    x, w13, w2, b13, b2, wts = leaves64
+    ref = moerunner.reference_moe(x, ExpertWeights(w13, w2, b13, b2), wts, topk.ids, act)
+    probe = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad((ref * probe).sum(), leaves64)
+
+    leaves = [t.detach().float().requires_grad_(True) for t in leaves64]
+    x, w13, w2, b13, b2, wts = leaves
+    if transposed:  # the op takes the weights stored [E, in, out] (GPT-OSS)
+        a, b = (w.detach().transpose(1, 2).contiguous().requires_grad_(True) for w in (w13, w2))
+        leaves[1:3] = [a, b]
+        op, weights = torch.ops.moerunner.fused_experts_transposed, (a, b)
+    else:
+        op, weights = torch.ops.moerunner.fused_experts, (w13, w2)
+    args = (topk.ids, b13, b2, activation, alpha, limit, False, "torch")
+    out = op(x, *weights, wts, *args)
+    assert out.requires_grad
+    got = torch.autograd.grad((out * probe.float()).sum(), leaves)
+    names = ["hidden_states", "w13", "w2", "w13_bias", "w2_bias", "topk_weights"]
+    for name, g, w in zip(names, got, want, strict=True):
+        if transposed and name in ("w13", "w2"):
+            g = g.transpose(1, 2)  # the gradient of the stored [E, in, out] tensor
+        assert_close(g, w, 1e-5, what=f"d/d {name}")
+
+
+def test_plain_ops_pass_opcheck_with_their_autograd():
+    x, w13, w2 = torch.randn(4, 16), torch.randn(3, 16, 16), torch.randn(3, 16, 8)
+    topk = moerunner.select_experts(torch.randn(4, 3), 2)
+    tail = (topk.ids, None, None, "silu", None, None, False, "torch")
+    for op, weights in (
+        (torch.ops.moerunner.fused_experts.default, (w13, w2)),
+        (torch.ops.moerunner.fused_experts_transposed.default, (w13.mT, w2.mT)),
+    ):
+        leaves = [t.clone().requires_grad_(True) for t in (x, *weights, topk.weights)]
+        torch.library.opcheck(
+            op,
+            (leaves[0], leaves[1], leaves[2], leaves[3], *tail),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )

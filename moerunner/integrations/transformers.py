@@ -25,7 +25,7 @@ import torch
 from ..api import fused_moe
 from ..errors import MoeInputError
 from ..lora import MoeLoraWeights, lora_hooks
-from ..ops import call_fused_experts, op_tensor
+from ..ops import call_fused_experts
 from ..shared import SharedExperts
 from ..weights import ExpertWeights
 from . import _relayout
@@ -170,11 +170,23 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     ids = ids.reshape(x.shape[0], -1)
     if getattr(module, "_is_expert_parallel", False):
         ids = torch.where(ids >= num_experts, -1, ids)
-    b13, b2 = op_tensor(b13), op_tensor(b2)
+    grads = (x, weights, b13, b2)
+    if (
+        quantized is not None
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in grads)
+    ):
+        raise MoeInputError(
+            f"experts layer {layer_name(module)} holds quantized weights, which have no "
+            "backward: run it under torch.no_grad() or torch.inference_mode(), or train float "
+            "experts"
+        )
+    # The module's own tensors (not aliases made per call): the runner's prepared weights
+    # are memoised on them, and with grad mode on the ops' backward gives them gradients.
     args = (ids, b13, b2, act, alpha, limit, interleaved, chosen, False)
     if quantized is None and transposed:
         out = torch.ops.moerunner.fused_experts_transposed(
-            x, op_tensor(w13), op_tensor(w2), weights.reshape(ids.shape), *args
+            x, w13, w2, weights.reshape(ids.shape), *args
         )
     else:
         topk_weights = weights.reshape(ids.shape)

@@ -18,6 +18,8 @@ from torch._dynamo.backends.registry import lookup_backend  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
 
 import moerunner.integrations.transformers as mt  # noqa: E402
+from moerunner.errors import MoeInputError  # noqa: E402
+from moerunner.testing import assert_close  # noqa: E402
 
 from ._tiny_models import build  # noqa: E402
 
@@ -113,3 +115,38 @@ def test_static_cache_generate_with_compiled_decode_matches_eager(family, scheme
     assert calls and all(c == model.config.num_hidden_layers for c in calls), calls
     assert eager.shape[1] == ids.shape[1] + NEW_TOKENS
     assert torch.equal(compiled, eager), f"{family} {scheme}: greedy ids differ"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_compiled_training_step_gives_the_experts_their_gradients(family):
+    """A compiled forward with grad mode on: the experts op's backward (the torch backend's
+    differentiable path, recomputed) gives every parameter the gradient transformers' eager
+    experts give it, the experts' own included (GPT-OSS: its transposed storage, biases)."""
+    torch._dynamo.reset()
+    grads = {}
+    for implementation in ("eager", "moerunner"):
+        model = build(family, implementation=implementation)
+        model.train()
+        forward = model.forward
+        if implementation == "moerunner":
+            forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        forward(_ids()).logits.square().mean().backward()
+        grads[implementation] = {n: p.grad for n, p in model.named_parameters()}
+    experts = [n for n in grads["eager"] if ".experts." in n]
+    assert experts and all(grads["moerunner"][n] is not None for n in experts)
+    for name, want in grads["eager"].items():
+        got = grads["moerunner"][name]
+        assert (got is None) == (want is None), name
+        if want is not None:
+            # fp32, summation order only (as in the eager training test of test_transformers)
+            assert_close(got, want.double(), 1e-5, what=f"d/d {name}")
+
+
+def test_compiled_training_with_quantized_experts_names_what_to_do():
+    torch._dynamo.reset()
+    model = build("qwen3_moe", implementation="moerunner")
+    mt.quantize_experts(model, "fp8_channel")
+    model.train()
+    compiled = torch.compile(model.forward, backend="aot_eager")
+    with pytest.raises(MoeInputError, match="have no backward.*no_grad"):
+        compiled(_ids())
