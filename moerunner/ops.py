@@ -38,12 +38,14 @@ def _op_body(
     gate_up_interleaved,
     backend,
     check_ids,
+    grad: bool = False,
 ) -> torch.Tensor:
     """What every moerunner op computes once its weights are objects ``fused_moe`` takes:
     ``fused_moe`` with the op's arguments, with grad mode off (an op's forward runs the chosen
-    backend's kernels; gradients come from the backward registered below); an empty result
-    is a new tensor (an op's output may not alias its input)."""
-    with torch.no_grad():
+    backend's kernels; gradients come from the backward registered below; ``grad``: on, for
+    that backward's recomputation); an empty result is a new tensor (an op's output may not
+    alias its input)."""
+    with torch.set_grad_enabled(grad):
         out = fused_moe(
             hidden_states,
             w13,
@@ -496,21 +498,8 @@ def fused_experts_backward(
         x, a, b, weights, b13, b2 = leaves
         if transposed:
             a, b = a.transpose(1, 2), b.transpose(1, 2)
-        out = fused_moe(
-            x,
-            a,
-            b,
-            weights,
-            topk_ids,
-            activation=activation,
-            w13_bias=b13,
-            w2_bias=b2,
-            gate_up_interleaved=gate_up_interleaved,
-            swiglu_alpha=swiglu_alpha,
-            swiglu_limit=swiglu_limit,
-            backend="torch",
-            check_ids=False,
-        )
+        settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+        out = _op_body(x, a, b, weights, topk_ids, b13, b2, *settings, "torch", False, grad=True)
         return torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
 
     got = iter(_with_autograd(differentiate, grad_out.device) if wanted else ())
@@ -552,21 +541,9 @@ def _with_autograd(fn, device: torch.device):
 
 @fused_experts_backward.register_fake
 def _fused_experts_backward_fake(
-    grad_out,
-    hidden_states,
-    w13,
-    w2,
-    topk_weights,
-    topk_ids,
-    w13_bias,
-    w2_bias,
-    activation,
-    swiglu_alpha,
-    swiglu_limit,
-    gate_up_interleaved,
-    transposed,
-    needs,
+    grad_out, hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, *settings
 ):
+    needs = settings[-1]
     inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias)
     return [
         torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
