@@ -150,3 +150,30 @@ def test_compiled_training_with_quantized_experts_names_what_to_do():
     compiled = torch.compile(model.forward, backend="aot_eager")
     with pytest.raises(MoeInputError, match="have no backward.*no_grad"):
         compiled(_ids())
+
+
+@pytest.mark.gpu
+def test_compiled_training_step_on_the_gpu():
+    """On CUDA the op's forward runs the fastest backend's kernels and its backward
+    recomputes on the torch path on a thread of its own, on the caller's stream. Against
+    transformers' eager experts: fp32, but the forward's GEMMs may run in TF32 (about 2^-11
+    per product), which moves the upstream gradients by about 1e-3 of their magnitude; a
+    stream or thread error would give unrelated values. Bound: 1e-2."""
+    torch._dynamo.reset()
+    grads = {}
+    for implementation in ("eager", "moerunner"):
+        model = build("qwen3_moe", implementation=implementation).cuda()
+        model.train()
+        forward = model.forward
+        if implementation == "moerunner":
+            forward = torch.compile(model.forward, fullgraph=True)
+        side = torch.cuda.Stream()  # not the default stream: the backward must follow it
+        with torch.cuda.stream(side):
+            forward(_ids().cuda()).logits.square().mean().backward()
+        torch.cuda.synchronize()
+        grads[implementation] = {n: p.grad for n, p in model.named_parameters()}
+    for name, want in grads["eager"].items():
+        got = grads["moerunner"][name]
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert_close(got, want.double(), 1e-2, what=f"d/d {name}")
