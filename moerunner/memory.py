@@ -121,8 +121,36 @@ def storage_bytes(*roots: Any) -> int:
     return sum(storages(*roots).values())
 
 
-_KEEPER: list = []  # the one worker thread of ``kept`` (made on first use)
-_KEEPER_LOCK = threading.Lock()
+class Worker:
+    """One thread, started at first use, that runs a caller's function on the caller's CUDA
+    device and current stream (so its kernels stay in the caller's order) while the caller
+    waits: for work whose thread-local state must not be the caller's (``kept``: the CUDA
+    graph pool the allocator hands out; the ops' backward: the dispatcher's autograd keys)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], Any], device: torch.device) -> Any:
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+        def call() -> Any:
+            if stream is None:
+                return fn()
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                return fn()
+
+        return self._pool.submit(call).result()
+
+
+_KEEPER = Worker("moerunner-kept")  # the one worker thread of ``kept``
 _ON_KEEPER = threading.local()  # set on that thread while it runs a ``make``
 
 
@@ -151,20 +179,13 @@ def kept(make: Callable[[], Any], device: torch.device) -> Any:
     ):
         with torch.no_grad():
             return make()
-    stream = torch.cuda.current_stream(device)
-    if not _KEEPER:
-        with _KEEPER_LOCK:
-            if not _KEEPER:
-                from concurrent.futures import ThreadPoolExecutor
-
-                _KEEPER.append(ThreadPoolExecutor(1, thread_name_prefix="moerunner-kept"))
 
     def run() -> Any:
         _ON_KEEPER.active = True
         try:
-            with torch.no_grad(), torch.cuda.device(device), torch.cuda.stream(stream):
+            with torch.no_grad():
                 return make()
         finally:
             _ON_KEEPER.active = False
 
-    return _KEEPER[0].submit(run).result()
+    return _KEEPER.run(run, device)

@@ -15,13 +15,10 @@ training step differentiates through them.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 
 from .api import fused_moe
+from .memory import Worker
 
 
 def _op_body(
@@ -512,31 +509,20 @@ def fused_experts_backward(
     return grads
 
 
-_GRAD_THREAD: list = []
-_GRAD_THREAD_LOCK = threading.Lock()
+_GRAD_WORKER = Worker("moerunner-grad")
 
 
 def _with_autograd(fn, device: torch.device):
-    """``fn()`` with autograd recording, on a thread of its own. A custom op's implementation
-    runs below the dispatcher's autograd keys, so nothing it computes records a graph, even
-    under ``torch.enable_grad()``; those keys, like grad mode, are per thread. On CUDA the
-    thread uses the caller's device and current stream, so its kernels stay in the caller's
-    order; the caller waits for it."""
-    if not _GRAD_THREAD:
-        with _GRAD_THREAD_LOCK:
-            if not _GRAD_THREAD:
-                _GRAD_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="moerunner-grad"))
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    """``fn()`` with autograd recording, on a thread of its own (``memory.Worker``: the
+    caller's device and stream). A custom op's implementation runs below the dispatcher's
+    autograd keys, so nothing it computes records a graph, even under
+    ``torch.enable_grad()``; those keys, like grad mode, are per thread."""
 
     def run():
-        with contextlib.ExitStack() as scope:
-            if stream is not None:
-                scope.enter_context(torch.cuda.device(device))
-                scope.enter_context(torch.cuda.stream(stream))
-            scope.enter_context(torch.enable_grad())
+        with torch.enable_grad():
             return fn()
 
-    return _GRAD_THREAD[0].submit(run).result()
+    return _GRAD_WORKER.run(run, device)
 
 
 @fused_experts_backward.register_fake

@@ -224,8 +224,8 @@ def forget_weights(module: torch.nn.Module) -> None:
 
 def canonical_weights(sources: list[torch.Tensor | None], layout: ExpertsLayout) -> ExpertWeights:
     """w13/w2 (+ biases) in moerunner's ``[E, N, K]`` shape, without a copy: the parameters
-    themselves (as the compiled ops get them with grad mode off, ``ops.op_tensor``, so eager
-    and compiled calls find one set of prepared weights memoised on them).
+    themselves (as the compiled ops get them, so eager and compiled calls find one set of
+    prepared weights memoised on them).
 
     A transposed layout (GPT-OSS) becomes strided views. With grad mode off they are
     detached and memoised on the source parameter (``canonical_from_transposed``), so the
