@@ -185,6 +185,9 @@ class Bucket:
     def __post_init__(self) -> None:
         object.__setattr__(self, "times_us", MappingProxyType(dict(self.times_us)))
 
+    def __reduce__(self):  # a read-only mapping does not pickle: rebuilt from a dict
+        return (Bucket, (self.max_tokens, self.tokens, self.backend, dict(self.times_us)))
+
     def measured(self) -> str:
         """ "triton 41 us vs flashinfer 55 us" (fastest first)."""
         ranked = sorted(self.times_us.items(), key=lambda item: item[1])
@@ -260,6 +263,9 @@ class BackendTable:
             _check_buckets(buckets, f"table of {self.device!r}, entry {key}: buckets")
             entries[key] = buckets
         object.__setattr__(self, "entries", MappingProxyType(entries))
+
+    def __reduce__(self):  # a read-only mapping does not pickle: rebuilt from a dict
+        return (BackendTable, (self.device, dict(self.entries), self.paths))
 
     def buckets(self, key: ShapeKey) -> tuple[Bucket, ...] | None:
         """The buckets of ``key``, or None where the table has no entry."""

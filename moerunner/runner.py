@@ -16,6 +16,7 @@ process-global "current backend".
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import warnings
@@ -103,6 +104,29 @@ class MoeRunner:
         self.table = table
         self.backend_forms = backend_forms
         self.selection: Selection | None = None
+
+    # A registry is the process's directory of backends, shared like a module: a copied
+    # runner (``copy.deepcopy`` of a layer) looks backends up in the same one, and a pickled
+    # runner of the default registry is restored onto the loading process's default one,
+    # not onto a frozen copy of the saving process's (which may hold backends that cannot
+    # be pickled, such as a ``variant``'s read-only fused ops).
+    def __deepcopy__(self, memo: dict) -> MoeRunner:
+        other = copy.copy(self)
+        memo[id(self)] = other
+        other.preference = copy.deepcopy(self.preference, memo)
+        return other
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if state["registry"] is DEFAULT_REGISTRY:
+            state["registry"] = None
+        state["selection"] = None  # a memo of the registry's backends: chosen again
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        if state.get("registry") is None:
+            state["registry"] = default_registry()
+        self.__dict__.update(state)
 
     @property
     def backend(self) -> str | None:

@@ -244,3 +244,41 @@ def test_registry_module_imports_no_backend():
 def test_new_registry_is_empty_and_independent():
     r = Registry()
     assert r.backends == {} and r.dispatchers == {}
+
+
+def test_copied_and_saved_layers_share_the_process_registry(monkeypatch, tmp_path):
+    """``copy.deepcopy`` and ``torch.save`` of a layer used to copy the whole registry into
+    it: a copied layer then missed later registrations, and with a ``variant`` backend
+    registered (read-only fused ops) neither worked at all ("cannot pickle 'mappingproxy'").
+    Now the copy shares the registry and a loaded layer uses the loading process's default
+    registry, computing what the original computes."""
+    import copy
+
+    from moerunner.backend_table import BackendTable, Bucket, ShapeKey
+
+    registry = moerunner.DEFAULT_REGISTRY
+    variant = registry.backends["torch"].variant(name="variant-of-torch", fused_ops={})
+    monkeypatch.setitem(registry.backends, "variant-of-torch", variant)
+    torch.manual_seed(0)
+    layer = MoE(MoeConfig(4, 16, 8, 2))
+    x, logits = torch.randn(3, 16), torch.randn(3, 4)
+    want = layer(x, logits)
+    copied = copy.deepcopy(layer)
+    assert copied.runner.registry is registry
+    assert torch.equal(copied(x, logits), want)
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    assert loaded.runner.registry is registry
+    assert torch.equal(loaded(x, logits), want)
+    # A measured table (read-only mappings inside) pickles with its runner.
+    key = ShapeKey("bfloat16", "bf16", "bf16", "silu", 4, 16, 8, 2)
+    table = BackendTable("cpu", {key: (Bucket(None, 1, "torch", {"torch": 1.0}),)})
+    runner = moerunner.MoeRunner(table=table)
+    back = torch.load(_saved(runner, tmp_path), weights_only=False)
+    assert back.table.entries == table.entries and back.registry is registry
+
+
+def _saved(obj, tmp_path):
+    path = tmp_path / "obj.pt"
+    torch.save(obj, path)
+    return path
