@@ -224,9 +224,12 @@ def _transformers_experts(layer: moerunner.MoE):
 
 def _transformers_cases(experts, x, topk, backend: str) -> dict:
     """One transformers experts call (what a model's MoE block calls per layer) through
-    moerunner's experts function and through transformers' own grouped_mm."""
+    moerunner's experts function and through transformers' own grouped_mm, with the routing
+    as transformers' routers give it: int64 ids (``torch.topk``) and weights in the model's
+    dtype."""
     if experts is None:
         return {}
+    topk = moerunner.TopK(weights=topk.weights.to(x.dtype), ids=topk.ids.long())
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     import moerunner.integrations.transformers as mt

@@ -242,19 +242,21 @@ def run_experts(
     prepared = prepared_for(
         runner, weights, problem, spec, hidden_states.shape[0], topk_ids.shape[1]
     )
-    # A fused op that checks ids inside its kernels (CUDA) saves the check's own launches.
-    on_device = (
-        check_ids
-        and topk_ids.is_cuda
-        and not runner.force_permute
-        and getattr(
-            runner.registry.fused_op(StandardDispatchOutput.format, prepared.backend),
-            "checks_ids_on_device",
-            False,
-        )
+    fused = (
+        None
+        if runner.force_permute
+        else runner.registry.fused_op(StandardDispatchOutput.format, prepared.backend)
     )
+    # A fused op that checks ids inside its kernels (CUDA) saves the check's own launches;
+    # one that reads the routing's dtypes as given saves the conversions' launches.
+    on_device = check_ids and topk_ids.is_cuda and getattr(fused, "checks_ids_on_device", False)
     topk = _routing_values(
-        topk_ids, topk_weights, spec.num_experts, check_ids and not on_device, on_device
+        topk_ids,
+        topk_weights,
+        spec.num_experts,
+        check_ids and not on_device,
+        on_device,
+        getattr(fused, "routing_dtypes", None),
     )
     dispatch_output = StandardDispatchOutput(hidden_states, topk, check_ids=on_device)
     return runner.run(dispatch_output, prepared)
@@ -514,23 +516,31 @@ def _routing_values(
     num_experts: int,
     check_ids: bool,
     kernel_checks: bool = False,
+    as_given: tuple | None = None,
 ) -> TopK:
     """The routing as ``TopK`` (fp32 weights, int32 ids), the ids' values checked
     (``check_ids``) or clamped so no id outside ``[0, E)`` reaches a kernel as one inside.
     ``kernel_checks``: a kernel checks the ids (``device_checks.IdFlags``); int64 ids are
     clamped to ``[-2, E]`` then, so a bad id stays bad in int32.
+    ``as_given``: the fused op's ``routing_dtypes`` (ids, weights): dtypes it reads itself,
+    ids compared in their own width; routing in them is passed on unconverted.
     top_k may exceed E: an expert-parallel rank's shard holds fewer experts than k."""
     checked = False
     if check_ids and topk_ids.numel():
         # CPU: checked here; GPU: checked on the device, raised later (no host sync).
         check_ids_async(topk_ids, num_experts, where="fused_moe")
         checked = topk_ids.device.type == "cpu" and checks_may_run(topk_ids.device)
-    if not checked and topk_ids.dtype == torch.int64:
-        # Unchecked (or not yet checked) ids: every backend skips ids outside [0, E); clamped
-        # before the int32 cast, an int64 id outside int32 cannot wrap into range (int32 and
-        # narrower ids need no extra op).
-        topk_ids = topk_ids.clamp(min=-2 if kernel_checks else -1, max=num_experts)
-    return TopK(weights=topk_weights.float(), ids=topk_ids.to(torch.int32))
+    ids_dtypes, weights_dtypes = as_given if as_given is not None else ((), ())
+    if topk_ids.dtype not in ids_dtypes:
+        if not checked and topk_ids.dtype == torch.int64:
+            # Unchecked (or not yet checked) ids: every backend skips ids outside [0, E);
+            # clamped before the int32 cast, an int64 id outside int32 cannot wrap into
+            # range (int32 and narrower ids need no extra op).
+            topk_ids = topk_ids.clamp(min=-2 if kernel_checks else -1, max=num_experts)
+        topk_ids = topk_ids.to(torch.int32)
+    if topk_weights.dtype not in weights_dtypes:
+        topk_weights = topk_weights.float()
+    return TopK(weights=topk_weights, ids=topk_ids)
 
 
 def _may_sync() -> bool:

@@ -47,6 +47,8 @@ ROUTING_BACKENDS = ("auto", "torch", "triton")
 class TopK:
     """Routing decision. ``ids`` are expert ids (or -1: slot contributes nothing)."""
 
+    # float32 and int32; a fused op with ``routing_dtypes`` may get the caller's dtypes
+    # among those it declares (the triton backend's: int64 ids, bf16/fp16 weights).
     weights: torch.Tensor  # [T, k] float32
     ids: torch.Tensor  # [T, k] int32
 

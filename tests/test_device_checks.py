@@ -184,6 +184,18 @@ def test_gpu_bad_id_raises_later_without_sync(backend):
 
 
 @pytest.mark.gpu
+def test_gpu_int64_id_beyond_int32_raises():
+    """int64 ids go to the triton kernels unconverted; one that a cast to int32 would turn
+    into a good id (2**32 + 1 -> 1) is still reported."""
+    x, w13, w2, weights, ids = _gpu_problem()
+    bad = ids.long()
+    bad[1, 0] = 2**32 + 1
+    with pytest.raises(MoeInputError, match=r"highest 2147483647"):
+        moerunner.fused_moe(x, w13, w2, weights, bad, backend="triton")
+        moerunner.check_errors()
+
+
+@pytest.mark.gpu
 def test_gpu_first_flag_buffer_does_not_sync():
     """The id flag buffer is made on a process's first checked call: made by kernels on the
     device, so even that call does not synchronise (a tensor copied from a Python tuple
@@ -262,6 +274,21 @@ def test_topk_sum_records_bad_ids_in_the_flags():
     assert flags.tolist() == list(IdFlags.CLEAN)
     _flag_sum(torch.tensor([[0, -5], [E + 2, -3], [E, 1]], dtype=torch.int32), flags)
     assert flags.tolist() == [-5, E + 2, E]
+
+
+def test_topk_sum_records_int64_ids_saturated_to_the_flags():
+    """int64 ids reach the reduction unconverted (``routing_dtypes``): ids beyond int32
+    are recorded saturated, so they stay out of range in the int32 flags (a plain cast would
+    make 2**32 + 1 the good id 1 and -2**32 - 3 the id -3)."""
+    from moerunner.device_checks import IdFlags
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    flags = torch.tensor(IdFlags.CLEAN, dtype=torch.int32, device=dev)
+    _flag_sum(torch.tensor([[0, 2**32 + 1], [-(2**32) - 3, 3]], dtype=torch.int64), flags)
+    assert flags.tolist() == [-(2**31), 2**31 - 1, E]
+    flags = torch.tensor(IdFlags.CLEAN, dtype=torch.int32, device=dev)
+    _flag_sum(torch.tensor([[0, -1], [E + 3, -7]], dtype=torch.int64), flags)
+    assert flags.tolist() == [-7, E + 3, E]
 
 
 def test_id_flags_read_every_nth_poll():

@@ -1012,3 +1012,55 @@ def test_tune_command_passes_options_and_writes_to_the_user_folder(monkeypatch, 
     assert kw["options"] == TritonOptions(e2m1_layout="split")
     assert args[7] == tmp_path / "moerunner" / "tiles" == tile_config.user_tile_dir()
     assert kw2["options"] == TritonOptions() and args2[7] == tmp_path / "x"
+
+
+@pytest.mark.parametrize("row_blocks", [True, False])
+@pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16])
+def test_routing_in_the_callers_dtypes_is_read_as_given(weights_dtype, row_blocks):
+    """transformers' routers give int64 ids and routing weights in the model's dtype; the
+    triton kernels read both as given (``routing_dtypes``: no clamp, cast or widening launch
+    per call). Same bits as the same routing converted first, ids beyond int32 skipped (a
+    cast would wrap 2**32 + 1 into the good id 1), and within fp32's bound of the float64
+    reference."""
+    torch.manual_seed(5)
+    T, H, I, E, k = 4, 64, 32, 4, 3
+    w13 = torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEVICE) / I**0.5
+    x = torch.randn(T, H, device=DEVICE)
+    ids = torch.tensor(
+        [[0, 2, -1], [1, 2**32 + 1, 3], [3, -(2**32) + 2, 0], [2, 0, 1]], device=DEVICE
+    )
+    wts = torch.rand(T, k, device=DEVICE).to(weights_dtype)
+    assert ids.dtype == torch.int64
+    options = TritonOptions(row_blocks_max_tokens=T if row_blocks else 0)
+    triton_pkg.register(TritonBackend(options, name="triton-routing"), replace=True)
+    call = dict(backend="triton-routing", check_ids=False)
+    out = moerunner.fused_moe(x, w13, w2, wts, ids, **call)
+    good = torch.where((ids >= 0) & (ids < E), ids, -1)
+    converted = moerunner.fused_moe(x, w13, w2, wts.float(), good.int(), **call)
+    assert torch.equal(out, converted)
+    ref = moerunner.reference_moe(x, ExpertWeights(w13, w2), wts, good, "silu")
+    moerunner.testing.assert_close(out, ref, moerunner.testing.DTYPE_BOUND[torch.float32])
+
+
+def test_fused_moe_passes_routing_in_the_dtypes_a_fused_op_reads(monkeypatch):
+    """``fused_moe`` hands a fused op with ``routing_dtypes`` the caller's tensors themselves;
+    others (and dtypes outside the declared sets) get int32 ids and fp32 weights."""
+    seen = []
+
+    def spy(dispatch_output, prepared):
+        seen.append(dispatch_output.topk)
+        return torch.zeros_like(dispatch_output.hidden_states)
+
+    spy.routing_dtypes = (frozenset({torch.int64}), frozenset({torch.bfloat16}))
+    registry = moerunner.DEFAULT_REGISTRY
+    variant = registry.backends["torch"].variant(name="spy-routing", fused_ops={"standard": spy})
+    monkeypatch.setitem(registry.backends, "spy-routing", variant)
+    x = torch.randn(2, 8)
+    w13, w2 = torch.randn(3, 8, 8), torch.randn(3, 8, 4)
+    ids = torch.tensor([[0, 2], [1, 0]])
+    wts = torch.rand(2, 2).to(torch.bfloat16)
+    moerunner.fused_moe(x, w13, w2, wts, ids, backend="spy-routing", check_ids=False)
+    assert seen[-1].ids is ids and seen[-1].weights is wts
+    moerunner.fused_moe(x, w13, w2, wts.half(), ids.int(), backend="spy-routing")
+    assert seen[-1].ids.dtype == torch.int32 and seen[-1].weights.dtype == torch.float32

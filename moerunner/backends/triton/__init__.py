@@ -39,7 +39,7 @@ from ..base import Backend, Capabilities, MoeProblem
 from . import _gemm_kernel
 from ._prepare import SUPPORTED_SCHEMES, WeightLayout, fragment_ok, prepare
 from ._step import layer_step
-from .experts import fused_standard, grouped_core
+from .experts import ROUTING_DTYPES, fused_standard, grouped_core
 from .hooked import hooked_core, hooked_standard
 from .lora import sequence_lora
 from .options import DEFAULT_OPTIONS, PREPARE_TIME_FIELDS, TritonOptions
@@ -171,6 +171,8 @@ def triton_fused_standard(dispatch_output, prepared: PreparedWeights, hooks=None
 
 # Checks ``dispatch_output.check_ids`` inside its top-k reduction (no launch of its own).
 triton_fused_standard.checks_ids_on_device = True
+# Reads int32/int64 ids and fp32/bf16/fp16 weights as they come (no conversion launches).
+triton_fused_standard.routing_dtypes = ROUTING_DTYPES
 # Joins a layer call's routing and expert launches into one replay (``_step``).
 triton_fused_standard.layer_step = layer_step
 

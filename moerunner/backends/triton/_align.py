@@ -406,11 +406,12 @@ def _topk_sum_kernel(
         if tl.program_id(1) == 0:
             for j in tl.static_range(TOP_K):
                 e = tl.load(ids_ptr + t * TOP_K + j)
+                # int64 ids saturate to the int32 flags (a wider id stays out of range).
                 if e < -1:
-                    tl.atomic_min(flags_ptr, e)
+                    tl.atomic_min(flags_ptr, tl.maximum(e, -2147483648).to(tl.int32))
                     tl.atomic_max(flags_ptr + 2, num_experts)
                 if e >= num_experts:
-                    tl.atomic_max(flags_ptr + 1, e)
+                    tl.atomic_max(flags_ptr + 1, tl.minimum(e, 2147483647).to(tl.int32))
                     tl.atomic_max(flags_ptr + 2, num_experts)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -421,7 +422,7 @@ def _topk_sum_kernel(
         valid = (e >= 0) & (e < num_experts)
         y = tl.load(row + offs, mask=mask & valid, other=0.0).to(tl.float32)
         if WEIGHTED:
-            y = y * tl.load(route_w_ptr + t * TOP_K + j, mask=valid, other=0.0)
+            y = y * tl.load(route_w_ptr + t * TOP_K + j, mask=valid, other=0.0).to(tl.float32)
         acc += y
     tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 

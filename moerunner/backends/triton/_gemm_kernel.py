@@ -516,7 +516,7 @@ def _gemm_block(
         u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
     out = _activate(g, u, alpha, limit, ACT)
     if MUL_ROUTE_W:
-        rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0)
+        rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0).to(tl.float32)
         out = out * rw[:, None]
     out_ptrs = out_ptr + rows_out.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
     out_mask = row_mask[:, None] & n_mask[None, :]

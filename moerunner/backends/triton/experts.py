@@ -741,6 +741,13 @@ def _on_device(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
+# The routing dtypes the kernels read as they are: (ids, weights).
+ROUTING_DTYPES = (
+    frozenset({torch.int32, torch.int64}),
+    frozenset({torch.float32, torch.bfloat16, torch.float16}),
+)
+
+
 def fused_standard(
     hidden_TH: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -772,8 +779,15 @@ def fused_standard(
     if num_tokens == 0:
         return out
     hidden_TH = hidden_TH.contiguous()
-    ids = topk_ids.to(torch.int32).contiguous()
-    route_w = topk_weights.to(torch.float32).reshape(-1).contiguous()
+    # The kernels read int32 or int64 ids (compared in their own width: no id outside
+    # [0, E) can wrap into it) and fp32/bf16/fp16 weights (widened to fp32 exactly where
+    # read): a caller's routing in those dtypes takes no conversion launch. Deltas (LoRA)
+    # index their own tables with int32 row experts.
+    wide = deltas is None and topk_ids.dtype in ROUTING_DTYPES[0]
+    ids = topk_ids if wide else topk_ids.to(torch.int32)
+    ids = ids.contiguous()
+    w = topk_weights if topk_weights.dtype in ROUTING_DTYPES[1] else topk_weights.float()
+    route_w = w.reshape(-1).contiguous()
     dev = hidden_TH.device
     with _on_device(hidden_TH):
         # One eager call's launches, replayed from a plan where one exists (``_plan``).
@@ -811,7 +825,8 @@ def standard_sequence(
     deltas=None,
 ) -> None:
     """The launches of a ``fused_standard`` call on checked, contiguous inputs (T >= 1):
-    ``ids`` [T, k] int32, ``route_w`` [T * k] float32, into ``out`` [T, H].
+    ``ids`` [T, k] int32 or int64, ``route_w`` [T * k] fp32, bf16 or fp16
+    (``ROUTING_DTYPES``), into ``out`` [T, H].
     ``prealigned``, ``deltas``: as ``run_kernel_sequence``'s, for the rows ``ids.view(-1)``."""
     num_rows = ids.numel()
     hidden, dev = prepared.spec.hidden_size, hidden_TH.device
@@ -836,7 +851,7 @@ def standard_sequence(
 
 def _standard_plan_key(roles: tuple, prepared: PreparedWeights, checks_ids: bool) -> tuple:
     """The plan key of a ``fused_standard`` call whose roles are ``(hidden [T, H], ids
-    [T, k] int32, routing weights [T * k] float32, out [T, H])``."""
+    [T, k], routing weights [T * k], out [T, H])`` (their dtypes are part of the key)."""
     return _plan.key(roles, prepared.options, checks_ids)
 
 
