@@ -23,6 +23,8 @@ Stage: the edge between a transformers 5 experts module (a class decorated with
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +94,7 @@ def _describe(module: torch.nn.Module) -> ExpertsLayout:
             f"experts layer {layer_name(module)} cannot run on moerunner: {reason}"
         )
 
-    if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+    if not is_experts_module(module):
         raise refuse("not an experts class decorated with @use_experts_implementation")
     if getattr(module, "has_post_expert_norm", False):
         raise refuse("a norm after each expert (has_post_expert_norm) is not supported")
@@ -349,9 +351,44 @@ def _layout_constants(module: torch.nn.Module) -> tuple:
     return (act.name, act.alpha, act.limit, layout.transposed, layout.interleaved, layout.has_bias)
 
 
-# Run by torch.compile while tracing (outside the graph) when the module was not described by
-# an eager call yet: describing it runs a numeric probe the compiler cannot trace.
-_layout_outside_graph = torch._dynamo.assume_constant_result(_layout_constants)
+# A module not described by an eager call yet is described while torch.compile traces, outside
+# the graph (the description runs a numeric probe the compiler cannot trace), by a function whose
+# result the compiler takes as a constant. Such a function must take constants: torch 2.11 does
+# not pass it a module (the trace fails with "UnspecializedNNModuleVariable is not a constant"),
+# but it passes the module's ``id``, so the function finds the module by its id among the live
+# experts modules (a scan of the garbage collector's objects, which registers every experts
+# module alive in one pass; later misses scan again).
+_BY_ID: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _module_of_id(key: int) -> torch.nn.Module | None:
+    module = _BY_ID.get(key)
+    if module is None:
+        for obj in gc.get_objects():
+            if is_experts_module(obj):
+                _BY_ID[id(obj)] = obj
+        module = _BY_ID.get(key)
+    return module
+
+
+@torch._dynamo.assume_constant_result
+def _layout_of_id(key: int) -> tuple:
+    module = _module_of_id(key)
+    if module is None:  # the module being traced is alive: not expected
+        return ("the experts module being traced was not found among the live modules",)
+    return _layout_constants(module)
+
+
+def is_experts_module(obj: object) -> bool:
+    """An experts module of transformers 5 (a class decorated with
+    ``@use_experts_implementation``)."""
+    return (
+        # by type: the garbage collector's objects include weak proxies of dead objects,
+        # which raise on isinstance
+        issubclass(type(obj), torch.nn.Module)
+        and hasattr(obj, "has_gate")
+        and hasattr(obj, "is_transposed")
+    )
 
 
 def traced_layout(module: torch.nn.Module) -> tuple:
@@ -369,4 +406,4 @@ def traced_layout(module: torch.nn.Module) -> tuple:
             cached.interleaved,
             cached.has_bias,
         )
-    return _layout_outside_graph(module)
+    return _layout_of_id(id(module))

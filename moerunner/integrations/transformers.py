@@ -36,6 +36,7 @@ from ._hf_experts import (
     expert_weights,
     float_weights,
     held_weights,
+    is_experts_module,
     layer_name,
     quantized_weights,
     set_quantized,
@@ -226,7 +227,7 @@ def register(
 def experts_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     """(path, module) of every experts module of ``model`` (``@use_experts_implementation``)."""
     for path, module in model.named_modules():
-        if hasattr(module, "has_gate") and hasattr(module, "is_transposed"):
+        if is_experts_module(module):
             setattr(module, LAYER_NAME, path)
             yield path, module
 

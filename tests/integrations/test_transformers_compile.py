@@ -72,6 +72,25 @@ def test_model_forward_compiles_fullgraph(family):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_traced_layer_is_described_through_its_id():
+    """While tracing, a layer not yet described is found by its ``id`` among the live experts
+    modules (torch 2.11 cannot hand the module itself to a constant-result function: the
+    test above failed there with "UnspecializedNNModuleVariable is not a constant"), and
+    described as an eager call describes it."""
+    from moerunner.integrations import _hf_experts
+
+    model = build("gpt_oss", implementation="moerunner")
+    modules = [m for _, m in mt.experts_modules(model)]
+    for module in modules:
+        module.__dict__.pop(_hf_experts._DESCRIPTION, None)
+        _hf_experts._BY_ID.pop(id(module), None)
+    found = _hf_experts._layout_of_id(id(modules[-1]))
+    assert all(_hf_experts._BY_ID.get(id(m)) is m for m in modules)  # one scan found all
+    assert found == _hf_experts._layout_constants(modules[-1])
+    assert found[0] == "swiglu_oai" and found[3:] == (True, True, True)  # transposed etc.
+    assert len(_hf_experts._layout_of_id(id(object()))) == 1  # a reason
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_compiled_steps_prepare_each_layer_once(family, prepares):
     """The compiled forward hands the experts op the module's own tensors (no alias per
