@@ -107,17 +107,24 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
                 raise
             return eager(self, hidden_states, ids, weights)
         chosen = getattr(config, BACKEND_ATTR, None) or backend
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        ids = ids.reshape(x.shape[0], -1)
+        # transformers' MoE blocks pass [T, H], [T, k], [T, k] already: no reshape then (each
+        # costs a dispatcher call per layer per step).
+        x = _rows(hidden_states, (-1, hidden_states.shape[-1]))
+        ids = _rows(ids, (x.shape[0], -1))
         if getattr(self, "_is_expert_parallel", False):
             # transformers marks tokens routed to other ranks with id == num_experts.
             ids = torch.where(ids >= expert_w.num_experts, -1, ids)
         hooks = None if lora is None else lora.hooks(x.shape[0])
         out = _run_experts(x, ids, weights, expert_w, activation, chosen, hooks)
-        return out.reshape(hidden_states.shape)
+        return out if x is hidden_states else out.reshape(hidden_states.shape)
 
     moerunner_experts_forward.moerunner_backend = backend
     return moerunner_experts_forward
+
+
+def _rows(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``t`` as 2-D ``shape`` (-1: inferred): itself where it is 2-D already."""
+    return t if t.dim() == 2 else t.reshape(shape)
 
 
 def _run_experts(x, ids, weights, expert_w, activation, backend, hooks, shared=None):
@@ -126,7 +133,7 @@ def _run_experts(x, ids, weights, expert_w, activation, backend, hooks, shared=N
         x,
         expert_w.w13,
         expert_w.w2,
-        weights.reshape(ids.shape),
+        weights if weights.shape == ids.shape else weights.reshape(ids.shape),
         ids,
         activation=activation,
         w13_bias=expert_w.w13_bias,
