@@ -380,6 +380,20 @@ class BackendLog(logging.Handler):
         log.setLevel(self._level)
 
 
+RELAYOUT = "+relayout"
+
+
+def use_impl(model, impl: str, registered: str) -> None:
+    """Switch the experts to ``impl`` (registered as ``registered``); ``moerunner+relayout``
+    also re-lays GPT-OSS's transposed experts into the canonical layout (what
+    ``use_moerunner`` does), every other implementation runs on the stored layout."""
+    canonical = impl.endswith(RELAYOUT)
+    if canonical != getattr(model, "_e2e_canonical", False):
+        mt.relayout_experts(model, "canonical" if canonical else "stored")
+        model._e2e_canonical = canonical
+    model.set_experts_implementation(registered)
+
+
 def warm_pass(model, zero_name: str, prompt, decode_prompt, args) -> None:
     """The timed runs' prefill and decode sequence once, untimed, with the zero-cost
     experts (module docstring: per-length attention plans are built here)."""
@@ -400,7 +414,7 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
 
 
 def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
-    model.set_experts_implementation(registered)
+    use_impl(model, impl, registered)
     with torch.no_grad():
         logits = model(prompt[:1, :256]).logits.float()
     err = None
@@ -532,7 +546,7 @@ def measure_graphs(model, shape, impl, registered, decode_prompt, args) -> list[
             row["error"] = "skipped: transformers' eager loop is data-dependent (not captured)"
         else:
             try:
-                model.set_experts_implementation(registered)
+                use_impl(model, impl, registered)
                 got = time_static_decode(
                     model, decode_prompt, args.decode_steps, args.repeats, mode, args.backend
                 )
@@ -675,7 +689,7 @@ def profile_decode(model, ids, steps: int) -> dict:
 
 
 def measure_breakdown(model, shape, impl, registered, decode_prompt, args) -> dict:
-    model.set_experts_implementation(registered)
+    use_impl(model, impl, registered)
     row = {"shape": shape, "impl": impl, "decode_batch": decode_prompt.shape[0]}
     try:
         row.update(profile_decode(model, decode_prompt, args.profile_steps))
@@ -693,7 +707,7 @@ def run(args) -> dict:
     impls = [i for i in args.impls.split(",") if i != ZERO_IMPL] + [ZERO_IMPL]
     names = {ZERO_IMPL: register_zero_cost()}
     for impl in impls[:-1]:  # "moerunner:triton" -> a name bound to that backend
-        base, _, backend = impl.partition(":")
+        base, _, backend = impl.removesuffix(RELAYOUT).partition(":")
         names[impl] = mt.register(f"moerunner_{backend}", backend=backend) if backend else base
     results = {
         "args": dict(vars(args)),
@@ -753,7 +767,7 @@ def measure_rounds(model, shape, names: dict, prompt, decode_prompt, args) -> li
     samples = {impl: {"prefill": [], "decode": []} for impl in names}
     for _ in range(args.rounds):
         for impl, registered in names.items():
-            model.set_experts_implementation(registered)
+            use_impl(model, impl, registered)
             samples[impl]["prefill"] += time_prefill(model, prompt, 1)
             samples[impl]["decode"] += time_decode(model, decode_prompt, args.decode_steps, 1)
     return [
@@ -962,7 +976,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--impls",
         default="eager,grouped_mm,moerunner",
-        help="comma list; 'moerunner:BACKEND' pins a moerunner backend (default: auto); "
+        help="comma list; 'moerunner:BACKEND' pins a moerunner backend (default: auto), "
+        "'moerunner+relayout' also re-lays GPT-OSS's transposed experts as use_moerunner does; "
         f"the zero-cost implementation ({ZERO_IMPL}) is always added",
     )
     p.add_argument("--layers", type=int, default=2)

@@ -255,3 +255,20 @@ def test_tiny_run_on_a_gpu_reports_every_graph_mode(e2e, tmp_path, capsys):
         assert r["device_busy_ms"] > 0 and r["step_ms"] >= r["device_busy_ms"]
         assert r["stages"]["experts"]["device_ms"] >= 0
     assert "gpu idle (host gaps)" in table
+
+
+def test_relayout_rows_read_the_canonical_layout_and_the_others_the_stored_one(e2e):
+    """``moerunner+relayout`` runs GPT-OSS's transposed experts re-laid as ``use_moerunner``
+    lays them; switching to any other implementation lays them back as stored (grouped_mm
+    reads the stored layout), with the same values throughout."""
+    from moerunner.integrations import _relayout
+
+    model = e2e.build_model("gpt-oss-120b", 2, 128, True, torch.float32, "cpu")
+    experts = [m for _, m in e2e.mt.experts_modules(model)]
+    values = [m.gate_up_proj.detach().clone() for m in experts]
+    name = e2e.mt.register()
+    for impl, layout in [("moerunner+relayout", "canonical"), ("grouped_mm", "stored")] * 2:
+        e2e.use_impl(model, impl, name if impl.startswith("moerunner") else impl)
+        for m, v in zip(experts, values, strict=True):
+            assert _relayout.in_layout(m.gate_up_proj, layout), (impl, layout)
+            assert torch.equal(m.gate_up_proj, v)
