@@ -125,7 +125,9 @@ class Worker:
     """One thread, started at first use, that runs a caller's function on the caller's CUDA
     device and current stream (so its kernels stay in the caller's order) while the caller
     waits: for work whose thread-local state must not be the caller's (``kept``: the CUDA
-    graph pool the allocator hands out; the ops' backward: the dispatcher's autograd keys)."""
+    graph pool the allocator hands out). Not for autograd work: a CUDA backward runs on the
+    autograd engine's device thread, which would wait for this thread while this thread's
+    differentiation waits for it."""
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from .api import fused_moe
-from .memory import Worker
 
 
 def _op_body(
@@ -485,44 +484,40 @@ def fused_experts_backward(
     others): the experts recomputed on ``fused_moe``'s differentiable path and differentiated
     against ``grad_out``."""
     inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias)
-    leaves = [
-        None if t is None else t.detach().requires_grad_(need)
-        for t, need in zip(inputs, needs, strict=True)
-    ]
-    wanted = [t for t, need in zip(leaves, needs, strict=True) if need and t is not None]
+    wanted = [i for i, t in enumerate(inputs) if needs[i] and t is not None]
+    settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
 
-    def differentiate():
-        x, a, b, weights, b13, b2 = leaves
+    def experts(*differentiated):
+        args = list(inputs)
+        for i, t in zip(wanted, differentiated, strict=True):
+            args[i] = t
+        x, a, b, weights, b13, b2 = args
         if transposed:
             a, b = a.transpose(1, 2), b.transpose(1, 2)
-        settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
-        out = _op_body(x, a, b, weights, topk_ids, b13, b2, *settings, "torch", False, grad=True)
-        return torch.autograd.grad(out, wanted, grad_out, allow_unused=True)
+        return _op_body(x, a, b, weights, topk_ids, b13, b2, *settings, "torch", False, grad=True)
 
-    got = iter(_with_autograd(differentiate, grad_out.device) if wanted else ())
+    got = dict(zip(wanted, _vjp(experts, [inputs[i] for i in wanted], grad_out), strict=True))
     grads = []
-    for t, need in zip(leaves, needs, strict=True):
-        g = next(got) if need and t is not None else None
+    for i, t in enumerate(inputs):
+        g = got.get(i)
         if g is None:
-            g = torch.zeros_like(t) if need and t is not None else grad_out.new_empty(0)
+            g = torch.zeros_like(t) if needs[i] and t is not None else grad_out.new_empty(0)
         grads.append(g)
     return grads
 
 
-_GRAD_WORKER = Worker("moerunner-grad")
-
-
-def _with_autograd(fn, device: torch.device):
-    """``fn()`` with autograd recording, on a thread of its own (``memory.Worker``: the
-    caller's device and stream). A custom op's implementation runs below the dispatcher's
-    autograd keys, so nothing it computes records a graph, even under
-    ``torch.enable_grad()``; those keys, like grad mode, are per thread."""
-
-    def run():
-        with torch.enable_grad():
-            return fn()
-
-    return _GRAD_WORKER.run(run, device)
+def _vjp(fn, primals: list[torch.Tensor], cotangent: torch.Tensor) -> tuple:
+    """The gradients of ``fn(*primals)`` against ``cotangent``, computed inside a custom op's
+    implementation. That runs below the dispatcher's autograd keys, so plain autograd records
+    nothing there, even under ``torch.enable_grad()``; ``torch.func.vjp`` differentiates through
+    its own transform level. It runs on the calling thread: in a CUDA backward that is the
+    autograd engine's device thread, which serves a nested differentiation itself (a thread of
+    our own, as before, handed its CUDA work to that waiting thread and hung)."""
+    if not primals:
+        return ()
+    with torch.enable_grad():
+        _, pull = torch.func.vjp(fn, *primals)
+        return pull(cotangent)
 
 
 @fused_experts_backward.register_fake

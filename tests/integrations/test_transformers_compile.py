@@ -174,10 +174,12 @@ def test_compiled_training_with_quantized_experts_names_what_to_do():
 @pytest.mark.gpu
 def test_compiled_training_step_on_the_gpu():
     """On CUDA the op's forward runs the fastest backend's kernels and its backward
-    recomputes on the torch path on a thread of its own, on the caller's stream. Against
-    transformers' eager experts: fp32, but the forward's GEMMs may run in TF32 (about 2^-11
-    per product), which moves the upstream gradients by about 1e-3 of their magnitude; a
-    stream or thread error would give unrelated values. Bound: 1e-2."""
+    recomputes on the torch path through ``torch.func.vjp`` on the autograd engine's device
+    thread, on the caller's stream (the earlier thread of its own waited for that device
+    thread while the device thread waited for it: this test ran past 200 s on an H200).
+    Against transformers' eager experts: fp32, but the forward's GEMMs may run in TF32 (about
+    2^-11 per product), which moves the upstream gradients by about 1e-3 of their magnitude;
+    a stream error would give unrelated values. Bound: 1e-2."""
     torch._dynamo.reset()
     grads = {}
     for implementation in ("eager", "moerunner"):
