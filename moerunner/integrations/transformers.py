@@ -4,7 +4,7 @@ Stage: the edge. transformers 5 MoE models call their experts module as
 ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` and
 dispatch that call by the config's ``experts_implementation`` name through
 ``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``. Importing this module registers the
-name ``"moerunner"``; the registered function runs the experts with ``moerunner.fused_moe``
+name ``"moerunner"``; the registered function runs the experts with ``moerunner.fused_moe``'s path
 on the module's weights, converted once to the canonical layout and cached on the module.
 
 Choices enter here and travel as arguments: the backend comes from the model config's
@@ -22,10 +22,11 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..api import fused_moe
+from ..api import run_experts
 from ..errors import MoeInputError
 from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
+from ..runner import MoeRunner
 from ..shared import SharedExperts
 from ..weights import ExpertWeights
 from . import _relayout
@@ -128,22 +129,32 @@ def _rows(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 
 def _run_experts(x, ids, weights, expert_w, activation, backend, hooks, shared=None):
-    """``fused_moe`` on an experts module's canonical weights (the router's ids unchecked)."""
-    return fused_moe(
+    """``fused_moe``'s ``run_experts`` on an experts module's canonical weights and activation
+    (``expert_weights``: made once, kept on the module) with the router's ids unchecked,
+    through one runner per backend name: ``fused_moe`` would check the activation and build
+    the weights and a runner again on every call."""
+    return run_experts(
+        _runner(backend),
+        expert_w,
         x,
-        expert_w.w13,
-        expert_w.w2,
         weights if weights.shape == ids.shape else weights.reshape(ids.shape),
         ids,
-        activation=activation,
-        w13_bias=expert_w.w13_bias,
-        w2_bias=expert_w.w2_bias,
-        gate_up_interleaved=expert_w.gate_up_interleaved,
-        backend=backend,
-        check_ids=False,  # ids come from the model's own router
-        shared_experts=shared,
+        activation,
+        False,  # ids come from the model's own router
+        shared=shared,
         hooks=hooks,
     )
+
+
+_RUNNERS: dict[str, MoeRunner] = {}
+
+
+def _runner(backend: str) -> MoeRunner:
+    """The runner of ``backend`` (a name or "auto"; checked where it is first made)."""
+    runner = _RUNNERS.get(backend)
+    if runner is None:
+        runner = _RUNNERS[backend] = MoeRunner(backend)
+    return runner
 
 
 def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback: str):
