@@ -6,7 +6,9 @@ implementation (transformers' "eager" loop, its "grouped_mm", moerunner, and a z
 implementation that returns zeros without reading the weights), one prefill forward of
 ``batch x prompt`` tokens and ``decode_steps`` single-token steps over a KV cache, ``repeats``
 times (min / median / max). Before timing, the prefill logits of every implementation are
-compared with the first one's (max |d| / max |ref|).
+compared with the first one's (max |d| / max |ref|). The model is loaded as
+``experts_implementation`` loads it, so GPT-OSS's transposed experts are read through strided
+views; ``moerunner+relayout`` runs moerunner on them re-laid as ``use_moerunner`` lays them.
 
 Before the first implementation is timed, a warm-up pass runs the zero-cost implementation
 through the same prefill and decode sequence (every KV-cache length the timed runs reach):
