@@ -24,6 +24,7 @@ Stage: the edge between a transformers 5 experts module (a class decorated with
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ _CACHE = "_moerunner_weights"
 _QUANTIZED = "_moerunner_quantized"
 _HELD_CACHE = "_moerunner_held_weights"
 _HOOKED = "_moerunner_load_hook"
+#: Set where the caller chose the stored layout of transposed experts (no strided-read warning).
+STORED_ON_PURPOSE = "_moerunner_stored_on_purpose"
 #: The child module that holds quantized weights as buffers (part of state_dict keys).
 HOLDER = "moerunner_quantized"
 LAYER_NAME = "_moerunner_layer_name"
@@ -211,7 +214,31 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     weights = canonical_weights(sources, layout)
     weights.validate(layout.activation)
     per_mode[grad] = (key, weights)
+    if layout.transposed and not weights.w13.is_contiguous():
+        _note_strided(module)
     return weights, layout.activation
+
+
+_STRIDED_WARNED = [False]
+
+
+def _note_strided(module: torch.nn.Module) -> None:
+    """Warn once per process that a transposed experts layer is read through strided views,
+    unless its caller chose that layout (``use_moerunner(model, relayout=False)``,
+    ``relayout_experts(model, "stored")``)."""
+    if _STRIDED_WARNED[0] or module.__dict__.get(STORED_ON_PURPOSE):
+        return
+    _STRIDED_WARNED[0] = True
+    warnings.warn(
+        f"moerunner: experts layer {layer_name(module)} stores its experts transposed "
+        "(GPT-OSS), so the kernels read them through strided views, which took up to 1.4x the "
+        "GPU time of the contiguous layout (H200, 2026-11-28). "
+        "moerunner.integrations.transformers.use_moerunner(model) (or relayout_experts(model)) "
+        "re-lays them once, keeping their shapes, state dict and checkpoints; "
+        "use_moerunner(model, relayout=False) keeps them as stored without this warning",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def forget_weights(module: torch.nn.Module) -> None:

@@ -32,6 +32,7 @@ from ..weights import ExpertWeights
 from . import _relayout
 from ._hf_experts import (
     LAYER_NAME,
+    STORED_ON_PURPOSE,
     UnsupportedExpertsError,
     describe,
     expert_weights,
@@ -303,6 +304,9 @@ def use_moerunner(
     _install_shared(blocks, enable=True)
     if relayout:
         relayout_experts(model)
+    else:
+        for _, module in experts_modules(model):
+            module.__dict__[STORED_ON_PURPOSE] = True
     for config in _configs(model):
         setattr(config, FALLBACK_ATTR, fallback)
         if backend is not None:
@@ -333,6 +337,7 @@ def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:
         reason = _relayout.blocker(model, path, module, owners)
         if reason is None:
             _relayout.relayout(module, layout)
+        module.__dict__[STORED_ON_PURPOSE] = layout == "stored"
         verdicts[path] = reason
     if not verdicts:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")

@@ -101,6 +101,36 @@ def test_relayout_false_keeps_the_stored_layout_and_the_same_values():
     assert_close(_logits(model), ref, FP32_MAX_REL, what="stored layout, moerunner")
 
 
+@pytest.mark.parametrize("setup", ["loaded", "relayout", "relayout=False", "stored"])
+def test_strided_reads_warn_once_unless_the_layout_was_chosen(monkeypatch, setup):
+    """A model loaded with experts_implementation="moerunner" alone reads GPT-OSS's transposed
+    experts through strided views: its first call warns once per process, naming
+    use_moerunner. Re-laid, or kept as stored on purpose, it does not."""
+    import warnings
+
+    from moerunner.integrations import _hf_experts
+
+    monkeypatch.setattr(_hf_experts, "_STRIDED_WARNED", [False])
+    model = build("gpt_oss", implementation="moerunner", intermediate_size=40)
+    if setup == "relayout":
+        mt.use_moerunner(model, backend="torch")
+    elif setup == "relayout=False":
+        mt.use_moerunner(model, backend="torch", relayout=False)
+    elif setup == "stored":
+        mt.relayout_experts(model, "stored")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _logits(model)
+        _logits(model)
+    strided = [w for w in seen if "strided views" in str(w.message)]
+    if setup == "loaded":
+        assert len(strided) == 1 and issubclass(strided[0].category, RuntimeWarning)
+        assert "GptOssExperts" in str(strided[0].message)  # the layer (its path once known)
+        assert "use_moerunner(model)" in str(strided[0].message)
+    else:
+        assert not strided
+
+
 def test_experts_memory_is_held_once_and_the_old_memory_is_freed():
     model = _model()
     experts = _experts(model)[0]
