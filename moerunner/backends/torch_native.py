@@ -4,12 +4,14 @@ One GEMM1 -> activation -> GEMM2 per non-empty expert (never a per-token loop), 
 for bf16 weights with 16-byte aligned rows, PyTorch's grouped GEMM over all experts at once
 with no host sync.
 
-On CPU the experts hit run in chunks of consecutive experts (at most 256 grouped rows, or
-one expert with more): each chunk gathers its rows once, runs every expert's GEMM1 into one
-buffer, the activation once, every expert's GEMM2, and (standard dispatch, as a fused op)
-adds its weighted rows into one float32 sum; few Python-level ops per expert, and no
-[T*k, H] copies. Each expert GEMM takes the form this CPU ran fastest for its dtype and row
-count (the measurements are above ``_CPU_COLUMNS``).
+On CPU a bf16 standard call with large experts, or with at least a quarter of them hit, runs
+as two grouped GEMMs (``_cpu_grouped``). Otherwise the experts hit run in chunks of
+consecutive experts (at most 256 grouped rows, or one expert with more): each chunk gathers
+its rows once, runs every expert's GEMM1 into one buffer, the activation once, every
+expert's GEMM2, and (standard dispatch, as a fused op) adds its weighted rows into one
+float32 sum; few Python-level ops per expert, and no [T*k, H] copies. Each expert GEMM
+takes the form this CPU ran fastest for its dtype and row count (the measurements are above
+``_CPU_COLUMNS``).
 
 Quantized weights stay quantized in the prepared weights: each expert GEMM dequantizes its
 expert's weight to float32 when it runs (``ExpertDequantizer``), so a call holds one expert's
@@ -314,10 +316,50 @@ def _cpu_chunks(
         first = last
 
 
+def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int]) -> bool:
+    """Whether a CPU standard call runs as two grouped GEMMs over every expert instead of the
+    per-expert chunks: plain ``_CPU_GROUPED`` weights with 16-byte aligned rows, and at least
+    one expert in ``_CPU_GROUPED_HIT_SHARE`` hit or experts of at least
+    ``_CPU_GROUPED_LARGE`` weights each (the measurements are above ``_CPU_GROUPED``)."""
+    t, num_experts = prepared.tensors, prepared.spec.num_experts
+    if _GROUPED_MM is None or "scheme" in t or dtype not in _CPU_GROUPED or t["w13"].dtype != dtype:
+        return False
+    spec, size = prepared.spec, t["w13"].element_size()
+    if (spec.hidden_size * size) % 16 or (spec.intermediate_size * size) % 16:
+        return False  # the rows of its inputs are 16-byte aligned too
+    if not (_aligned16(t["w13"]) and _aligned16(t["w2"])):
+        return False
+    hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
+    large = t["w13"][0].numel() >= _CPU_GROUPED_LARGE
+    return hit > 0 and (large or hit * _CPU_GROUPED_HIT_SHARE >= num_experts)
+
+
+def _aligned16(w: torch.Tensor) -> bool:
+    """Every stride but the unit one, and the start, 16-byte aligned: what the grouped GEMM
+    needs of its weights (of its inputs too, which are made row-major here)."""
+    size = w.element_size()
+    strides = [st * size for st in w.stride() if st != 1]
+    return w.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in strides)
+
+
+# bf16 CPU standard calls run as two grouped GEMMs (``torch._grouped_mm``) where that was
+# faster than the per-expert chunks, measured on a 2-core AVX-512 / AMX-bf16 CPU with torch
+# 2.13 (2.11 ran the GEMMs alone the same), 2 threads:
+# - experts of Qwen3-30B-A3B's full shape (3.1M weights in w13 each): 1.4-1.6x at T = 1-64;
+#   DeepSeek-V3 at half H and I: 1.26-1.31x at T = 1 and 4; Mixtral-8x7B (8 experts, I / 4)
+#   1.4-1.6x at T = 1 and 4, the same at 32;
+# - small experts (H, I / 16 or / 4): 1.06-1.36x at T = 32-2048 and 1.10-1.19x on Mixtral's 8
+#   experts, but 0.88-0.94x where under a quarter of 128 experts are hit (T = 1-4): the grouped
+#   GEMM visits every expert, which small experts do not repay. Those keep the chunks.
+# fp32 was mixed (0.8-1.6x), so it keeps the chunks, whose forms were tuned for it (above).
+_CPU_GROUPED = frozenset({torch.bfloat16})
+_CPU_GROUPED_HIT_SHARE = 4  # at least one expert in this many hit
+_CPU_GROUPED_LARGE = 1 << 20  # or w13 weights per expert
+
+
 def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
     """Grouped GEMM on CUDA for bf16 plain weights whose rows are 16-byte aligned (its kernels
-    need it); elsewhere one GEMM pair per expert (on CPU measured faster at every size than
-    the grouped GEMM, whose single form is the slow one for bf16 and for fp32 at 4-32 rows)."""
+    need it); elsewhere one GEMM pair per expert (the CPU fused op: ``_cpu_grouped``)."""
     t, spec = prepared.tensors, prepared.spec
     if _GROUPED_MM is None or "scheme" in t or t["w13"].dtype != x_MH.dtype:
         return False
@@ -421,6 +463,12 @@ def torch_fused_standard(
     order, token, offsets, weight_TK = group_pairs(dispatch_output.topk, num_experts)
     bounds = offsets.tolist()
     weight = weight_TK.reshape(-1)[order]
+    if _cpu_grouped(x_TH.dtype, prepared, bounds):
+        rows = bounds[num_experts]  # the valid pairs; the others sort past them
+        tok = token[:rows]
+        y_MH = _grouped_forward(x_TH[tok], offsets, prepared)
+        acc = torch.zeros(x_TH.shape, dtype=torch.float32)
+        return acc.index_add_(0, tok, y_MH.float().mul_(weight[:rows, None])).to(x_TH.dtype)
     # The float32 sum is [T, H], or [H, T] for transposed calls (their y chunks are [H, R]).
     columns = _cpu_columns(x_TH.dtype, bounds, num_experts)
     acc = torch.zeros(x_TH.shape[::-1] if columns else x_TH.shape, dtype=torch.float32)

@@ -63,6 +63,14 @@ def _check(out, x, weights, topk, what, bound=None):
 # --- CPU: expert chunks ---------------------------------------------------------------------
 
 
+@pytest.fixture
+def chunks(monkeypatch):
+    """CPU standard calls run the per-expert chunks even with many experts hit (they take
+    two grouped GEMMs then: tested below)."""
+    monkeypatch.setattr(torch_native, "_CPU_GROUPED", frozenset())
+
+
+@pytest.mark.usefixtures("chunks")
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
 @pytest.mark.parametrize("chunk_rows", [12, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -78,6 +86,7 @@ def test_cpu_chunks_match_reference(tokens, dtype, chunk_rows, skips, force_perm
     _check(out, x, weights, topk, f"{dtype} T={tokens} chunk {chunk_rows} skips={skips}")
 
 
+@pytest.mark.usefixtures("chunks")
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
 @pytest.mark.parametrize("tokens", [6, 80])
 def test_cpu_bf16_calls_with_many_rows_per_expert_run_row_major(tokens, force_permute, monkeypatch):
@@ -93,6 +102,7 @@ def test_cpu_bf16_calls_with_many_rows_per_expert_run_row_major(tokens, force_pe
     _check(out, x, weights, topk, f"bf16 T={tokens}, columns until 4 rows per expert")
 
 
+@pytest.mark.usefixtures("chunks")
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_chunks_with_biases_and_no_valid_ids(dtype, force_permute, monkeypatch):
@@ -103,6 +113,67 @@ def test_cpu_chunks_with_biases_and_no_valid_ids(dtype, force_permute, monkeypat
     x, weights, topk = _case(5, 8, 64, 48, 2, dtype, bias=True, skips="all")
     out, _ = _run(x, weights, topk, force_permute)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def _grouped_calls(monkeypatch) -> list:
+    calls = []
+    real = torch_native._GROUPED_MM
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_native, "_GROUPED_MM", counted)
+    return calls
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_cpu_calls_with_many_experts_hit_run_two_grouped_gemms(tokens, dtype, bias, monkeypatch):
+    """A bf16 CPU standard call with at least a quarter of its (small) experts hit runs as
+    two grouped GEMMs over the valid rows; fewer hit (T = 1: at most 2 of 16), or fp32 / fp16,
+    keep the chunks. Both against the float64 reference with the dtype's bound; -1 ids
+    skipped. Large experts take the grouped GEMMs at any T (below)."""
+    calls = _grouped_calls(monkeypatch)
+    x, weights, topk = _case(tokens, 16, 64, 32, 2, dtype, bias=bias, skips="some", seed=2)
+    out, _ = _run(x, weights, topk)
+    _check(out, x, weights, topk, f"{dtype} T={tokens} bias={bias}")
+    valid = int((topk.ids >= 0).sum())
+    hit = len(set(topk.ids[topk.ids >= 0].tolist()))
+    grouped = dtype == torch.bfloat16 and hit * 4 >= 16
+    assert [c[0] for c in calls] == ([valid, valid] if grouped else []), (hit, calls)
+    if tokens == 1:
+        assert not grouped  # the cases cover both
+    elif tokens == 40:
+        assert grouped == (dtype == torch.bfloat16)
+
+
+def test_cpu_calls_on_large_experts_run_grouped_gemms_at_any_t(monkeypatch):
+    """Experts of at least ``_CPU_GROUPED_LARGE`` w13 weights take the grouped GEMMs even
+    with one token (here the threshold is lowered to this case's 64 x 64)."""
+    monkeypatch.setattr(torch_native, "_CPU_GROUPED_LARGE", 64 * 64)
+    calls = _grouped_calls(monkeypatch)
+    x, weights, topk = _case(1, 16, 64, 32, 2, torch.bfloat16, bias=True)
+    out, _ = _run(x, weights, topk)
+    _check(out, x, weights, topk, "large experts, T = 1")
+    assert [c[0] for c in calls] == [2, 2]
+
+
+def test_cpu_grouped_gemms_need_16_byte_rows_and_plain_weights(monkeypatch):
+    """The grouped GEMM needs 16-byte aligned rows and strides (60-byte rows: chunks) and
+    plain weights (quantized experts dequantize per expert in the chunks)."""
+    calls = _grouped_calls(monkeypatch)
+    x, weights, topk = _case(40, 8, 30, 18, 2, torch.bfloat16)
+    out, _ = _run(x, weights, topk)
+    _check(out, x, weights, topk, "60-byte rows")
+    x, weights, topk = _case(40, 8, 64, 32, 2, torch.bfloat16)
+    quantized = ExpertWeights(
+        moerunner.quantize(weights.w13.float(), "fp8_channel"),
+        moerunner.quantize(weights.w2.float(), "fp8_channel"),
+    )
+    _run(x, quantized, topk)
+    assert calls == []
 
 
 def test_cpu_quantized_weights_with_bf16_activations():
