@@ -322,16 +322,24 @@ def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int
     one expert in ``_CPU_GROUPED_HIT_SHARE`` hit or experts of at least
     ``_CPU_GROUPED_LARGE`` weights each (the measurements are above ``_CPU_GROUPED``)."""
     t, num_experts = prepared.tensors, prepared.spec.num_experts
-    if _GROUPED_MM is None or "scheme" in t or dtype not in _CPU_GROUPED or t["w13"].dtype != dtype:
+    if dtype not in _CPU_GROUPED or not _grouped_fits(prepared, dtype):
         return False
-    spec, size = prepared.spec, t["w13"].element_size()
-    if (spec.hidden_size * size) % 16 or (spec.intermediate_size * size) % 16:
-        return False  # the rows of its inputs are 16-byte aligned too
     if not (_aligned16(t["w13"]) and _aligned16(t["w2"])):
         return False
+    if t["w13"][0].numel() >= _CPU_GROUPED_LARGE:  # large experts: whatever is hit
+        return bounds[num_experts] > 0
     hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
-    large = t["w13"][0].numel() >= _CPU_GROUPED_LARGE
-    return hit > 0 and (large or hit * _CPU_GROUPED_HIT_SHARE >= num_experts)
+    return hit > 0 and hit * _CPU_GROUPED_HIT_SHARE >= num_experts
+
+
+def _grouped_fits(prepared: PreparedWeights, dtype: torch.dtype) -> bool:
+    """The grouped GEMM can take these weights for ``dtype`` inputs: plain weights of that
+    dtype, and 16-byte aligned rows of every input it reads (its kernels need them)."""
+    t, spec = prepared.tensors, prepared.spec
+    if _GROUPED_MM is None or "scheme" in t or t["w13"].dtype != dtype:
+        return False
+    width = t["w13"].element_size()
+    return (spec.hidden_size * width) % 16 == 0 and (spec.intermediate_size * width) % 16 == 0
 
 
 def _aligned16(w: torch.Tensor) -> bool:
@@ -360,13 +368,7 @@ _CPU_GROUPED_LARGE = 1 << 20  # or w13 weights per expert
 def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
     """Grouped GEMM on CUDA for bf16 plain weights whose rows are 16-byte aligned (its kernels
     need it); elsewhere one GEMM pair per expert (the CPU fused op: ``_cpu_grouped``)."""
-    t, spec = prepared.tensors, prepared.spec
-    if _GROUPED_MM is None or "scheme" in t or t["w13"].dtype != x_MH.dtype:
-        return False
-    width = x_MH.element_size()
-    if (spec.hidden_size * width) % 16 or (spec.intermediate_size * width) % 16:
-        return False
-    return x_MH.dtype in _GROUPED.get(x_MH.device.type, ())
+    return _grouped_fits(prepared, x_MH.dtype) and x_MH.dtype in _GROUPED.get(x_MH.device.type, ())
 
 
 # Device type -> dtypes whose calls take the grouped GEMM (a table so tests run it on CPU).
