@@ -10,8 +10,8 @@ consecutive experts (at most 256 grouped rows, or one expert with more): each ch
 its rows once, runs every expert's GEMM1 into one buffer, the activation once, every
 expert's GEMM2, and (standard dispatch, as a fused op) adds its weighted rows into one
 float32 sum; few Python-level ops per expert, and no [T*k, H] copies. Each expert GEMM
-takes the form this CPU ran fastest for its dtype and row count (the measurements are above
-``_CPU_COLUMNS``).
+takes the form this CPU ran fastest for its dtype and row count (the measurements are on
+``TorchOptions``).
 
 Quantized weights stay quantized in the prepared weights: each expert GEMM dequantizes its
 expert's weight to float32 when it runs (``ExpertDequantizer``), so a call holds one expert's
@@ -33,6 +33,7 @@ input width, M one expert's rows, R one chunk's rows, P slices of N, S rows per 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -45,9 +46,117 @@ from ..quant.families import CODECS
 from ..registry import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized, weight_shape
 from .base import Backend, Capabilities, SchemeSupport
+from .option_fields import changed_repr, check_int, dtype_set
 
 NAME = "torch"
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchOptions:
+    """Switches of the torch backend (defaults: the measured best), given to
+    ``TorchBackend(options=...)``, recorded in the weights it prepares and read from there by
+    each call, so backends with different options run side by side. Derive a variant with
+    ``dataclasses.replace``; its ``repr`` rebuilds it.
+
+    The CPU forms were measured per expert GEMM at the Qwen3-30B-A3B shape (H=2048, I=768,
+    weights streamed from memory) on an AVX-512 / AMX-bf16 CPU with 2 threads, and checked
+    on whole calls against transformers' experts (benchmarks/cpu_torch_vs_transformers.py).
+    """
+
+    #: (device type, dtype) pairs whose calls run PyTorch's grouped GEMM over all experts at
+    #: once (no host reads: CUDA graphs capture it). Plain weights with 16-byte aligned rows
+    #: only; elsewhere one GEMM pair per expert hit (on CPU: the chunks below).
+    grouped_mm: frozenset = frozenset({("cuda", torch.bfloat16)})
+    #: CPU standard calls of these dtypes run as two grouped GEMMs over the valid rows instead
+    #: of the chunks where ``cpu_grouped_large`` or ``cpu_grouped_hit_share`` says. bf16 (torch
+    #: 2.13; 2.11 ran the GEMMs alone the same): Qwen3-30B-A3B's full experts (3.1M w13
+    #: weights each) 1.4-1.6x at T = 1-64; DeepSeek-V3 at half H and I 1.26-1.31x at T = 1
+    #: and 4; Mixtral-8x7B (I / 4) 1.4-1.6x at T = 1-32; small experts (H, I / 16 or / 4)
+    #: 1.06-1.36x at T = 32-2048, but 0.88-0.94x where under a quarter of 128 are hit. fp32
+    #: was mixed (0.8-1.6x) and keeps the chunks, whose forms were tuned for it.
+    cpu_grouped_dtypes: frozenset = frozenset({torch.bfloat16})
+    #: ... when at least one expert in this many is hit (the grouped GEMM visits every expert,
+    #: which small experts hit by few rows do not repay),
+    cpu_grouped_hit_share: int = 4
+    #: ... or whatever is hit when each expert's w13 has at least this many weights.
+    cpu_grouped_large: int = 1 << 20
+    #: CPU chunk calls of these dtypes with fewer than ``cpu_columns_until`` rows per expert
+    #: hit on average run transposed ("columns"): each expert writes a column block of [N,
+    #: rows] buffers and the sum is kept as [H, T]. bf16: W @ x^T (weights as the left
+    #: operand) ran 1.2-1.9x faster than x @ W^T from 2 to about 130 rows, a GEMV 1.15-1.45x
+    #: faster than a one-row GEMM; with more rows x @ W^T is as fast or faster, and a
+    #: transposed sum of many tokens is not (T = 3072-4096 ran 1.2-1.3x slower transposed).
+    #: fp32 runs row-major: GEMVs on strided fp32 vectors ran up to 2.6x slower.
+    cpu_columns_dtypes: frozenset = frozenset({torch.bfloat16})
+    cpu_columns_until: int = 160
+    #: fp32 row-major forms by rows per expert: (N-split from, W @ x^T from, x @ W^T from).
+    #: x @ W^T is fastest at 1-3 rows and from 48; from 3 to 4 rows its time grows 1.7-1.8x,
+    #: and split in N into a batch of ``cpu_split_slice_rows``-row slices of W the product ran
+    #: 1.4-1.9x faster at 4-15 rows. At 16-47 rows W @ x^T (copied into the rows) ran GEMM1
+    #: 1.1-1.45x faster and GEMM2 up to 25% slower, whole calls at T = 256-512 7-12% faster;
+    #: beyond that it was slower (up to 1.5x at odd row counts near 64). Other dtypes run
+    #: x @ W^T.
+    cpu_float32_row_forms: tuple = (4, 16, 48)
+    cpu_split_slice_rows: int = 32
+    #: Grouped rows per chunk of experts on CPU (an expert with more rows is a chunk of its
+    #: own): the chunk's buffers and float32 activation temporaries stay ~1-3 MiB (in cache)
+    #: whatever T is. Column buffers always have this leading dimension, so oneDNN sees the
+    #: same strides call after call: with one per chunk size its primitive cache (1024
+    #: entries) overflowed at T=512 and every GEMM rebuilt its primitive (3x slower calls).
+    cpu_chunk_rows: int = 256
+
+    def __post_init__(self) -> None:
+        pairs = self.grouped_mm
+        if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
+            raise TypeError(
+                f"TorchOptions.grouped_mm must be a set of (device type, dtype) pairs, "
+                f"got {type(pairs).__name__}"
+            )
+        pairs = frozenset(pairs)
+        for pair in pairs:
+            if not (
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.dtype)
+            ):
+                raise TypeError(
+                    f"TorchOptions.grouped_mm must hold (device type, dtype) pairs such as "
+                    f"('cuda', torch.bfloat16), got {pair!r}"
+                )
+        object.__setattr__(self, "grouped_mm", pairs)
+        dtype_set(self, "cpu_grouped_dtypes")
+        dtype_set(self, "cpu_columns_dtypes")
+        check_int(self, "cpu_grouped_hit_share", 1)
+        check_int(self, "cpu_grouped_large", 0)
+        check_int(self, "cpu_columns_until", 0)
+        check_int(self, "cpu_split_slice_rows", 1)
+        check_int(self, "cpu_chunk_rows", 1)
+        forms = self.cpu_float32_row_forms
+        if not (
+            isinstance(forms, tuple)
+            and len(forms) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in forms)
+            and forms[0] <= forms[1] <= forms[2]
+        ):
+            raise ValueError(
+                f"TorchOptions.cpu_float32_row_forms must be three non-decreasing row counts "
+                f"(N-split from, W @ x^T from, x @ W^T from), got {forms!r}"
+            )
+
+    def __repr__(self) -> str:
+        return changed_repr(self)
+
+
+#: The defaults (the registered ``torch`` backend's options).
+DEFAULT_TORCH_OPTIONS = TorchOptions()
+
+
+def _options(prepared: PreparedWeights) -> TorchOptions:
+    """The options ``prepared`` was made with (the defaults for weights made by hand)."""
+    options = prepared.options
+    return options if isinstance(options, TorchOptions) else DEFAULT_TORCH_OPTIONS
 
 
 class TorchBackend(Backend):
@@ -55,7 +164,15 @@ class TorchBackend(Backend):
 
     name = NAME
 
-    def __init__(self) -> None:
+    def __init__(self, options: TorchOptions | None = None, *, name: str = NAME) -> None:
+        if options is None:
+            options = DEFAULT_TORCH_OPTIONS
+        elif not isinstance(options, TorchOptions):
+            raise TypeError(f"options must be a TorchOptions, got {type(options).__name__}")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self.options = options
+        self.name = name
         self.capabilities = Capabilities(
             devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
             dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
@@ -73,7 +190,9 @@ class TorchBackend(Backend):
         """Plain weights are used as they are; quantized ones stay quantized and are
         dequantized one expert at a time when it runs (module doc). ``w13_experts`` /
         ``w2_experts``: expert ``e``'s ``[N, K]`` weight by index."""
-        prepared = PreparedWeights(backend=self.name, source=weights, spec=spec)
+        prepared = PreparedWeights(
+            backend=self.name, source=weights, spec=spec, options=self.options
+        )
         tensors = prepared.tensors
         tensors["w13"], tensors["w2"] = weights.w13, weights.w2
         if is_quantized(weights.w13):
@@ -91,6 +210,11 @@ class TorchBackend(Backend):
             tensors["w13_experts"], tensors["w2_experts"] = weights.w13, weights.w2
         tensors["w13_bias"], tensors["w2_bias"] = weights.w13_bias, weights.w2_bias
         return prepared
+
+    def __repr__(self) -> str:
+        if self.options == DEFAULT_TORCH_OPTIONS:
+            return f"<backend {self.name}>"
+        return f"<backend {self.name} {self.options!r}>"
 
 
 class ExpertDequantizer:
@@ -153,33 +277,8 @@ def _expert_forward(
         out_MH.copy_(_linear(a, t["w2_experts"][e], b2, scheme2, s2))
 
 
-# CPU expert GEMMs: each takes the form this CPU ran fastest, measured per expert GEMM at the
-# Qwen3-30B-A3B shape (H=2048, I=768, weights streamed from memory) on an AVX-512 / AMX-bf16
-# CPU with 2 threads, and checked on whole calls against transformers' experts
-# (benchmarks/cpu_torch_vs_transformers.py).
-# - bf16: W @ x^T (weights as the left operand) runs 1.2-1.9x faster than x @ W^T from 2 to
-#   about 130 rows, and a GEMV 1.15-1.45x faster than a one-row GEMM. Calls with fewer than
-#   _CPU_COLUMNS_UNTIL rows per expert hit on average run transposed ("columns"): each
-#   expert writes a column block of [N, rows] buffers, and the sum is kept as [H, T]. With
-#   more rows x @ W^T is as fast or faster, and a transposed sum of many tokens is not (T =
-#   3072-4096 ran 1.2-1.3x slower transposed), so those calls run row-major.
-# - fp32 runs row-major: GEMVs on strided fp32 vectors ran up to 2.6x slower. x @ W^T is
-#   fastest at 1-3 rows and from 48 rows; from 3 to 4 rows its time grows 1.7-1.8x; split
-#   in N into a batch of 32-row slices of W the same product runs 1.4-1.9x faster at 4-15
-#   rows. At 16-47 rows W @ x^T (copied into the rows) runs GEMM1 1.1-1.45x faster and
-#   GEMM2 up to 25% slower, whole calls at T = 256-512 7-12% faster; beyond that it was
-#   slower (up to 1.5x at odd row counts near 64).
-_CPU_COLUMNS = frozenset({torch.bfloat16})
-_CPU_COLUMNS_UNTIL = 160  # rows per expert hit, on average
-_CPU_ROW_FORMS = {torch.float32: (4, 16, 48)}  # rows: N-split from, W @ x^T from, x @ W^T from
-_CPU_SPLIT_SLICE_ROWS = 32
-
-# Grouped rows per chunk of experts on CPU (an expert with more rows is a chunk of its own):
-# the chunk's buffers and float32 activation temporaries stay ~1-3 MiB (in cache) whatever T
-# is. Column buffers always have this leading dimension, so oneDNN sees the same strides call
-# after call: with one per chunk size its primitive cache (1024 entries) overflowed at T=512
-# and every GEMM rebuilt its primitive (3x slower calls).
-_CPU_CHUNK_ROWS = 256
+# CPU expert GEMMs take the form this CPU ran fastest for their dtype and row count, and
+# run in chunks of consecutive experts (the measurements are on ``TorchOptions``).
 
 
 def _cpu_mm_columns(out_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
@@ -190,20 +289,26 @@ def _cpu_mm_columns(out_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor
         torch.mm(w_NK, x_MK.T, out=out_MN.T)
 
 
-def _cpu_mm_rows(out_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
-    """``out = x @ w.T`` into a row block of a row-major buffer (fp32 forms above; other
-    dtypes x @ W^T)."""
+def _cpu_mm_rows(
+    out_MN: torch.Tensor, x_MK: torch.Tensor, w_NK: torch.Tensor, options: TorchOptions
+) -> None:
+    """``out = x @ w.T`` into a row block of a row-major buffer (fp32: the forms of
+    ``options.cpu_float32_row_forms``; other dtypes x @ W^T)."""
     rows, n = x_MK.shape[0], w_NK.shape[0]
-    split_from, transposed_from, plain_from = _CPU_ROW_FORMS.get(x_MK.dtype, (math.inf,) * 3)
+    if x_MK.dtype == torch.float32:
+        split_from, transposed_from, plain_from = options.cpu_float32_row_forms
+    else:
+        split_from = transposed_from = plain_from = math.inf
     if rows < split_from or rows >= plain_from:
         torch.mm(x_MK, w_NK.T, out=out_MN)
     elif rows >= transposed_from:
         out_MN.copy_((w_NK @ x_MK.T).T)
-    elif n % _CPU_SPLIT_SLICE_ROWS == 0 and w_NK.is_contiguous():
-        parts = n // _CPU_SPLIT_SLICE_ROWS
-        w_PSK = w_NK.view(parts, _CPU_SPLIT_SLICE_ROWS, -1)
+    elif n % options.cpu_split_slice_rows == 0 and w_NK.is_contiguous():
+        slice_rows = options.cpu_split_slice_rows
+        parts = n // slice_rows
+        w_PSK = w_NK.view(parts, slice_rows, -1)
         y_PMS = torch.bmm(x_MK.expand(parts, *x_MK.shape), w_PSK.transpose(1, 2))
-        out_MN.view(rows, parts, _CPU_SPLIT_SLICE_ROWS).copy_(y_PMS.transpose(0, 1))
+        out_MN.view(rows, parts, slice_rows).copy_(y_PMS.transpose(0, 1))
     else:
         torch.mm(x_MK, w_NK.T, out=out_MN)
 
@@ -235,9 +340,12 @@ def _cpu_gemms(
                 None if scale is None else scale[e],
             )
         return
-    mm_into = _cpu_mm_columns if columns else _cpu_mm_rows
+    options = _options(prepared)
     for e, start, end in experts:
-        mm_into(out_RN[start:end], x_RK[start:end], w[e])
+        if columns:
+            _cpu_mm_columns(out_RN[start:end], x_RK[start:end], w[e])
+        else:
+            _cpu_mm_rows(out_RN[start:end], x_RK[start:end], w[e], options)
     if bias is not None:
         for e, start, end in experts:
             out_RN[start:end] = out_RN[start:end].float() + bias[e].float()
@@ -254,11 +362,12 @@ def _cpu_chunk(
     bounds): GEMM1 per expert, the activation once, GEMM2 per expert; ``[R, H]`` in x's
     dtype, a transposed view for column chunks."""
     spec, rows = prepared.spec, x_RH.shape[0]
+    chunk_rows = _options(prepared).cpu_chunk_rows
 
     def buffer(width: int, dtype: torch.dtype = x_RH.dtype) -> torch.Tensor:
         if not columns:
             return x_RH.new_empty((rows, width), dtype=dtype)
-        return x_RH.new_empty((width, max(rows, _CPU_CHUNK_ROWS)), dtype=dtype)[:, :rows].T
+        return x_RH.new_empty((width, max(rows, chunk_rows)), dtype=dtype)[:, :rows].T
 
     experts = [
         (first_expert + i, offsets[i], offsets[i + 1])
@@ -284,13 +393,14 @@ def _cpu_chunk(
     return y_RH
 
 
-def _cpu_columns(dtype: torch.dtype, bounds: list[int], num_experts: int) -> bool:
-    """Whether a CPU call runs transposed: bf16 with fewer than ``_CPU_COLUMNS_UNTIL`` rows
-    per expert hit on average."""
-    if dtype not in _CPU_COLUMNS:
+def _cpu_columns(dtype: torch.dtype, bounds: list[int], prepared: PreparedWeights) -> bool:
+    """Whether a CPU call runs transposed: a ``cpu_columns_dtypes`` dtype with fewer than
+    ``cpu_columns_until`` rows per expert hit on average."""
+    options, num_experts = _options(prepared), prepared.spec.num_experts
+    if dtype not in options.cpu_columns_dtypes:
         return False
     hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
-    return bounds[num_experts] < _CPU_COLUMNS_UNTIL * hit
+    return bounds[num_experts] < options.cpu_columns_until * hit
 
 
 def _cpu_chunks(
@@ -301,12 +411,12 @@ def _cpu_chunks(
     columns: bool,
 ):
     """Yield ``(start, end, y_RH)`` for chunks of consecutive experts of at most
-    ``_CPU_CHUNK_ROWS`` grouped rows; grouped row r is ``x[row_source[r]]`` (or ``x[r]``)."""
-    num_experts = prepared.spec.num_experts
+    ``cpu_chunk_rows`` grouped rows; grouped row r is ``x[row_source[r]]`` (or ``x[r]``)."""
+    num_experts, chunk_rows = prepared.spec.num_experts, _options(prepared).cpu_chunk_rows
     first = 0
     while first < num_experts:
         last = first + 1
-        while last < num_experts and bounds[last + 1] - bounds[first] <= _CPU_CHUNK_ROWS:
+        while last < num_experts and bounds[last + 1] - bounds[first] <= chunk_rows:
             last += 1
         start, end = bounds[first], bounds[last]
         if end > start:
@@ -318,18 +428,18 @@ def _cpu_chunks(
 
 def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int]) -> bool:
     """Whether a CPU standard call runs as two grouped GEMMs over every expert instead of the
-    per-expert chunks: plain ``_CPU_GROUPED`` weights with 16-byte aligned rows, and at least
-    one expert in ``_CPU_GROUPED_HIT_SHARE`` hit or experts of at least
-    ``_CPU_GROUPED_LARGE`` weights each (the measurements are above ``_CPU_GROUPED``)."""
-    t, num_experts = prepared.tensors, prepared.spec.num_experts
-    if dtype not in _CPU_GROUPED or not _grouped_fits(prepared, dtype):
+    per-expert chunks: plain ``cpu_grouped_dtypes`` weights with 16-byte aligned rows, and at
+    least one expert in ``cpu_grouped_hit_share`` hit or experts of at least
+    ``cpu_grouped_large`` weights each (``TorchOptions``)."""
+    t, num_experts, options = prepared.tensors, prepared.spec.num_experts, _options(prepared)
+    if dtype not in options.cpu_grouped_dtypes or not _grouped_fits(prepared, dtype):
         return False
     if not (_aligned16(t["w13"]) and _aligned16(t["w2"])):
         return False
-    if t["w13"][0].numel() >= _CPU_GROUPED_LARGE:  # large experts: whatever is hit
+    if t["w13"][0].numel() >= options.cpu_grouped_large:  # large experts: whatever is hit
         return bounds[num_experts] > 0
     hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
-    return hit > 0 and hit * _CPU_GROUPED_HIT_SHARE >= num_experts
+    return hit > 0 and hit * options.cpu_grouped_hit_share >= num_experts
 
 
 def _grouped_fits(prepared: PreparedWeights, dtype: torch.dtype) -> bool:
@@ -350,29 +460,12 @@ def _aligned16(w: torch.Tensor) -> bool:
     return w.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in strides)
 
 
-# bf16 CPU standard calls run as two grouped GEMMs (``torch._grouped_mm``) where that was
-# faster than the per-expert chunks, measured on a 2-core AVX-512 / AMX-bf16 CPU with torch
-# 2.13 (2.11 ran the GEMMs alone the same), 2 threads:
-# - experts of Qwen3-30B-A3B's full shape (3.1M weights in w13 each): 1.4-1.6x at T = 1-64;
-#   DeepSeek-V3 at half H and I: 1.26-1.31x at T = 1 and 4; Mixtral-8x7B (8 experts, I / 4)
-#   1.4-1.6x at T = 1 and 4, the same at 32;
-# - small experts (H, I / 16 or / 4): 1.06-1.36x at T = 32-2048 and 1.10-1.19x on Mixtral's 8
-#   experts, but 0.88-0.94x where under a quarter of 128 experts are hit (T = 1-4): the grouped
-#   GEMM visits every expert, which small experts do not repay. Those keep the chunks.
-# fp32 was mixed (0.8-1.6x), so it keeps the chunks, whose forms were tuned for it (above).
-_CPU_GROUPED = frozenset({torch.bfloat16})
-_CPU_GROUPED_HIT_SHARE = 4  # at least one expert in this many hit
-_CPU_GROUPED_LARGE = 1 << 20  # or w13 weights per expert
-
-
 def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
-    """Grouped GEMM on CUDA for bf16 plain weights whose rows are 16-byte aligned (its kernels
-    need it); elsewhere one GEMM pair per expert (the CPU fused op: ``_cpu_grouped``)."""
-    return _grouped_fits(prepared, x_MH.dtype) and x_MH.dtype in _GROUPED.get(x_MH.device.type, ())
-
-
-# Device type -> dtypes whose calls take the grouped GEMM (a table so tests run it on CPU).
-_GROUPED = {"cuda": frozenset({torch.bfloat16})}
+    """The grouped GEMM for ``TorchOptions.grouped_mm``'s (device, dtype) pairs (CUDA bf16)
+    with plain weights whose rows are 16-byte aligned (its kernels need it); elsewhere one
+    GEMM pair per expert (the CPU fused op: ``_cpu_grouped``)."""
+    pair = (x_MH.device.type, x_MH.dtype)
+    return pair in _options(prepared).grouped_mm and _grouped_fits(prepared, x_MH.dtype)
 
 
 def _grouped_forward(
@@ -472,7 +565,7 @@ def torch_fused_standard(
         acc = torch.zeros(x_TH.shape, dtype=torch.float32)
         return acc.index_add_(0, tok, y_MH.float().mul_(weight[:rows, None])).to(x_TH.dtype)
     # The float32 sum is [T, H], or [H, T] for transposed calls (their y chunks are [H, R]).
-    columns = _cpu_columns(x_TH.dtype, bounds, num_experts)
+    columns = _cpu_columns(x_TH.dtype, bounds, prepared)
     acc = torch.zeros(x_TH.shape[::-1] if columns else x_TH.shape, dtype=torch.float32)
     for start, end, y_RH in _cpu_chunks(x_TH, token, bounds, prepared, columns):
         tok, w = token[start:end], weight[start:end]
@@ -510,7 +603,7 @@ def torch_core(
         )
     bounds = expert_offsets.tolist()
     if x_MH.device.type == "cpu":
-        columns = _cpu_columns(x_MH.dtype, bounds, prepared.spec.num_experts)
+        columns = _cpu_columns(x_MH.dtype, bounds, prepared)
         for start, end, y_RH in _cpu_chunks(x_MH, None, bounds, prepared, columns):
             y_MH[start:end] = y_RH
         return y_MH

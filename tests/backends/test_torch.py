@@ -6,12 +6,15 @@ reference (``moerunner.reference_moe``) within the library's per-dtype bound
 and intermediate roundings). The CPU cases choose rows per expert that reach every GEMM form
 (one row; 2-3; the N-split batch at 4-15; W @ x^T at 16-47; bf16 transposed and row-major
 calls), several chunks, biases, -1 ids (some and all), on the fused op and on the permute
-path. The grouped path is what CUDA runs for bf16; it runs here by adding the CPU to its
-table, and must not read device data on the host (CUDA graphs): every host-read method
-raises during the call.
+path. The grouped path is what CUDA runs for bf16; it runs here on a backend whose
+``TorchOptions.grouped_mm`` names the CPU, and must not read device data on the host (CUDA
+graphs): every host-read method raises during the call. Other thresholds are set the same
+way, through the options of a backend registered for the test (``_run``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -19,9 +22,11 @@ import torch
 import moerunner
 from moerunner.backends import torch_native
 from moerunner.backends.base import MoeProblem
+from moerunner.backends.torch_native import DEFAULT_TORCH_OPTIONS, TorchBackend, TorchOptions
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
 from moerunner.memory import AllocationTracker
 from moerunner.routing import TopK
+from moerunner.runner import default_registry
 from moerunner.testing import DTYPE_BOUND, assert_close, error_bound
 from moerunner.weights import ExpertWeights, PreparedWeights
 
@@ -48,9 +53,19 @@ def _case(tokens, experts, hidden, inter, top_k, dtype, *, bias=False, skips="no
     return x, weights, TopK(weights=topk.weights, ids=ids)
 
 
-def _run(x, weights, topk, force_permute=False):
+def _runner(options: TorchOptions | None = None, force_permute: bool = False):
+    """A runner of the ``torch`` backend, with ``options`` (registered in a copy of the
+    default registry) or the registered defaults."""
+    registry = None
+    if options is not None:
+        registry = default_registry().copy()
+        registry.register_backend(TorchBackend(options), replace=True)
+    return moerunner.MoeRunner("torch", force_permute=force_permute, registry=registry)
+
+
+def _run(x, weights, topk, force_permute=False, options=None):
     spec = weights.spec(moerunner.Activation("silu"))
-    runner = moerunner.MoeRunner("torch", force_permute=force_permute)
+    runner = _runner(options, force_permute)
     prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
     return runner.run(StandardDispatchOutput(x, topk), prepared), prepared
 
@@ -63,55 +78,51 @@ def _check(out, x, weights, topk, what, bound=None):
 # --- CPU: expert chunks ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def chunks(monkeypatch):
-    """CPU standard calls run the per-expert chunks even with many experts hit (they take
-    two grouped GEMMs then: tested below)."""
-    monkeypatch.setattr(torch_native, "_CPU_GROUPED", frozenset())
+# CPU standard calls run the per-expert chunks even with many experts hit (they take two
+# grouped GEMMs then: tested below).
+CHUNKS = TorchOptions(cpu_grouped_dtypes=frozenset())
 
 
-@pytest.mark.usefixtures("chunks")
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
 @pytest.mark.parametrize("chunk_rows", [12, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 6, 24, 80])
 @pytest.mark.parametrize("skips", ["none", "some"])
-def test_cpu_chunks_match_reference(tokens, dtype, chunk_rows, skips, force_permute, monkeypatch):
+def test_cpu_chunks_match_reference(tokens, dtype, chunk_rows, skips, force_permute):
     # E=8, k=2: on average 0.25, 1.5, 6 and 20 rows per expert (every form; 80 tokens also
     # give experts of more than 12 rows, chunks of their own when chunk_rows is 12).
-    monkeypatch.setattr(torch_native, "_CPU_CHUNK_ROWS", chunk_rows)
+    options = dataclasses.replace(CHUNKS, cpu_chunk_rows=chunk_rows)
     x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, skips=skips)
-    out, prepared = _run(x, weights, topk, force_permute)
+    out, prepared = _run(x, weights, topk, force_permute, options)
+    assert prepared.options == options
     assert not torch_native._use_grouped_mm(x, prepared)
     _check(out, x, weights, topk, f"{dtype} T={tokens} chunk {chunk_rows} skips={skips}")
 
 
-@pytest.mark.usefixtures("chunks")
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
 @pytest.mark.parametrize("tokens", [6, 80])
-def test_cpu_bf16_calls_with_many_rows_per_expert_run_row_major(tokens, force_permute, monkeypatch):
-    # bf16 runs transposed below _CPU_COLUMNS_UNTIL rows per expert hit: at 4, T=6 (1.5 rows
+def test_cpu_bf16_calls_with_many_rows_per_expert_run_row_major(tokens, force_permute):
+    # bf16 runs transposed below cpu_columns_until rows per expert hit: at 4, T=6 (1.5 rows
     # per expert) still does, T=80 (20 rows per expert) runs row-major.
-    monkeypatch.setattr(torch_native, "_CPU_COLUMNS_UNTIL", 4)
+    options = dataclasses.replace(CHUNKS, cpu_columns_until=4)
     x, weights, topk = _case(tokens, 8, 64, 48, 2, torch.bfloat16, skips="some")
     counts = torch.bincount(topk.ids[topk.ids >= 0].long(), minlength=8).tolist()
     bounds = [0] + torch.tensor(counts).cumsum(0).tolist()
-    assert torch_native._cpu_columns(torch.bfloat16, bounds, 8) == (tokens == 6)
-    assert not torch_native._cpu_columns(torch.float32, bounds, 8)
-    out, _ = _run(x, weights, topk, force_permute)
+    out, prepared = _run(x, weights, topk, force_permute, options)
+    assert torch_native._cpu_columns(torch.bfloat16, bounds, prepared) == (tokens == 6)
+    assert not torch_native._cpu_columns(torch.float32, bounds, prepared)
     _check(out, x, weights, topk, f"bf16 T={tokens}, columns until 4 rows per expert")
 
 
-@pytest.mark.usefixtures("chunks")
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_chunks_with_biases_and_no_valid_ids(dtype, force_permute, monkeypatch):
-    monkeypatch.setattr(torch_native, "_CPU_CHUNK_ROWS", 8)
+def test_cpu_chunks_with_biases_and_no_valid_ids(dtype, force_permute):
+    options = dataclasses.replace(CHUNKS, cpu_chunk_rows=8)
     x, weights, topk = _case(30, 8, 64, 48, 2, dtype, bias=True, skips="some", seed=1)
-    out, _ = _run(x, weights, topk, force_permute)
+    out, _ = _run(x, weights, topk, force_permute, options)
     _check(out, x, weights, topk, f"{dtype} biases")
     x, weights, topk = _case(5, 8, 64, 48, 2, dtype, bias=True, skips="all")
-    out, _ = _run(x, weights, topk, force_permute)
+    out, _ = _run(x, weights, topk, force_permute, options)
     assert torch.equal(out, torch.zeros_like(out))
 
 
@@ -150,12 +161,11 @@ def test_cpu_calls_with_many_experts_hit_run_two_grouped_gemms(tokens, dtype, bi
 
 
 def test_cpu_calls_on_large_experts_run_grouped_gemms_at_any_t(monkeypatch):
-    """Experts of at least ``_CPU_GROUPED_LARGE`` w13 weights take the grouped GEMMs even
+    """Experts of at least ``cpu_grouped_large`` w13 weights take the grouped GEMMs even
     with one token (here the threshold is lowered to this case's 64 x 64)."""
-    monkeypatch.setattr(torch_native, "_CPU_GROUPED_LARGE", 64 * 64)
     calls = _grouped_calls(monkeypatch)
     x, weights, topk = _case(1, 16, 64, 32, 2, torch.bfloat16, bias=True)
-    out, _ = _run(x, weights, topk)
+    out, _ = _run(x, weights, topk, options=TorchOptions(cpu_grouped_large=64 * 64))
     _check(out, x, weights, topk, "large experts, T = 1")
     assert [c[0] for c in calls] == [2, 2]
 
@@ -203,14 +213,14 @@ def test_cpu_gemm_forms_compute_x_times_w_transposed(rows, dtype, n):
     x = torch.randn(rows, 64, generator=gen).to(dtype)
     w = torch.randn(n, 64, generator=gen).to(dtype)
     ref = x.double() @ w.double().T
-    columns = dtype in torch_native._CPU_COLUMNS
+    columns = dtype in DEFAULT_TORCH_OPTIONS.cpu_columns_dtypes
     total = rows + 7
     if columns:
         buffer = torch.full((n, total), float("nan"), dtype=dtype).T
         torch_native._cpu_mm_columns(buffer[5 : 5 + rows], x, w)
     else:
         buffer = torch.full((total, n), float("nan"), dtype=dtype)
-        torch_native._cpu_mm_rows(buffer[5 : 5 + rows], x, w)
+        torch_native._cpu_mm_rows(buffer[5 : 5 + rows], x, w, DEFAULT_TORCH_OPTIONS)
     bound = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-9}[dtype]
     assert_close(buffer[5 : 5 + rows], ref, bound, what=f"{dtype} rows={rows} n={n}")
     assert buffer[:5].isnan().all() and buffer[5 + rows :].isnan().all()
@@ -224,9 +234,8 @@ def test_cpu_chunks_cover_every_row_once_within_the_chunk_size(monkeypatch):
         return x_RH
 
     monkeypatch.setattr(torch_native, "_cpu_chunk", record)
-    monkeypatch.setattr(torch_native, "_CPU_CHUNK_ROWS", 4)
     spec = moerunner.ExpertSpec(6, 1, 1, moerunner.Activation("silu"))
-    prepared = PreparedWeights("torch", None, spec)
+    prepared = PreparedWeights("torch", None, spec, options=TorchOptions(cpu_chunk_rows=4))
     counts = [2, 0, 3, 1, 7, 0]  # expert 4 alone exceeds the chunk size
     bounds = [0]
     for c in counts:
@@ -246,11 +255,12 @@ def test_cpu_column_buffers_keep_one_leading_dimension():
     # than the chunk size share one leading dimension (a larger single expert has its own).
     x, weights, topk = _case(4, 8, 64, 48, 2, torch.bfloat16)
     _, prepared = _run(x, weights, topk)
-    for rows in (3, torch_native._CPU_CHUNK_ROWS, torch_native._CPU_CHUNK_ROWS + 5):
+    chunk_rows = DEFAULT_TORCH_OPTIONS.cpu_chunk_rows
+    for rows in (3, chunk_rows, chunk_rows + 5):
         x_RH = torch.randn(rows, 64).bfloat16()
         y_RH = torch_native._cpu_chunk(x_RH, [0, rows], 0, prepared, columns=True)
         assert y_RH.shape == (rows, 64)
-        assert y_RH.stride() == (1, max(rows, torch_native._CPU_CHUNK_ROWS))
+        assert y_RH.stride() == (1, max(rows, chunk_rows))
         ref = moerunner.reference_moe(
             x_RH, weights, torch.ones(rows, 1), torch.zeros(rows, 1, dtype=torch.int64)
         )
@@ -267,30 +277,25 @@ def test_fused_op_declines_off_the_cpu():
 # --- the grouped-GEMM path (CUDA bf16), run on CPU ------------------------------------------
 
 
-@pytest.fixture
-def grouped(monkeypatch):
-    """fp32 and bf16 calls on CPU take the grouped GEMM, as bf16 calls on CUDA do."""
-    table = {"cpu": frozenset({torch.float32, torch.bfloat16})}
-    monkeypatch.setattr(torch_native, "_GROUPED", table)
+# fp32 and bf16 calls on CPU take the grouped GEMM, as bf16 calls on CUDA do.
+GROUPED = TorchOptions(grouped_mm={("cpu", torch.float32), ("cpu", torch.bfloat16)})
 
 
-@pytest.mark.usefixtures("grouped")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 @pytest.mark.parametrize("skips", ["none", "some", "all"])
 def test_grouped_path_matches_reference(dtype, tokens, skips):
     x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=skips == "some", skips=skips)
-    out, prepared = _run(x, weights, topk, force_permute=True)
+    out, prepared = _run(x, weights, topk, force_permute=True, options=GROUPED)
     assert torch_native._use_grouped_mm(x, prepared)
     _check(out, x, weights, topk, f"{dtype} T={tokens} skips={skips}")
     if skips == "all":
         assert torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.usefixtures("grouped")
 def test_unaligned_rows_leave_the_grouped_path():
     x, weights, topk = _case(6, 4, 30, 18, 2, torch.bfloat16, skips="some")  # 60-byte rows
-    out, prepared = _run(x, weights, topk, force_permute=True)
+    out, prepared = _run(x, weights, topk, force_permute=True, options=GROUPED)
     assert not torch_native._use_grouped_mm(x, prepared)
     _check(out, x, weights, topk, "unaligned rows")
 
@@ -304,14 +309,13 @@ def _no_host_reads(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "__index__", fail)
 
 
-@pytest.mark.usefixtures("grouped")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 4, 40])
 def test_grouped_path_reads_nothing_on_the_host(dtype, tokens, monkeypatch):
     # On CUDA a host read breaks graph capture; CPU runs the same grouped-GEMM code.
     x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=True, skips="some")
     spec = weights.spec(moerunner.Activation("silu"))
-    runner = moerunner.MoeRunner("torch", force_permute=True)
+    runner = _runner(GROUPED, force_permute=True)
     prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
     dispatched = StandardDispatchOutput(x, topk)
     with monkeypatch.context() as patched:
@@ -418,11 +422,61 @@ def test_transposed_views_run_in_place(dtype, tokens, force_permute):
     _check(out, x, weights, topk, f"{dtype} T={tokens} transposed views")
 
 
-@pytest.mark.usefixtures("grouped")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_path_takes_transposed_views(dtype):
     x, weights, topk = _case(40, 8, 64, 48, 2, dtype, bias=True, skips="some")
     views = _transposed_views(weights)
-    out, prepared = _run(x, views, topk, force_permute=True)
+    out, prepared = _run(x, views, topk, force_permute=True, options=GROUPED)
     assert torch_native._use_grouped_mm(x, prepared)
     _check(out, x, weights, topk, f"{dtype} grouped, transposed views")
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+def test_options_validate_and_rebuild_from_their_repr():
+    options = TorchOptions(cpu_chunk_rows=64, grouped_mm=[("cpu", torch.float32)])
+    assert options.grouped_mm == frozenset({("cpu", torch.float32)})  # stored as a frozenset
+    assert repr(options).startswith("TorchOptions(")
+    assert eval(repr(options), {"TorchOptions": TorchOptions, "torch": torch}) == options
+    assert repr(TorchOptions()) == "TorchOptions()"
+    assert hash(options) != hash(TorchOptions())  # a key of the prepared-weight memo
+    bad = [
+        ({"cpu_chunk_rows": 0}, ValueError, "cpu_chunk_rows must be at least 1"),
+        ({"cpu_chunk_rows": 1.5}, TypeError, "cpu_chunk_rows must be an int"),
+        ({"cpu_columns_until": True}, TypeError, "cpu_columns_until must be an int"),
+        ({"cpu_grouped_dtypes": "bfloat16"}, TypeError, "cpu_grouped_dtypes must be a set"),
+        ({"cpu_columns_dtypes": {"bf16"}}, TypeError, "must hold torch dtypes"),
+        ({"grouped_mm": {("cuda", "bf16")}}, TypeError, r"\(device type, dtype\) pairs"),
+        ({"grouped_mm": "cuda"}, TypeError, "grouped_mm must be a set"),
+        ({"cpu_float32_row_forms": (16, 4, 48)}, ValueError, "non-decreasing"),
+    ]
+    for kwargs, error, match in bad:
+        with pytest.raises(error, match=match):
+            TorchOptions(**kwargs)
+    with pytest.raises(TypeError, match="options must be a TorchOptions"):
+        TorchBackend({"cpu_chunk_rows": 4})
+    with pytest.raises(TypeError, match="name must be a non-empty str"):
+        TorchBackend(name="")
+
+
+def test_backends_with_other_options_run_side_by_side(monkeypatch):
+    """Two torch backends in one registry, the defaults and chunks of 8 rows with no grouped
+    GEMMs: each call runs its own backend's options (recorded in its prepared weights). The
+    defaults take two grouped GEMMs here (most of 16 experts hit), the other none."""
+    calls = _grouped_calls(monkeypatch)
+    registry = default_registry().copy()
+    small = dataclasses.replace(CHUNKS, cpu_chunk_rows=8)
+    registry.register_backend(TorchBackend(small, name="torch-small-chunks"))
+    assert repr(registry.backends["torch-small-chunks"]).endswith("cpu_chunk_rows=8)>")
+    assert repr(registry.backends["torch"]) == "<backend torch>"
+    x, weights, topk = _case(40, 16, 64, 32, 2, torch.bfloat16)
+    spec = weights.spec(moerunner.Activation("silu"))
+    for name in ("torch", "torch-small-chunks"):
+        runner = moerunner.MoeRunner(name, registry=registry)
+        prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
+        assert prepared.options == registry.backends[name].options
+        before = len(calls)
+        out = runner.run(StandardDispatchOutput(x, topk), prepared)
+        _check(out, x, weights, topk, name)
+        assert len(calls) - before == (2 if name == "torch" else 0), name

@@ -35,17 +35,19 @@ def _case(rank: int):
 
 
 def _steps(rank: int, world: int) -> dict:
-    from moerunner.backends import torch_native
+    from moerunner.backends.torch_native import TorchBackend, TorchOptions
     from moerunner.distributed_moe import ExpertParallelMoE
+    from moerunner.registry import DEFAULT_REGISTRY
 
     # The torch core as it runs on CUDA (grouped GEMM, no host reads), here for fp32: on CPU
     # it would loop over chunks of experts, reading the offsets on the host.
-    torch_native._GROUPED = {"cpu": frozenset({torch.float32})}
+    grouped = TorchOptions(grouped_mm={("cpu", torch.float32)})
+    DEFAULT_REGISTRY.register_backend(TorchBackend(grouped, name="torch-grouped"), replace=True)
     weights, x, topk = _case(rank)
     out = {}
     for mode in ("flag", "raise"):
         moe = ExpertParallelMoE.from_global(
-            weights, dispatcher="masked", capacity=8, on_overflow=mode, backend="torch"
+            weights, dispatcher="masked", capacity=8, on_overflow=mode, backend="torch-grouped"
         )
         moe(x, topk)  # warm-up (as before a capture)
         with HostReads() as reads:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...weights import UNTUNED_NOTE, PreparedWeights
+from ..option_fields import check_bool, check_int
 
 #: FlashInfer's own default for the largest token count its buckets reach.
 DEFAULT_TUNE_MAX_TOKENS = 8192
@@ -49,13 +50,9 @@ class FlashInferOptions:
     tune_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.autotune, bool):
-            raise TypeError(f"autotune must be a bool, got {self.autotune!r}")
+        check_bool(self, "autotune")
+        check_int(self, "tune_max_tokens", 1)
         top = self.tune_max_tokens
-        if isinstance(top, bool) or not isinstance(top, int):
-            raise TypeError(f"tune_max_tokens must be an int, got {top!r}")
-        if top < 1:
-            raise ValueError(f"tune_max_tokens must be at least 1, got {top}")
         if self.tune_tokens is not None:
             if not isinstance(self.tune_tokens, tuple) or not self.tune_tokens:
                 raise TypeError(

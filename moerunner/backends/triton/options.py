@@ -9,9 +9,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
+
+from ..option_fields import changed_repr, check_bool, check_int
 
 E2M1_LAYOUTS = ("fragment", "split")
 AUTOTUNE_MODES = ("off", "first_call")
@@ -171,19 +172,19 @@ class TritonOptions:
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
-            _check_bool(self, name)
-        _check_int(self, "row_blocks_max_tokens", 0)
-        _check_int(self, "route_align_max_tokens", 0)
-        _check_int(self, "split_max_blocks_per_expert", 0)
-        _check_int(self, "lora_group_min_rows_per_pair", 0)
-        _check_int(self, "min_group_m", 1)
-        _check_int(self, "early_prefetch_steps", 0)
-        _check_int(self, "overlap_max_tokens", 0)
-        _check_int(self, "decode_split_programs", 0)
+            check_bool(self, name)
+        check_int(self, "row_blocks_max_tokens", 0)
+        check_int(self, "route_align_max_tokens", 0)
+        check_int(self, "split_max_blocks_per_expert", 0)
+        check_int(self, "lora_group_min_rows_per_pair", 0)
+        check_int(self, "min_group_m", 1)
+        check_int(self, "early_prefetch_steps", 0)
+        check_int(self, "overlap_max_tokens", 0)
+        check_int(self, "decode_split_programs", 0)
         if self.e2m1_placed_words is not None:
-            _check_bool(self, "e2m1_placed_words")
+            check_bool(self, "e2m1_placed_words")
         if self.split_min_block_m is not None:
-            _check_int(self, "split_min_block_m", 2)
+            check_int(self, "split_min_block_m", 2)
         if not isinstance(self.e2m1_layout, str):
             raise TypeError(
                 f"TritonOptions.e2m1_layout must be a str, got {type(self.e2m1_layout).__name__}"
@@ -207,12 +208,7 @@ class TritonOptions:
 
     def __repr__(self) -> str:
         """The fields that differ from the defaults, as a call that rebuilds the value."""
-        changed = [
-            f"{f.name}={getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != f.default
-        ]
-        return f"TritonOptions({', '.join(changed)})"
+        return changed_repr(self)
 
     def differs_at_prepare(self, other: TritonOptions) -> bool:
         """Whether weights prepared with ``other`` differ from those prepared with these."""
@@ -230,20 +226,6 @@ _BOOL_FIELDS = (
     "lora_in_sequence",
     "stream_gemms",
 )
-
-
-def _check_bool(options: TritonOptions, name: str) -> None:
-    value = getattr(options, name)
-    if not isinstance(value, bool):
-        raise TypeError(f"TritonOptions.{name} must be a bool, got {type(value).__name__}")
-
-
-def _check_int(options: TritonOptions, name: str, least: int) -> None:
-    value = getattr(options, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"TritonOptions.{name} must be an int, got {type(value).__name__}")
-    if value < least:
-        raise ValueError(f"TritonOptions.{name} must be at least {least}, got {value}")
 
 
 def _folders(value) -> tuple[str, ...]:
