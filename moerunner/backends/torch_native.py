@@ -46,7 +46,7 @@ from ..quant.families import CODECS
 from ..registry import DEFAULT_REGISTRY
 from ..weights import ExpertWeights, PreparedWeights, is_quantized, weight_shape
 from .base import Backend, Capabilities, SchemeSupport
-from .option_fields import changed_repr, check_int, dtype_set
+from .option_fields import changed_repr, check_int, dtype_set, frozen_set, options_and_name
 
 NAME = "torch"
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
@@ -107,25 +107,12 @@ class TorchOptions:
     cpu_chunk_rows: int = 256
 
     def __post_init__(self) -> None:
-        pairs = self.grouped_mm
-        if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
-            raise TypeError(
-                f"TorchOptions.grouped_mm must be a set of (device type, dtype) pairs, "
-                f"got {type(pairs).__name__}"
-            )
-        pairs = frozenset(pairs)
-        for pair in pairs:
-            if not (
-                isinstance(pair, tuple)
-                and len(pair) == 2
-                and isinstance(pair[0], str)
-                and isinstance(pair[1], torch.dtype)
-            ):
-                raise TypeError(
-                    f"TorchOptions.grouped_mm must hold (device type, dtype) pairs such as "
-                    f"('cuda', torch.bfloat16), got {pair!r}"
-                )
-        object.__setattr__(self, "grouped_mm", pairs)
+        frozen_set(
+            self,
+            "grouped_mm",
+            "(device type, dtype) pairs such as ('cuda', torch.bfloat16)",
+            _device_dtype,
+        )
         dtype_set(self, "cpu_grouped_dtypes")
         dtype_set(self, "cpu_columns_dtypes")
         check_int(self, "cpu_grouped_hit_share", 1)
@@ -149,6 +136,15 @@ class TorchOptions:
         return changed_repr(self)
 
 
+def _device_dtype(pair) -> bool:
+    return (
+        isinstance(pair, tuple)
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and isinstance(pair[1], torch.dtype)
+    )
+
+
 #: The defaults (the registered ``torch`` backend's options).
 DEFAULT_TORCH_OPTIONS = TorchOptions()
 
@@ -165,14 +161,9 @@ class TorchBackend(Backend):
     name = NAME
 
     def __init__(self, options: TorchOptions | None = None, *, name: str = NAME) -> None:
-        if options is None:
-            options = DEFAULT_TORCH_OPTIONS
-        elif not isinstance(options, TorchOptions):
-            raise TypeError(f"options must be a TorchOptions, got {type(options).__name__}")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
-        self.options = options
-        self.name = name
+        self.options, self.name = options_and_name(
+            options, TorchOptions, DEFAULT_TORCH_OPTIONS, name
+        )
         self.capabilities = Capabilities(
             devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
             dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),

@@ -28,6 +28,7 @@ from ...quant.schemes import QuantScheme
 from ...registry import DEFAULT_REGISTRY, Registry
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem, SchemeSupport
+from ..option_fields import options_and_name
 from ._call import FlashInferOptions, fused_standard
 from ._prepare import prepare
 
@@ -132,14 +133,9 @@ class FlashInferBackend(Backend):
     name = NAME
 
     def __init__(self, options: FlashInferOptions | None = None, *, name: str = NAME) -> None:
-        if options is None:
-            options = FlashInferOptions()
-        elif not isinstance(options, FlashInferOptions):
-            raise TypeError(f"options must be a FlashInferOptions, got {type(options).__name__}")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
-        self.options = options
-        self.name = name
+        self.options, self.name = options_and_name(
+            options, FlashInferOptions, FlashInferOptions(), name
+        )
         self.capabilities = Capabilities(
             devices=frozenset({"cuda"}),
             dtypes=ACTIVATION_DTYPES,

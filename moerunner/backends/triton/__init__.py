@@ -36,6 +36,7 @@ from ...dispatch.formats import STANDARD
 from ...registry import DEFAULT_REGISTRY, Registry
 from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem
+from ..option_fields import options_and_name
 from . import _gemm_kernel
 from ._prepare import SUPPORTED_SCHEMES, WeightLayout, fragment_ok, prepare
 from ._step import layer_step
@@ -77,14 +78,7 @@ class TritonBackend(Backend):
     name = NAME
 
     def __init__(self, options: TritonOptions | None = None, *, name: str = NAME) -> None:
-        if options is None:
-            options = DEFAULT_OPTIONS
-        elif not isinstance(options, TritonOptions):
-            raise TypeError(f"options must be a TritonOptions, got {type(options).__name__}")
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
-        self.options = options
-        self.name = name
+        self.options, self.name = options_and_name(options, TritonOptions, DEFAULT_OPTIONS, name)
         devices = {"cuda", "cpu"} if interpreted() else {"cuda"}
         self.capabilities = Capabilities(
             devices=frozenset(devices),
