@@ -14,6 +14,8 @@ its stored layout (moerunner then reads it through strided views, as before).
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ._hf_experts import UnsupportedExpertsError, describe, forget_weights, quantized_weights
@@ -89,10 +91,21 @@ def blocker(model: torch.nn.Module, path: str, module: torch.nn.Module, owners: 
     return None
 
 
-def relayout(module: torch.nn.Module, layout: str) -> bool:
-    """Re-lay the module's transposed experts parameters in ``layout`` (one parameter at a
-    time: the transient extra memory is one parameter); return whether anything moved.
-    The caller checked ``blocker`` first."""
+#: Transient memory of an in-place re-lay: experts are transposed in chunks of about this size
+#: (at least one expert) through one buffer.
+CHUNK_BYTES = 64 << 20
+
+
+def relayout(module: torch.nn.Module, layout: str, chunk_bytes: int = CHUNK_BYTES) -> bool:
+    """Re-lay the module's transposed experts parameters in ``layout``; return whether
+    anything moved. The caller checked ``blocker`` first.
+
+    A parameter whose memory no other tensor references is transposed in place, expert by
+    expert through one buffer of about ``chunk_bytes`` (at least one expert): GPT-OSS-120B's
+    4.2 GB ``gate_up_proj`` takes 64 MiB of transient memory, not a second 4.2 GB. Where
+    another tensor shares the memory (a view someone kept, autograd's saved tensors) its
+    values must not move, so the parameter gets new memory instead (one parameter of
+    transient memory; the old memory lives on with those views)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout: got {layout!r}; accepted: {LAYOUTS}")
     if not describe(module).transposed:  # stored canonical: its memory is already right
@@ -102,12 +115,46 @@ def relayout(module: torch.nn.Module, layout: str) -> bool:
         if in_layout(param, layout):
             continue
         # The module's canonical views reference the old memory: drop them first, so it is
-        # freed as soon as the data is replaced.
+        # re-laid in place, or freed as soon as the data is replaced.
         forget_weights(module)
+        alone = _alone(param)
+        if not alone:  # the memo's views may wait in reference cycles
+            gc.collect()
+            alone = _alone(param)
         with torch.inference_mode(False), torch.no_grad():
-            if layout == "canonical":
+            if alone:
+                _transpose_in_place(param, layout, chunk_bytes)
+            elif layout == "canonical":
                 param.data = param.detach().transpose(1, 2).contiguous().transpose(1, 2)
             else:
                 param.data = param.detach().contiguous()
         moved = True
     return moved
+
+
+def _alone(param: torch.nn.Parameter) -> bool:
+    """No tensor but ``param`` references its memory (PyTorch's storage use count: the
+    parameter and the storage object asked for here), and the memory is its own."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # a PyTorch without it: assume shared, re-lay by copy
+        return False
+    storage = param.untyped_storage()
+    own = param.storage_offset() == 0 and storage.nbytes() == param.numel() * param.element_size()
+    return own and count(storage._cdata) == 2
+
+
+def _transpose_in_place(param: torch.nn.Parameter, layout: str, chunk_bytes: int) -> None:
+    """``param``'s memory, contiguous in the other layout, rewritten in ``layout``: each
+    expert's ``[x, y]`` block becomes its transpose ``[y, x]`` in the same bytes (experts do
+    not overlap), through one buffer of ``chunk_bytes`` (at least one expert)."""
+    source = param.detach() if layout == "canonical" else param.detach().transpose(1, 2)
+    experts, x, y = source.shape  # contiguous [E, x, y]
+    step = max(1, chunk_bytes // (x * y * source.element_size()))
+    buffer = torch.empty((min(step, experts), x, y), dtype=source.dtype, device=source.device)
+    flat = source.view(experts, x * y)
+    for start in range(0, experts, step):
+        n = min(step, experts - start)
+        buffer[:n].copy_(source[start : start + n])
+        flat[start : start + n].view(n, y, x).copy_(buffer[:n].transpose(1, 2))
+    relaid = flat.view(experts, y, x)  # contiguous [E, y, x]
+    param.data = relaid.transpose(1, 2) if layout == "canonical" else relaid

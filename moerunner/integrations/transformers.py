@@ -323,11 +323,13 @@ def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:
     the kernels read fastest, and the parameter a transposed view of it (same object, name,
     shape and values: ``state_dict``, ``load_state_dict``, ``save_pretrained``, ``.to()``
     and transformers' own experts implementations work unchanged). ``"stored"``: contiguous
-    as the checkpoint stores them again. One copy of the experts either way; the re-lay
-    needs one parameter's worth of transient memory. Left as stored (moerunner reads them
-    through strided views): layers moerunner cannot run or that run quantized weights,
-    offloaded or meta weights, tensor subclasses (e.g. DTensor), and weights sharing memory
-    with another tensor of the model. Layers stored canonical already are not touched.
+    as the checkpoint stores them again. One copy of the experts either way; the re-lay is
+    done in each parameter's memory through a 64 MiB buffer, or, where another tensor
+    references that memory, by a copy (one parameter of transient memory). Left as stored
+    (moerunner reads them through strided views): layers moerunner cannot run or that run
+    quantized weights, offloaded or meta weights, tensor subclasses (e.g. DTensor), and
+    weights sharing memory with another tensor of the model. Layers stored canonical already
+    are not touched.
     """
     if layout not in _relayout.LAYOUTS:
         raise MoeInputError(f"layout: got {layout!r}; accepted: {_relayout.LAYOUTS}")

@@ -12,9 +12,7 @@ keep their stored layout (and still compute the same).
 from __future__ import annotations
 
 import copy
-import gc
 import io
-import weakref
 
 import pytest
 import torch
@@ -23,8 +21,9 @@ pytest.importorskip("transformers")
 
 import moerunner.integrations.transformers as mt  # noqa: E402
 from moerunner.errors import MoeInputError  # noqa: E402
+from moerunner.integrations import _relayout  # noqa: E402
 from moerunner.integrations._hf_experts import expert_weights  # noqa: E402
-from moerunner.memory import storage_bytes  # noqa: E402
+from moerunner.memory import AllocationTracker, storage_bytes  # noqa: E402
 from moerunner.testing import assert_close, compare  # noqa: E402
 
 from ._tiny_models import build  # noqa: E402
@@ -131,22 +130,61 @@ def test_strided_reads_warn_once_unless_the_layout_was_chosen(monkeypatch, setup
         assert not strided
 
 
-def test_experts_memory_is_held_once_and_the_old_memory_is_freed():
+def test_experts_memory_is_held_once_and_relaid_in_place():
+    """With nothing else holding the experts' memory (the module's cached views are dropped
+    first), each parameter is transposed in place: same memory, no second copy."""
     model = _model()
     experts = _experts(model)[0]
     _logits(model, "moerunner")  # canonical views of the stored memory are cached now
     before = storage_bytes(model)
-    freed = []
-    weakref.finalize(experts.gate_up_proj.untyped_storage(), freed.append, True)
-    mt.relayout_experts(model)
-    gc.collect()
-    assert freed  # the stored-layout memory went with the re-lay, not at the next call
+    pointers = [p.untyped_storage().data_ptr() for p in (experts.gate_up_proj, experts.down_proj)]
+    with AllocationTracker() as tracker:
+        mt.relayout_experts(model)
+    # the one buffer: one parameter of this tiny model (below the 64 MiB chunk)
+    assert tracker.peak_bytes <= experts.gate_up_proj.numel() * 4
+    for p, pointer in zip((experts.gate_up_proj, experts.down_proj), pointers, strict=True):
+        assert _canonical(p) and p.untyped_storage().data_ptr() == pointer
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     _logits(model, "moerunner")
     params = list(experts.parameters())
-    for p in (experts.gate_up_proj, experts.down_proj):
-        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     assert storage_bytes(experts.__dict__, params) == storage_bytes(params)
     assert storage_bytes(model) == before  # the model holds as many bytes as before
+
+
+@pytest.mark.parametrize("experts_per_chunk", [1, 3, 100])
+def test_in_place_relayout_goes_through_one_buffer_of_the_chunk_size(experts_per_chunk):
+    """The in-place re-lay both ways, in chunks of 1, 3 (8 experts: 3 + 3 + 2) or all experts:
+    the values never change, the memory stays, and the only new memory is one chunk."""
+    model = _model()
+    experts = _experts(model)[0]
+    param = experts.gate_up_proj
+    values, pointer = param.detach().clone(), param.untyped_storage().data_ptr()
+    per_expert = param[0].numel() * param.element_size()
+    for layout in ("canonical", "stored", "canonical"):
+        with AllocationTracker() as tracker:
+            assert _relayout.relayout(experts, layout, chunk_bytes=experts_per_chunk * per_expert)
+        assert tracker.peak_bytes == min(experts_per_chunk, param.shape[0]) * per_expert
+        assert _relayout.in_layout(param, layout) and not _relayout.in_layout(
+            param, "stored" if layout == "canonical" else "canonical"
+        )
+        assert param.untyped_storage().data_ptr() == pointer
+        assert torch.equal(param, values)
+
+
+def test_memory_another_tensor_holds_is_not_relaid_in_place():
+    """A view kept elsewhere (here one the caller took) must keep its values: the parameter
+    gets new memory instead, the view keeps the old one, unchanged."""
+    model = _model()
+    experts = _experts(model)[0]
+    kept = experts.gate_up_proj.detach()
+    values = kept.clone()
+    mt.relayout_experts(model)
+    assert _canonical(experts.gate_up_proj)
+    assert experts.gate_up_proj.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+    assert torch.equal(kept, values) and kept.is_contiguous()
+    assert torch.equal(experts.gate_up_proj, values)
+    # down_proj had no other holder: re-laid in place
+    assert _canonical(experts.down_proj)
 
 
 def test_state_dict_round_trip_is_bit_identical(tmp_path):
