@@ -40,12 +40,12 @@ from .dispatch.expert_map import ExpertPlacement
 from .dispatch.formats import STANDARD
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
+from .memo import DerivedCache
 from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
 from .runner import (
-    DerivedCache,
     MoeRunner,
     form_bytes,
     prepare_forms,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .api import fused_moe
+from .memo import memoised, seed_memo, view_key
 
 
 def _op_body(
@@ -125,57 +126,6 @@ def _fused_experts_fake(
 #: Order of a quantized weight's component tensors in the ops' ``Tensor?[]`` arguments.
 QUANTIZED_FIELDS = ("data", "scale", "global_scale", "zero_point", "input_scale")
 
-_MEMO_ATTR = "_moerunner_op_memo"
-
-
-class _Memo(dict):
-    """Per-tensor memo of objects rebuilt from it. Derived data: a copy of the tensor
-    (``copy.deepcopy``, pickling) starts empty instead of duplicating it."""
-
-    def __deepcopy__(self, memo: dict) -> _Memo:
-        return _Memo()
-
-    def __reduce__(self):
-        return (_Memo, ())
-
-
-def _view_key(t: torch.Tensor | None) -> tuple | None:
-    """Which memory a tensor views, and its in-place version. The storage object lives as
-    long as any tensor on it, and memoised values hold their tensors, so its id is unique."""
-    if t is None:
-        return None
-    return (
-        id(t.untyped_storage()),
-        t.storage_offset(),
-        tuple(t.shape),
-        tuple(t.stride()),
-        t.dtype,
-        t.device,
-        None if t.is_inference() else t._version,  # inference tensors keep no version
-    )
-
-
-def _memoised(anchor, key: tuple, build):
-    """``build()`` memoised on ``anchor`` under ``key`` (one entry: a new key replaces it)."""
-    memo = getattr(anchor, _MEMO_ATTR, None)
-    if memo is None:
-        memo = _Memo()
-        try:
-            setattr(anchor, _MEMO_ATTR, memo)
-        except (AttributeError, TypeError, RuntimeError):  # no attributes: build every call
-            return build()
-    value = memo.get(key)
-    if value is None:
-        memo.clear()
-        value = memo[key] = build()
-    return value
-
-
-def forget_memo(t: torch.Tensor) -> None:
-    """Drop what ``_memoised`` keeps on ``t`` (e.g. canonical views of its old memory), so that
-    memory is freed when ``t``'s data is replaced instead of at the next call."""
-    t.__dict__.pop(_MEMO_ATTR, None)
-
 
 def quantized_tensors(weight) -> list[torch.Tensor | None]:
     """A ``QuantizedWeight``'s component tensors in ``QUANTIZED_FIELDS`` order (None if unset)."""
@@ -183,7 +133,7 @@ def quantized_tensors(weight) -> list[torch.Tensor | None]:
 
 
 def _quantized_key(scheme: str, shape, tensors) -> tuple:
-    return (scheme, tuple(shape), tuple(_view_key(t) for t in tensors))
+    return (scheme, tuple(shape), tuple(view_key(t) for t in tensors))
 
 
 def adopt_quantized(weight) -> None:
@@ -197,11 +147,7 @@ def adopt_quantized(weight) -> None:
     if not isinstance(tensors[0], torch.Tensor):
         raise TypeError(f"weight must be a QuantizedWeight, got {type(weight).__name__}")
     key = _quantized_key(weight.scheme.name, weight.shape, tensors)
-    memo = _Memo()
-    memo[key] = weight
-    try:
-        setattr(tensors[0], _MEMO_ATTR, memo)
-    except (AttributeError, TypeError, RuntimeError):
+    if not seed_memo(tensors[0], key, weight):
         return
     for t in tensors:
         if t is not None and t.device.type == "cuda":
@@ -232,7 +178,7 @@ def quantized_weight(scheme: str, shape, tensors):
     (memoised on the data tensor; any change of a component's identity, memory or in-place
     version rebuilds it)."""
     key = _quantized_key(scheme, shape, tensors)
-    return _memoised(tensors[0], key, lambda: _rebuilt(scheme, shape, tensors))
+    return memoised(tensors[0], key, lambda: _rebuilt(scheme, shape, tensors))
 
 
 @torch.library.custom_op("moerunner::fused_experts_quantized", mutates_args=())
@@ -381,12 +327,12 @@ def canonical_from_transposed(
     version makes new views), so the runner's prepared weights, memoised on the views, are
     reused for as long as that object lives. Not on its storage: the views reference the
     storage, and a memo there would keep it alive for ever."""
-    key = ("transposed", _view_key(w13_t), _view_key(w2_t))
+    key = ("transposed", view_key(w13_t), view_key(w2_t))
 
     def build() -> tuple[torch.Tensor, torch.Tensor]:
         return w13_t.detach().transpose(1, 2), w2_t.detach().transpose(1, 2)
 
-    return _memoised(w13_t, key, build)
+    return memoised(w13_t, key, build)
 
 
 @torch.library.custom_op("moerunner::fused_experts_transposed", mutates_args=())

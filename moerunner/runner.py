@@ -34,6 +34,7 @@ from .config import Activation, ExpertSpec
 from .dispatch.formats import STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
+from .memo import DerivedCache
 from .memory import kept
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, BucketPlan, Registry, Selection
@@ -284,19 +285,6 @@ _CACHE_ATTR = "_moerunner_prepared"
 
 #: Prepared forms kept per weights (one per backend, options and spec asked for).
 _PREPARED_PER_WEIGHT = 4
-
-
-class DerivedCache(OrderedDict):
-    """A memo of data derived from an object's tensors (prepared weights, launch plans). A
-    copy of its owner (``copy.deepcopy(model)``, pickling, ``torch.save``) starts with an
-    empty one: derived data would be duplicated in memory or stored in a checkpoint (and
-    launch plans cannot be copied at all); the copy derives its own on first use."""
-
-    def __deepcopy__(self, memo: dict) -> DerivedCache:
-        return type(self)()
-
-    def __reduce__(self):
-        return (type(self), ())
 
 
 class _PreparedCache(DerivedCache):

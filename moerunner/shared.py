@@ -37,6 +37,7 @@ import torch
 
 from .config import Activation
 from .errors import MoeInputError
+from .memo import memoised, view_key
 from .routing import TopK
 from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized, weight_shape
 
@@ -235,19 +236,16 @@ def build_table(routed: ExpertWeights, shared: SharedExperts, act: Activation) -
 
 
 def _state(weight) -> tuple:
-    from .ops import _view_key
-
     if weight is None:
         return ()
     if isinstance(weight, torch.Tensor):
-        return (_view_key(weight),)
-    return (weight.scheme, *(_view_key(t) for t in weight.flat_tensors()))
+        return (view_key(weight),)
+    return (weight.scheme, *(view_key(t) for t in weight.flat_tensors()))
 
 
 def expert_table(routed: ExpertWeights, shared: SharedExperts, act: Activation) -> ExpertWeights:
     """``build_table`` memoised on the shared w13 (its tensor, or a quantized one's data)
     and keyed on the state of every weight tensor: an edit or a replaced tensor rebuilds."""
-    from .ops import _memoised
 
     key = (
         "shared_table",
@@ -257,7 +255,7 @@ def expert_table(routed: ExpertWeights, shared: SharedExperts, act: Activation) 
         *(_state(w) for w in (shared.w13, shared.w2)),
     )
     anchor = shared.w13 if isinstance(shared.w13, torch.Tensor) else shared.w13.data
-    return _memoised(anchor, key, lambda: build_table(routed, shared, act))
+    return memoised(anchor, key, lambda: build_table(routed, shared, act))
 
 
 def shared_weights_TS(hidden_TH: torch.Tensor, shared: SharedExperts) -> torch.Tensor:

@@ -80,7 +80,7 @@ def _graph_us(fn, calls: int, repeats: int) -> dict:
 
 
 def _rows(preset: str, args) -> list[dict]:
-    from moerunner.runner import DerivedCache
+    from moerunner.memo import DerivedCache
 
     layer, runners = _layer(preset, args.bound)
     steps = {name: DerivedCache() for name in runners}  # a step key does not name the runner

@@ -34,7 +34,8 @@ from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
 from ..held_quantized import HoldsQuantized
-from ..ops import adopt_quantized, canonical_from_transposed, forget_memo
+from ..memo import forget_memo
+from ..ops import adopt_quantized, canonical_from_transposed
 from ..weights import ExpertWeights, is_quantized
 
 # Attributes kept on the experts module (plain attributes: never parameters or buffers).

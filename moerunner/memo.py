@@ -1,0 +1,77 @@
+"""Data derived from tensors, kept beside them: one cache type and one memo on a tensor.
+
+``DerivedCache`` holds what is derived from an object's tensors (prepared weights, launch
+plans, rebuilt views): a copy of its owner (``copy.deepcopy``, pickling, ``torch.save``)
+starts with an empty one, since derived data would be duplicated in memory or stored in a
+checkpoint (and launch plans cannot be copied at all); the copy derives its own on first use.
+``memoised(anchor, key, build)`` keeps one such value on a tensor (an attribute), keyed by
+``view_key``s of what it was built from, so it dies with the tensor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+_MEMO_ATTR = "_moerunner_op_memo"
+
+
+class DerivedCache(OrderedDict):
+    """A memo of data derived from an object's tensors (module doc): copies start empty."""
+
+    def __deepcopy__(self, memo: dict) -> DerivedCache:
+        return type(self)()
+
+    def __reduce__(self):
+        return (type(self), ())
+
+
+def view_key(t: torch.Tensor | None) -> tuple | None:
+    """Which memory a tensor views, and its in-place version. The storage object lives as
+    long as any tensor on it, and memoised values hold their tensors, so its id is unique."""
+    if t is None:
+        return None
+    return (
+        id(t.untyped_storage()),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+        None if t.is_inference() else t._version,  # inference tensors keep no version
+    )
+
+
+def memoised(anchor, key: tuple, build):
+    """``build()`` memoised on ``anchor`` under ``key`` (one entry: a new key replaces it)."""
+    memo = getattr(anchor, _MEMO_ATTR, None)
+    if memo is None:
+        memo = DerivedCache()
+        try:
+            setattr(anchor, _MEMO_ATTR, memo)
+        except (AttributeError, TypeError, RuntimeError):  # no attributes: build every call
+            return build()
+    value = memo.get(key)
+    if value is None:
+        memo.clear()
+        value = memo[key] = build()
+    return value
+
+
+def seed_memo(anchor, key: tuple, value) -> bool:
+    """Make ``value`` what ``memoised(anchor, key, ...)`` returns (replacing any entry);
+    False where ``anchor`` takes no attributes."""
+    memo = DerivedCache()
+    memo[key] = value
+    try:
+        setattr(anchor, _MEMO_ATTR, memo)
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+    return True
+
+
+def forget_memo(t: torch.Tensor) -> None:
+    """Drop what ``memoised`` keeps on ``t`` (e.g. canonical views of its old memory), so that
+    memory is freed when ``t``'s data is replaced instead of at the next call."""
+    t.__dict__.pop(_MEMO_ATTR, None)
