@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,8 +200,12 @@ def sources_key(tensors: list[torch.Tensor | None]) -> tuple:
     )
 
 
-def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
-    """The module's weights in the canonical layout and its activation (converted once)."""
+def expert_weights(
+    module: torch.nn.Module, relay: Callable[[torch.nn.Module], bool] | None = None
+) -> tuple[ExpertWeights, Activation]:
+    """The module's weights in the canonical layout and its activation (converted once).
+    ``relay(module)``: asked, when the weights are converted, to re-lay transposed weights
+    stored contiguously as stored (True when it did), before any view of them is made."""
     layout = describe(module)
     quantized = quantized_weights(module)
     if quantized is not None:
@@ -212,6 +217,10 @@ def expert_weights(module: torch.nn.Module) -> tuple[ExpertWeights, Activation]:
     cached = per_mode.get(grad)
     if cached is not None and cached[0] == key:
         return cached[1], layout.activation
+    if relay is not None and layout.transposed and sources[0].is_contiguous() and relay(module):
+        sources = _sources(module, layout)
+        key = sources_key(sources)
+        per_mode = module.__dict__.setdefault(_CACHE, {})  # the re-lay dropped the old one
     weights = canonical_weights(sources, layout)
     weights.validate(layout.activation)
     per_mode[grad] = (key, weights)
@@ -233,7 +242,8 @@ def _note_strided(module: torch.nn.Module) -> None:
     warnings.warn(
         f"moerunner: experts layer {layer_name(module)} stores its experts transposed "
         "(GPT-OSS), so the kernels read them through strided views, which took up to 1.4x the "
-        "GPU time of the contiguous layout (H200, 2026-11-28). "
+        "GPU time of the contiguous layout (H200, 2026-11-28); it was not re-laid in place "
+        "(that is done on a call with grad mode off, where no other tensor holds the memory). "
         "moerunner.integrations.transformers.use_moerunner(model) (or relayout_experts(model)) "
         "re-lays them once, keeping their shapes, state dict and checkpoints; "
         "use_moerunner(model, relayout=False) keeps them as stored without this warning",

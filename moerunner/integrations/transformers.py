@@ -100,7 +100,7 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
                 )
             return _traced_experts(self, hidden_states, ids, weights, backend, fallback)
         try:
-            expert_w, activation = expert_weights(self)
+            expert_w, activation = expert_weights(self, _relayout.auto_relayout)
         except UnsupportedExpertsError:
             if (getattr(config, FALLBACK_ATTR, None) or fallback) != "eager":
                 raise

@@ -100,17 +100,24 @@ def test_relayout_false_keeps_the_stored_layout_and_the_same_values():
     assert_close(_logits(model), ref, FP32_MAX_REL, what="stored layout, moerunner")
 
 
-@pytest.mark.parametrize("setup", ["loaded", "relayout", "relayout=False", "stored"])
+@pytest.mark.parametrize(
+    "setup", ["loaded", "loaded, memory shared", "relayout", "relayout=False", "stored"]
+)
 def test_strided_reads_warn_once_unless_the_layout_was_chosen(monkeypatch, setup):
-    """A model loaded with experts_implementation="moerunner" alone reads GPT-OSS's transposed
-    experts through strided views: its first call warns once per process, naming
-    use_moerunner. Re-laid, or kept as stored on purpose, it does not."""
+    """A model loaded with experts_implementation="moerunner" alone is re-laid in place on its
+    first inference call (below); where that cannot be done without a copy (another tensor
+    holds the memory) it reads GPT-OSS's transposed experts through strided views, and its
+    first call warns once per process, naming use_moerunner. Re-laid, or kept as stored on
+    purpose, it does not warn."""
     import warnings
 
     from moerunner.integrations import _hf_experts
 
     monkeypatch.setattr(_hf_experts, "_STRIDED_WARNED", [False])
     model = build("gpt_oss", implementation="moerunner", intermediate_size=40)
+    kept = [e.gate_up_proj.detach() for e in _experts(model)]  # noqa: F841  (held on purpose)
+    if setup != "loaded, memory shared":
+        del kept
     if setup == "relayout":
         mt.use_moerunner(model, backend="torch")
     elif setup == "relayout=False":
@@ -122,12 +129,52 @@ def test_strided_reads_warn_once_unless_the_layout_was_chosen(monkeypatch, setup
         _logits(model)
         _logits(model)
     strided = [w for w in seen if "strided views" in str(w.message)]
-    if setup == "loaded":
+    if setup == "loaded, memory shared":
         assert len(strided) == 1 and issubclass(strided[0].category, RuntimeWarning)
         assert "GptOssExperts" in str(strided[0].message)  # the layer (its path once known)
         assert "use_moerunner(model)" in str(strided[0].message)
     else:
         assert not strided
+
+
+def test_first_inference_call_relays_in_place(caplog):
+    """A model loaded with experts_implementation="moerunner" (no use_moerunner): its first
+    call with grad mode off re-lays each GPT-OSS experts layer in place, in the canonical
+    layout, once; the logits match the float64 reference before and after."""
+    model = build("gpt_oss", implementation="moerunner", intermediate_size=40)
+    ref = _reference(model)
+    experts = _experts(model)
+    pointers = [e.gate_up_proj.untyped_storage().data_ptr() for e in experts]
+    assert not any(_canonical(e.gate_up_proj) for e in experts)
+    with caplog.at_level("INFO", logger="moerunner"):
+        first = _logits(model)
+    assert all(_canonical(e.gate_up_proj) and _canonical(e.down_proj) for e in experts)
+    assert [e.gate_up_proj.untyped_storage().data_ptr() for e in experts] == pointers
+    assert sum("re-laid the transposed experts" in r.message for r in caplog.records) == len(
+        experts
+    )
+    assert_close(first, ref, FP32_MAX_REL, what="first call, re-laid")
+    assert_close(_logits(model), ref, FP32_MAX_REL, what="second call")
+
+
+@pytest.mark.parametrize("why", ["grad mode on", "relayout=False", "relaid to stored"])
+def test_no_automatic_relayout_where_the_caller_decides(why):
+    """Training calls (grad mode on) keep the layout, as do layers whose caller chose the
+    stored layout; a layer decides once."""
+    model = build("gpt_oss", implementation="moerunner", intermediate_size=40)
+    experts = _experts(model)
+    if why == "relayout=False":
+        mt.use_moerunner(model, backend="torch", relayout=False)
+    elif why == "relaid to stored":
+        mt.relayout_experts(model)
+        mt.relayout_experts(model, "stored")
+    if why == "grad mode on":
+        model(IDS).logits.sum().backward()
+        assert all(e.gate_up_proj.grad is not None for e in experts)
+    else:
+        _logits(model)
+    assert not any(_canonical(e.gate_up_proj) for e in experts)
+    assert all(e.gate_up_proj.is_contiguous() for e in experts)
 
 
 def test_experts_memory_is_held_once_and_relaid_in_place():
