@@ -6,9 +6,12 @@ implementation (transformers' "eager" loop, its "grouped_mm", moerunner, and a z
 implementation that returns zeros without reading the weights), one prefill forward of
 ``batch x prompt`` tokens and ``decode_steps`` single-token steps over a KV cache, ``repeats``
 times (min / median / max). Before timing, the prefill logits of every implementation are
-compared with the first one's (max |d| / max |ref|). The model is loaded as
-``experts_implementation`` loads it, so GPT-OSS's transposed experts are read through strided
-views; ``moerunner+relayout`` runs moerunner on them re-laid as ``use_moerunner`` lays them.
+compared with the first one's (max |d| / max |ref|). Every implementation but
+``moerunner+relayout`` runs on GPT-OSS's experts as stored (transposed), chosen on purpose
+(``relayout_experts(model, "stored")``), so moerunner reads them through strided views there;
+``moerunner+relayout`` runs moerunner on them re-laid as ``use_moerunner`` lays them, which is
+also the layout a model loaded with ``experts_implementation="moerunner"`` takes on its first
+inference call.
 
 Before the first implementation is timed, a warm-up pass runs the zero-cost implementation
 through the same prefill and decode sequence (every KV-cache length the timed runs reach):
@@ -219,6 +222,9 @@ def build_model(name: str, layers: int, vocab: int, tiny: bool, dtype, device):
                 continue
             # Routers start at zero in some families: random values give realistic loads.
             p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02)
+    # GPT-OSS's experts stay as stored, chosen on purpose (no first call re-lays them):
+    # only the "+relayout" rows re-lay them (``use_impl``).
+    mt.relayout_experts(model, "stored")
     return model.eval()
 
 
