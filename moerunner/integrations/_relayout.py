@@ -71,6 +71,19 @@ def _offloading_hook(module: torch.nn.Module) -> bool:
     )
 
 
+def _param_blocker(name: str, param: torch.nn.Parameter) -> str | None:
+    """Why parameter ``name``'s data cannot be re-laid, or None."""
+    if param.dim() != 3 or param.numel() == 0:
+        return f"{name} is not a non-empty 3-D tensor (shape {list(param.shape)})"
+    if param.device.type == "meta":
+        return f"{name} is on the meta device (offloaded or not loaded)"
+    if type(param.data) is not torch.Tensor:
+        return f"{name} is a {type(param.data).__name__}, not a plain tensor"
+    if param.is_inference():
+        return f"{name} is an inference tensor (its data cannot be replaced)"
+    return None
+
+
 def blocker(model: torch.nn.Module, path: str, module: torch.nn.Module, owners: dict) -> str | None:
     """Why ``module`` (at ``path`` in ``model``) must keep its stored layout, or None."""
     try:
@@ -86,14 +99,9 @@ def blocker(model: torch.nn.Module, path: str, module: torch.nn.Module, owners: 
         if _offloading_hook(model.get_submodule(".".join(parts[:depth]))):
             return "its weights are offloaded (an accelerate hook loads them per forward)"
     for name, param in _weights(module):
-        if param.dim() != 3 or param.numel() == 0:
-            return f"{name} is not a non-empty 3-D tensor (shape {list(param.shape)})"
-        if param.device.type == "meta":
-            return f"{name} is on the meta device (offloaded or not loaded)"
-        if type(param.data) is not torch.Tensor:
-            return f"{name} is a {type(param.data).__name__}, not a plain tensor"
-        if param.is_inference():
-            return f"{name} is an inference tensor (its data cannot be replaced)"
+        reason = _param_blocker(name, param)
+        if reason is not None:
+            return reason
         key = (str(param.device), param.untyped_storage().data_ptr())
         if len(owners.get(key, ())) > 1:
             return f"{name} shares its memory with another tensor of the model"
@@ -179,7 +187,8 @@ def auto_relayout(module: torch.nn.Module) -> bool:
     Not done (the layer keeps reading strided views, and warns once per process): where the
     caller chose the stored layout (``use_moerunner(model, relayout=False)``,
     ``relayout_experts(model, "stored")``), with grad mode on (training keeps its layout),
-    while compiling or capturing a CUDA graph, for weights another tensor shares, that are
+    while compiling or capturing a CUDA graph, after an earlier call (compiled or with grad
+    mode on) derived views of the weights, for weights another tensor shares, that are
     offloaded, meta, inference tensors or tensor subclasses, and after a first decision."""
     if module.__dict__.get(STORED_ON_PURPOSE) or module.__dict__.get(_AUTO_DECIDED):
         return False
@@ -190,19 +199,17 @@ def auto_relayout(module: torch.nn.Module) -> bool:
     module.__dict__[_AUTO_DECIDED] = True
     if _offloading_hook(module) or quantized_weights(module) is not None:
         return False
-    params = [p for _, p in _weights(module)]
-    for param in params:
-        if (
-            param.dim() != 3
-            or param.numel() == 0
-            or param.device.type == "meta"
-            or type(param.data) is not torch.Tensor
-            or param.is_inference()
-            or not in_layout(param, "stored")
-            or not _alone(param)
-        ):
+    weights = _weights(module)
+    for name, param in weights:
+        # Alone also means no earlier call derived anything from it: a compiled graph's
+        # memoised views, or a grad-mode call's, hold its memory (re-laying under a compiled
+        # graph would change the strides it guards on and recompile it).
+        if _param_blocker(name, param) is not None or not in_layout(param, "stored"):
+            return False
+        if not _alone(param):
             return False
     forget_weights(module)
+    params = [param for _, param in weights]
     with torch.inference_mode(False), torch.no_grad():
         for param in params:
             _transpose_in_place(param, "canonical", CHUNK_BYTES)

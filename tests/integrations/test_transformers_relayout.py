@@ -157,12 +157,20 @@ def test_first_inference_call_relays_in_place(caplog):
     assert_close(_logits(model), ref, FP32_MAX_REL, what="second call")
 
 
-@pytest.mark.parametrize("why", ["grad mode on", "relayout=False", "relaid to stored"])
+@pytest.mark.parametrize(
+    "why", ["grad mode on", "relayout=False", "relaid to stored", "after a compiled call"]
+)
 def test_no_automatic_relayout_where_the_caller_decides(why):
     """Training calls (grad mode on) keep the layout, as do layers whose caller chose the
-    stored layout; a layer decides once."""
+    stored layout, and layers a compiled graph has read (re-laying would change the strides
+    its guards check, and recompile it)."""
     model = build("gpt_oss", implementation="moerunner", intermediate_size=40)
     experts = _experts(model)
+    if why == "after a compiled call":
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            compiled(IDS)
     if why == "relayout=False":
         mt.use_moerunner(model, backend="torch", relayout=False)
     elif why == "relaid to stored":
