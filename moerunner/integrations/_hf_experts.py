@@ -204,8 +204,8 @@ def expert_weights(
     module: torch.nn.Module, relay: Callable[[torch.nn.Module], bool] | None = None
 ) -> tuple[ExpertWeights, Activation]:
     """The module's weights in the canonical layout and its activation (converted once).
-    ``relay(module)``: asked, when the weights are converted, to re-lay transposed weights
-    stored contiguously as stored (True when it did), before any view of them is made."""
+    ``relay(module)``: asked, when transposed weights are converted, to re-lay them (True
+    when it did), before any view of them is made."""
     layout = describe(module)
     quantized = quantized_weights(module)
     if quantized is not None:
@@ -217,7 +217,7 @@ def expert_weights(
     cached = per_mode.get(grad)
     if cached is not None and cached[0] == key:
         return cached[1], layout.activation
-    if relay is not None and layout.transposed and sources[0].is_contiguous() and relay(module):
+    if relay is not None and layout.transposed and relay(module):
         sources = _sources(module, layout)
         key = sources_key(sources)
         per_mode = module.__dict__.setdefault(_CACHE, {})  # the re-lay dropped the old one

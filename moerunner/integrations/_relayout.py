@@ -208,11 +208,7 @@ def auto_relayout(module: torch.nn.Module) -> bool:
             return False
         if not _alone(param):
             return False
-    forget_weights(module)
-    params = [param for _, param in weights]
-    with torch.inference_mode(False), torch.no_grad():
-        for param in params:
-            _transpose_in_place(param, "canonical", CHUNK_BYTES)
+    relayout(module, "canonical")  # in place: every parameter is alone
     _log.info(
         "moerunner: re-laid the transposed experts of %s in place (canonical layout; "
         "use_moerunner(model, relayout=False) keeps the stored one)",
