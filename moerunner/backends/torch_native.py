@@ -200,6 +200,9 @@ class TorchBackend(Backend):
         else:
             tensors["w13_experts"], tensors["w2_experts"] = weights.w13, weights.w2
         tensors["w13_bias"], tensors["w2_bias"] = weights.w13_bias, weights.w2_bias
+        # What the grouped GEMM needs of the weights, known once (``_grouped_fits``).
+        rows = tensors["grouped_rows"] = _grouped_rows(prepared)
+        tensors["grouped_aligned"] = rows and _aligned16(weights.w13) and _aligned16(weights.w2)
         return prepared
 
     def __repr__(self) -> str:
@@ -425,9 +428,10 @@ def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int
     t, num_experts, options = prepared.tensors, prepared.spec.num_experts, _options(prepared)
     if dtype not in options.cpu_grouped_dtypes or not _grouped_fits(prepared, dtype):
         return False
-    if not (_aligned16(t["w13"]) and _aligned16(t["w2"])):
+    if not t["grouped_aligned"]:
         return False
-    if t["w13"][0].numel() >= options.cpu_grouped_large:  # large experts: whatever is hit
+    w13 = t["w13"]
+    if w13.shape[1] * w13.shape[2] >= options.cpu_grouped_large:  # large: whatever is hit
         return bounds[num_experts] > 0
     hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
     return hit > 0 and hit * options.cpu_grouped_hit_share >= num_experts
@@ -436,8 +440,15 @@ def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int
 def _grouped_fits(prepared: PreparedWeights, dtype: torch.dtype) -> bool:
     """The grouped GEMM can take these weights for ``dtype`` inputs: plain weights of that
     dtype, and 16-byte aligned rows of every input it reads (its kernels need them)."""
+    t = prepared.tensors
+    return t["grouped_rows"] and t["w13"].dtype == dtype
+
+
+def _grouped_rows(prepared: PreparedWeights) -> bool:
+    """The prepare-time part of ``_grouped_fits``: PyTorch has the grouped GEMM, the weights
+    are plain and the rows of H and I in their dtype are 16-byte multiples."""
     t, spec = prepared.tensors, prepared.spec
-    if _GROUPED_MM is None or "scheme" in t or t["w13"].dtype != dtype:
+    if _GROUPED_MM is None or "scheme" in t:
         return False
     width = t["w13"].element_size()
     return (spec.hidden_size * width) % 16 == 0 and (spec.intermediate_size * width) % 16 == 0
