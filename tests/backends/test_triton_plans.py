@@ -10,6 +10,7 @@ must (a workspace evicted, another stream, another alignment).
 from __future__ import annotations
 
 import gc
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -101,6 +102,107 @@ def test_recording_collects_compiled_launches():
     assert plans[("j",)] == 1
 
 
+def _per_call_buffers(made):
+    """A per-call buffers function that counts its calls and zero-fills one buffer (an op
+    that would end a recording if it were the call's own)."""
+
+    def make():
+        made.append(threading.get_ident())
+        return {"a": torch.empty(6), "b": torch.zeros(3)}
+
+    return make
+
+
+def test_a_plan_makes_its_per_call_buffers_again_at_each_replay():
+    roles = (torch.zeros(4),)
+    made = []
+    make = _per_call_buffers(made)
+    plans = OrderedDict()
+    calls = []
+
+    def run(*args):
+        calls.append(args)
+
+    with _plan.recorded(plans, ("k",), roles):
+        bufs = _launch.per_call(make)  # recorded with the call
+        rec = _launch._local.rec
+        rec.launches.append((run, (), (bufs["b"], roles[0], bufs["a"]), ()))
+    plan = plans[("k",)]
+    assert isinstance(plan, _plan.LaunchPlan) and plan.made == 2 and plan.refs == ()
+    del bufs, rec
+    gc.collect()
+    assert plan.alive()  # holds no per-call buffer by pointer
+    other = (torch.zeros(4),)
+    assert _plan.replay(plans, ("k",), other) and len(made) == 2
+    (args,) = calls
+    assert args[1] == other[0].data_ptr()
+    assert args[0] != args[2] and args[0] != 0 and args[2] != 0  # two fresh buffers
+
+
+def test_joined_plans_keep_each_parts_per_call_buffers_apart():
+    made_a, made_b = [], []
+    calls = []
+
+    def run(*args):
+        calls.append(args)
+
+    def part(make, roles):
+        plans = OrderedDict()
+        with _plan.recorded(plans, ("k",), roles):
+            bufs = _launch.per_call(make)
+            _launch._local.rec.launches.append((run, (), (roles[0], bufs["a"], bufs["b"]), ()))
+        return plans[("k",)]
+
+    a = part(_per_call_buffers(made_a), (torch.zeros(2),))
+    b = part(_per_call_buffers(made_b), (torch.zeros(2),))
+    joined = _plan.LaunchPlan.join([(a, (1,)), (b, (0,))])
+    assert joined.made == 4 and len(joined.makes) == 2
+    roles = (torch.zeros(2), torch.zeros(2))
+    calls.clear()
+    joined.replay(roles)
+    assert len(made_a) == len(made_b) == 2
+    (a_args, b_args) = calls
+    assert a_args[0] == roles[1].data_ptr() and b_args[0] == roles[0].data_ptr()
+    assert len({*a_args[1:], *b_args[1:]}) == 4  # four distinct per-call buffers
+
+
+def test_per_call_buffers_outside_a_recording_are_just_made():
+    made = []
+    bufs = _launch.per_call(_per_call_buffers(made))
+    assert set(bufs) == {"a", "b"} and len(made) == 1
+
+
+def test_large_workspaces_are_made_per_call_in_the_callers_thread():
+    """Buffers above ``per_call_bytes`` are not kept (they would pin memory, and two such
+    keys would evict each other on every call): from their second call on they are made in
+    the calling thread and noted in an open recording; smaller ones stay cached beside them."""
+    from moerunner.backends.triton import experts
+
+    ws = experts._Workspaces(max_bytes=1000, per_call_bytes=300)
+    cpu = torch.device("cpu")
+    threads = []
+
+    def big():
+        threads.append(threading.get_ident())
+        return {"y": torch.empty(400, dtype=torch.uint8)}
+
+    small = ws.get((cpu, "small"), lambda: {"y": torch.empty(200, dtype=torch.uint8)})
+    first = ws.get((cpu, "big"), big)
+    for _ in range(3):
+        again = ws.get((cpu, "big"), big)
+        assert again is not first and again["y"].numel() == 400
+        assert ws.get((cpu, "small"), lambda: {"y": torch.empty(1)}) is small
+    assert threads[1:] == [threading.get_ident()] * 3
+    assert ws.nbytes == 200 and list(ws.sizes.values()) == [200]
+    with _launch.recording() as rec:
+        bufs = ws.get((cpu, "big"), big)
+    assert rec.buffers == [(big, (bufs["y"],))]
+    ws.clear()
+    assert not ws.per_call and not ws.entries
+    limit = experts.WORKSPACE_LIMIT_BYTES
+    assert experts.WORKSPACES.per_call_bytes == experts.PER_CALL_BYTES <= limit
+
+
 def test_plans_are_off_on_cpu_and_under_the_interpreter():
     assert not _plan.enabled(TritonOptions(), torch.device("cpu"))
 
@@ -153,6 +255,47 @@ def test_replayed_call_equals_the_unplanned_call(scheme, tokens):
     )
     plans = [p for p in prepared.tensors["plans"].values() if isinstance(p, _plan.LaunchPlan)]
     assert plans, "no plan was recorded"
+
+
+@pytest.mark.gpu
+def test_a_call_with_per_call_workspaces_replays_its_plan():
+    """A prefill-sized call whose intermediate buffer is above ``PER_CALL_BYTES`` (not kept)
+    still replays a plan, which makes that buffer again per call, and computes what the
+    unplanned call computes."""
+    from moerunner.api import run_experts
+    from moerunner.backends.triton import experts
+
+    dev = torch.device("cuda")
+    e, h, i, k, t = 8, 256, 2048, 8, 4608  # inter: 36864 x 2048 bf16 = 144 MiB
+    assert t * k * i * 2 > experts.PER_CALL_BYTES
+    torch.manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).bfloat16()
+    weights = moerunner.ExpertWeights(w13, w2)
+    act = moerunner.Activation("silu")
+    planned = moerunner.MoeRunner("triton")
+    registry = moerunner.default_registry().copy()
+    registry.register_backend(
+        moerunner.backends.triton.TritonBackend(
+            TritonOptions(launch_cache=False), name="triton-unplanned"
+        )
+    )
+    unplanned = moerunner.MoeRunner("triton-unplanned", registry=registry)
+    for step in range(4):
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        tk = moerunner.select_experts(torch.randn(t, e, device=dev), k)
+        got = run_experts(planned, weights, x, tk.weights, tk.ids, act)
+        want = run_experts(unplanned, weights, x, tk.weights, tk.ids, act)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), step
+    prepared = moerunner.runner.prepared_for(
+        planned,
+        weights,
+        moerunner.backends.base.MoeProblem.of(x, weights, weights.spec(act), "standard"),
+        weights.spec(act),
+    )
+    plans = [p for p in prepared.tensors["plans"].values() if isinstance(p, _plan.LaunchPlan)]
+    assert plans and all(p.made > 0 for p in plans)
 
 
 @pytest.mark.gpu

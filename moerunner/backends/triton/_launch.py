@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 
 import torch
 from triton import knobs
@@ -42,12 +43,15 @@ _local = threading.local()
 class Recording:
     """What ``launch`` saw while a ``recording`` was open: every launch that went through a
     compiled kernel's launcher as ``(launcher, head, args, tail)`` (the launcher's grid,
-    stream and metadata arguments, the runtime arguments, the trailing constexprs), and
-    whether all of them did (``complete``: none took Triton's JIT launch)."""
+    stream and metadata arguments, the runtime arguments, the trailing constexprs), whether
+    all of them did (``complete``: none took Triton's JIT launch), and the buffers made for
+    the call alone (``buffers``: ``(make, its tensors)`` in order, see ``per_call``)."""
 
     def __init__(self) -> None:
         self.launches: list[tuple] = []
         self.complete = True
+        self.buffers: list[tuple[Callable[[], dict], tuple[torch.Tensor, ...]]] = []
+        self.making = False  # inside a ``per_call`` make
 
 
 class recording:  # noqa: N801  (used as a context manager, like contextlib's)
@@ -60,6 +64,33 @@ class recording:  # noqa: N801  (used as a context manager, like contextlib's)
 
     def __exit__(self, *exc) -> None:
         _local.rec = self.previous
+
+
+def per_call(make: Callable[[], dict], made: dict | None = None) -> dict:
+    """``make()``: buffers (a dict of tensors) that one call uses and drops, made in the
+    calling thread (the caching allocator hands the same blocks back call after call);
+    ``made``: such buffers made already (elsewhere) for this call. An open recording notes
+    ``make`` with them: a plan of the call makes its buffers again at each replay instead of
+    holding these by pointer, and the operations ``make`` runs are not counted as the call's
+    own (``making``)."""
+    rec = getattr(_local, "rec", None)
+    if made is None:
+        if rec is None:
+            return make()
+        rec.making = True
+        try:
+            made = make()
+        finally:
+            rec.making = False
+    if rec is not None:
+        rec.buffers.append((make, tuple(made.values())))
+    return made
+
+
+def making() -> bool:
+    """Whether this thread is inside a ``per_call`` make of an open recording."""
+    rec = getattr(_local, "rec", None)
+    return rec is not None and rec.making
 
 
 def _note_jit_launch() -> None:

@@ -15,6 +15,10 @@
 #   states, ids, routing weights, output) as slots, and every other tensor (workspaces,
 #   prepared weights) by its data pointer, with a weak reference that tells when it died
 #   (a workspace evicted from its cache): the plan is then dropped and recorded again.
+#   Buffers made for the call alone (``_launch.per_call``: workspaces too large to keep, e.g.
+#   a prefill's intermediate activations) are slots too, at negative roles: a replay makes
+#   them again with the same function, and the operations of that function do not count as
+#   the call's own.
 # - Plans of expert calls live in the prepared weights' ``tensors["plans"]`` and die with
 #   them (routing keeps its own), keyed by the options, the caller (thread and CUDA stream,
 #   as the workspaces are), the shapes and dtypes of the roles and each role's 16-byte
@@ -72,7 +76,7 @@ class _OpWatch(TorchDispatchMode):
         self.other = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ not in _VIEW_OPS:
+        if func.overloadpacket.__name__ not in _VIEW_OPS and not _launch.making():
             self.other = True
         return func(*args, **(kwargs or {}))
 
@@ -80,19 +84,28 @@ class _OpWatch(TorchDispatchMode):
 class LaunchPlan:
     """A call's launches with its own tensors as slots (module comment)."""
 
-    __slots__ = ("launches", "refs")
+    __slots__ = ("launches", "refs", "makes", "made")
 
-    def __init__(self, launches: tuple, refs: tuple) -> None:
+    def __init__(self, launches: tuple, refs: tuple, makes: tuple = ()) -> None:
         self.launches = launches  # (launcher, argument template, ((position, role), ...))
         self.refs = refs  # weak references to every tensor the template holds by pointer
+        # The per-call buffers' functions, made at each replay in order; their tensors fill
+        # roles -1, -2, ... (``replay`` appends their pointers reversed).
+        self.makes = makes
+        self.made = sum(n for _, n in makes)  # how many tensors they make
 
     @classmethod
-    def build(cls, launches: list[tuple], roles: tuple[torch.Tensor, ...]) -> LaunchPlan | None:
+    def build(
+        cls, launches: list[tuple], roles: tuple[torch.Tensor, ...], buffers: list[tuple] = ()
+    ) -> LaunchPlan | None:
         """The plan of ``launches`` (a ``_launch.Recording``'s) for a call whose own tensors
-        are ``roles``; None where two roles share a data pointer (their slots would be
+        are ``roles`` and whose per-call buffers are ``buffers`` (the recording's: ``(make,
+        its tensors)``); None where two of those share a data pointer (their slots would be
         ambiguous) or a tensor argument cannot be weakly referenced."""
         role_of = {t.data_ptr(): i for i, t in enumerate(roles)}
-        if len(role_of) != len(roles):
+        made = [t for _, tensors in buffers for t in tensors]
+        role_of.update((t.data_ptr(), -1 - j) for j, t in enumerate(made))
+        if len(role_of) != len(roles) + len(made):
             return None
         refs: dict[int, weakref.ref] = {}
         planned = []
@@ -119,19 +132,24 @@ class LaunchPlan:
                     template.append(arg)
             template.extend(tail)
             planned.append((run, template, tuple(slots)))
-        return cls(tuple(planned), tuple(refs.values()))
+        makes = tuple((make, len(tensors)) for make, tensors in buffers)
+        return cls(tuple(planned), tuple(refs.values()), makes)
 
     @classmethod
     def join(cls, parts: list[tuple[LaunchPlan, tuple[int, ...]]]) -> LaunchPlan:
         """One plan running ``parts`` in order: each a plan and, per role of that plan, the
         index of the joined plan's role that fills it (two calls whose tensors meet, e.g.
         routing writing the ids that the experts read, become one replay)."""
-        launches, refs = [], []
+        launches, refs, makes = [], [], []
+        made = 0  # per-call tensors of the parts before: theirs come first
         for plan, role_map in parts:
             for run, template, slots in plan.launches:
-                launches.append((run, template, tuple((pos, role_map[r]) for pos, r in slots)))
+                mapped = tuple((pos, role_map[r] if r >= 0 else r - made) for pos, r in slots)
+                launches.append((run, template, mapped))
             refs.extend(plan.refs)
-        return cls(tuple(launches), tuple(refs))
+            makes.extend(plan.makes)
+            made += plan.made
+        return cls(tuple(launches), tuple(refs), tuple(makes))
 
     def alive(self) -> bool:
         """Whether every tensor the plan holds by pointer still exists."""
@@ -141,8 +159,18 @@ class LaunchPlan:
         return True
 
     def replay(self, roles: tuple[torch.Tensor, ...]) -> None:
-        """Launch the recorded kernels with ``roles`` in their slots."""
+        """Launch the recorded kernels with ``roles`` in their slots, and the call's per-call
+        buffers, made again, in theirs."""
         ptrs = [t.data_ptr() for t in roles]
+        if self.makes:
+            # Held until every launch is queued; freed after, on the stream that used them.
+            buffers = [t for make, _ in self.makes for t in make().values()]
+            if len(buffers) != self.made:
+                raise RuntimeError(
+                    f"launch plan: its per-call buffers came to {len(buffers)} tensors, "
+                    f"recorded as {self.made}"
+                )
+            ptrs.extend(t.data_ptr() for t in reversed(buffers))
         for run, template, slots in self.launches:
             args = template.copy()
             for position, role in slots:
@@ -249,7 +277,7 @@ class recorded:  # noqa: N801  (a context manager)
             return
         plan = None
         if self.rec.complete and not self.watch.other and self.rec.launches:
-            plan = LaunchPlan.build(self.rec.launches, self.roles)
+            plan = LaunchPlan.build(self.rec.launches, self.roles, self.rec.buffers)
         if plan is None:
             self.plans[self.key] = self.attempts + 1
             return

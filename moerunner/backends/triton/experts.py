@@ -10,7 +10,8 @@
 # ``grouped_core`` feeds it the rows of the grouped ("permuted") layout as they are.
 # Workspaces are cached per (caller thread and CUDA stream, device, shapes, dtype), bounded in
 # bytes (``WORKSPACES.max_bytes``), reused across calls, and made outside any CUDA-graph
-# memory pool (``backends.base.kept``). Switches come from the prepared
+# memory pool (``memory.kept``); those over ``WORKSPACES.per_call_bytes`` are made per call
+# (``_Workspaces``). Switches come from the prepared
 # weights' ``TritonOptions`` (``prepared.options``), read per call.
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ _TL_DTYPES = {
 
 #: Default bound of the workspace cache: buffers of recent shapes kept for reuse.
 WORKSPACE_LIMIT_BYTES = 256 << 20
+#: Default size above which one key's buffers are made per call instead of kept.
+PER_CALL_BYTES = 64 << 20
+#: Keys remembered as made per call (least recently seen forgotten first).
+_PER_CALL_KEYS = 256
 
 
 class _Workspaces:
@@ -79,16 +84,33 @@ class _Workspaces:
     ``get(key, make)`` returns the buffers of ``key`` for the calling thread and its current
     CUDA stream (``backends.base.caller``), making them with ``make()`` on a miss. Least recently
     used entries are evicted until at most ``capacity`` entries and ``max_bytes`` bytes
-    remain; buffers larger than ``max_bytes`` on their own are made per call and not kept.
-    A buffer in use is never freed under its user: eviction only drops the cache's reference.
+    remain. A buffer in use is never freed under its user: eviction only drops the cache's
+    reference.
+
+    Buffers of one key larger than ``per_call_bytes`` (default: 64 MiB, at most
+    ``max_bytes``), such as a prefill's intermediate activations, are not kept: holding them
+    would pin that memory between calls, and two of them would evict each other on every
+    call. From their second call on they are made in the calling thread, where the caching
+    allocator hands back the same blocks in microseconds (``_launch.per_call``: a launch
+    plan makes them again at each replay). Kept buffers are made by ``memory.kept``, away
+    from any CUDA graph's pool.
     """
 
-    def __init__(self, capacity: int = 16, max_bytes: int = WORKSPACE_LIMIT_BYTES) -> None:
+    def __init__(
+        self,
+        capacity: int = 16,
+        max_bytes: int = WORKSPACE_LIMIT_BYTES,
+        per_call_bytes: int | None = None,
+    ) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
+        self.per_call_bytes = (
+            min(max_bytes, PER_CALL_BYTES) if per_call_bytes is None else per_call_bytes
+        )
         self.entries: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
         self.sizes: dict[tuple, int] = {}
         self.nbytes = 0
+        self.per_call: OrderedDict[tuple, None] = OrderedDict()  # keys made per call
         self._lock = threading.Lock()
 
     def get(self, key: tuple, make) -> dict[str, torch.Tensor]:
@@ -99,10 +121,19 @@ class _Workspaces:
             if entry is not None:
                 self.entries.move_to_end(full)
                 return entry
+            per_call = full in self.per_call
+            if per_call:
+                self.per_call.move_to_end(full)
+        if per_call:
+            return _launch.per_call(make)
         entry = kept(make, device)
         size = sum(t.numel() * t.element_size() for t in entry.values())
-        if size > self.max_bytes:
-            return entry
+        if size > self.per_call_bytes:
+            with self._lock:
+                self.per_call[full] = None
+                while len(self.per_call) > _PER_CALL_KEYS:
+                    self.per_call.popitem(last=False)
+            return _launch.per_call(make, entry)
         with self._lock:
             if full in self.entries:  # made meanwhile by this caller: keep the first
                 return self.entries[full]
@@ -114,11 +145,12 @@ class _Workspaces:
         return entry
 
     def clear(self) -> None:
-        """Drop every cached buffer."""
+        """Drop every cached buffer (and what was learnt about sizes)."""
         with self._lock:
             self.entries.clear()
             self.sizes.clear()
             self.nbytes = 0
+            self.per_call.clear()
 
 
 WORKSPACES = _Workspaces()
