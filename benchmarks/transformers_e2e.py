@@ -7,11 +7,12 @@ implementation that returns zeros without reading the weights), one prefill forw
 ``batch x prompt`` tokens and ``decode_steps`` single-token steps over a KV cache, ``repeats``
 times (min / median / max). Before timing, the prefill logits of every implementation are
 compared with the first one's (max |d| / max |ref|). Every implementation but
-``moerunner+relayout`` runs on GPT-OSS's experts as stored (transposed), chosen on purpose
-(``relayout_experts(model, "stored")``), so moerunner reads them through strided views there;
-``moerunner+relayout`` runs moerunner on them re-laid as ``use_moerunner`` lays them, which is
-also the layout a model loaded with ``experts_implementation="moerunner"`` takes on its first
-inference call.
+``moerunner+relayout`` and ``moerunner+auto`` runs on GPT-OSS's experts as stored
+(transposed), chosen on purpose (``relayout_experts(model, "stored")``), so moerunner reads
+them through strided views there; ``moerunner+relayout`` runs moerunner on them re-laid as
+``use_moerunner`` lays them; ``moerunner+auto`` leaves the layout to moerunner, as a model
+loaded with ``experts_implementation="moerunner"`` does (its first inference call re-lays
+each layer in place; each row says which layout its experts ended in).
 
 Before the first implementation is timed, a warm-up pass runs the zero-cost implementation
 through the same prefill and decode sequence (every KV-cache length the timed runs reach):
@@ -389,17 +390,41 @@ class BackendLog(logging.Handler):
 
 
 RELAYOUT = "+relayout"
+AUTO = "+auto"
 
 
-def use_impl(model, impl: str, registered: str) -> None:
-    """Switch the experts to ``impl`` (registered as ``registered``); ``moerunner+relayout``
-    also re-lays GPT-OSS's transposed experts into the canonical layout (what
-    ``use_moerunner`` does), every other implementation runs on the stored layout."""
-    canonical = impl.endswith(RELAYOUT)
-    if canonical != getattr(model, "_e2e_canonical", False):
-        mt.relayout_experts(model, "canonical" if canonical else "stored")
-        model._e2e_canonical = canonical
+def base_impl(impl: str) -> str:
+    """``impl`` without its layout suffix (``RELAYOUT``, ``AUTO``)."""
+    return impl.removesuffix(RELAYOUT).removesuffix(AUTO)
+
+
+def use_impl(model, impl: str, registered: str, first=None) -> None:
+    """Switch the experts to ``impl`` (registered as ``registered``). GPT-OSS's transposed
+    experts: ``...+relayout`` re-lays them into the canonical layout (what ``use_moerunner``
+    does); ``...+auto`` leaves the layout to moerunner as for a model loaded with
+    ``experts_implementation="moerunner"`` (``relayout_experts(model, "auto")``: its first
+    inference call re-lays each layer in place), that first call made here on ``first``
+    (token ids, untimed) where given; every other implementation runs on the stored layout."""
+    layout = "canonical" if impl.endswith(RELAYOUT) else "auto" if impl.endswith(AUTO) else "stored"
+    if layout == "auto" or layout != getattr(model, "_e2e_layout", "stored"):
+        mt.relayout_experts(model, layout)
+        model._e2e_layout = layout
     model.set_experts_implementation(registered)
+    if layout == "auto" and first is not None:
+        with torch.no_grad():
+            model(first)
+
+
+def experts_layout(model) -> str | None:
+    """ "canonical" or "stored" for transposed (GPT-OSS) experts, as they are now; None for
+    experts stored canonical."""
+    from moerunner.integrations import _relayout
+
+    layers = [m for _, m in mt.experts_modules(model) if _relayout.describe(m).transposed]
+    if not layers:
+        return None
+    canonical = all(_relayout.in_layout(m.gate_up_proj, "canonical") for m in layers)
+    return "canonical" if canonical else "stored"
 
 
 def warm_pass(model, zero_name: str, prompt, decode_prompt, args) -> None:
@@ -423,7 +448,7 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
 
 def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
     use_impl(model, impl, registered)
-    with torch.no_grad():
+    with torch.no_grad():  # (for "+auto" the first call: it re-lays GPT-OSS's experts)
         logits = model(prompt[:1, :256]).logits.float()
     err = None
     if impl != ZERO_IMPL:  # zeros for experts: its logits are not an answer
@@ -448,10 +473,12 @@ def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
         "max_rel_vs_first": err,
         "prefill_span_ms": spread(prefill_span),
         "decode_span_ms": spread(decode_span),
+        "experts_layout": experts_layout(model),
     }
+    layout = f"  experts {row['experts_layout']}" if row["experts_layout"] else ""
     print(
         f"[{shape}] {impl:<16} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
-        f"decode {row['decode_tok_s']:>8.1f} tok/s  err {_fmt(err, '.2e')}",
+        f"decode {row['decode_tok_s']:>8.1f} tok/s  err {_fmt(err, '.2e')}{layout}",
         flush=True,
     )
     return row, ref
@@ -554,7 +581,7 @@ def measure_graphs(model, shape, impl, registered, decode_prompt, args) -> list[
             row["error"] = "skipped: transformers' eager loop is data-dependent (not captured)"
         else:
             try:
-                use_impl(model, impl, registered)
+                use_impl(model, impl, registered, first=decode_prompt[:1, :8])
                 got = time_static_decode(
                     model, decode_prompt, args.decode_steps, args.repeats, mode, args.backend
                 )
@@ -697,7 +724,7 @@ def profile_decode(model, ids, steps: int) -> dict:
 
 
 def measure_breakdown(model, shape, impl, registered, decode_prompt, args) -> dict:
-    use_impl(model, impl, registered)
+    use_impl(model, impl, registered, first=decode_prompt[:1, :8])
     row = {"shape": shape, "impl": impl, "decode_batch": decode_prompt.shape[0]}
     try:
         row.update(profile_decode(model, decode_prompt, args.profile_steps))
@@ -715,7 +742,7 @@ def run(args) -> dict:
     impls = [i for i in args.impls.split(",") if i != ZERO_IMPL] + [ZERO_IMPL]
     names = {ZERO_IMPL: register_zero_cost()}
     for impl in impls[:-1]:  # "moerunner:triton" -> a name bound to that backend
-        base, _, backend = impl.removesuffix(RELAYOUT).partition(":")
+        base, _, backend = base_impl(impl).partition(":")
         names[impl] = mt.register(f"moerunner_{backend}", backend=backend) if backend else base
     results = {
         "args": dict(vars(args)),
@@ -775,7 +802,7 @@ def measure_rounds(model, shape, names: dict, prompt, decode_prompt, args) -> li
     samples = {impl: {"prefill": [], "decode": []} for impl in names}
     for _ in range(args.rounds):
         for impl, registered in names.items():
-            use_impl(model, impl, registered)
+            use_impl(model, impl, registered, first=prompt[:1, :8])
             samples[impl]["prefill"] += time_prefill(model, prompt, 1)
             samples[impl]["decode"] += time_decode(model, decode_prompt, args.decode_steps, 1)
     return [
@@ -985,7 +1012,8 @@ def main(argv=None) -> None:
         "--impls",
         default="eager,grouped_mm,moerunner",
         help="comma list; 'moerunner:BACKEND' pins a moerunner backend (default: auto), "
-        "'moerunner+relayout' also re-lays GPT-OSS's transposed experts as use_moerunner does; "
+        "'moerunner+relayout' also re-lays GPT-OSS's transposed experts as use_moerunner does, "
+        "'moerunner+auto' leaves them to moerunner's first-call re-lay (a loaded model's path); "
         f"the zero-cost implementation ({ZERO_IMPL}) is always added",
     )
     p.add_argument("--layers", type=int, default=2)

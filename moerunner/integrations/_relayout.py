@@ -219,3 +219,12 @@ def auto_relayout(module: torch.nn.Module) -> bool:
 
 # Set on a module once auto_relayout has decided (it does not look again).
 _AUTO_DECIDED = "_moerunner_auto_relayout_decided"
+
+
+def undecided(module: torch.nn.Module) -> None:
+    """Leave the layout to ``auto_relayout`` again: forget its decision and the module's
+    derived views of the weights (which would keep the parameters from being alone)."""
+    module.__dict__.pop(_AUTO_DECIDED, None)
+    forget_weights(module)
+    if not all(_alone(param) for _, param in _weights(module)):
+        gc.collect()  # the dropped views may wait in reference cycles

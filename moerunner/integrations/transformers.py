@@ -323,23 +323,30 @@ def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:
     the kernels read fastest, and the parameter a transposed view of it (same object, name,
     shape and values: ``state_dict``, ``load_state_dict``, ``save_pretrained``, ``.to()``
     and transformers' own experts implementations work unchanged). ``"stored"``: contiguous
-    as the checkpoint stores them again. One copy of the experts either way; the re-lay is
-    done in each parameter's memory through a 64 MiB buffer, or, where another tensor
-    references that memory, by a copy (one parameter of transient memory). Left as stored
+    as the checkpoint stores them again, kept so (no automatic re-lay). ``"auto"``: as
+    stored, with the choice left to moerunner as for a freshly loaded model: each layer is
+    re-laid in place at its first eager inference call where that costs no copy (cached
+    views of the weights are dropped here for that). One copy of the experts either way;
+    the re-lay is done in each parameter's memory through a 64 MiB buffer, or, where
+    another tensor references that memory, by a copy (one parameter of transient memory).
+    Left as stored
     (moerunner reads them through strided views): layers moerunner cannot run or that run
     quantized weights, offloaded or meta weights, tensor subclasses (e.g. DTensor), and
     weights sharing memory with another tensor of the model. Layers stored canonical already
     are not touched.
     """
-    if layout not in _relayout.LAYOUTS:
-        raise MoeInputError(f"layout: got {layout!r}; accepted: {_relayout.LAYOUTS}")
+    choices = (*_relayout.LAYOUTS, "auto")
+    if layout not in choices:
+        raise MoeInputError(f"layout: got {layout!r}; accepted: {choices}")
     owners = _relayout.storage_owners(model)
     verdicts: dict[str, str | None] = {}
     for path, module in experts_modules(model):
         reason = _relayout.blocker(model, path, module, owners)
         if reason is None:
-            _relayout.relayout(module, layout)
+            _relayout.relayout(module, "stored" if layout == "auto" else layout)
         module.__dict__[STORED_ON_PURPOSE] = layout == "stored"
+        if layout == "auto":
+            _relayout.undecided(module)
         verdicts[path] = reason
     if not verdicts:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")

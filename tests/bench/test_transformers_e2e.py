@@ -267,8 +267,17 @@ def test_relayout_rows_read_the_canonical_layout_and_the_others_the_stored_one(e
     experts = [m for _, m in e2e.mt.experts_modules(model)]
     values = [m.gate_up_proj.detach().clone() for m in experts]
     name = e2e.mt.register()
-    for impl, layout in [("moerunner+relayout", "canonical"), ("grouped_mm", "stored")] * 2:
-        e2e.use_impl(model, impl, name if impl.startswith("moerunner") else impl)
+    first = torch.zeros(1, 4, dtype=torch.long)
+    rows = [
+        ("moerunner+relayout", "canonical"),
+        ("grouped_mm", "stored"),
+        ("moerunner+auto", "canonical"),  # re-laid by its first call
+        ("grouped_mm", "stored"),
+    ]
+    for impl, layout in rows * 2:
+        e2e.use_impl(model, impl, name if impl.startswith("moerunner") else impl, first=first)
         for m, v in zip(experts, values, strict=True):
             assert _relayout.in_layout(m.gate_up_proj, layout), (impl, layout)
             assert torch.equal(m.gate_up_proj, v)
+        assert e2e.experts_layout(model) == layout
+    assert e2e.base_impl("moerunner:triton+auto") == "moerunner:triton"

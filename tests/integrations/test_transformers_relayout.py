@@ -157,6 +157,26 @@ def test_first_inference_call_relays_in_place(caplog):
     assert_close(_logits(model), ref, FP32_MAX_REL, what="second call")
 
 
+def test_auto_leaves_the_layout_to_the_next_inference_call_again():
+    """``relayout_experts(model, "auto")`` after a stored-on-purpose layout and an eager call
+    (whose cached views hold the weights' memory): stored until the next inference call,
+    which re-lays each layer in place, as for a freshly loaded model."""
+    model = build("gpt_oss", implementation="moerunner", intermediate_size=40)
+    ref = _reference(model)
+    experts = _experts(model)
+    mt.relayout_experts(model, "stored")
+    assert_close(_logits(model), ref, FP32_MAX_REL, what="stored on purpose")
+    assert not any(_canonical(e.gate_up_proj) for e in experts)
+    pointers = [e.gate_up_proj.untyped_storage().data_ptr() for e in experts]
+    assert mt.relayout_experts(model, "auto") == {p: None for p, _ in mt.experts_modules(model)}
+    assert not any(_canonical(e.gate_up_proj) for e in experts)
+    assert_close(_logits(model), ref, FP32_MAX_REL, what="first call after auto")
+    assert all(_canonical(e.gate_up_proj) and _canonical(e.down_proj) for e in experts)
+    assert [e.gate_up_proj.untyped_storage().data_ptr() for e in experts] == pointers
+    with pytest.raises(MoeInputError, match="accepted: .*'auto'"):
+        mt.relayout_experts(model, "transposed")
+
+
 @pytest.mark.parametrize(
     "why", ["grad mode on", "relayout=False", "relaid to stored", "after a compiled call"]
 )
