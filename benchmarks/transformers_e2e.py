@@ -575,7 +575,7 @@ def time_static_decode(model, ids, steps: int, repeats: int, mode: str, backend:
 def measure_graphs(model, shape, impl, registered, decode_prompt, args) -> list[dict]:
     """One implementation's ``--graph`` rows, one per mode; a failing mode keeps its error."""
     rows = []
-    for mode in graph_modes(decode_prompt.device):
+    for mode in args.graph_modes or graph_modes(decode_prompt.device):
         row = {"shape": shape, "impl": impl, "mode": mode, "decode_batch": decode_prompt.shape[0]}
         if impl == "eager":
             row["error"] = "skipped: transformers' eager loop is data-dependent (not captured)"
@@ -1040,6 +1040,12 @@ def main(argv=None) -> None:
         help="also decode with a static cache: plain, torch.compile'd, CUDA-graph captured",
     )
     p.add_argument(
+        "--graph-modes",
+        default=None,
+        help="comma list of the --graph decode modes to time (default: every mode of the "
+        "device: static, compile, cudagraph, compile+cudagraph, reduce-overhead on CUDA)",
+    )
+    p.add_argument(
         "--backend",
         default=None,
         help="torch.compile backend for --graph (default: inductor on CUDA; aot_eager on a CPU, "
@@ -1058,6 +1064,14 @@ def main(argv=None) -> None:
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
         p.error(f"--shapes: unknown {unknown}; accepted: {', '.join(SHAPES)}")
+    if args.graph_modes is not None:
+        args.graph_modes = args.graph_modes.split(",")
+        known = graph_modes(torch.device(args.device))
+        wrong = [m for m in args.graph_modes if m not in known]
+        if wrong:
+            p.error(
+                f"--graph-modes: unknown on {args.device}: {wrong}; accepted: {', '.join(known)}"
+            )
     if args.backend is None:
         args.backend = "inductor" if torch.device(args.device).type == "cuda" else "aot_eager"
     if args.dtype is None:  # a CPU's bf16 matrix products are slow: --tiny stays quick

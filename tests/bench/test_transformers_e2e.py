@@ -190,6 +190,23 @@ def test_tiny_run_of_the_new_shapes(e2e, tmp_path, capsys):
     assert "deepseek-v3    zero-cost" in table and "mixtral-8x7b   moerunner" in table
 
 
+def test_graph_modes_pick_the_modes_and_refuse_unknown_ones(e2e, tmp_path, capsys):
+    results, _ = _run(
+        e2e,
+        tmp_path,
+        capsys,
+        *("--shapes", "qwen3-30b-a3b", "--impls", "moerunner", "--graph"),
+        *("--graph-modes", "static", "--rounds", "0"),
+    )
+    assert {(r["impl"], r["mode"]) for r in results["graph_rows"]} == {
+        ("moerunner", "static"),
+        ("zero-cost", "static"),
+    }
+    with pytest.raises(SystemExit):
+        e2e.main([*FAST, "--device", "cpu", "--graph", "--graph-modes", "cudagraph"])
+    assert "unknown on cpu: ['cudagraph']" in capsys.readouterr().err
+
+
 def test_tiny_run_with_graph_and_breakdown(e2e, tmp_path, capsys):
     impls = ["eager", "grouped_mm", "moerunner", "zero-cost"]
     results, table = _run(
