@@ -105,7 +105,7 @@ def test_a_failing_graph_mode_is_reported_and_the_run_goes_on(e2e, monkeypatch):
             pass
 
     monkeypatch.setattr(e2e, "time_static_decode", fake)
-    args = type("Args", (), dict(decode_steps=2, repeats=2, backend="aot_eager"))
+    args = type("Args", (), dict(decode_steps=2, repeats=2, backend="aot_eager", graph_modes=None))
     ids = torch.zeros(2, 4, dtype=torch.long)
     rows = e2e.measure_graphs(Model(), "s", "moerunner", "moerunner", ids, args)
     assert [r["mode"] for r in rows] == ["static", "compile"]
