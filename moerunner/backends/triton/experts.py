@@ -616,22 +616,24 @@ def sequence_workspace(
     fuse = deltas is None and fuses_gemm2_input_quant(
         prepared.tensors["w2"], a_RH, tiles.gemm1, prepared.options
     )
-    key = (dev, num_rows, num_experts, inter, a_RH.dtype, bm, fuse)
-    ws = WORKSPACES.get(
-        key,
-        lambda: _sequence_buffers(num_rows, num_experts, inter, a_RH.dtype, bm, fuse, dev),
+    # Two keys: a prefill's intermediate buffer may be large enough to be made per call
+    # (``_Workspaces``), the alignment's small buffers then stay kept.
+    aligned = WORKSPACES.get(
+        (dev, "aligned", num_rows, num_experts, bm),
+        lambda: _alignment_buffers(num_rows, num_experts, bm, dev),
     )
-    return tiles, ws, fuse
+    between = WORKSPACES.get(
+        (dev, "inter", num_rows, inter, a_RH.dtype, fuse),
+        lambda: intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
+    )
+    return tiles, {**aligned, **between}, fuse
 
 
-def _sequence_buffers(num_rows, num_experts, inter, dtype, bm, fuse, dev) -> dict:
-    """A sequence call's alignment and intermediate buffers, and GEMM1 -> GEMM2 streaming's
-    count per aligned block (row blocks never stream), zero between calls
+def _alignment_buffers(num_rows, num_experts, bm, dev) -> dict:
+    """A sequence call's alignment buffers, and GEMM1 -> GEMM2 streaming's count per
+    aligned block (row blocks never stream), zero between calls
     (``_gemm_kernel.moe_gemm_kernel``, STREAM)."""
-    ws = {
-        **alignment_workspace(num_rows, num_experts, bm, dev),
-        **intermediate_buffers(num_rows, inter, dtype, fuse, dev),
-    }
+    ws = alignment_workspace(num_rows, num_experts, bm, dev)
     ws["block_done"] = torch.zeros_like(ws["block_expert"])
     return ws
 
