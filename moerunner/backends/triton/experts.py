@@ -72,7 +72,9 @@ _TL_DTYPES = {
 
 #: Default bound of the workspace cache: buffers of recent shapes kept for reuse.
 WORKSPACE_LIMIT_BYTES = 256 << 20
-#: Default size above which one key's buffers are made per call instead of kept.
+#: Default size above which one key's buffers are made per call instead of kept: a quarter
+#: of the bound, so the three keys one call uses (its per-slot output, intermediate and
+#: alignment buffers) always fit beside each other and never evict one another.
 PER_CALL_BYTES = 64 << 20
 #: Keys remembered as made per call (least recently seen forgotten first).
 _PER_CALL_KEYS = 256
