@@ -670,9 +670,9 @@ def test_item4_top_k_above_local_experts(backend, check_ids):
 
 def _ws_cls():
     _triton()
-    from moerunner.backends.triton import experts
+    from moerunner.backends.triton import workspaces
 
-    return experts
+    return workspaces
 
 
 def _buffers(nbytes):
@@ -680,9 +680,9 @@ def _buffers(nbytes):
 
 
 def test_item3_workspaces_bounded_in_bytes():
-    experts = _ws_cls()
-    assert experts.WORKSPACES.max_bytes == experts.WORKSPACE_LIMIT_BYTES > 0
-    ws = experts._Workspaces(capacity=16, max_bytes=1000)
+    workspaces = _ws_cls()
+    assert workspaces.WORKSPACES.max_bytes == workspaces.WORKSPACE_LIMIT_BYTES > 0
+    ws = workspaces.Workspaces(capacity=16, max_bytes=1000)
     cpu = torch.device("cpu")
     a = ws.get((cpu, "a"), _buffers(400))
     ws.get((cpu, "b"), _buffers(400))
@@ -699,8 +699,8 @@ def test_item3_workspaces_bounded_in_bytes():
 
 
 def test_item3_workspaces_per_thread():
-    experts = _ws_cls()
-    ws = experts._Workspaces()
+    workspaces = _ws_cls()
+    ws = workspaces.Workspaces()
     key = (torch.device("cpu"), "per_slot", 8)
     mine = ws.get(key, _buffers(64))
     assert ws.get(key, _buffers(64)) is mine
@@ -713,13 +713,13 @@ def test_item3_workspaces_per_thread():
 
 def test_item3_workspaces_per_cuda_stream(monkeypatch):
     """Two CUDA streams of one thread get their own buffers (streams faked: CPU-testable)."""
-    experts = _ws_cls()
+    workspaces = _ws_cls()
 
     current = {"stream": 1}  # the current stream's handle
     monkeypatch.setattr(
         torch._C, "_cuda_getCurrentRawStream", lambda index: current["stream"], raising=False
     )
-    ws = experts._Workspaces()
+    ws = workspaces.Workspaces()
     key = (torch.device("cuda", 0), "per_slot", 8)
     first = ws.get(key, _buffers(64))
     assert ws.get(key, _buffers(64)) is first

@@ -247,7 +247,7 @@ def test_half_row_tiles_equal_whole_blocks(scheme, activation, block_n, monkeypa
     consts = prepared.tensors["w13"].constexprs
     assert experts.splits_blocks(32, consts, T * k / E, options=options)
     # Fresh workspaces: rows a wrong kernel skipped must not find an earlier case's values.
-    monkeypatch.setattr(experts, "WORKSPACES", type(experts.WORKSPACES)())
+    experts.WORKSPACES.clear()
     split = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
     whole_options = TritonOptions(fuse_input_quant_off_gpu=fuse, split_min_block_m=None)
     whole = experts.fused_standard(

@@ -176,9 +176,9 @@ def test_large_workspaces_are_made_per_call_in_the_callers_thread():
     """Buffers above ``per_call_bytes`` are not kept (they would pin memory, and two such
     keys would evict each other on every call): from their second call on they are made in
     the calling thread and noted in an open recording; smaller ones stay cached beside them."""
-    from moerunner.backends.triton import experts
+    from moerunner.backends.triton import workspaces
 
-    ws = experts._Workspaces(max_bytes=1000, per_call_bytes=300)
+    ws = workspaces.Workspaces(max_bytes=1000, per_call_bytes=300)
     cpu = torch.device("cpu")
     threads = []
 
@@ -199,8 +199,8 @@ def test_large_workspaces_are_made_per_call_in_the_callers_thread():
     assert rec.buffers == [(big, (bufs["y"],))]
     ws.clear()
     assert not ws.per_call and not ws.entries
-    limit = experts.WORKSPACE_LIMIT_BYTES
-    assert experts.WORKSPACES.per_call_bytes == experts.PER_CALL_BYTES <= limit
+    limit = workspaces.WORKSPACE_LIMIT_BYTES
+    assert workspaces.WORKSPACES.per_call_bytes == workspaces.PER_CALL_BYTES <= limit
 
 
 def test_plans_are_off_on_cpu_and_under_the_interpreter():
@@ -263,11 +263,11 @@ def test_a_call_with_per_call_workspaces_replays_its_plan():
     still replays a plan, which makes that buffer again per call, and computes what the
     unplanned call computes."""
     from moerunner.api import run_experts
-    from moerunner.backends.triton import experts
+    from moerunner.backends.triton import workspaces
 
     dev = torch.device("cuda")
     e, h, i, k, t = 8, 256, 2048, 8, 4608  # inter: 36864 x 2048 bf16 = 144 MiB
-    assert t * k * i * 2 > experts.PER_CALL_BYTES
+    assert t * k * i * 2 > workspaces.PER_CALL_BYTES
     torch.manual_seed(0)
     w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).bfloat16()
     w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).bfloat16()

@@ -8,18 +8,14 @@
 #   -> GEMM2 (+bias, routing weight) into per-row outputs.
 # ``fused_standard`` feeds it (token, slot) rows and reduces the k rows of each token;
 # ``grouped_core`` feeds it the rows of the grouped ("permuted") layout as they are.
-# Workspaces are cached per (caller thread and CUDA stream, device, shapes, dtype), bounded in
-# bytes (``WORKSPACES.max_bytes``), reused across calls, and made outside any CUDA-graph
-# memory pool (``memory.kept``); those over ``WORKSPACES.per_call_bytes`` are made per call
-# (``_Workspaces``). Switches come from the prepared
-# weights' ``TritonOptions`` (``prepared.options``), read per call.
+# Workspaces come from ``workspaces.WORKSPACES`` (kept per caller and shapes, or made per call
+# where too large to keep). Switches come from the prepared weights' ``TritonOptions``
+# (``prepared.options``), read per call.
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +24,8 @@ import triton
 from ...config import ExpertSpec
 from ...device_checks import ID_FLAGS
 from ...errors import MoeInputError
-from ...memory import kept
 from ...profiling import trace_range
 from ...weights import PreparedWeights
-from ..base import caller
 from . import _gemm_kernel as K
 from . import _launch, _pdl, _plan, autotune
 from . import _overlap as O
@@ -49,6 +43,7 @@ from ._quant_kernel import quantize_rows
 from ._weight_decode import e2m1_words
 from .options import TritonOptions
 from .tile_config import MoeTiles, TileConfig
+from .workspaces import WORKSPACES, placeholder
 
 _ACT_IDS = {
     "silu": K.ACT_SILU,
@@ -65,106 +60,6 @@ _TL_DTYPES = {
     torch.float16: triton.language.float16,
     torch.float32: triton.language.float32,
 }
-
-# --------------------------------------------------------------------------------------------
-# Workspaces: reused across calls with the same shapes (LRU), never allocated per call.
-
-
-#: Default bound of the workspace cache: buffers of recent shapes kept for reuse.
-WORKSPACE_LIMIT_BYTES = 256 << 20
-#: Default size above which one key's buffers are made per call instead of kept: a quarter
-#: of the bound, so the three keys one call uses (its per-slot output, intermediate and
-#: alignment buffers) always fit beside each other and never evict one another.
-PER_CALL_BYTES = 64 << 20
-#: Keys remembered as made per call (least recently seen forgotten first).
-_PER_CALL_KEYS = 256
-
-
-class _Workspaces:
-    """LRU cache of per-call buffers, bounded in entries and in bytes, keyed per caller.
-
-    ``get(key, make)`` returns the buffers of ``key`` for the calling thread and its current
-    CUDA stream (``backends.base.caller``), making them with ``make()`` on a miss. Least recently
-    used entries are evicted until at most ``capacity`` entries and ``max_bytes`` bytes
-    remain. A buffer in use is never freed under its user: eviction only drops the cache's
-    reference.
-
-    Buffers of one key larger than ``per_call_bytes`` (default: 64 MiB, at most
-    ``max_bytes``), such as a prefill's intermediate activations, are not kept: holding them
-    would pin that memory between calls, and two of them would evict each other on every
-    call. From their second call on they are made in the calling thread, where the caching
-    allocator hands back the same blocks in microseconds (``_launch.per_call``: a launch
-    plan makes them again at each replay). Kept buffers are made by ``memory.kept``, away
-    from any CUDA graph's pool.
-    """
-
-    def __init__(
-        self,
-        capacity: int = 16,
-        max_bytes: int = WORKSPACE_LIMIT_BYTES,
-        per_call_bytes: int | None = None,
-    ) -> None:
-        self.capacity = capacity
-        self.max_bytes = max_bytes
-        self.per_call_bytes = (
-            min(max_bytes, PER_CALL_BYTES) if per_call_bytes is None else per_call_bytes
-        )
-        self.entries: OrderedDict[tuple, dict[str, torch.Tensor]] = OrderedDict()
-        self.sizes: dict[tuple, int] = {}
-        self.nbytes = 0
-        self.per_call: OrderedDict[tuple, None] = OrderedDict()  # keys made per call
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple, make) -> dict[str, torch.Tensor]:
-        device = key[0] if key and isinstance(key[0], torch.device) else torch.device("cpu")
-        full = (caller(device), *key)
-        with self._lock:
-            entry = self.entries.get(full)
-            if entry is not None:
-                self.entries.move_to_end(full)
-                return entry
-            per_call = full in self.per_call
-            if per_call:
-                self.per_call.move_to_end(full)
-        if per_call:
-            return _launch.per_call(make)
-        entry = kept(make, device)
-        size = sum(t.numel() * t.element_size() for t in entry.values())
-        if size > self.per_call_bytes:
-            with self._lock:
-                self.per_call[full] = None
-                while len(self.per_call) > _PER_CALL_KEYS:
-                    self.per_call.popitem(last=False)
-            return _launch.per_call(make, entry)
-        with self._lock:
-            if full in self.entries:  # made meanwhile by this caller: keep the first
-                return self.entries[full]
-            self.entries[full], self.sizes[full] = entry, size
-            self.nbytes += size
-            while len(self.entries) > self.capacity or self.nbytes > self.max_bytes:
-                old, _ = self.entries.popitem(last=False)
-                self.nbytes -= self.sizes.pop(old)
-        return entry
-
-    def clear(self) -> None:
-        """Drop every cached buffer (and what was learnt about sizes)."""
-        with self._lock:
-            self.entries.clear()
-            self.sizes.clear()
-            self.nbytes = 0
-            self.per_call.clear()
-
-
-WORKSPACES = _Workspaces()
-_DUMMIES: dict[torch.device, torch.Tensor] = {}
-
-
-def _dummy(device: torch.device) -> torch.Tensor:
-    d = _DUMMIES.get(device)
-    if d is None:
-        make = lambda: torch.zeros(1, dtype=torch.float32, device=device)  # noqa: E731
-        d = _DUMMIES[device] = kept(make, device)
-    return d
 
 
 def fuses_gemm2_input_quant(
@@ -410,7 +305,7 @@ def _launch_gemm(
     ``slot``: which split-K workspace the launch uses (``split_k_workspace``): launches that
     may overlap under PDL take different ones."""
     dev = a.device
-    dummy = _dummy(dev)
+    dummy = placeholder(dev)
     k = w.shape[2]
     consts = dict(w.constexprs)
     gated = spec is not None and spec.gated
@@ -619,7 +514,7 @@ def sequence_workspace(
         prepared.tensors["w2"], a_RH, tiles.gemm1, prepared.options
     )
     # Two keys: a prefill's intermediate buffer may be large enough to be made per call
-    # (``_Workspaces``), the alignment's small buffers then stay kept.
+    # (``workspaces.Workspaces``), the alignment's small buffers then stay kept.
     aligned = WORKSPACES.get(
         (dev, "aligned", num_rows, num_experts, bm),
         lambda: _alignment_buffers(num_rows, num_experts, bm, dev),

@@ -27,7 +27,6 @@ from ._align import hook_rows, topk_sum
 from ._launch import cdiv, next_power_of_2
 from .experts import (
     _ACT_IDS,
-    WORKSPACES,
     _check_hidden,
     _launch_gemm,
     _on_device,
@@ -37,6 +36,7 @@ from .experts import (
 )
 from .lora import apply_hook
 from .options import TritonOptions
+from .workspaces import WORKSPACES
 
 
 def hooked_sequence(
