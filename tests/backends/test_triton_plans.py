@@ -221,58 +221,12 @@ def _weights(scheme, device):
     return moerunner.quantize(w13, scheme), moerunner.quantize(w2, scheme)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-@pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "mxfp4", "int4_g128"])
-def test_replayed_call_equals_the_unplanned_call(scheme, tokens):
-    dev = torch.device("cuda")
-    w13, w2 = _weights(scheme, dev)
-    planned = moerunner.MoeRunner("triton")
-    plain_backend = moerunner.backends.triton.TritonBackend(
-        TritonOptions(launch_cache=False), name="triton-unplanned"
-    )
-    registry = moerunner.default_registry().copy()
-    registry.register_backend(plain_backend)
-    unplanned = moerunner.MoeRunner("triton-unplanned", registry=registry)
-    act = moerunner.Activation("silu")
-    weights = moerunner.ExpertWeights(w13, w2)
+def _plans_against_unplanned(weights, tokens, top_k, what):
+    """Four calls (compile, record, replay, replay; new inputs each) through the triton backend
+    and through one with launch plans off, bit for bit equal; the plans recorded."""
     from moerunner.api import run_experts
 
-    outs = []
-    for step in range(4):  # compile, record, replay, replay (new inputs each step)
-        x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
-        tk = moerunner.select_experts(torch.randn(tokens, E, device=dev), K)
-        got = run_experts(planned, weights, x, tk.weights, tk.ids, act)
-        want = run_experts(unplanned, weights, x, tk.weights, tk.ids, act)
-        torch.cuda.synchronize()
-        assert torch.equal(got, want), (scheme, tokens, step)
-        outs.append(got)
-    prepared = moerunner.runner.prepared_for(
-        planned,
-        weights,
-        moerunner.backends.base.MoeProblem.of(x, weights, weights.spec(act), "standard"),
-        weights.spec(act),
-    )
-    plans = [p for p in prepared.tensors["plans"].values() if isinstance(p, _plan.LaunchPlan)]
-    assert plans, "no plan was recorded"
-
-
-@pytest.mark.gpu
-def test_a_call_with_per_call_workspaces_replays_its_plan():
-    """A prefill-sized call whose intermediate buffer is above ``PER_CALL_BYTES`` (not kept)
-    still replays a plan, which makes that buffer again per call, and computes what the
-    unplanned call computes."""
-    from moerunner.api import run_experts
-    from moerunner.backends.triton import workspaces
-
-    dev = torch.device("cuda")
-    e, h, i, k, t = 8, 256, 2048, 8, 4608  # inter: 36864 x 2048 bf16 = 144 MiB
-    assert t * k * i * 2 > workspaces.PER_CALL_BYTES
-    torch.manual_seed(0)
-    w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).bfloat16()
-    w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).bfloat16()
-    weights = moerunner.ExpertWeights(w13, w2)
-    act = moerunner.Activation("silu")
+    dev, num_experts, hidden = weights.device, weights.num_experts, weights.hidden_size
     planned = moerunner.MoeRunner("triton")
     registry = moerunner.default_registry().copy()
     registry.register_backend(
@@ -281,20 +235,42 @@ def test_a_call_with_per_call_workspaces_replays_its_plan():
         )
     )
     unplanned = moerunner.MoeRunner("triton-unplanned", registry=registry)
+    act = moerunner.Activation("silu")
     for step in range(4):
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        tk = moerunner.select_experts(torch.randn(t, e, device=dev), k)
+        x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
+        tk = moerunner.select_experts(torch.randn(tokens, num_experts, device=dev), top_k)
         got = run_experts(planned, weights, x, tk.weights, tk.ids, act)
         want = run_experts(unplanned, weights, x, tk.weights, tk.ids, act)
         torch.cuda.synchronize()
-        assert torch.equal(got, want), step
-    prepared = moerunner.runner.prepared_for(
-        planned,
-        weights,
-        moerunner.backends.base.MoeProblem.of(x, weights, weights.spec(act), "standard"),
-        weights.spec(act),
-    )
-    plans = [p for p in prepared.tensors["plans"].values() if isinstance(p, _plan.LaunchPlan)]
+        assert torch.equal(got, want), (what, step)
+    spec = weights.spec(act)
+    problem = moerunner.backends.base.MoeProblem.of(x, weights, spec, "standard")
+    prepared = moerunner.runner.prepared_for(planned, weights, problem, spec)
+    return [p for p in prepared.tensors["plans"].values() if isinstance(p, _plan.LaunchPlan)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("scheme", ["bf16", "fp8_block", "mxfp4", "int4_g128"])
+def test_replayed_call_equals_the_unplanned_call(scheme, tokens):
+    weights = moerunner.ExpertWeights(*_weights(scheme, torch.device("cuda")))
+    assert _plans_against_unplanned(weights, tokens, K, (scheme, tokens)), "no plan recorded"
+
+
+@pytest.mark.gpu
+def test_a_call_with_per_call_workspaces_replays_its_plan():
+    """A prefill-sized call whose intermediate buffer is above ``PER_CALL_BYTES`` (not kept)
+    still replays a plan, which makes that buffer again per call, and computes what the
+    unplanned call computes."""
+    from moerunner.backends.triton import workspaces
+
+    dev = torch.device("cuda")
+    e, h, i, k, t = 8, 256, 2048, 8, 4608  # inter: 36864 x 2048 bf16 = 144 MiB
+    assert t * k * i * 2 > workspaces.PER_CALL_BYTES
+    torch.manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).bfloat16()
+    plans = _plans_against_unplanned(moerunner.ExpertWeights(w13, w2), t, k, "per call")
     assert plans and all(p.made > 0 for p in plans)
 
 
