@@ -25,6 +25,7 @@ from ...quant.schemes import QuantScheme
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from ..base import SchemeSupport
 from . import _gemm_kernel as K
+from ._operands import QDOT_ACTIVATIONS
 from ._weight_decode import e2m1_word_bits, placed_words_checked
 from .options import DEFAULT_OPTIONS, TritonOptions
 from .tile_config import TileSource, find_tiles
@@ -33,13 +34,9 @@ _log = logging.getLogger(__name__)
 
 _SCALE_FMT = {"none": K.SF_NONE, "fp32": K.SF_FP32, "e8m0": K.SF_E8M0, "e4m3": K.SF_E4M3}
 _W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.WF_E2M1}
-# Activation formats fed to the MMA quantized ("qdot"); the others are emulated by feeding
-# the fake-quantized input in the hidden dtype (exact for mxfp8 in bf16/fp32).
+# The kernels' input-scale layout per activation format fed to the MMA quantized ("qdot").
 _QDOT_ACT = {
-    "fp8_token": K.AS_ROW,
-    "fp8_group128": K.AS_GROUP,
-    "fp8_group": K.AS_GROUP,
-    "int8_token": K.AS_ROW,
+    fmt: {"row": K.AS_ROW, "group": K.AS_GROUP}[scales] for fmt, scales in QDOT_ACTIVATIONS.items()
 }
 
 #: K groups of weight-only int4 / int8 group scales the kernels implement.
@@ -72,14 +69,6 @@ def _scheme_rule(s: QuantScheme) -> str:
     if family in ("int4", "int8") and s.block_shape[1] not in _WEIGHT_GROUPS:
         return f"weight-only group scales need groups of {_WEIGHT_GROUPS} along K"
     return ""
-
-
-def mma_operand(scheme: QuantScheme) -> str:
-    """Operand type the kernels feed ``scheme``'s MMA: "fp8" or "int8" (weights as stored,
-    against a quantized input), else "compute" (weights decoded to the hidden dtype)."""
-    if scheme.activation_format not in _QDOT_ACT:
-        return "compute"
-    return {"e4m3": "fp8", "int8": "int8"}.get(scheme.weight_format, "compute")
 
 
 #: The schemes the kernels implement, as a predicate over scheme fields (static activation

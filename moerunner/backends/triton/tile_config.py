@@ -12,7 +12,7 @@
 # CUDA: heuristic tiles) in ``device_key`` form.
 #
 # Files name a scheme by ``registered_name`` (schemes with equal fields share files). The
-# heuristic keys on scheme fields: the MMA's operand type (``_prepare.mma_operand``) and
+# heuristic keys on scheme fields: the MMA's operand type (``_operands.mma_operand``) and
 # whether weight scales change along K inside a tile (block-scaled fp8).
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ...device_files import device_key, user_cache_dir
 from ...quant.schemes import QuantScheme, get_scheme, registered_name
+from ._operands import mma_operand
 
 SCHEMA = "moerunner.triton.tiles/1"
 #: Tile files shipped with the package (searched after the user's folders).
@@ -194,16 +195,12 @@ def load_config_file(path: str) -> dict[int, MoeTiles] | None:
 def mma_8bit(scheme: str | QuantScheme) -> bool:
     """Whether the kernels feed ``scheme``'s GEMMs to the MMA as 8-bit operands (fp8 or
     int8 weights with quantized inputs); weight-only schemes run it in the hidden dtype."""
-    from ._prepare import mma_operand  # here: _prepare may import this module
-
     return mma_operand(get_scheme(scheme)) in ("fp8", "int8")
 
 
 def k_blocked(scheme: str | QuantScheme) -> bool:
     """Whether ``scheme``'s weight scales change along K inside the MMA (block-scaled fp8):
     BLOCK_K then divides the K block or is a multiple of it."""
-    from ._prepare import mma_operand
-
     s = get_scheme(scheme)
     return mma_operand(s) == "fp8" and s.granularity in ("block", "group")
 
