@@ -272,6 +272,11 @@ def test_a_call_with_per_call_workspaces_replays_its_plan():
     w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).bfloat16()
     plans = _plans_against_unplanned(moerunner.ExpertWeights(w13, w2), t, k, "per call")
     assert plans and all(p.made > 0 for p in plans)
+    # A plan keeps its make functions: none may hold a call's tensors (they would live on).
+    for plan in plans:
+        for make, _ in plan.makes:
+            held = [c.cell_contents for c in make.__closure__ or ()]
+            assert not any(isinstance(v, torch.Tensor) for v in held), held
 
 
 @pytest.mark.gpu

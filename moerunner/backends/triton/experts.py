@@ -211,14 +211,15 @@ def _quantize_input(
         rows, k = x.shape
         group = w.scheme.activation_group_size  # None: one scale per row
         qdtype = torch.int8 if fmt == "int8_token" else torch.float8_e4m3fn
+        dev = x.device  # (a make function must not hold the call's tensors: plans keep it)
         bufs = WORKSPACES.get(
-            (x.device, "act_quant", fmt, group, rows, k),
+            (dev, "act_quant", fmt, group, rows, k),
             lambda: {
-                "q": torch.empty(rows, k, dtype=qdtype, device=x.device),
+                "q": torch.empty(rows, k, dtype=qdtype, device=dev),
                 "s": torch.empty(
                     (rows, _cdiv(k, group)) if group else (rows,),
                     dtype=torch.float32,
-                    device=x.device,
+                    device=dev,
                 ),
             },
         )
@@ -519,9 +520,10 @@ def sequence_workspace(
         (dev, "aligned", num_rows, num_experts, bm),
         lambda: _alignment_buffers(num_rows, num_experts, bm, dev),
     )
+    dtype = a_RH.dtype
     between = WORKSPACES.get(
-        (dev, "inter", num_rows, inter, a_RH.dtype, fuse),
-        lambda: intermediate_buffers(num_rows, inter, a_RH.dtype, fuse, dev),
+        (dev, "inter", num_rows, inter, dtype, fuse),
+        lambda: intermediate_buffers(num_rows, inter, dtype, fuse, dev),
     )
     return tiles, {**aligned, **between}, fuse
 
@@ -761,9 +763,10 @@ def standard_sequence(
     ``prealigned``, ``deltas``: as ``run_kernel_sequence``'s, for the rows ``ids.view(-1)``."""
     num_rows = ids.numel()
     hidden, dev = prepared.spec.hidden_size, hidden_TH.device
+    dtype = hidden_TH.dtype
     cache = WORKSPACES.get(
-        (dev, "per_slot", num_rows, hidden, hidden_TH.dtype),
-        lambda: {"y": torch.empty(num_rows, hidden, dtype=hidden_TH.dtype, device=dev)},
+        (dev, "per_slot", num_rows, hidden, dtype),
+        lambda: {"y": torch.empty(num_rows, hidden, dtype=dtype, device=dev)},
     )
     top_k = ids.shape[1]
     run_kernel_sequence(

@@ -28,10 +28,11 @@ class Workspaces:
     """LRU cache of per-call buffers, bounded in entries and in bytes, keyed per caller.
 
     ``get(key, make)`` returns the buffers of ``key`` for the calling thread and its current
-    CUDA stream (``backends.base.caller``), making them with ``make()`` on a miss. Least recently
-    used entries are evicted until at most ``capacity`` entries and ``max_bytes`` bytes
-    remain. A buffer in use is never freed under its user: eviction only drops the cache's
-    reference.
+    CUDA stream (``backends.base.caller``), making them with ``make()`` on a miss. ``make``
+    must not hold a call's tensors (a launch plan keeps it for its replays: see below).
+    Least recently used entries are evicted until at most ``capacity`` entries and
+    ``max_bytes`` bytes remain. A buffer in use is never freed under its user: eviction
+    only drops the cache's reference.
 
     Buffers of one key larger than ``per_call_bytes`` (default: 64 MiB, at most
     ``max_bytes``), such as a prefill's intermediate activations, are not kept: holding them
