@@ -203,6 +203,30 @@ def test_large_workspaces_are_made_per_call_in_the_callers_thread():
     assert workspaces.WORKSPACES.per_call_bytes == workspaces.PER_CALL_BYTES <= limit
 
 
+def test_a_prefill_intermediate_buffer_is_noted_per_call_without_the_calls_tensors():
+    """The experts' own large buffer (a prefill's intermediate activations, here 80 MB) goes
+    through ``per_call`` into an open recording, made by a function that holds no tensor of
+    the call (a plan keeps that function for its replays)."""
+    from moerunner.backends.triton import experts, workspaces
+
+    e, h, i, rows = 2, 64, 2048, 20_000
+    assert rows * i * 2 > workspaces.PER_CALL_BYTES
+    w13, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    weights = moerunner.ExpertWeights(w13, w2)
+    act = moerunner.Activation("silu")
+    prepared = moerunner.backends.triton.TritonBackend(TritonOptions(autotune="off"))
+    prepared = prepared.prepare_weights(weights, weights.spec(act))
+    hidden = torch.randn(4, h)
+    for _ in range(2):  # made on the keeper's path, then in the calling thread
+        with _launch.recording() as rec:
+            _, ws, _ = experts.sequence_workspace(hidden, rows, 1, prepared)
+        ((make, tensors),) = rec.buffers
+        assert tensors == (ws["inter"],) and ws["inter"].shape == (rows, i)
+        held = [c.cell_contents for c in make.__closure__ or ()]
+        assert not any(isinstance(v, torch.Tensor) for v in held), held
+    workspaces.WORKSPACES.clear()
+
+
 def test_plans_are_off_on_cpu_and_under_the_interpreter():
     assert not _plan.enabled(TritonOptions(), torch.device("cpu"))
 
