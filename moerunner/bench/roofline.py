@@ -173,10 +173,16 @@ def median_seconds(fn, device: torch.device, repeats: int) -> float:
 
 
 def _copy_gbps(
-    device: torch.device, nbytes: int, repeats: int, blocks: int = 1, warm_s: float = 0.0
+    device: torch.device,
+    nbytes: int,
+    repeats: int,
+    blocks: int = 1,
+    warm_s: float = 0.0,
+    timer=median_seconds,
 ) -> float:
     """Read + write GB/s of ``copy_`` over ``nbytes``: copies for ``warm_s`` seconds first
-    (clocks and power settle), then the highest of ``blocks`` medians of ``repeats`` timings.
+    (clocks and power settle), then the highest of ``blocks`` medians of ``repeats`` timings
+    (``timer(fn, device, repeats)``: seconds per call).
     The best sustained rate, not one short sample: on an H100 two single 20-copy medians five
     minutes apart read 2905 and 2731 GB/s, which alone moved a kernel's share of the roofline
     from 87 to 92 %."""
@@ -187,7 +193,7 @@ def _copy_gbps(
         dst.copy_(src)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    seconds = min(median_seconds(lambda: dst.copy_(src), device, repeats) for _ in range(blocks))
+    seconds = min(timer(lambda: dst.copy_(src), device, repeats) for _ in range(blocks))
     return 2 * src.numel() * 4 / seconds / 1e9
 
 

@@ -18,6 +18,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moerunner
 from moerunner.backends import torch_native
@@ -126,27 +127,35 @@ def test_cpu_chunks_with_biases_and_no_valid_ids(dtype, force_permute):
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def _grouped_calls(monkeypatch) -> list:
-    calls = []
-    real = torch_native._GROUPED_MM
+class _GroupedCalls(TorchDispatchMode):
+    """Notes the first operand's shape of every grouped GEMM (``aten::_grouped_mm``) run."""
 
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list = []
 
-    monkeypatch.setattr(torch_native, "_GROUPED_MM", counted)
-    return calls
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_grouped_mm":
+            self.shapes.append(args[0].shape)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def grouped_calls():
+    """The shapes of the grouped GEMMs the test runs (``_GroupedCalls``), in order."""
+    with _GroupedCalls() as mode:
+        yield mode.shapes
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_cpu_calls_with_many_experts_hit_run_two_grouped_gemms(tokens, dtype, bias, monkeypatch):
+def test_cpu_calls_with_many_experts_hit_run_two_grouped_gemms(tokens, dtype, bias, grouped_calls):
     """A bf16 CPU standard call with at least a quarter of its (small) experts hit runs as
     two grouped GEMMs over the valid rows; fewer hit (T = 1: at most 2 of 16), or fp32 / fp16,
     keep the chunks. Both against the float64 reference with the dtype's bound; -1 ids
     skipped. Large experts take the grouped GEMMs at any T (below)."""
-    calls = _grouped_calls(monkeypatch)
+    calls = grouped_calls
     x, weights, topk = _case(tokens, 16, 64, 32, 2, dtype, bias=bias, skips="some", seed=2)
     out, _ = _run(x, weights, topk)
     _check(out, x, weights, topk, f"{dtype} T={tokens} bias={bias}")
@@ -160,20 +169,20 @@ def test_cpu_calls_with_many_experts_hit_run_two_grouped_gemms(tokens, dtype, bi
         assert grouped == (dtype == torch.bfloat16)
 
 
-def test_cpu_calls_on_large_experts_run_grouped_gemms_at_any_t(monkeypatch):
+def test_cpu_calls_on_large_experts_run_grouped_gemms_at_any_t(grouped_calls):
     """Experts of at least ``cpu_grouped_large`` w13 weights take the grouped GEMMs even
     with one token (here the threshold is lowered to this case's 64 x 64)."""
-    calls = _grouped_calls(monkeypatch)
+    calls = grouped_calls
     x, weights, topk = _case(1, 16, 64, 32, 2, torch.bfloat16, bias=True)
     out, _ = _run(x, weights, topk, options=TorchOptions(cpu_grouped_large=64 * 64))
     _check(out, x, weights, topk, "large experts, T = 1")
     assert [c[0] for c in calls] == [2, 2]
 
 
-def test_cpu_grouped_gemms_need_16_byte_rows_and_plain_weights(monkeypatch):
+def test_cpu_grouped_gemms_need_16_byte_rows_and_plain_weights(grouped_calls):
     """The grouped GEMM needs 16-byte aligned rows and strides (60-byte rows: chunks) and
     plain weights (quantized experts dequantize per expert in the chunks)."""
-    calls = _grouped_calls(monkeypatch)
+    calls = grouped_calls
     x, weights, topk = _case(40, 8, 30, 18, 2, torch.bfloat16)
     out, _ = _run(x, weights, topk)
     _check(out, x, weights, topk, "60-byte rows")
@@ -460,11 +469,11 @@ def test_options_validate_and_rebuild_from_their_repr():
         TorchBackend(name="")
 
 
-def test_backends_with_other_options_run_side_by_side(monkeypatch):
+def test_backends_with_other_options_run_side_by_side(grouped_calls):
     """Two torch backends in one registry, the defaults and chunks of 8 rows with no grouped
     GEMMs: each call runs its own backend's options (recorded in its prepared weights). The
     defaults take two grouped GEMMs here (most of 16 experts hit), the other none."""
-    calls = _grouped_calls(monkeypatch)
+    calls = grouped_calls
     registry = default_registry().copy()
     small = dataclasses.replace(CHUNKS, cpu_chunk_rows=8)
     registry.register_backend(TorchBackend(small, name="torch-small-chunks"))
