@@ -143,7 +143,7 @@ def gpu_experts(scheme: str, E: int, H: int, I: int, device) -> tuple[ExpertWeig
 
 def split_k_counts(workspaces) -> list[torch.Tensor]:
     """Every split-K count buffer a triton workspace cache (``experts.WORKSPACES``) holds
-    (keys: caller, then ``split_k_workspace``'s key)."""
+    (keys: caller, then ``workspaces.split_k_workspace``'s key)."""
     return [v["count"] for k, v in workspaces.entries.items() if k[2:3] == ("split_k",)]
 
 

@@ -787,6 +787,7 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
 
     from moerunner.backends.triton import TritonBackend, TritonOptions
     from moerunner.backends.triton import experts as X
+    from moerunner.backends.triton import workspaces as W
     from moerunner.bench.presets import PRESETS
     from moerunner.config import Activation
     from moerunner.weights import ExpertWeights
@@ -810,7 +811,7 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
     wts = torch.softmax(torch.randn(T, k, device=dev), dim=1).float()
     num_rows = T * k
 
-    bufs = X.alignment_workspace(num_rows, E, cfg.bm, dev)
+    bufs = W.alignment_workspace(num_rows, E, cfg.bm, dev)
     rows = X.layout_rows(ids.reshape(-1), k, E, cfg.bm, bufs, TritonOptions())
     max_pad = bufs["sorted_rows"].shape[0]
     a_perm = torch.zeros(max_pad, H, device=dev, dtype=torch.bfloat16)

@@ -43,6 +43,7 @@ import gpu_triton as G  # noqa: E402
 
 from moerunner.backends.triton import TritonBackend, TritonOptions  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
+from moerunner.backends.triton import workspaces as W  # noqa: E402
 from moerunner.bench.presets import PRESETS  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
 from moerunner.weights import ExpertWeights  # noqa: E402
@@ -252,7 +253,7 @@ def main():
             for cfg in CONFIGS:
                 for ws_on in (False, True) if args.ws else (False,):
                     bm = cfg[0]
-                    bufs = X.alignment_workspace(T * k, E, bm, DEV)
+                    bufs = W.alignment_workspace(T * k, E, bm, DEV)
                     max_pad = bufs["sorted_rows"].shape[0]
                     bufs["a_perm"] = torch.empty(max_pad, H, device=DEV, dtype=torch.bfloat16)
                     bufs["inter"] = torch.empty(max_pad, I, device=DEV, dtype=torch.bfloat16)

@@ -339,6 +339,7 @@ def test_gemm1_epilogue_quant_is_bit_exact(inter):
     (I = 704 ends in a partial group)."""
     from moerunner.backends.triton import TritonBackend
     from moerunner.backends.triton import experts as X
+    from moerunner.backends.triton import workspaces as W
     from moerunner.backends.triton._quant_kernel import quantize_rows
     from moerunner.backends.triton.tile_config import TileConfig
 
@@ -356,7 +357,7 @@ def test_gemm1_epilogue_quant_is_bit_exact(inter):
     ids = torch.rand(T, E, device=dev).topk(k, dim=1).indices.int().reshape(-1)
     tile = TileConfig(64, 128, 128, 8, 4, 3)
     rows = T * k
-    layout = X.layout_rows(ids, k, E, 64, X.alignment_workspace(rows, E, 64, dev), opts)
+    layout = X.layout_rows(ids, k, E, 64, W.alignment_workspace(rows, E, 64, dev), opts)
     a, a_s = X._quantize_input(x, w13, opts)
     groups = -(-inter // 128)
     q = torch.full((rows, inter), 7, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)

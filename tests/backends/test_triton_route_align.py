@@ -29,6 +29,7 @@ from moerunner.backends.triton import (  # noqa: E402
     _routing,
     _step,
     experts,
+    workspaces,
 )
 
 if not triton_pkg.interpreted() and not torch.cuda.is_available():
@@ -67,7 +68,7 @@ def _separate(logits, bias, top_k, settings, block_m):
     """Today's two launches: the routing kernel, then the one-program alignment."""
     num_experts = logits.shape[1]
     topk = _routing.route(logits, top_k, correction_bias=bias, **settings)
-    ws = experts.alignment_workspace(topk.ids.numel(), num_experts, block_m, logits.device)
+    ws = workspaces.alignment_workspace(topk.ids.numel(), num_experts, block_m, logits.device)
     for t in ws.values():
         t.fill_(-7)  # slots that neither path writes stay -7 in both
     _align.align_rows(
@@ -86,7 +87,7 @@ def _fused(logits, bias, top_k, settings, block_m):
     tokens, num_experts = logits.shape
     weights = torch.full((tokens, top_k), -3.0, device=logits.device)
     ids = torch.full((tokens, top_k), -3, dtype=torch.int32, device=logits.device)
-    ws = experts.alignment_workspace(ids.numel(), num_experts, block_m, logits.device)
+    ws = workspaces.alignment_workspace(ids.numel(), num_experts, block_m, logits.device)
     for t in ws.values():
         t.fill_(-7)
     layout = (ws["sorted_rows"], ws["block_expert"], ws["num_padded"])

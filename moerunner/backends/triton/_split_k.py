@@ -4,7 +4,7 @@
 # ``_gemm_kernel.moe_gemm_kernel``'s docstring) fills the GPU when a call has too few tiles for
 # its SMs. This module decides the count per launch: a tile's own ``split_k``, else the rule
 # below; ``experts._launch_gemm`` launches with it and keeps its buffers
-# (``experts.split_k_workspace``).
+# (``workspaces.split_k_workspace``).
 
 from __future__ import annotations
 

@@ -33,8 +33,6 @@ from . import _split_k as SK
 from ._align import (
     SINGLE_PROGRAM_MAX_ROWS,
     align_rows,
-    max_padded_rows,
-    scratch_size,
     topk_sum,
 )
 from ._launch import cdiv as _cdiv
@@ -43,7 +41,13 @@ from ._quant_kernel import quantize_rows
 from ._weight_decode import e2m1_words
 from .options import TritonOptions
 from .tile_config import MoeTiles, TileConfig
-from .workspaces import WORKSPACES, placeholder
+from .workspaces import (
+    WORKSPACES,
+    alignment_buffers,
+    intermediate_buffers,
+    placeholder,
+    split_k_workspace,
+)
 
 _ACT_IDS = {
     "silu": K.ACT_SILU,
@@ -114,35 +118,6 @@ class RowLayout:
     def num_blocks(self) -> int:
         """M-blocks the GEMM grid covers (the kernel skips the unused ones)."""
         return self.block_expert.shape[0]
-
-
-def alignment_workspace(
-    num_rows: int, num_experts: int, block_m: int, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """The buffers ``layout_rows`` aligns into: sorted_rows, block_expert, num_padded and the
-    multi-program scratch, sized for the worst case of ``num_rows`` rows."""
-    max_padded = max_padded_rows(num_rows, num_experts, block_m)
-    return {
-        "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=device),
-        "block_expert": torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
-        "num_padded": torch.empty(1, dtype=torch.int32, device=device),
-        "align_scratch": torch.empty(
-            scratch_size(num_rows, num_experts), dtype=torch.int32, device=device
-        ),
-    }
-
-
-def intermediate_buffers(
-    num_rows: int, inter: int, dtype: torch.dtype, fused_quant: bool, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """GEMM1's output: ``inter`` [rows, I] in ``dtype``, or with ``fused_quant`` (see
-    ``fuses_gemm2_input_quant``) e4m3 codes and ``inter_scale`` [rows, ceil(I / 128)]."""
-    if not fused_quant:
-        return {"inter": torch.empty(num_rows, inter, dtype=dtype, device=device)}
-    return {
-        "inter": torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=device),
-        "inter_scale": torch.empty(num_rows, _cdiv(inter, 128), device=device),
-    }
 
 
 def layout_rows(
@@ -449,24 +424,6 @@ def _launch_gemm(
     return n_blocks * split
 
 
-def split_k_workspace(
-    device: torch.device, slot: int, num_tiles: int, split: int, block_m: int, width: int
-) -> dict[str, torch.Tensor]:
-    """A split-K launch's buffers (``_gemm_kernel.moe_gemm_kernel``, SPLIT_K): ``part``
-    float32 partial sums, ``split`` slots of ``block_m`` x ``width`` per tile, and ``count``
-    int32 [tiles], zero between launches (each tile's last program resets its count). Kept
-    per caller and ``slot`` (``WORKSPACES``), so launches on different streams, or that
-    overlap on one stream, never share them."""
-
-    def make() -> dict[str, torch.Tensor]:
-        return {
-            "part": torch.empty(num_tiles * split * block_m * width, device=device),
-            "count": torch.zeros(num_tiles, dtype=torch.int32, device=device),
-        }
-
-    return WORKSPACES.get((device, "split_k", slot, num_tiles, split, block_m, width), make)
-
-
 def _uniform_block_scale(
     consts: dict, block_n: int, n_out: int, gated: bool, interleaved: bool
 ) -> bool:
@@ -518,7 +475,7 @@ def sequence_workspace(
     # (``workspaces.Workspaces``), the alignment's small buffers then stay kept.
     aligned = WORKSPACES.get(
         (dev, "aligned", num_rows, num_experts, bm),
-        lambda: _alignment_buffers(num_rows, num_experts, bm, dev),
+        lambda: alignment_buffers(num_rows, num_experts, bm, dev),
     )
     dtype = a_RH.dtype
     between = WORKSPACES.get(
@@ -526,15 +483,6 @@ def sequence_workspace(
         lambda: intermediate_buffers(num_rows, inter, dtype, fuse, dev),
     )
     return tiles, {**aligned, **between}, fuse
-
-
-def _alignment_buffers(num_rows, num_experts, bm, dev) -> dict:
-    """A sequence call's alignment buffers, and GEMM1 -> GEMM2 streaming's count per
-    aligned block (row blocks never stream), zero between calls
-    (``_gemm_kernel.moe_gemm_kernel``, STREAM)."""
-    ws = alignment_workspace(num_rows, num_experts, bm, dev)
-    ws["block_done"] = torch.zeros_like(ws["block_expert"])
-    return ws
 
 
 def run_kernel_sequence(

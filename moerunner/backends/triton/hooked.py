@@ -31,12 +31,11 @@ from .experts import (
     _launch_gemm,
     _on_device,
     _quantize_input,
-    alignment_workspace,
     layout_rows,
 )
 from .lora import apply_hook
 from .options import TritonOptions
-from .workspaces import WORKSPACES
+from .workspaces import WORKSPACES, alignment_workspace
 
 
 def hooked_sequence(

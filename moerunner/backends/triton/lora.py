@@ -34,9 +34,9 @@ from ._lora_kernel import (
     lora_shrink_kernel,
     pair_ids_kernel,
 )
-from .experts import _TL_DTYPES, aligned_rows, alignment_workspace
+from .experts import _TL_DTYPES, aligned_rows
 from .options import TritonOptions
-from .workspaces import WORKSPACES
+from .workspaces import WORKSPACES, alignment_workspace
 
 # Elements of one factor tile of the row-block kernel: [RANK, BLOCK_K] of A (16 K: few K
 # steps, each a dependent round trip to memory, as one program reads all of A) and

@@ -197,6 +197,7 @@ def tune_tokens(
     per candidate and GEMM after a first launch.
     """
     from . import experts as X
+    from . import workspaces as W
 
     spec = prepared.spec
     options = prepared.options
@@ -227,10 +228,10 @@ def tune_tokens(
         ids = torch.rand(num_tokens, num_experts, device=dev).topk(top_k, dim=1).indices
         routings.append(ids.to(torch.int32).reshape(-1).contiguous())
     route_w = torch.rand(num_tokens * top_k, device=dev)
-    inter_buf = X.intermediate_buffers(rows, inter, dtype, False, dev)["inter"]
+    inter_buf = W.intermediate_buffers(rows, inter, dtype, False, dev)["inter"]
     inter_q = inter_s = None  # GEMM2's input as GEMM1's epilogue makes it (fp8_group128)
     if w2.activation_format == "fp8_group128":
-        fused = X.intermediate_buffers(rows, inter, dtype, True, dev)
+        fused = W.intermediate_buffers(rows, inter, dtype, True, dev)
         inter_q, inter_s = fused["inter"], fused["inter_scale"]
     out_buf = torch.empty(rows, hidden, device=dev, dtype=dtype)
     a1, s1 = X._quantize_input(x, w13, options)
@@ -244,7 +245,7 @@ def tune_tokens(
                 top_k,
                 num_experts,
                 bm,
-                X.alignment_workspace(rows, num_experts, bm, dev),
+                W.alignment_workspace(rows, num_experts, bm, dev),
                 options,
             )
             for ids in routings

@@ -13,6 +13,8 @@ import torch
 from ...memory import kept
 from ..base import caller
 from . import _launch
+from ._align import max_padded_rows, scratch_size
+from ._launch import cdiv as _cdiv
 
 #: Default bound of the workspace cache: buffers of recent shapes kept for reuse.
 WORKSPACE_LIMIT_BYTES = 256 << 20
@@ -112,3 +114,62 @@ def placeholder(device: torch.device) -> torch.Tensor:
         make = lambda: torch.zeros(1, dtype=torch.float32, device=device)  # noqa: E731
         d = _DUMMIES[device] = kept(make, device)
     return d
+
+
+# The buffers of one key, by kind (callers pass these as ``make``).
+
+
+def alignment_workspace(
+    num_rows: int, num_experts: int, block_m: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The buffers ``experts.layout_rows`` aligns into: sorted_rows, block_expert, num_padded and the
+    multi-program scratch, sized for the worst case of ``num_rows`` rows."""
+    max_padded = max_padded_rows(num_rows, num_experts, block_m)
+    return {
+        "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=device),
+        "block_expert": torch.empty(max_padded // block_m, dtype=torch.int32, device=device),
+        "num_padded": torch.empty(1, dtype=torch.int32, device=device),
+        "align_scratch": torch.empty(
+            scratch_size(num_rows, num_experts), dtype=torch.int32, device=device
+        ),
+    }
+
+
+def intermediate_buffers(
+    num_rows: int, inter: int, dtype: torch.dtype, fused_quant: bool, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """GEMM1's output: ``inter`` [rows, I] in ``dtype``, or with ``fused_quant`` (see
+    ``experts.fuses_gemm2_input_quant``) e4m3 codes and ``inter_scale`` [rows, ceil(I / 128)]."""
+    if not fused_quant:
+        return {"inter": torch.empty(num_rows, inter, dtype=dtype, device=device)}
+    return {
+        "inter": torch.empty(num_rows, inter, dtype=torch.float8_e4m3fn, device=device),
+        "inter_scale": torch.empty(num_rows, _cdiv(inter, 128), device=device),
+    }
+
+
+def alignment_buffers(num_rows, num_experts, bm, dev) -> dict:
+    """A sequence call's alignment buffers, and GEMM1 -> GEMM2 streaming's count per
+    aligned block (row blocks never stream), zero between calls
+    (``_gemm_kernel.moe_gemm_kernel``, STREAM)."""
+    ws = alignment_workspace(num_rows, num_experts, bm, dev)
+    ws["block_done"] = torch.zeros_like(ws["block_expert"])
+    return ws
+
+
+def split_k_workspace(
+    device: torch.device, slot: int, num_tiles: int, split: int, block_m: int, width: int
+) -> dict[str, torch.Tensor]:
+    """A split-K launch's buffers (``_gemm_kernel.moe_gemm_kernel``, SPLIT_K): ``part``
+    float32 partial sums, ``split`` slots of ``block_m`` x ``width`` per tile, and ``count``
+    int32 [tiles], zero between launches (each tile's last program resets its count). Kept
+    per caller and ``slot`` (``WORKSPACES``), so launches on different streams, or that
+    overlap on one stream, never share them."""
+
+    def make() -> dict[str, torch.Tensor]:
+        return {
+            "part": torch.empty(num_tiles * split * block_m * width, device=device),
+            "count": torch.zeros(num_tiles, dtype=torch.int32, device=device),
+        }
+
+    return WORKSPACES.get((device, "split_k", slot, num_tiles, split, block_m, width), make)
