@@ -122,8 +122,9 @@ def placeholder(device: torch.device) -> torch.Tensor:
 def alignment_workspace(
     num_rows: int, num_experts: int, block_m: int, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """The buffers ``experts.layout_rows`` aligns into: sorted_rows, block_expert, num_padded and the
-    multi-program scratch, sized for the worst case of ``num_rows`` rows."""
+    """The buffers ``experts.layout_rows`` aligns into: sorted_rows, block_expert,
+    num_padded and the multi-program scratch, sized for the worst case of ``num_rows``
+    rows."""
     max_padded = max_padded_rows(num_rows, num_experts, block_m)
     return {
         "sorted_rows": torch.empty(max_padded, dtype=torch.int32, device=device),
