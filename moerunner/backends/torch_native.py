@@ -387,13 +387,18 @@ def _cpu_chunk(
     return y_RH
 
 
+def _experts_hit(bounds: list[int], num_experts: int) -> int:
+    """How many experts have rows, from the grouped rows' ``bounds`` (``group_pairs``)."""
+    return sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
+
+
 def _cpu_columns(dtype: torch.dtype, bounds: list[int], prepared: PreparedWeights) -> bool:
     """Whether a CPU call runs transposed: a ``cpu_columns_dtypes`` dtype with fewer than
     ``cpu_columns_until`` rows per expert hit on average."""
     options, num_experts = _options(prepared), prepared.spec.num_experts
     if dtype not in options.cpu_columns_dtypes:
         return False
-    hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
+    hit = _experts_hit(bounds, num_experts)
     return bounds[num_experts] < options.cpu_columns_until * hit
 
 
@@ -433,7 +438,7 @@ def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int
     w13 = t["w13"]
     if w13.shape[1] * w13.shape[2] >= options.cpu_grouped_large:  # large: whatever is hit
         return bounds[num_experts] > 0
-    hit = sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
+    hit = _experts_hit(bounds, num_experts)
     return hit > 0 and hit * options.cpu_grouped_hit_share >= num_experts
 
 
