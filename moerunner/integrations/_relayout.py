@@ -133,11 +133,9 @@ def relayout(module: torch.nn.Module, layout: str, chunk_bytes: int = CHUNK_BYTE
             continue
         # The module's canonical views reference the old memory: drop them first, so it is
         # re-laid in place, or freed as soon as the data is replaced.
-        forget_weights(module)
+        if not moved:
+            _drop_views(module)
         alone = _alone(param)
-        if not alone:  # the memo's views may wait in reference cycles
-            gc.collect()
-            alone = _alone(param)
         with torch.inference_mode(False), torch.no_grad():
             if alone:
                 _transpose_in_place(param, layout, chunk_bytes)
@@ -147,6 +145,15 @@ def relayout(module: torch.nn.Module, layout: str, chunk_bytes: int = CHUNK_BYTE
                 param.data = param.detach().contiguous()
         moved = True
     return moved
+
+
+def _drop_views(module: torch.nn.Module) -> None:
+    """Drop the module's cached views of its weights (``forget_weights``): they reference the
+    weights' memory. Where a parameter is still not alone after that, the dropped views may
+    wait in reference cycles, so those are collected."""
+    forget_weights(module)
+    if not all(_alone(param) for _, param in _weights(module)):
+        gc.collect()
 
 
 def _alone(param: torch.nn.Parameter) -> bool:
@@ -225,6 +232,4 @@ def undecided(module: torch.nn.Module) -> None:
     """Leave the layout to ``auto_relayout`` again: forget its decision and the module's
     derived views of the weights (which would keep the parameters from being alone)."""
     module.__dict__.pop(_AUTO_DECIDED, None)
-    forget_weights(module)
-    if not all(_alone(param) for _, param in _weights(module)):
-        gc.collect()  # the dropped views may wait in reference cycles
+    _drop_views(module)

@@ -329,11 +329,10 @@ def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:
     views of the weights are dropped here for that). One copy of the experts either way;
     the re-lay is done in each parameter's memory through a 64 MiB buffer, or, where
     another tensor references that memory, by a copy (one parameter of transient memory).
-    Left as stored
-    (moerunner reads them through strided views): layers moerunner cannot run or that run
-    quantized weights, offloaded or meta weights, tensor subclasses (e.g. DTensor), and
-    weights sharing memory with another tensor of the model. Layers stored canonical already
-    are not touched.
+    Left as stored (moerunner reads them through strided views): layers moerunner cannot run
+    or that run quantized weights, offloaded or meta weights, tensor subclasses (e.g.
+    DTensor), and weights sharing memory with another tensor of the model. Layers stored
+    canonical already are not touched.
     """
     choices = (*_relayout.LAYOUTS, "auto")
     if layout not in choices:
