@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from .config import Activation
-from .dispatch.base import default_dispatchers
+from .dispatch.builtin import default_dispatchers
 from .dispatch.expert_map import ExpertPlacement, shard_expert_weights
 from .dispatch.tensor_parallel import shard_intermediate
 from .distributed import rank_and_size

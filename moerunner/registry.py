@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dispatch import permute
-from .dispatch.base import DispatchSetup, default_dispatchers
+from .dispatch.base import DispatchSetup
+from .dispatch.builtin import default_dispatchers
 from .dispatch.formats import MASKED, PERMUTED, STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 

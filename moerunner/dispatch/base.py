@@ -11,25 +11,22 @@ A dispatcher (stages 2 and 4) is any object with:
   ``combine(expert_output, dispatch_output) -> [T, H]``.
 
 Dispatchers are registered by name in ``moerunner.registry`` as factories of a
-``DispatchSetup``; ``default_dispatchers`` lists the built-in ones.
+``DispatchSetup``; ``dispatch.builtin.default_dispatchers`` lists the built-in ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import MoeInputError
 from ..routing import TopK
 from .expert_map import ExpertPlacement
 
 __all__ = [
     "DispatchSetup",
     "Dispatcher",
-    "default_dispatchers",
     "weighted_row_sum",
 ]
 
@@ -87,39 +84,3 @@ def weighted_row_sum(
     if weight is not None:
         contribution = contribution * weight[:, None]
     return out.index_add_(0, destination, contribution)
-
-
-def _standard(setup: DispatchSetup) -> Dispatcher:
-    from .standard import StandardDispatcher
-
-    if setup.placement is None:
-        return StandardDispatcher(group=setup.group, num_local_experts=setup.num_local_experts)
-    return StandardDispatcher(setup.placement.expert_map(setup.rank), setup.group)
-
-
-def _needs_placement(name: str, setup: DispatchSetup) -> ExpertPlacement:
-    if setup.placement is None:
-        raise MoeInputError(f"dispatcher {name!r} needs an ExpertPlacement (placement=)")
-    return setup.placement
-
-
-def _all_to_all(setup: DispatchSetup) -> Dispatcher:
-    from .all_to_all import AllToAllDispatcher
-
-    return AllToAllDispatcher(_needs_placement("all_to_all", setup), setup.group)
-
-
-def _masked(setup: DispatchSetup) -> Dispatcher:
-    from .masked import MaskedDispatcher
-
-    placement = _needs_placement("masked", setup)
-    if setup.capacity is None:
-        raise MoeInputError("dispatcher 'masked' needs capacity=")
-    return MaskedDispatcher(
-        placement, setup.capacity, setup.hidden_size, setup.group, on_overflow=setup.on_overflow
-    )
-
-
-def default_dispatchers() -> dict[str, Callable[[DispatchSetup], Dispatcher]]:
-    """The built-in dispatchers by name: ``standard``, ``all_to_all`` and ``masked``."""
-    return {"standard": _standard, "all_to_all": _all_to_all, "masked": _masked}

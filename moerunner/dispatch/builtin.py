@@ -1,0 +1,49 @@
+"""The built-in dispatchers (``standard``, ``all_to_all``, ``masked``) as factories of a
+``DispatchSetup``: what ``moerunner.registry`` registers at import.
+
+Each factory checks what its dispatcher needs from the setup (a placement, a capacity) and
+raises ``MoeInputError`` naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import MoeInputError
+from .all_to_all import AllToAllDispatcher
+from .base import Dispatcher, DispatchSetup
+from .expert_map import ExpertPlacement
+from .masked import MaskedDispatcher
+from .standard import StandardDispatcher
+
+__all__ = ["default_dispatchers"]
+
+
+def _standard(setup: DispatchSetup) -> Dispatcher:
+    if setup.placement is None:
+        return StandardDispatcher(group=setup.group, num_local_experts=setup.num_local_experts)
+    return StandardDispatcher(setup.placement.expert_map(setup.rank), setup.group)
+
+
+def _needs_placement(name: str, setup: DispatchSetup) -> ExpertPlacement:
+    if setup.placement is None:
+        raise MoeInputError(f"dispatcher {name!r} needs an ExpertPlacement (placement=)")
+    return setup.placement
+
+
+def _all_to_all(setup: DispatchSetup) -> Dispatcher:
+    return AllToAllDispatcher(_needs_placement("all_to_all", setup), setup.group)
+
+
+def _masked(setup: DispatchSetup) -> Dispatcher:
+    placement = _needs_placement("masked", setup)
+    if setup.capacity is None:
+        raise MoeInputError("dispatcher 'masked' needs capacity=")
+    return MaskedDispatcher(
+        placement, setup.capacity, setup.hidden_size, setup.group, on_overflow=setup.on_overflow
+    )
+
+
+def default_dispatchers() -> dict[str, Callable[[DispatchSetup], Dispatcher]]:
+    """The built-in dispatchers by name: ``standard``, ``all_to_all`` and ``masked``."""
+    return {"standard": _standard, "all_to_all": _all_to_all, "masked": _masked}
