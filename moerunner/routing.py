@@ -32,30 +32,15 @@ kernel of ``backends/triton/_routing.py``) gives the same bits:
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from .errors import BackendUnavailableError, MoeInputError
+from .topk import TopK
 
 SCORING_FUNCS = ("softmax", "sigmoid", "topk_sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
 ROUTING_BACKENDS = ("auto", "torch", "triton")
-
-
-@dataclass(frozen=True)
-class TopK:
-    """Routing decision. ``ids`` are expert ids (or -1: slot contributes nothing)."""
-
-    # float32 and int32; a fused op with ``routing_dtypes`` may get the caller's dtypes
-    # among those it declares (the triton backend's: int64 ids, bf16/fp16 weights).
-    weights: torch.Tensor  # [T, k] float32
-    ids: torch.Tensor  # [T, k] int32
-
-    @property
-    def top_k(self) -> int:
-        """Slots per token."""
-        return self.ids.shape[1]
 
 
 def select_experts(

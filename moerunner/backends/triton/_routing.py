@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ...errors import BackendUnavailableError, MoeInputError
-from ...routing import TopK
+from ...topk import TopK
 from . import _launch, _pdl, _plan
 from ._align import align_in_program, one_program_constants
 from ._launch import cdiv as _cdiv
