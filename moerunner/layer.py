@@ -35,14 +35,13 @@ from torch import nn
 from .api import run_experts
 from .backends.base import MoeProblem, caller
 from .config import Activation, MoeConfig
-from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
 from .dispatch.formats import STANDARD
+from .dispatched_layer import DispatchedForward
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
 from .memo import DerivedCache
 from .ops import adopt_quantized, call_fused_experts, op_tensor
-from .profiling import trace_range
 from .registry import Registry
 from .routing import TopK, select_experts
 from .runner import (
@@ -58,10 +57,11 @@ from .weights import ExpertWeights, is_quantized
 __all__ = ["MoE"]
 
 
-class MoE(HoldsQuantized):
+class MoE(HoldsQuantized, DispatchedForward):
     """One MoE layer: route -> dispatch -> experts -> combine.
 
-    Quantized weights held as buffers after ``quantize_``: ``moerunner.held_quantized``.
+    Quantized weights held as buffers after ``quantize_``: ``moerunner.held_quantized``; the
+    dispatcher and the expert-parallel forward: ``moerunner.dispatched_layer``.
 
     Args:
         config: shapes, activation, biases and routing (``MoeConfig``); ``num_experts`` is the
@@ -147,102 +147,6 @@ class MoE(HoldsQuantized):
         self.shared_w2 = nn.Parameter(torch.randn(s, h, i_s, **kw) * i_s**-0.5)
         if shared.gate:
             self.shared_gate = nn.Parameter(torch.randn(s, h, **kw) * h**-0.5)
-
-    def _setup_dispatch(
-        self,
-        dispatcher: str,
-        placement: ExpertPlacement | None,
-        group: Any,
-        capacity: int | None,
-        on_overflow: str,
-        num_experts: int,
-        config: MoeConfig | None,
-        num_local: int | None = None,
-    ) -> int:
-        """Build the dispatcher; return how many experts this rank holds."""
-        if not isinstance(dispatcher, str):
-            raise TypeError(f"dispatcher must be a str, got {type(dispatcher).__name__}")
-        if placement is not None and not isinstance(placement, ExpertPlacement):
-            raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
-        distributed = placement is not None or group is not None
-        rank = 0
-        if distributed:
-            import torch.distributed as dist
-
-            from .distributed import rank_and_size
-
-            if group is None:  # dispatchers read None as "no group": name the default one
-                group = dist.group.WORLD
-            rank, _ = rank_and_size(group)
-        error = None
-        registry = self.runner.registry
-        try:
-            num_local = self._check_placement(placement, rank, num_experts, num_local)
-            if dispatcher not in registry.dispatchers:
-                raise MoeInputError(
-                    f"dispatcher must be one of {sorted(registry.dispatchers)}, got {dispatcher!r}"
-                )
-        except Exception as err:
-            if not distributed:
-                raise
-            error = err  # every rank raises RankFailedError in the exchange below
-        if distributed:
-            from .distributed import check_consistent
-
-            names = sorted(registry.dispatchers)
-            check_consistent(
-                group,
-                f"MoE(dispatcher={dispatcher!r})",
-                {
-                    "dispatcher": names.index(dispatcher) if error is None else -1,
-                    "hidden_size": config.hidden_size if config else -1,
-                    "intermediate_size": config.intermediate_size if config else -1,
-                    "placement": -1 if placement is None else placement.fingerprint(),
-                },
-                error=error,
-            )
-        self.dispatcher_kind = dispatcher
-        self.placement = placement
-        self.group = group
-        self.rank = rank
-        self.dispatcher = registry.make_dispatcher(
-            dispatcher,
-            DispatchSetup(
-                num_local_experts=num_local,
-                hidden_size=config.hidden_size,
-                placement=placement,
-                group=group,
-                rank=rank,
-                capacity=capacity,
-                on_overflow=on_overflow,
-            ),
-        )
-        self.last_overflow: torch.Tensor | None = None
-        self._dtype: torch.dtype | None = None  # of the last call that could run (stand-in)
-        self._top_k: int | None = None
-        # per grad mode: (key of the parameters, the ExpertWeights of them)
-        self._weights_views: dict[bool, tuple[tuple, ExpertWeights]] = {}
-        return num_local
-
-    @staticmethod
-    def _check_placement(
-        placement: ExpertPlacement | None, rank: int, num_experts: int, num_local: int | None
-    ) -> int:
-        """How many experts this rank holds, checked against the placement."""
-        if placement is None:
-            return num_experts if num_local is None else num_local
-        if placement.num_experts != num_experts:
-            raise MoeInputError(
-                f"placement has {placement.num_experts} routed experts but the layer "
-                f"{num_experts} (config.num_experts)"
-            )
-        expected = placement.num_local(rank)
-        if num_local is not None and num_local != expected:
-            raise MoeInputError(
-                f"rank {rank} holds {expected} local experts in the placement but the "
-                f"weights have {num_local}"
-            )
-        return expected
 
     @classmethod
     def from_weights(
@@ -694,95 +598,6 @@ class MoE(HoldsQuantized):
             shared=shared,
         )
 
-    def _forward_dispatched(self, hidden_states, router_logits, topk, timer) -> torch.Tensor:
-        """Expert parallel: dispatch -> experts -> combine through the dispatcher.
-
-        A failure on this rank alone (its input, its backend, its experts) must not leave
-        the other ranks blocked in an exchange: this rank goes on with an empty batch (no
-        experts run), takes part in every exchange, and before ``combine`` all ranks agree
-        (``distributed.agree``: one small all_gather and host read) and raise the same
-        ``RankFailedError``. The masked dispatcher in ``on_overflow="flag"`` mode reads
-        nothing on the host: there only the failing rank raises, after the step's exchanges
-        (so the others finish the step instead of waiting for it).
-        """
-        from contextlib import nullcontext
-
-        from .distributed import agree
-
-        stage = timer if timer is not None else (lambda name: nullcontext())
-        error = None
-        try:
-            x, topk, _ = self._inputs(hidden_states, router_logits, topk)
-            self._top_k = topk.ids.shape[1]
-            x = x.detach()  # inference only
-            weights = self.expert_weights()
-            prepared = self._prepared(
-                x, weights, self.dispatcher.dispatch_format, topk.ids.shape[1]
-            )
-            if (
-                self.dispatcher_kind == "standard"  # (others carry rows in their wire dtype)
-                and not is_quantized(weights.w13)
-                and x.dtype != weights.w13.dtype
-            ):
-                raise TypeError(
-                    f"hidden_states dtype {x.dtype} must equal the weights' dtype "
-                    f"{weights.w13.dtype} (or quantize the layer)"
-                )
-        except Exception as err:  # noqa: BLE001  (every rank learns of it below)
-            if self.group is None:  # one process: nobody waits for it
-                raise
-            error, prepared = err, None
-            x, topk = self._stand_in()
-        sync_free = getattr(self.dispatcher, "on_overflow", None) == "flag"
-        what = f"expert-parallel MoE forward ({self.dispatcher_kind})"
-        with stage("dispatch"), trace_range("moerunner.dispatch"):
-            try:
-                dispatched = self.dispatcher.dispatch(x, topk)
-            except Exception as err:  # noqa: BLE001
-                # Raised by a dispatcher's own world checks (then on every rank alike) or
-                # locally before its exchanges (e.g. the standard one, which has none).
-                if self.group is None or sync_free:
-                    raise
-                agree(self.group, what, err)
-                raise  # unreachable: agree raises  # pragma: no cover
-        # masked, on_overflow="flag": the step's device-side overflow flag (else None)
-        self.last_overflow = getattr(dispatched, "overflow", None)
-        with stage("experts"):
-            try:
-                if error is None:
-                    out = self.runner.run(dispatched, prepared)
-            except Exception as err:  # noqa: BLE001
-                if self.group is None:
-                    raise
-                error = err
-            if error is not None:  # the step has failed: its output is never returned
-                out = torch.zeros_like(dispatched.hidden_states)
-        if self.group is not None and not sync_free and not _capturing():
-            agree(self.group, what, error)
-        with stage("combine"), trace_range("moerunner.combine"):
-            combined = self.dispatcher.combine(out, dispatched)
-        if error is not None:  # "flag" mode, or while capturing: this rank alone
-            from .errors import RankFailedError
-
-            text = f"{type(error).__name__}: {error}"
-            raise RankFailedError(
-                f"{what} failed on rank {self.rank} (rank {self.rank}: {text})",
-                (self.rank,),
-                (text,),
-            ) from error
-        shape = hidden_states.shape
-        return combined.reshape(shape)
-
-    def _stand_in(self) -> tuple[torch.Tensor, TopK]:
-        """An empty batch in the dtype and top-k of this layer's last good call (what the
-        other ranks pass), for a rank whose own input failed its checks."""
-        dtype = self._dtype if self._dtype is not None else torch.float32
-        device = self.expert_weights().device
-        x = torch.zeros((0, self.config.hidden_size), dtype=dtype, device=device)
-        k = self._top_k if self._top_k is not None else self.config.top_k
-        ids = torch.zeros((0, k), dtype=torch.int32, device=device)
-        return x, TopK(torch.zeros((0, k), dtype=torch.float32, device=device), ids)
-
     def _prepared(self, x: torch.Tensor, weights: ExpertWeights, dispatch_format: str, top_k: int):
         """The prepared weights for a call of ``x [T, H]`` with ``top_k`` slots: those of the
         backend chosen for T's token-count bucket (``MoeRunner.select``)."""
@@ -838,13 +653,6 @@ class MoE(HoldsQuantized):
         if not self._single_process():
             parts.append(f"dispatcher={self.dispatcher_kind!r}, rank={self.rank}")
         return ", ".join(parts)
-
-
-def _capturing() -> bool:
-    """Inside a CUDA-graph capture or a compiled graph, where no host read may happen."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:

@@ -1,0 +1,224 @@
+"""The ``MoE`` layer's dispatcher: how it is built from a placement and a process group, and
+the forward through it when the layer is expert parallel (dispatch -> experts -> combine).
+
+``DispatchedForward`` is a base class of ``moerunner.MoE``; its methods read the layer's
+runner, config and weights (``_inputs``, ``expert_weights``, ``_prepared``). A single process
+with the ``standard`` dispatcher never calls ``_forward_dispatched``: the layer runs its
+experts directly. Failures on one rank become the same ``RankFailedError`` on every rank
+(``distributed.agree``) instead of leaving the others blocked in an exchange.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .dispatch.base import DispatchSetup
+from .dispatch.expert_map import ExpertPlacement
+from .errors import MoeInputError
+from .profiling import trace_range
+from .routing import TopK
+from .weights import is_quantized
+
+if TYPE_CHECKING:  # annotations only
+    from .config import MoeConfig
+    from .weights import ExpertWeights
+
+__all__ = ["DispatchedForward"]
+
+
+class DispatchedForward:
+    """The dispatcher of a ``MoE`` layer and its expert-parallel forward (see the module)."""
+
+    def _setup_dispatch(
+        self,
+        dispatcher: str,
+        placement: ExpertPlacement | None,
+        group: Any,
+        capacity: int | None,
+        on_overflow: str,
+        num_experts: int,
+        config: MoeConfig | None,
+        num_local: int | None = None,
+    ) -> int:
+        """Build the dispatcher; return how many experts this rank holds."""
+        if not isinstance(dispatcher, str):
+            raise TypeError(f"dispatcher must be a str, got {type(dispatcher).__name__}")
+        if placement is not None and not isinstance(placement, ExpertPlacement):
+            raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
+        distributed = placement is not None or group is not None
+        rank = 0
+        if distributed:
+            import torch.distributed as dist
+
+            from .distributed import rank_and_size
+
+            if group is None:  # dispatchers read None as "no group": name the default one
+                group = dist.group.WORLD
+            rank, _ = rank_and_size(group)
+        error = None
+        registry = self.runner.registry
+        try:
+            num_local = self._check_placement(placement, rank, num_experts, num_local)
+            if dispatcher not in registry.dispatchers:
+                raise MoeInputError(
+                    f"dispatcher must be one of {sorted(registry.dispatchers)}, got {dispatcher!r}"
+                )
+        except Exception as err:
+            if not distributed:
+                raise
+            error = err  # every rank raises RankFailedError in the exchange below
+        if distributed:
+            from .distributed import check_consistent
+
+            names = sorted(registry.dispatchers)
+            check_consistent(
+                group,
+                f"MoE(dispatcher={dispatcher!r})",
+                {
+                    "dispatcher": names.index(dispatcher) if error is None else -1,
+                    "hidden_size": config.hidden_size if config else -1,
+                    "intermediate_size": config.intermediate_size if config else -1,
+                    "placement": -1 if placement is None else placement.fingerprint(),
+                },
+                error=error,
+            )
+        self.dispatcher_kind = dispatcher
+        self.placement = placement
+        self.group = group
+        self.rank = rank
+        self.dispatcher = registry.make_dispatcher(
+            dispatcher,
+            DispatchSetup(
+                num_local_experts=num_local,
+                hidden_size=config.hidden_size,
+                placement=placement,
+                group=group,
+                rank=rank,
+                capacity=capacity,
+                on_overflow=on_overflow,
+            ),
+        )
+        self.last_overflow: torch.Tensor | None = None
+        self._dtype: torch.dtype | None = None  # of the last call that could run (stand-in)
+        self._top_k: int | None = None
+        # per grad mode: (key of the parameters, the ExpertWeights of them)
+        self._weights_views: dict[bool, tuple[tuple, ExpertWeights]] = {}
+        return num_local
+
+    @staticmethod
+    def _check_placement(
+        placement: ExpertPlacement | None, rank: int, num_experts: int, num_local: int | None
+    ) -> int:
+        """How many experts this rank holds, checked against the placement."""
+        if placement is None:
+            return num_experts if num_local is None else num_local
+        if placement.num_experts != num_experts:
+            raise MoeInputError(
+                f"placement has {placement.num_experts} routed experts but the layer "
+                f"{num_experts} (config.num_experts)"
+            )
+        expected = placement.num_local(rank)
+        if num_local is not None and num_local != expected:
+            raise MoeInputError(
+                f"rank {rank} holds {expected} local experts in the placement but the "
+                f"weights have {num_local}"
+            )
+        return expected
+
+    def _forward_dispatched(self, hidden_states, router_logits, topk, timer) -> torch.Tensor:
+        """Expert parallel: dispatch -> experts -> combine through the dispatcher.
+
+        A failure on this rank alone (its input, its backend, its experts) must not leave
+        the other ranks blocked in an exchange: this rank goes on with an empty batch (no
+        experts run), takes part in every exchange, and before ``combine`` all ranks agree
+        (``distributed.agree``: one small all_gather and host read) and raise the same
+        ``RankFailedError``. The masked dispatcher in ``on_overflow="flag"`` mode reads
+        nothing on the host: there only the failing rank raises, after the step's exchanges
+        (so the others finish the step instead of waiting for it).
+        """
+        from contextlib import nullcontext
+
+        from .distributed import agree
+
+        stage = timer if timer is not None else (lambda name: nullcontext())
+        error = None
+        try:
+            x, topk, _ = self._inputs(hidden_states, router_logits, topk)
+            self._top_k = topk.ids.shape[1]
+            x = x.detach()  # inference only
+            weights = self.expert_weights()
+            prepared = self._prepared(
+                x, weights, self.dispatcher.dispatch_format, topk.ids.shape[1]
+            )
+            if (
+                self.dispatcher_kind == "standard"  # (others carry rows in their wire dtype)
+                and not is_quantized(weights.w13)
+                and x.dtype != weights.w13.dtype
+            ):
+                raise TypeError(
+                    f"hidden_states dtype {x.dtype} must equal the weights' dtype "
+                    f"{weights.w13.dtype} (or quantize the layer)"
+                )
+        except Exception as err:  # noqa: BLE001  (every rank learns of it below)
+            if self.group is None:  # one process: nobody waits for it
+                raise
+            error, prepared = err, None
+            x, topk = self._stand_in()
+        sync_free = getattr(self.dispatcher, "on_overflow", None) == "flag"
+        what = f"expert-parallel MoE forward ({self.dispatcher_kind})"
+        with stage("dispatch"), trace_range("moerunner.dispatch"):
+            try:
+                dispatched = self.dispatcher.dispatch(x, topk)
+            except Exception as err:  # noqa: BLE001
+                # Raised by a dispatcher's own world checks (then on every rank alike) or
+                # locally before its exchanges (e.g. the standard one, which has none).
+                if self.group is None or sync_free:
+                    raise
+                agree(self.group, what, err)
+                raise  # unreachable: agree raises  # pragma: no cover
+        # masked, on_overflow="flag": the step's device-side overflow flag (else None)
+        self.last_overflow = getattr(dispatched, "overflow", None)
+        with stage("experts"):
+            try:
+                if error is None:
+                    out = self.runner.run(dispatched, prepared)
+            except Exception as err:  # noqa: BLE001
+                if self.group is None:
+                    raise
+                error = err
+            if error is not None:  # the step has failed: its output is never returned
+                out = torch.zeros_like(dispatched.hidden_states)
+        if self.group is not None and not sync_free and not _capturing():
+            agree(self.group, what, error)
+        with stage("combine"), trace_range("moerunner.combine"):
+            combined = self.dispatcher.combine(out, dispatched)
+        if error is not None:  # "flag" mode, or while capturing: this rank alone
+            from .errors import RankFailedError
+
+            text = f"{type(error).__name__}: {error}"
+            raise RankFailedError(
+                f"{what} failed on rank {self.rank} (rank {self.rank}: {text})",
+                (self.rank,),
+                (text,),
+            ) from error
+        shape = hidden_states.shape
+        return combined.reshape(shape)
+
+    def _stand_in(self) -> tuple[torch.Tensor, TopK]:
+        """An empty batch in the dtype and top-k of this layer's last good call (what the
+        other ranks pass), for a rank whose own input failed its checks."""
+        dtype = self._dtype if self._dtype is not None else torch.float32
+        device = self.expert_weights().device
+        x = torch.zeros((0, self.config.hidden_size), dtype=dtype, device=device)
+        k = self._top_k if self._top_k is not None else self.config.top_k
+        ids = torch.zeros((0, k), dtype=torch.int32, device=device)
+        return x, TopK(torch.zeros((0, k), dtype=torch.float32, device=device), ids)
+
+
+def _capturing() -> bool:
+    """Inside a CUDA-graph capture or a compiled graph, where no host read may happen."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
