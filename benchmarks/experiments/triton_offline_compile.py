@@ -32,7 +32,9 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from moerunner.backends.triton import _activation as A  # noqa: E402
 from moerunner.backends.triton import _gemm_kernel as K  # noqa: E402
+from moerunner.backends.triton import _operands as OP  # noqa: E402
 from moerunner.backends.triton import _overlap as O  # noqa: E402
 from moerunner.backends.triton import experts as X  # noqa: E402
 from moerunner.backends.triton._prepare import placed_words  # noqa: E402
@@ -43,14 +45,14 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # (W_FORMAT, SCALE_FMT, GROUP_K, HALF, HAS_ZP, HAS_GSCALE, MERGED_SCALE, scale pointer type,
 #  FRAG); e2m1 schemes as prepared (fragment layout), and "...s" in the split layout.
 SCHEMES = {
-    "mxfp4": (K.WF_E2M1, K.SF_E8M0, 32, 0, False, False, True, "*u8", True),
-    "mxfp4u": (K.WF_E2M1, K.SF_E8M0, 32, 0, False, False, False, "*u8", True),
-    "nvfp4": (K.WF_E2M1, K.SF_E4M3, 16, 0, False, True, False, "*u8", True),
-    "mxfp4s": (K.WF_E2M1, K.SF_E8M0, 32, 32, False, False, True, "*u8", False),
-    "nvfp4s": (K.WF_E2M1, K.SF_E4M3, 16, 16, False, True, False, "*u8", False),
-    "int4": (K.WF_UINT4, K.SF_FP32, 128, 64, False, False, False, "*fp32", False),
-    "bf16": (K.WF_PLAIN, K.SF_NONE, 0, 0, False, False, False, "*fp32", False),
-    "fp8_block": (K.WF_FP8, K.SF_FP32, 128, 0, False, False, False, "*fp32", False),
+    "mxfp4": (OP.WF_E2M1, OP.SF_E8M0, 32, 0, False, False, True, "*u8", True),
+    "mxfp4u": (OP.WF_E2M1, OP.SF_E8M0, 32, 0, False, False, False, "*u8", True),
+    "nvfp4": (OP.WF_E2M1, OP.SF_E4M3, 16, 0, False, True, False, "*u8", True),
+    "mxfp4s": (OP.WF_E2M1, OP.SF_E8M0, 32, 32, False, False, True, "*u8", False),
+    "nvfp4s": (OP.WF_E2M1, OP.SF_E4M3, 16, 16, False, True, False, "*u8", False),
+    "int4": (OP.WF_UINT4, OP.SF_FP32, 128, 64, False, False, False, "*fp32", False),
+    "bf16": (OP.WF_PLAIN, OP.SF_NONE, 0, 0, False, False, False, "*fp32", False),
+    "fp8_block": (OP.WF_FP8, OP.SF_FP32, 128, 0, False, False, False, "*fp32", False),
 }
 
 
@@ -103,8 +105,8 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
     gemm1 = gemm == "1"
     # Packed schemes model GPT-OSS (interleaved gate/up, biases, swiglu_oai); the others a
     # DeepSeek/Qwen-style layer (gate rows then up rows, silu, no biases).
-    gpt_oss = wf in (K.WF_E2M1, K.WF_UINT4)
-    qdot = wf == K.WF_FP8
+    gpt_oss = wf in (OP.WF_E2M1, OP.WF_UINT4)
+    qdot = wf == OP.WF_FP8
     consts = dict(
         BLOCK_M=int(bm),
         BLOCK_N=int(bn),
@@ -113,24 +115,24 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
         EVEN_K=True,
         GATED=gemm1,
         INTERLEAVED=gemm1 and gpt_oss,
-        ACT=(K.ACT_SWIGLU_OAI if gpt_oss else K.ACT_SILU) if gemm1 else K.ACT_NONE,
+        ACT=(A.ACT_SWIGLU_OAI if gpt_oss else A.ACT_SILU) if gemm1 else A.ACT_NONE,
         HAS_BIAS=gpt_oss,
         MUL_ROUTE_W=not gemm1,
         W_FORMAT=wf,
         QDOT=qdot,
-        A_SCALE=K.AS_GROUP128 if qdot else K.AS_NONE,
+        A_SCALE=OP.AS_GROUP128 if qdot else OP.AS_NONE,
         SCALE_FMT=sf,
         GROUP_K=group_k,
         SCALE_ROW_BLOCK=128 if qdot else 1,
         HAS_ZP=zp,
         HAS_GSCALE=gscale,
         IEEE=False,
-        BF16_FP4=wf == K.WF_E2M1,
+        BF16_FP4=wf == OP.WF_E2M1,
         HALF=half,
         MERGED_SCALE=merged,
         E2M1_WORDS=e2m1_words(
             frag and placed_words(options),
-            wf == K.WF_E2M1,
+            wf == OP.WF_E2M1,
             (2 if gemm1 else 1) * int(bn),
             int(warps),
         ),
@@ -166,7 +168,7 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
     sig = _signature(
         scale_ty,
         fp8 if qdot else "*bf16",
-        "*bf16" if wf == K.WF_PLAIN else (fp8 if qdot else "*u8"),
+        "*bf16" if wf == OP.WF_PLAIN else (fp8 if qdot else "*u8"),
         fp8 if consts["OUT_QUANT"] else "*bf16",
     )
     # Pointers and the leading strides are 16-divisible, as at run time for real shapes; so

@@ -10,6 +10,7 @@
 #   _prepare.py      each weight described for the kernel and re-laid once (prepare time)
 #   _align.py        expert alignment kernels and the top-k reduction kernel
 #   _gemm_kernel.py  the grouped GEMM kernel (all schemes, fused activation)
+#   _activation.py   the activation math of its epilogue, and the same as a kernel of its own
 #   _weight_decode.py weight tiles as its K loop reads them: scale codes, packed 4-bit and fp4
 #                    decodes (inline PTX on the GPU)
 #   _quant_kernel.py GEMM-input quantization (fp8 per token / per 128, int8) on the GPU

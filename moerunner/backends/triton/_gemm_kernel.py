@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _pdl
+from ._activation import activate
 from ._overlap import (
     _EARLY_FROM_IDS,
     _EARLY_NONE,
@@ -30,8 +31,8 @@ from ._overlap import (
 )
 from ._quant_kernel import quant_groups_e4m3
 from ._weight_decode import (
+    _channel_scale,
     _column,
-    _decode_scale,
     _fragment_prefetch,
     _fragment_tile,
     _half_group_codes,
@@ -41,16 +42,7 @@ from ._weight_decode import (
     _weight_tile,
 )
 
-# Weight storage formats (constexpr W_FORMAT).
-WF_PLAIN, WF_FP8, WF_INT8, WF_UINT4, WF_E2M1 = 0, 1, 2, 3, 4
-# Scale encodings (constexpr SCALE_FMT).
-SF_NONE, SF_FP32, SF_E8M0, SF_E4M3 = 0, 1, 2, 3
-# Activation ids (constexpr ACT); ACT_NONE is used by GEMM2.
-ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2, 3, 4, 5
-# A-side scales (constexpr A_SCALE): none, one per row, one per row and K group (the
-# weight's K block, GROUP_K).
-AS_NONE, AS_ROW, AS_GROUP = 0, 1, 2
-AS_GROUP128 = AS_GROUP  # its former name
+# The constexpr ids of W_FORMAT, SCALE_FMT and A_SCALE are ``_operands``' WF_*, SF_*, AS_*.
 
 
 @triton.jit
@@ -90,70 +82,6 @@ def _mma(a, b, acc, IS_INT: tl.constexpr, IEEE: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-@triton.jit
-def _channel_scale(s_base, rows, stride_sn, SCALE_FMT: tl.constexpr):
-    """Per-output-row (or per-tensor when stride_sn == 0) weight scale, float32 [BN]."""
-    return _decode_scale(tl.load(s_base + rows * stride_sn), SCALE_FMT)
-
-
-@triton.jit
-def _activate(g, u, alpha, limit, ACT: tl.constexpr):
-    """Gated (act(g) * u) or non-gated (act(g), u unused) activation in float32."""
-    if ACT == 1:
-        out = g * tl.sigmoid(g) * u
-    elif ACT == 2:
-        out = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)) * u
-    elif ACT == 3:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        out = g * tl.sigmoid(2.0 * inner) * u  # 0.5 * (1 + tanh(x)) == sigmoid(2x)
-    elif ACT == 4:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        out = g * tl.sigmoid(alpha * g) * (u + 1.0)
-    elif ACT == 5:
-        r = tl.maximum(g, 0.0)
-        out = r * r
-    else:
-        out = g
-    return out
-
-
-@triton.jit
-def activation_kernel(
-    h_ptr,
-    out_ptr,
-    inter,
-    alpha,
-    limit,
-    stride_hm,
-    stride_om,
-    BLOCK: tl.constexpr,
-    GATED: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    ACT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """GEMM1's activation on its stored float32 output (the hooked sequence): row
-    ``program_id(0)``, columns ``program_id(1)`` * BLOCK on of ``inter``. Gated: gate then up
-    halves, or alternating gate/up columns (INTERLEAVED)."""
-    _pdl.enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < inter
-    h_row = h_ptr + row * stride_hm
-    if GATED and INTERLEAVED:
-        g = tl.load(h_row + 2 * offs, mask=mask, other=0.0)
-        u = tl.load(h_row + 2 * offs + 1, mask=mask, other=0.0)
-    elif GATED:
-        g = tl.load(h_row + offs, mask=mask, other=0.0)
-        u = tl.load(h_row + inter + offs, mask=mask, other=0.0)
-    else:
-        g = tl.load(h_row + offs, mask=mask, other=0.0)
-        u = g
-    out = _activate(g.to(tl.float32), u.to(tl.float32), alpha, limit, ACT)
-    tl.store(out_ptr + row * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -514,7 +442,7 @@ def _gemm_block(
     else:
         g = acc
         u = tl.full((BLOCK_M, BLOCK_N), 1.0, dtype=tl.float32)
-    out = _activate(g, u, alpha, limit, ACT)
+    out = activate(g, u, alpha, limit, ACT)
     if MUL_ROUTE_W:
         rw = tl.load(route_w_ptr + rows_out, mask=row_mask, other=0.0).to(tl.float32)
         out = out * rw[:, None]

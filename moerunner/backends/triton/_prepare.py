@@ -24,7 +24,7 @@ from ...errors import MoeInputError
 from ...quant.schemes import QuantScheme
 from ...weights import ExpertWeights, PreparedWeights, is_quantized
 from ..base import SchemeSupport
-from . import _gemm_kernel as K
+from . import _operands as OP
 from ._operands import QDOT_ACTIVATIONS
 from ._weight_decode import e2m1_word_bits, placed_words_checked
 from .options import DEFAULT_OPTIONS, TritonOptions
@@ -32,11 +32,12 @@ from .tile_config import TileSource, find_tiles
 
 _log = logging.getLogger(__name__)
 
-_SCALE_FMT = {"none": K.SF_NONE, "fp32": K.SF_FP32, "e8m0": K.SF_E8M0, "e4m3": K.SF_E4M3}
-_W_FORMAT = {"e4m3": K.WF_FP8, "int8": K.WF_INT8, "int4": K.WF_UINT4, "e2m1": K.WF_E2M1}
+_SCALE_FMT = {"none": OP.SF_NONE, "fp32": OP.SF_FP32, "e8m0": OP.SF_E8M0, "e4m3": OP.SF_E4M3}
+_W_FORMAT = {"e4m3": OP.WF_FP8, "int8": OP.WF_INT8, "int4": OP.WF_UINT4, "e2m1": OP.WF_E2M1}
 # The kernels' input-scale layout per activation format fed to the MMA quantized ("qdot").
 _QDOT_ACT = {
-    fmt: {"row": K.AS_ROW, "group": K.AS_GROUP}[scales] for fmt, scales in QDOT_ACTIVATIONS.items()
+    fmt: {"row": OP.AS_ROW, "group": OP.AS_GROUP}[scales]
+    for fmt, scales in QDOT_ACTIVATIONS.items()
 }
 
 #: K groups of weight-only int4 / int8 group scales the kernels implement.
@@ -147,10 +148,10 @@ def kernel_weight(
             None,
             tuple(w.shape),
             dict(
-                W_FORMAT=K.WF_PLAIN,
+                W_FORMAT=OP.WF_PLAIN,
                 QDOT=False,
-                A_SCALE=K.AS_NONE,
-                SCALE_FMT=K.SF_NONE,
+                A_SCALE=OP.AS_NONE,
+                SCALE_FMT=OP.SF_NONE,
                 GROUP_K=0,
                 SCALE_ROW_BLOCK=1,
                 HAS_ZP=False,
@@ -181,7 +182,7 @@ def kernel_weight(
     consts = dict(
         W_FORMAT=_W_FORMAT[scheme.weight_format],
         QDOT=qdot,
-        A_SCALE=_QDOT_ACT.get(act, K.AS_NONE),
+        A_SCALE=_QDOT_ACT.get(act, OP.AS_NONE),
         SCALE_FMT=_SCALE_FMT[scheme.scale_format],
         GROUP_K=group_k,
         SCALE_ROW_BLOCK=row_block,

@@ -29,6 +29,12 @@ def _decode_scale(s, SCALE_FMT: tl.constexpr):
 
 
 @triton.jit
+def _channel_scale(s_base, rows, stride_sn, SCALE_FMT: tl.constexpr):
+    """Per-output-row (or per-tensor when stride_sn == 0) weight scale, float32 [BN]."""
+    return _decode_scale(tl.load(s_base + rows * stride_sn), SCALE_FMT)
+
+
+@triton.jit
 def _decode_e2m1(q):
     """Nibble (uint8 0..15) -> float32 value of an fp4 e2m1 element."""
     sign = tl.where((q & 8) != 0, -1.0, 1.0)

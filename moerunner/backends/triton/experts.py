@@ -26,8 +26,10 @@ from ...device_checks import ID_FLAGS
 from ...errors import MoeInputError
 from ...profiling import trace_range
 from ...weights import PreparedWeights
+from . import _activation as A
 from . import _gemm_kernel as K
 from . import _launch, _pdl, _plan, autotune
+from . import _operands as OP
 from . import _overlap as O
 from . import _split_k as SK
 from ._align import (
@@ -50,11 +52,11 @@ from .workspaces import (
 )
 
 _ACT_IDS = {
-    "silu": K.ACT_SILU,
-    "gelu": K.ACT_GELU,
-    "gelu_tanh": K.ACT_GELU_TANH,
-    "swiglu_oai": K.ACT_SWIGLU_OAI,
-    "relu2": K.ACT_RELU2,
+    "silu": A.ACT_SILU,
+    "gelu": A.ACT_GELU,
+    "gelu_tanh": A.ACT_GELU_TANH,
+    "swiglu_oai": A.ACT_SWIGLU_OAI,
+    "relu2": A.ACT_RELU2,
 }
 # Activation formats the kernels feed to the MMA in the hidden dtype after fake-quantizing
 # (exact for mxfp8 in bf16/fp32); the "qdot" ones are quantized (``_prepare``).
@@ -94,7 +96,7 @@ def splits_blocks(
     weights reach the MMA as stored (plain, or fp8/int8 with a quantized A). A weight-only
     decode costs the same per weight at any row count, so half the rows would save little and
     add a second decode loop."""
-    as_stored = consts["W_FORMAT"] == K.WF_PLAIN or consts["QDOT"]
+    as_stored = consts["W_FORMAT"] == OP.WF_PLAIN or consts["QDOT"]
     min_block_m = options.split_min_block_m
     return (
         as_stored
@@ -321,10 +323,10 @@ def _launch_gemm(
     d_strides = (delta.stride(0), delta.stride(1)) if delta is not None else (0, 0)
     # fp4 -> bf16 through packed integer ops (inline PTX: compiled GPU code only).
     bf16_fp4 = (
-        consts["W_FORMAT"] == K.WF_E2M1
+        consts["W_FORMAT"] == OP.WF_E2M1
         and a.dtype == torch.bfloat16
         and a.is_cuda
-        and consts["SCALE_FMT"] in (K.SF_E8M0, K.SF_E4M3)
+        and consts["SCALE_FMT"] in (OP.SF_E8M0, OP.SF_E4M3)
     )
     width = 2 * tile.block_n if gated else tile.block_n
     if not (consts["FRAG"] and w.data.is_cuda):  # the prefetch is inline PTX
@@ -391,7 +393,7 @@ def _launch_gemm(
         EVEN_K=k % tile.block_k == 0,
         GATED=gated,
         INTERLEAVED=interleaved,
-        ACT=_ACT_IDS[act.name] if act is not None else K.ACT_NONE,
+        ACT=_ACT_IDS[act.name] if act is not None else A.ACT_NONE,
         HAS_BIAS=bias is not None,
         MUL_ROUTE_W=route_w is not None,
         IEEE=a.dtype == torch.float32,

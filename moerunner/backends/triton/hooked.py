@@ -21,8 +21,8 @@ import torch
 from ...config import ExpertSpec
 from ...hooks import HookRows, MoeHooks, RowHooks, expert_of_rows
 from ...weights import PreparedWeights
-from . import _gemm_kernel as K
 from . import _launch, autotune
+from ._activation import activation_kernel
 from ._align import hook_rows, topk_sum
 from ._launch import cdiv, next_power_of_2
 from .experts import (
@@ -82,14 +82,14 @@ def hooked_sequence(
 def _activate(
     h_RN: torch.Tensor, spec: ExpertSpec, dtype: torch.dtype, options: TritonOptions
 ) -> torch.Tensor:
-    """GEMM1's activation (``_gemm_kernel.activation_kernel``, the fused epilogue's math) on
+    """GEMM1's activation (``_activation.activation_kernel``, the fused epilogue's math) on
     its float32 output, as ``dtype`` ``[rows, I]``: one launch."""
     num_rows, inter = h_RN.shape[0], spec.intermediate_size
     act = spec.activation
     out = torch.empty(num_rows, inter, dtype=dtype, device=h_RN.device)
     block = min(1024, max(16, next_power_of_2(inter)))
     _launch.launch(
-        K.activation_kernel,
+        activation_kernel,
         (num_rows, cdiv(inter, block)),
         h_RN,
         out,
