@@ -85,6 +85,20 @@ def test_results_follow_the_naming_scheme():
     assert missing == []
 
 
+def test_results_name_no_folder_of_the_machine_that_recorded_them():
+    """Records speak of the project: file names as the commands wrote them, not the absolute
+    folders of the machine a run happened on (output folders, virtual environments)."""
+    machine = re.compile(r"(?<![\w.])/(root|tmp|opt|work|home|mnt|scratch)/")
+    found = [
+        f"{p.name}:{n}: {line.strip()[:80]}"
+        for p in sorted((BENCHMARKS / "results").iterdir())
+        if p.suffix in (".md", ".json", ".txt")
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if machine.search(line)
+    ]
+    assert found == [], "\n".join(found[:20])
+
+
 def test_tune_reads_the_preset_table():
     tune = pytest.importorskip("moerunner.backends.triton.tune")
     assert set(tune.PRESETS) == set(presets.MODEL_PRESETS)
