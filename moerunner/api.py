@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import torch
 
+from . import call_steps
 from .backends.base import MoeProblem
 from .config import Activation, ExpertSpec
 from .device_checks import check_ids_async, checks_may_run
@@ -224,6 +225,15 @@ def run_experts(
             shared,
             hooks,
         )
+    step_key = None
+    if not weight_on_input and not _needs_grad(hidden_states, weights, topk_weights):
+        step_key = call_steps.step_key(
+            runner, hidden_states, topk_weights, topk_ids, act, weights.w13_order, check_ids
+        )
+        if step_key is not None:
+            out = call_steps.replay_step(step_key, weights, hidden_states, topk_weights, topk_ids)
+            if out is not None:
+                return out
     spec, problem = _checked_call(hidden_states, weights, topk_weights, topk_ids, act)
     if weight_on_input:
         hidden_states, unit = weighted_input(
@@ -259,7 +269,13 @@ def run_experts(
         getattr(fused, "routing_dtypes", None),
     )
     dispatch_output = StandardDispatchOutput(hidden_states, topk, check_ids=on_device)
-    return runner.run(dispatch_output, prepared)
+    out = runner.run(dispatch_output, prepared)
+    if step_key is not None and fused is not None and check_ids == on_device:
+        if topk.ids is topk_ids and topk.weights is topk_weights:  # the routing as given
+            call_steps.make_step(
+                step_key, weights, fused, hidden_states, topk_weights, topk_ids, prepared, on_device
+            )
+    return out
 
 
 def _run_extended(

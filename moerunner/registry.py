@@ -63,6 +63,9 @@ class Registry:
     dispatchers: dict[str, DispatcherFactory] = field(default_factory=dict)
     # Selections memoised per (problem, request, preference); cleared by every register_*.
     _selections: dict = field(default_factory=dict, repr=False)
+    #: Counts the times the memoised choices were dropped: what was decided from them before
+    #: (``call_steps``) is stale once it moves.
+    generation: int = field(default=0, repr=False)
 
     def register_backend(self, backend: Backend, *, replace: bool = False) -> Backend:
         """Add a backend object under its ``name`` (once: a second object under the same name
@@ -74,20 +77,24 @@ class Registry:
             raise ValueError(
                 f"a backend named {name!r} is already registered; pass replace=True to swap it"
             )
-        self._selections.clear()
+        self._drop_choices()
         self.backends[name] = backend
         return backend
+
+    def _drop_choices(self) -> None:
+        self._selections.clear()
+        self.generation += 1
 
     def forget_choices(self) -> None:
         """Drop the memoised selections and bucket plans: the next call of each problem
         chooses again (and logs its choice at debug level on the ``moerunner`` logger). For a
         process whose backends changed state (a kernel module built since, a table edited)
         and for benchmarks that record which backend served what."""
-        self._selections.clear()
+        self._drop_choices()
 
     def register_permute(self, dispatch_format: str, pre: Callable, post: Callable) -> None:
         """Pre- and post-permute between ``dispatch_format`` and the grouped layout."""
-        self._selections.clear()
+        self._drop_choices()
         self.permutes[dispatch_format] = (pre, post)
 
     def register_dispatcher(self, name: str, factory: DispatcherFactory) -> None:

@@ -300,6 +300,8 @@ class _PreparedCache(DerivedCache):
         self.w2 = lambda: None
         # ``auto`` only: forms that ran out of memory -> the held form serving instead
         self.stand_ins: dict = {}
+        # pre-routed calls on these weights replayed behind a key lookup (``call_steps``)
+        self.steps: DerivedCache = DerivedCache()
 
 
 def prepared_for(
@@ -320,16 +322,7 @@ def prepared_for(
     ``prepare_forms``). ``backend``: prepare for this one instead of the runner's choice."""
     if backend is None:
         backend = runner.select(problem, tokens, top_k).backend
-    state = (
-        id(weights.w2),
-        id(weights.w13_bias),
-        id(weights.w2_bias),
-        weights.w13_order,
-        tensor_state(weights.w13),
-        tensor_state(weights.w2),
-        tensor_state(weights.w13_bias),
-        tensor_state(weights.w2_bias),
-    )
+    state = weights_state(weights)
     key = (backend.name, backend.options, spec)
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
@@ -342,6 +335,7 @@ def prepared_for(
         # The weights changed (or id(w2) was reused by a new object): every form is stale.
         per_weight.clear()
         per_weight.stand_ins.clear()
+        per_weight.steps.clear()
         per_weight.state = state
         per_weight.w2 = _ref(weights.w2)
     auto = runner.requested == "auto"
@@ -479,6 +473,34 @@ def prepare_for_backend(
     prepared = backend.prepare_weights(padded, padded_spec)
     prepared.notes[:0] = notes
     return prepared
+
+
+def weights_state(weights: ExpertWeights) -> tuple:
+    """What the prepared forms of ``weights`` were made from (``prepared_for``): the other
+    tensors' identities, w13's row order and every tensor's ``tensor_state``. No sync."""
+    return (
+        id(weights.w2),
+        id(weights.w13_bias),
+        id(weights.w2_bias),
+        weights.w13_order,
+        tensor_state(weights.w13),
+        tensor_state(weights.w2),
+        tensor_state(weights.w13_bias),
+        tensor_state(weights.w2_bias),
+    )
+
+
+def prepared_memo(weights: ExpertWeights) -> _PreparedCache | None:
+    """The memo ``prepared_for`` keeps on ``weights`` (their w13), if it is current: made
+    from the weights as they are now (``weights_state``) with this w2; else None."""
+    per_weight = getattr(weights.w13, _CACHE_ATTR, None)
+    if (
+        per_weight is None
+        or per_weight.w2() is not weights.w2
+        or per_weight.state != weights_state(weights)
+    ):
+        return None
+    return per_weight
 
 
 def tensor_state(weight: Any) -> tuple:

@@ -40,7 +40,7 @@ from ..base import Backend, Capabilities, MoeProblem
 from ..option_fields import options_and_name
 from . import _gemm_kernel
 from ._prepare import SUPPORTED_SCHEMES, WeightLayout, fragment_ok, prepare
-from ._step import layer_step
+from ._step import experts_step, layer_step
 from .experts import ROUTING_DTYPES, fused_standard, grouped_core
 from .hooked import hooked_core, hooked_standard
 from .lora import sequence_lora
@@ -170,6 +170,8 @@ triton_fused_standard.checks_ids_on_device = True
 triton_fused_standard.routing_dtypes = ROUTING_DTYPES
 # Joins a layer call's routing and expert launches into one replay (``_step``).
 triton_fused_standard.layer_step = layer_step
+# Replays a pre-routed call's expert launches behind no other Python (``_step``).
+triton_fused_standard.call_step = experts_step
 
 
 def triton_core(

@@ -23,6 +23,13 @@
 # rows in one program, the step routes and aligns in one launch (``_routing.route_aligned``)
 # and the experts run on that layout: ``routed_sequence``, recorded once when the step is
 # made, replaces the routing launch and the alignment launch of the joined plans.
+#
+# Pre-routed calls (``fused_moe``, the transformers integration's experts function) have the
+# same Python in front of the experts' plan. ``ExpertsStep`` is that plan alone, for the
+# functional path's own steps (``moerunner.call_steps``): roles hidden [T, H], ids [T, k],
+# routing weights [T * k] as the caller gives them (the dtypes ``fused_standard`` reads
+# unconverted), out [T, H]; with the id check, the flags are read as the ordinary call
+# reads them.
 
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from collections import OrderedDict
 
 import torch
 
+from ...device_checks import ID_FLAGS
 from ...memory import kept
 from ...profiling import trace_range
 from ...weights import PreparedWeights
@@ -59,6 +67,57 @@ class LayerStep:
         roles = (hidden_TH, router_logits, out, self.weights, self.ids)
         self.plan.replay(roles if bias is None else (*roles, bias))
         return out
+
+
+class ExpertsStep:
+    """The recorded experts' plan of one pre-routed call shape (module comment)."""
+
+    __slots__ = ("plan", "options", "checks_ids")
+
+    def __init__(self, plan, options, checks_ids: bool) -> None:
+        self.plan = plan
+        self.options = options
+        self.checks_ids = checks_ids
+
+    def run(
+        self, hidden_TH: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``[T, H]`` out of one replay, as ``experts.fused_standard`` gives it; None where
+        the step cannot replay now (as ``LayerStep.run``): take the ordinary path."""
+        dev = hidden_TH.device
+        if not _plan.enabled(self.options, dev) or not self.plan.alive():
+            return None
+        out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=dev)
+        self.plan.replay((hidden_TH, ids, route_w, out))
+        if self.checks_ids:
+            ID_FLAGS.poll(dev)
+        return out
+
+
+def experts_step(
+    hidden_TH: torch.Tensor,
+    ids: torch.Tensor,
+    route_w: torch.Tensor,
+    prepared: PreparedWeights,
+    checks_ids: bool,
+) -> ExpertsStep | None:
+    """The step of pre-routed calls like this one, whose ordinary call just ran
+    ``experts.fused_standard(hidden_TH, weights, ids, prepared, check_ids=checks_ids)``:
+    ``route_w`` the weights as ``[T * k]``. None where that call made no plan, or where its
+    inputs were not the plan's roles as given (not contiguous, converted dtypes, a hidden
+    size padded for the kernels)."""
+    dev = hidden_TH.device
+    if (
+        not _plan.enabled(prepared.options, dev)
+        or not (hidden_TH.is_contiguous() and ids.is_contiguous() and route_w.is_contiguous())
+        or ids.dtype not in experts.ROUTING_DTYPES[0]
+        or route_w.dtype not in experts.ROUTING_DTYPES[1]
+        or prepared.spec.hidden_size != hidden_TH.shape[-1]
+    ):
+        return None
+    out = torch.empty(hidden_TH.shape, dtype=hidden_TH.dtype, device=dev)
+    plan = experts.standard_plan((hidden_TH, ids, route_w, out), prepared, checks_ids)
+    return None if plan is None else ExpertsStep(plan, prepared.options, checks_ids)
 
 
 def layer_step(

@@ -739,11 +739,13 @@ def _standard_plan_key(roles: tuple, prepared: PreparedWeights, checks_ids: bool
     return _plan.key(roles, prepared.options, checks_ids)
 
 
-def standard_plan(roles: tuple, prepared: PreparedWeights) -> _plan.LaunchPlan | None:
-    """The plan that ``fused_standard`` recorded for calls without the id check whose roles
-    are like ``roles`` (``_standard_plan_key``; same shapes, dtypes and alignments), if it
-    made one and it is alive; None otherwise."""
-    plan = _plan.plans_of(prepared).get(_standard_plan_key(roles, prepared, False))
+def standard_plan(
+    roles: tuple, prepared: PreparedWeights, checks_ids: bool = False
+) -> _plan.LaunchPlan | None:
+    """The plan that ``fused_standard`` recorded for calls whose roles are like ``roles``
+    (``_standard_plan_key``; same shapes, dtypes and alignments), with the id check on the
+    device or without it (``checks_ids``), if it made one and it is alive; None otherwise."""
+    plan = _plan.plans_of(prepared).get(_standard_plan_key(roles, prepared, checks_ids))
     return plan if isinstance(plan, _plan.LaunchPlan) and plan.alive() else None
 
 

@@ -1,0 +1,145 @@
+"""Steps of the functional path: a pre-routed call replayed behind one key lookup.
+
+``fused_moe`` and the transformers integration's experts function run ``api.run_experts``:
+the argument checks, the backend choice, the prepared-weights lookup and the routing's
+dtypes, then the backend's fused op with Python of its own before its launches. For calls
+on the same weights with the same shapes, dtypes, strides and alignments all of it decides
+the same again. Where the chosen fused op offers a step (``call_step``: the triton backend
+on CUDA, ``backends.triton._step.ExpertsStep``), the first calls of such a key take the
+ordinary path and make the step from the launches it recorded; later calls are a key
+lookup and the step's replay, as the ``MoE`` layer's eager calls are (``layer.py``).
+
+The key: the caller (thread and CUDA stream), the runner's request, registry and the
+registry's ``generation`` (registering a backend or forgetting choices makes every step
+stale), ``backend_forms``, the activation, w13's row order, the id check, and each input's
+shape, dtype, device, strides and 16-byte alignment. Steps live on the weights' memo of
+prepared forms (``runner.prepared_memo``), which is current only while every weight tensor
+is as it was (identity, address, in-place version): an edit, a ``.data`` assignment or
+other bias tensors take the ordinary path, which prepares again and drops the steps.
+
+Not served by steps: CPU tensors, calls while ``torch.compile`` traces or a CUDA graph is
+captured (captured once, as recorded), calls that need gradients, runners with a custom
+preference or table or that force the permute path, inputs on a GPU other than the current
+one, and routing the fused op had to convert (a step replays the caller's tensors as given).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .backends.base import caller
+from .runner import MoeRunner, prepared_memo
+from .weights import ExpertWeights, PreparedWeights
+
+__all__ = ["STEP_TRIES", "STEPS_MAX", "make_step", "replay_step", "step_key"]
+
+#: Steps kept per weights (least recently used dropped first).
+STEPS_MAX = 64
+#: Ordinary calls of one key that may try to make its step (a backend without steps, or a
+#: call that recorded no plan, stops trying after these).
+STEP_TRIES = 3
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device, t.stride(), t.data_ptr() & 15)
+
+
+def step_key(
+    runner: MoeRunner,
+    hidden_states: Any,
+    topk_weights: Any,
+    topk_ids: Any,
+    act,
+    w13_order: str | None,
+    check_ids: bool,
+) -> tuple | None:
+    """The step key of a pre-routed call (module comment), or None where no step serves it.
+    The caller has checked that the call needs no gradients and has no shared experts,
+    hooks or input weighting."""
+    if (
+        not isinstance(hidden_states, torch.Tensor)
+        or not hidden_states.is_cuda
+        or not isinstance(topk_weights, torch.Tensor)
+        or not isinstance(topk_ids, torch.Tensor)
+        or runner.force_permute
+        or runner.preference is not None
+        or runner.table is not None
+        or torch.compiler.is_compiling()
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return None
+    device = hidden_states.device
+    if device.index is not None and device.index != torch.cuda.current_device():
+        return None
+    registry = runner.registry
+    return (
+        caller(device),
+        id(registry),
+        registry.generation,
+        runner.requested,
+        runner.backend_forms,
+        act,
+        w13_order,
+        bool(check_ids),
+        _layout(hidden_states),
+        _layout(topk_weights),
+        _layout(topk_ids),
+    )
+
+
+def replay_step(
+    key: tuple,
+    weights: ExpertWeights,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """The output of the step of ``key`` on ``weights``, or None: no step, stale weights or
+    a step that cannot replay now (the caller takes the ordinary path)."""
+    memo = prepared_memo(weights)
+    step = None if memo is None else memo.steps.get(key)
+    if step is None or isinstance(step, int):
+        return None
+    out = step.run(hidden_states, topk_ids, topk_weights.view(-1))
+    if out is None:  # it died (a workspace or weight it used was dropped): make it again
+        memo.steps.pop(key, None)
+        return None
+    try:
+        memo.steps.move_to_end(key)
+    except KeyError:  # dropped meanwhile by another thread's call (keys name the thread)
+        pass
+    return out
+
+
+def make_step(
+    key: tuple,
+    weights: ExpertWeights,
+    fused,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    prepared: PreparedWeights,
+    checks_ids: bool,
+) -> None:
+    """After an ordinary call of ``key`` that ran ``fused`` (the fused op) on ``prepared``
+    with the routing as given (``topk_weights`` / ``topk_ids`` unconverted): the step of
+    such calls, where ``fused`` makes one (``call_step``)."""
+    memo = prepared_memo(weights)
+    if memo is None:
+        return
+    steps = memo.steps
+    tries = steps.get(key, 0)
+    if not isinstance(tries, int) or tries >= STEP_TRIES:
+        return
+    make = getattr(fused, "call_step", None)
+    step = None
+    if make is not None and topk_weights.is_contiguous():
+        step = make(hidden_states, topk_ids, topk_weights.view(-1), prepared, checks_ids)
+    steps[key] = tries + 1 if step is None else step
+    while len(steps) > STEPS_MAX:
+        try:
+            steps.popitem(last=False)
+        except KeyError:  # emptied meanwhile by another thread
+            break
