@@ -169,9 +169,12 @@ def check_ids_async(
     device, dtype = topk_ids.device, topk_ids.dtype
     reused = queue.take_buffers(device, dtype)
     if reused is None:
-        stats = torch.empty(2, dtype=dtype, device=device)
+        # Reused by later checks, which may run outside ``inference_mode``: no inference
+        # tensors (they refuse in-place writes there).
+        with torch.inference_mode(False):
+            stats = torch.empty(2, dtype=dtype, device=device)
+            host = torch.empty(2, dtype=dtype, pin_memory=topk_ids.is_cuda)
         device_stats = (stats, stats[0], stats[1])
-        host = torch.empty(2, dtype=dtype, pin_memory=topk_ids.is_cuda)
         event = None
     else:
         device_stats, host, event = reused
@@ -228,7 +231,8 @@ class IdFlags:
                     # Filled on the device: a copy from pageable host memory would sync.
                     make = lambda: self._clean(torch.empty(3, dtype=torch.int32, device=device))  # noqa: E731
                     buf = kept(make, device)
-                    host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
+                    with torch.inference_mode(False):  # read into outside it too
+                        host = torch.empty(3, dtype=torch.int32, pin_memory=device.type == "cuda")
                     state = self._state[device] = [buf, host, None, False, 0]
         return state[0]
 

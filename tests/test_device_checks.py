@@ -127,6 +127,25 @@ def test_buffers_are_reused_once_read():
     assert submitted[1].device_stats is submitted[0].device_stats
 
 
+def test_buffers_made_under_inference_mode_serve_checks_outside_it():
+    """A model's first calls may run under ``torch.inference_mode`` and later ones under
+    ``torch.no_grad``: the reused buffers must not be inference tensors (which refuse the
+    in-place writes of a check outside inference mode)."""
+    queue = CheckQueue()
+
+    def done_event(ids):
+        event = FakeEvent()
+        event.done = True
+        return event
+
+    with torch.inference_mode():
+        check_ids_async(_ids(0, 1), E, "fused_moe", queue=queue, make_event=done_event)
+    with torch.no_grad():
+        check_ids_async(_ids(2, 3), E, "fused_moe", queue=queue, make_event=done_event)
+        with pytest.raises(MoeInputError, match=rf"\[0, {E}\]"):
+            check_ids_async(_ids(0, E), E, "fused_moe", queue=queue, make_event=done_event)
+
+
 def test_check_errors_with_nothing_queued_returns():
     moerunner.check_errors()
 
