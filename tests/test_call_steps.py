@@ -230,12 +230,17 @@ def test_the_transformers_experts_function_replays_steps():
         "qwen3_moe", hidden_size=H, moe_intermediate_size=I, num_experts=E, hidden_act="silu"
     )
     experts = Qwen3MoeExperts(cfg).to(device=dev, dtype=torch.bfloat16)
+    w13, w2 = _weights(dev)  # transformers leaves the parameters uninitialised here
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w13)
+        experts.down_proj.copy_(w2)
     forward = mt.make_experts_forward("triton")
     topk = _routing(5, dev)
     ids, weights = topk.ids.long(), topk.weights.bfloat16()
     x = torch.randn(5, H, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         first = forward(experts, x, ids, weights)
+        assert bool(first.isfinite().all()) and bool(first.abs().sum() > 0)
         for _ in range(4):
             got = forward(experts, x, ids, weights)
             torch.cuda.synchronize()
