@@ -142,7 +142,7 @@ def fused_moe_from_logits(
     ``apply_router_weight_on_input``, ``backend`` ...). Ids come from the router, so they
     are not checked again. Returns ``[T, H]`` in the hidden dtype.
     """
-    from .routing import select_experts
+    from .routing import check_router_width, select_experts
 
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
@@ -152,6 +152,8 @@ def fused_moe_from_logits(
                 f"router_logits has T={router_logits.shape[0]} rows but hidden_states has "
                 f"T={hidden_states.shape[0]}"
             )
+        if is_quantized(w13) or isinstance(w13, torch.Tensor) and w13.dim() == 3:
+            check_router_width(router_logits, weight_shape(w13)[0], "fused_moe_from_logits")
     unknown = sorted(set(experts) - _FUSED_MOE_KEYWORDS)
     if unknown:
         raise TypeError(
@@ -292,6 +294,12 @@ def _run_extended(
 ) -> torch.Tensor:
     """``run_experts`` with shared experts (an expert table and extra slots) or hooks."""
     topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act, check_ids)
+    hooks = check_hooks(hooks)
+    if hooks is not None and hooks.num_experts not in (None, weights.num_experts):
+        raise MoeInputError(
+            f"hooks were made for {hooks.num_experts} experts (e.g. the factors of "
+            f"lora_hooks), the weights have E={weights.num_experts}"
+        )
     if weight_on_input:
         hidden_states, topk = weighted_input(hidden_states, topk)
     if shared is not None:

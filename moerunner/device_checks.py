@@ -50,6 +50,8 @@ class PendingCheck:
     # Device-side [min, max] and its two 0-d views: reused with ``stats`` and ``event`` by a
     # later check once this one has been read.
     device_stats: tuple | None = None
+    # What the values are and what bounds them, as the message names them.
+    names: tuple[str, str] = ("topk_ids", "E")
 
 
 # Buffers kept for reuse per (device, dtype): enough for the checks in flight of a few steps.
@@ -148,6 +150,7 @@ def check_ids_async(
     num_experts: int,
     where: str = "fused_moe",
     *,
+    names: tuple[str, str] = ("topk_ids", "E"),
     queue: CheckQueue | None = None,
     make_event: Callable[[torch.Tensor], Any] | None = None,
 ) -> None:
@@ -155,7 +158,8 @@ def check_ids_async(
 
     CPU tensors are checked at once. On CUDA the check is queued (module docstring):
     it raises at a later call of this function once the device has run it, or from
-    ``check_errors()``. ``where`` names the call in the message. ``queue`` and
+    ``check_errors()``. ``where`` names the call in the message, ``names`` the values and
+    their bound (default ``("topk_ids", "E")``). ``queue`` and
     ``make_event`` (ids -> an object with ``query()`` and ``synchronize()``, recorded on the
     ids' stream) default to the library's queue and a CUDA event; tests pass stand-ins.
     """
@@ -163,7 +167,9 @@ def check_ids_async(
         return
     queue = QUEUE if queue is None else queue
     if make_event is None and not topk_ids.is_cuda:  # CPU (or a device without events here)
-        check = PendingCheck(torch.stack(torch.aminmax(topk_ids)), None, num_experts, where)
+        check = PendingCheck(
+            torch.stack(torch.aminmax(topk_ids)), None, num_experts, where, names=names
+        )
         _raise_if_bad(check.stats.tolist(), check, lazily=False)
         return
     device, dtype = topk_ids.device, topk_ids.dtype
@@ -185,7 +191,7 @@ def check_ids_async(
     else:
         event = event if event is not None else torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-    queue.submit(PendingCheck(host, event, num_experts, where, device_stats))
+    queue.submit(PendingCheck(host, event, num_experts, where, device_stats, names))
     # Earlier checks that have completed (this call's own is queued first, so an earlier
     # error raising here leaves it to a later read).
     queue.poll()
@@ -292,7 +298,7 @@ def _raise_if_bad(bounds: list, check: PendingCheck, lazily: bool) -> None:
     if low >= -1 and high < check.num_experts:
         return
     message = (
-        f"{check.where}: topk_ids must be in [-1, E={check.num_experts}), "
+        f"{check.where}: {check.names[0]} must be in [-1, {check.names[1]}={check.num_experts}), "
         f"got values in [{low}, {high}]"
     )
     if lazily:

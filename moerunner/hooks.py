@@ -58,20 +58,23 @@ class HookRows:
 class MoeHooks:
     """The hooks of one call (see the module doc); either may be None. ``num_tokens``: the
     number of tokens of the call they were made for (per-token data such as LoRA adapter
-    ids), checked by the runner; None: any call."""
+    ids), checked by the runner; ``num_experts``: the routed experts they were made for
+    (per-expert data such as LoRA factors), checked against the weights; None: any."""
 
     gate_up: Hook | None = None
     down: Hook | None = None
     num_tokens: int | None = None
+    num_experts: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("gate_up", "down"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"hooks: {name} must be callable or None, got {type(value)}")
-        n = self.num_tokens
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise TypeError(f"hooks: num_tokens must be None or an int >= 0, got {n!r}")
+        for name in ("num_tokens", "num_experts"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise TypeError(f"hooks: {name} must be None or an int >= 0, got {n!r}")
 
     def apply(self, which: str, out: torch.Tensor, inp: torch.Tensor, rows: HookRows):
         """Run hook ``which`` ("gate_up" or "down") if set; check what it returns."""

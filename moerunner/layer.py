@@ -43,7 +43,7 @@ from .held_quantized import HoldsQuantized
 from .memo import DerivedCache
 from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .registry import Registry
-from .routing import TopK, select_experts
+from .routing import TopK, check_router_width, select_experts
 from .runner import (
     MoeRunner,
     form_bytes,
@@ -480,11 +480,7 @@ class MoE(HoldsQuantized, DispatchedForward):
                 f"router_logits leading shape {list(router_logits.shape[:-1])} differs from "
                 f"hidden_states' {list(hidden_states.shape[:-1])}"
             )
-        if router_logits.shape[-1] != cfg.num_experts:
-            raise MoeInputError(
-                f"router_logits last dim must be num_experts E={cfg.num_experts}, "
-                f"got {router_logits.shape[-1]}"
-            )
+        check_router_width(router_logits, cfg.num_experts, "MoE")
         kwargs = self._routing_kwargs()
         return select_experts(
             router_logits.reshape(tokens, cfg.num_experts), kwargs.pop("top_k"), **kwargs

@@ -215,13 +215,16 @@ def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool 
             f"adapter_ids are on {adapter_ids.device} but the lora factors on {lora.w13_a.device}"
         )
     if check_ids and adapter_ids.numel():
-        check_ids_async(adapter_ids[:, None], lora.num_adapters, where="lora adapter_ids")
+        check_ids_async(
+            adapter_ids[:, None], lora.num_adapters, where="lora", names=("adapter_ids", "L")
+        )
     ids = adapter_ids.long()
     ids = torch.where((ids >= 0) & (ids < lora.num_adapters), ids, -1)
     return MoeHooks(
         gate_up=LoraDelta(lora, ids, "w13"),
         down=LoraDelta(lora, ids, "w2"),
         num_tokens=ids.shape[0],
+        num_experts=lora.num_experts,
     )
 
 

@@ -224,6 +224,19 @@ def _kernel_route():
     return route
 
 
+def check_router_width(
+    router_logits: torch.Tensor, num_experts: int, where: str, name: str = "router_logits"
+) -> None:
+    """``router_logits [..., E]`` (the argument ``name``) must score every expert of the
+    weights it routes to: a narrower router would use only the first experts, a wider one
+    route to experts that do not exist (both silently: its ids are in range for it)."""
+    if router_logits.dim() >= 1 and router_logits.shape[-1] != num_experts:
+        raise MoeInputError(
+            f"{where}: {name} last dim must be num_experts E={num_experts}, got "
+            f"{router_logits.shape[-1]} (it scores every expert of the weights)"
+        )
+
+
 def _check_routing_args(
     router_logits: torch.Tensor,
     top_k: int,

@@ -399,7 +399,7 @@ def test_bad_lora_input_is_named():
         )
     with pytest.raises(MoeInputError, match="adapter_ids must be a 1-D integer"):
         lora_hooks(lora, adapters.float())
-    with pytest.raises(MoeInputError, match="lora adapter_ids"):
+    with pytest.raises(MoeInputError, match=r"lora: adapter_ids must be in \[-1, L=3\)"):
         lora_hooks(lora, torch.tensor([0, 3]))  # L = 3: id 3 out of range
     wide = MoeLoraWeights(
         torch.randn(L, E, 8, H + 1), lora.w13_b[..., :8], lora.w2_a[:, :, :8], lora.w2_b[..., :8]

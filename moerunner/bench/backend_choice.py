@@ -29,8 +29,10 @@ __all__ = ["bucket_bounds", "buckets_from_rows", "serving_backends", "shape_key"
 
 def bucket_bounds(tokens: Sequence[int]) -> list[int | None]:
     """Upper ends of the buckets of ascending measured counts: the floor of the geometric mean
-    of each count and the next; the last bucket has none."""
+    of each count and the next; the last bucket has none (no counts: no buckets)."""
     tokens = sorted(tokens)
+    if not tokens:
+        return []
     bounds: list[int | None] = [math.isqrt(a * b) for a, b in zip(tokens, tokens[1:], strict=False)]
     return [*bounds, None]
 
@@ -118,6 +120,11 @@ def tune_backends(
     rows = Sweep(config, ceilings, registry, progress).run()
     buckets = buckets_from_rows(rows)
     if not buckets:
-        notes = "; ".join(f"{r.impl} T={r.tokens}: {r.status} {r.note}" for r in rows)
-        raise ValueError(f"no backend ran {shape.name} in {scheme} correctly ({notes})")
+        outcomes: dict[str, list[int]] = {}  # one line per outcome, with its token counts
+        for r in rows:
+            outcomes.setdefault(f"{r.impl}: {r.status} {r.note}".strip(), []).append(r.tokens)
+        notes = "; ".join(
+            f"{what} (T={','.join(map(str, counts))})" for what, counts in outcomes.items()
+        )
+        raise ValueError(f"no backend ran {shape.name} in {scheme} correctly: {notes}")
     return shape_key(shape, scheme, dtype, device.type), buckets, rows

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="custom E,H,I,K (I = the model's full intermediate size); repeatable",
     )
-    p.add_argument("--activation", default="silu", help="activation of --shape rows")
+    p.add_argument("--activation", default=None, help="activation of --shape rows (default silu)")
     p.add_argument(
         "--tp",
         type=_common.int_type(1),
@@ -206,7 +206,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         )
     args.schemes = args.schemes or ["bf16"]
     shapes = [get_preset(n) for n in (args.preset or [])]
-    shapes += [parse_shape(s, args.activation) for s in args.shape]
+    if args.activation is not None and not args.shape:
+        raise ValueError(
+            "--activation applies to --shape rows only (a preset has its own activation); "
+            "pass --shape E,H,I,K with it"
+        )
+    shapes += [parse_shape(s, args.activation or "silu") for s in args.shape]
     if not shapes:
         shapes = [get_preset("qwen3-30b-a3b" if device.startswith("cuda") else "cpu-small")]
     if args.tp != 1:

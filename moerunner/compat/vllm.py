@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MoeInputError
-from ..routing import select_experts
+from ..routing import check_router_width, select_experts
 from ._common import ExpertsCall, QuantArgs, global_to_local, peer_weights, run
 
 __all__ = ["ACTIVATIONS", "fused_experts", "fused_moe", "fused_topk", "grouped_topk"]
@@ -207,6 +207,15 @@ def fused_moe(
     """vLLM's ``fused_moe``: route ``gating_output`` (``grouped_topk`` when
     ``use_grouped_topk``, else ``custom_routing_function(hidden_states, gating_output, topk,
     renormalize)`` if given, else ``fused_topk``), then ``fused_experts``."""
+    if isinstance(gating_output, torch.Tensor) and isinstance(w1, torch.Tensor) and w1.dim() == 3:
+        # The router scores the global experts: w1's, or those expert_map / global_num_experts
+        # name (a mismatch is checked against w1 there).
+        total = w1.shape[0]
+        if isinstance(global_num_experts, int) and global_num_experts > 0:
+            total = global_num_experts
+        elif isinstance(expert_map, torch.Tensor):
+            total = expert_map.numel()
+        check_router_width(gating_output, total, "vllm.fused_moe", "gating_output")
     if use_grouped_topk:
         if num_expert_group is None or topk_group is None:
             raise MoeInputError(

@@ -589,17 +589,25 @@ def _shared_experts(block) -> SharedExperts:
     return shared
 
 
-def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A shared-expert MoE block's forward with its shared MLP in the routed call."""
+def _experts_implementation(experts: torch.nn.Module):
+    """The name of the experts implementation ``experts`` runs with (its config's) and its
+    function where it is one of moerunner's (``make_experts_forward``), else None."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    name = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    function = ALL_EXPERTS_FUNCTIONS.get(name)
+    return name, function if hasattr(function, "moerunner_backend") else None
+
+
+def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A shared-expert MoE block's forward with its shared MLP in the routed call."""
     experts = self.experts
     config = getattr(experts, "config", None)
-    function = ALL_EXPERTS_FUNCTIONS.get(getattr(config, "_experts_implementation", None))
+    function = _experts_implementation(experts)[1]
     own = type(self).forward
     if (
         torch.compiler.is_compiling()
-        or not hasattr(function, "moerunner_backend")
+        or function is None
         or getattr(experts, "_is_expert_parallel", False)
     ):
         return own(self, hidden_states)
@@ -676,6 +684,27 @@ def _release_float_weights(module: torch.nn.Module) -> None:
         param = getattr(module, name, None)
         if isinstance(param, torch.nn.Parameter):
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    if _RELEASED_HOOK not in module.__dict__:
+        module.__dict__[_RELEASED_HOOK] = module.register_forward_pre_hook(_needs_moerunner)
+
+
+_RELEASED_HOOK = "_moerunner_released_hook"
+
+
+def _needs_moerunner(module: torch.nn.Module, args) -> None:
+    """Forward pre-hook of an experts layer whose float weights ``quantize_experts``
+    released: any other experts implementation would read the emptied parameters."""
+    if torch.compiler.is_compiling():
+        return
+    name, ours = _experts_implementation(module)
+    if ours is None:
+        raise MoeInputError(
+            f"experts layer {layer_name(module)} holds its experts quantized only "
+            f"(quantize_experts released the float weights), so it runs on moerunner's "
+            f"experts implementation alone, but the model asks for {name!r}: call "
+            "moerunner.integrations.transformers.use_moerunner(model) first (or "
+            "quantize_experts(..., keep_float_weights=True) to keep both)"
+        )
 
 
 def load_gpt_oss_mxfp4(

@@ -1,0 +1,104 @@
+"""Regressions from a new user's walkthrough of the README and docs (2026-11-28, CPU).
+
+Each test is one finding: a silent wrong answer, an internal error or an argument accepted
+and ignored, now a clear error naming the argument (or the right answer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerunner
+from moerunner import MoeInputError
+from moerunner.compat import vllm
+from moerunner.lora import MoeLoraWeights, lora_hooks
+
+
+@pytest.mark.parametrize("width", [4, 16])
+def test_a_router_of_another_width_than_the_weights_is_refused(width):
+    """Logits over 4 experts used only experts 0-3 of 8; over 16, ids >= 8 were dropped."""
+    w13, w2, x = torch.randn(8, 64, 64), torch.randn(8, 64, 32), torch.randn(6, 64)
+    logits = torch.randn(6, width)
+    with pytest.raises(MoeInputError, match=rf"router_logits last dim must be .*E=8, got {width}"):
+        moerunner.fused_moe_from_logits(x, logits, w13, w2, 2)
+    with pytest.raises(MoeInputError, match=rf"gating_output last dim must be .*E=8, got {width}"):
+        vllm.fused_moe(x, w13, w2, logits, 2, True)
+
+
+def test_vllm_router_width_counts_the_global_experts_of_an_expert_map():
+    w13, w2, x = torch.randn(4, 64, 64), torch.randn(4, 64, 32), torch.randn(3, 64)
+    expert_map = torch.tensor([0, 1, 2, 3, -1, -1, -1, -1], dtype=torch.int32)
+    out = vllm.fused_moe(x, w13, w2, torch.randn(3, 8), 2, True, expert_map=expert_map)
+    assert out.shape == x.shape
+    with pytest.raises(MoeInputError, match="gating_output last dim must be .*E=8, got 4"):
+        vllm.fused_moe(x, w13, w2, torch.randn(3, 4), 2, True, expert_map=expert_map)
+
+
+def test_lora_factors_for_another_number_of_experts_are_refused():
+    """Factors over 2 experts with 4 experts computed a wrong answer (relative error 0.46)."""
+    e, h, i, r = 4, 32, 16, 4
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    x = torch.randn(5, h)
+    topk = moerunner.select_experts(torch.randn(5, e), 2)
+    for experts in (2, 8):
+        factors = MoeLoraWeights(
+            torch.randn(1, experts, r, h),
+            torch.randn(1, experts, 2 * i, r),
+            torch.randn(1, experts, r, i),
+            torch.randn(1, experts, h, r),
+        )
+        hooks = lora_hooks(factors, torch.zeros(5, dtype=torch.int64))
+        with pytest.raises(MoeInputError, match=rf"made for {experts} experts.*E={e}"):
+            moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, hooks=hooks)
+
+
+def test_lora_adapter_id_errors_name_the_adapter_ids():
+    factors = MoeLoraWeights(*(torch.randn(2, 4, *s) for s in ((4, 32), (32, 4), (4, 16), (32, 4))))
+    with pytest.raises(MoeInputError, match=r"lora: adapter_ids must be in \[-1, L=2\)"):
+        lora_hooks(factors, torch.tensor([0, 2]))
+
+
+def test_tune_without_a_backend_that_runs_here_says_why_once(capsys):
+    """No ok row used to end in an internal ``zip()`` error instead of the reasons."""
+    from moerunner.cli import main
+
+    if moerunner.default_registry().backends["flashinfer"].available()[0]:
+        pytest.skip("needs a machine where the flashinfer backend cannot run")
+    code = main(["tune", "--shape", "8,64,96,2", "--schemes", "bf16", "--backends",
+                 "flashinfer", "--device", "cpu", "--tokens", "1,16"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code != 0 and "no backend ran" in err and "zip()" not in err, err
+    assert "T=1,16" in err
+
+
+def test_bench_activation_without_a_shape_is_a_usage_error(capsys):
+    from moerunner.cli import main
+
+    for value in ("foo", "relu2"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", "--preset", "cpu-tiny", "--activation", value])
+        assert exit_info.value.code == 2
+        assert "--activation applies to --shape rows only" in capsys.readouterr().err
+
+
+def test_quantized_experts_refuse_other_implementations_with_a_clear_error():
+    """After quantize_experts released the float weights, transformers' own implementations
+    failed inside transformers with an IndexError."""
+    transformers = pytest.importorskip("transformers")
+    import moerunner.integrations.transformers as mt
+    from moerunner.integrations.tiny_models import tiny_config
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    mt.quantize_experts(model, "int8_w8a16")
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        with pytest.raises(MoeInputError, match="use_moerunner"):
+            model(ids)
+        mt.use_moerunner(model)
+        logits = model(ids).logits
+        assert bool(logits.isfinite().all())
+        model.set_experts_implementation("eager")
+        with pytest.raises(MoeInputError, match="quantized only.*'eager'"):
+            model(ids)
