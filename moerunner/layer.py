@@ -37,6 +37,7 @@ from .backends.base import MoeProblem, caller
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement
 from .dispatch.formats import STANDARD
+from .dispatch.masked import OVERFLOW_POLICIES
 from .dispatched_layer import DispatchedForward
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
@@ -52,7 +53,7 @@ from .runner import (
     tensor_state,
 )
 from .shared import SharedExperts, shared_dense
-from .weights import ExpertWeights, is_quantized
+from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized
 
 __all__ = ["MoE"]
 
@@ -101,6 +102,15 @@ class MoE(HoldsQuantized, DispatchedForward):
         super().__init__()
         if not isinstance(config, MoeConfig):
             raise TypeError(f"config must be a MoeConfig, got {type(config).__name__}")
+        if dtype is not None and dtype not in PLAIN_DTYPES:
+            raise TypeError(
+                f"dtype must be one of the experts' float dtypes (bf16, fp16, fp32) or None, "
+                f"got {dtype}; quantize with quantize_() after building the layer"
+            )
+        if on_overflow not in OVERFLOW_POLICIES:
+            raise MoeInputError(
+                f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
+            )
         self.config = config
         self.backend = backend
         self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)

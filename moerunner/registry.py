@@ -85,6 +85,15 @@ class Registry:
         self._selections.clear()
         self.generation += 1
 
+    def check_name(self, requested: str) -> None:
+        """``requested`` is ``"auto"`` or a registered backend; else ``BackendUnavailableError``
+        naming the registered ones."""
+        if requested != "auto" and requested not in self.backends:
+            raise BackendUnavailableError(
+                f"backend {requested!r} is not registered; registered: "
+                f"{', '.join(sorted(self.backends))} or 'auto'"
+            )
+
     def forget_choices(self) -> None:
         """Drop the memoised selections and bucket plans: the next call of each problem
         chooses again (and logs its choice at debug level on the ``moerunner`` logger). For a
@@ -185,11 +194,7 @@ class Registry:
         requested: str,
         preference: dict[str, tuple[str, ...]] | None,
     ) -> Selection:
-        if requested != "auto" and requested not in self.backends:
-            raise BackendUnavailableError(
-                f"backend {requested!r} is not registered; registered: "
-                f"{', '.join(sorted(self.backends))} or 'auto'"
-            )
+        self.check_name(requested)
         verdicts = self.verdicts(problem, auto=requested == "auto")
         if requested != "auto":
             ok, reason = verdicts[requested]

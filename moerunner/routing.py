@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from .device_checks import check_ids_async
 from .errors import BackendUnavailableError, MoeInputError
 from .topk import TopK
 
@@ -182,6 +183,9 @@ def _custom_route(fn, hidden_states, router_logits, top_k: int, renormalize: boo
         raise TypeError(f"{where} returned topk_weights of dtype {weights.dtype}; need floating")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"{where} returned topk_ids of dtype {ids.dtype}; need an integer dtype")
+    # In [-1, E) for the router's E: at once on CPU, on a GPU without waiting (raised by a
+    # later check or ``check_errors()``, as every id check there).
+    check_ids_async(ids, router_logits.shape[-1], where=where)
     return TopK(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
 
 

@@ -100,6 +100,7 @@ class MoeRunner:
             raise MoeInputError(f"backend_forms must be None or an int >= 1, got {backend_forms!r}")
         self.requested = backend
         self.registry = registry if registry is not None else default_registry()
+        self.registry.check_name(backend)
         self.force_permute = force_permute
         self.preference = preference
         self.table = table

@@ -102,3 +102,41 @@ def test_quantized_experts_refuse_other_implementations_with_a_clear_error():
         model.set_experts_implementation("eager")
         with pytest.raises(MoeInputError, match="quantized only.*'eager'"):
             model(ids)
+
+
+def test_unknown_backends_and_bad_layer_arguments_fail_where_they_are_given():
+    """These were accepted and failed only at the first call (or never)."""
+    cfg = moerunner.MoeConfig(8, 32, 16, 2)
+    with pytest.raises(moerunner.BackendUnavailableError, match="'foo' is not registered"):
+        moerunner.MoE(cfg, backend="foo")
+    with pytest.raises(moerunner.BackendUnavailableError, match="'foo' is not registered"):
+        moerunner.MoeRunner("foo")
+    for dtype in (torch.float64, torch.int32):
+        with pytest.raises(TypeError, match="dtype must be one of the experts' float dtypes"):
+            moerunner.MoE(cfg, dtype=dtype)
+    with pytest.raises(MoeInputError, match="on_overflow must be one of"):
+        moerunner.MoE(cfg, on_overflow="foo")
+
+
+def test_the_transformers_integration_checks_its_backend_name_when_given():
+    transformers = pytest.importorskip("transformers")
+    import moerunner.integrations.transformers as mt
+    from moerunner.integrations.tiny_models import tiny_config
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    with pytest.raises(moerunner.BackendUnavailableError, match="'foo' is not registered"):
+        mt.use_moerunner(model, backend="foo")
+    with pytest.raises(moerunner.BackendUnavailableError, match="'foo' is not registered"):
+        mt.register("moerunner_foo", backend="foo")
+    with pytest.raises(TypeError, match="relayout must be True or False"):
+        mt.use_moerunner(model, relayout="yes")
+
+
+def test_custom_routing_ids_out_of_range_are_refused_by_select_experts():
+    def route(hidden, logits, top_k, renormalize):
+        return torch.ones(logits.shape[0], top_k), torch.full((logits.shape[0], top_k), 99)
+
+    with pytest.raises(MoeInputError, match=r"custom_routing_function: topk_ids .*E=8"):
+        moerunner.select_experts(
+            torch.randn(3, 8), 2, custom_routing_function=route, hidden_states=torch.randn(3, 4)
+        )

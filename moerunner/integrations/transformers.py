@@ -26,7 +26,7 @@ from ..api import run_experts
 from ..errors import MoeInputError
 from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
-from ..runner import MoeRunner
+from ..runner import MoeRunner, default_registry
 from ..shared import SharedExperts
 from ..weights import ExpertWeights
 from . import _relayout
@@ -226,6 +226,8 @@ def _routing_arg(value, kwargs: dict, *names: str) -> torch.Tensor:
 def _check_choice(name: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise TypeError(f"{name} must be a non-empty str, got {value!r}")
+    if name == "backend":  # the integration's runners use the default registry
+        default_registry().check_name(value)
 
 
 def register(
@@ -289,6 +291,8 @@ def use_moerunner(
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
     if backend is not None:
         _check_choice("backend", backend)
+    if not isinstance(relayout, bool):
+        raise TypeError(f"relayout must be True or False, got {relayout!r}")
     verdicts = check_model(model)
     if not verdicts:
         raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
