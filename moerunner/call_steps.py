@@ -11,11 +11,12 @@ lookup and the step's replay, as the ``MoE`` layer's eager calls are (``layer.py
 
 The key: the caller (thread and CUDA stream), the runner's request, registry and the
 registry's ``generation`` (registering a backend or forgetting choices makes every step
-stale), ``backend_forms``, the activation, w13's row order, the id check, and each input's
-shape, dtype, device, strides and 16-byte alignment. Steps live on the weights' memo of
-prepared forms (``runner.prepared_memo``), which is current only while every weight tensor
-is as it was (identity, address, in-place version): an edit, a ``.data`` assignment or
-other bias tensors take the ordinary path, which prepares again and drops the steps.
+stale), ``backend_forms``, the activation, w13's row order and the biases (identity and
+state: ``runner.form_variant``), the id check, and each input's shape, dtype, device, strides
+and 16-byte alignment. Steps live on the weights' memo of prepared forms
+(``runner.prepared_memo``), which is current only while w13 and w2 are as they were
+(identity, address, in-place version): an edit or a ``.data`` assignment takes the ordinary
+path, which prepares again and drops the steps.
 
 Not served by steps: CPU tensors, calls while ``torch.compile`` traces or a CUDA graph is
 captured (captured once, as recorded), calls that need gradients, runners with a custom
@@ -52,12 +53,13 @@ def step_key(
     topk_weights: Any,
     topk_ids: Any,
     act,
-    w13_order: str | None,
+    variant: tuple,
     check_ids: bool,
 ) -> tuple | None:
     """The step key of a pre-routed call (module comment), or None where no step serves it.
-    The caller has checked that the call needs no gradients and has no shared experts,
-    hooks or input weighting."""
+    ``variant``: the weights' ``runner.form_variant`` (w13's order, the biases). The caller
+    has checked that the call needs no gradients and has no shared experts, hooks or input
+    weighting."""
     if (
         not isinstance(hidden_states, torch.Tensor)
         or not hidden_states.is_cuda
@@ -81,7 +83,7 @@ def step_key(
         runner.requested,
         runner.backend_forms,
         act,
-        w13_order,
+        variant,
         bool(check_ids),
         _layout(hidden_states),
         _layout(topk_weights),

@@ -324,7 +324,9 @@ def prepared_for(
     if backend is None:
         backend = runner.select(problem, tokens, top_k).backend
     state = weights_state(weights)
-    key = (backend.name, backend.options, spec)
+    # A form is made of the weights in ``state`` and of what varies between calls on the
+    # same weights: w13's row order and the biases (their identities and states).
+    key = (backend.name, backend.options, spec, form_variant(weights))
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
         per_weight = _PreparedCache()
@@ -333,7 +335,7 @@ def prepared_for(
         except (AttributeError, TypeError):  # no attributes allowed: prepare every time
             return prepare_for_backend(backend, weights, spec)
     if per_weight.state != state or per_weight.w2() is not weights.w2:
-        # The weights changed (or id(w2) was reused by a new object): every form is stale.
+        # w13 or w2 changed (or id(w2) was reused by a new object): every form is stale.
         per_weight.clear()
         per_weight.stand_ins.clear()
         per_weight.steps.clear()
@@ -344,7 +346,12 @@ def prepared_for(
     if cached is None and auto:
         cached = per_weight.stand_ins.get(key)
     if cached is None:
-        if len(per_weight) >= _PREPARED_PER_WEIGHT:  # bound the forms kept (oldest first)
+        # A form of the same backend, spec, order and bias tensors whose biases were edited
+        # since is stale (an in-place bias edit must not leave copies of the weights
+        # behind); beyond that the forms kept are bounded, oldest first.
+        for old in [k for k in per_weight if k[:3] == key[:3] and k[3][:3] == key[3][:3]]:
+            del per_weight[old]
+        if len(per_weight) >= _PREPARED_PER_WEIGHT:
             del per_weight[next(iter(per_weight))]
             per_weight.stand_ins.clear()
         _note_repeat(key, state, weights.w13)
@@ -372,7 +379,8 @@ def _note_repeat(key: tuple, state: tuple, w13: Any) -> None:
     misses the memo, which lives on the objects, and pays the preparation every call (for
     some backends a copy of the weights). Twice is normal (a layer's parameters and, in grad
     mode, their detached views)."""
-    memory = (key, state[3:])  # backend, options, spec; order and tensor states, no ids
+    # backend, options, spec, order; the tensors' states, no ids
+    memory = (key[:3], key[3][0], key[3][3:], state[1:])
     data = w13 if isinstance(w13, torch.Tensor) else getattr(w13, "data", None)
     if not isinstance(data, torch.Tensor):
         return
@@ -402,7 +410,7 @@ def _form_in_memory(
     problem at every T), once warned. The memo's ``stand_ins`` then map the failed form to it
     for ``auto``, so no call tries again (a named backend still prepares its own). With no
     form held, the error stands."""
-    held = [p for (_, _, s), p in per_weight.items() if s == spec]
+    held = [p for (_, _, s, _), p in per_weight.items() if s == spec]
     if not held:
         raise err
     first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -477,15 +485,18 @@ def prepare_for_backend(
 
 
 def weights_state(weights: ExpertWeights) -> tuple:
-    """What the prepared forms of ``weights`` were made from (``prepared_for``): the other
-    tensors' identities, w13's row order and every tensor's ``tensor_state``. No sync."""
+    """What every prepared form of ``weights`` was made from (``prepared_for``): w2's
+    identity and the ``tensor_state`` of w13 and w2. No sync."""
+    return (id(weights.w2), tensor_state(weights.w13), tensor_state(weights.w2))
+
+
+def form_variant(weights: ExpertWeights) -> tuple:
+    """What one prepared form of ``weights`` was made from besides ``weights_state``: w13's
+    row order and the biases' identities and ``tensor_state``. No sync."""
     return (
-        id(weights.w2),
+        weights.w13_order,
         id(weights.w13_bias),
         id(weights.w2_bias),
-        weights.w13_order,
-        tensor_state(weights.w13),
-        tensor_state(weights.w2),
         tensor_state(weights.w13_bias),
         tensor_state(weights.w2_bias),
     )

@@ -140,3 +140,38 @@ def test_custom_routing_ids_out_of_range_are_refused_by_select_experts():
         moerunner.select_experts(
             torch.randn(3, 8), 2, custom_routing_function=route, hidden_states=torch.randn(3, 4)
         )
+
+
+def test_alternating_orders_or_activations_prepare_each_form_once_without_a_warning():
+    """Calls alternating w13's order (or an activation with biases and one without) on the
+    same weight objects re-prepared every call and warned that the caller passed new
+    tensor objects each time."""
+    import warnings
+
+    from moerunner.runner import _CACHE_ATTR
+
+    torch.manual_seed(0)
+    w13, w2, x = torch.randn(4, 32, 16), torch.randn(4, 16, 16), torch.randn(3, 16)
+    topk = moerunner.select_experts(torch.randn(3, 4), 2)
+    outs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(3):
+            for order in ("gate_up", "interleaved"):
+                out = moerunner.fused_moe(
+                    x, w13, w2, topk.weights, topk.ids, w13_order=order, backend="torch"
+                )
+                assert torch.equal(outs.setdefault(order, out), out)
+    assert len(getattr(w13, _CACHE_ATTR)) == 2
+    bias = torch.zeros(4, 32)
+    for _ in range(3):  # an in-place bias edit leaves one form of that variant, not copies
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, w13_bias=bias, backend="torch")
+        bias.add_(0.5)
+    assert len(getattr(w13, _CACHE_ATTR)) == 3
+    with_bias = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, w13_bias=bias, backend="torch"
+    )
+    fresh = moerunner.fused_moe(
+        x, w13.clone(), w2, topk.weights, topk.ids, w13_bias=bias.clone(), backend="torch"
+    )
+    assert torch.equal(with_bias, fresh)
