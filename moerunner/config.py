@@ -215,6 +215,29 @@ class ExpertSpec(HashedOnce):
         return self.activation.gated
 
 
+def check_groups(
+    num_experts: int, top_k: int, num_expert_group: int | None, topk_group: int | None
+) -> None:
+    """Grouped top-k's settings against E and top_k (``MoeConfig``, ``select_experts``)."""
+    if (num_expert_group is None) != (topk_group is None):
+        raise MoeInputError("num_expert_group and topk_group must be given together")
+    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+    if num_expert_group is not None:
+        if num_expert_group < 1 or num_experts % num_expert_group:
+            raise MoeInputError(f"num_expert_group={num_expert_group} must divide E={num_experts}")
+        if not 1 <= topk_group <= num_expert_group:
+            raise MoeInputError(
+                f"topk_group must be in [1, num_expert_group={num_expert_group}], got {topk_group}"
+            )
+        if top_k > topk_group * (num_experts // num_expert_group):
+            raise MoeInputError(
+                f"top_k={top_k} exceeds the experts in the {topk_group} kept groups "
+                f"({topk_group * (num_experts // num_expert_group)})"
+            )
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     """How router logits become top-k weights and ids (see ``moerunner.select_experts``).
@@ -287,6 +310,8 @@ class MoeConfig:
             object.__setattr__(self, "activation", Activation(self.activation))
         if self.gate_up_interleaved and not self.activation.gated:
             raise MoeInputError("gate_up_interleaved=True needs a gated activation")
+        r = self.routing
+        check_groups(self.num_experts, self.top_k, r.num_expert_group, r.topk_group)
 
     @property
     def w13_rows(self) -> int:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import run_experts
+from .api import run_experts, validate_call
 from .backends.base import MoeProblem, caller
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement
@@ -623,9 +623,18 @@ class MoE(HoldsQuantized, DispatchedForward):
         with torch.no_grad():
             weights = self.expert_weights()
         probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
+        k = top_k or self.config.top_k
+        if self.dispatcher_kind == "standard":  # the checks a call of ``dtype`` would meet
+            validate_call(
+                probe,
+                weights,
+                probe.new_empty((0, k), dtype=torch.float32),
+                probe.new_empty((0, k), dtype=torch.int32),
+                self.config.activation,
+            )
         spec = weights.spec(self.config.activation)
         problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)
-        prepare_forms(self.runner, weights, problem, spec, top_k or self.config.top_k)
+        prepare_forms(self.runner, weights, problem, spec, k)
         self._dtype = dtype
 
     def backend_plan(self, dtype: torch.dtype, top_k: int | None = None) -> dict:
@@ -636,6 +645,15 @@ class MoE(HoldsQuantized, DispatchedForward):
         with torch.no_grad():
             weights = self.expert_weights()
         probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
+        k = top_k or self.config.top_k
+        if self.dispatcher_kind == "standard":  # the checks a call of ``dtype`` would meet
+            validate_call(
+                probe,
+                weights,
+                probe.new_empty((0, k), dtype=torch.float32),
+                probe.new_empty((0, k), dtype=torch.int32),
+                self.config.activation,
+            )
         spec = weights.spec(self.config.activation)
         problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)
         top_k = top_k or self.config.top_k

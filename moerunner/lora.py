@@ -70,6 +70,16 @@ class MoeLoraWeights:
         """E covered by the adapters."""
         return self.w13_a.shape[1]
 
+    def __repr__(self) -> str:  # the factors' shapes, not their values
+        shapes = ", ".join(
+            f"{n}={list(getattr(self, n).shape)}" for n in ("w13_a", "w13_b", "w2_a", "w2_b")
+        )
+        scaling = self.scaling
+        if isinstance(scaling, torch.Tensor):
+            scaling = f"tensor{list(scaling.shape)}"
+        t = self.w13_a
+        return f"MoeLoraWeights({shapes}, scaling={scaling}, {t.dtype}, {t.device})"
+
     @functools.cached_property
     def scale_per_adapter(self) -> torch.Tensor | None:
         """``scaling`` as float32 ``[L]`` on the factors' device, made on first use and kept

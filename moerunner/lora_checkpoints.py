@@ -141,6 +141,9 @@ class MoeLoraSet:
         """Layer ``index``'s factors, None where no adapter touches it."""
         return self.layers.get(index)
 
+    def __repr__(self) -> str:  # which adapters over which layers, not the factors
+        return f"MoeLoraSet(names={self.names!r}, layers={sorted(self.layers)})"
+
 
 @dataclass(frozen=True)
 class _Module:

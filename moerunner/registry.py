@@ -347,7 +347,8 @@ def _pref_key(preference: dict[str, tuple[str, ...]] | None) -> tuple | None:
 
 
 def _explain(problem: Any, verdicts: dict[str, tuple[bool, str]], requested: str) -> str:
-    lines = [f"no backend can serve this request (asked for {requested!r}): {problem}"]
+    what = problem.summary() if hasattr(problem, "summary") else repr(problem)
+    lines = [f"no backend can serve this request (asked for {requested!r}): {what}"]
     for name, (ok, reason) in sorted(verdicts.items()):
         lines.append(f"  {name}: {'can serve' if ok else 'rejected: ' + reason}")
     return "\n".join(lines)

@@ -35,6 +35,7 @@ import functools
 
 import torch
 
+from .config import check_groups
 from .device_checks import check_ids_async
 from .errors import BackendUnavailableError, MoeInputError
 from .topk import TopK
@@ -266,23 +267,7 @@ def _check_routing_args(
         raise MoeInputError(f"scoring_func: got {scoring_func!r}; accepted: {SCORING_FUNCS}")
     if correction_bias is not None:
         _check_correction_bias(correction_bias, num_experts, router_logits.device)
-    if (num_expert_group is None) != (topk_group is None):
-        raise MoeInputError("num_expert_group and topk_group must be given together")
-    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
-    if num_expert_group is not None:
-        if num_expert_group < 1 or num_experts % num_expert_group:
-            raise MoeInputError(f"num_expert_group={num_expert_group} must divide E={num_experts}")
-        if not 1 <= topk_group <= num_expert_group:
-            raise MoeInputError(
-                f"topk_group must be in [1, num_expert_group={num_expert_group}], got {topk_group}"
-            )
-        if top_k > topk_group * (num_experts // num_expert_group):
-            raise MoeInputError(
-                f"top_k={top_k} exceeds the experts in the {topk_group} kept groups "
-                f"({topk_group * (num_experts // num_expert_group)})"
-            )
+    check_groups(num_experts, top_k, num_expert_group, topk_group)
 
 
 def _check_correction_bias(bias: object, num_experts: int, device: torch.device) -> None:

@@ -153,7 +153,15 @@ class ExpertWeights:
         if e13 != e2:
             raise MoeInputError(f"w13 has E={e13} experts but w2 has E={e2}")
         if h13 != h2:
-            raise MoeInputError(f"w13 has hidden size H={h13} but w2 has H={h2} (w2 is [E, H, I])")
+            hint = ""
+            if n13 == h2 or i2 == h13:  # a weight given as [E, K, N] (GPT-OSS stores them so)
+                hint = (
+                    "; transposed? w13 must be [E, 2I, H] and w2 [E, H, I] (for [E, H, 2I] / "
+                    "[E, I, H] pass .transpose(1, 2))"
+                )
+            raise MoeInputError(
+                f"w13 has hidden size H={h13} but w2 has H={h2} (w2 is [E, H, I]){hint}"
+            )
         expected_rows = 2 * i2 if activation.gated else i2
         if n13 != expected_rows:
             layout = "[E, 2I, H]" if activation.gated else "[E, I, H] (non-gated)"

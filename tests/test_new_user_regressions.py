@@ -175,3 +175,80 @@ def test_alternating_orders_or_activations_prepare_each_form_once_without_a_warn
         x, w13.clone(), w2, topk.weights, topk.ids, w13_bias=bias.clone(), backend="torch"
     )
     assert torch.equal(with_bias, fresh)
+
+
+def test_smaller_messages_and_records():
+    """An unusable named backend's error leads with a one-line summary of the request (it
+    led with a 700-character repr); LoRA factors print their shapes, not their values; a
+    transposed weight pair is named as such; grouped routing that cannot split the experts
+    fails when the config is built; demo's JSON holds numbers."""
+    import dataclasses
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from moerunner.cli import main
+
+    e, h, i = 4, 64, 48
+    x = torch.randn(2, h)
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    registry = moerunner.default_registry().copy()
+    torch_backend = registry.backends["torch"]
+    registry.register_backend(  # a backend that serves no device: rejected on any machine
+        torch_backend.variant(
+            name="refuses",
+            capabilities=dataclasses.replace(torch_backend.capabilities, devices=frozenset()),
+        )
+    )
+    with pytest.raises(moerunner.BackendUnavailableError) as info:
+        moerunner.MoeRunner("refuses", registry=registry).select(
+            moerunner.backends.base.MoeProblem.of(
+                x,
+                moerunner.ExpertWeights(torch.randn(e, 2 * i, h), torch.randn(e, h, i)),
+                moerunner.ExpertWeights(torch.randn(e, 2 * i, h), torch.randn(e, h, i)).spec(
+                    moerunner.Activation("silu")
+                ),
+                "standard",
+            )
+        )
+    first = str(info.value).splitlines()[0]
+    assert "E=4 H=64 I=48" in first and "QuantScheme(" not in first and len(first) < 200
+    lora = MoeLoraWeights(*(torch.randn(2, e, *s) for s in ((4, h), (2 * i, 4), (4, i), (h, 4))))
+    assert repr(lora).startswith("MoeLoraWeights(w13_a=[2, 4, 4, 64]") and "tensor(" not in repr(
+        lora
+    )
+    with pytest.raises(MoeInputError, match=r"transposed\? w13 must be \[E, 2I, H\]"):
+        moerunner.fused_moe(
+            x, torch.randn(e, h, 2 * i), torch.randn(e, h, i), torch.rand(2, 2), ids
+        )
+    with pytest.raises(MoeInputError, match="num_expert_group=3 must divide E=8"):
+        moerunner.MoeConfig(
+            8, 32, 16, 2, routing=moerunner.RoutingConfig(num_expert_group=3, topk_group=1)
+        )
+    out = io.StringIO()
+    with redirect_stdout(out):
+        main(["demo", "--tokens", "4", "--hidden", "64", "--intermediate", "32", "--json", "-"])
+    rows = json.loads(out.getvalue())["rows"]
+    torch_row = next(r for r in rows if r["backend"] == "torch")
+    assert isinstance(torch_row["max_rel_err"], float) and isinstance(torch_row["median_ms"], float)
+
+
+def test_vllm_block_scales_without_block_shape_name_the_missing_argument():
+    e, h, i = 4, 256, 128
+    w1 = torch.randn(e, 2 * i, h).to(torch.float8_e4m3fn)
+    w2 = torch.randn(e, h, i).to(torch.float8_e4m3fn)
+    x, ids, weights = torch.randn(3, h), torch.zeros(3, 2, dtype=torch.int32), torch.rand(3, 2)
+    with pytest.raises(MoeInputError, match=r"w1_scale \[4, 2, 2\] holds block scales.*block_"):
+        vllm.fused_experts(
+            x, w1, w2, weights, ids, use_fp8_w8a8=True,
+            w1_scale=torch.ones(e, 2, 2), w2_scale=torch.ones(e, 2, 1),
+        )  # fmt: skip
+
+
+def test_layer_prepare_refuses_a_dtype_its_calls_would_refuse():
+    """prepare(torch.bfloat16) on an fp32 layer succeeded; the first bf16 call then raised."""
+    layer = moerunner.MoE(moerunner.MoeConfig(4, 32, 16, 2))
+    with pytest.raises(TypeError, match="must equal hidden_states dtype torch.bfloat16"):
+        layer.prepare(torch.bfloat16)
+    layer.prepare(torch.float32)
+    assert layer(torch.randn(3, 32), torch.randn(3, 4)).shape == (3, 32)

@@ -163,6 +163,28 @@ class MoeProblem(HashedOnce):
         w2 = self.w13_scheme if self.w2_scheme is None else get_scheme(self.w2_scheme)
         object.__setattr__(self, "w2_scheme", w2)
 
+    def summary(self) -> str:
+        """One line for messages: device, dtype, schemes, activation, shape, format, extras."""
+        schemes = self.w13_scheme.name
+        if not self.w13_scheme.same_format(self.w2_scheme):
+            schemes += f" / w2 {self.w2_scheme.name}"
+        extras = [
+            word
+            for word, on in (
+                ("biases", self.has_bias),
+                ("interleaved gate/up", self.interleaved),
+                ("per-expert swiglu parameters", self.extended_swiglu),
+                ("hooks", self.hooks),
+            )
+            if on
+        ]
+        return (
+            f"{self.device_type} {str(self.dtype).removeprefix('torch.')} inputs, {schemes} "
+            f"weights, {self.activation}, E={self.num_experts} H={self.hidden_size} "
+            f"I={self.intermediate_size}, {self.dispatch_format} format"
+            + "".join(f", {w}" for w in extras)
+        )
+
     @classmethod
     def of(
         cls,

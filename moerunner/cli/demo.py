@@ -96,11 +96,11 @@ def main(argv: list[str]) -> int:
     registry = default_registry()
     problem = MoeProblem.of(x, weights, weights.spec(act), STANDARD)
     verdicts = registry.verdicts(problem)
-    rows, failed = [], False
+    rows, failed = [], False  # (backend, path, max rel err, median ms, status); None: not run
     for name in tqdm(list(verdicts), desc="backends", unit="backend"):
         ok, reason = verdicts[name]
         if not ok:
-            rows.append((name, "-", "-", "-", f"skipped: {reason}"))
+            rows.append((name, None, None, None, f"skipped: {reason}"))
             continue
         path = registry.paths(name)[STANDARD]
 
@@ -112,10 +112,14 @@ def main(argv: list[str]) -> int:
         ms = _time_ms(call, args.repeats, device)
         passed = err <= bound
         failed |= not passed
-        rows.append((name, path, f"{err:.2e}", f"{ms:.2f}", "ok" if passed else f"FAIL > {bound}"))
+        rows.append((name, path, err, ms, "ok" if passed else f"FAIL > {bound}"))
     header = ("backend", "path", "max rel err", "median ms", "status")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
+    cells = [
+        (n, p or "-", "-" if e is None else f"{e:.2e}", "-" if t is None else f"{t:.2f}", s)
+        for n, p, e, t, s in rows
+    ]
+    widths = [max(len(str(r[i])) for r in [header, *cells]) for i in range(len(header))]
+    for row in [header, *cells]:
         say("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)))
     say(f"(error: max |out - ref| / max |ref|, ref in float64; bound for this dtype {bound})")
     if args.json is not None:

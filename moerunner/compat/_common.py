@@ -143,6 +143,15 @@ def _one(where: str, q: QuantArgs, which: str, w: object):
             scheme = get_scheme("fp8_block" if (bn, bk) == (128, 128) else f"fp8_block_{bn}x{bk}")
             grid = (e, -(-n // bn), -(-k // bk))
             return QuantizedWeight(scheme, (e, n, k), data, _fp32(sname, scale, grid))
+        if (
+            isinstance(scale, torch.Tensor)
+            and scale.dim() == 3
+            and min(scale.shape[1:]) > 1  # not a per-channel [E, N, 1] or per-tensor scale
+        ):
+            raise MoeInputError(
+                f"{where}: {sname} {list(scale.shape)} holds block scales [E, N/bn, K/bk]: "
+                "pass block_shape=[bn, bk] (e.g. [128, 128] for DeepSeek-V3)"
+            )
         if q.per_channel_quant:
             _given(where, **{aname: a_scale})
             return QuantizedWeight("fp8_channel", (e, n, k), data, _fp32(sname, scale, (e, n)))
