@@ -620,11 +620,19 @@ class MoE(HoldsQuantized, DispatchedForward):
         need is prepared (``runner.prepare_forms``). ``top_k``: of the calls (default: the
         config's; give it for a layer built ``from_weights``). The forms prepared are those
         of inference calls (grad mode off)."""
+        weights, spec, problem, k = self._calls_of(dtype, top_k)
+        prepare_forms(self.runner, weights, problem, spec, k)
+        self._dtype = dtype
+
+    def _calls_of(self, dtype: torch.dtype, top_k: int | None):
+        """The weights, spec and problem of calls with hidden states of ``dtype`` and
+        ``top_k`` slots (default: the config's), and that top_k; checked as such a call
+        would be on the standard dispatcher."""
         with torch.no_grad():
             weights = self.expert_weights()
         probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
         k = top_k or self.config.top_k
-        if self.dispatcher_kind == "standard":  # the checks a call of ``dtype`` would meet
+        if self.dispatcher_kind == "standard":
             validate_call(
                 probe,
                 weights,
@@ -634,29 +642,14 @@ class MoE(HoldsQuantized, DispatchedForward):
             )
         spec = weights.spec(self.config.activation)
         problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)
-        prepare_forms(self.runner, weights, problem, spec, k)
-        self._dtype = dtype
+        return weights, spec, problem, k
 
     def backend_plan(self, dtype: torch.dtype, top_k: int | None = None) -> dict:
         """Which backend serves each token-count bucket for hidden states of ``dtype`` and
         why, and the bytes each prepared form holds beyond the layer's weights (it prepares
         them, as ``prepare`` does): ``{"buckets": [(range, backend, reason)], "forms":
         {backend: bytes}}``."""
-        with torch.no_grad():
-            weights = self.expert_weights()
-        probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
-        k = top_k or self.config.top_k
-        if self.dispatcher_kind == "standard":  # the checks a call of ``dtype`` would meet
-            validate_call(
-                probe,
-                weights,
-                probe.new_empty((0, k), dtype=torch.float32),
-                probe.new_empty((0, k), dtype=torch.int32),
-                self.config.activation,
-            )
-        spec = weights.spec(self.config.activation)
-        problem = MoeProblem.of(probe, weights, spec, self.dispatcher.dispatch_format)
-        top_k = top_k or self.config.top_k
+        weights, spec, problem, top_k = self._calls_of(dtype, top_k)
         forms = prepare_forms(self.runner, weights, problem, spec, top_k)
         plan = self.runner.bucket_plan(problem, top_k)
         if plan is None:
