@@ -31,16 +31,17 @@ from typing import Any
 import torch
 
 from .backends.base import caller
+from .memo import StepCache
 from .runner import MoeRunner, prepared_memo
 from .weights import ExpertWeights, PreparedWeights
 
 __all__ = ["STEP_TRIES", "STEPS_MAX", "make_step", "replay_step", "step_key"]
 
-#: Steps kept per weights (least recently used dropped first).
-STEPS_MAX = 64
-#: Ordinary calls of one key that may try to make its step (a backend without steps, or a
-#: call that recorded no plan, stops trying after these).
-STEP_TRIES = 3
+#: Steps kept per weights (least recently used dropped first), and the ordinary calls of
+#: one key that may try to make its step (a backend without steps, or a call that recorded
+#: no plan, stops trying after these): ``memo.StepCache``'s.
+STEPS_MAX = StepCache.MAX
+STEP_TRIES = StepCache.TRIES
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -101,18 +102,12 @@ def replay_step(
     """The output of the step of ``key`` on ``weights``, or None: no step, stale weights or
     a step that cannot replay now (the caller takes the ordinary path)."""
     memo = prepared_memo(weights)
-    step = None if memo is None else memo.steps.get(key)
-    if step is None or isinstance(step, int):
+    if memo is None:
         return None
-    out = step.run(hidden_states, topk_ids, topk_weights.view(-1))
-    if out is None:  # it died (a workspace or weight it used was dropped): make it again
-        memo.steps.pop(key, None)
-        return None
-    try:
-        memo.steps.move_to_end(key)
-    except KeyError:  # dropped meanwhile by another thread's call (keys name the thread)
-        pass
-    return out
+    # A step exists only for contiguous routing weights (their strides are in the key).
+    return memo.steps.replay(
+        key, lambda step: step.run(hidden_states, topk_ids, topk_weights.view(-1))
+    )
 
 
 def make_step(
@@ -129,19 +124,11 @@ def make_step(
     with the routing as given (``topk_weights`` / ``topk_ids`` unconverted): the step of
     such calls, where ``fused`` makes one (``call_step``)."""
     memo = prepared_memo(weights)
+    make = getattr(fused, "call_step", None)
     if memo is None:
         return
-    steps = memo.steps
-    tries = steps.get(key, 0)
-    if not isinstance(tries, int) or tries >= STEP_TRIES:
+    if make is None or not topk_weights.is_contiguous():
+        memo.steps.offer(key, lambda: None)
         return
-    make = getattr(fused, "call_step", None)
-    step = None
-    if make is not None and topk_weights.is_contiguous():
-        step = make(hidden_states, topk_ids, topk_weights.view(-1), prepared, checks_ids)
-    steps[key] = tries + 1 if step is None else step
-    while len(steps) > STEPS_MAX:
-        try:
-            steps.popitem(last=False)
-        except KeyError:  # emptied meanwhile by another thread
-            break
+    route_w = topk_weights.view(-1)
+    memo.steps.offer(key, lambda: make(hidden_states, topk_ids, route_w, prepared, checks_ids))

@@ -41,7 +41,7 @@ from .dispatch.masked import OVERFLOW_POLICIES
 from .dispatched_layer import DispatchedForward
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
-from .memo import DerivedCache
+from .memo import StepCache
 from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .registry import Registry
 from .routing import TopK, check_router_width, select_experts
@@ -136,7 +136,7 @@ class MoE(HoldsQuantized, DispatchedForward):
             self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
         self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
-        self._steps = DerivedCache()  # eager calls' joined launch plans (``_step``)
+        self._steps = StepCache()  # eager calls' joined launch plans (``_step``)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -253,7 +253,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         self.correction_bias = None
         self.routes = False
         self._quantized_from = None  # given weights: nothing to re-quantize from
-        self._steps = DerivedCache()
+        self._steps = StepCache()
         self.quantized = weights  # held as given (plain or quantized), not as parameters
         if is_quantized(weights.w13):
             adopt_quantized(weights.w13)
@@ -361,10 +361,7 @@ class MoE(HoldsQuantized, DispatchedForward):
     # The key holds every tensor's identity, address and in-place version, so a replaced or
     # edited weight, a quantize_ or a load_state_dict takes the ordinary path (which prepares
     # again) and makes a new step. Steps exist only where the experts' fused op offers them
-    # (the triton backend on CUDA).
-
-    _STEPS_MAX = 64  # steps kept per layer (least recently used dropped first)
-    _STEP_TRIES = 3  # ordinary calls of one key that may try to make its step
+    # (the triton backend on CUDA); they are kept in a bounded ``memo.StepCache``.
 
     def _step_key(self, hidden_states, router_logits) -> tuple | None:
         """The step key of an eager call, or None where no step applies."""
@@ -411,41 +408,31 @@ class MoE(HoldsQuantized, DispatchedForward):
         )
 
     def _replay_step(self, key: tuple, hidden_states, router_logits) -> torch.Tensor | None:
-        step = self._steps.get(key)
-        if step is None or isinstance(step, int):
-            return None
-        out = step.run(
-            hidden_states.reshape(-1, hidden_states.shape[-1]),
-            router_logits.reshape(-1, router_logits.shape[-1]),
-            self.correction_bias,
+        out = self._steps.replay(
+            key,
+            lambda step: step.run(
+                hidden_states.reshape(-1, hidden_states.shape[-1]),
+                router_logits.reshape(-1, router_logits.shape[-1]),
+                self.correction_bias,
+            ),
         )
-        if out is None:  # the step died (a workspace it used was dropped): make it again
-            self._steps.pop(key, None)
-            return None
-        try:
-            self._steps.move_to_end(key)
-        except KeyError:  # dropped meanwhile by another thread's call (keys name the thread)
-            pass
-        return out.reshape(hidden_states.shape)
+        return None if out is None else out.reshape(hidden_states.shape)
 
     def _make_step(self, key: tuple, x: torch.Tensor, router_logits) -> None:
         """After an ordinary routed call of ``key``: the step of such calls, where the
         experts' fused op makes one (``layer_step``) from the plans that call recorded."""
-        tries = self._steps.get(key, 0)
-        if not isinstance(tries, int) or tries >= self._STEP_TRIES:
-            return
-        weights = self.expert_weights()
-        prepared = self._prepared(x, weights, STANDARD, self.config.top_k)
-        fused = self.runner.registry.fused_op(STANDARD, prepared.backend)
-        make = getattr(fused, "layer_step", None)
-        logits = router_logits.reshape(-1, router_logits.shape[-1])
-        step = None if make is None else make(x, logits, self._routing_kwargs(), prepared)
-        self._steps[key] = tries + 1 if step is None else step
-        while len(self._steps) > self._STEPS_MAX:
-            try:
-                self._steps.popitem(last=False)
-            except KeyError:  # emptied meanwhile by another thread
-                break
+
+        def make():
+            weights = self.expert_weights()
+            prepared = self._prepared(x, weights, STANDARD, self.config.top_k)
+            fused = self.runner.registry.fused_op(STANDARD, prepared.backend)
+            layer_step = getattr(fused, "layer_step", None)
+            if layer_step is None:
+                return None
+            logits = router_logits.reshape(-1, router_logits.shape[-1])
+            return layer_step(x, logits, self._routing_kwargs(), prepared)
+
+        self._steps.offer(key, make)
 
     def _inputs(self, hidden_states, router_logits, topk) -> tuple[torch.Tensor, TopK, bool]:
         """Checked ``[T, H]`` hidden states, routing, and whether this layer routed."""

@@ -27,6 +27,46 @@ class DerivedCache(OrderedDict):
         return (type(self), ())
 
 
+class StepCache(DerivedCache):
+    """Replayed steps by key (a ``MoE`` layer's eager calls, ``call_steps``' pre-routed
+    calls): per key a step, or how many ordinary calls of it tried to make one. At most
+    ``MAX`` keys (least recently used dropped first); a key stops trying after ``TRIES``.
+    Keys name the calling thread, so another thread's call only drops entries (caught)."""
+
+    MAX = 64
+    TRIES = 3
+
+    def replay(self, key, run):
+        """``run(step)`` for the step of ``key``; None where there is none or ``run`` gives
+        None (the step died: it is dropped, to be made again)."""
+        step = self.get(key)
+        if step is None or isinstance(step, int):
+            return None
+        out = run(step)
+        if out is None:
+            self.pop(key, None)
+            return None
+        try:
+            self.move_to_end(key)
+        except KeyError:  # dropped meanwhile by another thread's call
+            pass
+        return out
+
+    def offer(self, key, make) -> None:
+        """After an ordinary call of ``key``: keep ``make()``'s step (None: count a try),
+        unless the key has a step or has tried ``TRIES`` times."""
+        tries = self.get(key, 0)
+        if not isinstance(tries, int) or tries >= self.TRIES:
+            return
+        step = make()
+        self[key] = tries + 1 if step is None else step
+        while len(self) > self.MAX:
+            try:
+                self.popitem(last=False)
+            except KeyError:  # emptied meanwhile by another thread
+                break
+
+
 def view_key(t: torch.Tensor | None) -> tuple | None:
     """Which memory a tensor views, and its in-place version. The storage object lives as
     long as any tensor on it, and memoised values hold their tensors, so its id is unique."""

@@ -34,7 +34,7 @@ from .config import Activation, ExpertSpec
 from .dispatch.formats import STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
-from .memo import DerivedCache
+from .memo import DerivedCache, StepCache
 from .memory import kept
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, BucketPlan, Registry, Selection
@@ -302,7 +302,7 @@ class _PreparedCache(DerivedCache):
         # ``auto`` only: forms that ran out of memory -> the held form serving instead
         self.stand_ins: dict = {}
         # pre-routed calls on these weights replayed behind a key lookup (``call_steps``)
-        self.steps: DerivedCache = DerivedCache()
+        self.steps = StepCache()
 
 
 def prepared_for(

@@ -134,6 +134,7 @@ def test_no_step_is_made_for_strided_routing_weights():
     fused = _Fused()
     call_steps.make_step(("s",), weights, fused, x, strided, topk.ids, None, False)
     assert fused.made == 0
+    assert call_steps.replay_step(("s",), weights, x, strided, topk.ids) is None  # no raise
 
 
 # -- GPU ------------------------------------------------------------------------------------
