@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -445,3 +445,21 @@ def traced_layout(module: torch.nn.Module) -> tuple:
             cached.has_bias,
         )
     return _layout_of_id(id(module))
+
+
+def experts_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(path, module) of every experts module of ``model`` (``@use_experts_implementation``)."""
+    for path, module in model.named_modules():
+        if is_experts_module(module):
+            setattr(module, LAYER_NAME, path)
+            yield path, module
+
+
+def experts_implementation(experts: torch.nn.Module):
+    """The name of the experts implementation ``experts`` runs with (its config's) and its
+    function where it is one of moerunner's (``make_experts_forward``), else None."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    function = ALL_EXPERTS_FUNCTIONS.get(name)
+    return name, function if hasattr(function, "moerunner_backend") else None

@@ -12,13 +12,13 @@ Choices enter here and travel as arguments: the backend comes from the model con
 the name. A layer moerunner cannot run raises ``UnsupportedExpertsError`` naming the layer,
 unless the config's ``moerunner_fallback`` (or ``register(fallback=...)``) is ``"eager"``:
 then that layer runs transformers' own eager loop and the others run on moerunner.
+Reading an experts module's layout and weights is ``_hf_experts``; quantizing them in place
+(``quantize_experts``, ``load_gpt_oss_mxfp4``, exported here) is ``_quantized_experts``.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -28,24 +28,23 @@ from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
 from ..runner import MoeRunner, default_registry
 from ..shared import SharedExperts
-from ..weights import ExpertWeights
 from . import _relayout
 from ._hf_experts import (
-    LAYER_NAME,
     STORED_ON_PURPOSE,
     UnsupportedExpertsError,
     describe,
     expert_weights,
+    experts_implementation,
+    experts_modules,
     float_weights,
     held_weights,
-    is_experts_module,
     layer_name,
     quantized_weights,
-    set_quantized,
     shared_mlp_matches,
     sources_key,
     traced_layout,
 )
+from ._quantized_experts import load_gpt_oss_mxfp4, quantize_experts, quantized_scheme
 
 __all__ = [
     "IMPLEMENTATION_NAME",
@@ -57,6 +56,7 @@ __all__ = [
     "load_gpt_oss_mxfp4",
     "make_experts_forward",
     "quantize_experts",
+    "quantized_scheme",
     "register",
     "relayout_experts",
     "set_adapter_ids",
@@ -243,14 +243,6 @@ def register(
 
     ExpertsInterface.register(name, make_experts_forward(backend, fallback))
     return name
-
-
-def experts_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """(path, module) of every experts module of ``model`` (``@use_experts_implementation``)."""
-    for path, module in model.named_modules():
-        if is_experts_module(module):
-            setattr(module, LAYER_NAME, path)
-            yield path, module
 
 
 def check_model(model: torch.nn.Module) -> dict[str, str | None]:
@@ -593,21 +585,11 @@ def _shared_experts(block) -> SharedExperts:
     return shared
 
 
-def _experts_implementation(experts: torch.nn.Module):
-    """The name of the experts implementation ``experts`` runs with (its config's) and its
-    function where it is one of moerunner's (``make_experts_forward``), else None."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    name = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    function = ALL_EXPERTS_FUNCTIONS.get(name)
-    return name, function if hasattr(function, "moerunner_backend") else None
-
-
 def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """A shared-expert MoE block's forward with its shared MLP in the routed call."""
     experts = self.experts
     config = getattr(experts, "config", None)
-    function = _experts_implementation(experts)[1]
+    function = experts_implementation(experts)[1]
     own = type(self).forward
     if (
         torch.compiler.is_compiling()
@@ -644,188 +626,6 @@ def _configs(model) -> list:
             seen[id(config)] = config
     seen[id(model.config)] = model.config
     return list(seen.values())
-
-
-def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict[str, str]:
-    """Quantize every experts layer of ``model`` into ``scheme`` (a ``moerunner.quant`` name).
-
-    Done once (e.g. right after loading a bf16 checkpoint, on the target device); the
-    moerunner experts implementation then runs those layers in ``scheme`` on whatever
-    backend serves it. Biases stay in floating point (the module's own parameters). Unless
-    ``keep_float_weights``, the float expert parameters are released (emptied) and the
-    quantized tensors are held as buffers of each experts module's child
-    ``moerunner_quantized``: ``model.state_dict()`` saves them (``torch.save`` or safetensors'
-    ``save_file``), and a model of the same config on which ``quantize_experts(model, scheme)``
-    was called restores them with ``load_state_dict``. The layers then run only on moerunner.
-    With ``keep_float_weights`` the state dict holds the float weights only.
-    Returns ``{layer path: scheme name}``.
-    """
-    from ..quant import get_scheme, quantize
-
-    resolved = get_scheme(scheme)
-    done: dict[str, str] = {}
-    for path, module in experts_modules(model):
-        source = float_weights(module)
-        with torch.no_grad():
-            weights = ExpertWeights(
-                quantize(source.w13, resolved),
-                quantize(source.w2, resolved),
-                source.w13_bias,
-                source.w2_bias,
-                source.gate_up_interleaved,
-            )
-        set_quantized(module, weights, hold=not keep_float_weights)
-        if not keep_float_weights:
-            _release_float_weights(module)
-        done[path] = resolved.name
-    if not done:
-        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
-    return done
-
-
-def _release_float_weights(module: torch.nn.Module) -> None:
-    for name in ("gate_up_proj", "up_proj", "down_proj"):
-        param = getattr(module, name, None)
-        if isinstance(param, torch.nn.Parameter):
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    if _RELEASED_HOOK not in module.__dict__:
-        module.__dict__[_RELEASED_HOOK] = module.register_forward_pre_hook(_needs_moerunner)
-
-
-_RELEASED_HOOK = "_moerunner_released_hook"
-
-
-def _needs_moerunner(module: torch.nn.Module, args) -> None:
-    """Forward pre-hook of an experts layer whose float weights ``quantize_experts``
-    released: any other experts implementation would read the emptied parameters."""
-    if torch.compiler.is_compiling():
-        return
-    name, ours = _experts_implementation(module)
-    if ours is None:
-        raise MoeInputError(
-            f"experts layer {layer_name(module)} holds its experts quantized only "
-            f"(quantize_experts released the float weights), so it runs on moerunner's "
-            f"experts implementation alone, but the model asks for {name!r}: call "
-            "moerunner.integrations.transformers.use_moerunner(model) first (or "
-            "quantize_experts(..., keep_float_weights=True) to keep both)"
-        )
-
-
-def load_gpt_oss_mxfp4(
-    model,
-    paths: str | os.PathLike | Sequence[str | os.PathLike],
-    *,
-    scheme: str = "mxfp4",
-    keep_float_weights: bool = False,
-) -> list[str]:
-    """Keep a GPT-OSS checkpoint's experts in MXFP4: read them from ``paths`` and pin them.
-
-    ``paths``: the checkpoint's safetensors file(s) (``<layer>.gate_up_proj_blocks`` /
-    ``_scales`` / ``_bias``, ``<layer>.down_proj_*``), e.g. the files of the directory the model
-    was loaded from. The packed bytes and e8m0 scales are used as stored (no dequantization);
-    ``scheme`` is ``"mxfp4"`` (bf16 activations) or ``"mxfp4_mxfp8"``. Unless
-    ``keep_float_weights``, the experts are held in the model's ``state_dict`` as after
-    ``quantize_experts`` (the checkpoint's biases are copied into the bias parameters).
-    Returns the layers done.
-    """
-    from ..quant.checkpoints import gpt_oss_experts_from_safetensors
-
-    if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
-        paths = sorted(
-            os.path.join(paths, f) for f in os.listdir(paths) if f.endswith(".safetensors")
-        )
-    done = []
-    for path, module in experts_modules(model):
-        layout = describe(module)
-        if layout.activation.name != "swiglu_oai":
-            raise UnsupportedExpertsError(
-                f"load_gpt_oss_mxfp4: layer {layer_name(module)} is not a GPT-OSS experts layer"
-            )
-        found = gpt_oss_experts_from_safetensors(paths, path + ".", scheme=scheme)
-        _check_checkpoint_shapes(module, layout, found, path)
-        device = module.down_proj.device
-        bias_dtype = module.down_proj_bias.dtype if layout.has_bias else torch.float32
-        b13, b2 = (
-            None if b is None else b.to(device=device, dtype=bias_dtype)
-            for b in (found["w13_bias"], found["w2_bias"])
-        )
-        hold = not keep_float_weights
-        if hold and layout.has_bias:  # held weights run with the module's bias parameters
-            b13, b2 = _set_biases(module, b13, b2)
-        weights = ExpertWeights(
-            _to(found["w13"], device),
-            _to(found["w2"], device),
-            b13,
-            b2,
-            found["gate_up_interleaved"],
-        )
-        set_quantized(module, weights, hold=hold)
-        if not keep_float_weights:
-            _release_float_weights(module)
-        done.append(path)
-    if not done:
-        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
-    return done
-
-
-def _set_biases(module: torch.nn.Module, b13, b2) -> tuple:
-    """Copy the checkpoint's biases into the module's bias parameters (zeros where the
-    checkpoint has none) and return those parameters, detached."""
-    out = []
-    for name, bias in (("gate_up_proj_bias", b13), ("down_proj_bias", b2)):
-        param = getattr(module, name)
-        with torch.no_grad():
-            if bias is None:
-                param.zero_()
-            elif tuple(bias.shape) != tuple(param.shape):
-                raise MoeInputError(
-                    f"load_gpt_oss_mxfp4: the checkpoint's {name} of layer {layer_name(module)} "
-                    f"has shape {list(bias.shape)}, the model's {list(param.shape)}; load the "
-                    "checkpoint of this model"
-                )
-            else:
-                param.copy_(bias)
-        out.append(param.detach())
-    return tuple(out)
-
-
-def _check_checkpoint_shapes(module, layout, found: dict, path: str) -> None:
-    """The checkpoint's experts must have the model's E, H and I (an E mismatch would drop
-    or invent experts silently: the forward skips ids outside the weights)."""
-    expected = {}
-    num_experts = getattr(module, "num_experts", None)
-    if isinstance(num_experts, int):
-        expected["E"] = num_experts
-    down = getattr(module, "down_proj", None)
-    if isinstance(down, torch.Tensor) and down.dim() == 3:  # float weights not yet released
-        e, a, b = down.shape
-        h, i = (b, a) if layout.transposed else (a, b)
-        expected.update(E=e, H=h, I=i)
-    e, h, i = found["w2"].shape
-    got = {"E": e, "H": h, "I": i}
-    wrong = [f"{k}={got[k]} (model: {v})" for k, v in expected.items() if got[k] != v]
-    if wrong:
-        raise MoeInputError(
-            f"load_gpt_oss_mxfp4: the checkpoint's layer {path} has "
-            + ", ".join(wrong)
-            + "; load the checkpoint of this model"
-        )
-
-
-def _to(qweight, device: torch.device):
-    if qweight.device == device:
-        return qweight
-    from ..quant import QuantizedWeight
-
-    moved = {f: t.to(device) for f, t in qweight.tensors().items()}
-    data = moved.pop("data")
-    return QuantizedWeight(qweight.scheme, qweight.shape, data, **moved)
-
-
-def quantized_scheme(module: torch.nn.Module) -> str | None:
-    """Scheme name of a layer's pinned quantized weights, None when it runs its float weights."""
-    weights = quantized_weights(module)
-    return None if weights is None else weights.scheme
 
 
 register()
