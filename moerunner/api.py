@@ -21,7 +21,7 @@ from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .hooks import MoeHooks, check_hooks
 from .routing import TopK
-from .runner import MoeRunner, check_activation, form_variant, prepared_for
+from .runner import MoeRunner, check_activation, prepared_for
 from .shared import (
     SharedExperts,
     append_shared_slots,
@@ -230,7 +230,7 @@ def run_experts(
     step_key = None
     if not weight_on_input and not _needs_grad(hidden_states, weights, topk_weights):
         step_key = call_steps.step_key(
-            runner, hidden_states, topk_weights, topk_ids, act, form_variant(weights), check_ids
+            runner, weights, hidden_states, topk_weights, topk_ids, act, check_ids
         )
         if step_key is not None:
             out = call_steps.replay_step(step_key, weights, hidden_states, topk_weights, topk_ids)

@@ -32,7 +32,7 @@ import torch
 
 from .backends.base import caller
 from .memo import StepCache
-from .runner import MoeRunner, prepared_memo
+from .runner import MoeRunner, form_variant, prepared_memo
 from .weights import ExpertWeights, PreparedWeights
 
 __all__ = ["STEP_TRIES", "STEPS_MAX", "make_step", "replay_step", "step_key"]
@@ -50,17 +50,16 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def step_key(
     runner: MoeRunner,
+    weights: ExpertWeights,
     hidden_states: Any,
     topk_weights: Any,
     topk_ids: Any,
     act,
-    variant: tuple,
     check_ids: bool,
 ) -> tuple | None:
-    """The step key of a pre-routed call (module comment), or None where no step serves it.
-    ``variant``: the weights' ``runner.form_variant`` (w13's order, the biases). The caller
-    has checked that the call needs no gradients and has no shared experts, hooks or input
-    weighting."""
+    """The step key of a pre-routed call (module comment), or None where no step serves it
+    (decided before any part of the key is computed). The caller has checked that the call
+    needs no gradients and has no shared experts, hooks or input weighting."""
     if (
         not isinstance(hidden_states, torch.Tensor)
         or not hidden_states.is_cuda
@@ -84,7 +83,7 @@ def step_key(
         runner.requested,
         runner.backend_forms,
         act,
-        variant,
+        form_variant(weights),  # w13's order and the biases
         bool(check_ids),
         _layout(hidden_states),
         _layout(topk_weights),

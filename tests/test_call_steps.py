@@ -44,7 +44,8 @@ def test_the_registry_generation_moves_whenever_choices_are_dropped():
 def test_no_step_key_off_the_gpu_or_for_runners_with_their_own_choices():
     x = torch.randn(3, H)
     topk = _routing(3, "cpu")
-    args = (x, topk.weights, topk.ids, moerunner.Activation("silu"), (None,), False)
+    weights = ExpertWeights(*_weights("cpu", torch.float32))
+    args = (weights, x, topk.weights, topk.ids, moerunner.Activation("silu"), False)
     assert call_steps.step_key(MoeRunner("auto"), *args) is None
     assert call_steps.step_key(MoeRunner("auto", preference={"cpu": ("torch",)}), *args) is None
 
