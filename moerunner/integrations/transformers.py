@@ -81,7 +81,7 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
             it) or ``"eager"`` (it runs transformers' eager loop); the config attribute
             ``moerunner_fallback`` overrides it per model.
     """
-    _check_choice("backend", backend)
+    _check_backend(backend)
     if fallback not in FALLBACKS:
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
 
@@ -226,8 +226,12 @@ def _routing_arg(value, kwargs: dict, *names: str) -> torch.Tensor:
 def _check_choice(name: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise TypeError(f"{name} must be a non-empty str, got {value!r}")
-    if name == "backend":  # the integration's runners use the default registry
-        default_registry().check_name(value)
+
+
+def _check_backend(backend: object) -> None:
+    """A backend name the integration's runners (on the default registry) can look up."""
+    _check_choice("backend", backend)
+    default_registry().check_name(backend)
 
 
 def register(
@@ -282,7 +286,7 @@ def use_moerunner(
     if fallback not in FALLBACKS:
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
     if backend is not None:
-        _check_choice("backend", backend)
+        _check_backend(backend)
     if not isinstance(relayout, bool):
         raise TypeError(f"relayout must be True or False, got {relayout!r}")
     verdicts = check_model(model)
