@@ -365,3 +365,177 @@ def test_sglang_custom_routing_function_keywords():
     topk = moerunner.select_experts(logits, 2, renormalize=True)
     torch.testing.assert_close(out.topk_weights, topk.weights, rtol=1e-6, atol=0)
     assert torch.equal(out.topk_ids, topk.ids)
+
+
+# -- the peers' semantics where they are easy to miss ----------------------------------------
+
+
+def _deepseek_v3_routing_f64(logits, bias, k, groups, topk_group):
+    """SGLang's / vLLM's biased grouped top-k in float64, written from their sources:
+    sigmoid scores, groups ranked by the sum of their two best biased scores, top-k of the
+    biased scores in the kept groups, weights = unbiased scores renormalized."""
+    scores = torch.sigmoid(logits.double())
+    biased = scores + bias.double()
+    t, e = scores.shape
+    group_best = biased.view(t, groups, e // groups).topk(2, dim=-1).values.sum(-1)
+    kept = torch.zeros(t, groups, dtype=torch.bool)
+    kept.scatter_(1, group_best.topk(topk_group, dim=-1).indices, True)
+    kept = kept[:, :, None].expand(t, groups, e // groups).reshape(t, e)
+    ids = biased.masked_fill(~kept, float("-inf")).topk(k, dim=-1).indices
+    w = scores.gather(1, ids)
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def test_sglang_biased_grouped_topk_scores_with_sigmoid_whatever_scoring_func():
+    # SGLang's DeepSeek-V3 layer passes correction_bias with the TopKConfig default
+    # scoring_func ("softmax"); its biased_grouped_topk scores with sigmoid regardless.
+    g = torch.Generator().manual_seed(40)
+    e, t = 16, 5
+    x, logits, bias = torch.randn(t, 8, generator=g), torch.randn(t, e, generator=g), None
+    bias = torch.randn(e, generator=g) * 0.5
+    cfg = sglang.TopKConfig(
+        top_k=4, use_grouped_topk=True, num_expert_group=4, topk_group=2, correction_bias=bias
+    )
+    out = sglang.select_experts(x, logits, cfg)
+    w_ref, ids_ref = _deepseek_v3_routing_f64(logits, bias, 4, 4, 2)
+    assert torch.equal(out.topk_ids.long().sort(-1).values, ids_ref.sort(-1).values)
+    order = out.topk_ids.long().argsort(-1)
+    got = out.topk_weights.double().gather(1, order)
+    want = w_ref.gather(1, ids_ref.argsort(-1))
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)  # float32 weights
+
+
+def test_sglang_gemm1_alpha_or_limit_alone_is_refused():
+    x, logits, w13, w2 = _problem(41)
+    topk_output = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))
+    for only in ({"gemm1_alpha": 1.702}, {"gemm1_clamp_limit": 7.0}, {"gemm1_alpha": 0.0}):
+        cfg = sglang.MoeRunnerConfig(inplace=False, **only)
+        with pytest.raises(MoeInputError, match=f"{next(iter(only))} without"):
+            sglang.fused_experts(x, w13, w2, topk_output, cfg)
+
+
+def test_sglang_output_format_enum_standard_is_accepted():
+    import enum
+
+    class TopKOutputFormat(enum.Enum):  # SGLang's enum, as its model files pass it
+        STANDARD = enum.auto()
+        TRITON_KERNEL = enum.auto()
+
+    x, logits, _, _ = _problem(42)
+    cfg = sglang.TopKConfig(top_k=2, output_format=TopKOutputFormat.STANDARD)
+    plain = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))
+    assert torch.equal(sglang.select_experts(x, logits, cfg).topk_ids, plain.topk_ids)
+    with pytest.raises(MoeInputError, match="output_format"):
+        sglang.select_experts(
+            x, logits, sglang.TopKConfig(top_k=2, output_format=TopKOutputFormat.TRITON_KERNEL)
+        )
+
+
+def test_router_weight_on_input_with_a_gemm1_bias_is_refused_by_both_shims():
+    # The peers compute w * (x W1^T + b1); moerunner's input weighting would give
+    # (w * x) W1^T + b1: different numbers, so the pair is an error, not a silent mismatch.
+    x, logits, w13, w2 = _problem(43)
+    topk = moerunner.select_experts(logits, 1)
+    b1 = torch.randn(E, 2 * I)
+    with pytest.raises(MoeInputError, match="apply_router_weight_on_input"):
+        vllm.fused_experts(
+            x, w13, w2, topk.weights, topk.ids, apply_router_weight_on_input=True, w1_bias=b1
+        )
+    cfg = sglang.MoeRunnerConfig(inplace=False, apply_router_weight_on_input=True)
+    with pytest.raises(MoeInputError, match="apply_router_weight_on_input"):
+        sglang.fused_experts(x, w13, w2, (topk.weights, topk.ids), cfg, b1)
+    # Without the GEMM1 bias the two agree, and so does the shim with a GEMM2 bias.
+    b2 = torch.randn(E, H)
+    out = vllm.fused_experts(
+        x, w13, w2, topk.weights, topk.ids, apply_router_weight_on_input=True, w2_bias=b2
+    )
+    native = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, apply_router_weight_on_input=True, w2_bias=b2
+    )
+    assert torch.equal(out, native)
+
+
+class _QuantConfig:
+    """The properties of vLLM's FusedMoEQuantConfig that its fused_experts reads."""
+
+    def __init__(self, **given):
+        defaults = dict.fromkeys(
+            ("use_fp8_w8a8", "use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16",
+             "per_act_token_quant", "use_mxfp4_w4a16"), False,
+        )  # fmt: skip
+        names = ("w1_scale", "w2_scale", "w1_zp", "w2_zp", "a1_scale", "a2_scale")
+        defaults.update(dict.fromkeys(names + ("block_shape", "w1_bias", "w2_bias")))
+        defaults["ocp_mx_scheme"] = None
+        self.__dict__.update({**defaults, **given})
+
+
+def test_vllm_quant_config_equals_the_flat_arguments():
+    x, logits, w13, w2 = _problem(44)
+    topk = moerunner.select_experts(logits, 2)
+    call = (x, w13, w2, topk.weights, topk.ids)
+    b1, b2 = torch.randn(E, 2 * I), torch.randn(E, H)
+    biased = vllm.fused_experts(*call, quant_config=_QuantConfig(w1_bias=b1, w2_bias=b2))
+    assert torch.equal(biased, vllm.fused_experts(*call, w1_bias=b1, w2_bias=b2))
+    q1, q2 = quantize(w13, "fp8_block"), quantize(w2, "fp8_block")
+    qcall = (x, q1.data, q2.data, topk.weights, topk.ids)
+    block = _QuantConfig(
+        use_fp8_w8a8=True, w1_scale=q1.scale, w2_scale=q2.scale, block_shape=[128, 128]
+    )
+    flat = vllm.fused_experts(
+        *qcall, use_fp8_w8a8=True, w1_scale=q1.scale, w2_scale=q2.scale, block_shape=[128, 128]
+    )
+    assert torch.equal(vllm.fused_experts(*qcall, quant_config=block), flat)
+    # Positionally, as vLLM's current fused_experts takes it (quant_config 11th).
+    positional = vllm.fused_experts(*qcall, False, "silu", False, -1, None, block)
+    assert torch.equal(positional, flat)
+    with pytest.raises(MoeInputError, match="use_mxfp4_w4a16"):
+        vllm.fused_experts(*call, quant_config=_QuantConfig(use_mxfp4_w4a16=True))
+    with pytest.raises(MoeInputError, match="pass one"):
+        vllm.fused_experts(*call, quant_config=_QuantConfig(), w1_bias=b1)
+
+
+def test_vllm_older_positional_order_fails_instead_of_misreading():
+    # vLLM 0.9 took use_fp8_w8a8 ninth, where the current release (and this shim) has
+    # global_num_experts: a call in the old order must not run with a flag read as a count.
+    x, logits, w13, w2 = _problem(45)
+    topk = moerunner.select_experts(logits, 2)
+    with pytest.raises(TypeError, match="keyword-only"):
+        vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, False, "silu", False, False)
+    with pytest.raises(TypeError):  # more positional arguments than vLLM's current eleven
+        vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, False, "silu", False, -1, None,
+                           None, False)  # fmt: skip
+
+
+def test_vllm_moe_activation_enum_and_is_act_and_mul():
+    import enum
+
+    class MoEActivation(enum.Enum):  # vLLM's enum (values are its activation names)
+        SILU = "silu"
+        SWIGLUOAI = "swigluoai"
+        RELU2_NO_MUL = "relu2_no_mul"
+        SILU_NO_MUL = "silu_no_mul"
+
+    x, logits, w13, w2 = _problem(46)
+    topk = moerunner.select_experts(logits, 2)
+    call = (x, w13, w2, topk.weights, topk.ids)
+    for member in (MoEActivation.SILU, MoEActivation.SWIGLUOAI):
+        got = vllm.fused_experts(*call, activation=member)
+        assert torch.equal(got, vllm.fused_experts(*call, activation=member.value))
+    plain = (x, w13[:, :I], w2, topk.weights, topk.ids)
+    relu2 = vllm.fused_experts(*plain, activation=MoEActivation.RELU2_NO_MUL)
+    # vLLM 0.10's spelling of the same: relu2 with is_act_and_mul=False.
+    assert torch.equal(relu2, vllm.fused_experts(*plain, activation="relu2", is_act_and_mul=False))
+    for bad in ({"activation": MoEActivation.SILU_NO_MUL}, {"is_act_and_mul": False}):
+        with pytest.raises(MoeInputError, match="silu_no_mul"):
+            vllm.fused_experts(*plain, **bad)
+
+
+def test_vllm_fused_topk_sigmoid_scoring():
+    x, logits, _, _ = _problem(47)
+    w, ids, _ = vllm.fused_topk(x, logits, 2, True, scoring_func="sigmoid")
+    scores = torch.sigmoid(logits.double())
+    ref_w, ref_ids = scores.topk(2, dim=-1)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w.double(), ref_w / ref_w.sum(-1, keepdim=True), rtol=2e-7, atol=0)
+    with pytest.raises(MoeInputError, match="scoring_func"):
+        vllm.fused_topk(x, logits, 2, True, scoring_func="sqrtsoftplus")

@@ -255,7 +255,11 @@ def global_to_local(
     ``expert_map[global]`` is the local id or -1. Ids are checked against the global range
     (on a GPU without a host read, ``moerunner.check_errors``), then mapped."""
     if isinstance(global_num_experts, bool) or not isinstance(global_num_experts, int):
-        raise TypeError(f"{where}: global_num_experts must be an int, got {global_num_experts!r}")
+        raise TypeError(
+            f"{where}: global_num_experts must be an int, got {global_num_experts!r} (the "
+            "flat quantization flags that older vLLM releases took by position are "
+            "keyword-only here)"
+        )
     if expert_map is None:
         if global_num_experts not in (-1, num_local):
             raise MoeInputError(
@@ -308,6 +312,12 @@ def run(
     routing weights where that is exact."""
     if inplace and output is not None:
         raise MoeInputError(f"{where}: inplace=True and output= both name the result; pass one")
+    if apply_router_weight_on_input and w13_bias is not None:
+        raise MoeInputError(
+            f"{where}: apply_router_weight_on_input=True with a GEMM1 bias: the peers weight "
+            "GEMM1's biased output, w * (x W1^T + b1), where moerunner weights the input, "
+            "(w * x) W1^T + b1; the two differ, so this pair is refused (no model uses it)"
+        )
     if scale is not None and not apply_router_weight_on_input:
         topk_weights = _tensor("topk_weights", topk_weights).float() * float(scale)
     out = fused_moe(

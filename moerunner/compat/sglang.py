@@ -4,7 +4,8 @@ Routing: ``select_experts(hidden_states, router_logits, topk_config)`` with a ``
 returns a ``StandardTopKOutput(topk_weights, topk_ids, router_logits)``, as SGLang's
 (``python/sglang/srt/layers/moe/topk.py``): grouped top-k ranks groups by their best score,
 or with ``correction_bias`` by the sum of their two best biased scores;
-``routed_scaling_factor`` multiplies the weights only with
+grouped top-k with ``correction_bias`` scores with sigmoid whatever ``scoring_func`` says
+(SGLang's ``biased_grouped_topk``); ``routed_scaling_factor`` multiplies the weights only with
 ``apply_routed_scaling_factor_on_output=True`` (otherwise SGLang applies it to the experts'
 output, ``MoeRunnerConfig.routed_scaling_factor``).
 
@@ -13,7 +14,8 @@ use_* flags, scales ...)`` (``fused_moe`` is the same call) with a ``MoeRunnerCo
 (``activation``, ``is_gated``, ``apply_router_weight_on_input``, ``inplace`` (SGLang's
 default True: the result is written into ``hidden_states``), ``routed_scaling_factor``,
 ``gemm1_alpha`` / ``gemm1_clamp_limit``: SGLang's GPT-OSS SwiGLU on interleaved gate/up
-rows, moerunner's ``swiglu_oai``). The extra keyword ``backend`` picks the moerunner backend.
+rows, moerunner's ``swiglu_oai``; SGLang releases differ on one of the two alone, so both
+are required). The extra keyword ``backend`` picks the moerunner backend.
 Quantized arguments map as in ``moerunner.compat.vllm``.
 """
 
@@ -112,8 +114,11 @@ def select_experts(
         )
     if expert_location_dispatch_info is not None:
         raise MoeInputError(f"{where}: expert_location_dispatch_info has no moerunner mapping")
-    if c.output_format not in (None, "standard"):
-        raise MoeInputError(f"{where}: output_format {c.output_format!r}; accepted: standard")
+    if _format_name(c.output_format) not in (None, "standard"):
+        raise MoeInputError(
+            f"{where}: output_format {c.output_format!r}; accepted: None, 'standard' or "
+            "TopKOutputFormat.STANDARD"
+        )
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
     factor = c.routed_scaling_factor if c.apply_routed_scaling_factor_on_output else None
@@ -136,10 +141,12 @@ def select_experts(
             raise MoeInputError(
                 f"{where}: use_grouped_topk=True needs num_expert_group, topk_group"
             )
+        # SGLang's biased grouped top-k (DeepSeek-V3's routing) always scores with sigmoid.
+        biased_grouped = grouped and c.correction_bias is not None
         topk = _select_experts(
             router_logits,
             c.top_k,
-            scoring_func=c.scoring_func,
+            scoring_func="sigmoid" if biased_grouped else c.scoring_func,
             renormalize=c.renormalize,
             correction_bias=c.correction_bias,
             num_expert_group=c.num_expert_group if grouped else None,
@@ -153,6 +160,13 @@ def select_experts(
         limit = torch.as_tensor(num_token_non_padded, device=ids.device)
         ids = torch.where(rows < limit, ids, torch.full_like(ids, -1))
     return StandardTopKOutput(topk.weights, ids, router_logits)
+
+
+def _format_name(output_format: object) -> object:
+    """``TopKConfig.output_format`` as a lower-case name: SGLang passes its
+    ``TopKOutputFormat`` enum (``.STANDARD``), this module also takes the string."""
+    name = getattr(output_format, "name", output_format)
+    return name.lower() if isinstance(name, str) else name
 
 
 def _keywords(fn: Callable) -> Callable:
@@ -173,6 +187,14 @@ def _keywords(fn: Callable) -> Callable:
 def _call(cfg: MoeRunnerConfig) -> ExpertsCall:
     name = cfg.activation
     if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None:
+        if cfg.gemm1_alpha is None or cfg.gemm1_clamp_limit is None:
+            names = ("gemm1_alpha", "gemm1_clamp_limit")
+            given, absent = names if cfg.gemm1_alpha is not None else names[::-1]
+            raise MoeInputError(
+                f"{given} without {absent}: "
+                "SGLang releases differ on one of the two alone (ignored, refused, or a clamp "
+                "of the plain SwiGLU); pass both for GPT-OSS's SwiGLU (moerunner's swiglu_oai)"
+            )
         if name != "silu" or not cfg.is_gated:
             raise MoeInputError(
                 f"gemm1_alpha / gemm1_clamp_limit apply to the gated 'silu' activation (GPT-OSS "

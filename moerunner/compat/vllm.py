@@ -5,9 +5,18 @@
 up rows; ``activation="swigluoai"`` reads them interleaved, as vLLM's GPT-OSS path does),
 ``w2 [E, H, I]``, ``topk_weights`` / ``topk_ids``, ``inplace`` (the result is written into
 ``hidden_states``, which is returned), ``output`` (written and returned), ``expert_map`` with
-``global_num_experts``, biases ``w1_bias`` / ``w2_bias`` and pre-quantized weights selected by
-the ``use_*`` flags with their scales and zero points. ``fused_topk`` and ``grouped_topk``
-return vLLM's tuples. The extra keyword ``backend`` picks the moerunner backend.
+``global_num_experts``, biases ``w1_bias`` / ``w2_bias`` and pre-quantized weights with their
+scales and zero points, given either as vLLM's ``quant_config`` (a ``FusedMoEQuantConfig``,
+read through its properties) or as the flat ``use_*`` flags of older releases.
+``fused_topk`` and ``grouped_topk`` return vLLM's tuples. The extra keyword ``backend``
+picks the moerunner backend.
+
+Positional arguments follow vLLM's current ``fused_experts``: ``(hidden_states, w1, w2,
+topk_weights, topk_ids, inplace, activation, apply_router_weight_on_input,
+global_num_experts, expert_map, quant_config)``. vLLM moved the rest between releases (0.10
+put ``is_act_and_mul`` seventh, 0.9 the flat flags eighth on), so here they are keyword-only:
+a call written for another order fails instead of reading one argument as another.
+``activation`` is a name or vLLM's ``MoEActivation`` (its ``value`` is read).
 
 Differences that stay: dynamically quantized activations are quantized per token (fp8 per
 tensor / channel, int8) or per token and K block (fp8 block), where vLLM quantizes fp8 per
@@ -18,6 +27,7 @@ are int32 / float32.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 
 import torch
 
@@ -36,12 +46,90 @@ ACTIVATIONS = {
 }
 
 
-def _call(activation: object) -> ExpertsCall:
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+#: vLLM's gated activation -> its non-gated form (``is_act_and_mul=False``).
+_WITHOUT_MUL = {"silu": "silu_no_mul", "gelu": "gelu_no_mul", "relu2": "relu2_no_mul"}
+
+
+def _call(activation: object, is_act_and_mul: object = True) -> ExpertsCall:
+    """The experts call of vLLM's ``activation`` (a name or a ``MoEActivation``)."""
+    name = getattr(activation, "value", activation)  # vLLM's MoEActivation is a str Enum
+    if not isinstance(is_act_and_mul, bool):
+        raise TypeError(f"is_act_and_mul must be a bool, got {type(is_act_and_mul).__name__}")
+    if not is_act_and_mul and isinstance(name, str):
+        name = _WITHOUT_MUL.get(name, name)
+    if not isinstance(name, str) or name not in ACTIVATIONS:
         raise MoeInputError(
-            f"activation: got {activation!r}; accepted: {', '.join(sorted(ACTIVATIONS))}"
+            f"activation: got {activation!r}"
+            + ("" if is_act_and_mul else " with is_act_and_mul=False")
+            + f"; accepted: {', '.join(sorted(ACTIVATIONS))} (non-gated silu / gelu, vLLM's "
+            "silu_no_mul / gelu_no_mul, have no moerunner activation)"
         )
-    return ACTIVATIONS[activation]
+    return ACTIVATIONS[name]
+
+
+#: The ``FusedMoEQuantConfig`` properties read for the flat arguments of ``fused_experts``.
+_QUANT_CONFIG_READS = (
+    "use_fp8_w8a8",
+    "use_int8_w8a8",
+    "use_int8_w8a16",
+    "use_int4_w4a16",
+    "per_act_token_quant",
+    "w1_scale",
+    "w2_scale",
+    "w1_zp",
+    "w2_zp",
+    "a1_scale",
+    "a2_scale",
+    "block_shape",
+    "w1_bias",
+    "w2_bias",
+)
+#: Its formats that moerunner does not map (each a property that is truthy when in use).
+_QUANT_CONFIG_UNMAPPED = (
+    "use_fp8_w8a16",
+    "use_nvfp4_w4a16",
+    "use_mxfp4_w4a16",
+    "use_mxfp4_w4a4",
+    "use_nvfp4_w4a4",
+    "use_mxfp4_w4a8",
+    "ocp_mx_scheme",
+)
+
+
+def _read_quant_config(where: str, quant_config: object) -> tuple[QuantArgs, object, object]:
+    """``(QuantArgs, w1_bias, w2_bias)`` of a vLLM ``FusedMoEQuantConfig``, read as vLLM's
+    own ``fused_experts`` reads it (``per_channel_quant`` is its ``per_act_token_quant``)."""
+    missing = [n for n in _QUANT_CONFIG_READS if not hasattr(quant_config, n)]
+    if missing:
+        raise MoeInputError(
+            f"{where}: quant_config must be vLLM's FusedMoEQuantConfig (or an object with its "
+            f"properties); {type(quant_config).__name__} has no {', '.join(missing)}"
+        )
+    for name in _QUANT_CONFIG_UNMAPPED:
+        value = getattr(quant_config, name, None)
+        if value:
+            raise MoeInputError(
+                f"{where}: quant_config uses {name}={value!r}, which has no moerunner mapping "
+                "here; mapped: bf16 / fp16 weights, use_fp8_w8a8 (per tensor, per channel, "
+                "block), use_int8_w8a8, use_int8_w8a16, use_int4_w4a16"
+            )
+    r = {n: getattr(quant_config, n) for n in _QUANT_CONFIG_READS}
+    block = r["block_shape"]
+    q = QuantArgs(
+        bool(r["use_fp8_w8a8"]),
+        bool(r["use_int8_w8a8"]),
+        bool(r["use_int8_w8a16"]),
+        bool(r["use_int4_w4a16"]),
+        bool(r["per_act_token_quant"]),
+        r["w1_scale"],
+        r["w2_scale"],
+        r["w1_zp"],
+        r["w2_zp"],
+        r["a1_scale"],
+        r["a2_scale"],
+        None if block is None else list(block),
+    )
+    return q, r["w1_bias"], r["w2_bias"]
 
 
 def fused_experts(
@@ -51,15 +139,18 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     inplace: bool = False,
-    activation: str = "silu",
+    activation: object = "silu",
     apply_router_weight_on_input: bool = False,
+    global_num_experts: int = -1,
+    expert_map: torch.Tensor | None = None,
+    quant_config: object = None,
+    *,
+    is_act_and_mul: bool = True,
     use_fp8_w8a8: bool = False,
     use_int8_w8a8: bool = False,
     use_int8_w8a16: bool = False,
     use_int4_w4a16: bool = False,
     per_channel_quant: bool = False,
-    global_num_experts: int = -1,
-    expert_map: torch.Tensor | None = None,
     w1_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     w1_zp: torch.Tensor | None = None,
@@ -71,20 +162,13 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     allow_deep_gemm: bool = False,
     output: torch.Tensor | None = None,
-    quant_config: object = None,
-    *,
     backend: str = "auto",
 ) -> torch.Tensor:
     """vLLM's ``fused_experts`` (module docstring). ``allow_deep_gemm`` picks a vLLM kernel
     and changes no result: accepted and ignored. ``quant_config`` (vLLM's
-    ``FusedMoEQuantConfig``) is not read: pass the flat ``use_*`` / scale arguments."""
+    ``FusedMoEQuantConfig``) or the flat flags, not both."""
     where = "vllm.fused_experts"
-    if quant_config is not None:
-        raise MoeInputError(
-            f"{where}: quant_config is not read here; pass the flat use_* flags, w1_scale / "
-            "w2_scale, w1_zp / w2_zp, a1_scale / a2_scale and block_shape"
-        )
-    call = _call(activation)
+    call = _call(activation, is_act_and_mul)
     q = QuantArgs(
         use_fp8_w8a8,
         use_int8_w8a8,
@@ -99,6 +183,14 @@ def fused_experts(
         a2_scale,
         block_shape,
     )
+    if quant_config is not None:
+        flat = [getattr(q, f.name) for f in fields(q)] + [w1_bias, w2_bias]
+        if any(v is not None and v is not False for v in flat):
+            raise MoeInputError(
+                f"{where}: quant_config and the flat quantization / bias arguments both "
+                "describe the weights; pass one"
+            )
+        q, w1_bias, w2_bias = _read_quant_config(where, quant_config)
     w13, w2q = peer_weights(where, w1, w2, q)
     num_local = w13.shape[0] if hasattr(w13, "shape") else 0
     ids = global_to_local(where, topk_ids, num_local, global_num_experts, expert_map)
@@ -125,14 +217,19 @@ def fused_topk(
     topk: int,
     renormalize: bool,
     indices_type: torch.dtype | None = None,
+    scoring_func: str = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's ``fused_topk``: softmax -> top-k (-> renormalize).
+    """vLLM's ``fused_topk``: softmax (or ``scoring_func="sigmoid"``) -> top-k (->
+    renormalize).
 
     Returns ``(topk_weights fp32 [T, k], topk_ids int32 (or indices_type) [T, k],
     token_expert_indices int32 [T, k])`` where ``token_expert_indices[t, j] = j * T + t``
     (the row of slot j of token t in vLLM's slot-major layout)."""
     _check_hidden("vllm.fused_topk", hidden_states, gating_output)
-    topk_result = select_experts(gating_output, topk, renormalize=renormalize)
+    _check_scoring(scoring_func)
+    topk_result = select_experts(
+        gating_output, topk, scoring_func=scoring_func, renormalize=renormalize
+    )
     ids = topk_result.ids if indices_type is None else topk_result.ids.to(indices_type)
     num_tokens = gating_output.shape[0]
     slots = torch.arange(topk, dtype=torch.int32, device=gating_output.device)
@@ -156,8 +253,7 @@ def grouped_topk(
     ``e_score_correction_bias`` by the sum of their two best biased scores (DeepSeek-V3).
     Returns ``(topk_weights fp32, topk_ids int32)``, ``[T, topk]`` each."""
     _check_hidden("vllm.grouped_topk", hidden_states, gating_output)
-    if scoring_func not in ("softmax", "sigmoid"):
-        raise MoeInputError(f"scoring_func: got {scoring_func!r}; accepted: 'softmax', 'sigmoid'")
+    _check_scoring(scoring_func)
     topk_result = select_experts(
         gating_output,
         topk,
@@ -180,7 +276,9 @@ def fused_moe(
     topk: int,
     renormalize: bool,
     inplace: bool = False,
-    activation: str = "silu",
+    activation: object = "silu",
+    *,
+    is_act_and_mul: bool = True,
     use_grouped_topk: bool = False,
     num_expert_group: int | None = None,
     topk_group: int | None = None,
@@ -201,12 +299,12 @@ def fused_moe(
     block_shape: list[int] | None = None,
     w1_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
-    *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """vLLM's ``fused_moe``: route ``gating_output`` (``grouped_topk`` when
-    ``use_grouped_topk``, else ``custom_routing_function(hidden_states, gating_output, topk,
-    renormalize)`` if given, else ``fused_topk``), then ``fused_experts``."""
+    """vLLM's ``fused_moe`` (releases up to 0.10; later ones route inside the layer): route
+    ``gating_output`` (``grouped_topk`` when ``use_grouped_topk``, else
+    ``custom_routing_function(hidden_states, gating_output, topk, renormalize)`` if given,
+    else ``fused_topk``), then ``fused_experts``."""
     if isinstance(gating_output, torch.Tensor) and isinstance(w1, torch.Tensor) and w1.dim() == 3:
         # The router scores the global experts: w1's, or those expert_map / global_num_experts
         # name (a mismatch is checked against w1 there).
@@ -244,6 +342,7 @@ def fused_moe(
         ids,
         inplace=inplace,
         activation=activation,
+        is_act_and_mul=is_act_and_mul,
         use_fp8_w8a8=use_fp8_w8a8,
         use_int8_w8a8=use_int8_w8a8,
         use_int8_w8a16=use_int8_w8a16,
@@ -275,3 +374,8 @@ def _check_hidden(where: str, hidden_states: object, gating_output: object) -> N
             f"{where}: gating_output has T={gating_output.shape[0]} rows but hidden_states "
             f"has T={hidden_states.shape[0]}"
         )
+
+
+def _check_scoring(scoring_func: object) -> None:
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise MoeInputError(f"scoring_func: got {scoring_func!r}; accepted: 'softmax', 'sigmoid'")
