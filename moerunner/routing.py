@@ -79,9 +79,10 @@ def select_experts(
             returned as float32 / int32.
         hidden_states: passed to ``custom_routing_function`` (unused otherwise).
         backend: ``"auto"`` (the one-launch Triton kernel for CUDA logits when Triton is
-            importable, outside ``torch.compile``; else the torch path), ``"torch"`` (this
-            module's reference path) or ``"triton"`` (the kernel; CUDA, or CPU under Triton's
-            interpreter). Both give the same bits (module docstring).
+            importable, outside ``torch.compile`` and unless the weights need gradients;
+            else the torch path), ``"torch"`` (this module's reference path, differentiable
+            in the logits) or ``"triton"`` (the kernel, which has no backward; CUDA, or CPU
+            under Triton's interpreter). Both give the same bits (module docstring).
 
     Returns:
         ``TopK`` with float32 weights and int32 ids, both ``[T, top_k]``.
@@ -207,14 +208,21 @@ def _kernel(router_logits: torch.Tensor, backend: str):
     else None."""
     if backend == "torch":
         return None
+    grads = torch.is_grad_enabled() and router_logits.requires_grad
     if backend == "triton":
         route = _kernel_route()
         if route is None:
             raise BackendUnavailableError("backend='triton': triton is not importable here")
+        if grads:
+            raise MoeInputError(
+                "backend='triton': the routing kernel has no backward, but router_logits "
+                "requires grad and grad mode is on; pass backend='auto' or 'torch' to "
+                "differentiate the weights, or detach the logits"
+            )
         return route
     if backend != "auto":
         raise MoeInputError(f"backend: got {backend!r}; accepted: {ROUTING_BACKENDS}")
-    if not router_logits.is_cuda or torch.compiler.is_compiling():
+    if not router_logits.is_cuda or torch.compiler.is_compiling() or grads:
         return None
     return _kernel_route()
 

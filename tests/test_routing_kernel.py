@@ -329,3 +329,25 @@ def test_gpu_graph_capture_and_no_host_sync(name):
     graph.replay()
     torch.cuda.synchronize()
     _same_bits(select_experts(other, top_k, backend="torch", **kwargs), captured)
+
+
+def test_logits_that_need_gradients_are_routed_differentiably():
+    """The kernel has no backward: ``auto`` takes the torch path for logits that require grad
+    (on CUDA too, where it would take the kernel), so their gradient is the torch path's;
+    ``backend="triton"`` refuses them instead of returning weights without a graph."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 16, generator=g).to(DEVICE).requires_grad_(True)
+    probe = torch.randn(9, 4, generator=g).to(DEVICE)
+    auto = select_experts(logits, 4, renormalize=True)
+    assert auto.weights.requires_grad
+    (grad,) = torch.autograd.grad((auto.weights * probe).sum(), logits)
+    # float64 autograd of the same softmax -> top-k -> renormalize on the chosen ids.
+    l64 = logits.detach().cpu().double().requires_grad_(True)
+    w64 = torch.softmax(l64, -1).gather(1, auto.ids.cpu().long())
+    w64 = w64 / w64.sum(-1, keepdim=True)
+    (want,) = torch.autograd.grad((w64 * probe.cpu().double()).sum(), l64)
+    torch.testing.assert_close(grad.cpu().double(), want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(MoeInputError, match="no backward"):
+        select_experts(logits, 4, backend="triton")
+    with torch.no_grad():  # no gradients needed: the kernel serves
+        _same_bits(select_experts(logits, 4, backend="triton"), select_experts(logits, 4))
