@@ -16,7 +16,7 @@ import torch
 from . import call_steps
 from .backends.base import MoeProblem
 from .config import Activation, ExpertSpec
-from .device_checks import check_ids_async, checks_may_run
+from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .hooks import MoeHooks, check_hooks
@@ -569,6 +569,4 @@ def _routing_values(
 
 def _may_sync() -> bool:
     """Value checks need a host read: skip them while a CUDA graph is being captured or traced."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not capturing()

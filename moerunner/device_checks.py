@@ -134,6 +134,15 @@ def check_errors() -> None:
     ID_FLAGS.drain()
 
 
+def capturing() -> bool:
+    """``torch.compile`` traces, or this process captures a CUDA graph on the current stream:
+    no host read may happen. A process that never initialised CUDA (a CPU run, a forked
+    child) captures nothing and is not asked, which a forked child could not answer."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def checks_may_run(device: torch.device | None = None) -> bool:
     """False while a CUDA graph is being captured or ``torch.compile`` traces: device checks
     are then skipped (neither queued nor read). ``device``: the checked tensors' (a CPU
@@ -142,7 +151,7 @@ def checks_may_run(device: torch.device | None = None) -> bool:
         return False
     if device is not None:
         return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not capturing()
 
 
 def check_ids_async(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .device_checks import capturing
 from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
 from .errors import MoeInputError
@@ -190,7 +191,7 @@ class DispatchedForward:
                 error = err
             if error is not None:  # the step has failed: its output is never returned
                 out = torch.zeros_like(dispatched.hidden_states)
-        if self.group is not None and not sync_free and not _capturing():
+        if self.group is not None and not sync_free and not capturing():
             agree(self.group, what, error)
         with stage("combine"), trace_range("moerunner.combine"):
             combined = self.dispatcher.combine(out, dispatched)
@@ -215,10 +216,3 @@ class DispatchedForward:
         k = self._top_k if self._top_k is not None else self.config.top_k
         ids = torch.zeros((0, k), dtype=torch.int32, device=device)
         return x, TopK(torch.zeros((0, k), dtype=torch.float32, device=device), ids)
-
-
-def _capturing() -> bool:
-    """Inside a CUDA-graph capture or a compiled graph, where no host read may happen."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -101,8 +101,9 @@ class HoldsQuantized(nn.Module):
     def _quantized_buffers(self) -> list[str]:
         return [n for n in self._buffers if n in HELD_NAMES]
 
-    def _rebuild_quantized(self) -> None:
-        """New ``QuantizedWeight`` objects over the current buffers (validated; fresh memo)."""
+    def _rebuild_quantized(self, check_values: bool = True) -> None:
+        """New ``QuantizedWeight`` objects over the current buffers (validated, the scales'
+        values unless ``check_values`` is False; fresh memo)."""
         from .quant import QuantizedWeight
 
         built = []
@@ -113,7 +114,11 @@ class HoldsQuantized(nn.Module):
                 for f, n in BUFFER_NAMES.items()
                 if self._buffers.get(f"{w}_{n}") is not None
             }
-            built.append(QuantizedWeight.from_tensors(old.scheme, old.shape, tensors))
+            built.append(
+                QuantizedWeight.from_tensors(
+                    old.scheme, old.shape, tensors, check_values=check_values
+                )
+            )
         self.quantized = ExpertWeights(
             built[0], built[1], *self._held_biases(), self._held_interleaved()
         )
@@ -172,5 +177,7 @@ class HoldsQuantized(nn.Module):
                     tensor = moved
                 self._buffers[name] = tensor
         if held:
-            self._rebuild_quantized()
+            # Moved or cast copies of checked values, or (``to_empty``) memory a load will
+            # write: no value read (it would also synchronise with the device).
+            self._rebuild_quantized(check_values=False)
         return self

@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from ..device_checks import capturing
 from ._hf_experts import (
     STORED_ON_PURPOSE,
     UnsupportedExpertsError,
@@ -199,9 +200,7 @@ def auto_relayout(module: torch.nn.Module) -> bool:
     offloaded, meta, inference tensors or tensor subclasses, and after a first decision."""
     if module.__dict__.get(STORED_ON_PURPOSE) or module.__dict__.get(_AUTO_DECIDED):
         return False
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if torch.is_grad_enabled() or capturing():
         return False
     module.__dict__[_AUTO_DECIDED] = True
     if _offloading_hook(module) or quantized_weights(module) is not None:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from moerunner.device_checks import capturing
 from moerunner.quant.families import codec_of, pad_rows_cols
 from moerunner.quant.schemes import STATIC_ACTIVATION_FORMATS, QuantScheme, get_scheme
 
@@ -78,9 +79,7 @@ def check_scale_values(
     at construction or import, never per forward; skipped for meta tensors and while
     compiling or capturing a CUDA graph.
     """
-    if torch.compiler.is_compiling() or (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    ):
+    if capturing():
         return
     for field in ("scale", "global_scale", "input_scale"):
         t = fields.get(field)
@@ -133,7 +132,12 @@ class QuantizedWeight:
         global_scale: torch.Tensor | None = None,
         zero_point: torch.Tensor | None = None,
         input_scale: torch.Tensor | None = None,
+        *,
+        check_values: bool = True,
     ) -> None:
+        """``check_values=False`` skips reading the scales' values (``check_scale_values``),
+        for tensors already checked (moved or cast copies) or not yet written (``to_empty``
+        before a load); dtypes, shapes and devices are always checked."""
         self.scheme = get_scheme(scheme)
         self.shape = _check_shape(tuple(shape))
         self.data = data
@@ -141,9 +145,9 @@ class QuantizedWeight:
         self.global_scale = global_scale
         self.zero_point = zero_point
         self.input_scale = input_scale
-        self._validate()
+        self._validate(check_values)
 
-    def _validate(self) -> None:
+    def _validate(self, check_values: bool = True) -> None:
         layout = _expected_layout(self.scheme, self.shape)
         device = self.data.device if isinstance(self.data, torch.Tensor) else None
         for field in TENSOR_FIELDS:
@@ -172,7 +176,8 @@ class QuantizedWeight:
                 )
             if value.device != device:
                 raise ValueError(f"{field} is on {value.device} but data is on {device}")
-        check_scale_values(self.tensors())
+        if check_values:
+            check_scale_values(self.tensors())
 
     def _static(self) -> bool:
         return self.scheme.activation_scales == "static"
@@ -207,21 +212,25 @@ class QuantizedWeight:
         scheme: str | QuantScheme,
         shape: Sequence[int],
         tensors: Mapping[str, torch.Tensor | None] | Sequence[torch.Tensor | None],
+        *,
+        check_values: bool = True,
     ) -> QuantizedWeight:
-        """Rebuild from ``tensors()`` (a mapping) or ``flat_tensors()`` (a sequence)."""
+        """Rebuild from ``tensors()`` (a mapping) or ``flat_tensors()`` (a sequence);
+        ``check_values`` as the constructor's."""
         if isinstance(tensors, Mapping):
             unknown = set(tensors) - set(TENSOR_FIELDS)
             if unknown:
                 raise ValueError(
                     f"tensors: unknown field(s) {sorted(unknown)}; accepted: {TENSOR_FIELDS}"
                 )
-            return cls(scheme, shape, **dict(tensors))
+            return cls(scheme, shape, **dict(tensors), check_values=check_values)
         if not isinstance(tensors, Sequence) or len(tensors) != len(TENSOR_FIELDS):
             raise ValueError(
                 f"tensors must be a mapping or a sequence of {len(TENSOR_FIELDS)} entries in the "
                 f"order {TENSOR_FIELDS}"
             )
-        return cls(scheme, shape, **dict(zip(TENSOR_FIELDS, tensors, strict=True)))
+        fields = dict(zip(TENSOR_FIELDS, tensors, strict=True))
+        return cls(scheme, shape, **fields, check_values=check_values)
 
     def _replace(
         self, shape: tuple[int, int, int], **fields: torch.Tensor | None
