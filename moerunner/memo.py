@@ -67,6 +67,23 @@ class StepCache(DerivedCache):
                 break
 
 
+def version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter, -1 for an inference tensor (it keeps none: its
+    in-place edits inside ``inference_mode`` go unseen). Edits PyTorch does not count (through
+    ``.data``) are unseen too."""
+    return -1 if t.is_inference() else t._version
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """A tensor argument's identity and state on the host, no device sync: the object, its
+    memory, in-place version, dtype, device and shape. Caches of what is derived from a
+    parameter key on it: replacing the parameter, assigning ``.data`` or editing it in place
+    changes it."""
+    if t is None:
+        return None
+    return (id(t), t.data_ptr(), version(t), t.dtype, t.device, tuple(t.shape))
+
+
 def view_key(t: torch.Tensor | None) -> tuple | None:
     """Which memory a tensor views, and its in-place version. The storage object lives as
     long as any tensor on it, and memoised values hold their tensors, so its id is unique."""
@@ -79,7 +96,7 @@ def view_key(t: torch.Tensor | None) -> tuple | None:
         tuple(t.stride()),
         t.dtype,
         t.device,
-        None if t.is_inference() else t._version,  # inference tensors keep no version
+        version(t),
     )
 
 

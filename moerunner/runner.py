@@ -34,7 +34,7 @@ from .config import Activation, ExpertSpec
 from .dispatch.formats import STANDARD
 from .errors import BackendUnavailableError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
-from .memo import DerivedCache, StepCache
+from .memo import DerivedCache, StepCache, version
 from .memory import kept
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, BucketPlan, Registry, Selection
@@ -502,6 +502,15 @@ def form_variant(weights: ExpertWeights) -> tuple:
     )
 
 
+def forget_prepared(weight: Any) -> None:
+    """Drop the prepared forms (and call steps) ``prepared_for`` keeps on ``weight`` (a w13),
+    for edits its state key cannot see."""
+    try:
+        delattr(weight, _CACHE_ATTR)
+    except AttributeError:
+        pass
+
+
 def prepared_memo(weights: ExpertWeights) -> _PreparedCache | None:
     """The memo ``prepared_for`` keeps on ``weights`` (their w13), if it is current: made
     from the weights as they are now (``weights_state``) with this w2; else None."""
@@ -527,10 +536,7 @@ def tensor_state(weight: Any) -> tuple:
     else:
         parts = weight.tensors() if hasattr(weight, "tensors") else {}
         tensors = tuple(t for t in parts.values() if isinstance(t, torch.Tensor))
-    return tuple(
-        (t.data_ptr(), t.dtype, tuple(t.shape), -1 if t.is_inference() else t._version)
-        for t in tensors
-    )
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), version(t)) for t in tensors)
 
 
 def check_activation(

@@ -35,7 +35,7 @@ from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
 from ..held_quantized import HoldsQuantized
-from ..memo import forget_memo
+from ..memo import forget_memo, tensor_key
 from ..ops import adopt_quantized, canonical_from_transposed
 from ..weights import ExpertWeights, is_quantized
 
@@ -55,6 +55,23 @@ LAYER_NAME = "_moerunner_layer_name"
 _GATED_CANDIDATES = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
 _PROBE_WIDTH = 32  # gate/up probe columns (any even width works for every gating)
 _PROBE_RTOL = 1e-5  # fp32 math of the same formula agrees to a few ulps
+# Probe values past [-10, 10], so a clamp at any of them (GPT-OSS's 7, the clamped SwiGLUs
+# of DeepSeek-V4 and others at 10) shows on the probe instead of matching an unclamped
+# activation.
+_PROBE_LADDER = (12.0, 16.0, 24.0, 48.0, 100.0, 1e3, 1e4)
+# The module attributes a gating's SwiGLU parameters go by, in the order read.
+_ALPHA_NAMES = ("alpha", "swiglu_alpha")
+_LIMIT_NAMES = ("limit", "swiglu_limit")
+
+
+def _probe(rows: int, width: int) -> torch.Tensor:
+    """``[rows, width]`` gate / up inputs: [-10, 10] densely and the ladder, both signs, in
+    a fixed shuffled order."""
+    ladder = torch.tensor(_PROBE_LADDER)
+    dense = torch.linspace(-10.0, 10.0, rows * width - 2 * len(_PROBE_LADDER))
+    values = torch.cat([dense, ladder, -ladder])
+    order = torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))
+    return values[order].reshape(rows, width)
 
 
 class UnsupportedExpertsError(MoeInputError):
@@ -119,9 +136,11 @@ def _describe(module: torch.nn.Module) -> ExpertsLayout:
     activation = _match_activation(module, candidates, interleaved)
     if activation is None:
         what = "gating (_apply_gate)" if gated else "activation (act_fn)"
+        limit = _float_attr(module, *_LIMIT_NAMES)
+        clamp = "" if limit is None else f"; it clamps at {limit:g}"
         raise refuse(
             f"its {what} matches none of moerunner's activations {list(candidates)} "
-            f"(act_fn: {type(getattr(module, 'act_fn', None)).__name__})"
+            f"(act_fn: {type(getattr(module, 'act_fn', None)).__name__}{clamp})"
         )
     return ExpertsLayout(
         activation=activation,
@@ -134,11 +153,10 @@ def _describe(module: torch.nn.Module) -> ExpertsLayout:
 def _match_activation(
     module: torch.nn.Module, candidates: tuple[str, ...], interleaved: bool
 ) -> Activation | None:
-    """The first candidate whose math equals the module's on a probe covering [-10, 10]."""
+    """The first candidate whose math equals the module's on the probe (``_probe``)."""
     gated = candidates[0] != "relu2"
     width = _PROBE_WIDTH if gated else _PROBE_WIDTH // 2
-    probe = torch.linspace(-10.0, 10.0, 8 * width).reshape(8, width)
-    probe = probe[:, torch.randperm(width, generator=torch.Generator().manual_seed(0))]
+    probe = _probe(8, width)
     try:
         with torch.no_grad():
             theirs = module._apply_gate(probe) if gated else module.act_fn(probe)
@@ -148,7 +166,8 @@ def _match_activation(
         return None
     for name in candidates:
         if name == "swiglu_oai":
-            act = Activation(name, _float_attr(module, "alpha"), _float_attr(module, "limit"))
+            alpha = _float_attr(module, *_ALPHA_NAMES)
+            act = Activation(name, alpha, _float_attr(module, *_LIMIT_NAMES))
         else:
             act = Activation(name)
         spec = ExpertSpec(1, 1, _PROBE_WIDTH // 2, act, interleaved)
@@ -163,7 +182,7 @@ def shared_mlp_matches(mlp: torch.nn.Module, activation: Activation) -> bool:
     shared experts run in the routed call with the routed activation)."""
     if not activation.gated or activation.name == "swiglu_oai":
         return False
-    probe = torch.linspace(-10.0, 10.0, 8 * _PROBE_WIDTH).reshape(8, _PROBE_WIDTH)
+    probe = _probe(8, _PROBE_WIDTH)
     up = torch.randn(8, _PROBE_WIDTH, generator=torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
@@ -177,11 +196,15 @@ def shared_mlp_matches(mlp: torch.nn.Module, activation: Activation) -> bool:
     )
 
 
-def _float_attr(module: torch.nn.Module, name: str) -> float | None:
-    value = getattr(module, name, None)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
-    return float(value) if isinstance(value, (int, float)) else None
+def _float_attr(module: torch.nn.Module, *names: str) -> float | None:
+    """The first of ``names`` the module has as a number (or a one-value tensor)."""
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def _sources(module: torch.nn.Module, layout: ExpertsLayout) -> list[torch.Tensor | None]:
@@ -193,11 +216,8 @@ def _sources(module: torch.nn.Module, layout: ExpertsLayout) -> list[torch.Tenso
 
 
 def sources_key(tensors: list[torch.Tensor | None]) -> tuple:
-    """A cache key of source tensors: object, storage, in-place version, dtype, device, shape."""
-    return tuple(
-        None if t is None else (id(t), t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape))
-        for t in tensors
-    )
+    """A cache key of source tensors (``memo.tensor_key`` of each)."""
+    return tuple(tensor_key(t) for t in tensors)
 
 
 def expert_weights(
@@ -415,6 +435,30 @@ def _layout_of_id(key: int) -> tuple:
     if module is None:  # the module being traced is alive: not expected
         return ("the experts module being traced was not found among the live modules",)
     return _layout_constants(module)
+
+
+def no_experts_error(model: torch.nn.Module) -> MoeInputError:
+    """The error of a model with no experts module moerunner can drive, naming the model's
+    own MoE blocks where it has some (their experts are computed inside the block, not
+    through transformers' experts interface, so setting ``experts_implementation`` on such
+    a model changes nothing either)."""
+    words = ("moe", "experts", "expert", "mixture")
+    blocks = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if any(w in type(m).__name__.lower() for w in words)
+        }
+    )
+    message = f"model {type(model).__name__} has no transformers experts module"
+    if blocks:
+        message += (
+            f": its MoE blocks ({', '.join(blocks[:4])}) compute their experts themselves "
+            "instead of through transformers' experts interface (@use_experts_implementation), "
+            "so moerunner cannot run them (nor does experts_implementation='moerunner' change "
+            "them); moerunner.MoE or fused_moe can replace such a block by hand"
+        )
+    return MoeInputError(message)
 
 
 def is_experts_module(obj: object) -> bool:

@@ -23,6 +23,7 @@ from ._hf_experts import (
     experts_modules,
     float_weights,
     layer_name,
+    no_experts_error,
     quantized_weights,
     set_quantized,
 )
@@ -63,7 +64,7 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
             _release_float_weights(module)
         done[path] = resolved.name
     if not done:
-        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+        raise no_experts_error(model)
     return done
 
 
@@ -148,7 +149,7 @@ def load_gpt_oss_mxfp4(
             _release_float_weights(module)
         done.append(path)
     if not done:
-        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+        raise no_experts_error(model)
     return done
 
 

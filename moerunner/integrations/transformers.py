@@ -39,6 +39,7 @@ from ._hf_experts import (
     float_weights,
     held_weights,
     layer_name,
+    no_experts_error,
     quantized_weights,
     shared_mlp_matches,
     sources_key,
@@ -291,7 +292,7 @@ def use_moerunner(
         raise TypeError(f"relayout must be True or False, got {relayout!r}")
     verdicts = check_model(model)
     if not verdicts:
-        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+        raise no_experts_error(model)
     refused = [reason for reason in verdicts.values() if reason is not None]
     if refused and fallback == "error":
         raise UnsupportedExpertsError(
@@ -348,7 +349,7 @@ def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:
             _relayout.undecided(module)
         verdicts[path] = reason
     if not verdicts:
-        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+        raise no_experts_error(model)
     return verdicts
 
 
@@ -534,7 +535,7 @@ def _shared_blocks(model, check: bool) -> list[tuple[str, torch.nn.Module]]:
             _check_shared_block(block, path)
         blocks.append((path, block))
     if not blocks:
-        raise MoeInputError(f"model {type(model).__name__} has no transformers experts module")
+        raise no_experts_error(model)
     return blocks
 
 

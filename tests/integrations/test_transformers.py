@@ -275,3 +275,67 @@ def test_training_with_quantized_experts_names_what_to_do():
         model(_ids()).logits.sum().backward()
     with torch.no_grad():
         assert torch.isfinite(model(_ids()).logits).all()
+
+
+def _clamp_gating(module, limit: float, attr: str | None) -> None:
+    """Give one experts module the clamped SwiGLU of DeepSeek-V4 / HY-V4 / GLM-5-Next
+    (``silu(gate.clamp(max=L)) * up.clamp(-L, L)``), with ``L`` kept under ``attr``."""
+
+    def _apply_gate(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+    module._apply_gate = _apply_gate
+    if attr is not None:
+        setattr(module, attr, limit)
+
+
+@pytest.mark.parametrize("limit, attr", [(10.0, "swiglu_limit"), (10.0, None), (1e3, "limit")])
+def test_a_clamp_outside_the_old_probe_range_is_refused(limit, attr):
+    # The probe covered [-10, 10], so a clamp at 10 or beyond matched plain silu and the
+    # clamp was dropped: relative errors of 0.5-0.75 on the logits of such models once
+    # activations passed it.
+    model = build("qwen3_moe")
+    _clamp_gating(model.model.layers[1].mlp.experts, limit, attr)
+    verdict = mt.check_model(model)["model.layers.1.mlp.experts"]
+    assert verdict is not None and "matches none" in verdict
+    if attr is not None:
+        assert f"clamps at {limit:g}" in verdict
+    assert mt.check_model(model)["model.layers.0.mlp.experts"] is None
+
+
+def test_a_gpt_oss_alpha_under_another_attribute_name_is_read():
+    # MiniMax-M3-VL keeps GPT-OSS's SwiGLU parameters as swiglu_alpha / swiglu_limit.
+    model = build("gpt_oss")
+    experts = model.model.layers[0].mlp.experts
+    experts.swiglu_alpha, experts.swiglu_limit = 1.5, experts.limit
+    del experts.alpha
+    gated = type(experts)._apply_gate
+
+    def _apply_gate(gate_up):
+        experts.alpha = experts.swiglu_alpha
+        try:
+            return gated(experts, gate_up)
+        finally:
+            del experts.alpha
+
+    experts._apply_gate = _apply_gate
+    assert mt.check_model(model)["model.layers.0.mlp.experts"] is None
+    assert mt.describe(experts).activation.alpha == 1.5
+
+
+def test_a_model_whose_moe_blocks_bypass_the_experts_interface_is_named():
+    class SparseMoeBlock(torch.nn.Module):  # computes its experts itself, as Llama-4's does
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(4, 4)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([SparseMoeBlock(), torch.nn.Linear(4, 4)])
+
+    with pytest.raises(MoeInputError, match=r"Model has no .*\(SparseMoeBlock\)"):
+        mt.use_moerunner(Model())
+    with pytest.raises(MoeInputError, match=r"has no transformers experts module$"):
+        mt.use_moerunner(torch.nn.Linear(4, 4))
