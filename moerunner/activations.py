@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config import ExpertSpec
+from .config import Activation, ExpertSpec
 
 
 def split_gate_up(h_MN: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,11 +41,21 @@ def apply_activation(
 
     ``experts``: the expert of the rows (an int) or of each row (``[M]``), needed where the
     activation has per-expert parameters (``Activation.per_expert``)."""
+    return activate(h_MN, spec.activation, spec.gate_up_interleaved, experts)
+
+
+def activate(
+    h_MN: torch.Tensor,
+    act: Activation,
+    interleaved: bool,
+    experts: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """``apply_activation`` of an activation and row order given apart (no ``ExpertSpec``
+    made, so ``torch.compile`` traces it on every supported torch)."""
     h = h_MN.float()
-    act = spec.activation
     if not act.gated:  # relu2
         return torch.square(torch.relu(h))
-    gate, up = split_gate_up(h, spec.gate_up_interleaved)
+    gate, up = split_gate_up(h, interleaved)
     if act.name == "silu":
         return F.silu(gate) * up
     if act.name == "gelu":

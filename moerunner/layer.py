@@ -9,24 +9,36 @@ rank's experts). Pre-routed calls pass ``topk=`` instead of router logits.
 
 On one process, the expert step is a custom op while ``torch.compile`` traces
 (``moerunner::fused_experts`` for plain weights, ``moerunner::fused_experts_quantized`` for
-quantized ones), so the layer compiles with ``fullgraph=True``; eager calls go straight to the
-held runner. The layer is for inference: no gradients flow through the
-experts. ``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend
-then runs that scheme. By default it frees the float ``w13`` / ``w2`` (they become None) and
-holds the quantized tensors as buffers (``w13_qdata``, ``w13_scale``, ``w13_zero_point``,
-``w13_global_scale``, ``w13_input_scale`` where the scheme has them, the same for ``w2``,
-and ``w13_scheme`` / ``w2_scheme``: the scheme's fields as JSON bytes), so ``state_dict()``
-saves the quantized layer (``torch.save`` or safetensors) and ``load_state_dict`` restores it
-into a layer quantized to the same scheme; loading into a float layer or another scheme
-raises ``MoeInputError``. ``quantize_(scheme, keep_float_weights=True)`` keeps the float
-parameters instead (and the state dict holds only them); the quantized copy then follows
-them: after an in-place edit, ``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2``
-the next eager forward quantizes them again (a host-side check, no device sync; a compiled
-layer does not check: call ``quantize_`` again after such edits).
+quantized ones), so the layer compiles with ``fullgraph=True``; eager calls go straight to
+the held runner. With grad mode on and a parameter, the input or the routing weights
+requiring grad, the experts run as the custom op (the backend's forward, a backward
+recomputed on the torch backend's differentiable path, as ``torch.compile`` runs them), so
+the layer trains; quantized experts have no backward and raise there (run them under
+``torch.no_grad()`` or ``torch.inference_mode()``). ``quantize_(scheme)`` swaps the weights
+for quantized ones (done once); the backend then runs that scheme. By default it frees the
+float ``w13`` / ``w2`` (they become None) and holds the quantized tensors as buffers
+(``w13_qdata``, ``w13_scale``, ``w13_zero_point``, ``w13_global_scale``, ``w13_input_scale``
+where the scheme has them, the same for ``w2``, and ``w13_scheme`` / ``w2_scheme``: the
+scheme's fields as JSON bytes), so ``state_dict()`` saves the quantized layer
+(``torch.save`` or safetensors) and ``load_state_dict`` restores it into a layer quantized
+to the same scheme; loading into a float layer or another scheme raises ``MoeInputError``.
+``quantize_(scheme, keep_float_weights=True)`` keeps the float parameters instead (and the
+state dict holds only them); the quantized copy then follows them: after an in-place edit,
+``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2`` the next eager forward
+quantizes them again (a host-side check, no device sync; a compiled layer does not check:
+call ``quantize_`` again after such edits).
+
+Caches of what is derived from the parameters (prepared weights, the shared experts' table,
+the quantized copy of ``keep_float_weights``) follow PyTorch's in-place version counter,
+without a device sync. Edits it does not count are not seen: writes through ``.data`` and
+optimizers built with ``fused=True`` (their step leaves the counter as it was). After such
+edits call ``weights_changed()``; the other optimizers, ``load_state_dict``, ``.data``
+assignment and in-place ops on the parameters need nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -41,12 +53,13 @@ from .dispatch.masked import OVERFLOW_POLICIES
 from .dispatched_layer import DispatchedForward
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
-from .memo import StepCache
+from .memo import StepCache, forget_memo, tensor_key
 from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .registry import Registry
 from .routing import TopK, check_router_width, select_experts
 from .runner import (
     MoeRunner,
+    forget_prepared,
     form_bytes,
     prepare_forms,
     prepared_for,
@@ -136,6 +149,7 @@ class MoE(HoldsQuantized, DispatchedForward):
             self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
         self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
+        self._held_bias_keys: tuple | None = None  # the biases quantize_ gave ``quantized``
         self._steps = StepCache()  # eager calls' joined launch plans (``_step``)
 
     # -- construction ----------------------------------------------------------------------
@@ -253,6 +267,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         self.correction_bias = None
         self.routes = False
         self._quantized_from = None  # given weights: nothing to re-quantize from
+        self._held_bias_keys = None  # given biases: the layer has no bias parameters
         self._steps = StepCache()
         self.quantized = weights  # held as given (plain or quantized), not as parameters
         if is_quantized(weights.w13):
@@ -267,6 +282,11 @@ class MoE(HoldsQuantized, DispatchedForward):
         ``keep_float_weights=False`` (default) frees the float ``w13`` / ``w2`` and holds the
         quantized tensors as buffers (saved by ``state_dict``); ``True`` keeps the float
         parameters, which the quantized copy then follows (see the module docstring).
+
+        Quantized experts have no backward: the parameters the quantized call still reads
+        (the biases, the shared experts') stop requiring grad, so calls in grad mode run
+        without an autograd graph; a call whose input or routing weights require grad
+        raises ``MoeInputError``.
         """
         from .quant import quantize
 
@@ -287,6 +307,10 @@ class MoE(HoldsQuantized, DispatchedForward):
                 *self._detached_biases(),
                 self.config.gate_up_interleaved,
             )
+        self._held_bias_keys = (tensor_key(self.w13_bias), tensor_key(self.w2_bias))
+        for p in (self.w13_bias, self.w2_bias, self.shared_w13, self.shared_w2, self.shared_gate):
+            if p is not None:
+                p.requires_grad_(False)
         adopt_quantized(self.quantized.w13)
         adopt_quantized(self.quantized.w2)
         if keep_float_weights:
@@ -316,9 +340,24 @@ class MoE(HoldsQuantized, DispatchedForward):
         return f"{prefix}{w}" in state_dict
 
     def _float_state(self) -> tuple:
-        return tuple(
-            (p.data_ptr(), p.dtype, tuple(p.shape), p._version) for p in (self.w13, self.w2)
-        )
+        return tensor_state(self.w13) + tensor_state(self.w2)
+
+    def weights_changed(self) -> None:
+        """Forget everything derived from the parameters (prepared weights, the shared
+        experts' table, the quantized copy of ``keep_float_weights``, eager steps), so the
+        next call derives it again. Needed only after edits PyTorch's version counter does
+        not count: writes through ``.data``, optimizers with ``fused=True``."""
+        params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
+        params += (self.shared_w13, self.shared_w2, self.shared_gate)
+        for p in params:
+            if p is not None:
+                forget_memo(p)
+                forget_prepared(p)
+        self._weights_views.clear()
+        self._shared_key = self._shared_view = None
+        self._steps.clear()
+        if self._quantized_from is not None:
+            self.quantize_(self._quantized_from[0], keep_float_weights=True)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -375,6 +414,7 @@ class MoE(HoldsQuantized, DispatchedForward):
             or not self._single_process()
             or self._given_shared is not None
             or self.shared_w13 is not None
+            or self._trains(hidden_states, router_logits)
         ):
             return None
         return (
@@ -400,6 +440,7 @@ class MoE(HoldsQuantized, DispatchedForward):
             (self.w13, self.w2, self.w13_bias, self.w2_bias)
             if w is None
             else (w.w13, w.w2, w.w13_bias, w.w2_bias, self.w13, self.w2)
+            + (self.w13_bias, self.w2_bias)
         )
         return (
             id(w),
@@ -454,13 +495,31 @@ class MoE(HoldsQuantized, DispatchedForward):
             topk = self._route(hidden_states, router_logits, x.shape[0])
         elif not isinstance(topk, TopK):
             raise TypeError(f"topk must be a TopK, got {type(topk).__name__}")
-        if (
-            self._quantized_from is not None
-            and not torch.compiler.is_compiling()  # traced: call quantize_ again after edits
-            and self._quantized_from[1] != self._float_state()
-        ):
-            self.quantize_(self._quantized_from[0], keep_float_weights=True)  # w13 / w2 edited
+        if self.quantized is not None:
+            self._check_held_quantized()
         return x, topk, routed
+
+    def _check_held_quantized(self) -> None:
+        """Keep the quantized experts in step with the parameters they came from: quantize
+        again after w13 / w2 edits (``keep_float_weights``), carry replaced biases; float
+        weights assigned to a layer holding only quantized ones raise (they would be
+        ignored). Host-side checks; traced calls skip the edit checks (call ``quantize_``
+        again after edits there)."""
+        if self._quantized_from is None and (self.w13 is not None or self.w2 is not None):
+            raise MoeInputError(
+                "float w13 / w2 were assigned to a layer that holds quantized experts "
+                f"({self.quantized.scheme}), which would run without them: build a float "
+                "layer with these weights and quantize_ it, or load a quantized state dict"
+            )
+        if torch.compiler.is_compiling():
+            return
+        if self._quantized_from is not None and self._quantized_from[1] != self._float_state():
+            self.quantize_(self._quantized_from[0], keep_float_weights=True)  # w13 / w2 edited
+        biases = (tensor_key(self.w13_bias), tensor_key(self.w2_bias))
+        if self._held_bias_keys is not None and biases != self._held_bias_keys:
+            b13, b2 = self._detached_biases()  # a bias replaced or its .data assigned
+            self.quantized = dataclasses.replace(self.quantized, w13_bias=b13, w2_bias=b2)
+            self._held_bias_keys = biases
 
     def _route(self, hidden_states, router_logits, tokens: int) -> TopK:
         cfg = self.config
@@ -512,15 +571,19 @@ class MoE(HoldsQuantized, DispatchedForward):
         if self._given_shared is not None or self.shared_w13 is None:
             return self._given_shared
         params = (self.shared_w13, self.shared_w2, self.shared_gate)
-        key = tuple(
-            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
-            for p in params
-        )
+        key = tuple(tensor_key(p) for p in params)
         if key != self._shared_key:
             w13, w2, gate = (None if p is None else p.detach() for p in params)
             self._shared_view = SharedExperts(w13, w2, gate)
             self._shared_key = key
         return self._shared_view
+
+    def _shared_params(self) -> SharedExperts | None:
+        """The shared experts as the parameters themselves (differentiable and traceable;
+        ``shared_experts`` gives the memoised views of eager inference), or None."""
+        if self._given_shared is not None or self.shared_w13 is None:
+            return self._given_shared
+        return SharedExperts(self.shared_w13, self.shared_w2, self.shared_gate)
 
     def _single_process(self) -> bool:
         return self.group is None and self.placement is None and self.dispatcher_kind == "standard"
@@ -534,10 +597,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         if self.quantized is not None:
             return self.quantized
         params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
-        key = tuple(
-            None if p is None else (id(p), p.data_ptr(), p._version, p.dtype, p.device)
-            for p in params
-        )
+        key = tuple(tensor_key(p) for p in params)
         grad = torch.is_grad_enabled()
         cached = self._weights_views.get(grad)
         if cached is None or cached[0] != key:
@@ -546,22 +606,57 @@ class MoE(HoldsQuantized, DispatchedForward):
             cached = self._weights_views[grad] = (key, view)
         return cached[1]
 
+    def _trains(self, x: torch.Tensor, router_logits: torch.Tensor | None) -> bool:
+        """Grad mode is on and the input, the router's output or a parameter the experts read
+        requires grad (host metadata only)."""
+        if not torch.is_grad_enabled():
+            return False
+        given = self._given_shared
+        tensors = (x, router_logits, self.w13_bias, self.w2_bias)
+        if self.quantized is None:  # else w13 / w2 are kept float weights the call ignores
+            tensors += (self.w13, self.w2)
+        tensors += (self.shared_w13, self.shared_w2, self.shared_gate)
+        if given is not None:
+            tensors += (given.w13, given.w2, given.gate)
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
     def _run_local(self, x: torch.Tensor, topk: TopK, check_ids: bool) -> torch.Tensor:
-        """One process: the fused path (the custom op while compiling)."""
+        """One process: the fused path; the custom op while compiling or where the call
+        needs gradients (``_trains``)."""
         act = self.config.activation
-        shared = self.shared_experts()
-        if torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()
+        train = self._trains(x, topk.weights)
+        if train and self.quantized is not None:
+            raise MoeInputError(
+                f"this layer's experts are quantized ({self.quantized.scheme}) and have no "
+                "backward, but grad mode is on and the input, the routing weights or a "
+                "parameter the call reads requires grad: run it under torch.no_grad() or "
+                "torch.inference_mode(), or train a float layer"
+            )
+        if train and act.extended and not compiling:
+            # The custom op carries scalar alpha / limit only: the torch backend's
+            # differentiable path serves per-expert parameters.
+            weights = ExpertWeights(
+                self.w13, self.w2, self.w13_bias, self.w2_bias, self.config.gate_up_interleaved
+            )
+            return run_experts(
+                self.runner, weights, x, topk.weights, topk.ids, act, check_ids,
+                shared=self._shared_params(),
+            )  # fmt: skip
+        if compiling or train:
             if act.extended:  # the custom op's schema carries scalar alpha and limit only
                 raise MoeInputError(
                     "torch.compile of the MoE layer takes swiglu_oai with scalar alpha / limit "
                     "and beta 1 only; per-expert parameters or another beta run eagerly"
                 )
+            # The parameters themselves where gradients flow; else as ``op_tensor`` gives them.
+            arg = (lambda t: t) if train else op_tensor
             w = self if self.quantized is None else self.quantized  # plain, or as held
-            b13, b2 = op_tensor(w.w13_bias), op_tensor(w.w2_bias)
+            b13, b2 = arg(w.w13_bias), arg(w.w2_bias)
             routed = call_fused_experts(
-                x.detach(),
-                op_tensor(w.w13),
-                op_tensor(w.w2),
+                x if train else x.detach(),
+                arg(w.w13),
+                arg(w.w2),
                 topk.weights,
                 topk.ids,
                 b13,
@@ -573,13 +668,16 @@ class MoE(HoldsQuantized, DispatchedForward):
                 self.backend,
                 check_ids,
             )
+            shared = self._shared_params()
             if shared is None:
                 return routed
-            # Traced: the expert table is built outside the graph only in eager calls, so the
-            # shared experts run beside the custom op as dense PyTorch MLPs.
-            dense = shared_dense(x.detach(), shared, act, self.config.gate_up_interleaved)
+            # The expert table is built outside the graph and without gradients, in eager
+            # inference calls only: here the shared experts run beside the custom op as dense
+            # PyTorch MLPs.
+            xs = x if train else x.detach()
+            dense = shared_dense(xs, shared, act, self.config.gate_up_interleaved)
             return (routed.float() + dense).to(x.dtype)
-        # Inference only: no gradients flow through the experts.
+        shared = self.shared_experts()
         return run_experts(
             self.runner,
             self.expert_weights(),

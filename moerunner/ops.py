@@ -249,13 +249,14 @@ def _fused_experts_quantized_fake(
 
 
 def op_tensor(t):
-    """A weight or bias of an inference-only caller (the ``MoE`` layer) as an op argument:
-    the tensor itself where grad mode is off, so the op gets the caller's own object on every
-    call and finds what is memoised on it (the runner's prepared weights, keyed on the
-    objects); a detached alias where grad mode is on (no gradient for it). An alias made per
-    call is a new object per compiled step, and the weights were prepared again on every
-    one. Anything but a tensor passes as it is."""
-    if not isinstance(t, torch.Tensor) or not torch.is_grad_enabled():
+    """A weight or bias of an inference call of the ``MoE`` layer as an op argument: the
+    tensor itself where grad mode is off or it requires no grad, so the op gets the caller's
+    own object on every call and finds what is memoised on it (the runner's prepared weights,
+    keyed on the objects; layers sharing a parameter share them too); a detached alias where
+    grad mode is on and it requires grad (no gradient for it). An alias made per call is a
+    new object per compiled step, and the weights were prepared again on every one. Anything
+    but a tensor passes as it is."""
+    if not isinstance(t, torch.Tensor) or not torch.is_grad_enabled() or not t.requires_grad:
         return t
     return t.detach()
 

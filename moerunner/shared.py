@@ -290,22 +290,14 @@ def shared_dense(
     """The shared experts as separate dense MLPs in PyTorch (float32 ``[T, H]``, gate
     applied): what a model computes beside its routed call. Used where the table cannot run
     (while ``torch.compile`` traces) and as the benchmarks' baseline."""
-    from .activations import apply_activation
-    from .config import ExpertSpec
+    from .activations import activate
 
     w13 = shared.w13.dequantize() if is_quantized(shared.w13) else shared.w13
     w2 = shared.w2.dequantize() if is_quantized(shared.w2) else shared.w2
-    spec = ExpertSpec(
-        num_experts=1,
-        hidden_size=hidden_TH.shape[1],
-        intermediate_size=w2.shape[2],
-        activation=act,
-        gate_up_interleaved=interleaved,
-    )
     x = hidden_TH if w13.dtype == hidden_TH.dtype else hidden_TH.float()
     gate_TS = shared_weights_TS(hidden_TH, shared)
     out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
     for s in range(shared.num_shared):
-        a = apply_activation(x @ w13[s].to(x.dtype).T, spec).to(x.dtype)
+        a = activate(x @ w13[s].to(x.dtype).T, act, interleaved).to(x.dtype)
         out = out + (a @ w2[s].to(x.dtype).T).float() * gate_TS[:, s : s + 1]
     return out
