@@ -148,7 +148,13 @@ class DispatchedForward:
         try:
             x, topk, _ = self._inputs(hidden_states, router_logits, topk)
             self._top_k = topk.ids.shape[1]
-            x = x.detach()  # inference only
+            if self._trains(x, topk.weights):
+                raise MoeInputError(
+                    "an expert-parallel layer runs inference only (its dispatch has no "
+                    "backward), but grad mode is on and the input, the routing weights or a "
+                    "parameter requires grad: call it under torch.no_grad() or "
+                    "torch.inference_mode() (or requires_grad_(False) its parameters)"
+                )
             weights = self.expert_weights()
             prepared = self._prepared(
                 x, weights, self.dispatcher.dispatch_format, topk.ids.shape[1]

@@ -611,10 +611,13 @@ class MoE(HoldsQuantized, DispatchedForward):
         requires grad (host metadata only)."""
         if not torch.is_grad_enabled():
             return False
-        given = self._given_shared
+        given, held = self._given_shared, self.quantized
         tensors = (x, router_logits, self.w13_bias, self.w2_bias)
-        if self.quantized is None:  # else w13 / w2 are kept float weights the call ignores
+        if held is None:
             tensors += (self.w13, self.w2)
+        else:  # what the call reads: weights given to from_weights (quantized ones are not
+            # tensors); kept float weights of keep_float_weights are not read
+            tensors += (held.w13, held.w2, held.w13_bias, held.w2_bias)
         tensors += (self.shared_w13, self.shared_w2, self.shared_gate)
         if given is not None:
             tensors += (given.w13, given.w2, given.gate)
@@ -626,7 +629,8 @@ class MoE(HoldsQuantized, DispatchedForward):
         act = self.config.activation
         compiling = torch.compiler.is_compiling()
         train = self._trains(x, topk.weights)
-        if train and self.quantized is not None:
+        held = self.quantized
+        if train and held is not None and is_quantized(held.w13):
             raise MoeInputError(
                 f"this layer's experts are quantized ({self.quantized.scheme}) and have no "
                 "backward, but grad mode is on and the input, the routing weights or a "
@@ -636,7 +640,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         if train and act.extended and not compiling:
             # The custom op carries scalar alpha / limit only: the torch backend's
             # differentiable path serves per-expert parameters.
-            weights = ExpertWeights(
+            weights = held or ExpertWeights(
                 self.w13, self.w2, self.w13_bias, self.w2_bias, self.config.gate_up_interleaved
             )
             return run_experts(

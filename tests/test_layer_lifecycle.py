@@ -208,6 +208,23 @@ def test_training_with_shared_experts_and_pre_routed_calls():
         assert_close(out, _reference(layer, x, logits), BOUND)
 
 
+def test_a_layer_from_weights_trains_the_weights_it_was_given():
+    source = MoE(_config(), backend="torch")
+    w13 = torch.nn.Parameter(source.w13.detach().clone())
+    w2 = torch.nn.Parameter(source.w2.detach().clone())
+    layer = MoE.from_weights(moerunner.ExpertWeights(w13, w2), backend="torch")
+    x, logits = _inputs(12)
+    topk = moerunner.select_experts(logits, K, renormalize=True)
+    out = layer(x, topk=topk)
+    assert out.requires_grad
+    out.square().sum().backward()
+    ref13, ref2 = (t.detach().double().requires_grad_(True) for t in (w13, w2))
+    ref = moerunner.reference_moe(x, moerunner.ExpertWeights(ref13, ref2), topk.weights, topk.ids)
+    ref.square().sum().backward()
+    assert_close(w13.grad, ref13.grad, 1e-5, what="w13")
+    assert_close(w2.grad, ref2.grad, 1e-5, what="w2")
+
+
 def test_quantized_layers_run_in_grad_mode_and_refuse_gradients():
     layer = MoE(_config(bias=True), backend="torch").quantize_("int8_w8a16")
     assert not layer.w13_bias.requires_grad  # quantize_ froze what the call still reads

@@ -107,9 +107,14 @@ def test_a_new_dispatcher_is_one_registry_entry():
     torch.manual_seed(0)
     layer = MoE(CFG, backend="torch", dispatcher="recording", registry=registry)
     x, logits = torch.randn(5, 32), torch.randn(5, 6)
-    out = layer(x, logits)
+    with torch.no_grad():
+        out = layer(x, logits)
     assert calls == ["dispatch", "combine"]
     assert_close(out, _reference(layer, x, logits), TOLERANCE[torch.float32])
+    # A dispatched layer has no backward: in grad mode with trainable parameters it says so
+    # (it used to detach the input and give no gradient at all, silently).
+    with pytest.raises(MoeInputError, match="inference only"):
+        layer(x, logits)
 
 
 def test_layer_prepares_once_and_follows_weight_edits():
@@ -209,11 +214,13 @@ def _ep_module_world(rank: int, world: int):
             layer.w13.copy_(full.w13[local])
             layer.w2.copy_(full.w2[local])
         if kind == "standard":  # every rank passes every token; outputs are all-reduced
-            out = layer(x, logits)
+            with torch.no_grad():
+                out = layer(x, logits)
         else:  # each rank passes its own half of the tokens
             half = slice(rank * 4, rank * 4 + 4)
             out = torch.zeros_like(expected)
-            out[half] = layer(x[half], logits[half])
+            with torch.no_grad():
+                out[half] = layer(x[half], logits[half])
             out = out[half]
             results[kind] = (out, expected[half])
             continue
