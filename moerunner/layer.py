@@ -11,22 +11,23 @@ On one process, the expert step is a custom op while ``torch.compile`` traces
 (``moerunner::fused_experts`` for plain weights, ``moerunner::fused_experts_quantized`` for
 quantized ones), so the layer compiles with ``fullgraph=True``; eager calls go straight to
 the held runner. With grad mode on and a parameter, the input or the routing weights
-requiring grad, the experts run as the custom op (the backend's forward, a backward
-recomputed on the torch backend's differentiable path, as ``torch.compile`` runs them), so
-the layer trains; quantized experts have no backward and raise there (run them under
-``torch.no_grad()`` or ``torch.inference_mode()``). ``quantize_(scheme)`` swaps the weights
-for quantized ones (done once); the backend then runs that scheme. By default it frees the
-float ``w13`` / ``w2`` (they become None) and holds the quantized tensors as buffers
-(``w13_qdata``, ``w13_scale``, ``w13_zero_point``, ``w13_global_scale``, ``w13_input_scale``
-where the scheme has them, the same for ``w2``, and ``w13_scheme`` / ``w2_scheme``: the
-scheme's fields as JSON bytes), so ``state_dict()`` saves the quantized layer
-(``torch.save`` or safetensors) and ``load_state_dict`` restores it into a layer quantized
-to the same scheme; loading into a float layer or another scheme raises ``MoeInputError``.
-``quantize_(scheme, keep_float_weights=True)`` keeps the float parameters instead (and the
-state dict holds only them); the quantized copy then follows them: after an in-place edit,
-``load_state_dict`` or ``.data`` assignment of ``w13`` / ``w2`` the next eager forward
-quantizes them again (a host-side check, no device sync; a compiled layer does not check:
-call ``quantize_`` again after such edits).
+requiring grad, the layer trains: eagerly on the torch backend's differentiable path
+(backend "auto" or "torch", as ``fused_moe``), else through the custom op (the backend's
+forward, a backward recomputed on the torch backend, as ``torch.compile`` runs it);
+quantized experts have no backward and raise there (run them under ``torch.no_grad()`` or
+``torch.inference_mode()``). ``quantize_(scheme)`` swaps the weights for quantized ones
+(done once); the backend then runs that scheme. By default it frees the float ``w13`` /
+``w2`` (they become None) and holds the quantized tensors as buffers (``w13_qdata``,
+``w13_scale``, ``w13_zero_point``, ``w13_global_scale``, ``w13_input_scale`` where the
+scheme has them, the same for ``w2``, and ``w13_scheme`` / ``w2_scheme``: the scheme's
+fields as JSON bytes), so ``state_dict()`` saves the quantized layer (``torch.save`` or
+safetensors) and ``load_state_dict`` restores it into a layer quantized to the same scheme;
+loading into a float layer or another scheme raises ``MoeInputError``. ``quantize_(scheme,
+keep_float_weights=True)`` keeps the float parameters instead (and the state dict holds only
+them); the quantized copy then follows them: after an in-place edit, ``load_state_dict`` or
+``.data`` assignment of ``w13`` / ``w2`` the next eager forward quantizes them again (a
+host-side check, no device sync; a compiled layer does not check: call ``quantize_`` again
+after such edits).
 
 Caches of what is derived from the parameters (prepared weights, the shared experts' table,
 the quantized copy of ``keep_float_weights``) follow PyTorch's in-place version counter,
@@ -637,9 +638,10 @@ class MoE(HoldsQuantized, DispatchedForward):
                 "parameter the call reads requires grad: run it under torch.no_grad() or "
                 "torch.inference_mode(), or train a float layer"
             )
-        if train and act.extended and not compiling:
-            # The custom op carries scalar alpha / limit only: the torch backend's
-            # differentiable path serves per-expert parameters.
+        if train and not compiling and (act.extended or self.backend in ("auto", "torch")):
+            # Eager training on the torch backend's differentiable path (as fused_moe): no
+            # recomputation in the backward; it also serves per-expert swiglu parameters,
+            # which the custom op (scalar alpha / limit) does not carry.
             weights = held or ExpertWeights(
                 self.w13, self.w2, self.w13_bias, self.w2_bias, self.config.gate_up_interleaved
             )
@@ -653,7 +655,9 @@ class MoE(HoldsQuantized, DispatchedForward):
                     "torch.compile of the MoE layer takes swiglu_oai with scalar alpha / limit "
                     "and beta 1 only; per-expert parameters or another beta run eagerly"
                 )
-            # The parameters themselves where gradients flow; else as ``op_tensor`` gives them.
+            # Traced, or training eagerly on another backend: its forward, and a backward
+            # recomputed on the torch backend. The parameters themselves where gradients
+            # flow; else as ``op_tensor`` gives them.
             arg = (lambda t: t) if train else op_tensor
             w = self if self.quantized is None else self.quantized  # plain, or as held
             b13, b2 = arg(w.w13_bias), arg(w.w2_bias)

@@ -130,16 +130,17 @@ def test_layer_prepares_once_and_follows_weight_edits():
 
     backend.prepare_weights = counting
     try:
-        first = layer(x, logits)
-        second = layer(x, logits)
-        assert len(prepares) == 1 and torch.equal(first, second)
-        with torch.no_grad():
+        with torch.no_grad():  # inference calls (in grad mode the layer trains, unprepared)
+            first = layer(x, logits)
+            second = layer(x, logits)
+            assert len(prepares) == 1 and torch.equal(first, second)
             layer.w2.mul_(2)  # in place
-        doubled = layer(x, logits)
-        assert len(prepares) == 2
-        assert_close(doubled, _reference(layer, x, logits), TOLERANCE[torch.float32])
-        layer.w2 = torch.nn.Parameter(layer.w2.detach() * 0.5)  # replaced
-        assert_close(layer(x, logits), _reference(layer, x, logits), TOLERANCE[torch.float32])
+            doubled = layer(x, logits)
+            assert len(prepares) == 2
+            assert_close(doubled, _reference(layer, x, logits), TOLERANCE[torch.float32])
+            layer.w2 = torch.nn.Parameter(layer.w2.detach() * 0.5)  # replaced
+            out = layer(x, logits)
+        assert_close(out, _reference(layer, x, logits), TOLERANCE[torch.float32])
         assert len(prepares) == 3
     finally:
         del backend.prepare_weights
