@@ -31,10 +31,10 @@ after such edits).
 
 Caches of what is derived from the parameters (prepared weights, the shared experts' table,
 the quantized copy of ``keep_float_weights``) follow PyTorch's in-place version counter,
-without a device sync. Edits it does not count are not seen: writes through ``.data`` and
-optimizers built with ``fused=True`` (their step leaves the counter as it was). After such
-edits call ``weights_changed()``; the other optimizers, ``load_state_dict``, ``.data``
-assignment and in-place ops on the parameters need nothing.
+without a device sync. Optimizer steps, ``load_state_dict``, ``.data`` assignment and
+in-place ops on the parameters count (fused optimizer steps, which PyTorch does not count,
+through a post-step hook moerunner registers: ``memo._count_fused_steps``). Writes through
+``.data`` (``p.data.mul_(2)``) are not counted: call ``weights_changed()`` after them.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         """Forget everything derived from the parameters (prepared weights, the shared
         experts' table, the quantized copy of ``keep_float_weights``, eager steps), so the
         next call derives it again. Needed only after edits PyTorch's version counter does
-        not count: writes through ``.data``, optimizers with ``fused=True``."""
+        not count: writes through ``.data``."""
         params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
         params += (self.shared_w13, self.shared_w2, self.shared_gate)
         for p in params:

@@ -6,6 +6,10 @@ starts with an empty one, since derived data would be duplicated in memory or st
 checkpoint (and launch plans cannot be copied at all); the copy derives its own on first use.
 ``memoised(anchor, key, build)`` keeps one such value on a tensor (an attribute), keyed by
 ``view_key``s of what it was built from, so it dies with the tensor.
+
+Keys read PyTorch's in-place version counter (``version``). Importing moerunner registers
+an optimizer post-step hook (``_count_fused_steps``) so that fused optimizer steps, which
+write parameters without counting it, count like every other optimizer's.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _MEMO_ATTR = "_moerunner_op_memo"
 
@@ -65,6 +70,24 @@ class StepCache(DerivedCache):
                 self.popitem(last=False)
             except KeyError:  # emptied meanwhile by another thread
                 break
+
+
+def _count_fused_steps(optimizer, args, kwargs) -> None:
+    """Optimizer post-step hook: bump the in-place version of each parameter a fused step
+    updated. PyTorch's fused optimizers (``fused=True``) write the parameters without
+    counting it, unlike its other optimizers, so every cache keyed on the counter (here and
+    in PyTorch's own saved-tensor checks) would keep serving the old values."""
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            if p.grad is not None and not p.is_inference():
+                torch.autograd.graph.increment_version(p)
+
+
+# Registered once per process, when moerunner is imported: a fused step then counts as the
+# in-place edit it is, for moerunner's caches and everyone else's.
+register_optimizer_step_post_hook(_count_fused_steps)
 
 
 def version(t: torch.Tensor) -> int:

@@ -83,6 +83,25 @@ def test_weights_changed_after_edits_the_version_counter_does_not_count():
     assert_close(out, _reference(layer, x, logits), BOUND)
 
 
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam])
+def test_a_fused_optimizer_step_is_seen_without_weights_changed(optimizer):
+    # PyTorch's fused steps leave the version counter as it was; moerunner's post-step hook
+    # counts them, so the shared-expert table and the kept quantized copy follow.
+    x, logits = _inputs(13)
+    shared = MoE(_config(shared_experts=SharedExpertsConfig(1)), backend="torch")
+    kept = MoE(_config(), backend="torch").quantize_("int8_w8a16", keep_float_weights=True)
+    for layer in (shared, kept):
+        with torch.no_grad():
+            before = layer(x, logits)  # caches made
+        for p in layer.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer(layer.parameters(), lr=0.5, fused=True).step()
+        with torch.no_grad():
+            out = layer(x, logits)
+        assert not torch.equal(out, before)
+        assert_close(out, _reference(layer, x, logits), BOUND)
+
+
 def test_the_kept_quantized_copy_follows_weights_changed():
     x, logits = _inputs(3)
     layer = MoE(_config(), backend="torch").quantize_("int8_w8a16", keep_float_weights=True)
