@@ -51,8 +51,10 @@ STORED_ON_PURPOSE = "_moerunner_stored_on_purpose"
 HOLDER = "moerunner_quantized"
 LAYER_NAME = "_moerunner_layer_name"
 
-# Tried in this order when matching the module's gating numerically.
-_GATED_CANDIDATES = ("silu", "gelu", "gelu_tanh", "swiglu_oai")
+# Tried in this order when matching the module's gating numerically. "swiglu_clamp" is the
+# clamped SwiGLU of DeepSeek-V4, HY-V4 and GLM-5-Next, silu(min(gate, L)) * clamp(up, -L, L):
+# moerunner's swiglu_oai with alpha 1 and beta 0 (``_candidate``).
+_GATED_CANDIDATES = ("silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamp")
 _PROBE_WIDTH = 32  # gate/up probe columns (any even width works for every gating)
 _PROBE_RTOL = 1e-5  # fp32 math of the same formula agrees to a few ulps
 # Probe values past [-10, 10], so a clamp at any of them (GPT-OSS's 7, the clamped SwiGLUs
@@ -165,16 +167,27 @@ def _match_activation(
     if not isinstance(theirs, torch.Tensor) or tuple(theirs.shape) != (8, _PROBE_WIDTH // 2):
         return None
     for name in candidates:
-        if name == "swiglu_oai":
-            alpha = _float_attr(module, *_ALPHA_NAMES)
-            act = Activation(name, alpha, _float_attr(module, *_LIMIT_NAMES))
-        else:
-            act = Activation(name)
+        act = _candidate(module, name)
+        if act is None:
+            continue
         spec = ExpertSpec(1, 1, _PROBE_WIDTH // 2, act, interleaved)
         ours = apply_activation(probe, spec)
         if torch.allclose(ours, theirs.float(), rtol=_PROBE_RTOL, atol=_PROBE_RTOL):
             return act
     return None
+
+
+def _candidate(module: torch.nn.Module, name: str) -> Activation | None:
+    """The activation a candidate name stands for, with the module's parameters; None where
+    the module lacks what it needs."""
+    limit = _float_attr(module, *_LIMIT_NAMES)
+    if name == "swiglu_oai":
+        return Activation(name, _float_attr(module, *_ALPHA_NAMES), limit)
+    if name == "swiglu_clamp":
+        if limit is None or limit <= 0:
+            return None
+        return Activation("swiglu_oai", alpha=1.0, limit=limit, beta=0.0)
+    return Activation(name)
 
 
 def shared_mlp_matches(mlp: torch.nn.Module, activation: Activation) -> bool:
@@ -405,7 +418,18 @@ def _layout_constants(module: torch.nn.Module) -> tuple:
         layout = describe(module)
     except UnsupportedExpertsError as exc:
         return (str(exc),)
+    return _constants(module, layout)
+
+
+def _constants(module: torch.nn.Module, layout: ExpertsLayout) -> tuple:
+    """The traced form of ``layout`` (see ``_layout_constants``). The compiled op carries
+    scalar alpha and limit with beta 1: another beta (the clamped SwiGLU) runs eagerly only."""
     act = layout.activation
+    if act.extended:
+        return (
+            f"experts layer {layer_name(module)} runs eagerly only: its activation "
+            f"(swiglu_oai with beta {act.beta}) is not in the compiled op's form (beta 1)",
+        )
     return (act.name, act.alpha, act.limit, layout.transposed, layout.interleaved, layout.has_bias)
 
 
@@ -479,15 +503,7 @@ def traced_layout(module: torch.nn.Module) -> tuple:
     once at trace time."""
     cached = module.__dict__.get(_DESCRIPTION)
     if isinstance(cached, ExpertsLayout):
-        act = cached.activation
-        return (
-            act.name,
-            act.alpha,
-            act.limit,
-            cached.transposed,
-            cached.interleaved,
-            cached.has_bias,
-        )
+        return _constants(module, cached)
     return _layout_of_id(id(module))
 
 

@@ -290,18 +290,74 @@ def _clamp_gating(module, limit: float, attr: str | None) -> None:
         setattr(module, attr, limit)
 
 
-@pytest.mark.parametrize("limit, attr", [(10.0, "swiglu_limit"), (10.0, None), (1e3, "limit")])
-def test_a_clamp_outside_the_old_probe_range_is_refused(limit, attr):
-    # The probe covered [-10, 10], so a clamp at 10 or beyond matched plain silu and the
-    # clamp was dropped: relative errors of 0.5-0.75 on the logits of such models once
-    # activations passed it.
+def _clamped_experts_f64(experts, x, ids, weights, limit):
+    """float64: each slot's expert with silu(min(gate, L)) * clamp(up, -L, L)."""
+    w13, w2 = experts.gate_up_proj.detach().double(), experts.down_proj.detach().double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t].double()).chunk(2)
+            h = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            out[t] += float(weights[t, j]) * (w2[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("limit, attr", [(10.0, "swiglu_limit"), (1e3, "limit"), (10.0, None)])
+def test_a_clamped_swiglu_runs_or_is_refused_but_never_loses_its_clamp(limit, attr):
+    # The probe covered [-10, 10], so a clamp at 10 or beyond matched plain silu and was
+    # dropped: relative errors of 0.5-0.75 on the logits of such models once activations
+    # passed it. Now the clamp shows on the probe: with its limit kept on the module
+    # (DeepSeek-V4's swiglu_limit) the layer runs as swiglu_oai with alpha 1 and beta 0;
+    # without it, it is refused.
     model = build("qwen3_moe")
-    _clamp_gating(model.model.layers[1].mlp.experts, limit, attr)
+    experts = model.model.layers[1].mlp.experts
+    _clamp_gating(experts, limit, attr)
     verdict = mt.check_model(model)["model.layers.1.mlp.experts"]
-    assert verdict is not None and "matches none" in verdict
-    if attr is not None:
-        assert f"clamps at {limit:g}" in verdict
-    assert mt.check_model(model)["model.layers.0.mlp.experts"] is None
+    if attr is None:
+        assert verdict is not None and "matches none" in verdict
+        return
+    assert verdict is None
+    act = mt.describe(experts).activation
+    assert (act.name, act.alpha, act.beta, act.limit) == ("swiglu_oai", 1.0, 0.0, limit)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, experts.gate_up_proj.shape[-1], generator=g) * 4 * limit**0.5
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=g)
+    ours = mt.make_experts_forward("torch")(experts, x, ids, weights)
+    want = _clamped_experts_f64(experts, x, ids, weights, limit)
+    hidden = experts.gate_up_proj.detach() @ x.T  # the clamp is reached: a real test
+    assert bool((hidden.abs() > limit).any()) or limit > 100
+    assert_close(ours, want, FP32_MAX_REL, what="clamped swiglu")
+
+
+def test_deepseek_v4_experts_run_with_their_clamp():
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+
+    cfg = DeepseekV4Config(
+        hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2
+    )
+    torch.manual_seed(0)
+    experts = DeepseekV4Experts(cfg)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 64**-0.5)
+        experts.down_proj.normal_(0, 32**-0.5)
+    x = torch.randn(16, 64) * 30  # pre-activations well past the limit of 10
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(16)])
+    weights = torch.rand(16, 2)
+    eager = type(experts).forward.__wrapped__(experts, x, ids, weights)
+    ours = mt.make_experts_forward("torch")(experts, x, ids, weights)
+    want = _clamped_experts_f64(experts, x, ids, weights, cfg.swiglu_limit)
+    assert_close(eager, want, FP32_MAX_REL, what="eager against the definition")
+    assert_close(ours, want, FP32_MAX_REL, what="moerunner")
+    # The compiled op carries beta 1 only: traced, the layer breaks the graph and runs
+    # eagerly (fullgraph=True raises), never with the clamp's beta dropped.
+    torch._dynamo.reset()
+    fn = mt.make_experts_forward("torch")
+    compiled = torch.compile(lambda h: fn(experts, h, ids, weights), backend="eager")
+    assert_close(compiled(x), want, FP32_MAX_REL, what="compiled")
 
 
 def test_a_gpt_oss_alpha_under_another_attribute_name_is_read():
