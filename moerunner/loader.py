@@ -282,6 +282,20 @@ def _quant_config(config: dict) -> dict:
     return q if isinstance(q, dict) else {}
 
 
+def _compressed_tensors_group_size(q: dict) -> int | None:
+    """The weights' group size of a compressed-tensors quantization config (-1 for the
+    channel strategy), where its config groups agree on one; else None (the importer then
+    reads it from the scales' shape where that is unambiguous)."""
+    sizes = set()
+    for group in (q.get("config_groups") or {}).values():
+        weights = group.get("weights") or {} if isinstance(group, dict) else {}
+        if weights.get("strategy") == "channel":
+            sizes.add(-1)
+        elif isinstance(weights.get("group_size"), int):
+            sizes.add(weights["group_size"])
+    return sizes.pop() if len(sizes) == 1 else None
+
+
 def _per_expert(ckpt: _Checkpoint, prefix: str, num: int, proj: str, suffix: str) -> list:
     return [ckpt.get(f"{prefix}{e}.{proj}.{suffix}") for e in range(num)]
 
@@ -310,6 +324,7 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
             each("weight_shape") if shape is not None else None,
             num_bits=bits,
             g_idx=each("weight_g_idx") if base + "weight_g_idx" in ckpt else None,
+            group_size=_compressed_tensors_group_size(q),
         )
         return weight, "compressed-tensors"
     if base + "qweight" in ckpt:
@@ -328,6 +343,7 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
                 each("g_idx") if base + "g_idx" in ckpt else None,
                 bits=bits,
                 checkpoint_format=q.get("checkpoint_format", "gptq"),
+                group_size=q.get("group_size"),
             )
             return weight, "gptq"
         raise MoeInputError(

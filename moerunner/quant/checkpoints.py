@@ -220,16 +220,65 @@ def _unpack_words(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return codes.reshape(*moved.shape[:-1], -1).movedim(-1, dim)
 
 
-def _check_group_index(g_idx: object, name: str, k: int, group: int) -> None:
-    """Refuse act-order checkpoints: input row k must belong to group k // group."""
-    if g_idx is None:
-        return
+def _group_size(k: int, groups: int, group_size: object, g_idx: object, scales_name: str) -> int:
+    """The group size of ``k`` input rows whose scales hold ``groups`` groups: the checkpoint
+    config's ``group_size`` (-1: one group) where given, else the rows of group 0 in
+    ``g_idx``, else ``k / groups`` where no other common group size (a power of two) makes
+    that many groups. The peers make ceil(K / g) groups, so a group size that does not
+    divide K leaves a ragged last group, which the int<bits>_g<g> schemes cannot hold:
+    refused, as is a scale count that does not fit the group size."""
+    if group_size is not None:
+        if (
+            isinstance(group_size, bool)
+            or not isinstance(group_size, int)
+            or group_size == 0
+            or group_size < -1
+        ):
+            raise ValueError(f"group_size must be a positive int or -1, got {group_size!r}")
+        g = k if group_size == -1 else group_size
+    elif g_idx is not None:
+        g = int((_group_index(g_idx, "g_idx", k).reshape(-1, k)[0] == 0).sum()) or k
+    elif groups <= 1:
+        g = k
+    else:
+        g = k // groups
+        ragged = [c for c in (2**p for p in range(4, 12)) if -(-k // c) == groups and k % c]
+        if k % groups or ragged:
+            raise ValueError(
+                f"{scales_name}: {groups} groups for K={k} input rows fit a group size of "
+                f"{k / groups:g} and also {ragged[0] if ragged else 'another'} with a ragged "
+                "last group (the peers make ceil(K / g) groups): pass group_size (the "
+                "checkpoint's quantization config) or g_idx"
+            )
+    if -(-k // g) != groups:
+        raise ValueError(
+            f"{scales_name}: group size {g} makes {-(-k // g)} groups of K={k} input rows, the "
+            f"scales hold {groups}"
+        )
+    if k % g:
+        raise ValueError(
+            f"group size {g} does not divide K={k}: the checkpoint's last group is ragged "
+            f"({k % g} rows), which moerunner's int<bits>_g<group> schemes cannot hold"
+        )
+    return g
+
+
+def _group_index(g_idx: object, name: str, k: int) -> torch.Tensor:
+    """``g_idx`` (per expert or stacked) as a tensor, checked: integers, one per input row."""
     idx = _tensor(name, _stack(name, g_idx))
     if idx.is_floating_point() or idx.shape[-1] != k:
         raise ValueError(
             f"{name}: expected integer group indices with one entry per input row ({k}), got "
             f"{idx.dtype} {list(idx.shape)}"
         )
+    return idx
+
+
+def _check_group_index(g_idx: object, name: str, k: int, group: int) -> None:
+    """Refuse act-order checkpoints: input row k must belong to group k // group."""
+    if g_idx is None:
+        return
+    idx = _group_index(g_idx, name, k)
     trivial = torch.arange(k, device=idx.device) // group
     if not bool((idx.long() == trivial).all()):
         raise ValueError(
@@ -249,11 +298,15 @@ def _integer_weight(
     """Unsigned codes int32 [E, N, K], zeros int32 [E, N, G], float scales [E, N, G] ->
     int<bits>_g<K/G>[_zp] (see the module header)."""
     e, n, k = codes.shape
-    if tuple(scales.shape[:2]) != (e, n) or tuple(zeros.shape) != tuple(scales.shape):
+    if tuple(scales.shape[:2]) != (e, n):
         raise ValueError(
-            f"{names[1]} / {names[2]}: expected [E, N, groups] = [{e}, {n}, G] after unpacking "
-            f"for {names[0]} of {k} input rows, got zeros {list(zeros.shape)} and scales "
-            f"{list(scales.shape)}"
+            f"{names[2]}: expected [E, N, groups] = [{e}, {n}, G] for {names[0]} (N={n} output "
+            f"rows, K={k} input rows), got {list(scales.shape)}"
+        )
+    if tuple(zeros.shape) != tuple(scales.shape):
+        raise ValueError(
+            f"{names[1]}: expected [E, N, groups] = {list(scales.shape)} after unpacking, like "
+            f"{names[2]}, got {list(zeros.shape)}"
         )
     groups = scales.shape[2]
     if groups == 0 or k % groups:
@@ -297,14 +350,17 @@ def import_compressed_tensors(
     *,
     num_bits: int = 4,
     g_idx: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    group_size: int | None = None,
 ) -> QuantizedWeight:
     """compressed-tensors ``pack-quantized`` expert projections -> int4 / int8 group weight.
 
     Per expert (lists) or stacked: ``weight_packed`` int32 ``[N, K*bits/32]``,
     ``weight_scale`` float ``[N, K/g]`` (g = K for channel-wise), ``weight_zero_point`` int32
-    ``[N*bits/32, K/g]`` (asymmetric only), ``weight_shape`` ``[2]`` = (N, K) (K is taken
-    from the packed size when omitted), ``g_idx`` (``weight_g_idx``; only the trivial order
-    is accepted). The group size follows from the scales' shape.
+    ``[N*bits/32, K/g]`` (asymmetric only), ``weight_shape`` ``[2]`` = (N, K), or for a
+    stacked 3-D weight ``[3]`` = (E, N, K) (K is taken from the packed size when omitted),
+    ``g_idx`` (``weight_g_idx``; only the trivial order is accepted). ``group_size``: the
+    quantization config's (-1: channel-wise); without it the group size follows from the
+    scales' shape where that is unambiguous (``_group_size``).
     """
     bits = _check_bits("num_bits", num_bits)
     packed = _tensor("weight_packed", _stack("weight_packed", weight_packed), torch.int32, 3)
@@ -314,9 +370,19 @@ def import_compressed_tensors(
     per = 32 // bits
     k = words * per
     if weight_shape is not None:
-        shapes = _tensor("weight_shape", _stack("weight_shape", weight_shape)).reshape(-1, 2)
-        if shapes.is_floating_point() or not bool((shapes == shapes[0]).all()):
-            raise ValueError(f"weight_shape: expected one integer (N, K) pair, got {shapes}")
+        shapes = _tensor("weight_shape", _stack("weight_shape", weight_shape))
+        if shapes.dim() == 1 and shapes.numel() == 3:  # a stacked weight's (E, N, K)
+            if int(shapes[0]) != e:
+                raise ValueError(
+                    f"weight_shape: {shapes.tolist()} names {int(shapes[0])} experts, "
+                    f"weight_packed holds {e}"
+                )
+            shapes = shapes[1:]
+        shapes = shapes.reshape(-1, 2) if shapes.numel() % 2 == 0 else shapes
+        if shapes.dim() != 2 or shapes.is_floating_point() or not bool((shapes == shapes[0]).all()):
+            raise ValueError(
+                f"weight_shape: expected one integer (N, K) pair (or (E, N, K)), got {shapes}"
+            )
         n_, k_ = (int(v) for v in shapes[0])
         if n_ != n or not k - per < k_ <= k:
             raise ValueError(
@@ -336,8 +402,8 @@ def import_compressed_tensors(
                 f"N={n}, got {list(zp.shape)}"
             )
         zeros = _unpack_words(zp, bits, 1)[:, :n]
-    if scales.shape[2]:
-        _check_group_index(g_idx, "g_idx", k, k // scales.shape[2] or 1)
+    group = _group_size(k, scales.shape[2], group_size, g_idx, "weight_scale")
+    _check_group_index(g_idx, "g_idx", k, group)
     return _integer_weight(
         codes, zeros, scales, bits, ("weight_packed", "weight_zero_point", "weight_scale")
     )
@@ -354,6 +420,7 @@ def import_gptq(
     *,
     bits: int = 4,
     checkpoint_format: str = "gptq",
+    group_size: int | None = None,
 ) -> QuantizedWeight:
     """GPTQ expert projections -> int4 / int8 group weight ``(E, N, K)``.
 
@@ -361,7 +428,9 @@ def import_gptq(
     ``[K/g, N*bits/32]``, ``scales`` float ``[K/g, N]``, ``g_idx`` int ``[K]`` (must be
     ``k // g``: act-order checkpoints are refused). ``checkpoint_format`` "gptq" (stored
     zeros are zero - 1, AutoGPTQ's format and the default of ``quantize_config.json``) or
-    "gptq_v2" (stored as is).
+    "gptq_v2" (stored as is). ``group_size``: ``quantize_config.json``'s (-1: one group);
+    without it the group size comes from ``g_idx`` or, where unambiguous, the scales' shape
+    (``_group_size``; a K that is not a multiple of it is refused).
     """
     bits = _check_bits("bits", bits)
     if checkpoint_format not in GPTQ_FORMATS:
@@ -376,8 +445,8 @@ def import_gptq(
     if checkpoint_format == "gptq":
         zeros = zeros + 1
     k = codes.shape[1]
-    if sc.shape[1]:
-        _check_group_index(g_idx, "g_idx", k, k // sc.shape[1] or 1)
+    group = _group_size(k, sc.shape[1], group_size, g_idx, "scales")
+    _check_group_index(g_idx, "g_idx", k, group)
     return _integer_weight(
         codes.transpose(1, 2),
         zeros.transpose(1, 2),
@@ -405,6 +474,11 @@ def import_awq(
     sc = _floating("scales", _tensor("scales", _stack("scales", scales), None, 3))
     codes = _unpack_words(qw, bits, 2)  # [E, K, N] in slot order
     zeros = _unpack_words(qz, bits, 2)  # [E, G, N] in slot order
+    if qz.shape[2] != qw.shape[2] or qz.shape[0] != qw.shape[0]:
+        raise ValueError(
+            f"qzeros: expected int32 [E, groups, N/8] with the {qw.shape[2]} words per row of "
+            f"qweight {list(qw.shape)}, got {list(qz.shape)}"
+        )
     slot_of = torch.tensor([AWQ_ORDER.index(m) for m in range(8)], device=qw.device)
     words = codes.shape[2] // 8
     column = (torch.arange(words, device=qw.device)[:, None] * 8 + slot_of).reshape(-1)

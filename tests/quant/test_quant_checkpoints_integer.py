@@ -217,3 +217,70 @@ def test_fused_moe_on_imported_weights_matches_reference(fmt):
     ref = moerunner.reference_moe(x, moerunner.ExpertWeights(w13, w2), topk.weights, topk.ids)
     # fp32 hidden states, weight-only int4 (dequantized exactly): fp32 accumulation bound.
     assert_close(out, ref, error_bound(torch.float32, False))
+
+
+# ---------------------------------------------------------- group sizes that K does not settle
+
+
+def _gptq_parts(rng, k, n, group):
+    """A v1 GPTQ projection with ceil(K / group) groups, as AutoGPTQ lays it out."""
+    groups = -(-k // group)
+    q = rng.integers(0, 16, (k, n))
+    z = rng.integers(1, 16, (groups, n))
+    scale = scales_fp16(rng, (1, groups, n))
+    g_idx = (torch.arange(k, dtype=torch.int32) // group)[None]
+    return pack(q, 4, 0)[None], pack(z - 1, 4, 1)[None], scale, g_idx, q, z
+
+
+def test_gptq_group_size_comes_from_the_config_or_g_idx_not_a_guess():
+    # Was: the group size was K // groups, so K = 192 with group_size 128 (AutoGPTQ makes
+    # ceil(192 / 128) = 2 groups, the second one ragged) imported as int4_g96: 507 of 3072
+    # values wrong. Now a group count that two group sizes explain is refused unless the
+    # checkpoint's group_size or g_idx says which; a ragged last group is refused by name.
+    rng = np.random.default_rng(11)
+    qweight, qzeros, scale, g_idx, _, _ = _gptq_parts(rng, 192, 16, 128)
+    with pytest.raises(ValueError, match="pass group_size"):
+        import_gptq(qweight, qzeros, scale)
+    with pytest.raises(ValueError, match="ragged"):
+        import_gptq(qweight, qzeros, scale, group_size=128)
+    with pytest.raises(ValueError, match="ragged"):
+        import_gptq(qweight, qzeros, scale, g_idx)  # not blamed on act-order any more
+    # A group size of 96 really is 2 groups of 96: stated, it imports exactly.
+    qweight, qzeros, scale, g_idx, q, z = _gptq_parts(rng, 192, 16, 96)
+    for how in ({"group_size": 96}, {"g_idx": g_idx}):
+        qw = import_gptq(qweight, qzeros, scale, **how)
+        w_kn = (q - np.repeat(z, 96, axis=0)) * np.repeat(scale[0].double().numpy(), 96, axis=0)
+        assert qw.scheme.name == "int4_g96_zp"
+        assert torch.equal(moerunner.dequantize(qw)[0].double(), torch.from_numpy(w_kn).T)
+    with pytest.raises(ValueError, match="makes 3 groups"):
+        import_gptq(qweight, qzeros, scale, group_size=64)
+    with pytest.raises(ValueError, match="group_size must be"):
+        import_gptq(qweight, qzeros, scale, group_size=0)
+
+
+def test_compressed_tensors_group_size_and_a_stacked_weight_shape():
+    rng = np.random.default_rng(12)
+    e, n, k, group = 2, 8, 100, 50
+    q = rng.integers(-8, 8, (e, n, k))
+    scale = scales_fp16(rng, (e, n, k // group))
+    packed = torch.stack([pack(q[x] + 8, 4, 1) for x in range(e)])
+    with pytest.raises(ValueError, match="pass group_size"):  # 50, or 64 with a ragged group
+        import_compressed_tensors(packed, scale, weight_shape=torch.tensor([n, k]))
+    expected = torch.from_numpy(q * np.repeat(scale.double().numpy(), group, axis=-1))
+    # compressed-tensors' compress() of a stacked [E, N, K] weight stores (E, N, K).
+    for shape in (torch.tensor([n, k]), torch.tensor([e, n, k])):
+        qw = import_compressed_tensors(packed, scale, weight_shape=shape, group_size=group)
+        assert torch.equal(moerunner.dequantize(qw).double(), expected)
+    with pytest.raises(ValueError, match="names 3 experts"):
+        import_compressed_tensors(
+            packed, scale, weight_shape=torch.tensor([3, n, k]), group_size=group
+        )
+
+
+def test_awq_qzeros_must_match_qweight_words():
+    # Was: one word fewer gave an IndexError, one more was silently dropped.
+    qweight = torch.zeros(1, 128, 2, dtype=torch.int32)
+    scale = torch.ones(1, 4, 16, dtype=torch.float16)
+    for words in (1, 3):
+        with pytest.raises(ValueError, match="qzeros"):
+            import_awq(qweight, torch.zeros(1, 4, words, dtype=torch.int32), scale)
