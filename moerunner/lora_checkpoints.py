@@ -33,7 +33,8 @@ whose own scaling differs has the ratio folded into its B. Adapters of different
 zero-padded to the largest (a zero row of A adds exactly 0).
 
 moerunner applies the routed experts' factors only. An adapter that also holds LoRA weights
-of other modules (attention, the router, a shared expert) is refused unless
+of other modules (attention, the router, a shared expert), or whole weights PEFT saved beside
+them (``modules_to_save``: a trained router or lm_head), is refused unless
 ``other_modules="ignore"``, which loads the experts' factors alone.
 """
 
@@ -177,7 +178,8 @@ def load_peft_adapters(
         dtype, device: of the returned factors (float32 by default: the hooks compute in
             float32).
         other_modules: ``"error"`` (default): an adapter holding LoRA weights of modules
-            other than the routed experts raises; ``"ignore"``: those are left out.
+            other than the routed experts, or ``modules_to_save`` weights, raises;
+            ``"ignore"``: those are left out.
 
     Returns:
         ``MoeLoraWeights`` with ``w13_a [L, E, r13, H]``, ``w13_b [L, E, 2I, r13]``,
@@ -245,8 +247,9 @@ def _read(path: str, shape: MoeModelShape, other_modules: str) -> _Adapter:
     for key, value in tensors.items():
         m = _EXPERT_KEY.match(key)
         if m is None:
-            if ".lora_" in key or "lora_magnitude" in key:
-                others.append(key)
+            # LoRA factors of other modules, or whole weights PEFT saved beside them
+            # (``modules_to_save``: a trained router or lm_head)
+            others.append(key)
             continue
         layer = int(m["layer"])
         module = m["module"].removeprefix(_PEFT_PREFIX)
@@ -260,7 +263,8 @@ def _read(path: str, shape: MoeModelShape, other_modules: str) -> _Adapter:
     if others and other_modules == "error":
         shown = ", ".join(others[:4]) + (" ..." if len(others) > 4 else "")
         raise MoeInputError(
-            f"adapters: {path!r} holds LoRA weights outside the routed experts ({shown}); "
+            f"adapters: {path!r} holds weights outside the routed experts ({shown}): LoRA "
+            "factors of other modules or modules_to_save (a trained router, lm_head); "
             "moerunner applies the experts' factors only: pass other_modules='ignore' to load "
             "those alone"
         )

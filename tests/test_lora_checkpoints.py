@@ -279,6 +279,14 @@ def test_bad_adapters_raise_naming_the_problem(tmp_path):
         load_peft_adapters(attn_path, QWEN, layer=0)
     ignored = load_peft_adapters(attn_path, QWEN, layer=0, other_modules="ignore")
     torch.testing.assert_close(ignored.w13_a, load_peft_adapters(good, QWEN, layer=0).w13_a)
+    # A trained router saved whole (PEFT's modules_to_save) was dropped without a word:
+    # the model then differed from PEFT's by 1.3 (relative) once the adapter was on.
+    router = {**t, f"{PREFIX}.0.mlp.gate.weight": torch.zeros(E, H)}
+    router_path = write_adapter(tmp_path / "router", router, modules_to_save=["gate"])
+    with pytest.raises(MoeInputError, match=r"outside the routed experts \(.*mlp\.gate\.weight"):
+        load_peft_adapters(router_path, QWEN, layer=0)
+    ignored = load_peft_adapters(router_path, QWEN, layer=0, other_modules="ignore")
+    torch.testing.assert_close(ignored.w13_a, load_peft_adapters(good, QWEN, layer=0).w13_a)
     with pytest.raises(MoeInputError, match="other_modules"):
         load_peft_adapters(good, QWEN, layer=0, other_modules="skip")
     with pytest.raises(MoeInputError, match="where the model needs"):
