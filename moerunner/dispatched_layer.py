@@ -159,8 +159,9 @@ class DispatchedForward:
             prepared = self._prepared(
                 x, weights, self.dispatcher.dispatch_format, topk.ids.shape[1]
             )
+            flag = getattr(self.dispatcher, "on_overflow", None) == "flag"
             if (
-                self.dispatcher_kind == "standard"  # (others carry rows in their wire dtype)
+                not flag  # (its rows travel in the wire dtype, converted back: accepted)
                 and not is_quantized(weights.w13)
                 and x.dtype != weights.w13.dtype
             ):

@@ -93,6 +93,10 @@ def scenarios(rank: int, world: int) -> dict:
             )
             if fault == "expert_raises" and rank == 1:
                 moe.runner.run = original
+        # Every rank bf16 with fp32 weights: the experts could not take the rows (an
+        # internal "Expected out tensor to have dtype float" before); a TypeError instead.
+        if kind != "masked_flag":  # (flag mode carries rows in the wire dtype)
+            results[f"{kind}/all_bf16"] = _outcome(lambda m=moe, x=x, t=topk: m(x.bfloat16(), t))
         # The group is still aligned: a correct step on every rank.
         results[f"{kind}/after"] = _outcome(lambda m=moe, x=x, t=topk: m(x, t))
         results[f"{kind}/input"] = (x, topk)
@@ -190,6 +194,15 @@ def test_other_dtype_on_one_rank(world):
             assert error is not None and error[0] == "MoeInputError", (rank, kind, error)
             assert "float16" in error[1] and "float32" in error[1], error[1]
         assert r["masked_flag/other_dtype"]["error"] is None, (rank, r["masked_flag/other_dtype"])
+
+
+def test_every_rank_in_another_dtype_than_the_weights_is_a_type_error(world):
+    _, results = world
+    for rank, r in enumerate(results):
+        for kind in ("standard", "all_to_all", "masked_raise"):
+            error = r[f"{kind}/all_bf16"]["error"]
+            assert error is not None and error[0] == "TypeError", (rank, kind, error)
+            assert "bfloat16" in error[1] and "float32" in error[1], error[1]
 
 
 def test_other_dtype_on_one_rank_standard(world):
