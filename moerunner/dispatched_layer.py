@@ -176,6 +176,10 @@ class DispatchedForward:
             x, topk = self._stand_in()
         sync_free = getattr(self.dispatcher, "on_overflow", None) == "flag"
         what = f"expert-parallel MoE forward ({self.dispatcher_kind})"
+        # standard: every rank passes the same tokens and the partial outputs are summed, so
+        # T must agree before that sum (else gloo aborts or a rank waits forever); both
+        # agreements below carry it, so every rank exchanges the same values.
+        same = ("the token count T", x.shape[0]) if self.dispatcher_kind == "standard" else None
         with stage("dispatch"), trace_range("moerunner.dispatch"):
             try:
                 dispatched = self.dispatcher.dispatch(x, topk)
@@ -184,7 +188,7 @@ class DispatchedForward:
                 # locally before its exchanges (e.g. the standard one, which has none).
                 if self.group is None or sync_free:
                     raise
-                agree(self.group, what, err)
+                agree(self.group, what, err, same=same)
                 raise  # unreachable: agree raises  # pragma: no cover
         # masked, on_overflow="flag": the step's device-side overflow flag (else None)
         self.last_overflow = getattr(dispatched, "overflow", None)
@@ -199,7 +203,7 @@ class DispatchedForward:
             if error is not None:  # the step has failed: its output is never returned
                 out = torch.zeros_like(dispatched.hidden_states)
         if self.group is not None and not sync_free and not capturing():
-            agree(self.group, what, error)
+            agree(self.group, what, error, same=same)
         with stage("combine"), trace_range("moerunner.combine"):
             combined = self.dispatcher.combine(out, dispatched)
         if error is not None:  # "flag" mode, or while capturing: this rank alone

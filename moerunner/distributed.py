@@ -181,15 +181,22 @@ def raise_failed(
     raise RankFailedError(message, ranks, errors) from error
 
 
-def agree(group, what: str, error: BaseException | None = None) -> None:
+def agree(
+    group, what: str, error: BaseException | None = None, same: tuple[str, int] | None = None
+) -> None:
     """Collective: every rank calls it at the same point, with its local failure or None; if
     any rank passed one, every rank raises ``RankFailedError`` naming the failing ranks.
+    ``same``: ``(name, value)``, a value every rank must pass alike (else every rank raises
+    ``MoeInputError`` listing each rank's), carried by the same exchange.
 
     One small all_gather and one host read (a synchronisation on a GPU).
     """
-    flag = torch.tensor([int(error is not None)], dtype=torch.int64)
-    failed = all_gather_ints(flag.to(collective_device(group)), group)[:, 0].cpu()
-    raise_failed(failed, group, what, error)
+    values = [int(error is not None)] + ([int(same[1])] if same is not None else [])
+    table = all_gather_ints(torch.tensor(values).to(collective_device(group)), group).cpu()
+    raise_failed(table[:, 0], group, what, error)
+    if same is not None and not bool((table[:, 1] == table[0, 1]).all()):
+        each = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 1]))
+        raise MoeInputError(f"{what}: {same[0]} differs across ranks ({each})")
 
 
 @contextmanager

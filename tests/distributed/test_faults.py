@@ -97,6 +97,11 @@ def scenarios(rank: int, world: int) -> dict:
         # internal "Expected out tensor to have dtype float" before); a TypeError instead.
         if kind != "masked_flag":  # (flag mode carries rows in the wire dtype)
             results[f"{kind}/all_bf16"] = _outcome(lambda m=moe, x=x, t=topk: m(x.bfloat16(), t))
+        if kind == "standard":  # every rank must pass the same tokens; rank 1 passes fewer
+            for rows in (3, 0):
+                mine = rows if rank == 1 else T
+                part = TopK(topk.weights[:mine], topk.ids[:mine])
+                results[f"standard/T{rows}"] = _outcome(lambda m=moe, x=x[:mine], t=part: m(x, t))
         # The group is still aligned: a correct step on every rank.
         results[f"{kind}/after"] = _outcome(lambda m=moe, x=x, t=topk: m(x, t))
         results[f"{kind}/input"] = (x, topk)
@@ -203,6 +208,17 @@ def test_every_rank_in_another_dtype_than_the_weights_is_a_type_error(world):
             error = r[f"{kind}/all_bf16"]["error"]
             assert error is not None and error[0] == "TypeError", (rank, kind, error)
             assert "bfloat16" in error[1] and "float32" in error[1], error[1]
+
+
+def test_standard_dispatch_with_another_token_count_on_one_rank(world):
+    # Was: gloo aborted both processes (T = 5 and 3) or rank 0 waited forever (T = 4 and 0)
+    # in the combine's all_reduce.
+    _, results = world
+    for rows in (3, 0):
+        for rank, r in enumerate(results):
+            error = r[f"standard/T{rows}"]["error"]
+            assert error is not None and error[0] == "MoeInputError", (rank, rows, error)
+            assert "T differs across ranks" in error[1] and f"rank 1: {rows}" in error[1]
 
 
 def test_other_dtype_on_one_rank_standard(world):
