@@ -201,7 +201,9 @@ class DispatchedForward:
                     raise
                 error = err
             if error is not None:  # the step has failed: its output is never returned
-                out = torch.zeros_like(dispatched.hidden_states)
+                # In flag mode the other ranks finish the step: the tokens this rank's experts
+                # served come back to them as NaN, not as if those experts had output zero.
+                out = torch.full_like(dispatched.hidden_states, float("nan"))
         if self.group is not None and not sync_free and not capturing():
             agree(self.group, what, error, same=same)
         with stage("combine"), trace_range("moerunner.combine"):

@@ -243,15 +243,28 @@ def test_out_of_range_id_on_one_rank(world):
 @pytest.mark.parametrize("fault", ["wrong_shape", "wrong_dtype", "expert_raises"])
 def test_flag_mode_failing_rank_raises_others_finish(world, fault):
     """masked on_overflow="flag" reads nothing on the host: rank 1 raises after the step's
-    exchanges, the others finish the step (no hang)."""
-    _, results = world
+    exchanges, the others finish the step (no hang). The tokens rank 1's experts served come
+    back as NaN (they came back as if those experts had output zero: a silently wrong
+    result); every other token equals the reference."""
+    size, results = world
+    from moerunner.dispatch.expert_map import ExpertPlacement
+
+    failed_experts = list(ExpertPlacement.contiguous(E, size).global_ids(1))
     for rank, r in enumerate(results):
         outcome = r[f"masked_flag/{fault}"]
         if rank == 1:
             assert outcome["error"] is not None and outcome["error"][0] == "RankFailedError"
             assert "failed on rank 1" in outcome["error"][1]
-        else:
-            assert outcome["error"] is None, (rank, outcome["error"])
+            continue
+        assert outcome["error"] is None, (rank, outcome["error"])
+        out = outcome["out"][0]
+        weights, _, _ = _case(rank, "masked_flag")
+        x, topk = r["masked_flag/input"]
+        served = torch.isin(topk.ids.long(), torch.tensor(failed_experts)).any(dim=1)
+        assert torch.equal(torch.isnan(out).any(dim=1), served), (rank, served)
+        if bool((~served).any()):
+            ref = reference_moe(x[~served], weights, topk.weights[~served], topk.ids[~served])
+            assert_close(out[~served], ref, 1e-4, what=f"rank {rank} unaffected tokens")
 
 
 def test_flag_mode_out_of_range_id_is_flagged(world):
