@@ -222,9 +222,14 @@ class DispatchedForward:
 
     def _stand_in(self) -> tuple[torch.Tensor, TopK]:
         """An empty batch in the dtype and top-k of this layer's last good call (what the
-        other ranks pass), for a rank whose own input failed its checks."""
-        dtype = self._dtype if self._dtype is not None else torch.float32
-        device = self.expert_weights().device
+        other ranks pass), for a rank whose own input failed its checks; before any good
+        call, in the plain weights' dtype (what a good call must pass), else float32."""
+        weights = self.expert_weights()
+        dtype = self._dtype
+        if dtype is None:
+            plain = not is_quantized(weights.w13)
+            dtype = weights.w13.dtype if plain else torch.float32
+        device = weights.device
         x = torch.zeros((0, self.config.hidden_size), dtype=dtype, device=device)
         k = self._top_k if self._top_k is not None else self.config.top_k
         ids = torch.zeros((0, k), dtype=torch.int32, device=device)

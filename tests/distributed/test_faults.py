@@ -68,6 +68,25 @@ def _faulty_inputs(fault: str, rank: int, x: torch.Tensor, topk: TopK):
     return x, topk
 
 
+def _bf16_first(rank: int, world: int):
+    """A bf16 routed layer's very first call, with rank 1's hidden size wrong."""
+    from moerunner import MoE, MoeConfig
+    from moerunner.dispatch.expert_map import ExpertPlacement
+
+    layer = MoE(
+        MoeConfig(E, H, I, K),
+        dtype=torch.bfloat16,
+        backend="torch",
+        dispatcher="masked",
+        placement=ExpertPlacement.contiguous(E, world),
+        capacity=32,
+    )
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, H + (1 if rank == 1 else 0), generator=g).bfloat16()
+    with torch.no_grad():
+        return layer(x, torch.randn(4, E, generator=g))
+
+
 def scenarios(rank: int, world: int) -> dict:
     from moerunner.distributed_moe import ExpertParallelMoE
 
@@ -78,6 +97,8 @@ def scenarios(rank: int, world: int) -> dict:
         if kind == "all_to_all":  # a failure in the layer's very first call (see the test)
             bad_x, _ = _faulty_inputs("wrong_shape", rank, x, topk)
             results[f"{kind}/first_call"] = _outcome(lambda bx=bad_x, m=moe, t=topk: m(bx, t))
+        if kind == "masked_raise":  # the same in a bf16 layer, whose stand-in was fp32
+            results["masked_bf16/first_call"] = _outcome(lambda r=rank, w=world: _bf16_first(r, w))
         results[f"{kind}/warmup"] = _outcome(lambda m=moe, x=x, t=topk: m(x, t))
         for fault in FAULTS:
             bad_x, bad_topk = _faulty_inputs(fault, rank, x, topk)
@@ -296,6 +317,16 @@ def test_failure_in_the_first_call_all_to_all(world):
         error = r["all_to_all/first_call"]["error"]
         assert error is not None and error[0] == "MoeInputError", (rank, error)
         assert "top_k differs across ranks" in error[1], error[1]
+
+
+def test_failure_in_the_first_call_of_a_bf16_masked_layer_names_the_real_error(world):
+    # Was: the failing rank's stand-in batch was fp32, so every rank got "hidden dtype
+    # differs across ranks" instead of rank 1's own error.
+    _, results = world
+    for rank, r in enumerate(results):
+        error = r["masked_bf16/first_call"]["error"]
+        assert error is not None and error[0] == "RankFailedError", (rank, error)
+        assert "rank 1: MoeInputError: hidden_states last dim" in error[1], error[1]
 
 
 def test_good_calls_between_faults(world):
