@@ -370,11 +370,14 @@ def _fused_module(wrapper: dict, module: str, shape: MoeModelShape, scaling_of):
     swapped = next((ro for ro, (k, n, _) in roles.items() if found == (n, k)), None)
     if role is None and swapped is not None:
         raise MoeInputError(
-            f"adapters: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} adapt "
+            f"adapters: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} fit neither "
+            f"gate_up_proj ([E*r, {h}] / [{2 * i}, r*E]) nor down_proj ([E*r, {i}] / "
+            f"[{h}, r*E]) of this model (H={h}, I={i}). Either they adapt "
             f"{roles[swapped][2]} with A on the parameter's output side (PEFT's orientation "
-            "for a 3-D parameter of a transformers 4 model without is_transposed); moerunner "
-            "reads transformers 5's orientation (A on the input side): save the adapter from "
-            "the transformers 5 model"
+            "for a 3-D parameter of a transformers 4 model without is_transposed; moerunner "
+            "reads transformers 5's, A on the input side: save the adapter from the "
+            "transformers 5 model), or the adapter was trained for a model of another "
+            "hidden or intermediate size"
         )
     if role is None:
         raise MoeInputError(

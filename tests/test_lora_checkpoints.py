@@ -263,6 +263,17 @@ def test_family_shapes_from_transformers_configs():
     assert MoeModelShape.of(tiny_config("mixtral")).projections == ("w1", "w3", "w2")
 
 
+def test_an_adapter_of_another_intermediate_size_is_not_called_an_orientation_problem(tmp_path):
+    # gate_up_proj factors of an I=16 model, loaded for I=32: their shapes are those of
+    # down_proj's with A and B swapped, which the message blamed on transformers 4 alone.
+    g = torch.Generator().manual_seed(9)
+    tensors, _ = fused_adapter(g, [0], 2, 2)
+    gate_up = {k: v for k, v in tensors.items() if "base_layer." in k}
+    path = write_adapter(tmp_path / "i16", gate_up, r=2, target_parameters=["gate_up_proj"])
+    with pytest.raises(MoeInputError, match="another hidden or intermediate size"):
+        load_peft_adapters(path, MoeModelShape(E, H, 2 * I), layer=0)
+
+
 def test_bad_adapters_raise_naming_the_problem(tmp_path):
     g = torch.Generator().manual_seed(4)
     t, _ = per_expert_adapter(g, QWEN, [0], 4)
