@@ -18,6 +18,30 @@ from moerunner.dispatch.formats import STANDARD
 from moerunner.testing import DTYPE_BOUND
 from moerunner.weights import ExpertWeights
 
+
+def interpreted_triton() -> bool:
+    """Whether the triton backend runs CPU tensors here: under Triton's interpreter (CPU
+    runs, CI). On a CUDA machine the interpreter is off and triton takes CUDA tensors only."""
+    try:
+        from moerunner.backends.triton import interpreted
+    except ImportError:
+        return False
+    return interpreted()
+
+
+def cpu_backends() -> list:
+    """The backend rows of tests whose tensors live on the CPU: torch, and triton where it
+    runs them (``interpreted_triton``); elsewhere the triton row says why it is skipped
+    instead of failing in backend selection (the gpu-marked tests run triton there)."""
+    import pytest
+
+    reason = "CPU tensors: triton runs them under its interpreter only (CPU runs)"
+    return [
+        "torch",
+        pytest.param("triton", marks=pytest.mark.skipif(not interpreted_triton(), reason=reason)),
+    ]
+
+
 # One quantized scheme of each family the triton kernels implement (the kernel test subset),
 # and the packed 4-bit ones among them (split layout, in-kernel decode).
 PACKED_SCHEMES = ["int4", "int4_g32_zp", "mxfp4", "mxfp4_mxfp8", "nvfp4"]

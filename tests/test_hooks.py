@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import cpu_backends
 
 import moerunner
 from moerunner import MoeInputError, MoeRunner
@@ -25,7 +26,7 @@ from moerunner.testing import DTYPE_BOUND, assert_close, error_bound
 from moerunner.weights import ExpertWeights
 
 T, E, H, I, K = 7, 5, 32, 16, 2
-BACKENDS = ["torch", "triton"]
+BACKENDS = cpu_backends()  # CPU tensors (see cases.cpu_backends)
 
 
 def _case(act="silu", interleaved=False, seed=0):

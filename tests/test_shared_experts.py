@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import cpu_backends
 
 import moerunner
 from moerunner import MoE, MoeConfig, MoeInputError, MoeRunner, RoutingConfig
@@ -24,26 +25,8 @@ from moerunner.weights import ExpertWeights
 T, E, H, I, K = 6, 5, 32, 16, 2
 
 
-def _interpreted() -> bool:
-    try:
-        from moerunner.backends.triton import interpreted
-    except ImportError:
-        return False
-    return interpreted()
-
-
-# The tensors here live on the CPU: the triton rows run under Triton's interpreter (CPU
-# runs, CI); on a CUDA machine the interpreter is off and the triton backend takes CUDA
-# tensors only, so the rows say so instead of failing in backend selection.
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            not _interpreted(), reason="CPU tensors: triton runs them under its interpreter only"
-        ),
-    ),
-]
+# The tensors here live on the CPU (the triton rows run under Triton's interpreter).
+BACKENDS = cpu_backends()
 
 
 def _weights(act: Activation, e: int, inter: int, dtype=torch.float32, seed: int = 0):
