@@ -99,12 +99,12 @@ def version(t: torch.Tensor) -> int:
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
     """A tensor argument's identity and state on the host, no device sync: the object, its
-    memory, in-place version, dtype, device and shape. Caches of what is derived from a
-    parameter key on it: replacing the parameter, assigning ``.data`` or editing it in place
-    changes it."""
+    memory, strides, in-place version, dtype, device and shape. Caches of what is derived
+    from a parameter key on it: replacing the parameter, assigning ``.data`` or editing it in
+    place changes it."""
     if t is None:
         return None
-    return (id(t), t.data_ptr(), version(t), t.dtype, t.device, tuple(t.shape))
+    return (id(t), t.data_ptr(), t.stride(), version(t), t.dtype, t.device, tuple(t.shape))
 
 
 def view_key(t: torch.Tensor | None) -> tuple | None:

@@ -526,9 +526,10 @@ def prepared_memo(weights: ExpertWeights) -> _PreparedCache | None:
 
 def tensor_state(weight: Any) -> tuple:
     """Host-side identity of a weight's contents, no device sync: per tensor (a plain tensor,
-    or each component of a quantized weight) its storage address, dtype, shape and in-place
-    version counter. ``.data`` assignment changes the address; in-place edits the version
-    (inference tensors keep none: their in-place edits inside ``inference_mode`` go unseen)."""
+    or each component of a quantized weight) its storage address, dtype, shape, strides and
+    in-place version counter. ``.data`` assignment changes the address or the strides (a
+    view of the same memory read another way); in-place edits the version (inference tensors
+    keep none: their in-place edits inside ``inference_mode`` go unseen)."""
     if weight is None:
         return ()
     if isinstance(weight, torch.Tensor):
@@ -536,7 +537,7 @@ def tensor_state(weight: Any) -> tuple:
     else:
         parts = weight.tensors() if hasattr(weight, "tensors") else {}
         tensors = tuple(t for t in parts.values() if isinstance(t, torch.Tensor))
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), version(t)) for t in tensors)
+    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), version(t)) for t in tensors)
 
 
 def check_activation(

@@ -252,3 +252,59 @@ def test_layer_prepare_refuses_a_dtype_its_calls_would_refuse():
         layer.prepare(torch.bfloat16)
     layer.prepare(torch.float32)
     assert layer(torch.randn(3, 32), torch.randn(3, 4)).shape == (3, 32)
+
+
+# -- valid but unusual inputs of fused_moe (a second walkthrough, same day) ---------------------
+
+
+def _f64_moe(x, w13, w2, weights, ids):
+    return moerunner.reference_moe(
+        x, moerunner.ExpertWeights(w13.double(), w2.double()), weights, ids
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda e, n, k: torch.randn(e, 1, k).bfloat16().expand(e, n, k),  # broadcast rows
+        lambda e, n, k: torch.randn(e, n, 1).bfloat16().expand(e, n, k),  # along K
+        lambda e, n, k: torch.randn(e, 8 * n, 8 * k).bfloat16()[:, ::8, ::8],  # no unit stride
+    ],
+    ids=["rows_expanded", "k_expanded", "step8"],
+)
+def test_bf16_weights_without_a_unit_stride_run_on_the_torch_backend(make):
+    # Was: an internal RuntimeError from torch._grouped_mm ("Invalid strides/sizes"): its
+    # fitness check skipped unit strides and counted stride 0 as aligned.
+    from moerunner.testing import DTYPE_BOUND, assert_close
+
+    e, h, i = 4, 32, 16
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(1)
+    w13, w2 = make(e, 2 * i, h), make(e, h, i)
+    assert 1 not in w13.stride()[-2:] or 0 in w13.stride()  # the layouts under test
+    x = (torch.randn(5, h, generator=g) * 0.2).bfloat16()
+    topk = moerunner.select_experts(torch.randn(5, e, generator=g), 2, renormalize=True)
+    out = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="torch")
+    ref = _f64_moe(x, w13, w2, topk.weights, topk.ids)
+    assert_close(out, ref, DTYPE_BOUND[torch.bfloat16])
+
+
+def test_data_reassigned_to_the_same_memory_read_another_way_is_seen():
+    # Was: the prepared weights were keyed on address, dtype, shape and version, so .data
+    # set to a view of the same address with other strides reused the old matrices
+    # (relative error 1.24).
+    from moerunner.testing import DTYPE_BOUND, assert_close
+
+    e, h, i = 4, 32, 16
+    g = torch.Generator().manual_seed(2)
+    big = torch.randn(e, 4 * i, h, generator=g) / h**0.5
+    w13 = torch.nn.Parameter(big[:, : 2 * i], requires_grad=False)
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    x = torch.randn(6, h, generator=g)
+    topk = moerunner.select_experts(torch.randn(6, e, generator=g), 2, renormalize=True)
+    moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="torch")
+    w13.data = big[:, ::2]  # same address and shape, every other row
+    out = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="torch")
+    assert_close(
+        out, _f64_moe(x, big[:, ::2], w2, topk.weights, topk.ids), DTYPE_BOUND[torch.float32]
+    )

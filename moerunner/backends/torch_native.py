@@ -460,9 +460,14 @@ def _grouped_rows(prepared: PreparedWeights) -> bool:
 
 
 def _aligned16(w: torch.Tensor) -> bool:
-    """Every stride but the unit one, and the start, 16-byte aligned: what the grouped GEMM
-    needs of its weights (of its inputs too, which are made row-major here)."""
+    """What the grouped GEMM needs of a 3-D weight (of its inputs too, which are made
+    row-major here): each matrix row- or column-major (a unit stride in one of the last two
+    dims), no broadcast dim (stride 0, from ``expand``), and every other stride and the start
+    16-byte aligned."""
     size = w.element_size()
+    last_two = w.stride()[-2:]
+    if 1 not in last_two or 0 in w.stride():
+        return False
     strides = [st * size for st in w.stride() if st != 1]
     return w.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in strides)
 
