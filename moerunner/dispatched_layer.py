@@ -144,6 +144,8 @@ class DispatchedForward:
         from .distributed import agree
 
         stage = timer if timer is not None else (lambda name: nullcontext())
+        # masked, on_overflow="flag": no host read in the step (and rows in the wire dtype)
+        sync_free = getattr(self.dispatcher, "on_overflow", None) == "flag"
         error = None
         try:
             x, topk, _ = self._inputs(hidden_states, router_logits, topk)
@@ -159,9 +161,8 @@ class DispatchedForward:
             prepared = self._prepared(
                 x, weights, self.dispatcher.dispatch_format, topk.ids.shape[1]
             )
-            flag = getattr(self.dispatcher, "on_overflow", None) == "flag"
             if (
-                not flag  # (its rows travel in the wire dtype, converted back: accepted)
+                not sync_free  # (its rows travel in the wire dtype, converted back: accepted)
                 and not is_quantized(weights.w13)
                 and x.dtype != weights.w13.dtype
             ):
@@ -174,7 +175,6 @@ class DispatchedForward:
                 raise
             error, prepared = err, None
             x, topk = self._stand_in()
-        sync_free = getattr(self.dispatcher, "on_overflow", None) == "flag"
         what = f"expert-parallel MoE forward ({self.dispatcher_kind})"
         # standard: every rank passes the same tokens and the partial outputs are summed, so
         # T must agree before that sum (else gloo aborts or a rank waits forever); both

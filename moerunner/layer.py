@@ -656,19 +656,17 @@ class MoE(HoldsQuantized, DispatchedForward):
                     "and beta 1 only; per-expert parameters or another beta run eagerly"
                 )
             # Traced, or training eagerly on another backend: its forward, and a backward
-            # recomputed on the torch backend. The parameters themselves where gradients
-            # flow; else as ``op_tensor`` gives them.
-            arg = (lambda t: t) if train else op_tensor
-            w = self if self.quantized is None else self.quantized  # plain, or as held
-            b13, b2 = arg(w.w13_bias), arg(w.w2_bias)
+            # recomputed on the torch backend. The tensors themselves: where the call needs
+            # no gradients (``_trains``), none of them requires grad in grad mode.
+            w = self if held is None else held  # plain, or as held
             routed = call_fused_experts(
-                x if train else x.detach(),
-                arg(w.w13),
-                arg(w.w2),
+                x,
+                w.w13,
+                w.w2,
                 topk.weights,
                 topk.ids,
-                b13,
-                b2,
+                w.w13_bias,
+                w.w2_bias,
                 act.name,
                 act.alpha,
                 act.limit,
@@ -682,8 +680,7 @@ class MoE(HoldsQuantized, DispatchedForward):
             # The expert table is built outside the graph and without gradients, in eager
             # inference calls only: here the shared experts run beside the custom op as dense
             # PyTorch MLPs.
-            xs = x if train else x.detach()
-            dense = shared_dense(xs, shared, act, self.config.gate_up_interleaved)
+            dense = shared_dense(x, shared, act, self.config.gate_up_interleaved)
             return (routed.float() + dense).to(x.dtype)
         shared = self.shared_experts()
         return run_experts(
