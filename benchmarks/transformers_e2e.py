@@ -74,6 +74,7 @@ import torch
 import moerunner
 import moerunner.integrations.transformers as mt
 from moerunner.bench.presets import get_preset
+from moerunner.integrations._hf_experts import quantized_weights, set_quantized
 
 #: The zero-cost experts implementation: its row in the results, and the name under which it
 #: is registered in transformers' experts functions.
@@ -391,11 +392,38 @@ class BackendLog(logging.Handler):
 
 RELAYOUT = "+relayout"
 AUTO = "+auto"
+#: ``moerunner@SCHEME``: moerunner on the experts quantized into SCHEME (``quantize_experts``
+#: with the float weights kept, so the other implementations still run on them).
+QUANTIZED = "@"
+
+
+def impl_scheme(impl: str) -> tuple[str, str | None]:
+    """``impl`` without its ``@SCHEME`` part, and that scheme (None if there is none)."""
+    name, _, scheme = impl.partition(QUANTIZED)
+    if not scheme:
+        return impl, None
+    for suffix in (RELAYOUT, AUTO):  # "moerunner@fp8_block+relayout": the suffix stays
+        if scheme.endswith(suffix):
+            return name + suffix, scheme.removesuffix(suffix)
+    return name, scheme
+
+
+def use_scheme(model, scheme: str | None) -> None:
+    """Run the experts quantized into ``scheme`` (quantized once per model and scheme, then
+    pinned again when asked), or on their float weights (None)."""
+    done = model.__dict__.setdefault("_e2e_quantized", {})
+    if scheme is not None and scheme not in done:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mt.quantize_experts(model, scheme, keep_float_weights=True)
+        done[scheme] = {path: quantized_weights(m) for path, m in mt.experts_modules(model)}
+    for path, module in mt.experts_modules(model):
+        set_quantized(module, None if scheme is None else done[scheme][path])
 
 
 def base_impl(impl: str) -> str:
-    """``impl`` without its layout suffix (``RELAYOUT``, ``AUTO``)."""
-    return impl.removesuffix(RELAYOUT).removesuffix(AUTO)
+    """``impl`` without its layout suffix (``RELAYOUT``, ``AUTO``) and its ``@SCHEME``."""
+    return impl_scheme(impl)[0].removesuffix(RELAYOUT).removesuffix(AUTO)
 
 
 def use_impl(model, impl: str, registered: str, first=None) -> None:
@@ -405,11 +433,14 @@ def use_impl(model, impl: str, registered: str, first=None) -> None:
     ``experts_implementation="moerunner"`` (``relayout_experts(model, "auto")``: its first
     inference call re-lays each layer in place), that first call made here on ``first``
     (token ids, untimed) where given; every other implementation runs on the stored layout."""
+    impl, scheme = impl_scheme(impl)
     layout = "canonical" if impl.endswith(RELAYOUT) else "auto" if impl.endswith(AUTO) else "stored"
     if layout == "auto" or layout != getattr(model, "_e2e_layout", "stored"):
         mt.relayout_experts(model, layout)
         model._e2e_layout = layout
     model.set_experts_implementation(registered)
+    if scheme is not None or "_e2e_quantized" in model.__dict__:
+        use_scheme(model, scheme)
     if layout == "auto" and first is not None:
         with torch.no_grad():
             model(first)
@@ -442,7 +473,7 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
         row, ref = _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args)
     if impl.startswith("moerunner"):
         row["backends"] = backends.served()
-        print(f"[{shape}] {impl:<16} served by: {' | '.join(row['backends']) or '?'}", flush=True)
+        print(f"[{shape}] {impl:<20} served by: {' | '.join(row['backends']) or '?'}", flush=True)
     return row, ref
 
 
@@ -477,7 +508,7 @@ def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
     }
     layout = f"  experts {row['experts_layout']}" if row["experts_layout"] else ""
     print(
-        f"[{shape}] {impl:<16} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
+        f"[{shape}] {impl:<20} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
         f"decode {row['decode_tok_s']:>8.1f} tok/s  err {_fmt(err, '.2e')}{layout}",
         flush=True,
     )
@@ -593,7 +624,7 @@ def measure_graphs(model, shape, impl, registered, decode_prompt, args) -> list[
             finally:
                 torch._dynamo.reset()
         msg = row.get("error") or f"decode {row['decode_tok_s']:>8.1f} tok/s"
-        print(f"[{shape}] {impl:<16} {mode:<18} {msg}", flush=True)
+        print(f"[{shape}] {impl:<20} {mode:<18} {msg}", flush=True)
         rows.append(row)
     return rows
 
@@ -855,18 +886,18 @@ def table(results: dict) -> str:
     """Compact table: tok/s with speedups against the first implementation of each shape,
     step times min/median/max, time in experts and its ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<17}{'prefill tok/s':>14}{'x':>7}{'prefill ms min/med/max':>26}"
+        f"{'shape':<15}{'impl':<21}{'prefill tok/s':>14}{'x':>7}{'prefill ms min/med/max':>26}"
         f"{'exp ms':>9}{'/gm':>6}{'decode tok/s':>13}{'x':>6}{'decode ms min/med/max':>24}"
         f"{'exp ms':>9}{'/gm':>6}{'err':>10}"
     ]
     base: dict[str, dict] = {}
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"{r['shape']:<15}{r['impl']:<17}failed: {r['error'][:90]}")
+            lines.append(f"{r['shape']:<15}{r['impl']:<21}failed: {r['error'][:90]}")
             continue
         b = base.setdefault(r["shape"], r)
         lines.append(
-            f"{r['shape']:<15}{r['impl']:<17}{r['prefill_tok_s']:>14.0f}"
+            f"{r['shape']:<15}{r['impl']:<21}{r['prefill_tok_s']:>14.0f}"
             f"{r['prefill_tok_s'] / b['prefill_tok_s']:>7.2f}"
             f"{_spread_text(r['prefill_ms']):>26}"
             f"{_fmt(r.get('prefill_experts_ms'), '.2f', 9)}"
@@ -895,12 +926,12 @@ def rounds_table(rows: list[dict]) -> str:
     """The implementations timed in turns (``measure_rounds``): step times and time in
     experts with its ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<17}{'prefill ms min/med/max':>26}{'exp ms':>9}{'/gm':>6}"
+        f"{'shape':<15}{'impl':<21}{'prefill ms min/med/max':>26}{'exp ms':>9}{'/gm':>6}"
         f"{'decode ms min/med/max':>24}{'exp ms':>9}{'/gm':>6}"
     ]
     for r in rows:
         lines.append(
-            f"{r['shape']:<15}{r['impl']:<17}{_spread_text(r['prefill_ms']):>26}"
+            f"{r['shape']:<15}{r['impl']:<21}{_spread_text(r['prefill_ms']):>26}"
             f"{_fmt(r.get('prefill_experts_ms'), '.2f', 9)}"
             f"{_fmt(r.get('prefill_experts_vs_grouped_mm'), '.2f', 6)}"
             f"{_spread_text(r['decode_ms']):>24}"
@@ -919,14 +950,14 @@ def span_table(rows: list[dict]) -> str:
     """The experts' span per prefill and per decode step (min/median/max) and the median's
     ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<17}{'prefill span ms min/med/max':>30}{'/gm':>6}"
+        f"{'shape':<15}{'impl':<21}{'prefill span ms min/med/max':>30}{'/gm':>6}"
         f"{'decode span ms min/med/max':>29}{'/gm':>6}"
     ]
     for r in rows:
         if "error" in r or r["impl"] == ZERO_IMPL or "prefill_span_ms" not in r:
             continue
         lines.append(
-            f"{r['shape']:<15}{r['impl']:<17}{_spread_text(r['prefill_span_ms']):>30}"
+            f"{r['shape']:<15}{r['impl']:<21}{_spread_text(r['prefill_span_ms']):>30}"
             f"{_fmt(r.get('prefill_span_vs_grouped_mm'), '.2f', 6)}"
             f"{_spread_text(r['decode_span_ms']):>29}"
             f"{_fmt(r.get('decode_span_vs_grouped_mm'), '.2f', 6)}"
@@ -940,11 +971,11 @@ def span_table(rows: list[dict]) -> str:
 
 def graph_table(rows: list[dict]) -> str:
     lines = [
-        f"{'shape':<15}{'impl':<17}{'decode mode':<19}{'decode tok/s':>13}"
+        f"{'shape':<15}{'impl':<21}{'decode mode':<19}{'decode tok/s':>13}"
         f"{'ms min/med/max':>24}{'exp ms':>9}{'/gm':>6}{'1st call s':>11}"
     ]
     for r in rows:
-        head = f"{r['shape']:<15}{r['impl']:<17}{r['mode']:<19}"
+        head = f"{r['shape']:<15}{r['impl']:<21}{r['mode']:<19}"
         if "error" in r:
             lines.append(head + f"{'failed' if 'skipped' not in r['error'] else ''} {r['error']}")
             continue
@@ -1014,6 +1045,8 @@ def main(argv=None) -> None:
         help="comma list; 'moerunner:BACKEND' pins a moerunner backend (default: auto), "
         "'moerunner+relayout' also re-lays GPT-OSS's transposed experts as use_moerunner does, "
         "'moerunner+auto' leaves them to moerunner's first-call re-lay (a loaded model's path); "
+        "'moerunner@SCHEME' runs moerunner on the experts quantized into SCHEME "
+        "(e.g. moerunner@fp8_block); "
         f"the zero-cost implementation ({ZERO_IMPL}) is always added",
     )
     p.add_argument("--layers", type=int, default=2)

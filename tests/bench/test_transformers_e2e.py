@@ -298,3 +298,34 @@ def test_relayout_rows_read_the_canonical_layout_and_the_others_the_stored_one(e
             assert torch.equal(m.gate_up_proj, v)
         assert e2e.experts_layout(model) == layout
     assert e2e.base_impl("moerunner:triton+auto") == "moerunner:triton"
+
+
+def test_quantized_rows_run_the_quantized_experts_and_the_others_the_float_ones(e2e):
+    """``moerunner@fp8_block`` runs the experts quantized once into fp8_block (float weights
+    kept); switching to another implementation runs the float weights again, and back to the
+    quantized row reuses the same quantized tensors."""
+    from moerunner.integrations._hf_experts import quantized_weights
+
+    model = e2e.build_model("deepseek-v3", 1, 128, True, torch.float32, "cpu")
+    experts = [m for _, m in e2e.mt.experts_modules(model)]
+    name = e2e.mt.register()
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    def logits(impl):
+        e2e.use_impl(model, impl, name if impl.startswith("moerunner") else impl)
+        with torch.no_grad():
+            return model(ids).logits
+
+    float_logits = logits("moerunner")
+    assert all(quantized_weights(m) is None for m in experts)
+    quant_logits = logits("moerunner@fp8_block")
+    held = [quantized_weights(m) for m in experts]
+    assert all(w is not None and w.w13.scheme.name == "fp8_block" for w in held)
+    assert not torch.equal(quant_logits, float_logits)  # fp8 rounding reaches the logits
+    assert torch.equal(logits("grouped_mm"), logits("grouped_mm"))
+    assert all(quantized_weights(m) is None for m in experts)
+    assert torch.allclose(logits("moerunner"), float_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits("moerunner@fp8_block"), quant_logits)
+    assert all(quantized_weights(m) is h for m, h in zip(experts, held, strict=True))
+    assert e2e.impl_scheme("moerunner:triton@mxfp4+auto") == ("moerunner:triton+auto", "mxfp4")
+    assert e2e.base_impl("moerunner:triton@mxfp4+auto") == "moerunner:triton"
