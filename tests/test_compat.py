@@ -539,3 +539,38 @@ def test_vllm_fused_topk_sigmoid_scoring():
     torch.testing.assert_close(w.double(), ref_w / ref_w.sum(-1, keepdim=True), rtol=2e-7, atol=0)
     with pytest.raises(MoeInputError, match="scoring_func"):
         vllm.fused_topk(x, logits, 2, True, scoring_func="sqrtsoftplus")
+
+
+def test_vllm_positional_activation_of_the_releases_without_inplace():
+    # vLLM dropped fused_experts' inplace (mid-2026): activation is sixth. Read as inplace,
+    # such a call ran silu whatever it named and overwrote hidden_states.
+    import enum
+
+    class MoEActivation(enum.Enum):
+        GELU = "gelu"
+        GELU_TANH = "gelu_tanh"
+
+    x, logits, w13, w2 = _problem(47)
+    topk = moerunner.select_experts(logits, 2)
+    call = (x, w13, w2, topk.weights, topk.ids)
+    kept = x.clone()
+    want = reference_moe(x, ExpertWeights(w13, w2), topk.weights, topk.ids, "gelu")
+    for activation in (MoEActivation.GELU, "gelu"):
+        got = vllm.fused_experts(*call, activation)
+        assert torch.equal(x, kept)  # not in place: the releases without inplace return anew
+        assert_close(got, want, error_bound(torch.float32, False))
+        assert not torch.allclose(got, vllm.fused_experts(*call, "silu"))
+    tanh = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="gelu_tanh")
+    for name in (MoEActivation.GELU_TANH, "gelu_tanh", "gelu_pytorch_tanh"):
+        assert torch.equal(vllm.fused_experts(*call, name), tanh)
+    # every positional argument of that order, against the same call by keyword
+    assert torch.equal(
+        vllm.fused_experts(*call, "gelu", False, E, None, None),
+        vllm.fused_experts(*call, activation="gelu", global_num_experts=E),
+    )
+    # the older order (inplace sixth) still reads as before
+    assert torch.equal(vllm.fused_experts(*call, False, "gelu"), vllm.fused_experts(*call, "gelu"))
+    with pytest.raises(TypeError, match="multiple values for argument 'activation'"):
+        vllm.fused_experts(*call, "gelu", activation="silu")
+    with pytest.raises(TypeError, match="at most 10 positional"):
+        vllm.fused_experts(*call, "gelu", False, -1, None, None, None)

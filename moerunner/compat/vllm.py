@@ -11,11 +11,14 @@ read through its properties) or as the flat ``use_*`` flags of older releases.
 ``fused_topk`` and ``grouped_topk`` return vLLM's tuples. The extra keyword ``backend``
 picks the moerunner backend.
 
-Positional arguments follow vLLM's current ``fused_experts``: ``(hidden_states, w1, w2,
-topk_weights, topk_ids, inplace, activation, apply_router_weight_on_input,
-global_num_experts, expert_map, quant_config)``. vLLM moved the rest between releases (0.10
-put ``is_act_and_mul`` seventh, 0.9 the flat flags eighth on), so here they are keyword-only:
-a call written for another order fails instead of reading one argument as another.
+Positional arguments follow vLLM's ``fused_experts`` in both of its recent orders:
+``(hidden_states, w1, w2, topk_weights, topk_ids, activation,
+apply_router_weight_on_input, global_num_experts, expert_map, quant_config)`` since vLLM
+dropped ``inplace`` (mid-2026), and with ``inplace`` before ``activation`` in the releases
+before (0.11 on); a bool in sixth place is ``inplace``, anything else ``activation``. vLLM
+moved the rest between releases (0.10 put ``is_act_and_mul`` seventh, 0.9 the flat flags
+eighth on), so here they are keyword-only: a call written for another order fails instead of
+reading one argument as another.
 ``activation`` is a name or vLLM's ``MoEActivation`` (its ``value`` is read).
 
 Differences that stay: dynamically quantized activations are quantized per token (fp8 per
@@ -41,10 +44,14 @@ __all__ = ["ACTIVATIONS", "fused_experts", "fused_moe", "fused_topk", "grouped_t
 ACTIVATIONS = {
     "silu": ExpertsCall("silu"),
     "gelu": ExpertsCall("gelu"),
+    "gelu_tanh": ExpertsCall("gelu_tanh"),
     "swigluoai": ExpertsCall("swiglu_oai", "interleaved"),
     "relu2_no_mul": ExpertsCall("relu2"),
 }
 
+
+#: Other names vLLM reads as one of its activations (``MoEActivation.from_str``).
+_ALIASES = {"gelu_pytorch_tanh": "gelu_tanh"}
 
 #: vLLM's gated activation -> its non-gated form (``is_act_and_mul=False``).
 _WITHOUT_MUL = {"silu": "silu_no_mul", "gelu": "gelu_no_mul", "relu2": "relu2_no_mul"}
@@ -55,6 +62,8 @@ def _call(activation: object, is_act_and_mul: object = True) -> ExpertsCall:
     name = getattr(activation, "value", activation)  # vLLM's MoEActivation is a str Enum
     if not isinstance(is_act_and_mul, bool):
         raise TypeError(f"is_act_and_mul must be a bool, got {type(is_act_and_mul).__name__}")
+    if isinstance(name, str):
+        name = _ALIASES.get(name, name)
     if not is_act_and_mul and isinstance(name, str):
         name = _WITHOUT_MUL.get(name, name)
     if not isinstance(name, str) or name not in ACTIVATIONS:
@@ -132,19 +141,56 @@ def _read_quant_config(where: str, quant_config: object) -> tuple[QuantArgs, obj
     return q, r["w1_bias"], r["w2_bias"]
 
 
+#: ``fused_experts``' arguments after ``topk_ids`` that vLLM passes positionally, with their
+#: defaults, in the order of the releases that had ``inplace`` (up to mid-2026); the releases
+#: since drop ``inplace`` and keep the order of the rest.
+_PEER_DEFAULTS = {
+    "inplace": False,
+    "activation": "silu",
+    "apply_router_weight_on_input": False,
+    "global_num_experts": -1,
+    "expert_map": None,
+    "quant_config": None,
+}
+_UNSET = object()
+
+
+def _peer_arguments(where: str, args: tuple, named: dict) -> dict:
+    """``fused_experts``' arguments after ``topk_ids``: ``args`` (positional) by name in the
+    order of the release the call was written for (a bool sixth is the older releases'
+    ``inplace``, anything else their successors' ``activation``: a name or ``MoEActivation``,
+    never a bool), then ``named`` (keywords; ``_UNSET`` where not passed), then defaults."""
+    order = tuple(_PEER_DEFAULTS)
+    if args and not isinstance(args[0], bool):
+        order = order[1:]
+    if len(args) > len(order):
+        raise TypeError(
+            f"{where}: takes at most {5 + len(order)} positional arguments in this form "
+            f"(... topk_ids, {', '.join(order)}), got {5 + len(args)}"
+        )
+    out = dict(zip(order, args, strict=False))
+    twice = [n for n in out if named[n] is not _UNSET]
+    if twice:
+        raise TypeError(f"{where}: got multiple values for argument {twice[0]!r}")
+    for name, default in _PEER_DEFAULTS.items():
+        if name not in out:
+            out[name] = default if named[name] is _UNSET else named[name]
+    return out
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    inplace: bool = False,
-    activation: object = "silu",
-    apply_router_weight_on_input: bool = False,
-    global_num_experts: int = -1,
-    expert_map: torch.Tensor | None = None,
-    quant_config: object = None,
-    *,
+    *args: object,
+    inplace: object = _UNSET,
+    activation: object = _UNSET,
+    apply_router_weight_on_input: object = _UNSET,
+    global_num_experts: object = _UNSET,
+    expert_map: object = _UNSET,
+    quant_config: object = _UNSET,
     is_act_and_mul: bool = True,
     use_fp8_w8a8: bool = False,
     use_int8_w8a8: bool = False,
@@ -164,10 +210,27 @@ def fused_experts(
     output: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """vLLM's ``fused_experts`` (module docstring). ``allow_deep_gemm`` picks a vLLM kernel
-    and changes no result: accepted and ignored. ``quant_config`` (vLLM's
-    ``FusedMoEQuantConfig``) or the flat flags, not both."""
+    """vLLM's ``fused_experts`` (module docstring): after ``topk_ids`` come, positionally or
+    by name, ``inplace`` (default False), ``activation`` ("silu"),
+    ``apply_router_weight_on_input`` (False), ``global_num_experts`` (-1), ``expert_map``
+    (None) and ``quant_config`` (None); positionally ``inplace`` is there only in the order
+    of the releases that had it. ``allow_deep_gemm`` picks a vLLM kernel and changes no
+    result: accepted and ignored. ``quant_config`` (vLLM's ``FusedMoEQuantConfig``) or the
+    flat flags, not both."""
     where = "vllm.fused_experts"
+    peer = _peer_arguments(
+        where,
+        args,
+        {
+            "inplace": inplace,
+            "activation": activation,
+            "apply_router_weight_on_input": apply_router_weight_on_input,
+            "global_num_experts": global_num_experts,
+            "expert_map": expert_map,
+            "quant_config": quant_config,
+        },
+    )
+    inplace, activation, quant_config = peer["inplace"], peer["activation"], peer["quant_config"]
     call = _call(activation, is_act_and_mul)
     q = QuantArgs(
         use_fp8_w8a8,
@@ -193,7 +256,9 @@ def fused_experts(
         q, w1_bias, w2_bias = _read_quant_config(where, quant_config)
     w13, w2q = peer_weights(where, w1, w2, q)
     num_local = w13.shape[0] if hasattr(w13, "shape") else 0
-    ids = global_to_local(where, topk_ids, num_local, global_num_experts, expert_map)
+    ids = global_to_local(
+        where, topk_ids, num_local, peer["global_num_experts"], peer["expert_map"]
+    )
     return run(
         where,
         hidden_states,
@@ -204,7 +269,7 @@ def fused_experts(
         call,
         w13_bias=w1_bias,
         w2_bias=w2_bias,
-        apply_router_weight_on_input=apply_router_weight_on_input,
+        apply_router_weight_on_input=peer["apply_router_weight_on_input"],
         inplace=inplace,
         output=output,
         backend=backend,
