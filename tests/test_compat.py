@@ -574,3 +574,88 @@ def test_vllm_positional_activation_of_the_releases_without_inplace():
         vllm.fused_experts(*call, "gelu", activation="silu")
     with pytest.raises(TypeError, match="at most 10 positional"):
         vllm.fused_experts(*call, "gelu", False, -1, None, None, None)
+
+
+def _sglang_reference(x, w13, w2, topk, gate_up):
+    """float64 experts sum with SGLang's activation ``gate_up(h) -> [rows, I]`` on GEMM1's
+    full output (its Triton runner's activation branches, written out here)."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk.weights[t].double(), topk.ids[t].tolist(), strict=True):
+            out[t] += w * (gate_up((x[t] @ w13[e].T)[None])[0] @ w2[e].T)
+    return out
+
+
+def test_sglang_swiglu_fields_of_its_later_releases():
+    # MoeRunnerConfig grew swiglu_limit (DeepSeek-V4), gate_up_interleaved (MiniMax-M3) and
+    # gemm1_beta; fused_experts grew fuse_swiglu_interleaved. Inputs reach past the clamps.
+    x, logits, w13, w2 = _problem(48)
+    x = x * 30
+    topk = moerunner.select_experts(logits, 2)
+    call = (x, w13, w2, (topk.weights, topk.ids, logits))
+    halves = lambda h: (h[:, :I], h[:, I:])  # noqa: E731
+    pairs = lambda h: (h[:, 0::2], h[:, 1::2])  # noqa: E731
+    bound = error_bound(torch.float32, False)
+
+    def dsv4(h):  # swiglu_limit: clamp, then silu_and_mul, on halves
+        g, u = halves(h)
+        return torch.nn.functional.silu(g.clamp(max=10.0)) * u.clamp(-10.0, 10.0)
+
+    cfg = sglang.MoeRunnerConfig(inplace=False, swiglu_limit=10.0)
+    want = _sglang_reference(x, w13, w2, topk, dsv4)
+    assert (x.double() @ w13[0].double().T).abs().max() > 10  # the clamp matters
+    assert_close(sglang.fused_experts(*call, cfg), want, bound)
+
+    def gpt_oss(split):  # gemm1_alpha + gemm1_clamp_limit
+        def act(h):
+            g, u = split(h)
+            g, u = g.clamp(max=5.0), u.clamp(-5.0, 5.0)
+            return g * torch.sigmoid(1.5 * g) * (u + 1)
+
+        return act
+
+    for interleaved, split in ((True, pairs), (False, halves)):
+        cfg = sglang.MoeRunnerConfig(
+            inplace=False, gemm1_alpha=1.5, gemm1_clamp_limit=5.0, gemm1_beta=1.0,
+            gate_up_interleaved=interleaved, routing_method_type=1, layer=object(),
+            use_tp_all_gather_activation=True,
+        )  # fmt: skip
+        want = _sglang_reference(x, w13, w2, topk, gpt_oss(split))
+        assert_close(sglang.fused_experts(*call, cfg), want, bound)
+
+    def fused_pairs(h):
+        g, u = pairs(h)
+        return torch.nn.functional.silu(g) * u
+
+    cfg = sglang.MoeRunnerConfig(inplace=False)
+    want = _sglang_reference(x, w13, w2, topk, fused_pairs)
+    assert_close(sglang.fused_experts(*call, cfg, fuse_swiglu_interleaved=True), want, bound)
+
+    with pytest.raises(MoeInputError, match="gemm1_beta"):
+        sglang.fused_experts(*call, sglang.MoeRunnerConfig(gemm1_beta=0.5, gemm1_alpha=1.5,
+                                                           gemm1_clamp_limit=5.0))  # fmt: skip
+    with pytest.raises(MoeInputError, match="pass one"):
+        sglang.fused_experts(*call, sglang.MoeRunnerConfig(swiglu_limit=10.0, gemm1_alpha=1.5,
+                                                           gemm1_clamp_limit=5.0))  # fmt: skip
+    with pytest.raises(MoeInputError, match="swiglu_limit apply to the gated 'silu'"):
+        sglang.fused_experts(*call, sglang.MoeRunnerConfig(swiglu_limit=10.0, activation="gelu"))
+    with pytest.raises(MoeInputError, match="fuse_swiglu_interleaved"):
+        sglang.fused_experts(*call, sglang.MoeRunnerConfig(swiglu_limit=10.0),
+                             fuse_swiglu_interleaved=True)  # fmt: skip
+    with pytest.raises(MoeInputError, match="fuse_swiglu_interleaved"):
+        sglang.fused_experts(*call, sglang.MoeRunnerConfig(), torch.zeros(E, 2 * I),
+                             fuse_swiglu_interleaved=True)  # fmt: skip
+    with pytest.raises(MoeInputError, match="a1_q"):
+        sglang.fused_experts(*call, sglang.MoeRunnerConfig(), a1_q=x)
+
+
+def test_sglang_routing_fields_of_its_later_releases():
+    x, logits, w13, w2 = _problem(49)
+    cfg = sglang.TopKConfig(
+        top_k=2, fused_shared_experts_scaling_factor=None, allow_routed_experts_capture=False
+    )
+    got = sglang.select_experts(x, logits, cfg, layer_id=3)
+    want = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))
+    assert torch.equal(got.topk_ids, want.topk_ids)
+    assert torch.equal(got.topk_weights, want.topk_weights)

@@ -29,6 +29,7 @@ class ExpertsCall:
     w13_order: str = "gate_up"
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    swiglu_beta: float | None = None
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,7 @@ def run(
         w13_order=call.w13_order,
         swiglu_alpha=call.swiglu_alpha,
         swiglu_limit=call.swiglu_limit,
+        swiglu_beta=call.swiglu_beta,
         apply_router_weight_on_input=apply_router_weight_on_input,
         backend=backend,
     )

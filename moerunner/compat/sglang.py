@@ -13,9 +13,11 @@ Experts: ``fused_experts(hidden_states, w1, w2, topk_output, moe_runner_config, 
 use_* flags, scales ...)`` (``fused_moe`` is the same call) with a ``MoeRunnerConfig``
 (``activation``, ``is_gated``, ``apply_router_weight_on_input``, ``inplace`` (SGLang's
 default True: the result is written into ``hidden_states``), ``routed_scaling_factor``,
-``gemm1_alpha`` / ``gemm1_clamp_limit``: SGLang's GPT-OSS SwiGLU on interleaved gate/up
-rows, moerunner's ``swiglu_oai``; SGLang releases differ on one of the two alone, so both
-are required). The extra keyword ``backend`` picks the moerunner backend.
+``gemm1_alpha`` / ``gemm1_clamp_limit``: SGLang's GPT-OSS SwiGLU, moerunner's
+``swiglu_oai``, on interleaved gate/up rows or with ``gate_up_interleaved=False`` on halves;
+SGLang releases differ on one of the two alone, so both are required; ``swiglu_limit``:
+DeepSeek-V4's clamped SwiGLU, ``swiglu_oai`` with alpha 1 and beta 0). The extra keyword
+``backend`` picks the moerunner backend.
 Quantized arguments map as in ``moerunner.compat.vllm``.
 """
 
@@ -68,11 +70,14 @@ class TopKConfig:
     apply_routed_scaling_factor_on_output: bool = False
     scoring_func: str = "softmax"
     output_format: object = None
+    fused_shared_experts_scaling_factor: float | None = None  # with num_fused_shared_experts
+    allow_routed_experts_capture: bool = True  # SGLang's capture buffer: no meaning here
 
 
 @dataclass(frozen=True)
 class MoeRunnerConfig:
-    """SGLang's experts parameters (shape fields are informational here)."""
+    """SGLang's experts parameters (shape fields, ``routing_method_type``, ``layer`` and
+    ``use_tp_all_gather_activation`` are informational here)."""
 
     num_experts: int | None = None
     num_local_experts: int | None = None
@@ -82,6 +87,7 @@ class MoeRunnerConfig:
     top_k: int | None = None
     num_fused_shared_experts: int | None = None
     params_dtype: torch.dtype | None = None
+    routing_method_type: object = None
     activation: str = "silu"
     is_gated: bool = True
     apply_router_weight_on_input: bool = False
@@ -89,7 +95,12 @@ class MoeRunnerConfig:
     no_combine: bool = False
     routed_scaling_factor: float | None = None
     gemm1_alpha: float | None = None
+    gemm1_beta: float | None = None
     gemm1_clamp_limit: float | None = None
+    swiglu_limit: float | None = None
+    gate_up_interleaved: bool = True
+    layer: object = None
+    use_tp_all_gather_activation: bool = False
 
 
 def select_experts(
@@ -97,12 +108,14 @@ def select_experts(
     router_logits: torch.Tensor,
     topk_config: TopKConfig,
     *,
+    layer_id: int | None = None,
     num_token_non_padded: torch.Tensor | None = None,
     expert_location_dispatch_info: object = None,
 ) -> StandardTopKOutput:
     """SGLang's ``select_experts`` (module docstring). ``num_token_non_padded`` (a 0-d
     tensor): ids of the rows at or past it are set to -1, without a host read.
-    ``torch_native`` picks an SGLang implementation and is ignored."""
+    ``torch_native`` picks an SGLang implementation, ``layer_id`` and
+    ``allow_routed_experts_capture`` serve SGLang's routed-experts capture: all ignored."""
     where = "sglang.select_experts"
     if not isinstance(topk_config, TopKConfig):
         raise TypeError(f"{where}: topk_config must be a TopKConfig, got {type(topk_config)}")
@@ -184,8 +197,46 @@ def _keywords(fn: Callable) -> Callable:
     return call
 
 
-def _call(cfg: MoeRunnerConfig) -> ExpertsCall:
+def _call(cfg: MoeRunnerConfig, fuse_swiglu_interleaved: bool = False) -> ExpertsCall:
+    """The experts call of SGLang's Triton runner for ``cfg``: its activation branches
+    (``fused_moe_triton``'s ``fused_experts_impl``), each mapped or refused."""
     name = cfg.activation
+    swiglu = {
+        "gemm1_alpha": cfg.gemm1_alpha,
+        "gemm1_clamp_limit": cfg.gemm1_clamp_limit,
+        "swiglu_limit": cfg.swiglu_limit,
+    }
+    given = [k for k, v in swiglu.items() if v is not None]
+    if cfg.gemm1_beta not in (None, 1.0):
+        raise MoeInputError(
+            f"gemm1_beta={cfg.gemm1_beta}: SGLang's Triton runner adds 1 to the up half "
+            "whatever gemm1_beta says, its FlashInfer runners add gemm1_beta; pass None or "
+            "1.0, or call moerunner.fused_moe with swiglu_beta"
+        )
+    if given and (name != "silu" or not cfg.is_gated):
+        raise MoeInputError(
+            f"{', '.join(given)} apply to the gated 'silu' activation, got activation "
+            f"{name!r}, is_gated={cfg.is_gated}"
+        )
+    if fuse_swiglu_interleaved:
+        if given or name != "silu" or not cfg.is_gated:
+            raise MoeInputError(
+                "fuse_swiglu_interleaved=True: w1's rows interleaved for the plain gated silu; "
+                f"got activation {name!r}, is_gated={cfg.is_gated}"
+                + (f" with {', '.join(given)}" if given else "")
+            )
+        return ExpertsCall("silu", "interleaved")
+    if cfg.swiglu_limit is not None:
+        if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None:
+            raise MoeInputError(
+                "swiglu_limit (DeepSeek-V4's clamp) together with gemm1_alpha / "
+                "gemm1_clamp_limit: SGLang applies one of them; pass one"
+            )
+        # silu(min(gate, L)) * clamp(up, -L, L) on gate-then-up halves
+        return ExpertsCall(
+            "swiglu_oai", "gate_up", swiglu_alpha=1.0, swiglu_limit=cfg.swiglu_limit,
+            swiglu_beta=0.0,
+        )  # fmt: skip
     if cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None:
         if cfg.gemm1_alpha is None or cfg.gemm1_clamp_limit is None:
             names = ("gemm1_alpha", "gemm1_clamp_limit")
@@ -195,12 +246,8 @@ def _call(cfg: MoeRunnerConfig) -> ExpertsCall:
                 "SGLang releases differ on one of the two alone (ignored, refused, or a clamp "
                 "of the plain SwiGLU); pass both for GPT-OSS's SwiGLU (moerunner's swiglu_oai)"
             )
-        if name != "silu" or not cfg.is_gated:
-            raise MoeInputError(
-                f"gemm1_alpha / gemm1_clamp_limit apply to the gated 'silu' activation (GPT-OSS "
-                f"SwiGLU), got activation {name!r}, is_gated={cfg.is_gated}"
-            )
-        return ExpertsCall("swiglu_oai", "interleaved", cfg.gemm1_alpha, cfg.gemm1_clamp_limit)
+        order = "interleaved" if cfg.gate_up_interleaved else "gate_up"
+        return ExpertsCall("swiglu_oai", order, cfg.gemm1_alpha, cfg.gemm1_clamp_limit)
     gated = {"silu": "silu", "gelu": "gelu"}
     plain = {"relu2": "relu2"}
     table = gated if cfg.is_gated else plain
@@ -232,11 +279,15 @@ def fused_experts(
     a1_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
     block_shape: list[int] | None = None,
+    a1_q: torch.Tensor | None = None,
+    fuse_swiglu_interleaved: bool = False,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
     """SGLang's ``fused_experts`` (module docstring). ``topk_output`` is a
-    ``StandardTopKOutput`` or any ``(topk_weights, topk_ids, ...)`` tuple."""
+    ``StandardTopKOutput`` or any ``(topk_weights, topk_ids, ...)`` tuple.
+    ``fuse_swiglu_interleaved=True``: w1's gate and up rows alternate (plain gated silu);
+    ``a1_q`` (activations quantized by the caller) has no mapping and is refused."""
     where = "sglang.fused_experts"
     cfg = moe_runner_config
     if not isinstance(cfg, MoeRunnerConfig):
@@ -245,6 +296,21 @@ def fused_experts(
         raise MoeInputError(f"{where}: no_combine=True (per-slot outputs) has no moerunner mapping")
     if not isinstance(topk_output, tuple) or len(topk_output) < 2:
         raise TypeError(f"{where}: topk_output must be a StandardTopKOutput")
+    if a1_q is not None:
+        raise MoeInputError(
+            f"{where}: a1_q (activations quantized by the caller) has no moerunner mapping; "
+            "pass hidden_states and the weights' scales"
+        )
+    if not isinstance(fuse_swiglu_interleaved, bool):
+        raise TypeError(f"{where}: fuse_swiglu_interleaved must be a bool")
+    call = _call(cfg, fuse_swiglu_interleaved)
+    if fuse_swiglu_interleaved and (b1 is not None or use_fp8_w8a8 or use_int8_w8a8
+                                    or use_int8_w8a16 or use_int4_w4a16
+                                    or cfg.apply_router_weight_on_input):  # fmt: skip
+        raise MoeInputError(
+            f"{where}: fuse_swiglu_interleaved=True takes unquantized weights without b1 or "
+            "apply_router_weight_on_input (SGLang refuses the rest)"
+        )
     q = QuantArgs(
         use_fp8_w8a8,
         use_int8_w8a8,
@@ -268,7 +334,7 @@ def fused_experts(
         w2q,
         topk_output[0],
         topk_output[1],
-        _call(cfg),
+        call,
         w13_bias=b1,
         w2_bias=b2,
         apply_router_weight_on_input=cfg.apply_router_weight_on_input,
