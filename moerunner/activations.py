@@ -1,8 +1,8 @@
 """Expert activations in PyTorch, on GEMM1 output rows.
 
 ``apply_activation(h_MN, spec)`` takes GEMM1's output (``N = 2I`` for gated activations, gate
-then up or interleaved; ``N = I`` otherwise) and returns ``[M, I]`` in float32. Math runs in
-float32 whatever the input dtype, as the fused kernels do.
+then up or interleaved; ``N = I`` for the non-gated ``relu2`` and ``*_no_mul``) and returns
+``[M, I]`` in float32. Math runs in float32 whatever the input dtype, as the fused kernels do.
 """
 
 from __future__ import annotations
@@ -19,6 +19,19 @@ def split_gate_up(h_MN: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, 
         return h_MN[:, 0::2], h_MN[:, 1::2]
     half = h_MN.shape[-1] // 2
     return h_MN[:, :half], h_MN[:, half:]
+
+
+def _plain(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The activation function ``name`` itself (no gate times up)."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu2":
+        return torch.square(torch.relu(x))
+    raise ValueError(f"activate: no activation function {name!r}")
 
 
 def _per_row(param, experts: torch.Tensor | int | None) -> torch.Tensor | float:
@@ -53,15 +66,11 @@ def activate(
     """``apply_activation`` of an activation and row order given apart (no ``ExpertSpec``
     made, so ``torch.compile`` traces it on every supported torch)."""
     h = h_MN.float()
-    if not act.gated:  # relu2
-        return torch.square(torch.relu(h))
+    if not act.gated:  # relu2, silu_no_mul, ...: act(x)
+        return _plain(h, act.name.removesuffix("_no_mul"))
     gate, up = split_gate_up(h, interleaved)
-    if act.name == "silu":
-        return F.silu(gate) * up
-    if act.name == "gelu":
-        return F.gelu(gate) * up
-    if act.name == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
+    if act.name != "swiglu_oai":
+        return _plain(gate, act.name) * up
     # swiglu_oai: clamp, then (up + beta) * gate * sigmoid(alpha * gate)
     alpha, beta, limit = (_per_row(p, experts) for p in (act.alpha, act.beta, act.limit))
     if isinstance(limit, torch.Tensor):

@@ -58,14 +58,16 @@ def fused_moe(
     Args:
         hidden_states: ``[T, H]`` bf16/fp16/fp32.
         w13: ``[E, 2I, H]`` (rows in ``w13_order``: gate rows then up rows by default),
-            ``[E, I, H]`` for ``relu2``; a tensor of the hidden states' dtype or a quantized
-            weight (``moerunner.quantize``).
+            ``[E, I, H]`` for the non-gated ones; a tensor of the hidden states' dtype or a
+            quantized weight (``moerunner.quantize``).
         w2: ``[E, H, I]``, same kind as ``w13``.
         topk_weights: ``[T, k]`` floating routing weights.
         topk_ids: ``[T, k]`` integer expert ids in ``[0, E)`` or -1 (slot skipped). k may
             exceed E (an expert-parallel rank's shard holds fewer experts than a token's
             slots): slots naming the same expert each add its output.
-        activation: ``silu``, ``gelu``, ``gelu_tanh``, ``swiglu_oai`` (gated) or ``relu2``.
+        activation: ``silu``, ``gelu``, ``gelu_tanh``, ``swiglu_oai`` (gated: act(gate) *
+            up), ``relu2``, ``silu_no_mul``, ``gelu_no_mul``, ``gelu_tanh_no_mul``
+            (non-gated: act(x W1^T)).
         w13_bias, w2_bias: optional ``[E, 2I]`` (or ``[E, I]``) and ``[E, H]``.
         gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints); the same as
             ``w13_order="interleaved"``.

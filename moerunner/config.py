@@ -22,6 +22,10 @@ ACTIVATIONS: dict[str, bool] = {
     "gelu_tanh": True,
     "swiglu_oai": True,
     "relu2": False,
+    # non-gated forms of the gated ones (act(x W1^T), w13 [E, I, H]; vLLM's names)
+    "silu_no_mul": False,
+    "gelu_no_mul": False,
+    "gelu_tanh_no_mul": False,
 }
 
 SWIGLU_OAI_DEFAULT_ALPHA = 1.702

@@ -22,9 +22,23 @@ def _param64(value, expert: int) -> float:
     return float(value[expert]) if isinstance(value, torch.Tensor) else value
 
 
+def _plain64(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The activation function itself, written out in float64."""
+    if name == "silu":
+        return x / (1.0 + torch.exp(-x))
+    if name == "gelu":
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+    if name == "relu2":
+        return torch.clamp(x, min=0.0) ** 2
+    raise ValueError(f"reference: unknown activation {name!r}")
+
+
 def _act64(h: torch.Tensor, act: Activation, order: str, expert: int) -> torch.Tensor:
-    if act.name == "relu2":
-        return torch.clamp(h, min=0.0) ** 2
+    if not act.gated:
+        return _plain64(h, act.name.removesuffix("_no_mul"))
     half = h.shape[1] // 2
     if order == "interleaved":
         gate, up = h[:, 0::2], h[:, 1::2]
@@ -32,13 +46,8 @@ def _act64(h: torch.Tensor, act: Activation, order: str, expert: int) -> torch.T
         up, gate = h[:, :half], h[:, half:]
     else:
         gate, up = h[:, :half], h[:, half:]
-    if act.name == "silu":
-        return gate / (1.0 + torch.exp(-gate)) * up
-    if act.name == "gelu":
-        return 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0))) * up
-    if act.name == "gelu_tanh":
-        inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
-        return 0.5 * gate * (1.0 + torch.tanh(inner)) * up
+    if act.name != "swiglu_oai":
+        return _plain64(gate, act.name) * up
     if act.name == "swiglu_oai":
         alpha, beta, limit = (_param64(p, expert) for p in (act.alpha, act.beta, act.limit))
         gate = torch.clamp(gate, max=limit)

@@ -119,6 +119,9 @@ CASES = [
     Case("gelu_tanh", activation="gelu_tanh"),
     Case("relu2", activation="relu2", inter=17),
     Case("relu2_bias", activation="relu2", bias=True),
+    Case("silu_no_mul", activation="silu_no_mul", inter=17),
+    Case("gelu_no_mul_bias", activation="gelu_no_mul", bias=True),
+    Case("gelu_tanh_no_mul", activation="gelu_tanh_no_mul"),
     Case("swiglu_oai", activation="swiglu_oai", bias=True, interleaved=True),
     Case("silu_interleaved", interleaved=True),
 ]

@@ -344,11 +344,7 @@ def test_sglang_unmapped_arguments_raise():
         sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2, num_fused_shared_experts=1))
     with pytest.raises(MoeInputError, match="activation"):
         sglang.fused_experts(
-            x,
-            w13[:, :I],
-            w2,
-            topk_output,
-            sglang.MoeRunnerConfig(activation="silu", is_gated=False),
+            x, w13[:, :I], w2, topk_output, sglang.MoeRunnerConfig(activation="situ")
         )
 
 
@@ -525,9 +521,37 @@ def test_vllm_moe_activation_enum_and_is_act_and_mul():
     relu2 = vllm.fused_experts(*plain, activation=MoEActivation.RELU2_NO_MUL)
     # vLLM 0.10's spelling of the same: relu2 with is_act_and_mul=False.
     assert torch.equal(relu2, vllm.fused_experts(*plain, activation="relu2", is_act_and_mul=False))
-    for bad in ({"activation": MoEActivation.SILU_NO_MUL}, {"is_act_and_mul": False}):
-        with pytest.raises(MoeInputError, match="silu_no_mul"):
-            vllm.fused_experts(*plain, **bad)
+    # non-gated silu: MoEActivation.SILU_NO_MUL, or vLLM 0.10's silu with is_act_and_mul=False
+    silu = vllm.fused_experts(*plain, activation=MoEActivation.SILU_NO_MUL)
+    assert torch.equal(silu, vllm.fused_experts(*plain, activation="silu", is_act_and_mul=False))
+    with pytest.raises(MoeInputError, match="swiglustep"):
+        vllm.fused_experts(*plain, activation="swiglustep")
+
+
+@pytest.mark.parametrize(
+    ("peer", "function"),
+    [
+        ("silu", lambda h: h / (1 + torch.exp(-h))),
+        ("gelu", lambda h: 0.5 * h * (1 + torch.erf(h / 2**0.5))),
+        ("gelu_tanh", lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5
+                                                          * (h + 0.044715 * h**3)))),
+    ],
+)  # fmt: skip
+def test_non_gated_activations_of_both_peers(peer, function):
+    # vLLM's *_no_mul and SGLang's is_gated=False: w1 [E, I, H], act(x W1^T) W2^T, no up.
+    x, logits, w13, w2 = _problem(50)
+    w1 = w13[:, :I].contiguous()
+    topk = moerunner.select_experts(logits, 2)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for w, e in zip(topk.weights[t].double(), topk.ids[t].tolist(), strict=True):
+            want[t] += w * (function(x[t].double() @ w1[e].double().T) @ w2[e].double().T)
+    bound = error_bound(torch.float32, False)
+    got = vllm.fused_experts(x, w1, w2, topk.weights, topk.ids, activation=f"{peer}_no_mul")
+    assert_close(got, want, bound)
+    if peer != "gelu_tanh":  # SGLang's Triton runner has no non-gated gelu_tanh
+        cfg = sglang.MoeRunnerConfig(inplace=False, activation=peer, is_gated=False)
+        assert_close(sglang.fused_experts(x, w1, w2, (topk.weights, topk.ids), cfg), want, bound)
 
 
 def test_vllm_fused_topk_sigmoid_scoring():

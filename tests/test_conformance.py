@@ -126,6 +126,7 @@ SCHEME_CASES = [
         interleaved=True,
     ),
     Case("q_relu2", tokens=4, hidden=128, inter=128, experts=3, activation="relu2"),
+    Case("q_silu_no_mul", tokens=4, hidden=128, inter=128, experts=3, activation="silu_no_mul"),
 ]
 
 

@@ -78,7 +78,15 @@ def _run(backend, x, weights, topk, act, hooks, force_permute=False, **kw):
 @pytest.mark.parametrize("force_permute", [False, True])
 @pytest.mark.parametrize(
     "act,interleaved",
-    [("silu", False), ("swiglu_oai", True), ("relu2", False), ("gelu", True), ("gelu_tanh", False)],
+    [
+        ("silu", False),
+        ("swiglu_oai", True),
+        ("relu2", False),
+        ("gelu", True),
+        ("gelu_tanh", False),
+        ("silu_no_mul", False),
+        ("gelu_no_mul", False),
+    ],  # fmt: skip
 )
 def test_hooks_add_known_tensors(backend, force_permute, act, interleaved):
     x, weights, topk, act, p13, p2, c = _case(act, interleaved)

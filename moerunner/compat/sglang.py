@@ -249,7 +249,7 @@ def _call(cfg: MoeRunnerConfig, fuse_swiglu_interleaved: bool = False) -> Expert
         order = "interleaved" if cfg.gate_up_interleaved else "gate_up"
         return ExpertsCall("swiglu_oai", order, cfg.gemm1_alpha, cfg.gemm1_clamp_limit)
     gated = {"silu": "silu", "gelu": "gelu"}
-    plain = {"relu2": "relu2"}
+    plain = {"relu2": "relu2", "silu": "silu_no_mul", "gelu": "gelu_no_mul"}
     table = gated if cfg.is_gated else plain
     if name not in table:
         raise MoeInputError(

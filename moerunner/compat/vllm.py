@@ -47,6 +47,9 @@ ACTIVATIONS = {
     "gelu_tanh": ExpertsCall("gelu_tanh"),
     "swigluoai": ExpertsCall("swiglu_oai", "interleaved"),
     "relu2_no_mul": ExpertsCall("relu2"),
+    "silu_no_mul": ExpertsCall("silu_no_mul"),
+    "gelu_no_mul": ExpertsCall("gelu_no_mul"),
+    "gelu_tanh_no_mul": ExpertsCall("gelu_tanh_no_mul"),
 }
 
 
@@ -54,7 +57,12 @@ ACTIVATIONS = {
 _ALIASES = {"gelu_pytorch_tanh": "gelu_tanh"}
 
 #: vLLM's gated activation -> its non-gated form (``is_act_and_mul=False``).
-_WITHOUT_MUL = {"silu": "silu_no_mul", "gelu": "gelu_no_mul", "relu2": "relu2_no_mul"}
+_WITHOUT_MUL = {
+    "silu": "silu_no_mul",
+    "gelu": "gelu_no_mul",
+    "gelu_tanh": "gelu_tanh_no_mul",
+    "relu2": "relu2_no_mul",
+}
 
 
 def _call(activation: object, is_act_and_mul: object = True) -> ExpertsCall:
@@ -70,8 +78,7 @@ def _call(activation: object, is_act_and_mul: object = True) -> ExpertsCall:
         raise MoeInputError(
             f"activation: got {activation!r}"
             + ("" if is_act_and_mul else " with is_act_and_mul=False")
-            + f"; accepted: {', '.join(sorted(ACTIVATIONS))} (non-gated silu / gelu, vLLM's "
-            "silu_no_mul / gelu_no_mul, have no moerunner activation)"
+            + f"; accepted: {', '.join(sorted(ACTIVATIONS))}"
         )
     return ACTIVATIONS[name]
 

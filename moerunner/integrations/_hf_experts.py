@@ -55,6 +55,7 @@ LAYER_NAME = "_moerunner_layer_name"
 # clamped SwiGLU of DeepSeek-V4, HY-V4 and GLM-5-Next, silu(min(gate, L)) * clamp(up, -L, L):
 # moerunner's swiglu_oai with alpha 1 and beta 0 (``_candidate``).
 _GATED_CANDIDATES = ("silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamp")
+_PLAIN_CANDIDATES = ("relu2", "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul")
 _PROBE_WIDTH = 32  # gate/up probe columns (any even width works for every gating)
 _PROBE_RTOL = 1e-5  # fp32 math of the same formula agrees to a few ulps
 # Probe values past [-10, 10], so a clamp at any of them (GPT-OSS's 7, the clamped SwiGLUs
@@ -134,8 +135,8 @@ def _describe(module: torch.nn.Module) -> ExpertsLayout:
                 "(quantized checkpoints: see quantize_experts / load_gpt_oss_mxfp4)"
             )
     interleaved = gated and not getattr(module, "is_concatenated", True)
-    candidates = _GATED_CANDIDATES if gated else ("relu2",)
-    activation = _match_activation(module, candidates, interleaved)
+    candidates = _GATED_CANDIDATES if gated else _PLAIN_CANDIDATES
+    activation = _match_activation(module, candidates, gated, interleaved)
     if activation is None:
         what = "gating (_apply_gate)" if gated else "activation (act_fn)"
         limit = _float_attr(module, *_LIMIT_NAMES)
@@ -153,10 +154,9 @@ def _describe(module: torch.nn.Module) -> ExpertsLayout:
 
 
 def _match_activation(
-    module: torch.nn.Module, candidates: tuple[str, ...], interleaved: bool
+    module: torch.nn.Module, candidates: tuple[str, ...], gated: bool, interleaved: bool
 ) -> Activation | None:
     """The first candidate whose math equals the module's on the probe (``_probe``)."""
-    gated = candidates[0] != "relu2"
     width = _PROBE_WIDTH if gated else _PROBE_WIDTH // 2
     probe = _probe(8, width)
     try:

@@ -23,6 +23,7 @@ import re
 import torch
 
 from ..api import run_experts
+from ..config import ACTIVATIONS
 from ..errors import MoeInputError
 from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
@@ -172,7 +173,7 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     act, alpha, limit, transposed, interleaved, has_bias = layout
     chosen = getattr(config, BACKEND_ATTR, None) or backend
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
-    gated = act != "relu2"
+    gated = ACTIVATIONS[act]
     b13 = getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias", None)
     b2 = getattr(module, "down_proj_bias", None)
     if not has_bias:

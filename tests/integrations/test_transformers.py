@@ -395,3 +395,47 @@ def test_a_model_whose_moe_blocks_bypass_the_experts_interface_is_named():
         mt.use_moerunner(Model())
     with pytest.raises(MoeInputError, match=r"has no transformers experts module$"):
         mt.use_moerunner(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("act_name", "ours"), [("silu", "silu_no_mul"), ("gelu", "gelu_no_mul"), ("relu2", "relu2")]
+)
+def test_non_gated_experts_are_matched_to_their_activation(act_name, ours):
+    # Experts without a gate (has_gate=False: act(x W_up) W_down) were matched against relu2
+    # alone; a non-gated silu or gelu layer was refused. Each now runs as its own activation.
+    from torch import nn
+    from transformers.activations import ACT2FN
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(has_gate=False, is_transposed=True)
+    class PlainExperts(nn.Module):
+        def __init__(self, config):  # the decorator's wrapper reads the config
+            super().__init__()
+            self.config = config
+            g = torch.Generator().manual_seed(11)
+            self.num_experts = 4
+            self.up_proj = nn.Parameter(torch.randn(4, 32, 24, generator=g) / 32**0.5)
+            self.down_proj = nn.Parameter(torch.randn(4, 24, 32, generator=g) / 24**0.5)
+            self.act_fn = ACT2FN[act_name]
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states  # not used: moerunner's forward replaces it
+
+    from transformers import PretrainedConfig
+
+    experts = PlainExperts(PretrainedConfig())
+    assert mt.describe(experts).activation.name == ours
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 32, generator=g) * 3
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=g)
+    got = mt.make_experts_forward("torch")(experts, x, ids, weights)
+    up, down = experts.up_proj.detach().double(), experts.down_proj.detach().double()
+    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,
+           "relu2": lambda h: torch.relu(h) ** 2}[act_name]  # fmt: skip
+    want = torch.zeros(7, 32, dtype=torch.float64)
+    for t in range(7):
+        for j in range(2):
+            e = int(ids[t, j])
+            want[t] += float(weights[t, j]) * (act(x[t].double() @ up[e]) @ down[e])
+    assert_close(got, want, FP32_MAX_REL, what=f"non-gated {act_name}")

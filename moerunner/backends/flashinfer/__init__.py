@@ -30,7 +30,7 @@ from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem, SchemeSupport
 from ..option_fields import options_and_name
 from ._call import FlashInferOptions, fused_standard
-from ._prepare import prepare
+from ._prepare import ACTIVATION_TYPES, prepare
 
 NAME = "flashinfer"
 PACKAGE = "flashinfer"
@@ -140,7 +140,7 @@ class FlashInferBackend(Backend):
             devices=frozenset({"cuda"}),
             dtypes=ACTIVATION_DTYPES,
             schemes=SUPPORTED_SCHEMES,
-            activations=frozenset(ACTIVATIONS),
+            activations=frozenset(ACTIVATION_TYPES),
             align_h=ALIGN,
             align_i=ALIGN,
             extended_swiglu=True,

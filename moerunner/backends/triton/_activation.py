@@ -19,8 +19,9 @@ ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 
 @triton.jit
 def activate(g, u, alpha, limit, ACT: tl.constexpr):
-    """Gated (act(g) * u) or non-gated (act(g), u unused) activation in float32; ``ACT``
-    one of the ids above (literals here: a jit function reads constexpr arguments)."""
+    """Gated (act(g) * u) or non-gated (act(g) * 1: callers pass u = 1; relu2 ignores u)
+    activation in float32; ``ACT`` one of the ids above (literals here: a jit function
+    reads constexpr arguments)."""
     if ACT == 1:
         out = g * tl.sigmoid(g) * u
     elif ACT == 2:
@@ -71,6 +72,6 @@ def activation_kernel(
         u = tl.load(h_row + inter + offs, mask=mask, other=0.0)
     else:
         g = tl.load(h_row + offs, mask=mask, other=0.0)
-        u = g
+        u = tl.full(g.shape, 1.0, tl.float32)  # act(g) * 1
     out = activate(g.to(tl.float32), u.to(tl.float32), alpha, limit, ACT)
     tl.store(out_ptr + row * stride_om + offs, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -57,6 +57,10 @@ _ACT_IDS = {
     "gelu_tanh": A.ACT_GELU_TANH,
     "swiglu_oai": A.ACT_SWIGLU_OAI,
     "relu2": A.ACT_RELU2,
+    # non-gated forms: GEMM1's epilogue multiplies by 1 where a gated one has up
+    "silu_no_mul": A.ACT_SILU,
+    "gelu_no_mul": A.ACT_GELU,
+    "gelu_tanh_no_mul": A.ACT_GELU_TANH,
 }
 # Activation formats the kernels feed to the MMA in the hidden dtype after fake-quantizing
 # (exact for mxfp8 in bf16/fp32); the "qdot" ones are quantized (``_prepare``).

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ...bench import presets as _model_shapes
+from ...config import ACTIVATIONS
 from ...quant import get_scheme
 from ...quant.schemes import QuantScheme, plain_scheme
 from ._prepare import split_half, weight_layout
@@ -363,7 +364,7 @@ def random_weights(
     from ...quant import QuantizedWeight, get_scheme
     from ...weights import ExpertWeights
 
-    gated = activation != "relu2"
+    gated = ACTIVATIONS[activation]
     n13 = 2 * inter if gated else inter
 
     def one(n: int, k: int):
