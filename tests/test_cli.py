@@ -152,6 +152,17 @@ BAD = [
     "tune --shape 2,64,64,8",
     "tune --preset qwen3-30b-a3b --tokens 0",
     "info --bogus",
+    # empty items in comma lists (a stray comma ran as if it were not there)
+    "bench --tokens 1,,2",
+    "bench --tokens 1,",
+    "bench --schemes ,bf16",
+    "bench --backends ,",
+    "bench --baselines ,",
+    "check --schemes bf16,",
+    "tune --shape 8,64,96,2 --backends , --device cpu",
+    # --png writes a PNG: another suffix failed in matplotlib after the whole run
+    "bench --png {tmp}/plot.svg",
+    "bench --png {tmp}/plot.txt",
 ]
 
 
@@ -165,13 +176,29 @@ def test_bad_argument_is_a_one_line_usage_error(line, tmp_path, capsys, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # nothing written
 
 
+def test_bench_png_without_suffix_is_the_png_file_it_writes(tmp_path, capsys):
+    # matplotlib adds ".png" to a path without a suffix: the overwrite check looked at the path
+    # as given and let the plot replace a file moerunner did not write.
+    pytest.importorskip("matplotlib")
+    (tmp_path / "plot.png").write_text("precious\n")
+    base = ["bench", "--preset", "cpu-tiny", "--tokens", "1", "--baselines", "none"]
+    code, _, err = run([*base, "--png", str(tmp_path / "plot")], capsys)
+    assert_usage_error(code, err, "bench")
+    assert "plot.png" in err and (tmp_path / "plot.png").read_text() == "precious\n"
+
+
 def test_unknown_command_is_one_line(capsys):
     code, _, err = run(["frobnicate"], capsys)
     assert_usage_error(code, err, "")
     assert "info, demo, check, bench, tune" in err
+    code, _, err = run(["--json", "-"], capsys)  # an option before the command
+    assert_usage_error(code, err, "")
+    assert "'--json' before the command" in err
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["info", "--version"], ["bench", "--version"]])
+@pytest.mark.parametrize(
+    "argv", [["--version"], ["-V"], ["info", "--version"], ["bench", "--version"]]
+)
 def test_version(argv, capsys):
     from moerunner import __version__
 
@@ -502,7 +529,7 @@ BAD_WITH_REASON = [
     ("tune --shape 8,64,48,2 --schemes mxfp4", "--schemes mxfp4: shape 8,64,48,2 cannot be"),
     ("bench --shape 8,64,48,2 --schemes mxfp4 --baselines none", "scheme mxfp4: the weights of"),
     ("bench --shape 8,64,64,2 --preset-schemes shape-8x64x64x2=int4_g128", "int4_g128"),
-    ("check --schemes mxfp4 --shape 8,64,48,2", "--schemes mxfp4: a layer with --hidden 64"),
+    ("check --schemes mxfp4 --shape 8,64,48,2", "--schemes mxfp4: a layer with hidden size 64"),
     ("check --shape 8,64,64,2 --hidden 64", "give --shape E,H,I,K or --hidden, not both"),
     ("check --shape 8,64,64", "argument --shape: expected four positive ints"),
     ("check --shape 2,64,64,4", "top-k 4 is more than the 2 experts"),

@@ -291,7 +291,7 @@ def plot(
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, metadata={"Software": "moerunner bench"})
+    fig.savefig(path, format="png", dpi=110, metadata={"Software": "moerunner bench"})
     plt.close(fig)
 
 

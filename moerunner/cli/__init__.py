@@ -19,12 +19,15 @@ SUBCOMMANDS = {
     ),
     "check": ("moerunner.cli.check", "error of each backend and scheme against the reference"),
     "bench": ("moerunner.cli.bench", "benchmark backends and baselines against the roofline"),
-    "tune": ("moerunner.cli.tune", "search Triton tile configs on this GPU"),
+    "tune": (
+        "moerunner.cli.tune",
+        "search Triton tile configs on this GPU, or measure backends (--backends, CPU too)",
+    ),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: moerunner [--version] <command> [options]", "", "commands:"]
+    lines = ["usage: moerunner [-V | --version] <command> [options]", "", "commands:"]
     lines += [f"  {name:<6} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines.append("\n'moerunner <command> --help' shows a command's options.")
     return "\n".join(lines)
@@ -36,15 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    if argv[0] == "--version":
+    if argv[0] in ("-V", "--version"):
         from .. import __version__
 
         print(f"moerunner {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
+        if name.startswith("-"):
+            problem = f"option {name!r} before the command; options follow it"
+        else:
+            problem = f"unknown command {name!r}"
         print(
-            f"moerunner: error: unknown command {name!r}; accepted: {', '.join(SUBCOMMANDS)} "
+            f"moerunner: error: {problem}; commands: {', '.join(SUBCOMMANDS)} "
             "(see 'moerunner --help')",
             file=sys.stderr,
         )

@@ -48,9 +48,21 @@ def deprecated(p: argparse.ArgumentParser, old: str, new: str) -> None:
     sys.stderr.write(f"{p.prog}: warning: {old} is deprecated, use {new}\n")
 
 
+class ListError(argparse.ArgumentTypeError, ValueError):
+    """A malformed comma-separated list: argparse prints the message as it is; code that
+    parses lists after argparse catches it as a ValueError."""
+
+
 def csv(text: str) -> list[str]:
-    """``"a,b, c"`` -> ``["a", "b", "c"]`` (empty items dropped)."""
-    return [part.strip() for part in str(text).split(",") if part.strip()]
+    """``"a,b, c"`` -> ``["a", "b", "c"]``; ``""`` -> ``[]``. An empty item (``"a,,b"``,
+    ``"a,"``, ``",a"``) raises ``ListError``: a stray comma is a typo, not a request."""
+    text = str(text)
+    if not text.strip():
+        return []
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise ListError(f"empty item in the comma-separated list {text!r}")
+    return parts
 
 
 def int_type(minimum: int, what: str = "int") -> Callable[[str], int]:
@@ -90,11 +102,13 @@ def float_type(minimum: float, *, strict: bool = False) -> Callable[[str], float
 
 
 def int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
-    """argparse type: comma-separated ints, each >= ``minimum``."""
+    """argparse type: comma-separated ints, each >= ``minimum`` (a repeated one once)."""
 
     def parse(text: str) -> tuple[int, ...]:
         try:
-            values = tuple(int(p) for p in csv(text))
+            values = tuple(dict.fromkeys(int(p) for p in csv(text)))  # repeats: once
+        except ListError:
+            raise
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected comma-separated ints, got {text!r}"
@@ -113,7 +127,7 @@ def name_list(accepted: Callable[[], list[str]] | list[str] | None = None, what:
     """argparse type: comma-separated names, each one of ``accepted`` (when given)."""
 
     def parse(text: str) -> list[str]:
-        names = csv(text)
+        names = list(dict.fromkeys(csv(text)))
         if not names:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}s, got {text!r}")
         if accepted is not None:
@@ -131,9 +145,8 @@ def name_list(accepted: Callable[[], list[str]] | list[str] | None = None, what:
 
 def shape_type(text: str) -> tuple[int, int, int, int]:
     """argparse type: ``E,H,I,K`` (experts, hidden, intermediate, top-k), all positive."""
-    parts = csv(text)
     try:
-        values = tuple(int(p) for p in parts)
+        values = tuple(int(p) for p in csv(text))
     except ValueError:
         values = ()
     if len(values) != 4 or any(v < 1 for v in values):

@@ -42,7 +42,10 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
         return 2
     device = _common.resolve_device(p, args.device)
     registry = default_registry()
-    names = _common.csv(args.backends)
+    try:
+        names = _common.csv(args.backends)
+    except ValueError as exc:
+        p.error(f"--backends: {exc}")
     unknown = [n for n in names if n not in registry.backends]
     if unknown:
         p.error(

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--routing",
         type=_common.name_list(list(ROUTINGS), "routing"),
         default=["uniform", "zipf"],
-        help=f"comma-separated routing distributions: {', '.join(ROUTINGS)}",
+        help=f"comma-separated routing distributions: {', '.join(ROUTINGS)} (default: both)",
     )
     p.add_argument(
         "--preset-schemes",
@@ -226,7 +226,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         name, sep, schemes = item.partition("=")
         if not sep or not schemes:
             raise ValueError(f"--preset-schemes wants PRESET=SCHEME[,SCHEME], got {item!r}")
-        extra.append((name.strip(), tuple(_csv(schemes))))
+        try:
+            extra.append((name.strip(), tuple(_csv(schemes))))
+        except ValueError as exc:
+            raise ValueError(f"--preset-schemes {item!r}: {exc}") from None
     run_names = [shape.name for shape in shapes]
     for name, _ in extra:
         if name not in run_names:
@@ -246,7 +249,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                     f"scheme {s}: the weights of {shape.name} (H={h}, I={i} per rank) cannot "
                     f"be stored in it ({why})"
                 )
-    baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
+    try:
+        baselines = () if args.baselines.strip() == "none" else tuple(_csv(args.baselines))
+    except ValueError as exc:
+        raise ValueError(f"--baselines: {exc}") from None
+    if not baselines and args.baselines.strip() != "none":
+        raise ValueError(f"--baselines: got {args.baselines!r}; name baselines, or 'none'")
     from ..bench.baselines import BASELINES
     from ..runner import default_registry
 
@@ -339,10 +347,18 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.dev
     for flag in ("--preset-schemes",):
         for item in args.preset_schemes:
             _, sep, schemes = item.partition("=")
-            if not sep or not _csv(schemes):
+            try:
+                listed = _csv(schemes)
+            except ValueError:
+                listed = []
+            if not sep or not listed:
                 p.error(f"{flag} wants PRESET=SCHEME[,SCHEME], got {item!r}")
     if args.png is not None:
         _common.require_module(p, "matplotlib", "--png", "bench")
+        if not args.png.suffix:  # the file the plot goes to (matplotlib adds the suffix)
+            args.png = args.png.with_name(args.png.name + ".png")
+        elif args.png.suffix.lower() != ".png":
+            p.error(f"--png {args.png}: writes a PNG image; give a path ending in .png")
     _common.check_outputs(
         p,
         {

@@ -149,8 +149,8 @@ def main(argv: list[str]) -> int:
         why = _quantizable(args, scheme_name)
         if why is not None:
             parser.error(
-                f"--schemes {scheme_name}: a layer with --hidden {args.hidden} and "
-                f"--intermediate {args.intermediate} cannot be stored in it ({why})"
+                f"--schemes {scheme_name}: a layer with hidden size {args.hidden} and "
+                f"intermediate size {args.intermediate} cannot be stored in it ({why})"
             )
     _common.check_outputs(parser, {"--json": (args.json, "json")})
     to_stdout = str(args.json) == _common.STDOUT
