@@ -140,7 +140,12 @@ def _describe(module: torch.nn.Module) -> ExpertsLayout:
     if activation is None:
         what = "gating (_apply_gate)" if gated else "activation (act_fn)"
         limit = _float_attr(module, *_LIMIT_NAMES)
-        clamp = "" if limit is None else f"; it clamps at {limit:g}"
+        clamp = (
+            ""
+            if limit is None
+            else f"; it clamps at {limit:g}, but not as moerunner's clamped SwiGLUs do (gate "
+            "clamped before the activation, up clamped to [-limit, limit])"
+        )
         raise refuse(
             f"its {what} matches none of moerunner's activations {list(candidates)} "
             f"(act_fn: {type(getattr(module, 'act_fn', None)).__name__}{clamp})"

@@ -89,10 +89,10 @@ def _needs_moerunner(module: torch.nn.Module, args) -> None:
     if ours is None:
         raise MoeInputError(
             f"experts layer {layer_name(module)} holds its experts quantized only "
-            f"(quantize_experts released the float weights), so it runs on moerunner's "
-            f"experts implementation alone, but the model asks for {name!r}: call "
-            "moerunner.integrations.transformers.use_moerunner(model) first (or "
-            "quantize_experts(..., keep_float_weights=True) to keep both)"
+            f"(quantize_experts or load_gpt_oss_mxfp4 released the float weights), so it runs "
+            f"on moerunner's experts implementation alone, but the model asks for {name!r}: "
+            "call moerunner.integrations.transformers.use_moerunner(model) first (or pass "
+            "keep_float_weights=True to keep both)"
         )
 
 

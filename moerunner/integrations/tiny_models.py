@@ -21,9 +21,11 @@ _COMMON = dict(
 
 
 def tiny_config(family: str, **overrides):
-    """A tiny config of ``family`` (transformers model type)."""
+    """A tiny config of ``family`` (transformers model type, one of ``FAMILIES``)."""
     from transformers import AutoConfig
 
+    if family not in FAMILIES:
+        raise ValueError(f"tiny_config: family {family!r}; accepted: {', '.join(FAMILIES)}")
     extra = {
         "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
         "qwen2_moe": dict(

@@ -314,6 +314,12 @@ def use_moerunner(
         if backend is not None:
             setattr(config, BACKEND_ATTR, backend)
     model.set_experts_implementation(name)
+    for _, module in experts_modules(model):
+        # An experts layer built from a copy of its config (per-layer configs: Dots3-Note's
+        # vision tower) is out of set_experts_implementation's reach: switch it by its own.
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "_experts_implementation", None) != name:
+            config._experts_implementation = name
     return model
 
 

@@ -439,3 +439,24 @@ def test_non_gated_experts_are_matched_to_their_activation(act_name, ours):
             e = int(ids[t, j])
             want[t] += float(weights[t, j]) * (act(x[t].double() @ up[e]) @ down[e])
     assert_close(got, want, FP32_MAX_REL, what=f"non-gated {act_name}")
+
+
+def test_use_moerunner_reaches_experts_built_from_a_copy_of_their_config():
+    # Dots3-Note's vision tower builds each experts layer from a per-layer copy of its config,
+    # which model.set_experts_implementation does not update: use_moerunner reported those
+    # layers as running on moerunner while they stayed on grouped_mm.
+    model = build("qwen3_moe")
+    experts = model.model.layers[1].mlp.experts
+    experts.config = copy.copy(experts.config)  # the layer's own copy, as per-layer configs are
+    experts.config._experts_implementation = "grouped_mm"
+    mt.use_moerunner(model)
+    for _, module in mt.experts_modules(model):
+        name, function = mt.experts_implementation(module)
+        assert name == "moerunner" and function is not None
+
+
+def test_tiny_config_names_the_families_it_builds():
+    from moerunner.integrations.tiny_models import tiny_config
+
+    with pytest.raises(ValueError, match="family 'llama'; accepted: mixtral"):
+        tiny_config("llama")
