@@ -165,9 +165,11 @@ class ExpertWeights:
         expected_rows = 2 * i2 if activation.gated else i2
         if n13 != expected_rows:
             layout = "[E, 2I, H]" if activation.gated else "[E, I, H] (non-gated)"
+            rows = "2I" if activation.gated else "I"
             raise MoeInputError(
-                f"w13 has {n13} rows but activation {activation.name!r} with w2's I={i2} needs "
-                f"{expected_rows}: w13 must be {layout}"
+                f"w13 ({n13} rows) and w2 (I={i2}) disagree: activation {activation.name!r} "
+                f"takes w13 {layout} and w2 [E, H, I] with one I, so w13 needs {rows} = "
+                f"{expected_rows} rows, or w2 I = {n13 // 2 if activation.gated else n13}"
             )
         if self.w13_order != "gate_up" and not activation.gated:
             raise MoeInputError(
