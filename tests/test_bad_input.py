@@ -41,7 +41,12 @@ BAD = [
     ("w13_rank", dict(w13=torch.randn(2 * I, H)), MoeInputError, "w13"),
     ("E_mismatch", dict(w2=torch.randn(E + 1, H, I)), MoeInputError, "E="),
     ("H_mismatch", dict(w2=torch.randn(E, H + 1, I)), MoeInputError, "H="),
-    ("I_mismatch", dict(w2=torch.randn(E, H, I + 1)), MoeInputError, "w13 has"),
+    (
+        "I_mismatch",
+        dict(w2=torch.randn(E, H, I + 1)),
+        MoeInputError,
+        r"w13 \(16 rows\) and w2 \(I=9\) disagree",
+    ),
     ("hidden_H", dict(hidden_states=torch.randn(T, H + 2)), MoeInputError, "hidden_states"),
     ("float_ids", dict(topk_ids=torch.zeros(T, K)), TypeError, "topk_ids"),
     (
@@ -109,7 +114,7 @@ def test_bad_activation_options():
         call(args(), activation="tanh")
     with pytest.raises(MoeInputError, match="swiglu"):
         call(args(), activation="silu", swiglu_limit=3.0)
-    with pytest.raises(MoeInputError, match=r"w13 \(128 rows\) and w2 \(I=64\) disagree"):
+    with pytest.raises(MoeInputError, match=r"w13 \(16 rows\) and w2 \(I=8\) disagree"):
         call(args(), activation="relu2")  # relu2 needs w13 [E, I, H]
     with pytest.raises(MoeInputError, match="interleaved"):
         call(args(w13=torch.randn(E, I, H)), activation="relu2", gate_up_interleaved=True)
