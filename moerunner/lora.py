@@ -139,6 +139,11 @@ class MoeLoraWeights:
         wrong = [
             f"{n} has {got[n]} where the experts need {want[n]}" for n in want if got[n] != want[n]
         ]
+        if wrong and got["w13_b"] == 2 * w13_rows and w13_rows == inter:
+            wrong.append(
+                "w13_b has the rows of gated experts and these are not (for a checkpoint: "
+                "MoeModelShape(..., gated=False))"
+            )
         if wrong:
             raise MoeInputError("lora factors do not fit the experts: " + "; ".join(wrong))
 

@@ -62,13 +62,16 @@ OTHER_MODULES = ("error", "ignore")
 @dataclass(frozen=True)
 class MoeModelShape:
     """What the loader needs of a model: its experts' sizes, the per-expert projection names
-    (gate, up, down) of its transformers 4 layout, and whether w13 rows alternate."""
+    (gate, up, down) of its transformers 4 layout, whether w13 rows alternate, and whether
+    the experts are gated (``gated=False``: ``act(x W_up) W_down``, w13 ``[E, I, H]`` is
+    the up projection, which transformers 5 names ``up_proj``; no gate projection)."""
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
     projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     interleaved: bool = False
+    gated: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden_size", "intermediate_size"):
@@ -82,6 +85,16 @@ class MoeModelShape:
             raise TypeError(
                 f"MoeModelShape.projections must be 3 names (gate, up, down), got {names!r}"
             )
+        for name in ("interleaved", "gated"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MoeModelShape.{name} must be a bool")
+        if self.interleaved and not self.gated:
+            raise MoeInputError("MoeModelShape: interleaved gate/up rows need gated experts")
+
+    @property
+    def w13_rows(self) -> int:
+        """GEMM1's output rows: 2I gated, I not."""
+        return (2 if self.gated else 1) * self.intermediate_size
 
     @classmethod
     def of(cls, config) -> MoeModelShape:
@@ -364,14 +377,16 @@ def _fused_module(wrapper: dict, module: str, shape: MoeModelShape, scaling_of):
     """A ``ParamWrapper`` on a 3-D expert parameter: A ``[E r, in]``, B ``[out, r E]``."""
     _, a, b = _pair(wrapper, f"{module} (target_parameters)")
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
-    roles = {"gate_up": (h, 2 * i, "gate_up_proj"), "down": (i, h, "down_proj")}
+    w13_name = "gate_up_proj" if shape.gated else "up_proj"
+    n13 = shape.w13_rows
+    roles = {"gate_up": (h, n13, w13_name), "down": (i, h, "down_proj")}
     found = (a.shape[1], b.shape[0])
     role = next((ro for ro, (k, n, _) in roles.items() if found == (k, n)), None)
     swapped = next((ro for ro, (k, n, _) in roles.items() if found == (n, k)), None)
     if role is None and swapped is not None:
         raise MoeInputError(
             f"adapters: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} fit neither "
-            f"gate_up_proj ([E*r, {h}] / [{2 * i}, r*E]) nor down_proj ([E*r, {i}] / "
+            f"{w13_name} ([E*r, {h}] / [{n13}, r*E]) nor down_proj ([E*r, {i}] / "
             f"[{h}, r*E]) of this model (H={h}, I={i}). Either they adapt "
             f"{roles[swapped][2]} with A on the parameter's output side (PEFT's orientation "
             "for a 3-D parameter of a transformers 4 model without is_transposed; moerunner "
@@ -380,9 +395,16 @@ def _fused_module(wrapper: dict, module: str, shape: MoeModelShape, scaling_of):
             "hidden or intermediate size"
         )
     if role is None:
+        gating = (
+            ""
+            if shape.gated or b.shape[0] != 2 * i
+            else "; an adapter of gated experts (2I rows) on a model whose MoeModelShape says "
+            "gated=False"
+        )
         raise MoeInputError(
             f"adapters: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} fit neither "
-            f"gate_up_proj ([E*r, {h}] / [{2 * i}, r*E]) nor down_proj ([E*r, {i}] / [{h}, r*E])"
+            f"{w13_name} ([E*r, {h}] / [{n13}, r*E]) nor down_proj ([E*r, {i}] / [{h}, r*E])"
+            + gating
         )
     r, s = scaling_of(f"{module}.{roles[role][2]}")
     if a.shape[0] != e * r or b.shape[1] != e * r:
@@ -404,7 +426,7 @@ def _stack(read: list[_Adapter], shape: MoeModelShape, layer: int, dtype, device
     count = len(read)
     out = {
         "w13_a": torch.zeros(count, e, r13, h, dtype=torch.float64),
-        "w13_b": torch.zeros(count, e, 2 * i, r13, dtype=torch.float64),
+        "w13_b": torch.zeros(count, e, shape.w13_rows, r13, dtype=torch.float64),
         "w2_a": torch.zeros(count, e, r2, i, dtype=torch.float64),
         "w2_b": torch.zeros(count, e, h, r2, dtype=torch.float64),
     }
@@ -427,15 +449,21 @@ def _scaled(module: _Module | None, default: float):
 
 
 def _w13(roles: dict[str, _Module], default: float, shape: MoeModelShape):
-    """GEMM1's (A ``[E, r, H]``, B ``[E, 2I, r]``) in the experts' row order."""
+    """GEMM1's (A ``[E, r, H]``, B ``[E, w13 rows, r]``) in the experts' row order."""
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     if "gate_up" in roles:
         return _scaled(roles["gate_up"], default)
-    parts = [(half, _scaled(roles.get(name), default)) for half, name in enumerate(("gate", "up"))]
+    if not shape.gated and "gate" in roles:
+        raise MoeInputError(
+            f"adapters: the adapter adapts the gate projection {shape.projections[0]!r}, but "
+            "the model's experts have none (MoeModelShape gated=False)"
+        )
+    halves = ("gate", "up") if shape.gated else ("up",)
+    parts = [(half, _scaled(roles.get(name), default)) for half, name in enumerate(halves)]
     parts = [(half, ab) for half, ab in parts if ab is not None]
     rank = sum(ab[0].shape[1] for _, ab in parts)
     a = torch.zeros(e, rank, h, dtype=torch.float64)
-    b = torch.zeros(e, 2 * i, rank, dtype=torch.float64)
+    b = torch.zeros(e, shape.w13_rows, rank, dtype=torch.float64)
     col = 0
     for half, (a_part, b_part) in parts:  # stacked A, block-diagonal B (gate rows, up rows)
         r = a_part.shape[1]

@@ -166,10 +166,16 @@ class ExpertWeights:
         if n13 != expected_rows:
             layout = "[E, 2I, H]" if activation.gated else "[E, I, H] (non-gated)"
             rows = "2I" if activation.gated else "I"
+            fixes = [f"w13 needs {rows} = {expected_rows} rows"]
+            if not activation.gated or n13 % 2 == 0:
+                fixes.append(f"w2 I = {n13 // 2 if activation.gated else n13}")
+            if activation.gated and n13 == i2:
+                fixes.append("a non-gated activation (relu2, silu_no_mul, gelu_no_mul, ...)")
+            elif not activation.gated and n13 == 2 * i2:
+                fixes.append("a gated activation (silu, gelu, ...)")
             raise MoeInputError(
                 f"w13 ({n13} rows) and w2 (I={i2}) disagree: activation {activation.name!r} "
-                f"takes w13 {layout} and w2 [E, H, I] with one I, so w13 needs {rows} = "
-                f"{expected_rows} rows, or w2 I = {n13 // 2 if activation.gated else n13}"
+                f"takes w13 {layout} and w2 [E, H, I] with one I, so " + ", or ".join(fixes)
             )
         if self.w13_order != "gate_up" and not activation.gated:
             raise MoeInputError(

@@ -349,9 +349,10 @@ def test_sequence_lora_stores_each_rows_delta_and_zero_without_a_pair(dtype, ran
         ("gate_up", x, top_k, lora.w13_a, lora.w13_b),
         ("down", inter_RI, 1, lora.w2_a, lora.w2_b),
     ):
-        first = getattr(seq, which)(inp, expert)
+        width = b.shape[2]  # the GEMM's output width (w13 rows, or H)
+        first = getattr(seq, which)(inp, expert, width)
         first.fill_(float("nan"))  # the cached workspace: the next call must set every row
-        out = getattr(seq, which)(inp, expert)
+        out = getattr(seq, which)(inp, expert, width)
         assert out.data_ptr() == first.data_ptr() and out.dtype == torch.float32
         want = _row_deltas(inp, a, b, adapter_R, expert, scale_R, row_div)
         without = (want == 0).all(dim=1)
@@ -499,3 +500,24 @@ def test_lora_calls_take_no_launch_plan_of_plain_calls():
         for _ in range(4):
             assert_close(call(ids), ref(ids), bound, what=f"lora {ids.tolist()}")
     assert_close(call(None), plain, bound, what="plain after lora")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ["silu", "silu_no_mul"])
+def test_w13_b_of_another_width_is_refused_on_every_path(backend, act):
+    # The triton backend's LoRA inside the fused sequence (decode sizes) sized its workspace
+    # from w13_b itself and checked w13_b against that: 8 rows too many ran with the first
+    # rows, too few read past the workspace, and a gated adapter on a non-gated layer
+    # dropped the adapter (its up rows sit past the first I).
+    x, weights, lora, topk, adapters, act = _case(act=act)
+    rows = weights.w13.shape[1]
+    for bad_rows in (rows + 8, rows - 8):
+        bad_b = torch.randn(L, E, bad_rows, lora.w13_b.shape[3])
+        bad = MoeLoraWeights(lora.w13_a, bad_b, lora.w2_a, lora.w2_b)
+        with pytest.raises(MoeInputError, match=f"w13_b has {bad_rows} where the experts need"):
+            _run(backend, x, weights, bad, topk, adapters, act)
+    if not act.gated:  # a gated adapter on a non-gated layer says so
+        gated_b = torch.randn(L, E, 2 * rows, lora.w13_b.shape[3])
+        with pytest.raises(MoeInputError, match="gated=False"):
+            _run(backend, x, weights, MoeLoraWeights(lora.w13_a, gated_b, lora.w2_a, lora.w2_b),
+                 topk, adapters, act)  # fmt: skip

@@ -333,3 +333,52 @@ def test_bad_adapters_raise_naming_the_problem(tmp_path):
         load_peft_adapters(good, QWEN, layer="0")
     with pytest.raises(TypeError, match="adapters"):
         load_peft_adapters([], QWEN, layer=0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "target-parameters"])
+def test_adapters_of_non_gated_experts(tmp_path, fused):
+    # A non-gated model's adapter (experts' up_proj and down_proj, Nemotron-H style) was
+    # built gated-shaped, its up factors in rows I..2I: refused by the torch backend, and
+    # dropped without a word by the triton one. MoeModelShape(gated=False) reads it as is.
+    g = torch.Generator().manual_seed(7)
+    r, shape = 4, MoeModelShape(E, H, I, gated=False)
+    a_up, b_up = torch.randn(E, r, H, generator=g) * 0.3, torch.randn(E, I, r, generator=g) * 0.3
+    a_dn, b_dn = torch.randn(E, r, I, generator=g) * 0.3, torch.randn(E, H, r, generator=g) * 0.3
+    key = f"{PREFIX}.0.mlp.experts"
+    if fused:  # transformers 5 3-D parameters: A [E r, in], B [out, r E] (column j E + e)
+        tensors = {
+            f"{key}.base_layer.lora_A.weight": a_up.reshape(E * r, H),
+            f"{key}.base_layer.lora_B.weight": b_up.permute(1, 2, 0).reshape(I, r * E),
+            f"{key}.lora_A.weight": a_dn.reshape(E * r, I),
+            f"{key}.lora_B.weight": b_dn.permute(1, 2, 0).reshape(H, r * E),
+        }
+        config = {"target_parameters": ["up_proj", "down_proj"], "lora_alpha": 4}
+    else:
+        tensors = {}
+        for e in range(E):
+            for proj, (a, b) in (("up_proj", (a_up, b_up)), ("down_proj", (a_dn, b_dn))):
+                tensors[f"{key}.{e}.{proj}.lora_A.weight"] = a[e]
+                tensors[f"{key}.{e}.{proj}.lora_B.weight"] = b[e]
+        config = {"lora_alpha": 4}
+    folder = write_adapter(tmp_path / "a", tensors, **config)
+    lora = load_peft_adapters([folder], shape, layer=0)
+    assert tuple(lora.w13_b.shape) == (1, E, I, r)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, I, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
+    topk = moerunner.select_experts(torch.randn(T, E, generator=g), K)
+    merged = ExpertWeights(w13.double() + b_up.double() @ a_up.double(),
+                           w2.double() + b_dn.double() @ a_dn.double())  # fmt: skip
+    want = moerunner.reference_moe(x, merged, topk.weights, topk.ids, "silu_no_mul")
+    hooks = lora_hooks(lora, torch.zeros(T, dtype=torch.long))
+    got = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="silu_no_mul",
+                              hooks=hooks, backend="torch")  # fmt: skip
+    assert_close(got, want, DTYPE_BOUND[torch.float32])
+    if not fused:  # a gate adapter on gate-less experts
+        gate = {}
+        for e in range(E):
+            gate[f"{key}.{e}.gate_proj.lora_A.weight"] = torch.randn(r, H)
+            gate[f"{key}.{e}.gate_proj.lora_B.weight"] = torch.randn(I, r)
+        folder = write_adapter(tmp_path / "b", {**tensors, **gate}, **config)
+        with pytest.raises(MoeInputError, match="experts have none"):
+            load_peft_adapters([folder], shape, layer=0)

@@ -173,7 +173,7 @@ class MoeProblem(HashedOnce):
             for word, on in (
                 ("biases", self.has_bias),
                 ("interleaved gate/up", self.interleaved),
-                ("per-expert swiglu parameters", self.extended_swiglu),
+                ("per-expert swiglu parameters or swiglu_beta != 1", self.extended_swiglu),
                 ("hooks", self.hooks),
             )
             if on

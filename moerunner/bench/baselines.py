@@ -20,7 +20,16 @@ from ..config import Activation, ExpertSpec
 from .presets import BenchShape
 
 BASELINES = ("eager", "grouped_mm")
-_HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu2": "relu2"}
+# moerunner activation -> transformers' ACT2FN name of its function (gated: of the gate)
+_HF_ACT = {
+    "silu": "silu",
+    "gelu": "gelu",
+    "gelu_tanh": "gelu_pytorch_tanh",
+    "relu2": "relu2",
+    "silu_no_mul": "silu",
+    "gelu_no_mul": "gelu",
+    "gelu_tanh_no_mul": "gelu_pytorch_tanh",
+}
 
 # (hidden [T, H], ids [T, k] int64, weights [T, k] in hidden dtype) -> [T, H]
 BaselineFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -55,7 +64,7 @@ def _transformers_module(shape: BenchShape, impl: str, w13, w2, b13, b2) -> torc
         return module
     if b13 is not None or b2 is not None:
         raise ValueError(f"no transformers experts module with biases for {shape.activation!r}")
-    if shape.activation == "relu2":
+    if not Activation(shape.activation).gated:  # Nemotron-H's experts: act(x W_up) W_down
         from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
         from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
@@ -63,7 +72,7 @@ def _transformers_module(shape: BenchShape, impl: str, w13, w2, b13, b2) -> torc
             hidden_size=shape.hidden_size,
             n_routed_experts=shape.num_experts,
             moe_intermediate_size=shape.intermediate_size,
-            mlp_hidden_act="relu2",
+            mlp_hidden_act=_HF_ACT[shape.activation],
             experts_implementation=impl,
         )
         module = NemotronHExperts(config)

@@ -346,3 +346,24 @@ def test_copy_ceiling_is_the_best_block_median_after_the_warm_up():
     assert time.perf_counter() - t0 >= 0.05
     assert calls == [7, 7, 7]
     assert gbps == pytest.approx(2 * nbytes / 1e-3 / 1e9)
+
+
+@pytest.mark.parametrize("act", ["relu2", "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul"])
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_non_gated_baselines_compute_their_activation(act, impl):
+    # bench's transformers baseline took only relu2 as non-gated: the *_no_mul activations
+    # failed with a KeyError after the sweep had started.
+    pytest.importorskip("transformers")
+    import moerunner
+    from moerunner.bench.baselines import build_baseline
+
+    shape = BenchShape("n", 4, 32, 24, 2, act)
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(4, 24, 32, generator=g) / 6, torch.randn(4, 32, 24, generator=g) / 5
+    x = torch.randn(5, 32, generator=g)
+    topk = moerunner.select_experts(torch.randn(5, 4, generator=g), 2)
+    run, what = build_baseline(shape, impl, w13, w2)
+    got = run(x, topk.ids.long(), topk.weights)
+    want = moerunner.reference_moe(x, moerunner.ExpertWeights(w13, w2), topk.weights, topk.ids, act)
+    assert "NemotronH" in what
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

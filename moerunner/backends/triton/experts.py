@@ -544,7 +544,8 @@ def run_kernel_sequence(
     # be written by that launch, so the input's quantization goes first.
     with trace_range("gemm1"):
         a, a_scale = _quantize_input(a_RH, w13, options)
-        delta = deltas.gate_up(a_RH, row_expert) if deltas is not None else None
+        w13_rows = 2 * inter if spec.gated else inter
+        delta = deltas.gate_up(a_RH, row_expert, w13_rows) if deltas is not None else None
         gemm1_programs = _launch_gemm(
             a,
             a_scale,
@@ -574,7 +575,7 @@ def run_kernel_sequence(
             a2, a2_scale = ws["inter"], ws["inter_scale"]
         else:
             a2, a2_scale = _quantize_input(ws["inter"], w2, options)
-        delta = deltas.down(ws["inter"], row_expert) if deltas is not None else None
+        delta = deltas.down(ws["inter"], row_expert, hidden) if deltas is not None else None
         try:
             _launch_gemm(
                 a2,

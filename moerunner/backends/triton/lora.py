@@ -319,19 +319,24 @@ class SequenceLora:
     top_k: int
     options: TritonOptions
 
-    def gate_up(self, x_TH: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor | None:
-        """float32 [rows, w13 rows]: GEMM1's delta of every row (input ``x_TH[p // k]``)."""
-        return self._delta(self.gate_up_lora, x_TH, self.top_k, expert_R)
+    def gate_up(
+        self, x_TH: torch.Tensor, expert_R: torch.Tensor, w13_rows: int
+    ) -> torch.Tensor | None:
+        """float32 [rows, w13_rows]: GEMM1's delta of every row (input ``x_TH[p // k]``)."""
+        return self._delta(self.gate_up_lora, x_TH, self.top_k, expert_R, w13_rows)
 
-    def down(self, inter_RI: torch.Tensor, expert_R: torch.Tensor) -> torch.Tensor | None:
-        """float32 [rows, H]: GEMM2's delta of every row (input ``inter_RI[p]``)."""
-        return self._delta(self.down_lora, inter_RI, 1, expert_R)
+    def down(
+        self, inter_RI: torch.Tensor, expert_R: torch.Tensor, hidden: int
+    ) -> torch.Tensor | None:
+        """float32 [rows, hidden]: GEMM2's delta of every row (input ``inter_RI[p]``)."""
+        return self._delta(self.down_lora, inter_RI, 1, expert_R, hidden)
 
-    def _delta(self, delta, x_XK, a_row_div, expert_R):
+    def _delta(self, delta, x_XK, a_row_div, expert_R, n: int):
+        """The delta into a workspace of the GEMM's own output width ``n``, which the factors
+        are checked against (B's rows must be the GEMM's output columns)."""
         if delta is None:
             return None
         num_rows, dev = expert_R.shape[0], expert_R.device
-        n = delta.b.shape[2]
         out = WORKSPACES.get(
             (dev, "lora_delta", delta.gemm, num_rows, n),
             lambda: {"d": torch.empty(num_rows, n, dtype=torch.float32, device=dev)},
