@@ -371,7 +371,8 @@ def _needs_grad(
         return False
     tensors = [hidden_states, topk_weights, weights.w13_bias, weights.w2_bias]
     tensors += [w for w in (weights.w13, weights.w2) if isinstance(w, torch.Tensor)]
-    return any(t is not None and t.requires_grad for t in tensors)
+    # (a non-tensor argument is refused by name by the checks that follow)
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _differentiable(

@@ -152,3 +152,17 @@ def test_unsupported_request_names_every_backend():
     message = str(info.value)
     assert "cuda_only: rejected: device 'cpu'" in message and "torch: can serve" in message
     assert local.select(problem).backend.name == "torch"
+
+
+@pytest.mark.parametrize("which", ["hidden_states", "topk_weights", "w13_bias"])
+def test_a_list_for_a_tensor_is_named_with_grad_mode_on(which):
+    # The grad-mode check read .requires_grad of every argument before the type checks: a
+    # list gave AttributeError (grad mode is on by default, so every such call did).
+    assert torch.is_grad_enabled()
+    kw = args()
+    if which == "w13_bias":
+        kw["w13_bias"] = torch.zeros(E, 2 * I).tolist()
+    else:
+        kw[which] = kw[which].tolist()
+    with pytest.raises((TypeError, MoeInputError), match=which):
+        call(kw)
