@@ -69,6 +69,13 @@ def activate(
     if not act.gated:  # relu2, silu_no_mul, ...: act(x)
         return _plain(h, act.name.removesuffix("_no_mul"))
     gate, up = split_gate_up(h, interleaved)
+    if act.name == "swiglu_step":  # the clamp after the activation
+        limit = _per_row(act.limit, experts)
+        if isinstance(limit, torch.Tensor):
+            return torch.minimum(F.silu(gate), limit) * torch.maximum(
+                torch.minimum(up, limit), -limit
+            )
+        return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
     if act.name != "swiglu_oai":
         return _plain(gate, act.name) * up
     # swiglu_oai: clamp, then (up + beta) * gate * sigmoid(alpha * gate)

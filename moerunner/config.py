@@ -21,6 +21,7 @@ ACTIVATIONS: dict[str, bool] = {
     "gelu": True,
     "gelu_tanh": True,
     "swiglu_oai": True,
+    "swiglu_step": True,
     "relu2": False,
     # non-gated forms of the gated ones (act(x W1^T), w13 [E, I, H]; vLLM's names)
     "silu_no_mul": False,
@@ -31,6 +32,7 @@ ACTIVATIONS: dict[str, bool] = {
 SWIGLU_OAI_DEFAULT_ALPHA = 1.702
 SWIGLU_OAI_DEFAULT_LIMIT = 7.0
 SWIGLU_OAI_DEFAULT_BETA = 1.0
+SWIGLU_STEP_DEFAULT_LIMIT = 7.0
 
 
 def _real(name: str, value: object, default: float) -> float:
@@ -113,9 +115,11 @@ def _identity_key(value: object) -> object:
 class Activation(HashedOnce):
     """The expert activation.
 
-    ``alpha``, ``beta`` and ``limit`` apply to ``swiglu_oai`` only (GPT-OSS clamped SwiGLU:
+    ``alpha``, ``beta`` and ``limit`` apply to ``swiglu_oai`` (GPT-OSS clamped SwiGLU:
     gate clamped above at ``limit``, up clamped to ``[-limit, limit]``,
-    ``out = (up + beta) * gate * sigmoid(alpha * gate)``; defaults 1.702, 1.0 and 7.0). Each
+    ``out = (up + beta) * gate * sigmoid(alpha * gate)``; defaults 1.702, 1.0 and 7.0), and
+    ``limit`` alone to ``swiglu_step`` (the clamp after the activation, Step-3.5 / Step-3.7 and
+    Bailing-hybrid: ``out = min(silu(gate), limit) * clamp(up, -limit, limit)``; default 7). Each
     is a float or a per-expert 1-D floating tensor ``[E]`` (FlashInfer's ``swiglu_alpha`` /
     ``swiglu_beta`` / ``swiglu_limit``): expert ``e`` uses entry ``e``. Backends that take
     only scalars with ``beta == 1`` (the fused triton kernels) decline per-expert
@@ -134,11 +138,20 @@ class Activation(HashedOnce):
                 f"activation: got {self.name!r}; accepted: {', '.join(sorted(ACTIVATIONS))}"
             )
         params = (self.alpha, self.limit, self.beta)
-        if self.name != "swiglu_oai" and any(p is not None for p in params):
+        if self.name == "swiglu_step" and (self.alpha is not None or self.beta is not None):
+            raise MoeInputError(
+                "swiglu_alpha / swiglu_beta apply to activation 'swiglu_oai'; 'swiglu_step' "
+                "takes swiglu_limit only"
+            )
+        if self.name not in ("swiglu_oai", "swiglu_step") and any(p is not None for p in params):
             raise MoeInputError(
                 f"swiglu_alpha / swiglu_beta / swiglu_limit apply to activation 'swiglu_oai' "
-                f"only, got them with activation {self.name!r}"
+                f"(swiglu_limit also to 'swiglu_step'), got them with activation {self.name!r}"
             )
+        if self.name == "swiglu_step":
+            limit = _param("swiglu_limit", self.limit, SWIGLU_STEP_DEFAULT_LIMIT)
+            _check_param_values("swiglu_limit", limit, "positive")
+            object.__setattr__(self, "limit", limit)
         if self.name == "swiglu_oai":
             alpha = _param("swiglu_alpha", self.alpha, SWIGLU_OAI_DEFAULT_ALPHA)
             limit = _param("swiglu_limit", self.limit, SWIGLU_OAI_DEFAULT_LIMIT)
@@ -177,9 +190,10 @@ class Activation(HashedOnce):
 
     @property
     def extended(self) -> bool:
-        """swiglu_oai beyond the fused kernels' form: per-expert parameters or beta != 1."""
-        return self.name == "swiglu_oai" and (
-            self.per_expert or self.beta != SWIGLU_OAI_DEFAULT_BETA
+        """A clamped SwiGLU beyond the fused kernels' form: per-expert parameters, or
+        swiglu_oai with beta != 1."""
+        return self.per_expert or (
+            self.name == "swiglu_oai" and self.beta != SWIGLU_OAI_DEFAULT_BETA
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:

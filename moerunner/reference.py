@@ -46,6 +46,11 @@ def _act64(h: torch.Tensor, act: Activation, order: str, expert: int) -> torch.T
         up, gate = h[:, :half], h[:, half:]
     else:
         gate, up = h[:, :half], h[:, half:]
+    if act.name == "swiglu_step":
+        limit = _param64(act.limit, expert)
+        return torch.clamp(_plain64(gate, "silu"), max=limit) * torch.clamp(
+            up, min=-limit, max=limit
+        )
     if act.name != "swiglu_oai":
         return _plain64(gate, act.name) * up
     if act.name == "swiglu_oai":

@@ -123,6 +123,7 @@ CASES = [
     Case("gelu_no_mul_bias", activation="gelu_no_mul", bias=True),
     Case("gelu_tanh_no_mul", activation="gelu_tanh_no_mul"),
     Case("swiglu_oai", activation="swiglu_oai", bias=True, interleaved=True),
+    Case("swiglu_step", activation="swiglu_step", bias=True),
     Case("silu_interleaved", interleaved=True),
 ]
 

@@ -524,8 +524,8 @@ def test_vllm_moe_activation_enum_and_is_act_and_mul():
     # non-gated silu: MoEActivation.SILU_NO_MUL, or vLLM 0.10's silu with is_act_and_mul=False
     silu = vllm.fused_experts(*plain, activation=MoEActivation.SILU_NO_MUL)
     assert torch.equal(silu, vllm.fused_experts(*plain, activation="silu", is_act_and_mul=False))
-    with pytest.raises(MoeInputError, match="swiglustep"):
-        vllm.fused_experts(*plain, activation="swiglustep")
+    with pytest.raises(MoeInputError, match="swigluoai_uninterleave"):
+        vllm.fused_experts(*plain, activation="swigluoai_uninterleave")
 
 
 @pytest.mark.parametrize(
@@ -683,3 +683,19 @@ def test_sglang_routing_fields_of_its_later_releases():
     want = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))
     assert torch.equal(got.topk_ids, want.topk_ids)
     assert torch.equal(got.topk_weights, want.topk_weights)
+
+
+def test_vllm_swiglustep_clamps_silu_at_7():
+    # vLLM's swiglustep: silu(gate).clamp(max=7) * up.clamp(-7, 7), gate then up halves.
+    x, logits, w13, w2 = _problem(51)
+    x = x * 40
+    topk = moerunner.select_experts(logits, 2)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for w, e in zip(topk.weights[t].double(), topk.ids[t].tolist(), strict=True):
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            h = torch.nn.functional.silu(gate).clamp(max=7.0) * up.clamp(-7.0, 7.0)
+            want[t] += w * (w2[e].double() @ h)
+    assert bool((x.double() @ w13[0, :I].double().T > 7).any())  # the clamp is reached
+    got = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, "swiglustep")
+    assert_close(got, want, error_bound(torch.float32, False))

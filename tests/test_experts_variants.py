@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import interpreted_triton
 
 import moerunner
 from moerunner import Activation, ExpertWeights, MoeInputError, quantize, reference_moe
@@ -315,3 +316,44 @@ def test_apply_router_weight_on_input_needs_top1_and_empty_ok():
         x[:0], w13, w2, topk.weights[:0, :1], topk.ids[:0, :1], apply_router_weight_on_input=True
     )
     assert empty.shape == (0, H)
+
+
+def _swiglu_step_f64(x, w13, w2, topk, limit):
+    """float64: min(silu(gate), L) * clamp(up, -L, L) on gate-then-up halves, written out."""
+    i = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk.weights[t].double(), topk.ids[t].tolist(), strict=True):
+            h = w13[e].double() @ x[t].double()
+            gate, up = h[:i], h[i:]
+            act = torch.clamp(gate / (1 + torch.exp(-gate)), max=limit) * up.clamp(-limit, limit)
+            out[t] += w * (w2[e].double() @ act)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_swiglu_step_clamps_after_the_activation(backend):
+    # Step-3.5 / Step-3.7 and Bailing-hybrid clamp silu's output (vLLM's swiglustep), where
+    # swiglu_oai clamps the gate before it: inputs past the limit tell the two apart.
+    if backend == "triton":
+        if not interpreted_triton():
+            pytest.skip("CPU tensors: the triton backend runs them under its interpreter only")
+    g = torch.Generator().manual_seed(21)
+    E, H, I, T = 4, 32, 16, 7
+    x = torch.randn(T, H, generator=g) * 8
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    topk = moerunner.select_experts(torch.randn(T, E, generator=g), 2)
+    want = _swiglu_step_f64(x, w13, w2, topk, 2.0)
+    assert bool((torch.nn.functional.silu(x @ w13[0, :I].T) > 2.0).any())  # the clamp is hit
+    got = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="swiglu_step",
+                              swiglu_limit=2.0, backend=backend)  # fmt: skip
+    assert_close(got, want, DTYPE_BOUND[torch.float32])
+    before = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai",
+                                 swiglu_alpha=1.0, swiglu_limit=2.0, swiglu_beta=0.0)  # fmt: skip
+    assert not torch.allclose(before, got, rtol=1e-3, atol=1e-3)  # another function
+    with pytest.raises(MoeInputError, match="swiglu_limit only"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="swiglu_step",
+                            swiglu_alpha=1.0)  # fmt: skip
+    with pytest.raises(MoeInputError, match="swiglu_limit"):
+        Activation("swiglu_step", limit=-1.0)

@@ -244,7 +244,9 @@ def _call(cfg: MoeRunnerConfig, fuse_swiglu_interleaved: bool = False) -> Expert
             raise MoeInputError(
                 f"{given} without {absent}: "
                 "SGLang releases differ on one of the two alone (ignored, refused, or a clamp "
-                "of the plain SwiGLU); pass both for GPT-OSS's SwiGLU (moerunner's swiglu_oai)"
+                "of the plain SwiGLU); pass both for GPT-OSS's SwiGLU (moerunner's swiglu_oai); "
+                "for min(silu(gate), L) * clamp(up, -L, L) call moerunner.fused_moe with "
+                "activation='swiglu_step', swiglu_limit=L"
             )
         order = "interleaved" if cfg.gate_up_interleaved else "gate_up"
         return ExpertsCall("swiglu_oai", order, cfg.gemm1_alpha, cfg.gemm1_clamp_limit)

@@ -46,6 +46,7 @@ ACTIVATIONS = {
     "gelu": ExpertsCall("gelu"),
     "gelu_tanh": ExpertsCall("gelu_tanh"),
     "swigluoai": ExpertsCall("swiglu_oai", "interleaved"),
+    "swiglustep": ExpertsCall("swiglu_step", swiglu_limit=7.0),
     "relu2_no_mul": ExpertsCall("relu2"),
     "silu_no_mul": ExpertsCall("silu_no_mul"),
     "gelu_no_mul": ExpertsCall("gelu_no_mul"),

@@ -54,7 +54,7 @@ LAYER_NAME = "_moerunner_layer_name"
 # Tried in this order when matching the module's gating numerically. "swiglu_clamp" is the
 # clamped SwiGLU of DeepSeek-V4, HY-V4 and GLM-5-Next, silu(min(gate, L)) * clamp(up, -L, L):
 # moerunner's swiglu_oai with alpha 1 and beta 0 (``_candidate``).
-_GATED_CANDIDATES = ("silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamp")
+_GATED_CANDIDATES = ("silu", "gelu", "gelu_tanh", "swiglu_oai", "swiglu_clamp", "swiglu_step")
 _PLAIN_CANDIDATES = ("relu2", "silu_no_mul", "gelu_no_mul", "gelu_tanh_no_mul")
 _PROBE_WIDTH = 32  # gate/up probe columns (any even width works for every gating)
 _PROBE_RTOL = 1e-5  # fp32 math of the same formula agrees to a few ulps
@@ -143,8 +143,8 @@ def _describe(module: torch.nn.Module) -> ExpertsLayout:
         clamp = (
             ""
             if limit is None
-            else f"; it clamps at {limit:g}, but not as moerunner's clamped SwiGLUs do (gate "
-            "clamped before the activation, up clamped to [-limit, limit])"
+            else f"; it clamps at {limit:g}, but not as moerunner's clamped SwiGLUs do (the gate "
+            "clamped before or after silu, up clamped to [-limit, limit])"
         )
         raise refuse(
             f"its {what} matches none of moerunner's activations {list(candidates)} "
@@ -192,13 +192,17 @@ def _candidate(module: torch.nn.Module, name: str) -> Activation | None:
         if limit is None or limit <= 0:
             return None
         return Activation("swiglu_oai", alpha=1.0, limit=limit, beta=0.0)
+    if name == "swiglu_step":  # the clamp after the activation (Step-3.7, Bailing-hybrid)
+        if limit is None or limit <= 0:
+            return None
+        return Activation("swiglu_step", limit=limit)
     return Activation(name)
 
 
 def shared_mlp_matches(mlp: torch.nn.Module, activation: Activation) -> bool:
     """Whether a shared-expert MLP's ``act_fn(gate) * up`` is ``activation``'s gating (the
     shared experts run in the routed call with the routed activation)."""
-    if not activation.gated or activation.name == "swiglu_oai":
+    if not activation.gated or activation.name in ("swiglu_oai", "swiglu_step"):
         return False
     probe = _probe(8, _PROBE_WIDTH)
     up = torch.randn(8, _PROBE_WIDTH, generator=torch.Generator().manual_seed(0))

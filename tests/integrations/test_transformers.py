@@ -460,3 +460,33 @@ def test_tiny_config_names_the_families_it_builds():
 
     with pytest.raises(ValueError, match="family 'llama'; accepted: mixtral"):
         tiny_config("llama")
+
+
+@pytest.mark.parametrize("limit", [2.0, 7.0])
+def test_a_clamp_after_the_activation_runs_as_swiglu_step(limit):
+    # Step-3.7 and Bailing-hybrid clamp silu's output: min(silu(gate), L) * clamp(up, -L, L).
+    # Such layers were refused (limits up to 11) or, past that, run as a clamp before silu.
+    model = build("qwen3_moe")
+    experts = model.model.layers[1].mlp.experts
+
+    def _apply_gate(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+
+    experts._apply_gate, experts.limit = _apply_gate, limit
+    act = mt.describe(experts).activation
+    assert (act.name, act.limit) == ("swiglu_step", limit)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, experts.gate_up_proj.shape[-1], generator=g) * 4 * limit**0.5
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=g)
+    ours = mt.make_experts_forward("torch")(experts, x, ids, weights)
+    w13, w2 = experts.gate_up_proj.detach().double(), experts.down_proj.detach().double()
+    want = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(9):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t].double()).chunk(2)
+            h = torch.nn.functional.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+            want[t] += float(weights[t, j]) * (w2[e] @ h)
+    assert_close(ours, want, FP32_MAX_REL, what="swiglu_step")

@@ -4,7 +4,8 @@
 # accumulator; ``activation_kernel`` applies the same math as a launch of its own on GEMM1's
 # stored float32 output, for the hooked sequence (``hooked.py``), where a hook edits that
 # output before the activation. Gated activations take act(gate) * up, the clamped SwiGLU
-# of GPT-OSS (``swiglu_oai``) its alpha and limit.
+# of GPT-OSS (``swiglu_oai``) its alpha and limit, the clamp after silu (``swiglu_step``) its
+# limit.
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from . import _pdl
 
 # Activation ids (constexpr ACT); ACT_NONE is used by GEMM2.
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2, 3, 4, 5
+ACT_SWIGLU_STEP = 6
 
 
 @triton.jit
@@ -36,6 +38,9 @@ def activate(g, u, alpha, limit, ACT: tl.constexpr):
     elif ACT == 5:
         r = tl.maximum(g, 0.0)
         out = r * r
+    elif ACT == 6:  # the clamp after the activation
+        s = tl.minimum(g * tl.sigmoid(g), limit)
+        out = s * tl.minimum(tl.maximum(u, -limit), limit)
     else:
         out = g
     return out
