@@ -14,6 +14,7 @@ write parameters without counting it, count like every other optimizer's.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -124,7 +125,9 @@ def view_key(t: torch.Tensor | None) -> tuple | None:
 
 
 def memoised(anchor, key: tuple, build):
-    """``build()`` memoised on ``anchor`` under ``key`` (one entry: a new key replaces it)."""
+    """``build()`` memoised on ``anchor`` under ``key`` (one entry: a new key replaces it).
+    A built value that holds ``anchor`` itself makes a cycle that only the garbage collector
+    frees: build it from an alias (``anchor.detach()``) instead."""
     memo = getattr(anchor, _MEMO_ATTR, None)
     if memo is None:
         memo = DerivedCache()
@@ -133,6 +136,8 @@ def memoised(anchor, key: tuple, build):
         except (AttributeError, TypeError, RuntimeError):  # no attributes: build every call
             return build()
     value = memo.get(key)
+    if isinstance(value, weakref.ref):  # seeded (``seed_memo``)
+        value = value()
     if value is None:
         memo.clear()
         value = memo[key] = build()
@@ -140,10 +145,11 @@ def memoised(anchor, key: tuple, build):
 
 
 def seed_memo(anchor, key: tuple, value) -> bool:
-    """Make ``value`` what ``memoised(anchor, key, ...)`` returns (replacing any entry);
-    False where ``anchor`` takes no attributes."""
+    """Make ``value`` what ``memoised(anchor, key, ...)`` returns (replacing any entry) while
+    it lives: the memo refers to it weakly, since the caller's own object holds ``anchor``
+    and would otherwise be kept alive by it. False where ``anchor`` takes no attributes."""
     memo = DerivedCache()
-    memo[key] = value
+    memo[key] = weakref.ref(value)
     try:
         setattr(anchor, _MEMO_ATTR, memo)
     except (AttributeError, TypeError, RuntimeError):

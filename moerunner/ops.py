@@ -158,6 +158,7 @@ def _rebuilt(scheme: str, shape, tensors):
     from .quant import QuantizedWeight
 
     fields = dict(zip(QUANTIZED_FIELDS, tensors, strict=True))
+    fields["data"] = fields["data"].detach()  # not the memo's anchor itself (``memoised``)
     return QuantizedWeight(scheme, [int(v) for v in shape], **fields)
 
 

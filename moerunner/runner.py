@@ -280,7 +280,8 @@ def default_registry() -> Registry:
 
 
 # Prepared weights of the functional API live on the w13 object itself (an attribute), so
-# they die with the weights; a reference cycle through them is collected as usual.
+# they die with the weights; they are made of an alias of w13 (``_memo_free``), so no cycle
+# runs through them and reference counting alone frees them.
 _CACHE_ATTR = "_moerunner_prepared"
 
 
@@ -477,11 +478,23 @@ def prepare_for_backend(
     """Bring w13 to gate-then-up (or interleaved) row order, pad to the backend's declared
     alignment, then let it convert the weights (once)."""
     caps = backend.capabilities
-    weights = gate_up_first(weights)
+    weights = gate_up_first(_memo_free(weights))
     padded, padded_spec, notes = pad_to_alignment(weights, spec, caps.align_h, caps.align_i)
     prepared = backend.prepare_weights(padded, padded_spec)
     prepared.notes[:0] = notes
     return prepared
+
+
+def _memo_free(weights: ExpertWeights) -> ExpertWeights:
+    """``weights`` with w13, the object ``prepared_for`` keeps its memo on, replaced by an alias
+    of the same memory (same storage, version counter and values; no memo, no grad). A form
+    that held w13 itself would make a cycle only the garbage collector frees; one that held a
+    view of it (a per-expert ``unbind``, a transpose) would never be freed, since a view keeps
+    its base alive from C++, where the collector cannot follow. Forms made of the alias die
+    with the weights by reference counting."""
+    w13 = weights.w13
+    alias = w13.detach() if isinstance(w13, torch.Tensor) else w13.alias()
+    return dataclasses.replace(weights, w13=alias)
 
 
 def weights_state(weights: ExpertWeights) -> tuple:

@@ -239,6 +239,17 @@ class QuantizedWeight:
         values.update(fields)
         return QuantizedWeight(self.scheme, shape, **values)
 
+    def alias(self) -> QuantizedWeight:
+        """A new weight object over the same tensors (nothing copied, nothing re-checked),
+        without the memo of prepared forms this one carries: what the prepared forms hold,
+        so they do not keep this object alive from inside its own memo."""
+        return QuantizedWeight(
+            self.scheme,
+            self.shape,
+            **{f: getattr(self, f) for f in TENSOR_FIELDS},
+            check_values=False,
+        )
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         """Copy of this weight with every tensor moved to ``device``."""
         moved = {f: t.to(device) for f, t in self.tensors().items()}

@@ -110,7 +110,10 @@ def test_triton_reads_transposed_plain_weights_in_place():
     weights = ExpertWeights(w13, w2)
     spec = weights.spec(ACT)
     prepared = prepare_for_backend(TritonBackend(), weights, spec)
-    assert prepared.tensors["w13"].data is w13 and prepared.tensors["w2"].data is w2
+    # The same memory through the same strides (w13 through an alias: ``_memo_free``).
+    for name, w in (("w13", w13), ("w2", w2)):
+        held = prepared.tensors[name].data
+        assert (held.data_ptr(), held.stride()) == (w.data_ptr(), w.stride())
     assert storage_bytes(weights, prepared) == storage_bytes(weights)  # no copy
     x = torch.randn(5, H)
     topk = moerunner.select_experts(torch.randn(5, E), 2)
@@ -126,3 +129,26 @@ def test_triton_reads_transposed_plain_weights_in_place():
     )
     # The same fp32 products, loaded through other strides.
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "transposed"])
+def test_memo_of_plain_weights_dies_with_them_without_the_collector(strided):
+    """Plain weights the kernels read in place (views of them in the prepared form) are freed
+    by reference counting: the form holds views of an alias of w13, not of w13, whose memo
+    holds the form (a view keeps its base alive from C++, out of the collector's sight)."""
+    torch.manual_seed(3)
+    if strided:
+        w13, w2 = torch.randn(E, H, 2 * I).transpose(1, 2), torch.randn(E, I, H).transpose(1, 2)
+    else:
+        w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    weights = ExpertWeights(w13, w2)
+    spec = weights.spec(ACT)
+    problem = MoeProblem.of(torch.zeros(0, H), weights, spec, "standard")
+    prepared_for(moerunner.MoeRunner("triton"), weights, problem, spec)
+    storage = weakref.ref(w13.untyped_storage())
+    gc.disable()
+    try:
+        del weights, w13, w2
+        assert storage() is None
+    finally:
+        gc.enable()
