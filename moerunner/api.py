@@ -101,9 +101,25 @@ def fused_moe(
     Gradients: with grad mode on and a tensor argument that requires grad, the call runs the
     torch backend's differentiable path (``backend="auto"`` or ``"torch"``; plain weights);
     other backends raise ``MoeInputError`` (use ``torch.no_grad()`` or ``backend="torch"``).
+
+    torch.compile: traced, the call is the custom op ``moerunner::fused_experts`` (one node
+    for any T; fullgraph works); what its schema lacks runs eagerly (docs/transformers.md,
+    "``fused_moe`` inside your own compiled function").
     """
     act = check_activation(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, bool(gate_up_interleaved), w13_order)
+    if torch.compiler.is_compiling():
+        if shared_experts is not None or hooks is not None or not _op_takes(weights, act):
+            return _eager_experts(
+                weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids,
+                apply_router_weight_on_input, shared_experts, hooks,
+            )  # fmt: skip
+        if apply_router_weight_on_input:
+            hidden_states, unit = weighted_input(
+                hidden_states, TopK(weights=topk_weights.float(), ids=topk_ids)
+            )
+            topk_weights = unit.weights
+        return _traced_call(weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids)
     return run_experts(
         MoeRunner(backend),
         weights,
@@ -198,6 +214,75 @@ _FUSED_MOE_KEYWORDS = frozenset(
         "apply_router_weight_on_input",
     }
 )
+
+
+def _op_takes(weights: ExpertWeights, act: Activation) -> bool:
+    """The custom op's schema carries these weights' row order and activation: gate-up or
+    interleaved rows, scalar alpha and limit, beta 1."""
+    return weights.w13_order != "up_gate" and not act.extended
+
+
+def _traced_call(
+    weights: ExpertWeights,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Activation,
+    backend: str,
+    check_ids: bool,
+) -> torch.Tensor:
+    """``fused_moe`` inside a region torch.compile traces: the custom op
+    (``moerunner.ops.call_fused_experts``), one opaque graph node whose fake gives the output's
+    shape for any T, instead of the host work of an eager call (backend choice, memo lookups),
+    which the tracer cannot follow. The op runs ``fused_moe`` eagerly (gradients: its
+    registered backward)."""
+    from .ops import call_fused_experts
+
+    return call_fused_experts(
+        hidden_states,
+        weights.w13,
+        weights.w2,
+        topk_weights,
+        topk_ids,
+        weights.w13_bias,
+        weights.w2_bias,
+        act.name,
+        act.alpha,
+        act.limit,
+        weights.w13_order == "interleaved",
+        backend,
+        check_ids,
+    )
+
+
+def _eager_experts(
+    weights: ExpertWeights,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Activation,
+    backend: str,
+    check_ids: bool,
+    weight_on_input: bool,
+    shared: SharedExperts | None,
+    hooks: MoeHooks | None,
+) -> torch.Tensor:
+    return run_experts(
+        MoeRunner(backend), weights, hidden_states, topk_weights, topk_ids, act, check_ids,
+        weight_on_input=weight_on_input, shared=shared, hooks=hooks,
+    )  # fmt: skip
+
+
+# What the custom op does not take runs eagerly: a graph break (an error under fullgraph).
+_EAGER_REASON = (
+    "moerunner: fused_moe with shared_experts, hooks, w13_order='up_gate', swiglu_beta or "
+    "per-expert swiglu parameters runs eagerly (the custom op moerunner::fused_experts does "
+    "not take them)"
+)
+try:
+    _eager_experts = torch.compiler.disable(_eager_experts, reason=_EAGER_REASON)
+except TypeError:  # a torch without ``reason``
+    _eager_experts = torch.compiler.disable(_eager_experts)
 
 
 def run_experts(

@@ -568,8 +568,8 @@ def check_activation(
         return activation
     if not isinstance(activation, str):
         raise TypeError(f"activation must be a str, got {type(activation).__name__}")
-    if alpha is None and limit is None and beta is None:
-        return _named_activation(activation)
+    if alpha is None and limit is None and beta is None and not torch.compiler.is_compiling():
+        return _named_activation(activation)  # (the tracer would step around the cache)
     return Activation(activation, alpha, limit, beta)
 
 

@@ -271,3 +271,87 @@ def test_plain_ops_pass_opcheck_with_their_autograd():
             (leaves[0], leaves[1], leaves[2], leaves[3], *tail),
             test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
         )
+
+
+def _user_weights(scheme: str | None):
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = torch.randn(8, 32, 24, generator=g), torch.randn(8, 24, 16, generator=g)
+    if scheme is not None:
+        w13, w2 = quantize(w13, scheme), quantize(w2, scheme)
+    return w13, w2
+
+
+@pytest.mark.parametrize("scheme", [None, "int8"])
+def test_fused_moe_in_a_users_compiled_function_one_graph_for_every_t(scheme):
+    """A user's function that routes and calls ``fused_moe`` compiles with fullgraph (the call
+    becomes the custom op: the backend choice reads files the tracer cannot follow) and, with
+    dynamic shapes, once for every T (it compiled per T)."""
+    torch._dynamo.reset()
+    w13, w2 = _user_weights(scheme)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def moe(x, logits):
+        topk = moerunner.select_experts(logits, 2, renormalize=True)
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids)
+
+    compiled = torch.compile(moe, fullgraph=True, dynamic=True, backend=counting)
+    with torch.no_grad():
+        for tokens in (3, 5, 7, 0):
+            x, logits = torch.randn(tokens, 24), torch.randn(tokens, 8)
+            torch.testing.assert_close(compiled(x, logits), moe(x, logits), rtol=0, atol=0)
+            if tokens == 7:
+                assert len(graphs) == 1
+    assert len(graphs) == 2  # PyTorch specialises sizes 0 and 1
+
+
+def test_fused_moe_in_a_users_compiled_function_trains():
+    torch._dynamo.reset()
+    w13, w2 = (w.requires_grad_() for w in _user_weights(None))
+    x, logits = torch.randn(6, 24), torch.randn(6, 8)
+
+    def moe(x, logits):
+        topk = moerunner.select_experts(logits, 2)
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="torch")
+
+    grads = []
+    for fn in (torch.compile(moe, fullgraph=True), moe):
+        fn(x, logits).square().sum().backward()
+        grads.append((w13.grad.clone(), w2.grad.clone()))
+        w13.grad = w2.grad = None
+    for compiled, eager in zip(*grads, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(w13_order="up_gate"),
+        dict(activation="swiglu_oai", swiglu_beta=0.5),
+        dict(apply_router_weight_on_input=True),  # traced: the input scaled beside the op
+    ],
+    ids=["up_gate", "swiglu_beta", "weight_on_input"],
+)
+def test_fused_moe_options_the_op_does_not_take_run_eagerly_in_compiled_code(kwargs):
+    """What the custom op's schema does not carry runs eagerly (a graph break): the same
+    result as an eager call; under fullgraph the error says what runs eagerly and why."""
+    torch._dynamo.reset()
+    w13, w2 = _user_weights(None)
+
+    def moe(x, logits):
+        topk = moerunner.select_experts(logits, 1)
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, **kwargs)
+
+    x, logits = torch.randn(3, 24), torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(moe)(x, logits), moe(x, logits), rtol=0, atol=0)
+        if "apply_router_weight_on_input" in kwargs:
+            torch.compile(moe, fullgraph=True)(x, logits)  # no break: traced as is
+            return
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="runs eagerly") as caught:
+            torch.compile(moe, fullgraph=True)(x, logits)
+    assert "w13_order='up_gate', swiglu_beta" in str(caught.value)
