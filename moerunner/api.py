@@ -503,7 +503,8 @@ def validate_call(
 
 
 # What a call's checks and its problem depend on is its arguments' types, shapes, dtypes and
-# devices (not their values): checked once per such signature, then looked up.
+# devices (not their values): checked once per such signature, then looked up; the least
+# recently used signature is dropped first.
 _CHECKED_MAX = 256
 _checked: OrderedDict = OrderedDict()
 
@@ -546,6 +547,10 @@ def _checked_call(
     if key is not None:
         found = _checked.get(key)
         if found is not None:
+            try:
+                _checked.move_to_end(key)  # least recently used goes first
+            except KeyError:  # dropped meanwhile by another thread's call
+                pass
             return found
     _validate_arguments(hidden_states, weights, topk_weights, topk_ids, act)
     spec = weights.spec(act)

@@ -224,3 +224,30 @@ def test_weights_prepared_again_per_call_are_named_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         moerunner.fused_moe(x, w13.detach(), w2.detach(), topk.weights, topk.ids)
+
+
+def test_argument_checks_are_memoised_least_recently_used_first(monkeypatch):
+    """A call's shape and dtype checks run once per signature; a signature in use stays
+    memoised while a stream of others passes through (it was dropped oldest first, hits or
+    not, so a server's steady decode shape was re-checked after 256 prefill lengths)."""
+    import moerunner.api as api
+
+    checks = []
+    original = api._validate_arguments
+    monkeypatch.setattr(api, "_checked", type(api._checked)())
+    monkeypatch.setattr(
+        api, "_validate_arguments", lambda *a, **k: (checks.append(a[0].shape[0]), original(*a))
+    )
+    w13, w2 = torch.randn(4, 16, 8), torch.randn(4, 8, 8)
+
+    def call(tokens: int) -> None:
+        topk = moerunner.select_experts(torch.randn(tokens, 4), 2)
+        with torch.no_grad():
+            moerunner.fused_moe(torch.randn(tokens, 8), w13, w2, topk.weights, topk.ids)
+
+    call(1)  # the steady shape
+    for tokens in range(2, api._CHECKED_MAX + 40):
+        call(tokens)
+        call(1)
+    assert checks.count(1) == 1
+    assert len(api._checked) == api._CHECKED_MAX
