@@ -8,6 +8,7 @@ frozen dataclasses whose ``repr`` can be pasted back to rebuild them, so benchma
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 import torch
@@ -273,6 +274,26 @@ class RoutingConfig:
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False
     group_score: str = "top2_sum"
+
+    def __post_init__(self) -> None:
+        check_routing_values(self.renormalize, self.routed_scaling_factor)
+        if not isinstance(self.correction_bias, bool):
+            raise TypeError(
+                "correction_bias (in RoutingConfig: whether the layer has one) must be a bool, "
+                f"got {type(self.correction_bias).__name__}"
+            )
+
+
+def check_routing_values(renormalize: object, routed_scaling_factor: object) -> None:
+    """``renormalize`` is a bool; ``routed_scaling_factor`` a finite real number > 0 (a NaN
+    or a non-number would give NaN weights or fail inside the arithmetic)."""
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+    factor = routed_scaling_factor
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise TypeError(f"routed_scaling_factor must be a float, got {type(factor).__name__}")
+    if not (math.isfinite(factor) and factor > 0):
+        raise MoeInputError(f"routed_scaling_factor must be finite and > 0, got {factor!r}")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .config import check_groups
+from .config import check_groups, check_routing_values
 from .device_checks import check_ids_async
 from .errors import BackendUnavailableError, MoeInputError
 from .topk import TopK
@@ -92,6 +92,7 @@ def select_experts(
     )
     if group_score not in GROUP_SCORES:
         raise MoeInputError(f"group_score: got {group_score!r}; accepted: {GROUP_SCORES}")
+    check_routing_values(renormalize, routed_scaling_factor)
     if custom_routing_function is not None:
         rules = {
             "scoring_func": scoring_func != "softmax",

@@ -118,3 +118,31 @@ def test_layer_routes_like_select_experts():
         x, moerunner.ExpertWeights(layer.w13.detach(), layer.w2.detach()), topk.weights, topk.ids
     )
     torch.testing.assert_close(layer(x, logits).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(routed_scaling_factor=None), TypeError, "routed_scaling_factor must be a float"),
+        (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor must be a float"),
+        (dict(routed_scaling_factor=torch.ones(8)), TypeError, "got Tensor"),
+        (dict(routed_scaling_factor=float("nan")), moerunner.MoeInputError, "finite and > 0"),
+        (dict(routed_scaling_factor=-1.0), moerunner.MoeInputError, "finite and > 0"),
+        (dict(renormalize="no"), TypeError, "renormalize must be a bool"),
+    ],
+)
+def test_routing_values_are_checked_by_name(kwargs, error, match):
+    """A NaN factor gave NaN weights silently, a string "no" renormalised, a tensor factor
+    failed inside the arithmetic (RuntimeError): each is now refused by name, in
+    select_experts and in RoutingConfig alike."""
+    with pytest.raises(error, match=match):
+        moerunner.select_experts(torch.randn(4, 8), 2, **kwargs)
+    with pytest.raises(error, match=match):
+        moerunner.RoutingConfig(**kwargs)
+
+
+def test_an_integer_scaling_factor_is_accepted():
+    logits = torch.randn(4, 8)
+    a = moerunner.select_experts(logits, 2, routed_scaling_factor=2)
+    b = moerunner.select_experts(logits, 2, routed_scaling_factor=2.0)
+    assert torch.equal(a.weights, b.weights) and a.weights.dtype == torch.float32
