@@ -51,14 +51,21 @@ class CheckpointFamily:
 
     ``experts``: the module path after ``{root}.{layer}.``; ``projections``: per-expert
     (gate, up, down) names, or None for GPT-OSS's stacked tensors; ``num_experts_key``: the
-    config.json field holding the routed expert count.
+    config.json field holding the routed expert count, or the fields in the order read
+    (transformers 5 writes Qwen's ``num_experts`` as ``num_local_experts``).
     """
 
     name: str
     experts: str
     projections: tuple[str, str, str] | None
-    num_experts_key: str
+    num_experts_key: str | tuple[str, ...]
     activation: str = "silu"
+
+    @property
+    def num_experts_keys(self) -> tuple[str, ...]:
+        """``num_experts_key`` as a tuple."""
+        key = self.num_experts_key
+        return (key,) if isinstance(key, str) else tuple(key)
 
 
 FAMILIES: dict[str, CheckpointFamily] = {
@@ -67,11 +74,14 @@ FAMILIES: dict[str, CheckpointFamily] = {
         CheckpointFamily(
             "mixtral", "block_sparse_moe.experts", ("w1", "w3", "w2"), "num_local_experts"
         ),
-        CheckpointFamily(
-            "qwen2_moe", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "num_experts"
-        ),
-        CheckpointFamily(
-            "qwen3_moe", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "num_experts"
+        *(
+            CheckpointFamily(
+                name,
+                "mlp.experts",
+                ("gate_proj", "up_proj", "down_proj"),
+                ("num_experts", "num_local_experts"),
+            )
+            for name in ("qwen2_moe", "qwen3_moe")
         ),
         CheckpointFamily(
             "deepseek_v2", "mlp.experts", ("gate_proj", "up_proj", "down_proj"), "n_routed_experts"
@@ -89,8 +99,7 @@ class LoadedExperts:
     """One layer's experts as loaded, with what the family and its config imply.
 
     ``weights`` and ``activation`` go to ``moerunner.fused_moe`` / ``MoE.from_weights``.
-    ``top_k`` and ``routing`` come from config.json (None without one, or where the family's
-    router is not one ``select_experts`` computes: DeepSeek-V2's group-limited top-k).
+    ``top_k`` and ``routing`` come from config.json (None without one).
     ``format``: "plain", "fp8_block", "nvfp4", "mxfp4", "compressed-tensors", "gptq" or "awq".
     """
 
@@ -152,7 +161,15 @@ class _Checkpoint:
         if not os.path.isfile(path):
             return {}
         with open(path) as f:
-            return json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise MoeInputError(f"checkpoint: {path!r} is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise MoeInputError(
+                f"checkpoint: {path!r} holds a JSON {type(data).__name__}, not an object"
+            )
+        return data
 
     def _read_index(self, index: str) -> None:
         data = self._json(index)
@@ -237,11 +254,12 @@ def _check_layer(ckpt: _Checkpoint, root: str, layer: object) -> int:
 def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first: str) -> int:
     pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
     found = {int(m.group(1)) for k in ckpt.files if (m := pattern.match(k))}
-    counted = ckpt.config.get(fam.num_experts_key)
+    key = next((k for k in fam.num_experts_keys if k in ckpt.config), None)
+    counted = ckpt.config.get(key) if key else None
     if isinstance(counted, int) and not isinstance(counted, bool):
         if found and max(found) >= counted:
             raise MoeInputError(
-                f"checkpoint: config.json says {fam.num_experts_key}={counted}, but the "
+                f"checkpoint: config.json says {key}={counted}, but the "
                 f"checkpoint also holds expert {max(found)} under {prefix!r}"
             )
         return counted
@@ -261,11 +279,16 @@ def _routing(fam: CheckpointFamily, config: dict) -> tuple[int | None, RoutingCo
         return top_k, RoutingConfig(renormalize=bool(config.get("norm_topk_prob", False)))
     scale = float(config.get("routed_scaling_factor", 1.0) or 1.0)
     if name == "deepseek_v2":
-        if config.get("topk_method", "greedy") != "greedy":
-            return top_k, None  # group-limited greedy ranks groups by their best score
-        return top_k, RoutingConfig(
-            renormalize=bool(config.get("norm_topk_prob", False)), routed_scaling_factor=scale
-        )
+        # DeepSeek-V2's own code renormalises (top_k > 1 and norm_topk_prob) or scales,
+        # never both (released checkpoints: norm_topk_prob false; transformers always scales).
+        renormalize = top_k > 1 and bool(config.get("norm_topk_prob", False))
+        scale = 1.0 if renormalize else scale
+        if config.get("topk_method", "greedy") == "group_limited_greedy":
+            groups, keep = config.get("n_group"), config.get("topk_group")
+            return top_k, RoutingConfig(
+                "softmax", renormalize, groups, keep, scale, group_score="max"
+            )  # groups ranked by their best score
+        return top_k, RoutingConfig(renormalize=renormalize, routed_scaling_factor=scale)
     groups = config.get("n_group")
     return top_k, RoutingConfig(
         "sigmoid",
@@ -280,6 +303,18 @@ def _routing(fam: CheckpointFamily, config: dict) -> tuple[int | None, RoutingCo
 def _quant_config(config: dict) -> dict:
     q = config.get("quantization_config")
     return q if isinstance(q, dict) else {}
+
+
+def _compressed_tensors_bits(q: dict) -> int | None:
+    """The weights' bits of a compressed-tensors quantization config, where its config
+    groups agree on one; else None."""
+    bits = {
+        (group.get("weights") or {}).get("num_bits")
+        for group in (q.get("config_groups") or {}).values()
+        if isinstance(group, dict)
+    }
+    bits.discard(None)
+    return bits.pop() if len(bits) == 1 else None
 
 
 def _compressed_tensors_group_size(q: dict) -> int | None:
@@ -313,7 +348,7 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
     if base + "weight_packed" in ckpt:
         first = ckpt.get(base + "weight_packed")
         shape = ckpt.get(base + "weight_shape") if base + "weight_shape" in ckpt else None
-        bits = 4
+        bits = _compressed_tensors_bits(q) or 4
         if shape is not None:  # words = ceil(K * bits / 32)
             k = int(shape.reshape(-1)[1])
             bits = 8 if first.shape[1] != -(-k // 8) and first.shape[1] == -(-k // 4) else 4
@@ -363,7 +398,7 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
             each("weight"), each("weight_scale"), each("weight_scale_2"), inputs
         )
         return weight, "nvfp4"
-    if not first.is_floating_point():
+    if not first.is_floating_point() or first.dtype.itemsize == 1:
         raise MoeInputError(
             f"checkpoint: {base}weight has dtype {first.dtype}, which no known format of "
             "moerunner's stores without its companion tensors"
@@ -376,6 +411,34 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
             f"{sorted(shapes)}"
         )
     return torch.stack(parts), "plain"
+
+
+def _block_aligned(gate, up, down) -> tuple:
+    """fp8_block gate / up / down with I padded to whole 128-row scale blocks (zero rows of
+    gate and up, zero columns of down: the same blocks, so the scales stay as stored)."""
+    if gate.scheme.granularity != "block":
+        return gate, up, down
+    rows = gate.scheme.block_shape[0]
+    inter = gate.shape[1]
+    if inter % rows == 0:
+        return gate, up, down
+    padded = -(-inter // rows) * rows
+    return gate.pad(rows_per_segment=padded), up.pad(rows_per_segment=padded), down.pad(k=padded)
+
+
+def _cat_gate_up(gate, up, names: str, rescale: bool):
+    from .quant.checkpoints import cat_rows
+
+    try:
+        return cat_rows([gate, up], rescale=rescale)
+    except ValueError as e:
+        if "differs between parts" not in str(e):
+            raise
+        raise MoeInputError(
+            f"checkpoint: {names}: gate and up carry different per-expert global scales "
+            "(NVFP4 weight_scale_2); pass rescale=True to load_experts to re-round both to "
+            "the larger one (lossy)"
+        ) from None
 
 
 def _check_shapes(w13, w2, b13, b2, prefix: str, gated: bool = True) -> None:
@@ -418,8 +481,10 @@ def _gpt_oss(ckpt: _Checkpoint, prefix: str) -> tuple:
             down.transpose(1, 2).contiguous(),
             "plain",
         )
-    b13 = ckpt.get(prefix + "gate_up_proj_bias") if prefix + "gate_up_proj_bias" in ckpt else None
-    b2 = ckpt.get(prefix + "down_proj_bias") if prefix + "down_proj_bias" in ckpt else None
+    # Both biases or neither: one without the other is a checkpoint missing a tensor.
+    names = ("gate_up_proj_bias", "down_proj_bias")
+    present = any(prefix + n in ckpt for n in names)
+    b13, b2 = (ckpt.get(prefix + n) if present else None for n in names)
     return w13, w2, b13, b2, fmt
 
 
@@ -431,6 +496,7 @@ def load_experts(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     root: str = "model.layers",
+    rescale: bool = False,
 ) -> LoadedExperts:
     """Read the routed experts of decoder layer ``layer`` from a safetensors checkpoint.
 
@@ -438,18 +504,34 @@ def load_experts(
     either (its ``config.json`` supplies the family, expert count, top-k and routing).
     ``family``: one of `FAMILIES` (default: config.json's ``model_type``). ``device``: where the
     weights go (default: the CPU). ``dtype``: the dtype of plain weights and of biases
-    (default: as stored); quantized weights keep their format. ``root``: the layer list's name
-    (``"model.language_model.layers"`` for some multimodal wrappers).
+    (default: as stored for plain weights, float32 beside quantized ones); quantized weights
+    keep their format. ``root``: the layer list's name (``"model.language_model.layers"`` for
+    some multimodal wrappers). ``rescale``: where gate and up carry different per-expert
+    global scales (NVFP4 ``weight_scale_2``), re-round both to the larger one (lossy; vLLM
+    keeps the gate's and warns); by default such a checkpoint is refused, naming the tensors.
 
     Gate and up rows are stacked gate then up (GPT-OSS: alternating, as stored, with
-    ``gate_up_interleaved=True``). Raises ``MoeInputError`` for a missing tensor (naming it
-    and the file or index it was looked for in), experts that do not fit together, an
-    unknown family or a layer out of range.
+    ``gate_up_interleaved=True``). fp8_block experts whose I is not a whole number of the
+    128-row scale blocks get zero rows (gate, up) and zero columns (down) up to one: exact,
+    since the padded units add zero, and their ``intermediate_size`` is then the padded I.
+
+    Raises ``MoeInputError`` for a missing tensor (naming it and the file or index it was
+    looked for in), experts that do not fit together, an unknown family or a layer out of
+    range.
     """
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16, float16, float32 or None, got {dtype}")
     if not isinstance(root, str) or not root:
         raise TypeError(f"root must be a non-empty str, got {root!r}")
+    if not isinstance(rescale, bool):
+        raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
+    if device is not None:
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise MoeInputError(f"device: {device!r} is not a torch device ({e})") from None
+        if target.type == "cuda" and not torch.cuda.is_available():
+            raise MoeInputError(f"device={device!r}, but this torch sees no CUDA device")
     with ExitStack() as stack:
         ckpt = _Checkpoint(path, stack)
         fam = _family(family, ckpt.config)
@@ -476,9 +558,8 @@ def load_experts(
             if fmt == "plain":
                 w13 = torch.cat([g, u], dim=1)
             else:
-                from .quant.checkpoints import cat_rows
-
-                w13 = cat_rows([g, u])
+                g, u, w2 = _block_aligned(g, u, w2)
+                w13 = _cat_gate_up(g, u, f"{prefix}{{0..{num - 1}}}.{{{gate},{up}}}", rescale)
             b13 = b2 = None
         _check_shapes(w13, w2, b13, b2, prefix)
         if fmt == "plain":
@@ -497,4 +578,9 @@ def load_experts(
     weights = ExpertWeights(w13, w2, b13, b2, gate_up_interleaved=fam.projections is None)
     weights.validate(activation)
     top_k, routing = _routing(fam, config)
+    if top_k is not None and not 1 <= top_k <= weights.num_experts:
+        raise MoeInputError(
+            f"checkpoint: config.json's num_experts_per_tok={top_k} is not in "
+            f"[1, {weights.num_experts}] (the layer's experts)"
+        )
     return LoadedExperts(fam.name, layer, weights, activation, fmt, top_k, routing)

@@ -360,3 +360,170 @@ def test_wrong_shapes_are_named(tmp_path):
     save_file(tensors, tmp_path / "b.safetensors")
     with pytest.raises(moerunner.MoeInputError, match="do not fit together"):
         moerunner.load_experts(tmp_path / "b.safetensors", layer=0, family="mixtral")
+
+
+# ---------------------------------------------------------------- regressions (new-user probe)
+
+
+def _qwen_tensors(num, gen, i=I, h=H):
+    tensors = {}
+    for e in range(num):
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            tensors[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = torch.randn(
+                shape, generator=gen
+            )
+    return tensors
+
+
+def test_qwen_expert_count_under_transformers_5_name(tmp_path):
+    """transformers 5 writes Qwen3-MoE's expert count as num_local_experts: a checkpoint
+    missing its last expert loaded E - 1 experts silently (the count came from the files)."""
+    gen = torch.Generator().manual_seed(7)
+    save_file(_qwen_tensors(E - 1, gen), tmp_path / "model.safetensors")
+    cfg = {"model_type": "qwen3_moe", "num_local_experts": E, "num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(moerunner.MoeInputError, match=rf"experts\.{E - 1}\.gate_proj\.weight"):
+        moerunner.load_experts(tmp_path, layer=0)
+
+
+def _deepseek_v2_reference(logits, top_k, n_group, topk_group, scale, renormalize):
+    """DeepSeek-V2's router in float64 (its own code: group-limited greedy ranks groups by
+    their best softmax score; renormalise or scale, never both)."""
+    scores = logits.double().softmax(-1)
+    t, e = scores.shape
+    if n_group:
+        best = scores.view(t, n_group, e // n_group).max(-1).values
+        keep = best.topk(topk_group, -1).indices
+        mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, keep, True)
+        scores = scores.masked_fill(~mask.repeat_interleave(e // n_group, 1), 0.0)
+    weights, ids = scores.topk(top_k, -1)
+    if renormalize:
+        return weights / weights.sum(-1, keepdim=True), ids
+    return weights * scale, ids
+
+
+@pytest.mark.parametrize(
+    "topk_method, norm", [("greedy", True), ("greedy", False), ("group_limited_greedy", False)]
+)
+def test_deepseek_v2_routing_follows_its_own_code(tmp_path, topk_method, norm):
+    """norm_topk_prob with a scaling factor was loaded as both (renormalise, then scale:
+    weights off by the factor); group-limited greedy came back as no routing at all."""
+    gen = torch.Generator().manual_seed(8)
+    e, k, groups, keep, scale = 8, 2, 4, 2, 16.0
+    save_file(_qwen_tensors(e, gen), tmp_path / "model.safetensors")
+    cfg = {
+        "model_type": "deepseek_v2",
+        "n_routed_experts": e,
+        "num_experts_per_tok": k,
+        "topk_method": topk_method,
+        "norm_topk_prob": norm,
+        "routed_scaling_factor": scale,
+        "n_group": groups,
+        "topk_group": keep,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    routing = moerunner.load_experts(tmp_path, layer=0).routing
+    logits = torch.randn(64, e, generator=gen)
+    grouped = topk_method == "group_limited_greedy"
+    got = moerunner.select_experts(
+        logits,
+        k,
+        scoring_func=routing.scoring_func,
+        renormalize=routing.renormalize,
+        num_expert_group=routing.num_expert_group,
+        topk_group=routing.topk_group,
+        routed_scaling_factor=routing.routed_scaling_factor,
+        group_score=routing.group_score,
+    )
+    weights, ids = _deepseek_v2_reference(logits, k, groups if grouped else None, keep, scale, norm)
+    order = got.ids.long().argsort(-1)
+    assert torch.equal(got.ids.long().gather(1, order), ids.sort(-1).values)
+    ref = weights.gather(1, ids.argsort(-1))
+    torch.testing.assert_close(got.weights.double().gather(1, order), ref, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("inter", [64, 192])
+def test_fp8_block_experts_with_i_off_the_block_grid_load_padded(tmp_path, inter):
+    """I not a multiple of the 128-row scale blocks: gate and up could not be stacked
+    (ValueError from inside); now zero-padded to whole blocks, which is exact."""
+    gen = torch.Generator().manual_seed(9)
+    h, padded = 256, -(-inter // 128) * 128
+    tensors, ref = {}, {}
+    for proj, (n, k) in (
+        ("gate_proj", (inter, h)),
+        ("up_proj", (inter, h)),
+        ("down_proj", (h, inter)),
+    ):
+        q = moerunner.quantize(torch.randn(E, n, k, generator=gen), "fp8_block")
+        ref[proj] = q.dequantize()
+        for e in range(E):
+            tensors[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = q.data[e].contiguous()
+            tensors[f"model.layers.0.mlp.experts.{e}.{proj}.weight_scale_inv"] = q.scale[e]
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = moerunner.load_experts(tmp_path, layer=0, family="deepseek_v3")
+    w13, w2 = loaded.weights.w13.dequantize(), loaded.weights.w2.dequantize()
+    assert w13.shape == (E, 2 * padded, h) and w2.shape == (E, h, padded)
+    assert torch.equal(w13[:, :inter], ref["gate_proj"])
+    assert torch.equal(w13[:, padded : padded + inter], ref["up_proj"])
+    assert torch.equal(w2[:, :, :inter], ref["down_proj"])
+    assert not w13[:, inter:padded].any() and not w13[:, padded + inter :].any()
+    assert not w2[:, :, inter:].any()
+
+
+def test_nvfp4_gate_and_up_with_different_global_scales(tmp_path):
+    from tests.quant.test_quant_checkpoints import modelopt_expert
+
+    gen = torch.Generator().manual_seed(10)
+    tensors = {}
+    for e in range(2):
+        for proj, (n, k, gs) in {
+            "gate_proj": (32, 64, 0.5),
+            "up_proj": (32, 64, 0.25),  # not the gate's
+            "down_proj": (64, 32, 0.5),
+        }.items():
+            parts, _ = modelopt_expert(n, k, gs, gen)
+            for name, t in parts.items():
+                tensors[f"model.layers.0.mlp.experts.{e}.{proj}.{name}"] = t
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(moerunner.MoeInputError, match="weight_scale_2.*rescale=True"):
+        moerunner.load_experts(tmp_path, layer=0, family="qwen3_moe")
+    loaded = moerunner.load_experts(tmp_path, layer=0, family="qwen3_moe", rescale=True)
+    assert loaded.format == "nvfp4" and loaded.weights.w13.shape == (2, 64, 64)
+
+
+def test_config_and_argument_errors_are_named(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(moerunner.MoeInputError, match="config.json.*JSON list, not an object"):
+        moerunner.load_experts(tmp_path, layer=0, family="mixtral")
+    (tmp_path / "config.json").write_text("{bad json")
+    with pytest.raises(moerunner.MoeInputError, match="config.json.*not valid JSON"):
+        moerunner.load_experts(tmp_path, layer=0, family="mixtral")
+    cfg = {"model_type": "mixtral", "num_local_experts": E, "num_experts_per_tok": E + 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(moerunner.MoeInputError, match=rf"num_experts_per_tok={E + 1}"):
+        moerunner.load_experts(tmp_path, layer=0)
+    with pytest.raises(TypeError, match="rescale must be a bool"):
+        moerunner.load_experts(tmp_path, layer=0, rescale="yes")
+    if not torch.cuda.is_available():
+        with pytest.raises(moerunner.MoeInputError, match="sees no CUDA device"):
+            moerunner.load_experts(tmp_path, layer=0, device="cuda")
+
+
+def test_e5m2_weights_and_a_lone_gpt_oss_bias_are_named(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    tensors = {k: v.to(torch.float8_e5m2) for k, v in tensors.items()}
+    save_file(tensors, tmp_path / "e5m2.safetensors")
+    with pytest.raises(moerunner.MoeInputError, match=r"experts\.0\.w1\.weight has dtype"):
+        moerunner.load_experts(tmp_path / "e5m2.safetensors", layer=0, family="mixtral")
+    prefix = "model.layers.0.mlp.experts."
+    gate_up, down = torch.randn(E, H, 2 * I), torch.randn(E, I, H)
+    lone = {
+        prefix + "gate_up_proj": gate_up,
+        prefix + "down_proj": down,
+        prefix + "gate_up_proj_bias": torch.randn(E, 2 * I),
+    }
+    save_file(lone, tmp_path / "oss.safetensors")
+    with pytest.raises(moerunner.MoeInputError, match="down_proj_bias' not found"):
+        moerunner.load_experts(tmp_path / "oss.safetensors", layer=0, family="gpt_oss")
