@@ -699,3 +699,42 @@ def test_vllm_swiglustep_clamps_silu_at_7():
     assert bool((x.double() @ w13[0, :I].double().T > 7).any())  # the clamp is reached
     got = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, "swiglustep")
     assert_close(got, want, error_bound(torch.float32, False))
+
+
+@pytest.mark.parametrize("peer", ["vllm", "sglang"])
+def test_quantized_peer_weights_are_built_and_prepared_once(peer, prepares):
+    """The shims wrapped the caller's tensors in a new QuantizedWeight per call: each call
+    read its scales (a device sync on a GPU) and prepared the weights again (a copy of the
+    experts for the re-laying backends), and warned the caller to pass the same objects,
+    which it did. Now the wrapper is memoised on the weight tensor; an in-place edit of a
+    scale builds it again."""
+    import warnings
+
+    x, logits, w13, w2 = _problem(11, torch.bfloat16)
+    topk = moerunner.select_experts(logits, 2)
+    q1, q2 = quantize(w13, "int8"), quantize(w2, "int8")
+    s1, s2 = q1.scale[..., None].clone(), q2.scale.clone()
+    routed = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))
+
+    def call():
+        if peer == "vllm":
+            return vllm.fused_experts(
+                x, q1.data, q2.data, topk.weights, topk.ids,
+                use_int8_w8a8=True, per_channel_quant=True, w1_scale=s1, w2_scale=s2,
+            )  # fmt: skip
+        config = sglang.MoeRunnerConfig(inplace=False)
+        return sglang.fused_experts(
+            x, q1.data, q2.data, routed, config,
+            use_int8_w8a8=True, per_channel_quant=True, w1_scale=s1, w2_scale=s2,
+        )  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "prepared again" warning
+        outs = [call() for _ in range(4)]
+    assert len(prepares) == 1
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    with torch.no_grad():
+        s2.mul_(2.0)  # an in-place edit of a scale: built and prepared again
+    doubled = call()
+    assert len(prepares) == 2
+    torch.testing.assert_close(doubled, 2 * outs[0], rtol=2e-2, atol=1e-2)

@@ -17,6 +17,7 @@ from ..api import fused_moe
 from ..device_checks import check_ids_async
 from ..dispatch.expert_map import local_ids
 from ..errors import MoeInputError
+from ..memo import memoised, view_key
 from ..quant.schemes import get_scheme
 from ..quant.weight import QuantizedWeight
 
@@ -115,7 +116,32 @@ def _data(name: str, t: object, dtype: torch.dtype, flag: str) -> torch.Tensor:
 
 
 def _one(where: str, q: QuantArgs, which: str, w: object):
-    """One weight (``which`` "1" or "2") as moerunner sees it."""
+    """One weight (``which`` "1" or "2") as moerunner sees it. A quantized one is built once
+    per set of caller tensors and memoised on the weight tensor (keyed on every tensor's
+    memory, layout and in-place version): a new object per call would be checked (reading
+    its scales: a device sync) and prepared again every call."""
+    flags = tuple(f for f in _FLAGS if getattr(q, f))
+    if not flags or not isinstance(w, torch.Tensor):
+        return _build_one(where, q, which, w)
+    tensors = (getattr(q, f"{kind}{which}_{part}") for kind, part in _QUANT_PARTS)
+    key = (
+        "compat",
+        which,
+        flags,
+        None if q.block_shape is None else tuple(q.block_shape),
+        q.per_channel_quant,
+        view_key(w),
+        *(view_key(t) if isinstance(t, torch.Tensor) else ("object", id(t)) for t in tensors),
+    )
+    # Built from an alias of w, so the memoised weight does not hold its own anchor.
+    return memoised(w, key, lambda: _build_one(where, q, which, w.detach()))
+
+
+#: The tensors of ``QuantArgs`` beside each weight: w{n}_scale, w{n}_zp, a{n}_scale.
+_QUANT_PARTS = (("w", "scale"), ("w", "zp"), ("a", "scale"))
+
+
+def _build_one(where: str, q: QuantArgs, which: str, w: object):
     scale = getattr(q, f"w{which}_scale")
     zp = getattr(q, f"w{which}_zp")
     a_scale = getattr(q, f"a{which}_scale")
