@@ -320,6 +320,10 @@ class MoE(HoldsQuantized, DispatchedForward):
             self._quantized_from = None
             self.w13 = self.w2 = None
             self._hold_quantized()
+        # Calls now read the quantized weights: what earlier calls kept of the float ones (the
+        # parameters' views, replayed steps) would keep freed float weights alive.
+        self._weights_views.clear()
+        self._steps.clear()
         return self
 
     # -- quantized weights as buffers (state_dict) -----------------------------------------
@@ -602,6 +606,8 @@ class MoE(HoldsQuantized, DispatchedForward):
         grad = torch.is_grad_enabled()
         cached = self._weights_views.get(grad)
         if cached is None or cached[0] != key:
+            for stale in [g for g, (made_of, _) in self._weights_views.items() if made_of != key]:
+                del self._weights_views[stale]  # views of replaced parameters (either mode's)
             w13, w2, b13, b2 = (op_tensor(p) for p in params)
             view = ExpertWeights(w13, w2, b13, b2, self.config.gate_up_interleaved)
             cached = self._weights_views[grad] = (key, view)

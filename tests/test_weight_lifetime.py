@@ -141,3 +141,82 @@ def test_cuda_weights_memory_returns_when_they_are_dropped(backend, scheme):
     one_round(2)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+# -- what layers and integrations keep beside the weights ----------------------------------
+
+
+def _float_layer() -> MoE:
+    return MoE(MoeConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_frees_the_float_weights_earlier_calls_viewed(mode):
+    """A call before ``quantize_`` left views of the float parameters in the layer's cache,
+    so the float weights ``quantize_`` frees stayed for the life of the layer."""
+    layer = _float_layer()
+    x, _, _ = _routing()
+    with MODES[mode]():
+        layer(x, torch.randn(T, E))
+    storage = weakref.ref(layer.w13.untyped_storage())
+    layer.quantize_("int8")
+    with MODES[mode]():
+        layer(x, torch.randn(T, E))
+    assert storage() is None
+
+
+def test_replaced_parameters_are_not_kept_by_the_other_grad_mode():
+    """Views of the old parameters cached for no-grad calls stayed while later calls ran
+    with grad mode on (a frozen layer): a second copy of the experts."""
+    layer = _float_layer().requires_grad_(False)
+    x, _, _ = _routing()
+    with torch.no_grad():
+        layer(x, torch.randn(T, E))
+    storage = weakref.ref(layer.w13.untyped_storage())
+    fresh = {k: torch.randn_like(v) for k, v in layer.state_dict().items()}
+    layer.load_state_dict(fresh, assign=True)
+    layer(x, torch.randn(T, E))  # grad mode on, nothing requires grad
+    assert storage() is None
+
+
+def _tiny_model(family: str):
+    from transformers import AutoModelForCausalLM
+
+    from moerunner.integrations.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+
+
+def test_fused_shared_experts_model_dies_with_its_last_reference():
+    """``use_moerunner(shared_experts=True)`` stored a bound method in each block, a cycle
+    that kept every block and its experts after the model was dropped."""
+    pytest.importorskip("transformers")
+    from moerunner.integrations.transformers import use_moerunner
+
+    model = use_moerunner(_tiny_model("qwen2_moe"), backend="torch", shared_experts=True)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 7)))
+    experts = model.model.layers[0].mlp.experts
+    storage = weakref.ref(experts.gate_up_proj.untyped_storage())
+    del model, experts
+    assert storage() is None
+
+
+def test_quantize_experts_frees_the_float_experts_a_call_prepared():
+    """After a float call, ``quantize_experts`` emptied the parameters but left the forms
+    prepared from them on the parameters: the released memory stayed."""
+    pytest.importorskip("transformers")
+    from moerunner.integrations.transformers import quantize_experts, use_moerunner
+
+    model = use_moerunner(_tiny_model("mixtral"), backend="torch")
+    ids = torch.randint(0, 64, (1, 7))
+    with torch.no_grad():
+        model(ids)
+    experts = model.model.layers[0].mlp.experts
+    storage = weakref.ref(experts.gate_up_proj.untyped_storage())
+    quantize_experts(model, "int8")
+    with torch.no_grad():
+        model(ids)
+    del experts
+    assert storage() is None

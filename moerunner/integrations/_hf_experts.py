@@ -259,6 +259,8 @@ def expert_weights(
     cached = per_mode.get(grad)
     if cached is not None and cached[0] == key:
         return cached[1], layout.activation
+    for stale in [mode for mode, (made_of, _) in per_mode.items() if made_of != key]:
+        del per_mode[stale]  # views of weights since replaced (either grad mode's)
     if relay is not None and layout.transposed and relay(module):
         sources = _sources(module, layout)
         key = sources_key(sources)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import MoeInputError
+from ..memo import forget_memo
+from ..runner import forget_prepared
 from ..weights import ExpertWeights
 from ._hf_experts import (
     UnsupportedExpertsError,
@@ -72,6 +74,9 @@ def _release_float_weights(module: torch.nn.Module) -> None:
     for name in ("gate_up_proj", "up_proj", "down_proj"):
         param = getattr(module, name, None)
         if isinstance(param, torch.nn.Parameter):
+            # What calls kept on the parameter (prepared forms, views) holds the old memory.
+            forget_prepared(param)
+            forget_memo(param)
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     if _RELEASED_HOOK not in module.__dict__:
         module.__dict__[_RELEASED_HOOK] = module.register_forward_pre_hook(_needs_moerunner)

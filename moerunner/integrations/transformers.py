@@ -19,6 +19,7 @@ Reading an experts module's layout and weights is ``_hf_experts``; quantizing th
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 
@@ -550,7 +551,7 @@ def _install_shared(blocks, enable: bool) -> None:
     for _, block in blocks:
         block.__dict__.pop(_SHARED_CACHE, None)
         if enable:
-            block.forward = _fused_block_forward.__get__(block)
+            block.forward = _FusedForward(block)
         else:
             block.__dict__.pop("forward", None)
 
@@ -595,6 +596,20 @@ def _shared_experts(block) -> SharedExperts:
     shared = SharedExperts(torch.cat([g, u])[None], d[None], None if gw is None else gw)
     block.__dict__[_SHARED_CACHE] = (key, shared)
     return shared
+
+
+class _FusedForward:
+    """``_fused_block_forward`` bound to a block weakly: a bound method kept in the block's
+    ``__dict__`` would refer back to the block, a cycle that keeps a dropped model's experts
+    alive until the collector runs."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        self.block = weakref.ref(block)
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return _fused_block_forward(self.block(), hidden_states)
 
 
 def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
