@@ -40,6 +40,8 @@ def _real(name: str, value: object, default: float) -> float:
     """``value`` as a float (``default`` for None); TypeError naming ``name`` otherwise."""
     if value is None:
         return default
+    if torch.compiler.is_compiling() and isinstance(value, (int, float, torch.SymFloat)):
+        return value  # traced: a float argument may be symbolic (no host checks)
     if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
         raise TypeError(
             f"{name} must be a number, a 1-D floating tensor [E] or None, "
@@ -63,7 +65,10 @@ def _param(name: str, value: object, default: float):
 
 def _check_param_values(name: str, value, rule: str) -> None:
     """``rule`` "finite" or "positive" on a float, or on a CPU tensor's values (a GPU tensor
-    is not read: that would synchronise)."""
+    is not read: that would synchronise; nothing is read while torch.compile traces, where
+    values may be symbolic)."""
+    if torch.compiler.is_compiling():
+        return
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu" or value.numel() == 0:
             return

@@ -92,7 +92,8 @@ def select_experts(
     )
     if group_score not in GROUP_SCORES:
         raise MoeInputError(f"group_score: got {group_score!r}; accepted: {GROUP_SCORES}")
-    check_routing_values(renormalize, routed_scaling_factor)
+    if not torch.compiler.is_compiling():  # traced, a float argument may be symbolic
+        check_routing_values(renormalize, routed_scaling_factor)
     if custom_routing_function is not None:
         rules = {
             "scoring_func": scoring_func != "softmax",
@@ -299,7 +300,7 @@ def _check_correction_bias(bias: object, num_experts: int, device: torch.device)
         raise TypeError(f"correction_bias must be a floating tensor, got {bias.dtype}")
     if bias.device != device:
         raise MoeInputError(f"correction_bias is on {bias.device} but router_logits on {device}")
-    if bias.device.type == "cpu":
+    if bias.device.type == "cpu" and not torch.compiler.is_compiling():  # (a value read)
         check_correction_bias_values(bias)
 
 

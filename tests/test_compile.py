@@ -355,3 +355,32 @@ def test_fused_moe_options_the_op_does_not_take_run_eagerly_in_compiled_code(kwa
         with pytest.raises(Exception, match="runs eagerly") as caught:
             torch.compile(moe, fullgraph=True)(x, logits)
     assert "w13_order='up_gate', swiglu_beta" in str(caught.value)
+
+
+def test_routing_and_swiglu_arguments_trace_with_dynamic_shapes_and_changing_floats():
+    """Host checks of float arguments (math.isfinite, hasattr __float__) and of a CPU
+    correction bias's values (a data-dependent read) broke fullgraph tracing: under
+    ``dynamic=True`` a float argument is symbolic, and a float that changes between calls
+    is made symbolic at the recompile. Traced, they are not read (eager calls check them)."""
+    torch._dynamo.reset()
+    w13, w2 = _user_weights(None)
+    bias = torch.randn(8)
+
+    def moe(x, logits, alpha, scale):
+        topk = moerunner.select_experts(
+            logits, 2, scoring_func="sigmoid", renormalize=True, correction_bias=bias,
+            num_expert_group=4, topk_group=2, routed_scaling_factor=scale,
+        )  # fmt: skip
+        return moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai", swiglu_alpha=alpha
+        )
+
+    for dynamic in (True, None):
+        compiled = torch.compile(moe, fullgraph=True, dynamic=dynamic)
+        with torch.no_grad():
+            for tokens, alpha, scale in ((3, 1.702, 2.5), (5, 1.5, 1.0), (7, 1.3, 2.0)):
+                x, logits = torch.randn(tokens, 24), torch.randn(tokens, 8)
+                torch.testing.assert_close(
+                    compiled(x, logits, alpha, scale), moe(x, logits, alpha, scale),
+                    rtol=1e-5, atol=1e-6,
+                )  # fmt: skip

@@ -469,7 +469,14 @@ def _layout_of_id(key: int) -> tuple:
     module = _module_of_id(key)
     if module is None:  # the module being traced is alive: not expected
         return ("the experts module being traced was not found among the live modules",)
-    return _layout_constants(module)
+    if _DESCRIPTION in module.__dict__:
+        return _layout_constants(module)
+    # Described without caching: a cache filled while tracing would send a restarted
+    # analysis of the same frame down the other branch of ``traced_layout``.
+    try:
+        return _constants(module, _describe(module))
+    except UnsupportedExpertsError as exc:
+        return (str(exc),)
 
 
 def no_experts_error(model: torch.nn.Module) -> MoeInputError:

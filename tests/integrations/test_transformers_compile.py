@@ -72,6 +72,25 @@ def test_model_forward_compiles_fullgraph(family):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_model_never_run_eagerly_compiles_with_dynamic_shapes(family):
+    """With ``dynamic=True`` Dynamo restarts its analysis of a frame; the first pass filled
+    the layer's description, so the second took the other branch of ``traced_layout``
+    (SpeculationLogDivergence). Traced, a layer is described without caching it."""
+    torch._dynamo.reset()
+    model = build(family, implementation="moerunner")
+    recorder = _Recorder()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=True, backend=recorder)
+    inputs = [_ids(length) for length in (6, 9, 12, 5)]
+    with torch.no_grad():
+        outs = [compiled(ids).logits for ids in inputs]
+        # The first run describes the layers (cached on them, which the first graph's guards
+        # see): one more graph, then the same one for every length.
+        assert len(recorder.graphs) == 2
+        for ids, out in zip(inputs, outs, strict=True):
+            torch.testing.assert_close(out, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_a_traced_layer_is_described_through_its_id():
     """While tracing, a layer not yet described is found by its ``id`` among the live experts
     modules (torch 2.11 cannot hand the module itself to a constant-result function: the
@@ -86,6 +105,7 @@ def test_a_traced_layer_is_described_through_its_id():
         _hf_experts._BY_ID.pop(id(module), None)
     found = _hf_experts._layout_of_id(id(modules[-1]))
     assert all(_hf_experts._BY_ID.get(id(m)) is m for m in modules)  # one scan found all
+    assert _hf_experts._DESCRIPTION not in modules[-1].__dict__  # not cached while traced
     assert found == _hf_experts._layout_constants(modules[-1])
     assert found[0] == "swiglu_oai" and found[3:] == (True, True, True)  # transposed etc.
     assert len(_hf_experts._layout_of_id(id(object()))) == 1  # a reason
