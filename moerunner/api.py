@@ -400,6 +400,8 @@ def _run_extended(
     problem = MoeProblem.of(hidden_states, weights, spec, dispatch_output.format)
     if check_hooks(hooks) is not None:
         problem = dataclasses.replace(problem, hooks=True)
+        if hooks.needs_grad():  # e.g. LoRA factors being trained: the torch backend's ops
+            runner = _hooks_with_grad(runner)
     if _needs_grad(hidden_states, weights, topk.weights):
         if hooks is not None:
             raise MoeInputError(
@@ -413,6 +415,24 @@ def _run_extended(
         runner, weights, problem, spec, hidden_states.shape[0], topk.ids.shape[1]
     )
     return runner.run(dispatch_output, prepared, hooks)
+
+
+def _hooks_with_grad(runner: MoeRunner) -> MoeRunner:
+    """The runner of a call whose hooks read tensors that require grad: the torch backend,
+    whose PyTorch ops apply the hooks and carry their gradient (triton applies LoRA in its
+    own kernels, which have none)."""
+    from .backends import torch_native
+
+    if runner.requested not in ("auto", torch_native.NAME):
+        raise MoeInputError(
+            f"backend {runner.requested!r} applies hooks without autograd, but a tensor the "
+            "hooks read (e.g. a LoRA factor) requires grad and grad mode is on: pass "
+            "backend='torch' (or 'auto') to train through the hooks, or run under "
+            "torch.no_grad()"
+        )
+    if runner.requested == torch_native.NAME:
+        return runner
+    return MoeRunner(torch_native.NAME, registry=runner.registry)
 
 
 def _with_shared(

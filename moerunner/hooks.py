@@ -76,6 +76,21 @@ class MoeHooks:
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
                 raise TypeError(f"hooks: {name} must be None or an int >= 0, got {n!r}")
 
+    def needs_grad(self) -> bool:
+        """Grad mode is on and a tensor the hooks read requires grad: what a hook object
+        lists in its ``tensors()`` (``LoraDelta``: the LoRA factors; a plain function lists
+        none). Such a call runs where the hooks' PyTorch ops carry the gradient (the torch
+        backend); a backend applying them in its own kernels would drop it."""
+        if not torch.is_grad_enabled():
+            return False
+        for fn in (self.gate_up, self.down):
+            tensors = getattr(fn, "tensors", None)
+            if callable(tensors) and any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in tensors()
+            ):
+                return True
+        return False
+
     def apply(self, which: str, out: torch.Tensor, inp: torch.Tensor, rows: HookRows):
         """Run hook ``which`` ("gate_up" or "down") if set; check what it returns."""
         fn = getattr(self, which)

@@ -254,6 +254,10 @@ class LoraDelta:
     adapter_T: torch.Tensor
     gemm: str
 
+    def tensors(self) -> tuple:
+        """The tensors this delta reads (its factors and scaling): ``MoeHooks.needs_grad``."""
+        return (self.a, self.b, self.lora.scaling)
+
     @property
     def a(self) -> torch.Tensor:
         """Shrink factors ``[L, E, r, K]``."""

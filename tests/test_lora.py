@@ -521,3 +521,41 @@ def test_w13_b_of_another_width_is_refused_on_every_path(backend, act):
         with pytest.raises(MoeInputError, match="gated=False"):
             _run(backend, x, weights, MoeLoraWeights(lora.w13_a, gated_b, lora.w2_a, lora.w2_b),
                  topk, adapters, act)  # fmt: skip
+
+
+def test_training_lora_factors_runs_where_their_gradients_flow():
+    """Factors that require grad: the triton kernels applied them without autograd, so the
+    gradients were silently lost. ``auto`` now runs such a call on the torch backend (its
+    gradients match autograd of the float64 reference) and ``triton`` refuses it by name."""
+    x, weights, lora, topk, adapters, act = _case(seed=3)
+    trained = MoeLoraWeights(
+        *(t.clone().requires_grad_() for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)),
+        lora.scaling,
+    )
+    hooks = lora_hooks(trained, adapters)
+
+    def call(backend):
+        return moerunner.fused_moe(
+            x, weights.w13, weights.w2, topk.weights, topk.ids, backend=backend, hooks=hooks
+        )
+
+    with pytest.raises(MoeInputError, match="backend 'triton' applies hooks without autograd"):
+        call("triton")
+    out = call("auto")
+    assert out.requires_grad
+    (out.double() * torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
+    factors64 = [
+        t.detach().double().requires_grad_()
+        for t in (trained.w13_a, trained.w13_b, trained.w2_a, trained.w2_b)
+    ]
+    ref = _reference(
+        x.double(), ExpertWeights(weights.w13.double(), weights.w2.double()),
+        MoeLoraWeights(*factors64, lora.scaling.double()), topk, adapters, act,
+    )  # fmt: skip
+    (ref * torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
+    for got, want in zip(
+        (trained.w13_a, trained.w13_b, trained.w2_a, trained.w2_b), factors64, strict=True
+    ):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # no grad mode: the chosen backend as usual
+        call("triton" if interpreted_triton() else "torch")
