@@ -619,6 +619,22 @@ def _validate_arguments(
         raise MoeInputError(
             f"weights are on {weights.device} but hidden_states on {hidden_states.device}"
         )
+    check_routing_shapes(hidden_states, topk_weights, topk_ids)
+    if weights.intermediate_size(act) == 0 and weights.num_experts and weights.hidden_size:
+        raise MoeInputError(
+            "the intermediate size I must be >= 1: w13 has no rows and w2 no columns "
+            f"(w13 {list(weights.w13.shape)}, w2 {list(weights.w2.shape)})"
+        )
+
+
+def check_routing_shapes(
+    hidden_states: torch.Tensor, topk_weights: object, topk_ids: object
+) -> None:
+    """The routing of a call: tensors on the hidden states' device, integer ids and floating
+    weights of one ``[T, k]`` shape, T the hidden states' rows (metadata only, no read)."""
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if t.device != hidden_states.device:
             raise MoeInputError(
@@ -636,15 +652,10 @@ def _validate_arguments(
             f"topk_weights shape {list(topk_weights.shape)} differs from topk_ids shape "
             f"{list(topk_ids.shape)}"
         )
-    num_tokens, top_k = topk_ids.shape
+    num_tokens = topk_ids.shape[0]
     if num_tokens != hidden_states.shape[0]:
         raise MoeInputError(
             f"topk_ids has T={num_tokens} rows but hidden_states has T={hidden_states.shape[0]}"
-        )
-    if weights.intermediate_size(act) == 0 and weights.num_experts and weights.hidden_size:
-        raise MoeInputError(
-            "the intermediate size I must be >= 1: w13 has no rows and w2 no columns "
-            f"(w13 {list(weights.w13.shape)}, w2 {list(weights.w2.shape)})"
         )
 
 

@@ -29,6 +29,21 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["DispatchedForward"]
 
 
+def _layout_digest(config) -> int:
+    """A 62-bit digest of what every rank's layer must compute alike beyond the shapes: the
+    activation (name and scalar parameters), biases, gate/up row order, top_k and routing."""
+    import hashlib
+
+    act = config.activation
+    params = tuple(
+        "tensor" if isinstance(v, torch.Tensor) else v for v in (act.alpha, act.limit, act.beta)
+    )
+    text = repr(
+        (act.name, params, config.bias, config.gate_up_interleaved, config.top_k, config.routing)
+    ).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+
+
 class DispatchedForward:
     """The dispatcher of a ``MoE`` layer and its expert-parallel forward (see the module)."""
 
@@ -82,6 +97,9 @@ class DispatchedForward:
                     "hidden_size": config.hidden_size if config else -1,
                     "intermediate_size": config.intermediate_size if config else -1,
                     "placement": -1 if placement is None else placement.fingerprint(),
+                    "layout (activation, bias, gate/up order, top_k, routing)": (
+                        _layout_digest(config) if config else -1
+                    ),
                 },
                 error=error,
             )

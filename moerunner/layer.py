@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import run_experts, validate_call
+from .api import check_routing_shapes, run_experts, validate_call
 from .backends.base import MoeProblem, caller
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement
@@ -500,6 +500,9 @@ class MoE(HoldsQuantized, DispatchedForward):
             topk = self._route(hidden_states, router_logits, x.shape[0])
         elif not isinstance(topk, TopK):
             raise TypeError(f"topk must be a TopK, got {type(topk).__name__}")
+        else:  # given routing: its shapes here, before any exchange (an expert-parallel
+            # layer's dispatch would otherwise take rows it cannot match to tokens)
+            check_routing_shapes(x, topk.weights, topk.ids)
         if self.quantized is not None:
             self._check_held_quantized()
         return x, topk, routed

@@ -22,7 +22,13 @@ __all__ = ["default_dispatchers"]
 def _standard(setup: DispatchSetup) -> Dispatcher:
     if setup.placement is None:
         return StandardDispatcher(group=setup.group, num_local_experts=setup.num_local_experts)
-    return StandardDispatcher(setup.placement.expert_map(setup.rank), setup.group)
+    placement = setup.placement
+    table = placement.expert_map(setup.rank)
+    if placement.num_shared and setup.rank != 0:
+        # Every rank sees every token and holds the shared experts: one rank computes them,
+        # or the all-reduce of the partial outputs would add them once per rank.
+        table[placement.num_experts :] = -1
+    return StandardDispatcher(table, setup.group, num_local_experts=setup.num_local_experts)
 
 
 def _needs_placement(name: str, setup: DispatchSetup) -> ExpertPlacement:

@@ -45,10 +45,13 @@ class StandardDispatcher:
 
     Args:
         expert_map: optional int32 ``[E_global]`` tensor, local id of each global expert on
-            this rank or -1. ``None``: all experts are local and ids pass through.
+            this rank or -1 (an expert held but computed on another rank, as shared experts
+            on every rank but 0, is -1 too). ``None``: all experts are local and ids pass
+            through.
         group: optional ``torch.distributed`` process group whose ranks' outputs are summed.
-        num_local_experts: experts this rank holds; needed with ``reduce_dtype=float32``
-            and a group when ``expert_map`` is ``None`` (tensor parallel: E).
+        num_local_experts: experts this rank holds (default: those ``expert_map`` maps);
+            needed with ``reduce_dtype=float32`` and a group when ``expert_map`` is ``None``
+            (tensor parallel: E).
         reduce_dtype: ``torch.float32`` (default): weight, sum and all-reduce in fp32 and
             round once (for bf16 / fp16 layers the all-reduce moves 4 instead of 2 bytes per
             element of ``[T, H]``; the runner takes its grouped-layout path). ``None``: sum
@@ -68,12 +71,14 @@ class StandardDispatcher:
             raise TypeError(f"reduce_dtype must be torch.float32 or None, got {reduce_dtype}")
         if expert_map is not None:
             mapped = int((expert_map >= 0).sum())
-            if num_local_experts is not None and num_local_experts != mapped:
+            highest = int(expert_map.max()) if expert_map.numel() else -1
+            if num_local_experts is None:
+                num_local_experts = mapped
+            elif highest >= num_local_experts:
                 raise MoeInputError(
-                    f"num_local_experts={num_local_experts} but expert_map maps {mapped} experts "
-                    "to this rank"
+                    f"num_local_experts={num_local_experts} but expert_map maps an expert to "
+                    f"local id {highest}"
                 )
-            num_local_experts = mapped
         self.expert_map = expert_map
         self.group = group
         self.reduce_dtype = reduce_dtype
