@@ -36,6 +36,7 @@ form runs the shrink and expand in float32 on the factors of each row:
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,13 @@ class MoeLoraWeights:
                 )
         elif isinstance(self.scaling, bool) or not isinstance(self.scaling, (int, float)):
             raise TypeError(f"lora scaling must be a number or a tensor, got {self.scaling!r}")
+        elif not math.isfinite(self.scaling):
+            raise MoeInputError(f"lora scaling must be finite, got {self.scaling}")
+        if lead[0] == 0:
+            raise MoeInputError(
+                "lora holds no adapters (L = 0): pass hooks=None (or adapter ids of -1) to run "
+                "the base experts"
+            )
 
     def check_against(self, w13_rows: int, hidden: int, inter: int) -> None:
         """The factors fit experts of these sizes."""

@@ -245,7 +245,13 @@ def _read(path: str, shape: MoeModelShape, other_modules: str) -> _Adapter:
     with open(config_path) as f:
         cfg = json.load(f)
     _check_config(cfg, config_path)
-    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", 8))
+    try:
+        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", 8))
+    except (TypeError, ValueError):
+        raise MoeInputError(
+            f"adapters: {config_path}: r and lora_alpha must be numbers, got r={cfg['r']!r}, "
+            f"lora_alpha={cfg.get('lora_alpha')!r}"
+        ) from None
     rslora = bool(cfg.get("use_rslora", False))
 
     def scaling_of(key: str) -> tuple[int, float]:
@@ -332,12 +338,13 @@ def _role(proj: str, shape: MoeModelShape, key: str) -> str:
 def _pair(found: dict, what: str) -> tuple[str, torch.Tensor, torch.Tensor]:
     missing = [ab for ab in ("lora_A", "lora_B") if ab not in found]
     if missing:
-        raise MoeInputError(f"adapters: {what} has no {missing[0]}.weight")
+        beside = next((f" beside {key!r}" for key, _ in found.values()), "")
+        raise MoeInputError(f"adapters: {what} has no {missing[0]}.weight{beside}")
     name, a = found["lora_A"]
     _, b = found["lora_B"]
     if a.dim() != 2 or b.dim() != 2 or not a.is_floating_point() or not b.is_floating_point():
         raise MoeInputError(
-            f"adapters: {what}: lora_A / lora_B must be floating 2-D, got {a.dtype} "
+            f"adapters: {name} ({what}): lora_A / lora_B must be floating 2-D, got {a.dtype} "
             f"{list(a.shape)} and {b.dtype} {list(b.shape)}"
         )
     return name, a, b
@@ -381,7 +388,15 @@ def _fused_module(wrapper: dict, module: str, shape: MoeModelShape, scaling_of):
     n13 = shape.w13_rows
     roles = {"gate_up": (h, n13, w13_name), "down": (i, h, "down_proj")}
     found = (a.shape[1], b.shape[0])
-    role = next((ro for ro, (k, n, _) in roles.items() if found == (k, n)), None)
+    fits = [ro for ro, (k, n, _) in roles.items() if found == (k, n)]
+    if len(fits) > 1:  # non-gated experts with H == I: up_proj and down_proj look alike
+        raise MoeInputError(
+            f"adapters: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} fit both "
+            f"{w13_name} and down_proj of this model (non-gated, H = I = {h}), and the "
+            "fused layout does not say which parameter it adapts: save per-projection "
+            "adapters, or pass the factors to MoeLoraWeights yourself"
+        )
+    role = fits[0] if fits else None
     swapped = next((ro for ro, (k, n, _) in roles.items() if found == (n, k)), None)
     if role is None and swapped is not None:
         raise MoeInputError(

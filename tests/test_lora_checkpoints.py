@@ -20,7 +20,7 @@ import torch
 import moerunner
 from moerunner import MoeInputError
 from moerunner.config import Activation
-from moerunner.lora import lora_hooks
+from moerunner.lora import MoeLoraWeights, lora_hooks
 from moerunner.lora_checkpoints import (
     MoeModelShape,
     load_peft_adapter_set,
@@ -382,3 +382,33 @@ def test_adapters_of_non_gated_experts(tmp_path, fused):
         folder = write_adapter(tmp_path / "b", {**tensors, **gate}, **config)
         with pytest.raises(MoeInputError, match="experts have none"):
             load_peft_adapters([folder], shape, layer=0)
+
+
+def test_new_user_lora_faults_are_named(tmp_path):
+    """A fused adapter of non-gated experts with H == I fit up_proj and down_proj alike and
+    was read as the up adapter; a missing factor named no key; lora_alpha "x" raised a bare
+    float() error; a NaN scaling and an empty adapter set failed late or not at all."""
+    g = torch.Generator().manual_seed(9)
+    r, square = 2, MoeModelShape(E, H, H, gated=False)
+    key = f"{PREFIX}.0.mlp.experts"
+    fused = {
+        f"{key}.lora_A.weight": torch.randn(E * r, H, generator=g),
+        f"{key}.lora_B.weight": torch.randn(H, r * E, generator=g),
+    }
+    folder = write_adapter(tmp_path / "square", fused, target_parameters=["down_proj"])
+    with pytest.raises(MoeInputError, match="fit both up_proj and down_proj"):
+        load_peft_adapters(folder, square, layer=0)
+    t, _ = per_expert_adapter(g, QWEN, [0], 4)
+    missing = f"{PREFIX}.0.mlp.experts.2.up_proj.lora_B.weight"
+    del t[missing]
+    with pytest.raises(MoeInputError, match=r"has no lora_B\.weight beside .*experts\.2\.up_proj"):
+        load_peft_adapters(write_adapter(tmp_path / "missing", t), QWEN, layer=0)
+    t, _ = per_expert_adapter(g, QWEN, [0], 4)
+    with pytest.raises(MoeInputError, match="r and lora_alpha must be numbers.*'x'"):
+        load_peft_adapters(write_adapter(tmp_path / "alpha", t, lora_alpha="x"), QWEN, layer=0)
+    lora = load_peft_adapters(write_adapter(tmp_path / "good", t), QWEN, layer=0)
+    factors = (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)
+    with pytest.raises(MoeInputError, match="lora scaling must be finite"):
+        lora_hooks(MoeLoraWeights(*factors, float("nan")), torch.zeros(T, dtype=torch.long))
+    with pytest.raises(MoeInputError, match=r"no adapters \(L = 0\)"):
+        lora_hooks(MoeLoraWeights(*(f[:0] for f in factors)), torch.full((T,), -1))

@@ -15,6 +15,12 @@
 # block reads one pair's factors once, in a shrink launch (into a float32 [rows, rank]
 # workspace) and an expand launch. No host reads in either sequence: a call with LoRA stays
 # CUDA-graph capturable. Kernel bodies: ``_lora_kernel``.
+#
+# Precision: each ``tl.dot`` multiplies in the factors' dtype where they are 16-bit (so the
+# float32 rank values are rounded to it before the expand, as a 16-bit PEFT Linear rounds
+# them), and in IEEE float32 otherwise (``_dot_dtype``); the torch backend's PyTorch form
+# multiplies in float32 throughout. With 16-bit factors the two differ by about one 16-bit
+# rounding of the delta (fp32 activations, fp16 factors: 1.3e-4 relative against 1.8e-7).
 
 from __future__ import annotations
 
