@@ -153,13 +153,18 @@ class ExpertParallelMoE(MoE):
                 raise MoeInputError(
                     "shard='intermediate' (tensor parallel) needs dispatcher='standard'"
                 )
-            local = shard_intermediate(weights, act, rank, world, tp_align)
+            with _together(group, world, "ExpertParallelMoE.from_global (sharding I)"):
+                local = shard_intermediate(weights, act, rank, world, tp_align)
             return cls(local, None, group, **kwargs)
         if shard != "experts":
             raise MoeInputError(f"shard must be 'experts' or 'intermediate', got {shard!r}")
-        if placement is None:
-            placement = ExpertPlacement.contiguous(weights.num_experts, world)
-        return cls(shard_expert_weights(weights, placement, rank), placement, group, **kwargs)
+        # A rank that cannot place or cut its share (other weights than the others') must
+        # not leave the others waiting in the layer's first collective: every rank raises.
+        with _together(group, world, "ExpertParallelMoE.from_global (placement and shards)"):
+            if placement is None:
+                placement = ExpertPlacement.contiguous(weights.num_experts, world)
+            local = shard_expert_weights(weights, placement, rank)
+        return cls(local, placement, group, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor, topk: TopK, timer=None) -> torch.Tensor:
         """``hidden_states [T, H]`` with ``topk`` (global ids) -> ``[T, H]``.
@@ -170,6 +175,15 @@ class ExpertParallelMoE(MoE):
         the device; check it after the step in ``on_overflow="flag"`` mode).
         """
         return super().forward(hidden_states, topk=topk, timer=timer)
+
+
+def _together(group, world: int, what: str):
+    """``failing_together`` across the ranks of ``group``; nothing on one process."""
+    from contextlib import nullcontext
+
+    from .distributed import failing_together
+
+    return failing_together(group, what) if world > 1 else nullcontext()
 
 
 def time_stages(

@@ -6,6 +6,8 @@ each against the float64 reference of the whole layer (``reference_moe``).
 - Given routing whose shapes did not fit the tokens ran silently (wrong outputs on every
   rank); it is now refused on the rank that passed it, and every rank raises.
 - Ranks built with different activations ran without an error.
+- A rank whose weights could not be placed (5 experts over 2 ranks) raised alone, and the
+  other waited in the layer's first collective until the group's timeout.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ def scenarios(rank: int, world: int) -> dict:
             _weights(E), dispatcher="all_to_all", backend="torch", activation=act
         )
     )
+    uneven = _weights(E + (1 if rank == 1 else 0))  # rank 1 loaded another checkpoint
+    results["uneven_build"] = _outcome(
+        lambda: ExpertParallelMoE.from_global(uneven, dispatcher="all_to_all", backend="torch")
+    )
     results["inputs"] = (x, topk, shared_topk)
     return results
 
@@ -101,3 +107,10 @@ def test_ranks_with_different_activations_refuse_to_build(results):
         error = r["activation"]["error"]
         assert error is not None, f"rank {rank} built a layer unlike the other rank's"
         assert "layout" in error[1] and "activation" in error[1], error
+
+
+def test_a_build_failing_on_one_rank_fails_on_every_rank(results):
+    for rank, r in enumerate(results):
+        error = r["uneven_build"]["error"]
+        assert error is not None and error[0] == "RankFailedError", (rank, error)
+        assert "failed on rank 1" in error[1] and "not divisible" in error[1], error
