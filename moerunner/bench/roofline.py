@@ -205,6 +205,22 @@ def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, repeats: int
     return 2 * n**3 / seconds / 1e12
 
 
+def _cpu_gemm_size(dtype: torch.dtype, largest: int = 2048, budget_s: float = 0.05) -> int:
+    """The square GEMM size a CPU peak is measured at: doubled from 256 while one matmul
+    stays under ``budget_s``, up to ``largest``. A CPU without bf16 matrix instructions runs
+    bf16 GEMMs a thousand times slower than fp32 (measured: a 1 x 64 x 128 bf16 matmul in
+    0.9 ms), where 2048^3 took minutes per measurement."""
+    n = 256
+    while n < largest:
+        a = torch.randn(n, n).to(dtype)
+        t0 = time.perf_counter()
+        a @ a
+        if time.perf_counter() - t0 > budget_s:
+            break
+        n *= 2
+    return n
+
+
 def _fp8_tflops(device: torch.device, n: int, repeats: int) -> float | None:
     scaled_mm = getattr(torch, "_scaled_mm", None)
     if scaled_mm is None or device.type != "cuda":
@@ -252,12 +268,14 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
         )
     else:
         copy = _copy_gbps(device, 256 << 20, 5)
+        sizes = {dtype: _cpu_gemm_size(dtype) for dtype in (torch.float32, torch.bfloat16)}
         peaks = {
-            "fp32": matmul_tflops(device, 2048, torch.float32, 5),
-            "bf16": matmul_tflops(device, 2048, torch.bfloat16, 5),
+            "fp32": matmul_tflops(device, sizes[torch.float32], torch.float32, 5),
+            "bf16": matmul_tflops(device, sizes[torch.bfloat16], torch.bfloat16, 5),
         }
         method = (
-            f"copy_ 256 MiB fp32 (read+write), square 2048 GEMMs, perf_counter medians, "
+            f"copy_ 256 MiB fp32 (read+write), square GEMMs (fp32 {sizes[torch.float32]}, "
+            f"bf16 {sizes[torch.bfloat16]}), perf_counter medians, "
             f"{torch.get_num_threads()} threads"
         )
     return DeviceCeilings(
