@@ -32,16 +32,16 @@ __all__ = ["DispatchedForward"]
 def _layout_digest(config) -> int:
     """A 62-bit digest of what every rank's layer must compute alike beyond the shapes: the
     activation (name and scalar parameters), biases, gate/up row order, top_k and routing."""
-    import hashlib
+    from .distributed import digest
 
     act = config.activation
     params = tuple(
         "tensor" if isinstance(v, torch.Tensor) else v for v in (act.alpha, act.limit, act.beta)
     )
-    text = repr(
-        (act.name, params, config.bias, config.gate_up_interleaved, config.top_k, config.routing)
-    ).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+    return digest(
+        repr((act.name, params, config.bias, config.gate_up_interleaved, config.top_k,
+              config.routing))
+    )  # fmt: skip
 
 
 class DispatchedForward:

@@ -107,6 +107,14 @@ def all_gather_ints(values: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
+def digest(text: str) -> int:
+    """A 62-bit digest of ``text``, equal on ranks that describe the same thing alike (a value
+    ``check_consistent`` compares; it fits the int64 its exchange carries)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
 def check_consistent(
     group,
     what: str,

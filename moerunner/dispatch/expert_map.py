@@ -19,7 +19,6 @@ permutation (as expert load balancers produce) or uneven ownership can be given 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -201,8 +200,9 @@ class ExpertPlacement:
 
     def fingerprint(self) -> int:
         """A 62-bit digest of the placement, equal on ranks that agree on it."""
-        text = f"{self.owner}|{self.local_id}|{self.world_size}|{self.num_shared}".encode()
-        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+        from ..distributed import digest
+
+        return digest(f"{self.owner}|{self.local_id}|{self.world_size}|{self.num_shared}")
 
 
 def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:

@@ -422,11 +422,13 @@ def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
     return weights
 
 
-def _layout_constants(module: torch.nn.Module) -> tuple:
+def _layout_constants(module: torch.nn.Module, cache: bool = True) -> tuple:
     """``(activation, alpha, limit, transposed, interleaved, has_bias)``, or ``(reason,)`` when
-    moerunner cannot run the module: the layout as plain constants for a traced caller."""
+    moerunner cannot run the module: the layout as plain constants for a traced caller.
+    ``cache=False``: a module not yet described is described without caching it."""
     try:
-        layout = describe(module)
+        cached = cache or _DESCRIPTION in module.__dict__
+        layout = describe(module) if cached else _describe(module)
     except UnsupportedExpertsError as exc:
         return (str(exc),)
     return _constants(module, layout)
@@ -469,14 +471,9 @@ def _layout_of_id(key: int) -> tuple:
     module = _module_of_id(key)
     if module is None:  # the module being traced is alive: not expected
         return ("the experts module being traced was not found among the live modules",)
-    if _DESCRIPTION in module.__dict__:
-        return _layout_constants(module)
-    # Described without caching: a cache filled while tracing would send a restarted
-    # analysis of the same frame down the other branch of ``traced_layout``.
-    try:
-        return _constants(module, _describe(module))
-    except UnsupportedExpertsError as exc:
-        return (str(exc),)
+    # Not cached while tracing: a cache filled then would send a restarted analysis of the
+    # same frame down the other branch of ``traced_layout``.
+    return _layout_constants(module, cache=False)
 
 
 def no_experts_error(model: torch.nn.Module) -> MoeInputError:
