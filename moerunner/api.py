@@ -111,14 +111,11 @@ def fused_moe(
     if torch.compiler.is_compiling():
         if shared_experts is not None or hooks is not None or not _op_takes(weights, act):
             return _eager_experts(
-                weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids,
-                apply_router_weight_on_input, shared_experts, hooks,
+                backend, weights, hidden_states, topk_weights, topk_ids, act, check_ids,
+                apply_router_weight_on_input, shared=shared_experts, hooks=hooks,
             )  # fmt: skip
         if apply_router_weight_on_input:
-            hidden_states, unit = weighted_input(
-                hidden_states, TopK(weights=topk_weights.float(), ids=topk_ids)
-            )
-            topk_weights = unit.weights
+            hidden_states, topk_weights = _weighted_rows(hidden_states, topk_weights, topk_ids)
         return _traced_call(weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids)
     return run_experts(
         MoeRunner(backend),
@@ -255,22 +252,9 @@ def _traced_call(
     )
 
 
-def _eager_experts(
-    weights: ExpertWeights,
-    hidden_states: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act: Activation,
-    backend: str,
-    check_ids: bool,
-    weight_on_input: bool,
-    shared: SharedExperts | None,
-    hooks: MoeHooks | None,
-) -> torch.Tensor:
-    return run_experts(
-        MoeRunner(backend), weights, hidden_states, topk_weights, topk_ids, act, check_ids,
-        weight_on_input=weight_on_input, shared=shared, hooks=hooks,
-    )  # fmt: skip
+def _eager_experts(backend: str, *args, **kwargs) -> torch.Tensor:
+    """``run_experts(MoeRunner(backend), *args, **kwargs)`` outside the traced graph."""
+    return run_experts(MoeRunner(backend), *args, **kwargs)
 
 
 # What the custom op does not take runs eagerly: a graph break (an error under fullgraph).
@@ -326,10 +310,7 @@ def run_experts(
                 return out
     spec, problem = _checked_call(hidden_states, weights, topk_weights, topk_ids, act)
     if weight_on_input:
-        hidden_states, unit = weighted_input(
-            hidden_states, TopK(weights=topk_weights.float(), ids=topk_ids)
-        )
-        topk_weights = unit.weights
+        hidden_states, topk_weights = _weighted_rows(hidden_states, topk_weights, topk_ids)
     if topk_ids.shape[1] == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
         _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
@@ -467,6 +448,14 @@ def weighted_input(hidden_states: torch.Tensor, topk: TopK) -> tuple[torch.Tenso
         )
     scaled = (hidden_states.float() * topk.weights).to(hidden_states.dtype)
     return scaled, TopK(weights=torch.ones_like(topk.weights), ids=topk.ids)
+
+
+def _weighted_rows(
+    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weighted_input`` on a call's routing tensors: the scaled rows and unit weights."""
+    scaled, unit = weighted_input(hidden_states, TopK(weights=topk_weights.float(), ids=topk_ids))
+    return scaled, unit.weights
 
 
 def _needs_grad(
