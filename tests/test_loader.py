@@ -225,17 +225,29 @@ def test_gpt_oss_bf16_and_mxfp4(tmp_path):
     assert mx.weights.w13_bias.dtype == torch.float32
 
 
-def test_deepseek_fp8_reuses_the_importer(tmp_path):
-    gen = torch.Generator().manual_seed(4)
+def write_deepseek_fp8(path, layer: int, inter: int, hidden: int, gen) -> dict:
+    """A DeepSeek-V3-style fp8 checkpoint of one layer's experts (per-expert e4m3 ``weight``
+    and ``weight_scale_inv``); returns each projection's dequantized ``[E, N, K]``."""
     tensors, ref = {}, {}
-    i, h = 128, 64  # fp8 blocks are 128 rows: gate and up meet at a block edge
-    for proj, (n, k) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+    shapes = {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    for proj, (n, k) in shapes.items():
         q = moerunner.quantize(torch.randn(E, n, k, generator=gen), "fp8_block")
         ref[proj] = q.dequantize()
         for e in range(E):
-            tensors[f"model.layers.3.mlp.experts.{e}.{proj}.weight"] = q.data[e].contiguous()
-            tensors[f"model.layers.3.mlp.experts.{e}.{proj}.weight_scale_inv"] = q.scale[e]
-    save_file(tensors, tmp_path / "model.safetensors")
+            key = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+            tensors[f"{key}.weight"], tensors[f"{key}.weight_scale_inv"] = q.data[e], q.scale[e]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+    return ref
+
+
+def test_deepseek_fp8_reuses_the_importer(tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    # fp8 blocks are 128 rows: gate and up meet at a block edge
+    ref = write_deepseek_fp8(tmp_path, 3, 128, 64, gen)
     loaded = moerunner.load_experts(tmp_path, layer=3, family="deepseek_v3")
     assert loaded.format == "fp8_block"
     d13 = loaded.weights.w13.dequantize()
@@ -448,18 +460,7 @@ def test_fp8_block_experts_with_i_off_the_block_grid_load_padded(tmp_path, inter
     (ValueError from inside); now zero-padded to whole blocks, which is exact."""
     gen = torch.Generator().manual_seed(9)
     h, padded = 256, -(-inter // 128) * 128
-    tensors, ref = {}, {}
-    for proj, (n, k) in (
-        ("gate_proj", (inter, h)),
-        ("up_proj", (inter, h)),
-        ("down_proj", (h, inter)),
-    ):
-        q = moerunner.quantize(torch.randn(E, n, k, generator=gen), "fp8_block")
-        ref[proj] = q.dequantize()
-        for e in range(E):
-            tensors[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = q.data[e].contiguous()
-            tensors[f"model.layers.0.mlp.experts.{e}.{proj}.weight_scale_inv"] = q.scale[e]
-    save_file(tensors, tmp_path / "model.safetensors")
+    ref = write_deepseek_fp8(tmp_path, 0, inter, h, gen)
     loaded = moerunner.load_experts(tmp_path, layer=0, family="deepseek_v3")
     w13, w2 = loaded.weights.w13.dequantize(), loaded.weights.w2.dequantize()
     assert w13.shape == (E, 2 * padded, h) and w2.shape == (E, h, padded)
