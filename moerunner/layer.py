@@ -48,7 +48,7 @@ from torch import nn
 from .api import check_routing_shapes, run_experts, validate_call
 from .backends.base import MoeProblem, caller
 from .config import Activation, MoeConfig
-from .dispatch.expert_map import ExpertPlacement
+from .dispatch.expert_map import ExpertPlacement, append_shared_slots
 from .dispatch.formats import STANDARD
 from .dispatch.masked import OVERFLOW_POLICIES
 from .dispatched_layer import DispatchedForward
@@ -87,7 +87,10 @@ class MoE(HoldsQuantized, DispatchedForward):
         dispatcher: a dispatcher registered in ``registry`` (``"standard"``, ``"all_to_all"``,
             ``"masked"``).
         placement: expert ownership over the ranks of ``group`` (``ExpertPlacement``); the
-            layer then holds ``placement.num_local(rank)`` experts. ``None``: every expert.
+            layer then holds ``placement.num_local(rank)`` experts (its routed ones, then
+            the placement's ``num_shared`` shared ones, which every token reaches with
+            weight 1: the layer appends their slots to its own routing). ``None``: every
+            expert.
         group: the ``torch.distributed`` process group (``None`` with a placement: the
             default group; ``None`` without one: a single process).
         capacity, on_overflow: the ``masked`` dispatcher's capacity and overflow policy.
@@ -496,13 +499,23 @@ class MoE(HoldsQuantized, DispatchedForward):
         if (router_logits is None) == (topk is None):
             raise MoeInputError("pass exactly one of router_logits and topk=")
         routed = topk is None  # ids from select_experts are in range: no id check needed
+        shared = 0 if self.placement is None else self.placement.num_shared
         if routed:
             topk = self._route(hidden_states, router_logits, x.shape[0])
+            if shared:  # the placement's shared experts: one slot each, weight 1, every token
+                topk = append_shared_slots(topk, self.placement)
         elif not isinstance(topk, TopK):
             raise TypeError(f"topk must be a TopK, got {type(topk).__name__}")
         else:  # given routing: its shapes here, before any exchange (an expert-parallel
             # layer's dispatch would otherwise take rows it cannot match to tokens)
             check_routing_shapes(x, topk.weights, topk.ids)
+            if shared and self.routes and topk.ids.shape[1] == cfg.top_k:
+                raise MoeInputError(
+                    f"topk has the layer's top_k={cfg.top_k} slots but its placement has "
+                    f"{shared} shared expert(s), which it would never run: pass "
+                    "append_shared_slots(topk, placement) (or router_logits, which the layer "
+                    "routes and gives the shared slots itself)"
+                )
         if self.quantized is not None:
             self._check_held_quantized()
         return x, topk, routed

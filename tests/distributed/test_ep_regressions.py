@@ -8,6 +8,9 @@ each against the float64 reference of the whole layer (``reference_moe``).
 - Ranks built with different activations ran without an error.
 - A rank whose weights could not be placed (5 experts over 2 ranks) raised alone, and the
   other waited in the layer's first collective until the group's timeout.
+- ``MoE(config, placement=...)`` with shared experts in its placement, called with router
+  logits, never ran them (its routing had no shared slots); given routing without them is
+  now refused.
 """
 
 from __future__ import annotations
@@ -72,7 +75,36 @@ def scenarios(rank: int, world: int) -> dict:
         lambda: ExpertParallelMoE.from_global(uneven, dispatcher="all_to_all", backend="torch")
     )
     results["inputs"] = (x, topk, shared_topk)
+    results.update(_routed_layer_with_shared(rank, world, x, placement))
     return results
+
+
+def _routed_layer_with_shared(rank, world, x, placement) -> dict:
+    """``MoE(config, placement)`` routing its own logits, with one shared expert."""
+    from moerunner import MoE, MoeConfig
+    from moerunner.dispatch.expert_map import shard_expert_weights
+
+    results = {}
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(11))
+    cfg = MoeConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+    local = shard_expert_weights(_weights(E + 1), placement, rank)
+    for dispatcher in ("standard", "all_to_all"):
+        moe = MoE(cfg, backend="torch", dispatcher=dispatcher, placement=placement)
+        with torch.no_grad():
+            moe.w13.copy_(local.w13)
+            moe.w2.copy_(local.w2)
+            results[f"routed_shared/{dispatcher}"] = _outcome(lambda m=moe: m(x, logits))
+            given = TopK(*_softmax_topk(logits))  # the routed slots alone
+            results[f"given_no_shared/{dispatcher}"] = _outcome(lambda m=moe, t=given: m(x, topk=t))
+    results["logits"] = logits
+    return results
+
+
+def _softmax_topk(logits):
+    """float64 softmax top-k (the config's routing: softmax, no renormalisation)."""
+    probs = logits.double().softmax(dim=-1)
+    w, ids = probs.topk(K, dim=-1)
+    return w.float(), ids.to(torch.int32)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +146,27 @@ def test_a_build_failing_on_one_rank_fails_on_every_rank(results):
         error = r["uneven_build"]["error"]
         assert error is not None and error[0] == "RankFailedError", (rank, error)
         assert "failed on rank 1" in error[1] and "not divisible" in error[1], error
+
+
+@pytest.mark.parametrize("dispatcher", ["standard", "all_to_all"])
+def test_a_routing_layer_runs_its_placements_shared_experts(results, dispatcher):
+    x = results[0]["inputs"][0]
+    w, ids = _softmax_topk(results[0]["logits"])
+    shared_w = torch.ones(T, 1)
+    shared_ids = torch.full((T, 1), E, dtype=torch.int32)  # the shared expert's global id
+    ref = reference_moe(
+        x, _weights(E + 1), torch.cat([w, shared_w], 1), torch.cat([ids, shared_ids], 1)
+    )
+    for rank, r in enumerate(results):
+        got = r[f"routed_shared/{dispatcher}"]
+        assert got["error"] is None, (rank, got["error"])
+        assert_close(got["out"], ref, error_bound(torch.float32, False), what=f"rank {rank}")
+
+
+@pytest.mark.parametrize("dispatcher", ["standard", "all_to_all"])
+def test_given_routing_without_the_shared_slots_is_refused(results, dispatcher):
+    errors = {r[f"given_no_shared/{dispatcher}"]["error"] for r in results}
+    assert len(errors) == 1, errors  # every rank failed its own check alike: each raises it
+    (error,) = errors
+    assert error is not None and error[0] == "MoeInputError", error
+    assert "append_shared_slots" in error[1], error
