@@ -200,7 +200,10 @@ class DispatchedForward:
         same = ("the token count T", x.shape[0]) if self.dispatcher_kind == "standard" else None
         with stage("dispatch"), trace_range("moerunner.dispatch"):
             try:
-                dispatched = self.dispatcher.dispatch(x, topk)
+                if error is not None and getattr(self.dispatcher, "takes_failure", False):
+                    dispatched = self.dispatcher.dispatch(x, topk, failure=error)
+                else:
+                    dispatched = self.dispatcher.dispatch(x, topk)
             except Exception as err:  # noqa: BLE001
                 # Raised by a dispatcher's own world checks (then on every rank alike) or
                 # locally before its exchanges (e.g. the standard one, which has none).

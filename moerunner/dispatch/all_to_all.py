@@ -75,6 +75,7 @@ class AllToAllDispatcher:
 
     dispatch_format = PERMUTED  # what dispatch returns (``dispatch.formats``)
     accepts_quantized = False  # moves activations in the hidden dtype
+    takes_failure = True  # ``dispatch(..., failure=)`` (``dispatch.base``)
 
     def __init__(
         self, placement: ExpertPlacement, group=None, *, combine_dtype: torch.dtype | None = None
@@ -108,12 +109,21 @@ class AllToAllDispatcher:
             self._tables[device] = self.placement.routing_table(self.rank, device)
         return self._tables[device]
 
-    def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> AllToAllDispatchOutput:
-        """Send each token once to every rank owning one of its experts; group rows here."""
+    def dispatch(
+        self, hidden_states: torch.Tensor, topk: TopK, *, failure: BaseException | None = None
+    ) -> AllToAllDispatchOutput:
+        """Send each token once to every rank owning one of its experts; group rows here.
+
+        ``failure``: this rank's step has already failed (its inputs are a stand-in): it takes
+        part in the header exchange with its failure flag, and every rank raises the same
+        ``RankFailedError`` naming it (see ``dispatch.base``).
+        """
         import torch.distributed as dist
 
         world, slots = self.world_size, self._slots
         try:
+            if failure is not None:
+                raise failure
             row, routes = self._local_row(hidden_states, topk)
         except Exception as err:  # noqa: BLE001  (this rank takes part with a failure flag)
             row = torch.zeros(len(_HEADER) + world + world * slots + 1, dtype=torch.int64)

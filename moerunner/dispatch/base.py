@@ -8,7 +8,12 @@ A dispatcher (stages 2 and 4) is any object with:
   dispatch (fp8 all-to-all, DeepEP low-latency). No built-in dispatcher does yet; the seam is
   declared so a layer can check it instead of guessing;
 - ``dispatch(hidden_states [T, H], topk) -> DispatchOutput`` and
-  ``combine(expert_output, dispatch_output) -> [T, H]``.
+  ``combine(expert_output, dispatch_output) -> [T, H]``;
+- optionally ``takes_failure = True``: then ``dispatch`` also takes ``failure=`` (an
+  exception, or None): the caller's step has already failed on this rank and its inputs are
+  an empty stand-in. The dispatcher carries the failure in its first exchange, so that every
+  rank raises the same ``RankFailedError`` there, before the stand-in's sizes (its top_k,
+  its dtype) are compared with the other ranks' inputs and reported instead of the cause.
 
 Dispatchers are registered by name in ``moerunner.registry`` as factories of a
 ``DispatchSetup``; ``dispatch.builtin.default_dispatchers`` lists the built-in ones.

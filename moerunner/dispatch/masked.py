@@ -99,6 +99,7 @@ class MaskedDispatcher:
 
     dispatch_format = MASKED  # what dispatch returns (``dispatch.formats``)
     accepts_quantized = False  # moves activations in the hidden dtype
+    takes_failure = True  # ``dispatch(..., failure=)`` (``dispatch.base``)
 
     def __init__(
         self,
@@ -157,10 +158,20 @@ class MaskedDispatcher:
             self._tables[device] = self.placement.routing_table(self.rank, device)
         return self._tables[device]
 
-    def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> MaskedEPDispatchOutput:
-        """Pack this rank's pairs, exchange, and return ``[E_local, C, H]`` with counts."""
+    def dispatch(
+        self, hidden_states: torch.Tensor, topk: TopK, *, failure: BaseException | None = None
+    ) -> MaskedEPDispatchOutput:
+        """Pack this rank's pairs, exchange, and return ``[E_local, C, H]`` with counts.
+
+        ``failure``: this rank's step has already failed; with ``on_overflow="raise"`` every
+        rank then raises the same ``RankFailedError`` in the header exchange (see
+        ``dispatch.base``); ``"flag"`` reads nothing on the host, so only this rank learns of
+        it: the caller must take part in the step's exchanges and raise after them.
+        """
         import torch.distributed as dist
 
+        if failure is not None and self.on_overflow == "raise":
+            self._exchange_failure(failure)
         try:
             _check_local(hidden_states, topk)
         except Exception as err:

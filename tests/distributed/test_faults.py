@@ -209,16 +209,15 @@ def test_one_rank_fails_every_rank_raises(world, kind, fault, words):
 
 
 def test_other_dtype_on_one_rank(world):
-    """fp16 hidden states on rank 1, fp32 weights and fp32 elsewhere: the all_to_all and
-    masked ("raise") dispatchers' collective dtype check; "flag" mode converts rank 1's rows
-    to the wire dtype (fp32) and back, a correct result (tests/test_probe_regressions.py
-    D5)."""
+    """fp16 hidden states on rank 1, fp32 weights and fp32 elsewhere: rank 1's own dtype
+    check, carried by the all_to_all and masked ("raise") dispatchers' header exchange (it was
+    their collective "dtype differs" check, which did not say which rank was wrong); "flag"
+    mode converts rank 1's rows to the wire dtype (fp32) and back, a correct result
+    (tests/test_probe_regressions.py D5)."""
     _, results = world
+    for kind in ("all_to_all", "masked_raise"):
+        _assert_named_failure(results, f"{kind}/other_dtype", ("rank 1: TypeError", "float16"))
     for rank, r in enumerate(results):
-        for kind in ("all_to_all", "masked_raise"):
-            error = r[f"{kind}/other_dtype"]["error"]
-            assert error is not None and error[0] == "MoeInputError", (rank, kind, error)
-            assert "float16" in error[1] and "float32" in error[1], error[1]
         assert r["masked_flag/other_dtype"]["error"] is None, (rank, r["masked_flag/other_dtype"])
 
 
@@ -309,14 +308,14 @@ def test_group_usable_after_faults(world, kind):
 
 
 def test_failure_in_the_first_call_all_to_all(world):
-    """Before any good call the failing rank cannot know the top-k the others send with
-    (it sizes the rows of the exchange): every rank raises the header check's MoeInputError,
-    naming the ranks' top-k, instead of RankFailedError. Still no hang and no abort."""
+    """Before any good call the failing rank cannot know the top-k the others send with: its
+    stand-in had the layer's top_k 1, and every rank raised the header check's "top_k
+    differs across ranks" instead of the cause. The failure now rides in the header
+    exchange (``dispatch(..., failure=)``)."""
     _, results = world
-    for rank, r in enumerate(results):
-        error = r["all_to_all/first_call"]["error"]
-        assert error is not None and error[0] == "MoeInputError", (rank, error)
-        assert "top_k differs across ranks" in error[1], error[1]
+    _assert_named_failure(
+        results, "all_to_all/first_call", ("rank 1: MoeInputError: hidden_states last dim",)
+    )
 
 
 def test_failure_in_the_first_call_of_a_bf16_masked_layer_names_the_real_error(world):
