@@ -305,11 +305,14 @@ def _check_correction_bias(bias: object, num_experts: int, device: torch.device)
 
 
 def check_correction_bias_values(bias: torch.Tensor) -> None:
-    """Raise ``MoeInputError`` if ``bias`` has a NaN entry (reads values: on a GPU this
-    synchronises; call it where the bias is set, not per forward)."""
-    if bool(torch.isnan(bias).any()):
-        bad = torch.nonzero(torch.isnan(bias)).flatten().tolist()
+    """Raise ``MoeInputError`` if ``bias`` has a NaN or infinite entry (reads values: on a
+    GPU this synchronises; call it where the bias is set, not per forward)."""
+    finite = torch.isfinite(bias)
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite).flatten().tolist()
+        values = [float(bias[e]) for e in bad[:8]]
         raise MoeInputError(
-            f"correction_bias has NaN at experts {bad[:8]}: a NaN bias would route every token "
-            "to that expert; use finite values"
+            f"correction_bias has NaN or infinite values {values} at experts {bad[:8]}: a NaN "
+            "or +inf bias routes every token to its expert, -inf none (and gives NaN group "
+            "scores with grouped routing); use finite values"
         )

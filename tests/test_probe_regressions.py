@@ -337,19 +337,29 @@ def test_d10_unchecked_ids_are_skipped_not_wrapped(backend, force_permute, dtype
 
 
 # --------------------------------------------------------------------------------------------
-# D11: NaN correction_bias.
+# D11: NaN (and infinite) correction_bias.
 
 
 def test_d11_nan_correction_bias_is_rejected():
     bias = torch.zeros(8)
     bias[3] = float("nan")
-    with pytest.raises(MoeInputError, match="correction_bias has NaN at experts \\[3\\]"):
+    with pytest.raises(
+        MoeInputError,
+        match=r"NaN or infinite values \[nan\] at experts \[3\]",
+    ):
         moerunner.select_experts(torch.randn(6, 8), 2, scoring_func="sigmoid", correction_bias=bias)
     from moerunner.routing import check_correction_bias_values
 
     with pytest.raises(MoeInputError, match="NaN"):
         check_correction_bias_values(bias)
     check_correction_bias_values(torch.zeros(8))
+    for value in (float("inf"), float("-inf")):  # (ran silently: every / no token to expert 5)
+        bias = torch.zeros(8)
+        bias[5] = value
+        with pytest.raises(MoeInputError, match=r"infinite values \[-?inf\] at experts \[5\]"):
+            moerunner.select_experts(
+                torch.randn(6, 8), 2, scoring_func="sigmoid", correction_bias=bias
+            )
     # The layer checks its bias where it is set (load_state_dict), not per forward.
     routing = moerunner.RoutingConfig("sigmoid", True, correction_bias=True)
     cfg = moerunner.MoeConfig(8, H, I, 2, routing=routing)
