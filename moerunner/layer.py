@@ -785,7 +785,7 @@ class MoE(HoldsQuantized, DispatchedForward):
 
 
 def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:
-    """A NaN correction bias routes every token to its expert: rejected at load time (one
+    """A NaN or infinite correction bias misroutes every token: rejected at load time (one
     read of E values), since checking a GPU bias per forward would synchronise."""
     from .routing import check_correction_bias_values
 

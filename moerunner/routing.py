@@ -281,10 +281,11 @@ def _check_routing_args(
 
 
 def _check_correction_bias(bias: object, num_experts: int, device: torch.device) -> None:
-    """Type, shape and device always; NaN values only where that needs no device sync.
+    """Type, shape and device always; NaN / infinite values only where that needs no device
+    sync.
 
-    A NaN bias entry would win every comparison of the top-k (every token routed to it, with
-    finite weights), so a CPU bias with NaN is rejected here. On a GPU reading the values
+    A NaN or +inf bias entry would win every comparison of the top-k (every token routed to
+    it, with finite weights), so a CPU bias with one is rejected here. On a GPU reading the values
     would synchronise every call: validate the bias where it is set
     (``check_correction_bias_values``)."""
     if not isinstance(bias, torch.Tensor):
