@@ -158,6 +158,8 @@ class HoldsQuantized(nn.Module):
                     )
                 # The scheme buffer is a name-length byte string: keep this module's own.
                 state_dict = {**state_dict, f"{prefix}{w}_scheme": self._buffers[f"{w}_scheme"]}
+            if held:
+                _check_incoming_scales(state_dict, prefix, w)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
         if held:
             self._rebuild_quantized()
@@ -181,3 +183,21 @@ class HoldsQuantized(nn.Module):
             # write: no value read (it would also synchronise with the device).
             self._rebuild_quantized(check_values=False)
         return self
+
+
+def _check_incoming_scales(state_dict, prefix: str, w: str) -> None:
+    """The scale values a load would copy into the held buffers, checked before the copy: a
+    refused load must leave the module as it was (the buffers are shared with the held
+    ``QuantizedWeight`` objects, so a check after the copy would leave them corrupted)."""
+    from .quant.weight import check_scale_values
+
+    keys = {f: f"{prefix}{w}_{n}" for f, n in BUFFER_NAMES.items()}
+    fields = {
+        f: state_dict[k] for f, k in keys.items() if isinstance(state_dict.get(k), torch.Tensor)
+    }
+    try:
+        check_scale_values(fields, keys)
+    except ValueError as exc:
+        raise MoeInputError(
+            f"load_state_dict: {exc}; this module's tensors were left as they were"
+        ) from exc

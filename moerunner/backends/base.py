@@ -107,6 +107,9 @@ class Capabilities:
     # swiglu_oai with per-expert [E] parameters or beta != 1 (``Activation.extended``).
     extended_swiglu: bool = False
     hooks: bool = False
+    # quantized weights carrying a static activation scale (``QuantizedWeight.input_scale``)
+    # on a scheme whose inputs are otherwise quantized dynamically: the scale is used
+    static_input_scales: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.schemes, SchemeSupport):
@@ -131,6 +134,7 @@ class Capabilities:
             "per-expert swiglu parameters, beta": self.extended_swiglu,
             "align H, I": (self.align_h, self.align_i),
             "hooks": self.hooks,
+            "static input scales on any scheme": self.static_input_scales,
         }
 
 
@@ -155,6 +159,7 @@ class MoeProblem(HashedOnce):
     w2_scheme: QuantScheme | None = None
     extended_swiglu: bool = False  # Activation.extended
     hooks: bool = False  # the call has ``MoeHooks``
+    static_input_scales: bool = False  # a quantized weight carries ``input_scale``
 
     __hash__ = HashedOnce.__hash__
 
@@ -175,6 +180,7 @@ class MoeProblem(HashedOnce):
                 ("interleaved gate/up", self.interleaved),
                 ("per-expert swiglu parameters or swiglu_beta != 1", self.extended_swiglu),
                 ("hooks", self.hooks),
+                ("static input scales", self.static_input_scales),
             )
             if on
         ]
@@ -207,6 +213,9 @@ class MoeProblem(HashedOnce):
             has_bias=weights.w13_bias is not None or weights.w2_bias is not None,
             interleaved=spec.gate_up_interleaved,
             extended_swiglu=spec.activation.extended,
+            static_input_scales=any(
+                getattr(w, "input_scale", None) is not None for w in (weights.w13, weights.w2)
+            ),
         )
 
 
@@ -302,6 +311,10 @@ class Backend:
                 "swiglu_oai with per-expert [E] parameters or swiglu_beta != 1 not supported",
             ),
             (caps.hooks or not problem.hooks, "hooks (moerunner.hooks) not supported"),
+            (
+                caps.static_input_scales or not problem.static_input_scales,
+                "static activation scales (QuantizedWeight.input_scale) not supported",
+            ),
         )
         for ok, reason in checks:
             if not ok:

@@ -173,6 +173,7 @@ class TorchBackend(Backend):
             activations=frozenset(ACTIVATIONS),
             extended_swiglu=True,
             hooks=True,
+            static_input_scales=True,
         )
         self.fused_ops = {STANDARD: torch_fused_standard}
         self.core = torch_core

@@ -378,7 +378,8 @@ def quantize(
     float32 ``[n, N, K]`` (at least one expert), so the memory beyond the input and the
     result stays below ``TRANSIENT_FACTOR`` (6) times ``max(chunk_bytes, N * K * 4)`` whatever
     E is (docs/quantization.md, "Memory"). Plain schemes ("bf16"...) are one cast, not
-    chunked.
+    chunked. The result carries no autograd graph (quantized weights have no backward), also
+    for a ``weight`` that requires grad (an ``nn.Parameter``).
     """
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int (bytes), got {chunk_bytes!r}")
@@ -395,6 +396,11 @@ def quantize(
         raise ValueError(f"weight must be [E, N, K] (3 dims), got shape {list(weight.shape)}")
     shape = _check_shape(tuple(weight.shape))
     layout = _expected_layout(s, shape)  # raises early for K not a multiple of the group
+    # A quantized weight has no backward: no autograd graph (it would hold float temporaries
+    # of the whole weight, and the parameter, for as long as the result lives).
+    weight = weight.detach()
+    if isinstance(input_scale, torch.Tensor):
+        input_scale = input_scale.detach()
     if input_scale is not None:
         if layout["input_scale"] is None:
             raise ValueError(

@@ -1,0 +1,101 @@
+"""Regressions of a probe of the quantized paths as a user meets them (float64 references).
+
+- A weight quantized with a static activation scale (``quantize(w, "fp8_tensor",
+  input_scale=...)``) ran on the triton backend with dynamic per-token scales: the torch
+  backend used the static scale, so the same weights gave different results by backend
+  (0.25-0.56 apart at this size). Backends now declare whether they use a weight's
+  ``input_scale`` (``Capabilities.static_input_scales``); triton declines such weights.
+- A ``load_state_dict`` refused for its scale values had already copied them into the held
+  buffers, which the layer's quantized weights share: every later call returned NaN.
+- ``quantize`` of an ``nn.Parameter`` kept an autograd graph (float temporaries of the whole
+  weight, and the parameter, alive as long as the result).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import moerunner
+from moerunner import MoeInputError
+from moerunner.errors import BackendUnavailableError
+from moerunner.quant import quantize
+from moerunner.testing import assert_close
+
+E, H, I, K, T = 4, 64, 32, 2, 5
+E4M3_MAX = 448.0
+
+
+def _fp8_static(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 fake quantization of activations to e4m3 with one static scale."""
+    q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.double() * scale
+
+
+def _static_reference(x, q13, q2, topk) -> torch.Tensor:
+    """float64 MoE with per-tensor fp8 weights (data x scale) and static fp8 inputs."""
+    w13 = q13.data.double() * q13.scale.double()[:, None, None]
+    w2 = q2.data.double() * q2.scale.double()[:, None, None]
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            e = int(topk.ids[t, j])
+            h = w13[e] @ _fp8_static(x[t].double(), float(q13.input_scale[e]))
+            a = torch.nn.functional.silu(h[:I]) * h[I:]
+            y = w2[e] @ _fp8_static(a, float(q2.input_scale[e]))
+            out[t] += float(topk.weights[t, j]) * y
+    return out
+
+
+def test_a_static_input_scale_is_used_or_the_backend_declines():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    scales = torch.arange(1, E + 1, dtype=torch.float32)
+    q13 = quantize(torch.randn(E, 2 * I, H, generator=g) * H**-0.5, "fp8_tensor",
+                   input_scale=0.01 * scales)  # fmt: skip
+    q2 = quantize(torch.randn(E, H, I, generator=g) * I**-0.5, "fp8_tensor",
+                  input_scale=0.005 * scales)  # fmt: skip
+    topk = moerunner.select_experts(torch.randn(T, E, generator=g), K, renormalize=True)
+    ref = _static_reference(x, q13, q2, topk)
+    with pytest.raises(BackendUnavailableError, match="static activation scales"):
+        moerunner.fused_moe(x, q13, q2, topk.weights, topk.ids, backend="triton")
+    for backend in ("torch", "auto"):
+        out = moerunner.fused_moe(x, q13, q2, topk.weights, topk.ids, backend=backend)
+        # fp32 arithmetic on the same e4m3 codes; an input code may differ by one step where
+        # fp32 and fp64 round x / scale differently: well under the 0.25 of dynamic scales
+        assert_close(out, ref, 2e-3, what=backend)
+
+
+@pytest.mark.parametrize("scheme, key", [("fp8_block", "w13_scale"), ("int4_g32", "w13_scale"),
+                                         ("nvfp4", "w13_global_scale")])  # fmt: skip
+def test_a_refused_load_leaves_the_layer_as_it_was(scheme, key):
+    cfg = moerunner.MoeConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+    layer = moerunner.MoE(cfg, backend="torch").quantize_(scheme)
+    g = torch.Generator().manual_seed(1)
+    x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+    with torch.no_grad():
+        before = layer(x, logits)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state[key][0] = float("nan")
+    with pytest.raises(MoeInputError, match=f"{key}: scales must be finite"):
+        layer.load_state_dict(state)
+    assert torch.isfinite(getattr(layer, key).float()).all()
+    with torch.no_grad():
+        assert torch.equal(layer(x, logits), before)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_tensor", "mxfp8", "bf16"])
+def test_quantizing_a_parameter_keeps_no_graph(scheme):
+    param = nn.Parameter(torch.randn(E, 2 * I, H) * 0.05)
+    q = quantize(param, scheme)
+    for name, t in q.tensors().items():
+        assert not t.requires_grad and t.grad_fn is None, name
+    gone = weakref.ref(param)
+    del param
+    gc.collect()
+    assert gone() is None  # (the graph held the parameter)
+    assert q.data.shape[0] == E
