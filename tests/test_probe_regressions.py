@@ -224,10 +224,13 @@ def test_d4_masked_out_of_range_ids(ep_results, name):
 
 def test_d5_masked_dtype_differs_across_ranks(ep_results):
     for rank, r in enumerate(ep_results):
-        for key in ("dtype/raise", "dtype/flag_first_call"):
-            error = r[key]["error"]
-            assert error is not None and error[0] == "MoeInputError", (rank, key, error)
-            assert "rank 0 passed float32, rank 1 passed float16" in error[1], error[1]
+        # "raise": rank 1's own dtype check, carried by the header exchange to every rank
+        error = r["dtype/raise"]["error"]
+        assert error is not None and error[0] == "RankFailedError", (rank, error)
+        assert "rank 1: TypeError: hidden_states dtype torch.float16" in error[1], error[1]
+        error = r["dtype/flag_first_call"]["error"]
+        assert error is not None and error[0] == "MoeInputError", (rank, error)
+        assert "rank 0 passed float32, rank 1 passed float16" in error[1], error[1]
         # After the wire dtype is fixed, a rank's other dtype is converted: a correct result.
         y = r["dtype/flag_later"]["out"]
         dtype = torch.float16 if rank == 1 else torch.float32
