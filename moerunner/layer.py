@@ -67,7 +67,7 @@ from .runner import (
     tensor_state,
 )
 from .shared import SharedExperts, shared_dense
-from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized
+from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized
 
 __all__ = ["MoE"]
 
@@ -199,6 +199,10 @@ class MoE(HoldsQuantized, DispatchedForward):
         ``num_experts``: routed experts of the whole layer (default: the placement's, or the
         weights' count). ``shared_experts``: shared experts run with the routed ones (one
         process, standard dispatcher). ``backend_forms``: as in ``MoE``.
+
+        The weights become the layer's state (``state_dict``, ``.to`` / ``.half()``), as in a
+        layer built from a config: plain ones the parameters ``w13`` / ``w2`` (sharing the
+        given tensors' storage), quantized ones ``quantize_``'s buffers.
         """
         layer = cls.__new__(cls)
         layer._init_from_weights(
@@ -271,14 +275,43 @@ class MoE(HoldsQuantized, DispatchedForward):
         self.correction_bias = None
         self.routes = False
         self._quantized_from = None  # given weights: nothing to re-quantize from
-        self._held_bias_keys = None  # given biases: the layer has no bias parameters
         self._steps = StepCache()
-        self.quantized = weights  # held as given (plain or quantized), not as parameters
-        if is_quantized(weights.w13):
-            adopt_quantized(weights.w13)
-            adopt_quantized(weights.w2)
-        self.w13 = self.w2 = self.w13_bias = self.w2_bias = None
         self._init_shared(config, {})
+        self._hold_given(weights)
+
+    def _hold_given(self, weights: ExpertWeights) -> None:
+        """The given experts as this module's own state, as ``MoE(config)`` holds its own
+        (``state_dict``, ``load_state_dict``, ``.to`` / ``.half()``): plain weights as the
+        parameters ``w13`` / ``w2`` (the given tensors' storage, not copies; gradients as the
+        tensors require them), quantized ones as buffers (``quantize_``'s form), biases as
+        parameters. Up-then-gate rows are swapped to gate-then-up once here, so the state
+        has the row order of every other layer's."""
+        weights = gate_up_first(weights)
+
+        def param(t, requires_grad):
+            if t is None or isinstance(t, nn.Parameter):
+                return t
+            return nn.Parameter(t.detach(), requires_grad=requires_grad)
+
+        quantized = is_quantized(weights.w13)
+        self.w13_bias, self.w2_bias = (  # (quantized experts have no backward)
+            param(b, not quantized and b.requires_grad) if b is not None else None
+            for b in (weights.w13_bias, weights.w2_bias)
+        )
+        if not quantized:
+            self.w13 = param(weights.w13, weights.w13.requires_grad)
+            self.w2 = param(weights.w2, weights.w2.requires_grad)
+            self.quantized = None
+            self._held_bias_keys = None
+            return
+        self.w13 = self.w2 = None
+        self.quantized = ExpertWeights(
+            weights.w13, weights.w2, *self._detached_biases(), weights.gate_up_interleaved
+        )
+        self._held_bias_keys = (tensor_key(self.w13_bias), tensor_key(self.w2_bias))
+        adopt_quantized(weights.w13)
+        adopt_quantized(weights.w2)
+        self._hold_quantized()
 
     def quantize_(self, scheme, *, keep_float_weights: bool = False) -> MoE:
         """Replace the expert weights by quantized ones in ``scheme`` (name or value).
