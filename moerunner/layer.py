@@ -152,7 +152,8 @@ class MoE(HoldsQuantized, DispatchedForward):
         if self.correction_bias is not None:  # checked where it is set, not per forward
             self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
-        self._quantized_from: tuple | None = None  # (scheme, state of w13 / w2 when quantized)
+        # (quantize_'s arguments, state of w13 / w2 when quantized) of keep_float_weights
+        self._quantized_from: tuple | None = None
         self._held_bias_keys: tuple | None = None  # the biases quantize_ gave ``quantized``
         self._steps = StepCache()  # eager calls' joined launch plans (``_step``)
 
@@ -313,19 +314,31 @@ class MoE(HoldsQuantized, DispatchedForward):
         adopt_quantized(weights.w2)
         self._hold_quantized()
 
-    def quantize_(self, scheme, *, keep_float_weights: bool = False) -> MoE:
+    def quantize_(
+        self,
+        scheme,
+        *,
+        keep_float_weights: bool = False,
+        w13_input_scale: torch.Tensor | float | None = None,
+        w2_input_scale: torch.Tensor | float | None = None,
+    ) -> MoE:
         """Replace the expert weights by quantized ones in ``scheme`` (name or value).
 
         ``keep_float_weights=False`` (default) frees the float ``w13`` / ``w2`` and holds the
         quantized tensors as buffers (saved by ``state_dict``); ``True`` keeps the float
         parameters, which the quantized copy then follows (see the module docstring).
 
+        ``w13_input_scale`` / ``w2_input_scale``: static activation scales (a scalar or fp32
+        ``[E]``) of the GEMMs' inputs, the hidden states and the activations: required by the
+        static schemes (``fp8_tensor_static``, ``int8_static``, ``nvfp4_a4_static``), accepted
+        by schemes whose inputs are quantized (``quantize``'s ``input_scale``).
+
         Quantized experts have no backward: the parameters the quantized call still reads
         (the biases, the shared experts') stop requiring grad, so calls in grad mode run
         without an autograd graph; a call whose input or routing weights require grad
         raises ``MoeInputError``.
         """
-        from .quant import quantize
+        from .quant import get_scheme, quantize
 
         if not isinstance(keep_float_weights, bool):
             raise TypeError(
@@ -334,13 +347,21 @@ class MoE(HoldsQuantized, DispatchedForward):
         if self.w13 is None:
             raise MoeInputError(
                 "quantize_: this layer holds no float w13 / w2 (freed by an earlier quantize_, "
-                "or built with from_weights); build a float layer, or pass "
+                "or built from quantized weights); build a float layer, or pass "
                 "keep_float_weights=True to quantize_ to quantize again later"
             )
+        scales = {"w13_input_scale": w13_input_scale, "w2_input_scale": w2_input_scale}
+        if get_scheme(scheme).activation_scales == "static":
+            missing = [name for name, value in scales.items() if value is None]
+            if missing:
+                raise MoeInputError(
+                    f"quantize_: scheme {get_scheme(scheme).name!r} quantizes the GEMMs' inputs "
+                    f"with static scales: pass {' and '.join(missing)} (a scalar or fp32 [E])"
+                )
         with torch.no_grad():
             self.quantized = ExpertWeights(
-                quantize(self.w13.detach(), scheme),
-                quantize(self.w2.detach(), scheme),
+                quantize(self.w13.detach(), scheme, input_scale=w13_input_scale),
+                quantize(self.w2.detach(), scheme, input_scale=w2_input_scale),
                 *self._detached_biases(),
                 self.config.gate_up_interleaved,
             )
@@ -351,7 +372,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         adopt_quantized(self.quantized.w13)
         adopt_quantized(self.quantized.w2)
         if keep_float_weights:
-            self._quantized_from = (scheme, self._float_state())
+            self._quantized_from = ({"scheme": scheme, **scales}, self._float_state())
         else:
             self._quantized_from = None
             self.w13 = self.w2 = None
@@ -398,7 +419,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         self._shared_key = self._shared_view = None
         self._steps.clear()
         if self._quantized_from is not None:
-            self.quantize_(self._quantized_from[0], keep_float_weights=True)
+            self.quantize_(**self._quantized_from[0], keep_float_weights=True)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -568,7 +589,7 @@ class MoE(HoldsQuantized, DispatchedForward):
         if torch.compiler.is_compiling():
             return
         if self._quantized_from is not None and self._quantized_from[1] != self._float_state():
-            self.quantize_(self._quantized_from[0], keep_float_weights=True)  # w13 / w2 edited
+            self.quantize_(**self._quantized_from[0], keep_float_weights=True)  # w13 / w2 edited
         biases = (tensor_key(self.w13_bias), tensor_key(self.w2_bias))
         if self._held_bias_keys is not None and biases != self._held_bias_keys:
             b13, b2 = self._detached_biases()  # a bias replaced or its .data assigned

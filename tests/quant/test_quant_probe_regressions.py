@@ -9,6 +9,7 @@
   buffers, which the layer's quantized weights share: every later call returned NaN.
 - ``quantize`` of an ``nn.Parameter`` kept an autograd graph (float temporaries of the whole
   weight, and the parameter, alive as long as the result).
+- ``MoE.quantize_`` could not make the static schemes (it took no input scales).
 """
 
 from __future__ import annotations
@@ -99,3 +100,25 @@ def test_quantizing_a_parameter_keeps_no_graph(scheme):
     gc.collect()
     assert gone() is None  # (the graph held the parameter)
     assert q.data.shape[0] == E
+
+
+def test_a_layer_quantizes_to_a_static_scheme_with_its_input_scales():
+    cfg = moerunner.MoeConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K)
+    layer = moerunner.MoE(cfg, backend="torch")
+    with pytest.raises(MoeInputError, match="pass w2_input_scale"):
+        layer.quantize_("fp8_tensor_static", w13_input_scale=0.01)
+    s13 = 0.01 * torch.arange(1, E + 1, dtype=torch.float32)
+    layer.quantize_("fp8_tensor_static", keep_float_weights=True, w13_input_scale=s13,
+                    w2_input_scale=0.004)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g)
+    topk = moerunner.select_experts(torch.randn(T, E, generator=g), K, renormalize=True)
+    with torch.no_grad():
+        out = layer(x, topk=topk)
+        q = layer.quantized
+        assert_close(out, _static_reference(x, q.w13, q.w2, topk), 2e-3)
+        layer.w13.mul_(0.5)  # an edit: quantized again, with the same static scales
+        out = layer(x, topk=topk)
+    q = layer.quantized
+    assert torch.equal(q.w2.input_scale, torch.full((E,), 0.004))
+    assert_close(out, _static_reference(x, q.w13, q.w2, topk), 2e-3)
