@@ -252,14 +252,22 @@ class QuantizedWeight:
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         """Copy of this weight with every tensor moved to ``device``."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(
+                f"QuantizedWeight.to takes a device, got the dtype {device}: a quantized "
+                "weight's dtypes are its scheme's (quantize the float weight to another scheme)"
+            )
         moved = {f: t.to(device) for f, t in self.tensors().items()}
         return self._replace(self.shape, **moved)
 
     def narrow_experts(self, start: int, length: int) -> QuantizedWeight:
         """Experts ``start .. start + length - 1`` (views, no copy), e.g. one EP rank's share."""
         e = self.num_experts
-        if not (isinstance(start, int) and isinstance(length, int)):
-            raise TypeError("start and length must be ints")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, length)):
+            raise TypeError(
+                f"start and length must be ints, got {type(start).__name__} and "
+                f"{type(length).__name__}"
+            )
         if start < 0 or length < 0 or start + length > e:
             raise ValueError(
                 f"start/length: experts [{start}, {start + length}) are not within [0, {e})"
@@ -297,6 +305,14 @@ class QuantizedWeight:
         if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
             raise TypeError("index must be a 1-D integer tensor of row numbers")
         codec_of(self.scheme).check_select_rows(self.scheme)
+        rows = self.shape[1]
+        if index.numel() and not capturing():  # (reads the index: where weights are prepared)
+            low, high = int(index.min()), int(index.max())
+            if low < 0 or high >= rows:
+                raise ValueError(
+                    f"index: row numbers must be in [0, {rows}) (N of the weight), got "
+                    f"{low} .. {high}"
+                )
         index = index.to(self.device)
         fields = {"data": self.data.index_select(1, index)}
         if self.scale is not None and self.scale.dim() >= 2:

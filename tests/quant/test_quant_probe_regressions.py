@@ -122,3 +122,14 @@ def test_a_layer_quantizes_to_a_static_scheme_with_its_input_scales():
     q = layer.quantized
     assert torch.equal(q.w2.input_scale, torch.full((E,), 0.004))
     assert_close(out, _static_reference(x, q.w13, q.w2, topk), 2e-3)
+
+
+def test_quantized_weight_methods_name_bad_arguments():
+    q = quantize(torch.randn(3, 64, 64), "mxfp4")
+    with pytest.raises(TypeError, match="start and length must be ints, got bool"):
+        q.narrow_experts(True, 1)  # (torch's narrow raised its own TypeError)
+    with pytest.raises(ValueError, match=r"row numbers must be in \[0, 64\).*got 0 .. 70"):
+        q.select_rows(torch.tensor([0, 70]))  # (an internal index_select RuntimeError)
+    with pytest.raises(TypeError, match="takes a device, got the dtype torch.float16"):
+        q.to(torch.float16)  # (blamed the data's dtype)
+    assert q.select_rows(torch.tensor([1, 0])).shape == (3, 2, 64)
