@@ -41,6 +41,7 @@ from moerunner.bench.presets import get_preset
 from moerunner.bench.roofline import DeviceCeilings, row_cost
 from moerunner.bench.sweep import check_against_reference, draw_routing, make_weights
 from moerunner.bench.timing import time_interleaved_cpu
+from moerunner.cli import _common
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
 from moerunner.testing import DTYPE_BOUND
 from moerunner.weights import ExpertWeights
@@ -255,32 +256,42 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--tokens", default="1,32,512")
-    parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rotations", type=int, default=4)
-    parser.add_argument("--min-time", type=float, default=1.0, help="seconds per impl per repeat")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tokens", type=_common.int_list(1), default=(1, 32, 512))
+    parser.add_argument(
+        "--dtypes", type=_common.name_list(list(DTYPES), "dtype"), default=list(DTYPES)
+    )
+    parser.add_argument("--repeats", type=_common.int_type(1), default=3)
+    parser.add_argument("--rotations", type=_common.int_type(1), default=4)
+    parser.add_argument(
+        "--min-time",
+        type=_common.float_type(0.0, strict=True),
+        default=1.0,
+        help="seconds per impl per repeat",
+    )
+    parser.add_argument("--threads", type=_common.int_type(1), default=None)
     parser.add_argument(
         "--max-other-cpus",
-        type=float,
+        type=_common.float_type(0.0),
         default=0.2,
         help="a repeat during which other processes used more CPUs than this is done again",
     )
-    parser.add_argument("--max-discarded", type=int, default=20)
-    parser.add_argument("--busy-wait", type=float, default=30.0, help="seconds before retrying")
+    parser.add_argument("--max-discarded", type=_common.int_type(0), default=20)
+    parser.add_argument(
+        "--busy-wait", type=_common.float_type(0.0), default=30.0, help="seconds before retrying"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    _common.check_writable_dir(parser, "--out", args.out)  # before any measurement
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = list(args.tokens)
     before = measure_ceilings(args)
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
-    for name in args.dtypes.split(","):
+    for name in args.dtypes:
         rows += run_dtype(name, tokens, args, gen)
         gc.collect()  # the dtype's weights and baselines go before the next ones are made
     after = measure_ceilings(args)

@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import moerunner  # noqa: E402
-from moerunner.bench.presets import get_preset  # noqa: E402
+from moerunner.bench.presets import PRESETS, get_preset  # noqa: E402
+from moerunner.cli import _common  # noqa: E402
 
 # Routing of each preset (select_experts keyword arguments); others: softmax, renormalised.
 ROUTING = {
@@ -276,22 +277,35 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "deepseek-v3"])
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--calls", type=int, default=50, help="back-to-back calls per timing")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--presets", nargs="+", choices=sorted(PRESETS), default=["qwen3-30b-a3b", "deepseek-v3"]
+    )
+    parser.add_argument("--tokens", nargs="+", type=_common.int_type(1), default=[1, 32])
+    parser.add_argument(
+        "--calls", type=_common.int_type(1), default=50, help="back-to-back calls per timing"
+    )
+    parser.add_argument("--repeats", type=_common.int_type(1), default=7)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backend", default="auto", help="fused_moe / MoE backend")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shrink", type=int, default=None, help="divide H and I (CPU: 16)")
+    parser.add_argument(
+        "--shrink", type=_common.int_type(1), default=None, help="divide H and I (CPU: 16)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (a loaded CPU: use 1)"
+        "--threads",
+        type=_common.int_type(1),
+        default=None,
+        help="torch CPU threads (a loaded CPU: use 1)",
     )
     args = parser.parse_args(argv)
+    if args.json is not None:  # before any timing
+        if args.json.exists() and not args.json.is_file():
+            parser.error(f"--json {args.json}: exists and is not a file")
+        _common.check_writable_dir(parser, "--json", args.json.parent, shown=args.json)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = _common.resolve_device(parser, args.device)
     if args.shrink is None:
         args.shrink = 1 if device.type == "cuda" else 16
     dtype = DTYPES[args.dtype]

@@ -74,6 +74,7 @@ import torch
 import moerunner
 import moerunner.integrations.transformers as mt
 from moerunner.bench.presets import get_preset
+from moerunner.cli import _common
 from moerunner.integrations._hf_experts import quantized_weights, set_quantized
 
 #: The zero-cost experts implementation: its row in the results, and the name under which it
@@ -867,8 +868,11 @@ def add_experts_time(rows: list[dict], phases, key=("shape",)) -> None:
             for phase in phases:
                 mine = r.get(f"{phase}_experts_ms")
                 base = None if grouped is None else grouped.get(f"{phase}_experts_ms")
-                if mine is not None and base and r["impl"] != ZERO_IMPL:
-                    r[f"{phase}_experts_vs_grouped_mm"] = mine / base
+                if mine is not None and base is not None and r["impl"] != ZERO_IMPL:
+                    # a difference below zero is noise (the zero-cost step came out slower):
+                    # no ratio is shown for it (None), rather than a negative one
+                    ok = mine >= 0 and base > 0
+                    r[f"{phase}_experts_vs_grouped_mm"] = mine / base if ok else None
                 span, base = r.get(f"{phase}_span_ms"), (grouped or {}).get(f"{phase}_span_ms")
                 if span and base and base["median"] > 0 and r["impl"] != ZERO_IMPL:
                     r[f"{phase}_span_vs_grouped_mm"] = span["median"] / base["median"]
@@ -876,6 +880,23 @@ def add_experts_time(rows: list[dict], phases, key=("shape",)) -> None:
 
 def _fmt(value, spec: str, width: int = 0) -> str:
     return f"{'-' if value is None else format(value, spec):>{width}}"
+
+
+def _exp(value, width: int) -> str:
+    """An "exp ms" cell: ``n/a`` where the difference is negative (below the noise)."""
+    return f"{'n/a':>{width}}" if value is not None and value < 0 else _fmt(value, ".2f", width)
+
+
+NOISE_NOTE = (
+    "n/a: the zero-cost step was slower than this one (the time in experts is below the "
+    "timing noise; no ratio)"
+)
+
+
+def _noisy(rows: list[dict]) -> bool:
+    return any(
+        (r.get(f"{phase}_experts_ms") or 0) < 0 for r in rows for phase in ("prefill", "decode")
+    )
 
 
 def _spread_text(s: dict) -> str:
@@ -900,11 +921,11 @@ def table(results: dict) -> str:
             f"{r['shape']:<15}{r['impl']:<21}{r['prefill_tok_s']:>14.0f}"
             f"{r['prefill_tok_s'] / b['prefill_tok_s']:>7.2f}"
             f"{_spread_text(r['prefill_ms']):>26}"
-            f"{_fmt(r.get('prefill_experts_ms'), '.2f', 9)}"
+            f"{_exp(r.get('prefill_experts_ms'), 9)}"
             f"{_fmt(r.get('prefill_experts_vs_grouped_mm'), '.2f', 6)}"
             f"{r['decode_tok_s']:>13.1f}{r['decode_tok_s'] / b['decode_tok_s']:>6.2f}"
             f"{_spread_text(r['decode_ms']):>24}"
-            f"{_fmt(r.get('decode_experts_ms'), '.2f', 9)}"
+            f"{_exp(r.get('decode_experts_ms'), 9)}"
             f"{_fmt(r.get('decode_experts_vs_grouped_mm'), '.2f', 6)}"
             f"{_fmt(r['max_rel_vs_first'], '.2e', 10)}"
         )
@@ -912,6 +933,8 @@ def table(results: dict) -> str:
         "exp ms: median step time minus the zero-cost row's (time in experts); "
         "/gm: that time over grouped_mm's"
     )
+    if _noisy(results["rows"]):
+        lines.append(NOISE_NOTE)
     lines += ["", span_table(results["rows"])]
     if results.get("round_rows"):
         lines += ["", rounds_table(results["round_rows"])]
@@ -932,12 +955,14 @@ def rounds_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"{r['shape']:<15}{r['impl']:<21}{_spread_text(r['prefill_ms']):>26}"
-            f"{_fmt(r.get('prefill_experts_ms'), '.2f', 9)}"
+            f"{_exp(r.get('prefill_experts_ms'), 9)}"
             f"{_fmt(r.get('prefill_experts_vs_grouped_mm'), '.2f', 6)}"
             f"{_spread_text(r['decode_ms']):>24}"
-            f"{_fmt(r.get('decode_experts_ms'), '.2f', 9)}"
+            f"{_exp(r.get('decode_experts_ms'), 9)}"
             f"{_fmt(r.get('decode_experts_vs_grouped_mm'), '.2f', 6)}"
         )
+    if _noisy(rows):
+        lines.append(NOISE_NOTE)
     rounds = rows[0]["rounds"] if rows else 0
     lines.append(
         f"in turns ({rounds} rounds): each round one prefill and one decode block per "
@@ -981,7 +1006,7 @@ def graph_table(rows: list[dict]) -> str:
             continue
         lines.append(
             head + f"{r['decode_tok_s']:>13.1f}{_spread_text(r['decode_ms']):>24}"
-            f"{_fmt(r.get('decode_experts_ms'), '.2f', 9)}"
+            f"{_exp(r.get('decode_experts_ms'), 9)}"
             f"{_fmt(r.get('decode_experts_vs_grouped_mm'), '.2f', 6)}"
             f"{r['first_call_s']:>11.1f}"
         )
@@ -1049,17 +1074,23 @@ def main(argv=None) -> None:
         "(e.g. moerunner@fp8_block); "
         f"the zero-cost implementation ({ZERO_IMPL}) is always added",
     )
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=4, help="prefill batch")
-    p.add_argument("--prompt", type=int, default=1024, help="prefill tokens per sequence")
-    p.add_argument("--decode-batch", type=int, default=32)
-    p.add_argument("--decode-prompt", type=int, default=128)
-    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per timed block")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills / decode blocks")
+    p.add_argument("--layers", type=_common.int_type(1), default=2)
+    p.add_argument("--vocab", type=_common.int_type(1), default=8192)
+    p.add_argument("--batch", type=_common.int_type(1), default=4, help="prefill batch")
+    p.add_argument(
+        "--prompt", type=_common.int_type(1), default=1024, help="prefill tokens per sequence"
+    )
+    p.add_argument("--decode-batch", type=_common.int_type(1), default=32)
+    p.add_argument("--decode-prompt", type=_common.int_type(1), default=128)
+    p.add_argument(
+        "--decode-steps", type=_common.int_type(1), default=16, help="decode steps per timed block"
+    )
+    p.add_argument(
+        "--repeats", type=_common.int_type(1), default=3, help="timed prefills / decode blocks"
+    )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=_common.int_type(0),
         default=3,
         help="then time the implementations in turns, this many rounds (0: not)",
     )
@@ -1087,7 +1118,12 @@ def main(argv=None) -> None:
     p.add_argument(
         "--breakdown", action="store_true", help="profile a decode step's stages (torch.profiler)"
     )
-    p.add_argument("--profile-steps", type=int, default=4, help="decode steps --breakdown profiles")
+    p.add_argument(
+        "--profile-steps",
+        type=_common.int_type(1),
+        default=4,
+        help="decode steps --breakdown profiles",
+    )
     p.add_argument("--out", default=None, help="directory for transformers_e2e.json")
     args = p.parse_args(argv)
     # transformers 5.2x renames ``past_key_values``; the name kept here runs on every 5.x.
@@ -1105,6 +1141,8 @@ def main(argv=None) -> None:
             p.error(
                 f"--graph-modes: unknown on {args.device}: {wrong}; accepted: {', '.join(known)}"
             )
+    if args.out:
+        _common.check_writable_dir(p, "--out", Path(args.out))
     if args.backend is None:
         args.backend = "inductor" if torch.device(args.device).type == "cuda" else "aot_eager"
     if args.dtype is None:  # a CPU's bf16 matrix products are slow: --tiny stays quick

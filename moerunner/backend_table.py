@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
@@ -165,7 +166,46 @@ class ShapeKey:
                     f", got {value!r}"
                 )
             values[f.name] = value
-        return cls(**values)
+        key = cls(**values)
+        key._check(where)
+        return key
+
+    def _check(self, where: str) -> None:
+        """Raise ``BackendTableError`` for a key no problem can have (sizes, names)."""
+        from .config import ACTIVATIONS
+        from .dispatch.formats import DISPATCH_FORMATS
+        from .quant.schemes import get_scheme
+        from .weights import PLAIN_DTYPES
+
+        for name in ("num_experts", "hidden_size", "intermediate_size", "top_k"):
+            if getattr(self, name) < 1:
+                raise BackendTableError(
+                    f"{where}.{name}: must be a positive int, got {getattr(self, name)}"
+                )
+        if self.top_k > self.num_experts:
+            raise BackendTableError(
+                f"{where}.top_k: {self.top_k} is more than num_experts {self.num_experts}"
+            )
+        dtypes = [str(d).replace("torch.", "") for d in PLAIN_DTYPES]
+        if self.dtype not in dtypes:
+            raise BackendTableError(
+                f"{where}.dtype: must be one of {', '.join(dtypes)}, got {self.dtype!r}"
+            )
+        for name in ("w13_scheme", "w2_scheme"):
+            try:
+                get_scheme(getattr(self, name))
+            except ValueError as exc:
+                raise BackendTableError(f"{where}.{name}: {exc}") from None
+        if self.activation not in ACTIVATIONS:
+            raise BackendTableError(
+                f"{where}.activation: must be one of {', '.join(sorted(ACTIVATIONS))}, "
+                f"got {self.activation!r}"
+            )
+        if self.dispatch_format not in DISPATCH_FORMATS:
+            raise BackendTableError(
+                f"{where}.dispatch_format: must be one of {', '.join(DISPATCH_FORMATS)}, "
+                f"got {self.dispatch_format!r}"
+            )
 
 
 def _names(cls) -> str:
@@ -355,6 +395,8 @@ def load_table_file(path: str) -> BackendTable | None:
         doc = json.loads(p.read_text())
     except (UnicodeDecodeError, ValueError) as err:
         raise BackendTableError(f"{p}: not valid JSON ({err})") from None
+    except OSError as err:
+        raise BackendTableError(f"{p}: cannot be read ({err})") from None
     table = BackendTable.from_dict(doc, str(p))
     return BackendTable(table.device, table.entries, (p,))
 
@@ -370,26 +412,53 @@ def find_table(
     device_name: str, table_dirs: Sequence[str | os.PathLike] | None = None
 ) -> BackendTable:
     """The table of ``device_name``: every folder's file merged, the earlier folder's entry
-    winning for a shape both have (an empty table where no folder has a file)."""
+    winning for a shape both have (an empty table where no folder has a file). A malformed
+    file, or one holding another device's table, raises ``BackendTableError`` naming it."""
     table = BackendTable(device_name)
     for folder in reversed(table_folders(table_dirs)):
-        found = load_table_file(str(folder / table_file_name(device_name)))
-        if found is not None:
-            table = found.merged_over(table)
+        path = folder / table_file_name(device_name)
+        found = load_table_file(str(path))
+        if found is None:
+            continue
+        if found.device != device_name:
+            raise BackendTableError(
+                f"{path}: field 'device' is {found.device!r}, but the file is the table of "
+                f"{device_name!r} (its name)"
+            )
+        table = found.merged_over(table)
     return table
 
 
 def default_table(device_type: str) -> BackendTable:
     """The table ``backend="auto"`` consults on ``device_type`` by default: ``find_table``
     of the device's name (the current GPU on CUDA), read once per process and device
-    (``default_table.cache_clear()`` reads the folders again)."""
+    (``default_table.cache_clear()`` reads the folders again).
+
+    A user table that cannot be used (unreadable, malformed, another device's) is reported
+    once, with a warning naming the file and the reason, and left out: the shipped table and
+    the preference order serve instead. ``find_table`` and ``load_table_file`` (tables named
+    explicitly) raise ``BackendTableError`` instead."""
     index = torch.cuda.current_device() if device_type == "cuda" else None
     return _default_table(device_type, index)
 
 
 @functools.lru_cache(maxsize=16)
 def _default_table(device_type: str, index: int | None) -> BackendTable:
-    return find_table(device_name(torch.device(device_type, index)))
+    name = device_name(torch.device(device_type, index))
+    try:
+        return find_table(name)
+    except BackendTableError as exc:
+        user_file = user_table_dir() / table_file_name(name)
+        if not str(exc).startswith(str(user_file)):
+            raise  # a shipped table is broken: a packaging fault, not the user's file
+        warnings.warn(
+            f"moerunner: ignoring the user backend table ({exc}); backend='auto' uses "
+            "the shipped table and the preference order instead (fix or remove the file, "
+            "e.g. re-run 'moerunner tune --backends')",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return find_table(name, table_dirs=())
 
 
 default_table.cache_clear = _default_table.cache_clear  # type: ignore[attr-defined]

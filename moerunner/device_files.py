@@ -9,12 +9,13 @@ the user's cache folder is (``user_cache_dir``).
 from __future__ import annotations
 
 import os
+import platform
 import re
 from pathlib import Path
 
 import torch
 
-__all__ = ["device_key", "device_name", "gpu_name", "user_cache_dir"]
+__all__ = ["device_key", "device_name", "gpu_name", "hardware_name", "user_cache_dir"]
 
 
 def user_cache_dir() -> Path:
@@ -43,3 +44,11 @@ def device_name(device: torch.device | str) -> str:
     current GPU where no index is given), else the device type (``"cpu"``)."""
     device = torch.device(device)
     return gpu_name(device) or device.type
+
+
+def hardware_name(device: torch.device | str) -> str:
+    """The hardware a run is on, as reports name it: the GPU's name on CUDA, else the
+    processor (``platform.processor()``, or the machine type such as ``"x86_64"`` where the
+    platform does not name the processor)."""
+    device = torch.device(device)
+    return gpu_name(device) or platform.processor() or platform.machine() or device.type

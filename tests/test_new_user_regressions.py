@@ -61,16 +61,18 @@ def test_lora_adapter_id_errors_name_the_adapter_ids():
 
 
 def test_tune_without_a_backend_that_runs_here_says_why_once(capsys):
-    """No ok row used to end in an internal ``zip()`` error instead of the reasons."""
+    """No ok row used to end in an internal ``zip()`` error instead of the reasons; the
+    backend's refusal is now a usage error before any measurement."""
     from moerunner.cli import main
 
     if moerunner.default_registry().backends["flashinfer"].available()[0]:
         pytest.skip("needs a machine where the flashinfer backend cannot run")
-    code = main(["tune", "--shape", "8,64,96,2", "--schemes", "bf16", "--backends",
-                 "flashinfer", "--device", "cpu", "--tokens", "1,16"])  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tune", "--shape", "8,64,96,2", "--schemes", "bf16", "--backends",
+              "flashinfer", "--device", "cpu", "--tokens", "1,16"])  # fmt: skip
     err = capsys.readouterr().err
-    assert code != 0 and "no backend ran" in err and "zip()" not in err, err
-    assert "T=1,16" in err
+    assert exit_info.value.code == 2 and "zip()" not in err, err
+    assert "cannot time shape 8,64,96,2 in bf16 on cpu with flashinfer: not installed" in err
 
 
 def test_bench_activation_without_a_shape_is_a_usage_error(capsys):

@@ -17,14 +17,21 @@ import torch
 
 from ..backend_table import Bucket, ShapeKey
 from ..backends.base import MoeProblem
-from ..dispatch.formats import STANDARD
 from ..registry import Registry
 from ..runner import default_registry
 from .presets import BenchShape
 from .roofline import DeviceCeilings
 from .sweep import BenchConfig, Row, Sweep, act_dtype_for
+from .sweep import problem_of as sweep_problem
 
-__all__ = ["bucket_bounds", "buckets_from_rows", "serving_backends", "shape_key", "tune_backends"]
+__all__ = [
+    "bucket_bounds",
+    "buckets_from_rows",
+    "candidate_backends",
+    "serving_backends",
+    "shape_key",
+    "tune_backends",
+]
 
 
 def bucket_bounds(tokens: Sequence[int]) -> list[int | None]:
@@ -39,18 +46,7 @@ def bucket_bounds(tokens: Sequence[int]) -> list[int | None]:
 
 def problem_of(shape: BenchShape, scheme: str, dtype: str, device_type: str) -> MoeProblem:
     """The problem the sweep's weights of ``shape`` in ``scheme`` pose (standard format)."""
-    return MoeProblem(
-        device_type=device_type,
-        dtype=act_dtype_for(scheme, dtype),
-        w13_scheme=scheme,
-        activation=shape.activation,
-        dispatch_format=STANDARD,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_experts=shape.num_experts,
-        has_bias=shape.bias,
-        interleaved=shape.gate_up_interleaved,
-    )
+    return sweep_problem(shape, scheme, act_dtype_for(scheme, dtype), device_type)
 
 
 def shape_key(shape: BenchShape, scheme: str, dtype: str, device_type: str) -> ShapeKey:
@@ -64,6 +60,36 @@ def serving_backends(
     """Every registered backend that is available here and can serve the shape."""
     verdicts = registry.verdicts(problem_of(shape, scheme, dtype, device_type))
     return tuple(name for name, (ok, _) in verdicts.items() if ok)
+
+
+def candidate_backends(
+    shape: BenchShape,
+    scheme: str,
+    backends: Sequence[str] | None,
+    dtype: str,
+    device_type: str,
+    registry: Registry,
+) -> tuple[str, ...]:
+    """The backends ``tune_backends`` times: ``backends`` (None or empty: every one that
+    serves the shape here). Raises ``ValueError``, before any measurement, naming each named
+    backend that cannot serve the shape here and why, or where none serves."""
+    verdicts = registry.verdicts(problem_of(shape, scheme, dtype, device_type))
+    if not backends:
+        names = tuple(name for name, (ok, _) in verdicts.items() if ok)
+        if not names:
+            why = "; ".join(f"{n}: {reason}" for n, (_, reason) in verdicts.items())
+            raise ValueError(f"no backend serves {shape.name} in {scheme} on {device_type} ({why})")
+        return names
+    refused = [
+        f"{name}: {verdicts[name][1] if name in verdicts else 'not registered'}"
+        for name in backends
+        if not verdicts.get(name, (False, ""))[0]
+    ]
+    if refused:
+        raise ValueError(
+            f"cannot time {shape.name} in {scheme} on {device_type} with " + "; ".join(refused)
+        )
+    return tuple(dict.fromkeys(backends))
 
 
 def buckets_from_rows(rows: Sequence[Row]) -> tuple[Bucket, ...]:
@@ -98,13 +124,7 @@ def tune_backends(
     ``ValueError`` where fewer than one backend serves or no count was measured ok."""
     registry = registry if registry is not None else default_registry()
     device = torch.device(device)
-    names = (
-        tuple(backends)
-        if backends
-        else serving_backends(shape, scheme, dtype, device.type, registry)
-    )
-    if not names:
-        raise ValueError(f"no backend serves {shape.name} in {scheme} on {device.type}")
+    names = candidate_backends(shape, scheme, backends, dtype, device.type, registry)
     config = BenchConfig(
         shapes=(shape,),
         tokens=tuple(sorted(set(tokens))),

@@ -15,11 +15,12 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 
+from ..device_files import hardware_name
 from .roofline import DeviceCeilings
 from .sweep import BenchConfig, Row
 
@@ -51,9 +52,7 @@ def _driver() -> str | None:
 def environment(device: torch.device) -> dict:
     """Device name, versions, thread count, load average and date of this run."""
     env = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else (platform.processor() or platform.machine()),
+        "device": hardware_name(device),
         "device_type": device.type,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -119,13 +118,35 @@ def to_json(
         "skipped_backends": skipped,
         "rows": [asdict(r) for r in rows],
     }
-    text = json.dumps(record, indent=1, default=str)
+    text = json_text(record)
     if str(path) == "-":
         sys.stdout.write(text + "\n")
         return record
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return record
+
+
+def _finite(value):
+    """``value`` with every NaN or infinite float replaced by None (JSON null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_text(record: dict) -> str:
+    """Strict JSON of a record: a number not measured or not finite (NaN, inf) is null,
+    never a bare ``NaN`` other JSON readers reject; other objects by ``str``."""
+    return json.dumps(_finite(record), indent=1, default=str, allow_nan=False)
+
+
+_NAN_FIELDS = tuple(
+    f.name for f in fields(Row) if isinstance(f.default, float) and math.isnan(f.default)
+)
 
 
 def load_json(path: Path) -> tuple[dict, BenchConfig, list[Row]]:
@@ -136,7 +157,11 @@ def load_json(path: Path) -> tuple[dict, BenchConfig, list[Row]]:
     if record.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} record (schema={record.get('schema')!r})")
     config = eval(record["config"], {"BenchConfig": BenchConfig, "BenchShape": BenchShape})  # noqa: S307
-    return record, config, [Row(**r) for r in record["rows"]]
+    rows = [
+        Row(**{**r, **{f: float("nan") for f in _NAN_FIELDS if r.get(f, 0.0) is None}})
+        for r in record["rows"]
+    ]  # null (not measured) back to NaN
+    return record, config, rows
 
 
 def fmt_cell(value: float | None, spec: str) -> str:

@@ -33,7 +33,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -43,6 +43,13 @@ from .presets import BenchShape
 _WEIGHT_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "e4m3": 8, "int8": 8, "e2m1": 4, "int4": 4}
 _SCALE_BYTES = {"none": 0, "fp32": 4, "e8m0": 1, "e4m3": 1}
 _DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def _positive(value: object) -> bool:
+    """A finite int or float above 0 (bools are not numbers here)."""
+    return (
+        type(value) in (int, float) and math.isfinite(value) and value > 0  # type: ignore[arg-type]
+    )
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,52 @@ class DeviceCeilings:
     measured_at: str = ""
     method: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("device", "measured_at", "method"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name}: must be a str, got {getattr(self, name)!r}")
+        if not _positive(self.copy_gbps):
+            raise ValueError(f"copy_gbps: must be a finite number > 0, got {self.copy_gbps!r}")
+        peaks = self.peak_tflops
+        if not isinstance(peaks, dict):
+            raise ValueError(
+                f"peak_tflops: must map formats (bf16, fp32, ...) to TFLOP/s, got {peaks!r}"
+            )
+        for fmt, value in peaks.items():
+            if not isinstance(fmt, str) or not _positive(value):
+                raise ValueError(
+                    f"peak_tflops[{fmt!r}]: must be a finite number > 0, got {value!r}"
+                )
+
+    @classmethod
+    def from_dict(cls, entry: object, where: str) -> DeviceCeilings:
+        """One cached entry (``asdict`` of a ``DeviceCeilings``); ``ValueError`` naming
+        ``where`` and the field where it is malformed."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: must be an object of {', '.join(names)}")
+        unknown = sorted(set(entry) - set(names))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; fields: {', '.join(names)}")
+        missing = [n for n in ("device", "copy_gbps", "peak_tflops") if n not in entry]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing}")
+        if not isinstance(entry["peak_tflops"], dict) or not entry["peak_tflops"]:
+            raise ValueError(
+                f"{where}: field peak_tflops: must map formats (bf16, fp32, ...) to TFLOP/s, "
+                f"got {entry['peak_tflops']!r}"
+            )
+        try:
+            return cls(**entry)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: field {exc}") from None
+
     def peak_for(self, compute: str) -> float:
         """Peak for a compute format; falls back to the best measured one (CPU fp8: emulated)."""
         if compute in self.peak_tflops:
             return self.peak_tflops[compute]
+        if not self.peak_tflops:
+            raise ValueError(f"ceilings of {self.device!r}: no matmul peak was measured")
         return max(self.peak_tflops.values())
 
 
@@ -244,10 +293,9 @@ def device_key(device: torch.device) -> str:
     build = f"torch{torch.__version__}"
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}:{build}"
-    import platform
+    from ..device_files import hardware_name
 
-    machine = platform.processor() or platform.machine()
-    return f"cpu:{machine}:{torch.get_num_threads()}threads:{build}"
+    return f"cpu:{hardware_name(device)}:{torch.get_num_threads()}threads:{build}"
 
 
 def measure_ceilings(device: torch.device) -> DeviceCeilings:
@@ -283,6 +331,14 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
     )
 
 
+def is_ceilings_cache(doc: object) -> bool:
+    """Whether a parsed JSON document is a ceilings cache (an object of device key ->
+    ceilings entry): a file that is not is someone else's, never written over."""
+    return isinstance(doc, dict) and all(
+        isinstance(v, dict) and "copy_gbps" in v for v in doc.values()
+    )
+
+
 def read_cache(cache_path: Path) -> dict:
     """The ceilings cache at ``cache_path`` ({} when absent).
 
@@ -299,9 +355,7 @@ def read_cache(cache_path: Path) -> dict:
         cache = None
     except OSError as exc:
         raise ValueError(f"ceilings cache {cache_path}: cannot be read ({exc})") from None
-    if not isinstance(cache, dict) or not all(
-        isinstance(v, dict) and "copy_gbps" in v for v in cache.values()
-    ):
+    if not is_ceilings_cache(cache):
         raise ValueError(
             f"ceilings cache {cache_path}: not a moerunner ceilings cache (JSON of device -> "
             "ceilings); refusing to overwrite it (remove it or choose another path)"
@@ -314,12 +368,20 @@ def load_or_measure(
 ) -> DeviceCeilings:
     """Ceilings of ``device`` from ``cache_path`` (JSON keyed by device), measured if absent.
 
-    Raises ValueError (before measuring) if ``cache_path`` exists and is not a ceilings cache.
+    Raises ValueError (before measuring) if ``cache_path`` exists and is not a ceilings cache,
+    or if its entry of this device is malformed (naming the file, the entry and the field;
+    ``remeasure`` replaces that entry instead of reading it).
     """
     key = device_key(device)
     cache = read_cache(cache_path) if cache_path is not None else {}
     if not remeasure and key in cache:
-        return DeviceCeilings(**cache[key])
+        where = f"ceilings cache {cache_path}: entry {key!r}"
+        try:
+            return DeviceCeilings.from_dict(cache[key], where)
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc} (fix or remove the entry, or re-measure it: --remeasure)"
+            ) from None
     ceilings = measure_ceilings(device)
     if cache_path is not None:
         cache[key] = asdict(ceilings)

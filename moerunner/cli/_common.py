@@ -6,8 +6,9 @@
 - ``--device`` is checked before any work: unknown names and devices this machine lacks are
   usage errors.
 - Usage errors print one line, ``moerunner <command>: error: <what>``, and exit with status 2.
-- An output file is only written where an output flag points, and never over a file that
-  moerunner did not write (checked before the work starts).
+- An output file is only written where an output flag points, and never over a file other
+  than an earlier output of the same flag's kind (a JSON output: a record of the same schema;
+  checked before the work starts). Only JSON outputs take ``-`` for stdout.
 """
 
 from __future__ import annotations
@@ -207,38 +208,53 @@ def require_module(p: argparse.ArgumentParser, module: str, flag: str, extra: st
         p.error(f"{flag} needs {module}, which is not installed (pip install 'moerunner[{extra}]')")
 
 
-def _written_by_moerunner(path: Path, kind: str) -> bool:
+def json_output(schema: str) -> str:
+    """The ``check_outputs`` kind of a JSON output whose records carry ``schema``: an
+    existing file is overwritten only where it holds a record of that same schema."""
+    return f"json:{schema}"
+
+
+def _foreign(path: Path, kind: str) -> str | None:
+    """Why the existing file ``path`` is not an earlier output of this ``kind`` (None: it is,
+    and may be overwritten)."""
     try:
         data = path.read_bytes()
-    except OSError:
-        return False
-    if kind == "json":
+    except OSError as exc:
+        return f"it cannot be read ({exc.strerror or exc})"
+    if kind.startswith("json:") or kind == "ceilings":
         try:
-            record = json.loads(data)
+            doc = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError):
-            return False
-        return isinstance(record, dict) and str(record.get("schema", "")).startswith("moerunner")
-    if kind == "ceilings":  # the cache of bench.roofline: {device key: DeviceCeilings fields}
-        try:
-            cache = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return False
-        return isinstance(cache, dict) and all(
-            isinstance(v, dict) and "copy_gbps" in v for v in cache.values()
-        )
+            return "it is not JSON"
+        if kind == "ceilings":  # the cache of bench.roofline: {device key: DeviceCeilings}
+            from ..bench.roofline import is_ceilings_cache
+
+            return None if is_ceilings_cache(doc) else "it is not a ceilings cache"
+        want = kind[len("json:") :]
+        got = doc.get("schema") if isinstance(doc, dict) else None
+        if got == want:
+            return None
+        return f"its schema is {got!r}, not {want!r}" if got is not None else "it has no schema"
     if kind == "md":
-        return data.startswith(b"# moerunner ")
+        return None if data.startswith(b"# moerunner ") else "it is not a moerunner summary"
     if kind == "png":
-        return data.startswith(b"\x89PNG") and b"moerunner" in data[:4096]
-    return False
+        ok = data.startswith(b"\x89PNG") and b"moerunner" in data[:4096]
+        return None if ok else "it is not a moerunner plot"
+    raise ValueError(f"unknown output kind {kind!r}")
 
 
 def check_outputs(p: argparse.ArgumentParser, outputs: dict[str, tuple[Path | None, str]]) -> None:
     """Before any work: every output path (flag -> (path, kind)) is writable here and is not
-    an existing file moerunner did not write; no two flags share a path."""
+    an existing file other than an earlier output of the same kind (a JSON kind from
+    ``json_output``: the same schema); no two flags share a path. ``-`` (stdout) is accepted
+    for JSON kinds only."""
     seen: dict[Path, str] = {}
     for flag, (path, kind) in outputs.items():
-        if path is None or str(path) == STDOUT:
+        if path is None:
+            continue
+        if str(path) == STDOUT:
+            if not kind.startswith("json:"):
+                p.error(f"{flag} -: this flag writes a file, not stdout; give a path")
             continue
         resolved = Path(path).expanduser().resolve()
         if resolved in seen:
@@ -247,24 +263,38 @@ def check_outputs(p: argparse.ArgumentParser, outputs: dict[str, tuple[Path | No
         if resolved.exists():
             if not resolved.is_file():
                 p.error(f"{flag} {path}: exists and is not a file")
-            if not _written_by_moerunner(resolved, kind):
+            why = _foreign(resolved, kind)
+            if why is not None:
                 p.error(
-                    f"{flag} {path}: refusing to overwrite a file moerunner did not write "
-                    "(remove it or choose another path)"
+                    f"{flag} {path}: refusing to overwrite it: {why} (it is not an "
+                    f"earlier output of {flag}; remove it or choose another path)"
                 )
         else:
-            parent = resolved.parent
-            while not parent.exists():
-                parent = parent.parent
-            if not parent.is_dir():
-                p.error(f"{flag} {path}: {parent} is not a directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                p.error(f"{flag} {path}: {parent} is not writable here")
+            check_writable_dir(p, flag, resolved.parent, shown=path)
+
+
+def check_writable_dir(
+    p: argparse.ArgumentParser, flag: str, folder: Path, shown: Path | None = None
+) -> None:
+    """Before any work: ``folder`` is, or can be created as, a writable folder here (its
+    nearest existing ancestor is a writable folder); else a usage error naming ``flag`` and
+    ``shown`` (default: the folder)."""
+    shown = folder if shown is None else shown
+    folder = Path(folder).expanduser().absolute()
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        p.error(f"{flag} {shown}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        p.error(f"{flag} {shown}: {existing} is not writable here")
 
 
 def write_json(path: str | Path, record: dict) -> None:
     """``--json``: the record to a file, or to stdout for ``-``."""
-    text = json.dumps(record, indent=1, default=str)
+    from ..bench.report import json_text
+
+    text = json_text(record)
     if str(path) == STDOUT:
         sys.stdout.write(text + "\n")
         return

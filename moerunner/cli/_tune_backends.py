@@ -17,6 +17,9 @@ import torch
 
 from . import _common
 
+#: Seconds of timing per backend and token count where --min-time is not given.
+DEFAULT_MIN_TIME_S = 0.2
+
 
 def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
     """Measure and write; ``shapes``: (label, (H, I, E, top_k, activation))."""
@@ -28,7 +31,7 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
         table_file_name,
         user_table_dir,
     )
-    from ..bench.backend_choice import tune_backends
+    from ..bench.backend_choice import candidate_backends, tune_backends
     from ..bench.presets import PRESETS, BenchShape
     from ..device_files import device_name
     from ..runner import default_registry
@@ -55,6 +58,7 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
     out_dir = args.out_dir or args.out or user_table_dir()
     name = device_name(device)
     path = out_dir / table_file_name(name)
+    _common.check_writable_dir(p, "--out-dir", out_dir)
     table = BackendTable(name)
     if path.exists():
         try:
@@ -63,6 +67,8 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
             p.error(f"{path}: exists and is not a moerunner backend table ({exc}); move it away")
         if table.device != name:
             p.error(f"{path}: holds the table of {table.device!r}, not of {name!r}")
+    min_time = args.min_time if args.min_time is not None else DEFAULT_MIN_TIME_S
+    plan = []  # (label, scheme, shape, backends): every verdict checked before any timing
     for label, (hidden, inter, experts, top_k, act) in shapes:
         preset = PRESETS.get(label)
         shape = (
@@ -72,29 +78,61 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
         )
         for scheme in schemes:
             try:
+                chosen = candidate_backends(shape, scheme, names, "bf16", device.type, registry)
+            except ValueError as exc:
+                p.error(f"--backends: {label} {scheme}: {exc}")
+            plan.append((label, scheme, shape, chosen))
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=sum(len(chosen) for *_, chosen in plan) * len(set(tokens)),
+        desc="tune --backends",
+        unit="row",
+        file=sys.stderr,
+    )
+
+    def progress(row) -> None:
+        bar.set_postfix_str(f"{row.preset} {row.scheme} {row.impl} T={row.tokens}")
+        bar.update(1)
+
+    done = 0
+    try:
+        for label, scheme, shape, chosen in plan:
+            try:
                 key, buckets, rows = tune_backends(
                     shape,
                     scheme,
                     tokens,
-                    backends=names or None,
+                    backends=chosen,
                     device=device,
                     registry=registry,
-                    min_time_s=args.min_time,
+                    min_time_s=min_time,
+                    progress=progress,
                 )
             except ValueError as exc:
+                bar.close()
                 print(f"moerunner tune: {label} {scheme}: {exc}", file=sys.stderr)
+                if done:  # what finished is kept
+                    table.write(path)
+                    print(f"wrote {path} ({done} of {len(plan)} shape/scheme entries)")
                 return 1
             table = table.with_entry(key, buckets)
+            done += 1
             untuned = {r.impl: r.note for r in rows if r.status == "untuned"}
             for impl, why in untuned.items():
-                print(
+                bar.write(
                     f"moerunner tune: {label} {scheme}: {impl} left out: its kernels ran "
                     f"untuned ({why})",
                     file=sys.stderr,
                 )
-            print(f"{label} {scheme} on {name}:")
+            lines = [f"{label} {scheme} on {name}:"]
             for i, bucket in enumerate(buckets):
-                print(f"  {bucket_range(buckets, i)}: {bucket.backend} ({bucket.measured()})")
+                lines.append(
+                    f"  {bucket_range(buckets, i)}: {bucket.backend} ({bucket.measured()})"
+                )
+            bar.write("\n".join(lines), file=sys.stdout)
+    finally:
+        bar.close()
     table.write(path)
     print(f"wrote {path}")
     return 0

@@ -22,7 +22,11 @@ folder). The device ceilings (copy bandwidth, peak FLOP/s) are measured every ru
 ``--ceilings FILE`` names a cache: read from it, measured and added to it when it lacks this
 device (or with ``--remeasure``). ``--replay`` drops the recorded command's file flags
 (``--json``, ``--png``, ``--md``, ``--ceilings``): a replay writes only where its own flags
-point, never over the file it replays. Each row's timing spread (interquartile range of the
+point, never over the file it replays (flags are spelled out in full: the parser takes no
+abbreviations, so a recorded output flag is always recognised; a JSON other than a bench
+record is refused). Only ``--json`` takes ``-`` (stdout). Rows at T=0 are timed but not
+checked (status n/a, no speedups); a row is ``wrong`` beyond the bound ``moerunner check``
+uses (``moerunner.testing.error_bound``). Each row's timing spread (interquartile range of the
 samples, % of the median) is shown, with a warning when it is large.
 """
 
@@ -37,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..bench.presets import PRESETS, get_preset, parse_shape, shard_intermediate
+from ..bench.report import SCHEMA as BENCH_SCHEMA
 from ..bench.sweep import DTYPES, ROUTINGS, BenchConfig
 from . import _common
 
@@ -57,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         __doc__.split("\n\n")[0],
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # flags spelled out in full: the recorded command of a JSON names each output flag
+        # exactly, so --replay can drop them (an abbreviated --js would survive as --json)
+        allow_abbrev=False,
     )
     p.add_argument(
         "--preset",
@@ -134,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--min-time",
-        type=_common.float_type(0.0),
+        type=_common.float_type(0.0, strict=True),
         default=None,
         help="seconds of samples per row (default 0.2 GPU, 0.5 CPU)",
     )
@@ -296,11 +304,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+#: The flags naming files a run writes (and --replay): a replay drops the recorded ones.
 _OUTPUT_FLAGS = ("--json", "--png", "--md", "--ceilings", "--replay")
 
 
 def _strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``argv`` without ``flags`` and their values (``--flag VALUE`` or ``--flag=VALUE``)."""
+    """``argv`` without ``flags`` and their values (``--flag VALUE`` or ``--flag=VALUE``).
+    Exact spellings suffice: the bench parser takes no abbreviations (``allow_abbrev``)."""
     out, skip = [], False
     for arg in argv:
         if skip:
@@ -318,17 +328,28 @@ def _replayed_argv(p: argparse.ArgumentParser, args: argparse.Namespace, argv: l
     if not path.is_file():
         p.error(f"--replay {path}: no such file")
     try:
-        recorded = json.loads(path.read_text())["argv"]
-        if not isinstance(recorded, list) or not all(isinstance(a, str) for a in recorded):
-            raise TypeError
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        p.error(f"--replay {path}: not a moerunner bench JSON record (not JSON)")
+    schema = record.get("schema") if isinstance(record, dict) else None
+    if schema != BENCH_SCHEMA:
+        p.error(
+            f"--replay {path}: not a moerunner bench JSON record (schema {schema!r}, "
+            f"expected {BENCH_SCHEMA!r})"
+        )
+    recorded = record.get("argv")
+    if not isinstance(recorded, list) or not all(isinstance(a, str) for a in recorded):
         p.error(f"--replay {path}: not a moerunner bench JSON record (no recorded command)")
+    new = _strip_flags(recorded, _OUTPUT_FLAGS) + _strip_flags(argv, ("--replay",))
+    # By destination, not spelling: whatever the combined command writes is never the file
+    # replayed (a recorded flag the parser does not know is a usage error when it runs).
+    parsed, _ = p.parse_known_args(new)
     replay = path.expanduser().resolve()
     for flag in ("--json", "--png", "--md", "--ceilings"):
-        out = getattr(args, flag[2:])
+        out = getattr(parsed, flag[2:])
         if out is not None and str(out) != _common.STDOUT and out.expanduser().resolve() == replay:
             p.error(f"{flag} {out}: is the file being replayed; choose another path")
-    return _strip_flags(recorded, _OUTPUT_FLAGS) + _strip_flags(argv, ("--replay",))
+    return new
 
 
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
@@ -342,6 +363,12 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.dev
         ):
             if value is not None:
                 p.error(f"{flag} applies to expert-parallel runs only: add --ep-size N")
+    if args.ep_size != 1:
+        for flag in ("--png", "--md"):
+            if getattr(args, flag[2:]) is not None:
+                p.error(f"{flag} is not written for expert-parallel (--ep-size) rows; use --json")
+    if args.capacity_factor is not None and "masked" not in (args.dispatcher or ()):
+        p.error("--capacity-factor applies to the masked dispatcher only: add --dispatcher masked")
     if args.scheme:
         _common.deprecated(p, "--scheme", "--schemes")
     for flag in ("--preset-schemes",):
@@ -353,6 +380,10 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.dev
                 listed = []
             if not sep or not listed:
                 p.error(f"{flag} wants PRESET=SCHEME[,SCHEME], got {item!r}")
+    for flag in ("--png", "--md", "--ceilings"):  # files only: '-' is not stdout for them
+        value = getattr(args, flag[2:])
+        if value is not None and str(value) == _common.STDOUT:
+            p.error(f"{flag} -: {flag} writes a file, not stdout (only --json takes '-')")
     if args.png is not None:
         _common.require_module(p, "matplotlib", "--png", "bench")
         if not args.png.suffix:  # the file the plot goes to (matplotlib adds the suffix)
@@ -362,7 +393,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.dev
     _common.check_outputs(
         p,
         {
-            "--json": (args.json, "json"),
+            "--json": (args.json, _common.json_output(BENCH_SCHEMA)),
             "--png": (args.png, "png"),
             "--md": (args.md, "md"),
             "--ceilings": (args.ceilings, "ceilings"),
@@ -527,13 +558,16 @@ def main_expert_parallel(args: argparse.Namespace, argv: list[str]) -> int:
         if rank == 0:
             env = report.environment(device)
             env.update(world=n, dist_backend=str(dist.get_backend()))
-            print(f"{env['device']}: expert parallel over {n} ranks ({env['dist_backend']})")
-            print(ep_table(rows))
+            out = sys.stderr if str(args.json) == _common.STDOUT else sys.stdout
+            print(
+                f"{env['device']}: expert parallel over {n} ranks ({env['dist_backend']})",
+                file=out,
+            )
+            print(ep_table(rows), file=out)
             if args.json is not None:
                 ep_json(args.json, argv, config, options, env, rows)
-                print(f"wrote {args.json}")
-            if args.png is not None or args.md is not None:
-                print("--png / --md: not written for --ep-size rows (see --json)")
+                if out is sys.stdout:
+                    print(f"wrote {args.json}")
     finally:
         dist.destroy_process_group()
     return 1 if any(r.status == "wrong" for r in rows) else 0

@@ -18,13 +18,14 @@ from tqdm import tqdm
 
 from ..api import fused_moe
 from ..backends.base import MoeProblem
+from ..bench.sweep import accuracy_bound
 from ..config import Activation
 from ..dispatch.formats import STANDARD
 from ..quant import SCHEME_NAMES, get_scheme, quantize
 from ..reference import reference_moe
 from ..routing import select_experts
 from ..runner import default_registry
-from ..testing import compare, error_bound
+from ..testing import compare
 from ..weights import ExpertWeights
 from . import _common
 
@@ -37,6 +38,10 @@ _SIZE_FLAGS = (
     ("--intermediate", 256, "I"),
     ("--top-k", 2, "K, at most E"),
 )
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _layer(args, device, dtype, scheme_name: str, gen: torch.Generator):
@@ -152,7 +157,7 @@ def main(argv: list[str]) -> int:
                 f"--schemes {scheme_name}: a layer with hidden size {args.hidden} and "
                 f"intermediate size {args.intermediate} cannot be stored in it ({why})"
             )
-    _common.check_outputs(parser, {"--json": (args.json, "json")})
+    _common.check_outputs(parser, {"--json": (args.json, _common.json_output(SCHEMA))})
     to_stdout = str(args.json) == _common.STDOUT
     out = sys.stderr if to_stdout else sys.stdout
     default_dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -182,7 +187,7 @@ def main(argv: list[str]) -> int:
         for scheme_name in schemes:
             why = None if requested_schemes else _quantizable(args, scheme_name)
             if why is not None:
-                rows.append((name, scheme_name, "-", "-", f"skipped: {why}"))
+                rows.append((name, scheme_name, None, None, f"skipped: {why}"))
                 continue
             jobs.append((name, scheme_name))
     for name, scheme_name in tqdm(jobs, desc="check", unit="case", file=sys.stderr):
@@ -190,7 +195,7 @@ def main(argv: list[str]) -> int:
         dtype = dtype_of(scheme_name)
         if not scheme.is_quantized and DTYPES[scheme_name] != dtype:
             rows.append(
-                (name, scheme_name, "-", "-",
+                (name, scheme_name, None, None,
                  f"skipped: plain {scheme_name} weights with --dtype {args.dtype} hidden states")
             )  # fmt: skip
             continue
@@ -199,25 +204,21 @@ def main(argv: list[str]) -> int:
         problem = MoeProblem.of(x, weights, weights.spec(act), STANDARD)
         ok, reason = registry.backends[name].supports(problem)
         if not ok:
-            rows.append((name, scheme_name, "-", "-", f"skipped: {reason}"))
+            rows.append((name, scheme_name, None, None, f"skipped: {reason}"))
             continue
         result = fused_moe(x, weights.w13, weights.w2, topk.weights, topk.ids, backend=name)
         report = compare(result, reference_moe(x, weights, topk.weights, topk.ids, act))
-        bound = error_bound(dtype, scheme.is_quantized and scheme.activation_format != "none")
+        bound = accuracy_bound(scheme_name, dtype)
         passed = report.nonfinite == 0 and report.max_rel <= bound
         failed |= not passed
-        rows.append(
-            (
-                name,
-                scheme_name,
-                f"{report.max_rel:.2e}",
-                f"{bound:.1e}",
-                "pass" if passed else "FAIL",
-            )
-        )
+        rows.append((name, scheme_name, report.max_rel, bound, "pass" if passed else "FAIL"))
     header = ("backend", "scheme", "max rel err", "bound", "result")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
+    shown = [
+        (name, scheme, _cell(err, ".2e"), _cell(bound, ".1e"), result)
+        for name, scheme, err, bound, result in rows
+    ]
+    widths = [max(len(str(r[i])) for r in [header, *shown]) for i in range(len(header))]
+    for row in [header, *shown]:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)), file=out)
     hidden_dtypes = sorted({str(dtype_of(s)).replace("torch.", "") for _, s in jobs}) or [
         str(default_dtype).replace("torch.", "")

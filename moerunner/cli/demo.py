@@ -27,6 +27,7 @@ from ..testing import compare
 from ..weights import ExpertWeights
 from . import _common
 
+SCHEMA = "moerunner-demo/1"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     device = _common.resolve_device(parser, args.device)
-    _common.check_outputs(parser, {"--json": (args.json, "json")})
+    _common.check_outputs(parser, {"--json": (args.json, _common.json_output(SCHEMA))})
 
     on_gpu = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
         from .. import __version__
 
         record = {
-            "schema": "moerunner-demo/1",
+            "schema": SCHEMA,
             "moerunner": __version__,
             "argv": list(argv),
             "shape": {"E": experts, "H": hidden, "I": inter, "K": top_k, "T": args.tokens},

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..device_files import hardware_name
 from ..runner import DEFAULT_PREFERENCE, default_registry
 from . import _common
 
@@ -22,10 +23,10 @@ def main(argv: list[str]) -> int:
         "--json", type=Path, default=None, help="write the result as JSON here ('-': stdout)"
     )
     args = parser.parse_args(argv)
-    _common.check_outputs(parser, {"--json": (args.json, "json")})
+    _common.check_outputs(parser, {"--json": (args.json, _common.json_output(SCHEMA))})
     registry = default_registry()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    name = hardware_name(device)
     preference = list(DEFAULT_PREFERENCE.get(device, ()))
     backends = {}
     for backend_name, backend in registry.backends.items():
@@ -92,6 +93,8 @@ def main(argv: list[str]) -> int:
         print(f"  error: {table_error}")
     for entry in table_rows:
         print(f"  {entry['shape']}")
+        if entry.get("error"):
+            print(f"    error: {entry['error']}")
         for bucket in entry["buckets"]:
             print(f"    {bucket['tokens']}: {bucket['backend']} ({bucket['reason']})")
     print("  other shapes: no table: preference order")
@@ -102,13 +105,22 @@ def main(argv: list[str]) -> int:
 
 def _table(registry, device: str) -> tuple[list[dict], list[str], str]:
     """This device's backend table as the runner reads it: per entry and bucket, the
-    backend ``auto`` takes and why; the files read; an error reading them ("" if none)."""
-    from ..backend_table import BackendTableError, default_table
+    backend ``auto`` takes and why; the files read; an error reading them ("" if none). A
+    user table that cannot be used is reported here and left out, as the runtime leaves it
+    out (``backend_table.default_table``): the shipped table is shown instead."""
+    from ..backend_table import BackendTableError, find_table
+    from ..device_files import device_name
 
+    name = device_name(torch.device(device))
+    error = ""
     try:
-        table = default_table(device)
+        table = find_table(name)
     except BackendTableError as exc:
-        return [], [], str(exc)
+        error = f"{exc} (ignored: auto uses the shipped table and the preference order)"
+        try:
+            table = find_table(name, table_dirs=())
+        except BackendTableError as shipped:
+            return [], [], f"{error}; {shipped}"
     rows = []
     for key in table.entries:
         try:
@@ -126,4 +138,4 @@ def _table(registry, device: str) -> tuple[list[dict], list[str], str]:
                 ],
             }
         )
-    return rows, [str(p) for p in table.paths], ""
+    return rows, [str(p) for p in table.paths], error

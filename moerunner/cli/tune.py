@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..config import ACTIVATIONS
 from . import _common
+from ._tune_backends import DEFAULT_MIN_TIME_S
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 
@@ -122,8 +123,9 @@ def build_parser() -> _common.Parser:
     p.add_argument(
         "--min-time",
         type=_common.float_type(0.0, strict=True),
-        default=0.2,
-        help="with --backends: seconds of timing per backend and token count (default 0.2)",
+        default=None,
+        help="with --backends: seconds of timing per backend and token count (default "
+        f"{DEFAULT_MIN_TIME_S:g})",
     )
     p.add_argument(
         "--jobs",
@@ -191,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         _common.require_module(p, "triton", "moerunner tune", "triton")
     elif args.compile_only or args.e2m1_layout or args.jobs != 1:
         p.error("--backends measures backends: --compile-only, --e2m1-layout and --jobs tune tiles")
+    if args.backends is None and args.min_time is not None:
+        p.error("--min-time applies to --backends only (tiles are timed by the tile search)")
+    if args.jobs != 1 and not any(args.preset):
+        p.error("--jobs compiles the candidates of --preset shapes; add --preset, or drop --jobs")
     if args.out is not None:
         _common.deprecated(p, "--out", "--out-dir")
         if args.out_dir is not None:
@@ -213,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir or args.out
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out-dir {out_dir}: exists and is not a directory")
+    if out_dir is not None:
+        _common.check_writable_dir(p, "--out-dir", out_dir)
     if args.backends is not None:
         from . import _tune_backends
 
@@ -231,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if out_dir is None:
         out_dir = user_tile_dir()
+        _common.check_writable_dir(p, "--out-dir (default)", out_dir)
     _refuse_foreign_files(p, out_dir, shapes, schemes, torch.cuda.get_device_name())
     presets = [name for group in args.preset for name in group]
     if args.jobs > 1 and presets and not args.compile_only:

@@ -51,7 +51,7 @@ def test_bench_ep_size_2_under_torchrun(tmp_path):
         (d, t) for d in DISPATCHERS for t in (0, 5)
     )
     for r in rows:
-        assert r["status"] == "ok", r
+        assert r["status"] == ("ok" if r["tokens"] else "n/a"), r  # (T=0: nothing checked)
         assert r["ep_size"] == 2 and r["impl"] == "torch"
         stages = [r["dispatch_us"], r["experts_us"], r["combine_us"]]
         assert all(s > 0 for s in stages), r
