@@ -99,7 +99,8 @@ def check_scale_values(
             index = [int(i) for i in torch.nonzero(bad)[0]]
             raise ValueError(
                 f"{name}: scales must be {rule}; got {v[tuple(index)].item()} at index {index}"
-                " (a weight with NaN or Inf quantizes to such a scale)"
+                " (a weight with NaN or Inf quantizes to such a scale, and so does one whose"
+                " range overflows float32 in the scale, e.g. max - min of int8 zero points)"
             )
 
 

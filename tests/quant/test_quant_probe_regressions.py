@@ -133,3 +133,10 @@ def test_quantized_weight_methods_name_bad_arguments():
     with pytest.raises(TypeError, match="takes a device, got the dtype torch.float16"):
         q.to(torch.float16)  # (blamed the data's dtype)
     assert q.select_rows(torch.tensor([1, 0])).shape == (3, 2, 64)
+
+
+def test_a_finite_weight_whose_zero_point_range_overflows_is_named_as_such():
+    w = (torch.rand(1, 8, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 3e38
+    assert torch.isfinite(w).all()
+    with pytest.raises(ValueError, match="range overflows float32"):  # (blamed NaN / Inf)
+        quantize(w, "int8_g64_zp")
