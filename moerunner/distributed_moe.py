@@ -125,9 +125,14 @@ class ExpertParallelMoE(MoE):
         )
         self.kind = dispatcher
         self.activation = self.config.activation
-        self.weights = local_weights
         _, self.world_size = rank_and_size(group)
         self.prepare(dtype or _plain_dtype(local_weights))
+
+    @property
+    def weights(self) -> ExpertWeights:
+        """This rank's experts as the layer runs them (its state: after a
+        ``load_state_dict``, the loaded ones)."""
+        return self.expert_weights()
 
     @classmethod
     def from_global(

@@ -8,6 +8,7 @@ each against the float64 reference of the whole layer (``reference_moe``).
 - Ranks built with different activations ran without an error.
 - A rank whose weights could not be placed (5 experts over 2 ranks) raised alone, and the
   other waited in the layer's first collective until the group's timeout.
+- ``ExpertParallelMoE`` held its experts as plain attributes: its ``state_dict`` was empty.
 - ``MoE(config, placement=...)`` with shared experts in its placement, called with router
   logits, never ran them (its routing had no shared slots); given routing without them is
   now refused.
@@ -74,6 +75,16 @@ def scenarios(rank: int, world: int) -> dict:
     results["uneven_build"] = _outcome(
         lambda: ExpertParallelMoE.from_global(uneven, dispatcher="all_to_all", backend="torch")
     )
+    built = ExpertParallelMoE.from_global(_weights(E), dispatcher="all_to_all", backend="torch")
+    other = ExpertParallelMoE.from_global(
+        ExpertWeights(torch.zeros(E, 2 * I, H), torch.zeros(E, H, I)),
+        dispatcher="all_to_all",
+        backend="torch",
+    )
+    other.load_state_dict(built.state_dict())  # this rank's shard
+    with torch.no_grad():
+        results["state_keys"] = sorted(built.state_dict())
+        results["loaded"] = _outcome(lambda: other(x, topk))
     results["inputs"] = (x, topk, shared_topk)
     results.update(_routed_layer_with_shared(rank, world, x, placement))
     return results
@@ -170,3 +181,12 @@ def test_given_routing_without_the_shared_slots_is_refused(results, dispatcher):
     (error,) = errors
     assert error is not None and error[0] == "MoeInputError", error
     assert "append_shared_slots" in error[1], error
+
+
+def test_an_expert_parallel_layers_state_is_its_shard(results):
+    x, topk, _ = results[0]["inputs"]
+    ref = reference_moe(x, _weights(E), topk.weights, topk.ids)
+    for rank, r in enumerate(results):
+        assert r["state_keys"] == ["w13", "w2"], r["state_keys"]
+        assert r["loaded"]["error"] is None, (rank, r["loaded"]["error"])
+        assert_close(r["loaded"]["out"], ref, error_bound(torch.float32, False), what=f"{rank}")
