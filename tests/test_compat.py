@@ -653,8 +653,12 @@ def test_sglang_swiglu_fields_of_its_later_releases():
         return torch.nn.functional.silu(g) * u
 
     cfg = sglang.MoeRunnerConfig(inplace=False)
-    want = _sglang_reference(x, w13, w2, topk, fused_pairs)
-    assert_close(sglang.fused_experts(*call, cfg, fuse_swiglu_interleaved=True), want, bound)
+    xb, w13b, w2b = (t.bfloat16() for t in (x, w13, w2))  # SGLang fuses for bf16 only
+    want = _sglang_reference(xb, w13b, w2b, topk, fused_pairs)
+    got = sglang.fused_experts(xb, w13b, w2b, call[3], cfg, fuse_swiglu_interleaved=True)
+    assert_close(got, want, error_bound(torch.bfloat16, False))
+    with pytest.raises(MoeInputError, match="fuse_swiglu_interleaved=True takes bf16"):
+        sglang.fused_experts(*call, cfg, fuse_swiglu_interleaved=True)  # fp32 (was accepted)
 
     with pytest.raises(MoeInputError, match="gemm1_beta"):
         sglang.fused_experts(*call, sglang.MoeRunnerConfig(gemm1_beta=0.5, gemm1_alpha=1.5,
@@ -738,3 +742,63 @@ def test_quantized_peer_weights_are_built_and_prepared_once(peer, prepares):
     doubled = call()
     assert len(prepares) == 2
     torch.testing.assert_close(doubled, 2 * outs[0], rtol=2e-2, atol=1e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# A probe of the shims against float64 references of the peers' semantics (2026-12-06).
+
+
+def test_sglang_unbiased_grouped_routing_scores_with_softmax():
+    """SGLang's grouped top-k without a correction bias scores with softmax (a group's score
+    its best); the shim passed scoring_func through, so "sigmoid" gave weights ~9x too big."""
+    g = torch.Generator().manual_seed(7)
+    x, logits = torch.randn(3, 16, generator=g), torch.randn(3, 64, generator=g)
+    kw = dict(top_k=4, use_grouped_topk=True, topk_group=2, num_expert_group=8,
+              renormalize=False)  # fmt: skip
+    with pytest.raises(MoeInputError, match="scores with softmax"):
+        sglang.select_experts(x, logits, sglang.TopKConfig(**kw, scoring_func="sigmoid"))
+    out = sglang.select_experts(x, logits, sglang.TopKConfig(**kw))
+    probs = logits.double().softmax(-1)
+    keep = probs.view(3, 8, 8).amax(-1).topk(2, -1).indices
+    mask = torch.zeros(3, 8, dtype=torch.bool).scatter_(1, keep, True).repeat_interleave(8, 1)
+    weights, ids = probs.masked_fill(~mask, 0.0).topk(4, -1)
+    assert torch.equal(out.topk_ids.long(), ids)
+    assert_close(out.topk_weights, weights, 1e-6)
+
+
+def test_scales_in_another_shape_of_the_same_size_are_refused():
+    """Scales were checked by element count and reshaped: a transposed grid was read in the
+    wrong order (outputs 0.09-0.9 off)."""
+    g = torch.Generator().manual_seed(0)
+    x, logits = torch.randn(T, H, generator=g).bfloat16(), torch.randn(T, E, generator=g)
+    tw, ti, _ = vllm.fused_topk(x, logits, 1, True)
+    p1 = torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g)
+    p2 = torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g)
+    s1, s2 = torch.rand(E, 2 * I, H // 64) * 0.01, torch.rand(E, H, I // 64) * 0.01
+    kw = dict(use_int4_w4a16=True, w2_scale=s2, block_shape=[0, 64])
+    with pytest.raises(MoeInputError, match=r"w1_scale must have shape \[4, 128, 2\]"):
+        vllm.fused_experts(x, p1, p2, tw, ti, w1_scale=s1.transpose(1, 2).contiguous(), **kw)
+    good = vllm.fused_experts(x, p1, p2, tw, ti, w1_scale=s1, **kw)
+    trailing = vllm.fused_experts(x, p1, p2, tw, ti, w1_scale=s1[..., None], **kw)
+    assert torch.equal(good, trailing)  # a trailing dim of 1 is the same layout
+
+
+def test_router_weight_on_input_with_a_static_activation_scale_is_refused():
+    """The peers differ (weight before or after quantizing with a1_scale): refused."""
+    x, logits, w13, w2 = _problem(3, torch.bfloat16)
+    tw, ti, _ = vllm.fused_topk(x, logits, 1, True)
+    q1 = (w13.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q2 = (w2.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ones = torch.full((E,), 0.01)
+    with pytest.raises(MoeInputError, match="static activation scale"):
+        vllm.fused_experts(x, q1, q2, tw, ti, apply_router_weight_on_input=True,
+                           use_fp8_w8a8=True, w1_scale=ones, w2_scale=ones,
+                           a1_scale=torch.tensor(0.05), a2_scale=torch.tensor(0.05))  # fmt: skip
+
+
+def test_sglang_routing_checks_tokens_and_takes_its_fields_by_keyword():
+    x, logits, _, _ = _problem(4)
+    with pytest.raises(MoeInputError, match="hidden_states has 3 tokens but router_logits 6"):
+        sglang.select_experts(x[:3], logits, sglang.TopKConfig(top_k=2))
+    with pytest.raises(TypeError):  # SGLang's field order differs: no positional fields
+        sglang.TopKConfig(2, True)

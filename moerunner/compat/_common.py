@@ -79,12 +79,20 @@ def _tensor(name: str, t: object) -> torch.Tensor:
 
 
 def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A peer scale as float32 of ``shape`` (a view where it already is float32)."""
+    """A peer scale as float32 of ``shape`` (a view where it already is float32): of that
+    shape, with trailing dims of 1 allowed (``[E, N, 1]`` for ``[E, N]``). A tensor of the
+    same size in another shape (a transposed grid) is refused, not read in the wrong order."""
     t = _tensor(name, t)
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
-    if t.numel() != _numel(shape):
-        raise MoeInputError(f"{name} must hold {list(shape)} values, got shape {list(t.shape)}")
+    got = tuple(t.shape)
+    while len(got) > len(shape) and got[-1] == 1:
+        got = got[:-1]
+    if got != tuple(shape) and not (got == () and _numel(shape) == 1):
+        raise MoeInputError(
+            f"{name} must have shape {list(shape)} (trailing dims of 1 allowed), got "
+            f"{list(t.shape)}"
+        )
     return t.reshape(shape).to(torch.float32)
 
 
@@ -344,6 +352,13 @@ def run(
             f"{where}: apply_router_weight_on_input=True with a GEMM1 bias: the peers weight "
             "GEMM1's biased output, w * (x W1^T + b1), where moerunner weights the input, "
             "(w * x) W1^T + b1; the two differ, so this pair is refused (no model uses it)"
+        )
+    if apply_router_weight_on_input and getattr(w13, "input_scale", None) is not None:
+        raise MoeInputError(
+            f"{where}: apply_router_weight_on_input=True with a static activation scale "
+            "(a1_scale): the peers differ on whether the input is weighted before it is "
+            "quantized with that scale (vLLM's modular path) or GEMM1's output after it "
+            "(SGLang's Triton path), which clips different values; this pair is refused"
         )
     if scale is not None and not apply_router_weight_on_input:
         topk_weights = _tensor("topk_weights", topk_weights).float() * float(scale)

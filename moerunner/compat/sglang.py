@@ -24,7 +24,7 @@ Quantized arguments map as in ``moerunner.compat.vllm``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import NamedTuple
 
 import torch
@@ -58,6 +58,9 @@ class TopKConfig:
     their defaults)."""
 
     top_k: int
+    # The rest by keyword only: SGLang's own field order differs between releases (and from
+    # this one), so a positional value would land in another field.
+    _: KW_ONLY
     use_grouped_topk: bool = False
     topk_group: int | None = None
     num_expert_group: int | None = None
@@ -134,6 +137,16 @@ def select_experts(
         )
     if not isinstance(hidden_states, torch.Tensor):
         raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
+    if (
+        isinstance(router_logits, torch.Tensor)
+        and hidden_states.dim() >= 1
+        and router_logits.dim() >= 1
+        and hidden_states.shape[0] != router_logits.shape[0]
+    ):
+        raise MoeInputError(
+            f"{where}: hidden_states has {hidden_states.shape[0]} tokens but router_logits "
+            f"{router_logits.shape[0]} rows"
+        )
     factor = c.routed_scaling_factor if c.apply_routed_scaling_factor_on_output else None
     if c.custom_routing_function is not None:
         if c.use_grouped_topk or c.correction_bias is not None or factor is not None:
@@ -154,8 +167,17 @@ def select_experts(
             raise MoeInputError(
                 f"{where}: use_grouped_topk=True needs num_expert_group, topk_group"
             )
-        # SGLang's biased grouped top-k (DeepSeek-V3's routing) always scores with sigmoid.
+        # SGLang's grouped top-k scores with sigmoid where it has a correction bias (DeepSeek-V3's
+        # routing) and with softmax where it has none (DeepSeek-V2's), whatever scoring_func
+        # says; its releases differ on that for sigmoid without a bias, so that one is refused.
         biased_grouped = grouped and c.correction_bias is not None
+        if grouped and not biased_grouped and c.scoring_func != "softmax":
+            raise MoeInputError(
+                f"{where}: use_grouped_topk=True without correction_bias and scoring_func="
+                f"{c.scoring_func!r}: SGLang's unbiased grouped top-k scores with softmax in "
+                "the releases that ignore scoring_func there; pass scoring_func='softmax', or "
+                "call moerunner.select_experts for grouped sigmoid scores"
+            )
         topk = _select_experts(
             router_logits,
             c.top_k,
@@ -306,12 +328,13 @@ def fused_experts(
     if not isinstance(fuse_swiglu_interleaved, bool):
         raise TypeError(f"{where}: fuse_swiglu_interleaved must be a bool")
     call = _call(cfg, fuse_swiglu_interleaved)
+    bf16 = getattr(hidden_states, "dtype", None) == torch.bfloat16
     if fuse_swiglu_interleaved and (b1 is not None or use_fp8_w8a8 or use_int8_w8a8
                                     or use_int8_w8a16 or use_int4_w4a16
-                                    or cfg.apply_router_weight_on_input):  # fmt: skip
+                                    or cfg.apply_router_weight_on_input or not bf16):  # fmt: skip
         raise MoeInputError(
-            f"{where}: fuse_swiglu_interleaved=True takes unquantized weights without b1 or "
-            "apply_router_weight_on_input (SGLang refuses the rest)"
+            f"{where}: fuse_swiglu_interleaved=True takes bf16 hidden states and unquantized "
+            "weights without b1 or apply_router_weight_on_input (SGLang refuses the rest)"
         )
     q = QuantArgs(
         use_fp8_w8a8,
