@@ -196,3 +196,25 @@ def supports(backend: str, x: torch.Tensor, weights: ExpertWeights, activation: 
     act = moerunner.Activation(activation)
     problem = MoeProblem.of(x, weights, weights.spec(act), STANDARD)
     return registry.backends[backend].supports(problem)
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    """``moerunner ARGV`` in process: (exit status, stdout, stderr)."""
+    from moerunner.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_usage_error(code, err: str, command: str) -> str:
+    """Assert a usage error of ``moerunner COMMAND`` (status 2, one line, no traceback);
+    return that line."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"moerunner {command}: error: " if command else "moerunner: error:")
+    return lines[0]

@@ -83,27 +83,13 @@ def test_every_subcommand_prints_its_help(name, capsys):
 import json  # noqa: E402
 
 import torch  # noqa: E402
+from cases import cli_usage_error, run_cli  # noqa: E402
 
 from moerunner.cli import bench as cli_bench  # noqa: E402
 from moerunner.cli import tune as cli_tune  # noqa: E402
 
-
-def run(argv, capsys):
-    """``moerunner ARGV`` in process: (exit status, stdout, stderr)."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_usage_error(code, err, command):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert "Traceback" not in err
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"moerunner {command}: error: " if command else "moerunner: error:")
+run = run_cli
+assert_usage_error = cli_usage_error
 
 
 BAD = [

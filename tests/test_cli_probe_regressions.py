@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import cli_usage_error, run_cli
 
 import moerunner
 from moerunner import backend_table as bt
@@ -19,7 +20,6 @@ from moerunner.bench import roofline
 from moerunner.bench.presets import BenchShape
 from moerunner.bench.roofline import DeviceCeilings
 from moerunner.bench.sweep import BenchConfig, Sweep
-from moerunner.cli import main
 from moerunner.testing import DTYPE_BOUND, error_bound
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -30,21 +30,8 @@ TINY = [
 ]  # fmt: skip
 
 
-def run(argv, capsys):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def usage_error(code, err, command):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert "Traceback" not in err and len(lines) == 1, err
-    assert lines[0].startswith(f"moerunner {command}: error: "), err
-    return lines[0]
+run = run_cli
+usage_error = cli_usage_error
 
 
 def ceilings_cache(path: Path, **entry) -> Path:
