@@ -101,6 +101,29 @@ class HoldsQuantized(nn.Module):
     def _quantized_buffers(self) -> list[str]:
         return [n for n in self._buffers if n in HELD_NAMES]
 
+    def _held_current(self) -> None:
+        """Rebuild ``quantized`` where a held buffer is no longer the tensor it was built over
+        (a buffer assigned anew, or substituted by ``torch.func.functional_call``): the call
+        then reads the module's buffers, as it reads its parameters. Identity checks only
+        (in-place edits are seen through the shared tensors); nothing to do while tracing."""
+        if self.quantized is None or torch.compiler.is_compiling():
+            return
+        for w in ("w13", "w2"):
+            qw = getattr(self.quantized, w)
+            if not hasattr(qw, "tensors"):
+                return  # plain weights: nothing is held as buffers
+            for field, tensor in qw.tensors().items():
+                name = f"{w}_{BUFFER_NAMES[field]}"
+                if name in self._buffers and self._buffers[name] is not tensor:
+                    try:
+                        self._rebuild_quantized()
+                    except (ValueError, TypeError) as exc:
+                        raise MoeInputError(
+                            f"the {self._held_owner}'s quantized buffer {name} was replaced by "
+                            f"a tensor it cannot run: {exc}"
+                        ) from exc
+                    return
+
     def _rebuild_quantized(self, check_values: bool = True) -> None:
         """New ``QuantizedWeight`` objects over the current buffers (validated, the scales'
         values unless ``check_values`` is False; fresh memo)."""

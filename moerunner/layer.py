@@ -508,6 +508,8 @@ class MoE(HoldsQuantized, DispatchedForward):
             id(w),
             *[(id(t), tensor_state(t)) for t in tensors],
             (id(self.correction_bias), tensor_state(self.correction_bias)),
+            # held buffers by identity (replaced ones: the ordinary path, which rebuilds)
+            *[id(self._buffers[n]) for n in self._quantized_buffers()],
         )
 
     def _replay_step(self, key: tuple, hidden_states, router_logits) -> torch.Tensor | None:
@@ -588,6 +590,7 @@ class MoE(HoldsQuantized, DispatchedForward):
             )
         if torch.compiler.is_compiling():
             return
+        self._held_current()  # buffers assigned or substituted (functional_call)
         if self._quantized_from is not None and self._quantized_from[1] != self._float_state():
             self.quantize_(**self._quantized_from[0], keep_float_weights=True)  # w13 / w2 edited
         biases = (tensor_key(self.w13_bias), tensor_key(self.w2_bias))
@@ -713,6 +716,13 @@ class MoE(HoldsQuantized, DispatchedForward):
                 "backward, but grad mode is on and the input, the routing weights or a "
                 "parameter the call reads requires grad: run it under torch.no_grad() or "
                 "torch.inference_mode(), or train a float layer"
+            )
+        if train and not compiling and act.extended and self.backend not in ("auto", "torch"):
+            raise MoeInputError(
+                f"training with swiglu_oai of per-expert parameters or swiglu_beta != 1 runs on "
+                f"the torch backend only (the custom op that gives backend {self.backend!r} a "
+                "backward takes scalar alpha / limit and beta 1): build the layer with "
+                "backend='torch' or 'auto', or run it under torch.no_grad()"
             )
         if train and not compiling and (act.extended or self.backend in ("auto", "torch")):
             # Eager training on the torch backend's differentiable path (as fused_moe): no

@@ -109,12 +109,15 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
 
 
 def view_key(t: torch.Tensor | None) -> tuple | None:
-    """Which memory a tensor views, and its in-place version. The storage object lives as
-    long as any tensor on it, and memoised values hold their tensors, so its id is unique."""
+    """Which memory a tensor views, and its in-place version. The storage is named by a weak
+    reference: equal while that storage lives (its Python object lives as long as any tensor
+    on it), and never equal to a later storage once it is freed, which may get the freed
+    one's ``id`` (a key of ids matched a replaced weight of the same shape: a memoised value
+    derived from the old weight was served for the new one). The key keeps nothing alive."""
     if t is None:
         return None
     return (
-        id(t.untyped_storage()),
+        _storage_ref(t),
         t.storage_offset(),
         tuple(t.shape),
         tuple(t.stride()),
@@ -122,6 +125,14 @@ def view_key(t: torch.Tensor | None) -> tuple | None:
         t.device,
         version(t),
     )
+
+
+def _storage_ref(t: torch.Tensor):
+    storage = t.untyped_storage()
+    try:
+        return weakref.ref(storage)
+    except TypeError:  # a storage type without weak references: its id (module note above)
+        return ("id", id(storage))
 
 
 def memoised(anchor, key: tuple, build):

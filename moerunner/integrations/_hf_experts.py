@@ -400,9 +400,13 @@ def set_quantized(
 
 
 def held_weights(module: torch.nn.Module) -> ExpertWeights | None:
-    """The quantized w13 / w2 held as buffers (biases None: they are the module's), if any."""
+    """The quantized w13 / w2 held as buffers (biases None: they are the module's), if any;
+    rebuilt where a buffer was assigned anew or substituted (``functional_call``)."""
     holder = module._modules.get(HOLDER)
-    return None if holder is None else holder.quantized
+    if holder is None:
+        return None
+    holder._held_current()
+    return holder.quantized
 
 
 def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
