@@ -611,6 +611,17 @@ class _FusedForward:
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return _fused_block_forward(self.block(), hidden_states)
 
+    def __deepcopy__(self, memo: dict) -> _FusedForward:
+        """Bound to the copy of its block (``copy.deepcopy`` of a model copies the block
+        first): a copied weak reference would still name the original block, whose weights
+        the copy would then run."""
+        block = self.block()
+        return _FusedForward(memo.get(id(block), block))
+
+    def __reduce__(self):
+        """Pickled (``torch.save`` of a model) as a rebinding to its block."""
+        return (_FusedForward, (self.block(),))
+
 
 def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """A shared-expert MoE block's forward with its shared MLP in the routed call."""

@@ -128,3 +128,33 @@ def test_use_moerunner_changes_nothing_when_the_blocks_are_refused(tmp_path):
     with pytest.raises(MoeInputError, match="no LoRA adapters attached"):
         mt.set_adapter_ids(model, [0])
     assert model.config._experts_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", SHARED_FAMILIES)
+def test_a_copy_or_a_saved_fused_model_runs_its_own_blocks(family, tmp_path):
+    """The fused forward bound its block by a weak reference, which deepcopy copied as it
+    was: a copy ran the original's blocks (edits to the copy changed nothing, and it failed
+    once the original was gone), and torch.save of the model could not pickle it."""
+    import gc
+    import io
+
+    model = build(family)
+    mt.use_moerunner(model, backend="torch", shared_experts=True)
+    ids = _ids()
+    copied = copy.deepcopy(model)
+    reference = build(family)  # the same weights, transformers' own blocks
+    with torch.no_grad():
+        for m in (copied, reference):
+            for name, p in m.named_parameters():
+                if ".mlp." in name:
+                    p.mul_(0.5)  # the copy's MoE blocks only
+        want = reference(ids).logits.double()
+        before = model(ids).logits
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        del model
+        gc.collect()
+        assert_close(copied(ids).logits.double(), want, FP32_MAX_REL, what=f"{family} copy")
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert torch.equal(loaded(ids).logits, before)
