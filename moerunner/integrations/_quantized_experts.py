@@ -49,9 +49,26 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
     """
     from ..quant import get_scheme, quantize
 
+    _check_keep(keep_float_weights, "quantize_experts")
     resolved = get_scheme(scheme)
+    if resolved.activation_scales == "static":
+        raise MoeInputError(
+            f"quantize_experts: scheme {resolved.name!r} quantizes the experts' inputs with "
+            "static scales, which quantize_experts has no calibration for; use its dynamic "
+            "form, or build ExpertWeights with moerunner.quantize(..., input_scale=) and run "
+            "them through moerunner.MoE.from_weights"
+        )
+    modules = list(experts_modules(model))
+    for path, module in modules:  # before any layer changes
+        if _RELEASED_HOOK in module.__dict__:
+            raise MoeInputError(
+                f"quantize_experts: experts layer {path} already holds quantized experts and "
+                "its float weights were released, so there is nothing to quantize again: "
+                "load the float model anew (or quantize with keep_float_weights=True to "
+                "quantize again later)"
+            )
     done: dict[str, str] = {}
-    for path, module in experts_modules(model):
+    for path, module in modules:
         source = float_weights(module)
         with torch.no_grad():
             weights = ExpertWeights(
@@ -67,7 +84,38 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
         done[path] = resolved.name
     if not done:
         raise no_experts_error(model)
+    if not keep_float_weights:
+        _guard_save_pretrained(model)
     return done
+
+
+def _check_keep(keep_float_weights: object, where: str) -> None:
+    if not isinstance(keep_float_weights, bool):
+        raise TypeError(
+            f"{where}: keep_float_weights must be a bool, got {type(keep_float_weights).__name__}"
+        )
+
+
+class _SavePretrainedRefused:
+    """``model.save_pretrained`` of a model whose float experts were released: transformers'
+    writer converts the float expert parameters (now empty) into the checkpoint's layout and
+    fails inside that conversion, and a folder it wrote could not be loaded back."""
+
+    def __call__(self, *args, **kwargs):
+        raise MoeInputError(
+            "save_pretrained: this model's experts are held quantized only (quantize_experts "
+            "or load_gpt_oss_mxfp4 released the float weights), which transformers' "
+            "checkpoint format does not hold: save model.state_dict() (safetensors' "
+            "save_file) and load it with load_state_dict into a model on which "
+            "quantize_experts(model, scheme) was called (docs/transformers.md), or quantize "
+            "with keep_float_weights=True to keep float weights that save_pretrained writes"
+        )
+
+
+def _guard_save_pretrained(model) -> None:
+    """``model.save_pretrained`` (and ``push_to_hub``, which calls it) raise a clear error."""
+    if hasattr(type(model), "save_pretrained"):
+        model.__dict__["save_pretrained"] = _SavePretrainedRefused()
 
 
 def _release_float_weights(module: torch.nn.Module) -> None:
@@ -124,6 +172,7 @@ def load_gpt_oss_mxfp4(
         paths = sorted(
             os.path.join(paths, f) for f in os.listdir(paths) if f.endswith(".safetensors")
         )
+    _check_keep(keep_float_weights, "load_gpt_oss_mxfp4")
     done = []
     for path, module in experts_modules(model):
         layout = describe(module)
@@ -155,6 +204,8 @@ def load_gpt_oss_mxfp4(
         done.append(path)
     if not done:
         raise no_experts_error(model)
+    if not keep_float_weights:
+        _guard_save_pretrained(model)
     return done
 
 

@@ -137,6 +137,11 @@ def _run_experts(x, ids, weights, expert_w, activation, backend, hooks, shared=N
     (``expert_weights``: made once, kept on the module) with the router's ids unchecked,
     through one runner per backend name: ``fused_moe`` would check the activation and build
     the weights and a runner again on every call."""
+    if weights.shape != ids.shape and weights.numel() != ids.numel():
+        raise MoeInputError(
+            f"experts call: top_k_weights of shape {list(weights.shape)} do not fit "
+            f"top_k_index of shape {list(ids.shape)} (one weight per routed slot)"
+        )
     return run_experts(
         _runner(backend),
         expert_w,
@@ -527,6 +532,8 @@ def fuse_shared_experts(model, enable: bool = True) -> list[str]:
     forward. A block of another class, a shared MLP with biases, or a gating other than the
     routed experts' raises ``UnsupportedExpertsError`` (nothing is changed).
     """
+    if not isinstance(enable, bool):
+        raise TypeError(f"fuse_shared_experts: enable must be a bool, got {type(enable).__name__}")
     blocks = _shared_blocks(model, check=enable)
     _install_shared(blocks, enable)
     return [path for path, _ in blocks]

@@ -135,3 +135,35 @@ def test_forward_follows_each_load_and_reuses_one_weights_object_between_loads()
         for state, logits in zip(states, expected, strict=True):
             model.load_state_dict(state)
             assert torch.equal(_logits(model), logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_save_pretrained_of_released_experts_names_the_ways_that_work(family, tmp_path):
+    """It failed inside transformers' checkpoint conversion ("chunk expects 'chunks' to be
+    greater than 0", leaving a folder without weights), or for GPT-OSS wrote a folder that
+    from_pretrained could not load."""
+    model = _quantized(family, "fp8_block")
+    with pytest.raises(MoeInputError, match="save_pretrained: .*keep_float_weights=True"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(MoeInputError, match="already holds quantized experts"):
+        mt.quantize_experts(model, "fp8_block")  # (an internal ValueError / IndexError)
+    kept = build(family)
+    mt.use_moerunner(kept, backend="torch")
+    mt.quantize_experts(kept, "fp8_block", keep_float_weights=True)
+    kept.save_pretrained(tmp_path / "kept")  # float weights: transformers' format holds them
+    with pytest.raises(MoeInputError, match="static scales"):
+        mt.quantize_experts(build(family), "fp8_tensor_static")
+    with pytest.raises(TypeError, match="keep_float_weights must be a bool"):
+        mt.quantize_experts(build(family), "fp8_block", keep_float_weights="no")
+    with pytest.raises(TypeError, match="enable must be a bool"):
+        mt.fuse_shared_experts(build("qwen2_moe"), enable="no")
+
+
+def test_an_experts_call_with_weights_that_do_not_fit_the_ids_is_named():
+    model = build("qwen3_moe")
+    mt.use_moerunner(model, backend="torch")
+    experts = next(m for _, m in mt.experts_modules(model))
+    hidden = torch.randn(4, experts.gate_up_proj.shape[-1])
+    with torch.no_grad(), pytest.raises(MoeInputError, match=r"top_k_weights of shape \[4, 3\]"):
+        experts(hidden, torch.tensor([[0, 1]] * 4), torch.rand(4, 3))  # (a reshape error)
