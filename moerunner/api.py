@@ -527,8 +527,8 @@ def _signature(*tensors) -> tuple | None:
             parts.append(None)
         elif isinstance(t, torch.Tensor):
             parts.append((t.shape, t.dtype, t.device))
-        elif is_quantized(t):
-            parts.append((type(t), weight_shape(t), t.scheme, t.device))
+        elif is_quantized(t):  # (a static input scale changes which backends serve it)
+            parts.append((type(t), weight_shape(t), t.scheme, t.device, t.input_scale is None))
         else:
             return None
     return tuple(parts)

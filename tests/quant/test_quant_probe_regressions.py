@@ -140,3 +140,19 @@ def test_a_finite_weight_whose_zero_point_range_overflows_is_named_as_such():
     assert torch.isfinite(w).all()
     with pytest.raises(ValueError, match="range overflows float32"):  # (blamed NaN / Inf)
         quantize(w, "int8_g64_zp")
+
+
+def test_the_argument_memo_tells_a_static_input_scale_apart():
+    """``fused_moe`` memoises its argument checks and problem by the arguments' signature;
+    a weight with a static scale after one without (same shapes and scheme) was served the
+    first one's problem, and triton ran it with per-token scales."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g)
+    topk = moerunner.select_experts(torch.randn(T, E, generator=g), K, renormalize=True)
+    dynamic = (quantize(w13, "fp8_tensor"), quantize(w2 * I**-0.5, "fp8_tensor"))
+    moerunner.fused_moe(x, *dynamic, topk.weights, topk.ids, backend="triton")
+    q13 = quantize(w13, "fp8_tensor", input_scale=0.01)
+    q2 = quantize(w2 * I**-0.5, "fp8_tensor", input_scale=0.005)
+    with pytest.raises(BackendUnavailableError, match="static activation scales"):
+        moerunner.fused_moe(x, q13, q2, topk.weights, topk.ids, backend="triton")
