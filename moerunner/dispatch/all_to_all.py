@@ -255,6 +255,16 @@ class AllToAllDispatcher:
                 f"expert ids must be < {self.placement.num_total} (routed + shared experts of "
                 f"the placement); ranks saw maxima {max_ids}"
             )
+        shared, routed = self.placement.num_shared, self.placement.num_experts
+        tokens = table[:, 0].tolist()
+        pairs = enumerate(zip(tokens, max_ids, strict=True))
+        missing = [r for r, (t, m) in pairs if t > 0 and m < routed]
+        if shared and missing:  # (a shared slot's id is >= E on every token that has one)
+            problems.append(
+                f"the routing of rank(s) {missing} has no shared-expert slots (ids {routed}.."
+                f"{self.placement.num_total - 1}) though the placement has {shared} shared "
+                "expert(s), which would never run: pass append_shared_slots(topk, placement)"
+            )
         min_ids = table[:, 4].tolist()
         if min(min_ids) < -1:
             problems.append(

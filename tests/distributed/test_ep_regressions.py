@@ -11,7 +11,8 @@ each against the float64 reference of the whole layer (``reference_moe``).
 - ``ExpertParallelMoE`` held its experts as plain attributes: its ``state_dict`` was empty.
 - ``MoE(config, placement=...)`` with shared experts in its placement, called with router
   logits, never ran them (its routing had no shared slots); given routing without them is
-  now refused.
+  now refused, and so is such routing given to an ``ExpertParallelMoE`` with the all_to_all
+  dispatcher (its header exchange sees that no rank's ids reach the shared ones).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def scenarios(rank: int, world: int) -> dict:
         )
         with torch.no_grad():
             results[f"shared/{dispatcher}"] = _outcome(lambda m=moe: m(x, shared_topk))
+            if dispatcher == "all_to_all":  # routing without the shared slots
+                results["shared/no_slots"] = _outcome(lambda m=moe: m(x, topk))
     moe = ExpertParallelMoE.from_global(_weights(E), dispatcher="standard", backend="torch")
     bad = TopK(topk.weights[:3], topk.ids[:3]) if rank == 1 else topk
     with torch.no_grad():
@@ -190,3 +193,11 @@ def test_an_expert_parallel_layers_state_is_its_shard(results):
         assert r["state_keys"] == ["w13", "w2"], r["state_keys"]
         assert r["loaded"]["error"] is None, (rank, r["loaded"]["error"])
         assert_close(r["loaded"]["out"], ref, error_bound(torch.float32, False), what=f"{rank}")
+
+
+def test_routing_without_the_shared_slots_is_refused_by_all_to_all(results):
+    errors = {r["shared/no_slots"]["error"] for r in results}
+    assert len(errors) == 1, errors  # the same on every rank
+    (error,) = errors
+    assert error is not None and error[0] == "MoeInputError", error
+    assert "no shared-expert slots" in error[1] and "append_shared_slots" in error[1], error
