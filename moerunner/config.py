@@ -30,6 +30,10 @@ ACTIVATIONS: dict[str, bool] = {
     "gelu_tanh_no_mul": False,
 }
 
+#: ``select_experts``' scores of the router logits, and a group's score in grouped top-k.
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
+
 SWIGLU_OAI_DEFAULT_ALPHA = 1.702
 SWIGLU_OAI_DEFAULT_LIMIT = 7.0
 SWIGLU_OAI_DEFAULT_BETA = 1.0
@@ -282,6 +286,11 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         check_routing_values(self.renormalize, self.routed_scaling_factor)
+        for name, accepted in (("scoring_func", SCORING_FUNCS), ("group_score", GROUP_SCORES)):
+            if getattr(self, name) not in accepted:  # (else refused only at the first call)
+                raise MoeInputError(
+                    f"RoutingConfig.{name}: got {getattr(self, name)!r}; accepted: {accepted}"
+                )
         if not isinstance(self.correction_bias, bool):
             raise TypeError(
                 "correction_bias (in RoutingConfig: whether the layer has one) must be a bool, "

@@ -35,13 +35,11 @@ import functools
 
 import torch
 
-from .config import check_groups, check_routing_values
+from .config import GROUP_SCORES, SCORING_FUNCS, check_groups, check_routing_values
 from .device_checks import check_ids_async
 from .errors import BackendUnavailableError, MoeInputError
 from .topk import TopK
 
-SCORING_FUNCS = ("softmax", "sigmoid", "topk_sigmoid")
-GROUP_SCORES = ("top2_sum", "max")
 ROUTING_BACKENDS = ("auto", "torch", "triton")
 
 

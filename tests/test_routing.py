@@ -146,3 +146,14 @@ def test_an_integer_scaling_factor_is_accepted():
     a = moerunner.select_experts(logits, 2, routed_scaling_factor=2)
     b = moerunner.select_experts(logits, 2, routed_scaling_factor=2.0)
     assert torch.equal(a.weights, b.weights) and a.weights.dtype == torch.float32
+
+
+def test_routing_config_refuses_an_unknown_score_where_it_is_built():
+    """``scoring_func`` / ``group_score`` were accepted by the config and refused only at
+    the layer's first call (a probe of the docs' claims, 2026-12-06)."""
+    from moerunner import MoeInputError, RoutingConfig
+
+    with pytest.raises(MoeInputError, match="RoutingConfig.scoring_func: got 'relu'"):
+        RoutingConfig(scoring_func="relu")
+    with pytest.raises(MoeInputError, match="RoutingConfig.group_score: got 'avg'"):
+        RoutingConfig(group_score="avg")

@@ -332,8 +332,8 @@ class QuantizedWeight:
         separately aligned. K is padded at its end to ``k`` columns. New scale entries hold
         what quantizing zeros would give, so ``quantize(pad(w)) == pad(quantize(w))`` where the
         blocks line up. Raises ValueError where the format cannot express it: K for group
-        formats must stay a multiple of the group size; for 2-D block scales (fp8_block)
-        with several segments, each segment's rows must be a whole number of blocks.
+        formats must stay a multiple of the group size. (fp8_block segments that are not
+        whole 128-row blocks are padded too, their values exact; docs/quantization.md.)
         """
         e, n, k0 = self.shape
         if not isinstance(segments, int) or segments < 1 or n % segments:

@@ -156,3 +156,15 @@ def test_the_argument_memo_tells_a_static_input_scale_apart():
     q2 = quantize(w2 * I**-0.5, "fp8_tensor", input_scale=0.005)
     with pytest.raises(BackendUnavailableError, match="static activation scales"):
         moerunner.fused_moe(x, q13, q2, topk.weights, topk.ids, backend="triton")
+
+
+def test_fp8_block_segments_off_the_block_grid_pad_to_their_exact_values():
+    """The docs said this raised; it pads, and the values are the zero-padded ones."""
+    from moerunner.quant import dequantize
+
+    q = quantize(torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(0)), "fp8_block")
+    padded = q.pad(rows_per_segment=128, segments=2)  # two 64-row halves to 128 rows each
+    want = torch.zeros(2, 256, 256)
+    d = dequantize(q)
+    want[:, :64], want[:, 128:192] = d[:, :64], d[:, 64:]
+    assert torch.equal(dequantize(padded), want)
