@@ -109,12 +109,9 @@ class HoldsQuantized(nn.Module):
         if self.quantized is None or torch.compiler.is_compiling():
             return
         for w in ("w13", "w2"):
-            qw = getattr(self.quantized, w)
-            if not hasattr(qw, "tensors"):
-                return  # plain weights: nothing is held as buffers
-            for field, tensor in qw.tensors().items():
+            for field, tensor in getattr(self.quantized, w).tensors().items():
                 name = f"{w}_{BUFFER_NAMES[field]}"
-                if name in self._buffers and self._buffers[name] is not tensor:
+                if self._buffers.get(name, tensor) is not tensor:  # (not held: no buffer)
                     try:
                         self._rebuild_quantized()
                     except (ValueError, TypeError) as exc:

@@ -46,14 +46,14 @@ import torch
 from torch import nn
 
 from .api import check_routing_shapes, run_experts, validate_call
-from .backends.base import MoeProblem, caller
+from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement, append_shared_slots
-from .dispatch.formats import STANDARD
 from .dispatch.masked import OVERFLOW_POLICIES
 from .dispatched_layer import DispatchedForward
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
+from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
 from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .registry import Registry
@@ -72,7 +72,7 @@ from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized
 __all__ = ["MoE"]
 
 
-class MoE(HoldsQuantized, DispatchedForward):
+class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
     """One MoE layer: route -> dispatch -> experts -> combine.
 
     Quantized weights held as buffers after ``quantize_``: ``moerunner.held_quantized``; the
@@ -289,19 +289,18 @@ class MoE(HoldsQuantized, DispatchedForward):
         has the row order of every other layer's."""
         weights = gate_up_first(weights)
 
-        def param(t, requires_grad):
+        def param(t, trainable: bool = True):
             if t is None or isinstance(t, nn.Parameter):
                 return t
-            return nn.Parameter(t.detach(), requires_grad=requires_grad)
+            return nn.Parameter(t.detach(), requires_grad=trainable and t.requires_grad)
 
         quantized = is_quantized(weights.w13)
-        self.w13_bias, self.w2_bias = (  # (quantized experts have no backward)
-            param(b, not quantized and b.requires_grad) if b is not None else None
-            for b in (weights.w13_bias, weights.w2_bias)
+        # (quantized experts have no backward: their biases do not train)
+        self.w13_bias, self.w2_bias = (
+            param(b, not quantized) for b in (weights.w13_bias, weights.w2_bias)
         )
         if not quantized:
-            self.w13 = param(weights.w13, weights.w13.requires_grad)
-            self.w2 = param(weights.w2, weights.w2.requires_grad)
+            self.w13, self.w2 = param(weights.w13), param(weights.w2)
             self.quantized = None
             self._held_bias_keys = None
             return
@@ -351,13 +350,13 @@ class MoE(HoldsQuantized, DispatchedForward):
                 "keep_float_weights=True to quantize_ to quantize again later"
             )
         scales = {"w13_input_scale": w13_input_scale, "w2_input_scale": w2_input_scale}
-        if get_scheme(scheme).activation_scales == "static":
-            missing = [name for name, value in scales.items() if value is None]
-            if missing:
-                raise MoeInputError(
-                    f"quantize_: scheme {get_scheme(scheme).name!r} quantizes the GEMMs' inputs "
-                    f"with static scales: pass {' and '.join(missing)} (a scalar or fp32 [E])"
-                )
+        resolved = get_scheme(scheme)
+        missing = [name for name, value in scales.items() if value is None]
+        if resolved.activation_scales == "static" and missing:
+            raise MoeInputError(
+                f"quantize_: scheme {resolved.name!r} quantizes the GEMMs' inputs with static "
+                f"scales: pass {' and '.join(missing)} (a scalar or fp32 [E])"
+            )
         with torch.no_grad():
             self.quantized = ExpertWeights(
                 quantize(self.w13.detach(), scheme, input_scale=w13_input_scale),
@@ -452,92 +451,6 @@ class MoE(HoldsQuantized, DispatchedForward):
         if step_key is not None:
             self._make_step(step_key, x, router_logits)
         return out.reshape(hidden_states.shape)
-
-    # -- eager calls as one replay (``backends.triton._step``) -------------------------------
-    #
-    # An eager call of a plain single-process layer, after its first calls of a shape, is a
-    # lookup of the step made for (caller, input shapes, dtypes, strides, alignments, weight
-    # state) and one replay of the routing and expert launches: no argument checks, backend
-    # choice or prepared-weights lookup per call, since the key fixes all of their outcomes.
-    # The key holds every tensor's identity, address and in-place version, so a replaced or
-    # edited weight, a quantize_ or a load_state_dict takes the ordinary path (which prepares
-    # again) and makes a new step. Steps exist only where the experts' fused op offers them
-    # (the triton backend on CUDA); they are kept in a bounded ``memo.StepCache``.
-
-    def _step_key(self, hidden_states, router_logits) -> tuple | None:
-        """The step key of an eager call, or None where no step applies."""
-        if (
-            not isinstance(hidden_states, torch.Tensor)
-            or not isinstance(router_logits, torch.Tensor)
-            or not hidden_states.is_cuda
-            or torch.compiler.is_compiling()
-            or torch.cuda.is_current_stream_capturing()  # captured once: the ordinary path
-            or not self.routes
-            or not self._single_process()
-            or self._given_shared is not None
-            or self.shared_w13 is not None
-            or self._trains(hidden_states, router_logits)
-        ):
-            return None
-        return (
-            caller(hidden_states.device),
-            hidden_states.shape,
-            hidden_states.dtype,
-            hidden_states.device,
-            hidden_states.stride(),
-            hidden_states.data_ptr() & 15,
-            router_logits.shape,
-            router_logits.dtype,
-            router_logits.device,
-            router_logits.stride(),
-            router_logits.data_ptr() & 15,
-            self._weight_state(),
-        )
-
-    def _weight_state(self) -> tuple:
-        """Identity, address, shape and in-place version of every tensor the call reads
-        besides its inputs (``runner.tensor_state``); no device sync."""
-        w = self.quantized
-        tensors = (
-            (self.w13, self.w2, self.w13_bias, self.w2_bias)
-            if w is None
-            else (w.w13, w.w2, w.w13_bias, w.w2_bias, self.w13, self.w2)
-            + (self.w13_bias, self.w2_bias)
-        )
-        return (
-            id(w),
-            *[(id(t), tensor_state(t)) for t in tensors],
-            (id(self.correction_bias), tensor_state(self.correction_bias)),
-            # held buffers by identity (replaced ones: the ordinary path, which rebuilds)
-            *[id(self._buffers[n]) for n in self._quantized_buffers()],
-        )
-
-    def _replay_step(self, key: tuple, hidden_states, router_logits) -> torch.Tensor | None:
-        out = self._steps.replay(
-            key,
-            lambda step: step.run(
-                hidden_states.reshape(-1, hidden_states.shape[-1]),
-                router_logits.reshape(-1, router_logits.shape[-1]),
-                self.correction_bias,
-            ),
-        )
-        return None if out is None else out.reshape(hidden_states.shape)
-
-    def _make_step(self, key: tuple, x: torch.Tensor, router_logits) -> None:
-        """After an ordinary routed call of ``key``: the step of such calls, where the
-        experts' fused op makes one (``layer_step``) from the plans that call recorded."""
-
-        def make():
-            weights = self.expert_weights()
-            prepared = self._prepared(x, weights, STANDARD, self.config.top_k)
-            fused = self.runner.registry.fused_op(STANDARD, prepared.backend)
-            layer_step = getattr(fused, "layer_step", None)
-            if layer_step is None:
-                return None
-            logits = router_logits.reshape(-1, router_logits.shape[-1])
-            return layer_step(x, logits, self._routing_kwargs(), prepared)
-
-        self._steps.offer(key, make)
 
     def _inputs(self, hidden_states, router_logits, topk) -> tuple[torch.Tensor, TopK, bool]:
         """Checked ``[T, H]`` hidden states, routing, and whether this layer routed."""
