@@ -13,7 +13,9 @@ A dispatcher (stages 2 and 4) is any object with:
   exception, or None): the caller's step has already failed on this rank and its inputs are
   an empty stand-in. The dispatcher carries the failure in its first exchange, so that every
   rank raises the same ``RankFailedError`` there, before the stand-in's sizes (its top_k,
-  its dtype) are compared with the other ranks' inputs and reported instead of the cause.
+  its dtype) are compared with the other ranks' inputs and reported instead of the cause
+  (a dispatcher that reads nothing on the host, the masked one in ``"flag"`` mode, flags
+  the step on every rank instead and the caller raises after the step's exchanges).
 
 Dispatchers are registered by name in ``moerunner.registry`` as factories of a
 ``DispatchSetup``; ``dispatch.builtin.default_dispatchers`` lists the built-in ones.

@@ -27,6 +27,13 @@ with another expert: ``"raise"`` raises ``MoeInputError`` on every rank (as the 
 dispatcher does); ``"flag"`` drops their pairs (they contribute zero) and sets
 ``output.overflow``, so a rerun with the all-to-all dispatcher reports them.
 
+Input that fails this rank's own checks (not 2-D, another H, ids of another shape):
+``"raise"`` raises ``RankFailedError`` on every rank in the header exchange. ``"flag"`` cannot
+tell the others on the host, and a rank that raised at once would leave them waiting in the
+exchanges, so this rank takes part in the step with an empty batch instead: ``dispatch``
+returns, ``output.overflow`` is set on every rank, and this rank's ``combine`` raises
+``RankFailedError`` (naming the cause) after its exchange. The other ranks finish the step.
+
 Hidden dtype: ``"raise"`` checks on every call that all ranks pass one dtype (the same
 ``MoeInputError`` everywhere). ``"flag"`` exchanges rows in one wire dtype, the
 constructor's ``dtype`` or, when that is None, the dtype of the first dispatch (checked on
@@ -72,6 +79,7 @@ class MaskedHandle:
     num_tokens: int
     top_k: int
     dtype: torch.dtype
+    failure: BaseException | None = None  # "flag": this rank's input failed; combine raises
 
 
 @dataclass(frozen=True)
@@ -163,29 +171,28 @@ class MaskedDispatcher:
     ) -> MaskedEPDispatchOutput:
         """Pack this rank's pairs, exchange, and return ``[E_local, C, H]`` with counts.
 
-        ``failure``: this rank's step has already failed; with ``on_overflow="raise"`` every
-        rank then raises the same ``RankFailedError`` in the header exchange (see
-        ``dispatch.base``); ``"flag"`` reads nothing on the host, so only this rank learns of
-        it: the caller must take part in the step's exchanges and raise after them.
+        ``failure``: this rank's step has already failed and its inputs are an empty
+        stand-in. With ``on_overflow="raise"`` every rank then raises the same
+        ``RankFailedError`` in the header exchange (see ``dispatch.base``); ``"flag"`` reads
+        nothing on the host: the step goes on, ``output.overflow`` is set on every rank, and
+        the caller raises after the step's exchanges. Input failing this rank's own checks is
+        handled the same way (in ``"flag"`` mode, ``combine`` raises; module docstring).
         """
         import torch.distributed as dist
 
-        if failure is not None and self.on_overflow == "raise":
-            self._exchange_failure(failure)
-        try:
-            _check_local(hidden_states, topk)
-        except Exception as err:
-            if self.on_overflow == "raise":  # take part in the exchange with a failure flag
-                self._exchange_failure(err)
-            raise  # "flag" reads nothing on the host: the others cannot learn of it
+        local_failure = None
+        if failure is None:
+            try:
+                self._check_local(hidden_states, topk)
+            except Exception as err:
+                failure = local_failure = err
+        if failure is not None:
+            if self.on_overflow == "raise":  # every rank raises in the header exchange
+                self._exchange_failure(failure)
+            hidden_states, topk = self._stand_in(hidden_states)
         num_tokens, hidden_size = hidden_states.shape
-        if self.on_overflow == "flag" and hidden_size != self.hidden_size:
-            raise MoeInputError(
-                f"hidden_states has H={hidden_size}, the dispatcher was built "
-                f"for H={self.hidden_size}"
-            )
         if self.on_overflow == "flag" and self.dtype is None:
-            self.dtype = self._agree_on_dtype(hidden_states.dtype)
+            self.dtype = self._agree_on_dtype(hidden_states.dtype, failure)
         local_dtype = hidden_states.dtype
         if self.on_overflow == "flag":
             hidden_states = hidden_states.to(self.dtype)  # no copy when it is the wire dtype
@@ -215,13 +222,16 @@ class MaskedDispatcher:
             ]
             + [invalid.sum().reshape(1)]
         )
-        failed = counts.new_zeros(1)
+        failed = counts.new_full((1,), int(failure is not None))
         row = torch.cat([header, counts[:keys], failed]).to(collective_device(self.group))
         table = all_gather_ints(row, self.group).to(device)
         counts_SDL = table[:, _HEADER:-1].view(world, world, slots)  # [source, dest, local]
         sent_SDL = counts_SDL.clamp(max=cap)
         overflow = (
-            (counts_SDL > cap).any() | (sent_SDL.sum(0) > cap).any() | (table[:, 3] > 0).any()
+            (counts_SDL > cap).any()
+            | (sent_SDL.sum(0) > cap).any()
+            | (table[:, 3] > 0).any()  # invalid ids
+            | (table[:, -1] > 0).any()  # a rank whose step failed ("flag")
         )
         if self.on_overflow == "raise":
             self._check_world(table.cpu(), bool(overflow))
@@ -252,7 +262,13 @@ class MaskedDispatcher:
 
         weights = torch.where(valid, topk.weights.reshape(-1).float(), 0.0)
         handle = MaskedHandle(
-            send_index, recv_index, weights, num_tokens, topk.ids.shape[1], local_dtype
+            send_index,
+            recv_index,
+            weights,
+            num_tokens,
+            topk.ids.shape[1],
+            local_dtype,
+            local_failure,
         )
         return MaskedEPDispatchOutput(
             hidden_states=masked[: experts * cap].view(experts, cap, hidden_size),
@@ -280,14 +296,27 @@ class MaskedDispatcher:
         returned = torch.empty_like(back)
         dist.all_to_all_single(returned, back, group=self.group)
         rows = torch.cat([returned, zero_row])[h.send_index]
+        if h.failure is not None:  # "flag": after the exchange, so the others finish
+            from ..errors import RankFailedError
+
+            text = f"{type(h.failure).__name__}: {h.failure}"
+            raise RankFailedError(
+                f"masked dispatch failed on rank {self.rank} (rank {self.rank}: {text})",
+                (self.rank,),
+                (text,),
+            ) from h.failure
         token = torch.arange(h.num_tokens * h.top_k, device=output.device) // h.top_k
         return weighted_row_sum(rows, token, h.token_weight, h.num_tokens).to(h.dtype)
 
-    def _agree_on_dtype(self, dtype: torch.dtype) -> torch.dtype:
+    def _agree_on_dtype(self, dtype: torch.dtype, failure: BaseException | None) -> torch.dtype:
         """First "flag" dispatch without a constructor dtype: every rank checks that all
-        passed ``dtype`` (one small all_gather and host read) and takes it as wire dtype."""
-        row = torch.tensor([DTYPE_CODES[dtype]], device=collective_device(self.group))
+        passed ``dtype`` (one small all_gather and host read) and takes it as wire dtype.
+        A rank whose step failed says so there (code -1): having read the codes on the host
+        anyway, every rank raises the same ``RankFailedError``."""
+        code = -1 if failure is not None else DTYPE_CODES[dtype]
+        row = torch.tensor([code], device=collective_device(self.group))
         codes = all_gather_ints(row, self.group)[:, 0].cpu().tolist()
+        raise_failed([int(c < 0) for c in codes], self.group, "masked dispatch", failure)
         if len(set(codes)) > 1:
             raise_on_every_rank(
                 [
@@ -298,6 +327,27 @@ class MaskedDispatcher:
                 "masked dispatch",
             )
         return dtype
+
+    def _check_local(self, hidden_states: torch.Tensor, topk: TopK) -> None:
+        """This rank's own checks, before any exchange."""
+        _check_local(hidden_states, topk)
+        if self.on_overflow == "flag" and hidden_states.shape[1] != self.hidden_size:
+            raise MoeInputError(
+                f"hidden_states has H={hidden_states.shape[1]}, the dispatcher was built "
+                f"for H={self.hidden_size}"
+            )
+
+    def _stand_in(self, hidden_states) -> tuple[torch.Tensor, TopK]:
+        """An empty batch for a rank whose step failed: H of the dispatcher, the wire dtype
+        (else the input's, if accepted, else float32), on the collective device."""
+        dtype = self.dtype
+        if dtype is None:
+            given = getattr(hidden_states, "dtype", None)
+            dtype = given if given in DTYPE_CODES else torch.float32
+        device = collective_device(self.group)
+        x = torch.zeros((0, self.hidden_size), dtype=dtype, device=device)
+        ids = torch.zeros((0, 1), dtype=torch.int32, device=device)
+        return x, TopK(torch.zeros((0, 1), dtype=torch.float32, device=device), ids)
 
     def _exchange_failure(self, error: BaseException) -> None:
         """This rank's local checks failed: its row of the header exchange carries the flag,

@@ -141,6 +141,30 @@ def scenarios(rank: int, world: int) -> dict:
     results["direct/masked_raise"] = _outcome(
         lambda: MaskedDispatcher(placement, 32, H).dispatch(one_d, topk)
     )
+    # "flag" mode (no host reads): rank 1 raised at once and the others waited forever in the
+    # header exchange. Identity experts: a good rank's combine is x * sum of its weights.
+    flagged = MaskedDispatcher(placement, 32, H, on_overflow="flag", dtype=torch.float32)
+
+    def flag_step(dispatcher, rows):
+        seen = {}
+        try:
+            out = dispatcher.dispatch(rows, topk)
+            seen["overflow"] = bool(out.overflow)
+            seen["combined"] = dispatcher.combine(out.hidden_states.clone(), out)
+        except Exception as exc:  # noqa: BLE001
+            seen["error"] = (type(exc).__name__, str(exc))
+        return seen
+
+    results["direct/masked_flag"] = flag_step(flagged, one_d)
+    results["direct/masked_flag_after"] = flag_step(flagged, x)
+    wrong_h = torch.randn(T, H + 1) if rank == 1 else x
+    results["direct/masked_flag_h"] = flag_step(flagged, wrong_h)
+    # Without a constructor dtype the first call agrees on one (a host read): every rank
+    # raises there.
+    first = MaskedDispatcher(placement, 32, H, on_overflow="flag")
+    results["direct/masked_flag_first"] = _outcome(lambda: first.dispatch(one_d, topk))
+    results["direct/masked_flag_first_after"] = flag_step(first, x)
+    results["direct/input"] = (x, topk)
 
     # Construction: rank 1's placement disagrees with its layer (a local check).
     def build():
@@ -277,6 +301,8 @@ def test_flag_mode_failing_rank_raises_others_finish(world, fault):
             assert "failed on rank 1" in outcome["error"][1]
             continue
         assert outcome["error"] is None, (rank, outcome["error"])
+        if fault != "expert_raises":  # failed before dispatch: the step's flag tells everyone
+            assert bool(outcome["out"][1]), f"rank {rank}: the failed step was not flagged"
         out = outcome["out"][0]
         weights, _, _ = _case(rank, "masked_flag")
         x, topk = r["masked_flag/input"]
@@ -339,6 +365,38 @@ def test_good_calls_between_faults(world):
 def test_direct_dispatcher_local_check(world, kind):
     _, results = world
     _assert_named_failure(results, f"direct/{kind}", ("hidden_states must be a 2-D tensor",))
+
+
+@pytest.mark.parametrize("case", ["masked_flag", "masked_flag_h"])
+def test_direct_flag_dispatcher_local_check(world, case):
+    """Rank 1's input fails its own checks: it takes part in the step with an empty batch and
+    raises ``RankFailedError`` in ``combine``, after the exchange; every rank's overflow flag is
+    set and the other ranks' results are correct; the next good step is clean."""
+    _, results = world
+    cause = "2-D tensor" if case == "masked_flag" else f"dispatcher was built for H={H}"
+    for rank, r in enumerate(results):
+        step, after = r[f"direct/{case}"], r["direct/masked_flag_after"]
+        assert step["overflow"] is True, (rank, step)
+        x, topk = r["direct/input"]
+        expected = x * topk.weights.sum(1, keepdim=True)
+        if rank == 1:
+            assert step["error"][0] == "RankFailedError", step
+            assert "failed on rank 1" in step["error"][1] and cause in step["error"][1], step
+        else:
+            assert "error" not in step, (rank, step)
+            assert_close(step["combined"], expected, 1e-6, what=f"rank {rank} flagged step")
+        assert after["overflow"] is False and "error" not in after, (rank, after)
+        assert_close(after["combined"], expected, 1e-6, what=f"rank {rank} next step")
+
+
+def test_direct_flag_dispatcher_first_call_fails_everywhere(world):
+    """Before the wire dtype is known the first call reads the ranks' dtypes on the host, so
+    there every rank raises the same error, and the dispatcher still works after."""
+    _, results = world
+    _assert_named_failure(results, "direct/masked_flag_first", ("2-D tensor",))
+    for rank, r in enumerate(results):
+        after = r["direct/masked_flag_first_after"]
+        assert after["overflow"] is False and "error" not in after, (rank, after)
 
 
 def test_construction_local_check(world):
