@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .device_checks import capturing
+from .dispatch.all_to_all import DTYPE_CODES
 from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
 from .errors import MoeInputError
@@ -57,6 +58,7 @@ class DispatchedForward:
         num_experts: int,
         config: MoeConfig | None,
         num_local: int | None = None,
+        combine_dtype: torch.dtype | None = None,
     ) -> int:
         """Build the dispatcher; return how many experts this rank holds."""
         if not isinstance(dispatcher, str):
@@ -77,6 +79,13 @@ class DispatchedForward:
         registry = self.runner.registry
         try:
             num_local = self._check_placement(placement, rank, num_experts, num_local)
+            if combine_dtype is not None and (
+                not isinstance(combine_dtype, torch.dtype) or combine_dtype not in DTYPE_CODES
+            ):
+                raise TypeError(
+                    f"combine_dtype must be None or one of {list(DTYPE_CODES)}, "
+                    f"got {combine_dtype!r}"
+                )
             if dispatcher not in registry.dispatchers:
                 raise MoeInputError(
                     f"dispatcher must be one of {sorted(registry.dispatchers)}, got {dispatcher!r}"
@@ -97,6 +106,7 @@ class DispatchedForward:
                     "hidden_size": config.hidden_size if config else -1,
                     "intermediate_size": config.intermediate_size if config else -1,
                     "placement": -1 if placement is None else placement.fingerprint(),
+                    "combine_dtype": DTYPE_CODES.get(combine_dtype, -1) if error is None else -1,
                     "layout (activation, bias, gate/up order, top_k, routing)": (
                         _layout_digest(config) if config else -1
                     ),
@@ -117,6 +127,7 @@ class DispatchedForward:
                 rank=rank,
                 capacity=capacity,
                 on_overflow=on_overflow,
+                combine_dtype=combine_dtype,
             ),
         )
         self.last_overflow: torch.Tensor | None = None

@@ -90,6 +90,7 @@ class ExpertParallelMoE(MoE):
         backend: runner backend name or ``"auto"``.
         capacity: rows per local expert for ``"masked"`` (required there).
         on_overflow: ``"raise"`` or ``"flag"`` for ``"masked"``.
+        combine_dtype: ``"all_to_all"``'s return precision (as in ``MoE``).
         dtype: hidden-state dtype the layer will see (the backend is chosen and the weights
             prepared at construction, so an unservable request fails here on every rank).
     """
@@ -105,6 +106,7 @@ class ExpertParallelMoE(MoE):
         backend: str = "auto",
         capacity: int | None = None,
         on_overflow: str = "raise",
+        combine_dtype: torch.dtype | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         if group is None:  # name the default group, so the layer is distributed
@@ -121,6 +123,7 @@ class ExpertParallelMoE(MoE):
             group=group,
             capacity=capacity,
             on_overflow=on_overflow,
+            combine_dtype=combine_dtype,
             registry=None,
         )
         self.kind = dispatcher

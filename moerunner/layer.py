@@ -94,6 +94,9 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         group: the ``torch.distributed`` process group (``None`` with a placement: the
             default group; ``None`` without one: a single process).
         capacity, on_overflow: the ``masked`` dispatcher's capacity and overflow policy.
+        combine_dtype: the ``all_to_all`` dispatcher's return precision: ``None`` (the hidden
+            dtype: each rank's partial sum of a token is rounded once more) or
+            ``torch.float32`` (twice the return traffic, one rounding).
         registry: where backends and dispatchers are looked up (default: the global one).
         backend_forms: with ``backend="auto"`` and a measured backend table naming several
             backends for this layer's shape, at most this many serve it, each holding its
@@ -113,6 +116,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         group: Any = None,
         capacity: int | None = None,
         on_overflow: str = "raise",
+        combine_dtype: torch.dtype | None = None,
         registry: Registry | None = None,
         backend_forms: int | None = None,
     ):
@@ -132,7 +136,14 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         self.backend = backend
         self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
         num_local = self._setup_dispatch(
-            dispatcher, placement, group, capacity, on_overflow, config.num_experts, config
+            dispatcher,
+            placement,
+            group,
+            capacity,
+            on_overflow,
+            config.num_experts,
+            config,
+            combine_dtype=combine_dtype,
         )
         kw = {"dtype": dtype, "device": device}
         e, h, i = num_local, config.hidden_size, config.intermediate_size
@@ -190,6 +201,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         group: Any = None,
         capacity: int | None = None,
         on_overflow: str = "raise",
+        combine_dtype: torch.dtype | None = None,
         registry: Registry | None = None,
         shared_experts: SharedExperts | None = None,
         backend_forms: int | None = None,
@@ -199,7 +211,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
 
         ``num_experts``: routed experts of the whole layer (default: the placement's, or the
         weights' count). ``shared_experts``: shared experts run with the routed ones (one
-        process, standard dispatcher). ``backend_forms``: as in ``MoE``.
+        process, standard dispatcher). ``backend_forms``, ``combine_dtype``: as in ``MoE``.
 
         The weights become the layer's state (``state_dict``, ``.to`` / ``.half()``), as in a
         layer built from a config: plain ones the parameters ``w13`` / ``w2`` (sharing the
@@ -216,6 +228,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             group=group,
             capacity=capacity,
             on_overflow=on_overflow,
+            combine_dtype=combine_dtype,
             registry=registry,
             backend_forms=backend_forms,
         )
@@ -243,6 +256,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         on_overflow: str,
         registry: Registry | None,
         backend_forms: int | None = None,
+        combine_dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)
         if not isinstance(weights, ExpertWeights):
@@ -272,6 +286,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             num_experts,
             config,
             num_local=weights.num_experts,
+            combine_dtype=combine_dtype,
         )
         self.correction_bias = None
         self.routes = False

@@ -118,6 +118,13 @@ def test_unknown_backends_and_bad_layer_arguments_fail_where_they_are_given():
             moerunner.MoE(cfg, dtype=dtype)
     with pytest.raises(MoeInputError, match="on_overflow must be one of"):
         moerunner.MoE(cfg, on_overflow="foo")
+    # combine_dtype (the all_to_all dispatcher's return precision) names what it takes
+    with pytest.raises(TypeError, match="combine_dtype must be None or one of"):
+        moerunner.MoE(cfg, combine_dtype="fp32")
+    with pytest.raises(TypeError, match="combine_dtype must be None or one of"):
+        moerunner.MoE(cfg, combine_dtype=torch.float64)
+    with pytest.raises(MoeInputError, match="option of the 'all_to_all' dispatcher; 'standard'"):
+        moerunner.MoE(cfg, combine_dtype=torch.float32)
 
 
 def test_the_transformers_integration_checks_its_backend_name_when_given():

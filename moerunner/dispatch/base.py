@@ -63,6 +63,8 @@ class DispatchSetup:
         rank: this rank in ``group`` (0 without one).
         capacity: rows per local expert (``masked`` only).
         on_overflow: ``"raise"`` or ``"flag"`` (``masked`` only).
+        combine_dtype: dtype the combine's partial sums travel back in (``all_to_all``
+            only; ``None``: the hidden dtype).
     """
 
     num_local_experts: int
@@ -72,6 +74,7 @@ class DispatchSetup:
     rank: int = 0
     capacity: int | None = None
     on_overflow: str = "raise"
+    combine_dtype: torch.dtype | None = None
 
 
 def weighted_row_sum(

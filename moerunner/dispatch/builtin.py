@@ -19,7 +19,15 @@ from .standard import StandardDispatcher
 __all__ = ["default_dispatchers"]
 
 
+def _no_combine_dtype(name: str, setup: DispatchSetup, why: str) -> None:
+    if setup.combine_dtype is not None:
+        raise MoeInputError(
+            f"combine_dtype is an option of the 'all_to_all' dispatcher; {name!r} {why}"
+        )
+
+
 def _standard(setup: DispatchSetup) -> Dispatcher:
+    _no_combine_dtype("standard", setup, "sums the experts' outputs in fp32 already")
     if setup.placement is None:
         return StandardDispatcher(group=setup.group, num_local_experts=setup.num_local_experts)
     placement = setup.placement
@@ -38,11 +46,16 @@ def _needs_placement(name: str, setup: DispatchSetup) -> ExpertPlacement:
 
 
 def _all_to_all(setup: DispatchSetup) -> Dispatcher:
-    return AllToAllDispatcher(_needs_placement("all_to_all", setup), setup.group)
+    return AllToAllDispatcher(
+        _needs_placement("all_to_all", setup), setup.group, combine_dtype=setup.combine_dtype
+    )
 
 
 def _masked(setup: DispatchSetup) -> Dispatcher:
     placement = _needs_placement("masked", setup)
+    _no_combine_dtype(
+        "masked", setup, "sends each pair's expert output back unsummed (weighted in fp32)"
+    )
     if setup.capacity is None:
         raise MoeInputError("dispatcher 'masked' needs capacity=")
     return MaskedDispatcher(

@@ -123,6 +123,33 @@ def scenarios(rank: int, world: int) -> dict:
 
     results["all_to_all/bf16_fp32_combine"] = _run("bf16", bf16_exact_combine)
 
+    def bf16_combine_argument():  # the layers' own argument for the same dispatcher
+        from moerunner import MoE
+
+        wb = ExpertWeights(weights.w13.bfloat16(), weights.w2.bfloat16())
+        moe = ExpertParallelMoE.from_global(
+            wb, dispatcher="all_to_all", backend="torch", combine_dtype=torch.float32
+        )
+        layer = MoE.from_weights(
+            moe.weights, dispatcher="all_to_all", placement=moe.placement,
+            combine_dtype=torch.float32, backend="torch", num_experts=E,
+        )  # fmt: skip
+        return moe(x.bfloat16(), topk), layer(x.bfloat16(), topk=topk), moe.dispatcher.combine_dtype
+
+    results["all_to_all/bf16_combine_argument"] = _run("bf16", bf16_combine_argument)
+    results["masked/combine_dtype"] = _run(
+        "m32",
+        lambda: ExpertParallelMoE.from_global(
+            weights, dispatcher="masked", capacity=16, combine_dtype=torch.float32
+        ),
+    )
+    results["all_to_all/combine_dtype_rank1"] = _run(  # one rank asks for another precision
+        "a32",
+        lambda: ExpertParallelMoE.from_global(
+            weights, dispatcher="all_to_all", combine_dtype=torch.float32 if rank == 1 else None
+        ),
+    )
+
     def standard_bf16(reduce_dtype):
         from moerunner.dispatch.standard import StandardDispatcher
 
@@ -295,6 +322,28 @@ def test_all_to_all_bf16_with_fp32_combine(world):
         assert record["out"].dtype == torch.bfloat16
         want = single_process(wb, x.bfloat16(), topk) if x.shape[0] else torch.empty(0, H)
         _close(record["out"], want.bfloat16(), 2**-8)
+
+
+def test_combine_dtype_argument_of_the_layers(world):
+    """``combine_dtype=torch.float32`` on ``ExpertParallelMoE`` and ``MoE.from_weights`` builds
+    the same dispatcher as assigning one by hand: bit-equal outputs."""
+    size, results = world
+    for rank in range(size):
+        by_hand = results[rank]["all_to_all/bf16_fp32_combine"]
+        record = results[rank]["all_to_all/bf16_combine_argument"]
+        assert record["error"] is None, record["error"]
+        ep_out, layer_out, wire = record["out"]
+        assert wire == torch.float32
+        assert torch.equal(ep_out, by_hand["out"]) and torch.equal(layer_out, by_hand["out"])
+
+
+def test_combine_dtype_refused_by_masked_and_checked_across_ranks(world):
+    size, results = world
+    for rank in range(size):
+        error = results[rank]["masked/combine_dtype"]["error"]
+        assert error is not None and "option of the 'all_to_all' dispatcher" in error[1], error
+        error = results[rank]["all_to_all/combine_dtype_rank1"]["error"]
+        assert error == ("MoeInputError", error[1]) and "disagree on combine_dtype" in error[1]
 
 
 def test_standard_bf16_reduces_in_fp32(world):
