@@ -298,16 +298,33 @@ class RoutingConfig:
             )
 
 
+_FP32_TINY = torch.finfo(torch.float32).tiny
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def check_routing_values(renormalize: object, routed_scaling_factor: object) -> None:
     """``renormalize`` is a bool; ``routed_scaling_factor`` a finite real number > 0 (a NaN
     or a non-number would give NaN weights or fail inside the arithmetic)."""
     if not isinstance(renormalize, bool):
-        raise TypeError(f"renormalize must be a bool, got {type(renormalize).__name__}")
+        raise TypeError(f"renormalize must be a bool, got {_type_name(renormalize)}")
     factor = routed_scaling_factor
+    if isinstance(factor, torch.SymFloat):  # traced as a symbol (torch.compile): no value yet
+        return
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
-        raise TypeError(f"routed_scaling_factor must be a float, got {type(factor).__name__}")
-    if not (math.isfinite(factor) and factor > 0):
-        raise MoeInputError(f"routed_scaling_factor must be finite and > 0, got {factor!r}")
+        raise TypeError(f"routed_scaling_factor must be a float, got {_type_name(factor)}")
+    # (the weights are float32: a factor past its range would make them inf or 0)
+    if not _FP32_TINY <= factor <= _FP32_MAX:  # (False for NaN; comparisons also trace)
+        raise MoeInputError(
+            f"routed_scaling_factor must be > 0 and within float32's normal range "
+            f"[{_FP32_TINY:.3g}, {_FP32_MAX:.3g}] (the weights' dtype), got {factor!r}"
+        )
+
+
+def _type_name(value: object) -> str:
+    """``bool``, or ``numpy.bool`` for a type of another module (``bool`` alone would read
+    as if the value were accepted)."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
 
 
 @dataclass(frozen=True)
@@ -364,6 +381,11 @@ class MoeConfig:
         if self.gate_up_interleaved and not self.activation.gated:
             raise MoeInputError("gate_up_interleaved=True needs a gated activation")
         r = self.routing
+        if not isinstance(r, RoutingConfig):
+            raise TypeError(
+                f"routing must be a RoutingConfig (e.g. RoutingConfig.deepseek_v3(...)), "
+                f"got {type(r).__name__}"
+            )
         check_groups(self.num_experts, self.top_k, r.num_expert_group, r.topk_group)
 
     @property

@@ -3,7 +3,9 @@
 ``select_experts`` covers the routers of the major MoE families:
 
 - softmax -> top-k (optionally renormalized): Mixtral, Qwen2/3-MoE, GPT-OSS (top-k of logits
-  then softmax over the k equals softmax -> top-k -> renormalize);
+  then softmax over the k equals softmax -> top-k -> renormalize, except where two logits
+  a float32 ulp apart round to one score: this path then takes the lower expert id, GPT-OSS
+  the larger logit, of two weights equal to ~1e-7);
 - sigmoid -> (+ correction bias, used only to choose) -> grouped top-k: DeepSeek-V3. A group's
   score is the sum of its two best biased scores (``group_score="top2_sum"``); only
   ``topk_group`` groups stay eligible. Weights come from the unbiased scores, renormalized
@@ -20,9 +22,9 @@ Output: ``TopK(weights [T, k] float32, ids [T, k] int32)``. T = 0 gives empty te
 Numerics, defined so that every implementation (this torch path on any device, the Triton
 kernel of ``backends/triton/_routing.py``) gives the same bits:
 
-- scores are computed in float64 from the float32 logits and rounded once to float32 (an fp32
-  ``exp`` differs in the last bit between libraries; rounded from fp64 it does not, bar a
-  ~2^-28 chance per value);
+- scores are computed in float64 from the float32 logits (float64 logits are rounded to
+  float32 first) and rounded once to float32 (an fp32 ``exp`` differs in the last bit
+  between libraries; rounded from fp64 it does not, bar a ~2^-28 chance per value);
 - choosing is a stable descending sort: equal scores go to the lowest expert id first, slots
   are ordered by descending choice score (``torch.topk`` breaks ties by implementation);
 - the renormalising sum (exact for the k weights in all but extreme ranges) and the division
@@ -82,6 +84,11 @@ def select_experts(
             in the logits) or ``"triton"`` (the kernel, which has no backward; CUDA, or CPU
             under Triton's interpreter). Both give the same bits (module docstring).
 
+    NaN and infinite logits are not refused (that would read values on the host every call):
+    a NaN or +inf logit makes its token's weights NaN, as in the models' own routers.
+    Under ``torch.compile`` a correction bias's values are not checked (a host read): check
+    them where the bias is set (``check_correction_bias_values``), as ``MoE`` does.
+
     Returns:
         ``TopK`` with float32 weights and int32 ids, both ``[T, top_k]``.
     """
@@ -90,8 +97,9 @@ def select_experts(
     )
     if group_score not in GROUP_SCORES:
         raise MoeInputError(f"group_score: got {group_score!r}; accepted: {GROUP_SCORES}")
-    if not torch.compiler.is_compiling():  # traced, a float argument may be symbolic
-        check_routing_values(renormalize, routed_scaling_factor)
+    check_routing_values(renormalize, routed_scaling_factor)
+    if backend not in ROUTING_BACKENDS:
+        raise MoeInputError(f"backend: got {backend!r}; accepted: {ROUTING_BACKENDS}")
     if custom_routing_function is not None:
         rules = {
             "scoring_func": scoring_func != "softmax",
@@ -124,13 +132,14 @@ def select_experts(
         )
     num_tokens, num_experts = router_logits.shape
     wide = _wide_dtype(router_logits.device)
+    logits = router_logits.float()  # (float64 logits too: the kernel's rounding, documented)
     if scoring_func == "softmax":
-        scores = torch.softmax(router_logits, dim=-1, dtype=wide).float()
+        scores = torch.softmax(logits, dim=-1, dtype=wide).float()
     else:
-        scores = torch.sigmoid(router_logits.to(wide)).float()
+        scores = torch.sigmoid(logits.to(wide)).float()
 
     # What is chosen on: the scores, or for topk_sigmoid the float32 logits themselves.
-    choice = router_logits.float() if scoring_func == "topk_sigmoid" else scores
+    choice = logits if scoring_func == "topk_sigmoid" else scores
     if correction_bias is not None:
         choice = choice + correction_bias.float()
     if num_expert_group is not None and num_tokens > 0:

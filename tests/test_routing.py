@@ -125,10 +125,13 @@ def test_layer_routes_like_select_experts():
     [
         (dict(routed_scaling_factor=None), TypeError, "routed_scaling_factor must be a float"),
         (dict(routed_scaling_factor="2"), TypeError, "routed_scaling_factor must be a float"),
-        (dict(routed_scaling_factor=torch.ones(8)), TypeError, "got Tensor"),
-        (dict(routed_scaling_factor=float("nan")), moerunner.MoeInputError, "finite and > 0"),
-        (dict(routed_scaling_factor=-1.0), moerunner.MoeInputError, "finite and > 0"),
+        (dict(routed_scaling_factor=torch.ones(8)), TypeError, "got torch.Tensor"),
+        (dict(routed_scaling_factor=float("nan")), moerunner.MoeInputError, "must be > 0"),
+        (dict(routed_scaling_factor=-1.0), moerunner.MoeInputError, "must be > 0"),
         (dict(renormalize="no"), TypeError, "renormalize must be a bool"),
+        # float32 weights: inf or all zero (accepted before)
+        (dict(routed_scaling_factor=1e39), moerunner.MoeInputError, "float32's normal range"),
+        (dict(routed_scaling_factor=1e-46), moerunner.MoeInputError, "float32's normal range"),
     ],
 )
 def test_routing_values_are_checked_by_name(kwargs, error, match):
@@ -157,3 +160,51 @@ def test_routing_config_refuses_an_unknown_score_where_it_is_built():
         RoutingConfig(scoring_func="relu")
     with pytest.raises(MoeInputError, match="RoutingConfig.group_score: got 'avg'"):
         RoutingConfig(group_score="avg")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(routed_scaling_factor=-1.0),
+        dict(routed_scaling_factor=float("nan")),
+        dict(renormalize="no"),
+    ],
+)
+def test_routing_values_are_checked_under_torch_compile(kwargs):
+    """Compiled, these were accepted silently (negative or NaN weights, "no" read as True):
+    the checks were skipped while tracing. Constant arguments are checked there now (under
+    fullgraph Dynamo reports the raise as Unsupported, its text ours)."""
+    fn = torch.compile(lambda t: select_experts(t, 2, **kwargs), backend="eager")
+    with pytest.raises((TypeError, MoeInputError)):
+        fn(torch.randn(2, 8))
+
+
+def test_a_traced_scaling_factor_still_compiles():
+    def route(t, factor):
+        return select_experts(t, 2, routed_scaling_factor=factor).weights
+
+    logits = torch.randn(3, 8)
+    compiled = torch.compile(route, fullgraph=True, backend="eager", dynamic=True)
+    for factor in (2.5, 1.5):
+        assert torch.equal(compiled(logits, factor), route(logits, factor))
+
+
+def test_routing_type_errors_name_the_argument_and_its_type():
+    np = pytest.importorskip("numpy")
+    # was "renormalize must be a bool, got bool"
+    with pytest.raises(TypeError, match="got numpy.bool"):
+        select_experts(torch.randn(2, 8), 2, renormalize=np.bool_(True))
+    # was an AttributeError of the dict
+    for routing in ({"renormalize": True}, None):
+        with pytest.raises(TypeError, match="routing must be a RoutingConfig"):
+            moerunner.MoeConfig(8, 16, 16, 2, routing=routing)
+
+
+def test_backend_is_checked_with_a_custom_routing_function():
+    """Ignored before when a custom function was given."""
+
+    def custom(hidden, logits, k, renormalize):
+        return torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long)
+
+    with pytest.raises(MoeInputError, match="backend: got 'banana'"):
+        select_experts(torch.randn(2, 8), 2, backend="banana", custom_routing_function=custom)

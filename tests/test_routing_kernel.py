@@ -70,6 +70,9 @@ VARIANTS = {
     "grouped-size-5": (20, 6, dict(DEEPSEEK, num_expert_group=4, topk_group=2, bias=True)),
     "grouped-all-kept": (12, 12, dict(scoring_func="sigmoid", num_expert_group=3, topk_group=3)),
     "E1": (1, 1, dict(renormalize=True)),
+    "topk-sigmoid": (8, 1, dict(scoring_func="topk_sigmoid")),
+    # (the kernel chose on the scores plus the bias, not on the logits plus the bias)
+    "topk-sigmoid-bias": (16, 2, dict(scoring_func="topk_sigmoid", bias=True)),
 }
 
 
@@ -94,6 +97,30 @@ def _case(name: str, num_tokens: int, seed: int, ties: bool, dtype=torch.float32
 def test_kernel_bit_identical_to_torch_path(name, ties):
     logits, top_k, kwargs = _case(name, 9, seed=len(name), ties=ties)
     _same_bits(*_both(logits, top_k, **kwargs))
+
+
+def test_topk_sigmoid_with_bias_chooses_on_logits_plus_bias():
+    """Independent of the torch path: logit 3 beats -2 + 0.9 (choosing on sigmoid(-2) + 0.9
+    picked expert 3); the weight is sigmoid of the chosen logit."""
+    logits = torch.tensor([[3.0, 0.0, -1.0, -2.0]], device=DEVICE)
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.9], device=DEVICE)
+    for backend in ("torch", "triton"):
+        got = select_experts(
+            logits, 1, scoring_func="topk_sigmoid", correction_bias=bias, backend=backend
+        )
+        assert got.ids.tolist() == [[0]], (backend, got)
+        assert abs(got.weights.item() - 1 / (1 + 2.718281828459045**-3)) < 1e-7, backend
+
+
+@pytest.mark.parametrize("name", ["softmax-renorm", "deepseek-like", "topk-sigmoid-bias"])
+def test_kernel_float64_logits(name):
+    """float64 logits are rounded to float32 on both paths (the torch path used to score the
+    float64 values: other ids and weights than the kernel's)."""
+    logits, top_k, kwargs = _case(name, 7, seed=5, ties=False, dtype=torch.float64)
+    logits = logits * 3 + 1e-6  # (values whose float32 rounding matters)
+    ref, got = _both(logits, top_k, **kwargs)
+    _same_bits(ref, got)
+    _same_bits(ref, select_experts(logits.float(), top_k, backend="torch", **kwargs))
 
 
 @pytest.mark.parametrize("name", ["softmax-renorm", "deepseek-like"])

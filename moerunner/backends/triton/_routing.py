@@ -114,7 +114,7 @@ def _route_rows(
         choice = tl.where(real, x.to(tl.float32), 0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + experts, mask=experts < NUM_EXPERTS, other=0.0)
-        choice = scores + bias.to(tl.float32)[None, :]
+        choice = choice + bias.to(tl.float32)[None, :]  # (topk_sigmoid: the logits')
     low = (E_POW2 - 1 - experts).to(tl.int64)[None, :]
     keys = tl.where(real, (_ordered(choice) << 32) | low, _MIN_KEY)
 
