@@ -10,7 +10,13 @@ from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts
 from .api import fused_moe, fused_moe_from_logits
 from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig, SharedExpertsConfig
 from .device_checks import check_errors
-from .errors import BackendUnavailableError, CapacityOverflowError, MoeInputError, RankFailedError
+from .errors import (
+    BackendUnavailableError,
+    CapacityOverflowError,
+    ExtensionContractError,
+    MoeInputError,
+    RankFailedError,
+)
 from .layer import MoE
 from .loader import LoadedExperts, load_experts
 from .reference import reference_moe
@@ -58,6 +64,7 @@ __all__ = [
     "MoeRunner",
     "LoadedExperts",
     "RankFailedError",
+    "ExtensionContractError",
     "Registry",
     "RoutingConfig",
     "SharedExperts",

@@ -137,6 +137,14 @@ class DispatchedForward:
         self._weights_views: dict[bool, tuple[tuple, ExpertWeights]] = {}
         return num_local
 
+    @property
+    def _standard_dispatch(self) -> bool:
+        """The layer's dispatcher is the standard one (every rank passes the same tokens; on
+        one process, the plain layer), whatever name it was registered under."""
+        from .dispatch.standard import StandardDispatcher
+
+        return isinstance(self.dispatcher, StandardDispatcher)
+
     @staticmethod
     def _check_placement(
         placement: ExpertPlacement | None, rank: int, num_experts: int, num_local: int | None
@@ -208,7 +216,7 @@ class DispatchedForward:
         # standard: every rank passes the same tokens and the partial outputs are summed, so
         # T must agree before that sum (else gloo aborts or a rank waits forever); both
         # agreements below carry it, so every rank exchanges the same values.
-        same = ("the token count T", x.shape[0]) if self.dispatcher_kind == "standard" else None
+        same = ("the token count T", x.shape[0]) if self._standard_dispatch else None
         with stage("dispatch"), trace_range("moerunner.dispatch"):
             try:
                 if error is not None and getattr(self.dispatcher, "takes_failure", False):

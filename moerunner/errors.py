@@ -16,6 +16,12 @@ class BackendUnavailableError(ValueError):
     """No registered backend can serve a request; the message lists each and why not."""
 
 
+class ExtensionContractError(TypeError):
+    """A registered backend or dispatcher (an extension) does not keep its contract
+    (``moerunner.backends.base``, ``moerunner.dispatch.base``): the message names it, what it
+    declared or returned, and what is expected."""
+
+
 class CapacityOverflowError(RuntimeError):
     """A fixed-capacity (masked) layout received more tokens for an expert than it holds."""
 

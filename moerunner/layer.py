@@ -135,6 +135,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         self.config = config
         self.backend = backend
         self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
+        self._op_registry = _op_registry_note(self.runner.registry, backend)
         num_local = self._setup_dispatch(
             dispatcher,
             placement,
@@ -277,6 +278,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         self.config = config
         self.backend = backend
         self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
+        self._op_registry = _op_registry_note(self.runner.registry, backend)
         self._setup_dispatch(
             dispatcher,
             placement,
@@ -592,7 +594,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         return SharedExperts(self.shared_w13, self.shared_w2, self.shared_gate)
 
     def _single_process(self) -> bool:
-        return self.group is None and self.placement is None and self.dispatcher_kind == "standard"
+        return self.group is None and self.placement is None and self._standard_dispatch
 
     def expert_weights(self) -> ExpertWeights:
         """The weights the experts run on: the quantized ones, or the parameters (where grad
@@ -664,6 +666,8 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
                 shared=self._shared_params(),
             )  # fmt: skip
         if compiling or train:
+            if self._op_registry is not None:
+                raise MoeInputError(self._op_registry)
             if act.extended:  # the custom op's schema carries scalar alpha and limit only
                 raise MoeInputError(
                     "torch.compile of the MoE layer takes swiglu_oai with scalar alpha / limit "
@@ -736,7 +740,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             weights = self.expert_weights()
         probe = torch.empty((0, self.config.hidden_size), dtype=dtype, device=weights.device)
         k = top_k or self.config.top_k
-        if self.dispatcher_kind == "standard":
+        if self._standard_dispatch:
             validate_call(
                 probe,
                 weights,
@@ -782,3 +786,25 @@ def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:
     from .routing import check_correction_bias_values
 
     check_correction_bias_values(module.correction_bias)
+
+
+def _op_registry_note(registry: Registry, backend: str) -> str | None:
+    """Why this layer's compiled and training calls cannot run, or None. They go through
+    moerunner's custom op (``ops``), whose schema takes tensors and names, so it looks the
+    backend up in the default registry: a layer whose own registry serves ``backend`` with
+    other objects would run another backend there, or none."""
+    from .registry import DEFAULT_REGISTRY
+
+    if registry is DEFAULT_REGISTRY:
+        return None
+    names = sorted(registry.backends) if backend == "auto" else [backend]
+    differ = [n for n in names if registry.backends.get(n) is not DEFAULT_REGISTRY.backends.get(n)]
+    if not differ:
+        return None
+    return (
+        f"this layer's registry serves backend(s) {differ} with other objects than the default "
+        "registry; torch.compile and grad-mode calls run through moerunner's custom op, which "
+        "finds backends in the default registry only: register them there "
+        "(moerunner.DEFAULT_REGISTRY.register_backend) to compile or train, or run this layer "
+        "under torch.no_grad() eagerly"
+    )

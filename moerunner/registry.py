@@ -26,7 +26,7 @@ from .dispatch import permute
 from .dispatch.base import DispatchSetup
 from .dispatch.builtin import default_dispatchers
 from .dispatch.formats import MASKED, PERMUTED, STANDARD
-from .errors import BackendUnavailableError, MoeInputError
+from .errors import BackendUnavailableError, ExtensionContractError, MoeInputError
 
 if TYPE_CHECKING:  # annotations only: the backends import this module, not the reverse
     from .backend_table import BackendTable
@@ -77,9 +77,17 @@ class Registry:
             raise ValueError(
                 f"a backend named {name!r} is already registered; pass replace=True to swap it"
             )
+        _check_backend(backend)
         self._drop_choices()
         self.backends[name] = backend
         return backend
+
+    def unregister_backend(self, name: str) -> None:
+        """Remove the backend registered as ``name`` (and the choices made with it)."""
+        if name not in self.backends:
+            self.check_name(name)  # (raises, naming the registered ones)
+        self._drop_choices()
+        del self.backends[name]
 
     def _drop_choices(self) -> None:
         self._selections.clear()
@@ -106,11 +114,31 @@ class Registry:
         self._drop_choices()
         self.permutes[dispatch_format] = (pre, post)
 
-    def register_dispatcher(self, name: str, factory: DispatcherFactory) -> None:
-        """A dispatcher kind: ``factory(setup: DispatchSetup) -> Dispatcher``."""
+    def register_dispatcher(
+        self, name: str, factory: DispatcherFactory, *, replace: bool = False
+    ) -> None:
+        """A dispatcher kind: ``factory(setup: DispatchSetup) -> Dispatcher`` (once per name:
+        another factory under a registered name needs ``replace=True``)."""
         if not isinstance(name, str) or not name:
             raise ValueError("a dispatcher needs a non-empty str name")
+        if not callable(factory):
+            raise TypeError(
+                f"dispatcher {name!r}: factory must be callable (DispatchSetup -> Dispatcher), "
+                f"got {type(factory).__name__}"
+            )
+        if name in self.dispatchers and self.dispatchers[name] is not factory and not replace:
+            raise ValueError(
+                f"a dispatcher named {name!r} is already registered; pass replace=True to swap it"
+            )
         self.dispatchers[name] = factory
+
+    def unregister_dispatcher(self, name: str) -> None:
+        """Remove the dispatcher kind registered as ``name``."""
+        if name not in self.dispatchers:
+            raise MoeInputError(
+                f"dispatcher must be one of {sorted(self.dispatchers)}, got {name!r}"
+            )
+        del self.dispatchers[name]
 
     def make_dispatcher(self, name: str, setup: DispatchSetup) -> Dispatcher:
         """Build the dispatcher registered as ``name`` for ``setup``."""
@@ -119,7 +147,20 @@ class Registry:
             raise MoeInputError(
                 f"dispatcher must be one of {sorted(self.dispatchers)}, got {name!r}"
             )
-        return factory(setup)
+        dispatcher = factory(setup)
+        from .dispatch.base import Dispatcher
+
+        if not isinstance(dispatcher, Dispatcher):
+            missing = [
+                a
+                for a in ("dispatch_format", "accepts_quantized", "dispatch", "combine")
+                if not hasattr(dispatcher, a)
+            ]
+            raise ExtensionContractError(
+                f"dispatcher {name!r}: its factory returned a {type(dispatcher).__name__}, not "
+                f"a Dispatcher (moerunner.dispatch.base); it lacks {', '.join(missing)}"
+            )
+        return dispatcher
 
     def fused_op(self, dispatch_format: str, backend: str) -> Callable | None:
         """The backend's fused op for the format, or None."""
@@ -157,13 +198,13 @@ class Registry:
         build kernels for minutes) does not serve either."""
         result = {}
         for name, backend in self.backends.items():
-            ok, reason = backend.available()
+            ok, reason = _verdict(backend, "available")
             if ok and problem.dispatch_format not in self.paths(name):
                 ok, reason = False, f"no path for dispatch format {problem.dispatch_format!r}"
             if ok:
-                ok, reason = backend.supports(problem)
+                ok, reason = _verdict(backend, "supports", problem)
             if ok and auto:
-                ready, why = backend.ready()
+                ready, why = _verdict(backend, "ready")
                 if not ready:
                     ok, reason = False, f"not ready for 'auto': {why}"
             result[name] = (ok, reason)
@@ -336,6 +377,58 @@ class BucketPlan:
     def forms(self) -> tuple[str, ...]:
         """The backends the plan uses (each holds its own prepared weights), lowest T first."""
         return tuple(dict.fromkeys(s.backend.name for s in self.selections))
+
+
+def _check_backend(backend: Any) -> None:
+    """What every path reads of a backend, checked when it registers (a malformed one would
+    fail later inside every call's choice, whichever backend the call named)."""
+    from .backends.base import Capabilities
+
+    name = backend.name
+    caps = getattr(backend, "capabilities", None)
+    if not isinstance(caps, Capabilities):
+        raise ExtensionContractError(
+            f"backend {name!r}: capabilities must be a moerunner.backends.base.Capabilities, "
+            f"got {type(caps).__name__}"
+        )
+    fused_ops = getattr(backend, "fused_ops", None)
+    core = getattr(backend, "core", None)
+    if not hasattr(fused_ops, "items") or not all(
+        isinstance(fmt, str) and callable(op) for fmt, op in fused_ops.items()
+    ):
+        raise ExtensionContractError(
+            f"backend {name!r}: fused_ops must map dispatch formats (str) to callables, "
+            f"got {fused_ops!r}"
+        )
+    if core is not None and not callable(core):
+        raise ExtensionContractError(f"backend {name!r}: core must be callable or None")
+    if not fused_ops and core is None:
+        raise ExtensionContractError(
+            f"backend {name!r} has neither fused_ops nor a core: it could serve no call"
+        )
+    for method in ("available", "supports", "ready", "prepare_weights"):
+        if not callable(getattr(backend, method, None)):
+            raise ExtensionContractError(
+                f"backend {name!r}: {method} must be a method (see moerunner.backends.base)"
+            )
+
+
+def _verdict(backend: Any, method: str, *args: Any) -> tuple[bool, str]:
+    """``backend.<method>(*args)`` as ``(ok, reason)``; an extension that raises or returns
+    something else serves nothing, the reason saying why, so that it cannot break the
+    choice of every other backend."""
+    try:
+        result = getattr(backend, method)(*args)
+    except Exception as err:  # noqa: BLE001  (an extension's own fault, reported as its verdict)
+        return False, f"{method}() raised {type(err).__name__}: {err}"
+    if (
+        not isinstance(result, tuple)
+        or len(result) != 2
+        or not isinstance(result[0], bool)
+        or not isinstance(result[1], str)
+    ):
+        return False, f"{method}() returned {result!r}, not (bool, str)"
+    return result
 
 
 def _ok(verdicts: dict[str, tuple[bool, str]], name: str) -> bool:

@@ -32,7 +32,7 @@ from .backends.base import Backend, MoeProblem
 from .backends.prepare import pad_to_alignment
 from .config import Activation, ExpertSpec
 from .dispatch.formats import STANDARD
-from .errors import BackendUnavailableError, MoeInputError
+from .errors import BackendUnavailableError, ExtensionContractError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
 from .memo import DerivedCache, StepCache, version
 from .memory import kept
@@ -231,15 +231,21 @@ class MoeRunner:
         name = prepared.backend
         extra = {} if hooks is None else {"hooks": hooks}
         fused = None if self.force_permute else self.registry.fused_op(fmt, name)
+        declined = False
         if fused is not None:
             with trace_range(f"moerunner.{name}.fused"):
                 out = fused(dispatch_output, prepared, **extra)
             if out is not None:
+                _check_output(out, dispatch_output.hidden_states, name, "fused op")
                 return out
+            declined = True
         core = self.registry.core(name)
         if core is None or fmt not in self.registry.permutes:
+            if name not in self.registry.backends:
+                self.registry.check_name(name)  # unregistered since it prepared: names them
+            what = "its fused op declined the call" if declined else "it has no fused op"
             raise BackendUnavailableError(
-                f"backend {name!r} has no fused op for format {fmt!r} and no core to permute into"
+                f"backend {name!r}: {what} for format {fmt!r} and it has no core to permute into"
             )
         pre, post = self.registry.permutes[fmt]
         with trace_range("moerunner.pre_permute"):
@@ -250,8 +256,29 @@ class MoeRunner:
             extra = {"hooks": row_hooks}
         with trace_range(f"moerunner.{name}.core"):
             y = core(grouped.hidden_states, grouped.expert_offsets, prepared, **extra)
+        _check_output(y, grouped.hidden_states, name, "core")
         with trace_range("moerunner.post_permute"):
             return post(y, ctx, dispatch_output)
+
+
+def _check_output(out: Any, rows: torch.Tensor, backend: str, what: str) -> None:
+    """A backend's output must be its rows' shape and dtype (``backends.base``): a shape or
+    dtype check, no values read."""
+    if (
+        not isinstance(out, torch.Tensor)
+        or out.shape != rows.shape
+        or out.dtype != rows.dtype
+        or out.device != rows.device
+    ):
+        got = (
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            if isinstance(out, torch.Tensor)
+            else type(out).__name__
+        )
+        raise ExtensionContractError(
+            f"backend {backend!r}: its {what} returned {got}; expected its rows' shape "
+            f"{tuple(rows.shape)} in {rows.dtype} on {rows.device}"
+        )
 
 
 def _row_hooks(
@@ -327,7 +354,8 @@ def prepared_for(
     state = weights_state(weights)
     # A form is made of the weights in ``state`` and of what varies between calls on the
     # same weights: w13's row order and the biases (their identities and states).
-    key = (backend.name, backend.options, spec, form_variant(weights))
+    # (the object's token too: a backend replaced under its name prepares anew)
+    key = (backend.name, backend.options, spec, form_variant(weights), _token(backend))
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
         per_weight = _PreparedCache()
@@ -411,7 +439,7 @@ def _form_in_memory(
     problem at every T), once warned. The memo's ``stand_ins`` then map the failed form to it
     for ``auto``, so no call tries again (a named backend still prepares its own). With no
     form held, the error stands."""
-    held = [p for (_, _, s, _), p in per_weight.items() if s == spec]
+    held = [p for key, p in per_weight.items() if key[2] == spec]
     if not held:
         raise err
     first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -481,6 +509,11 @@ def prepare_for_backend(
     weights = gate_up_first(_memo_free(weights))
     padded, padded_spec, notes = pad_to_alignment(weights, spec, caps.align_h, caps.align_i)
     prepared = backend.prepare_weights(padded, padded_spec)
+    if not isinstance(prepared, PreparedWeights):
+        raise ExtensionContractError(
+            f"backend {backend.name!r}: prepare_weights returned a {type(prepared).__name__}, "
+            "not a moerunner.weights.PreparedWeights"
+        )
     prepared.notes[:0] = notes
     return prepared
 
@@ -522,6 +555,23 @@ def forget_prepared(weight: Any) -> None:
         delattr(weight, _CACHE_ATTR)
     except AttributeError:
         pass
+
+
+_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NEXT_TOKEN = [0]
+
+
+def _token(backend: Backend) -> int:
+    """A number of this backend object, never reused while the memo could hold it (ids
+    are reused once an object is freed)."""
+    try:
+        token = _TOKENS.get(backend)
+        if token is None:
+            _NEXT_TOKEN[0] += 1
+            token = _TOKENS[backend] = _NEXT_TOKEN[0]
+        return token
+    except TypeError:  # not weakly referable (__slots__): its id
+        return id(backend)
 
 
 def prepared_memo(weights: ExpertWeights) -> _PreparedCache | None:
