@@ -246,3 +246,19 @@ def test_a_layer_registry_with_its_own_backends_is_named_on_the_op_path():
     # A copy with nothing of its own replaced compiles and trains as before.
     same = moerunner.MoE(cfg, backend="torch", registry=moerunner.DEFAULT_REGISTRY.copy())
     same(x, logits).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "field, value, error, match",
+    [
+        ("dtypes", {"bfloat16"}, TypeError, "dtypes must hold dtype values"),
+        ("activations", {"slu"}, ValueError, r"\['slu'\] not among moerunner's activations"),
+        ("devices", "cpu", TypeError, "devices must be a set"),
+    ],
+)
+def test_capabilities_refuse_typos(field, value, error, match):
+    """Accepted before; the mistake showed only as "not supported" on every call."""
+    given = dict(devices={"cpu"}, dtypes={torch.float32}, schemes=["fp32"], activations={"silu"})
+    given[field] = value
+    with pytest.raises(error, match=match):
+        Capabilities(**given)

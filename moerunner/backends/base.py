@@ -119,6 +119,31 @@ class Capabilities:
                     f"{type(self.schemes).__name__}"
                 )
             object.__setattr__(self, "schemes", SchemeSupport.of_names(self.schemes))
+        # Typos (a dtype's name, an activation misspelt) would only show later as "not
+        # supported" on every call: the sets hold what they are compared with.
+        for name, kind, example in (
+            ("devices", str, "'cuda'"),
+            ("dtypes", torch.dtype, "torch.bfloat16"),
+            ("activations", str, "'silu'"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Iterable):
+                raise TypeError(f"Capabilities.{name} must be a set of values like {example}")
+            bad = [v for v in value if not isinstance(v, kind)]
+            if bad:
+                raise TypeError(
+                    f"Capabilities.{name} must hold {kind.__name__} values like {example}, "
+                    f"got {bad[0]!r}"
+                )
+            object.__setattr__(self, name, frozenset(value))
+        from ..config import ACTIVATIONS
+
+        unknown = sorted(set(self.activations) - set(ACTIVATIONS))
+        if unknown:
+            raise ValueError(
+                f"Capabilities.activations: {unknown} not among moerunner's activations "
+                f"{sorted(ACTIVATIONS)} (a new one is added to config.ACTIVATIONS first)"
+            )
 
     def describe(self) -> dict[str, object]:
         """A plain dict for printing (registered names for the schemes)."""
