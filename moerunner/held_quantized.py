@@ -14,8 +14,10 @@ their tensors as buffers:
 ``load_state_dict`` restores them into a module holding the same scheme (values are copied in
 place; new ``QuantizedWeight`` objects over the buffers are validated and rebuilt), and
 raises ``MoeInputError`` when the state holds another scheme, float weights where this module
-holds quantized ones, or the reverse. ``.to(device)`` moves the buffers; a dtype conversion
-(``.half()``, ``.to(torch.bfloat16)``) leaves them in their own dtypes.
+holds quantized ones, or the reverse, a tensor whose dtype or shape is not its buffer's
+(nothing is converted), or invalid scales or zero points; a refused load changes nothing.
+``.to(device)`` moves the buffers; a dtype conversion (``.half()``, ``.to(torch.bfloat16)``)
+leaves them in their own dtypes.
 """
 
 from __future__ import annotations
@@ -166,8 +168,7 @@ class HoldsQuantized(nn.Module):
                         f"quantized ({getattr(self.quantized, w).scheme.name!r}): load it into "
                         f"a float {owner}, then call {call.format(scheme='scheme')}"
                     )
-                continue
-            if incoming is not None:
+            elif incoming is not None:
                 mine = getattr(self.quantized, w).scheme
                 theirs = scheme_from_tensor(incoming)
                 if not theirs.same_format(mine):
@@ -178,8 +179,10 @@ class HoldsQuantized(nn.Module):
                     )
                 # The scheme buffer is a name-length byte string: keep this module's own.
                 state_dict = {**state_dict, f"{prefix}{w}_scheme": self._buffers[f"{w}_scheme"]}
-            if held:
-                _check_incoming_scales(state_dict, prefix, w)
+            if held:  # (also without a *_scheme entry: its tensors are copied all the same)
+                _check_incoming(
+                    self._buffers, getattr(self.quantized, w).scheme, state_dict, prefix, w
+                )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, *rest)
         if held:
             self._rebuild_quantized()
@@ -205,18 +208,32 @@ class HoldsQuantized(nn.Module):
         return self
 
 
-def _check_incoming_scales(state_dict, prefix: str, w: str) -> None:
-    """The scale values a load would copy into the held buffers, checked before the copy: a
-    refused load must leave the module as it was (the buffers are shared with the held
-    ``QuantizedWeight`` objects, so a check after the copy would leave them corrupted)."""
-    from .quant.weight import check_scale_values
+def _check_incoming(buffers, scheme, state_dict, prefix: str, w: str) -> None:
+    """What a load would copy into the held buffers of ``w`` (or, with ``assign=True``, put
+    in their place), checked before any of it happens: a refused load must leave the module
+    as it was (the buffers are shared with the held ``QuantizedWeight`` objects, so a check
+    after the copy would leave them corrupted). Every tensor needs its buffer's dtype and
+    shape, since ``copy_`` would convert silently (fp8 codes given as their uint8 bytes, e8m0
+    codes given as the float scales they mean); scales and zero points need valid values."""
+    from .quant.weight import check_scale_values, check_zero_point_values
 
     keys = {f: f"{prefix}{w}_{n}" for f, n in BUFFER_NAMES.items()}
-    fields = {
-        f: state_dict[k] for f, k in keys.items() if isinstance(state_dict.get(k), torch.Tensor)
-    }
+    fields = {}
+    for field, key in keys.items():
+        theirs, mine = state_dict.get(key), buffers.get(f"{w}_{BUFFER_NAMES[field]}")
+        if not isinstance(theirs, torch.Tensor) or mine is None:
+            continue  # (torch names a non-tensor or unexpected entry)
+        if theirs.dtype != mine.dtype or theirs.shape != mine.shape:
+            raise MoeInputError(
+                f"load_state_dict: {key} is {theirs.dtype} {list(theirs.shape)}, but scheme "
+                f"{scheme.name!r} holds it as {mine.dtype} {list(mine.shape)} here (a load "
+                "copies the values, it does not convert them: save the state of a module with "
+                "this scheme and shape); this module's tensors were left as they were"
+            )
+        fields[field] = theirs
     try:
         check_scale_values(fields, keys)
+        check_zero_point_values(scheme, fields.get("zero_point"), keys["zero_point"])
     except ValueError as exc:
         raise MoeInputError(
             f"load_state_dict: {exc}; this module's tensors were left as they were"

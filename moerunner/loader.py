@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +117,21 @@ class LoadedExperts:
         return self.weights.num_experts
 
 
+@contextmanager
+def _reading(file: str):
+    """safetensors' error for a damaged file (a truncated download, not a safetensors file)
+    as a MoeInputError naming the file, which safetensors' own message does not."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise MoeInputError(
+            f"checkpoint: {file!r} cannot be read as a safetensors file ({e}); a truncated or "
+            "corrupt download? (fetch the file again)"
+        ) from e
+
+
 class _Checkpoint:
     """The tensors of a checkpoint by name, read lazily from the file that holds each."""
 
@@ -185,7 +200,7 @@ class _Checkpoint:
 
         self.files = {}
         for p in paths:
-            with safe_open(p, framework="pt") as f:
+            with _reading(p), safe_open(p, framework="pt") as f:
                 self.files.update(dict.fromkeys(f.keys(), p))
         self.where = repr(paths[0]) if len(paths) == 1 else f"any of {paths}"
 
@@ -204,12 +219,14 @@ class _Checkpoint:
                 raise MoeInputError(
                     f"checkpoint: tensor {key!r} is mapped to {file!r}, which does not exist"
                 )
-            self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+            with _reading(file):
+                self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
         handle = self._open[file]
         if key not in self._read:
             if key not in handle.keys():
                 raise MoeInputError(f"checkpoint: tensor {key!r} not found in {file!r}")
-            self._read[key] = handle.get_tensor(key)
+            with _reading(file):
+                self._read[key] = handle.get_tensor(key)
         return self._read[key]
 
     def layers(self, root: str) -> list[int]:
@@ -251,12 +268,21 @@ def _check_layer(ckpt: _Checkpoint, root: str, layer: object) -> int:
     return layer
 
 
-def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first: str) -> int:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    found = {int(m.group(1)) for k in ckpt.files if (m := pattern.match(k))}
+def _configured_experts(ckpt: _Checkpoint, fam: CheckpointFamily) -> tuple[str | None, int | None]:
+    """The config.json field giving the routed expert count and its value (None, None
+    without one)."""
     key = next((k for k in fam.num_experts_keys if k in ckpt.config), None)
     counted = ckpt.config.get(key) if key else None
     if isinstance(counted, int) and not isinstance(counted, bool):
+        return key, counted
+    return None, None
+
+
+def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first: str) -> int:
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = {int(m.group(1)) for k in ckpt.files if (m := pattern.match(k))}
+    key, counted = _configured_experts(ckpt, fam)
+    if counted is not None:
         if found and max(found) >= counted:
             raise MoeInputError(
                 f"checkpoint: config.json says {key}={counted}, but the "
@@ -331,8 +357,47 @@ def _compressed_tensors_group_size(q: dict) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
+#: Per-expert tensors holding a projection's [out, in] matrix (stored or packed), in the
+#: order `_matrix_key` looks for them.
+_MATRICES = ("weight_packed", "qweight", "weight")
+
+
 def _per_expert(ckpt: _Checkpoint, prefix: str, num: int, proj: str, suffix: str) -> list:
-    return [ckpt.get(f"{prefix}{e}.{proj}.{suffix}") for e in range(num)]
+    """Tensor ``suffix`` of every expert's ``proj``, checked here so an error names the key:
+    the first expert's that differs from expert 0's in dtype or shape (stacking them fails
+    inside torch or an importer, which knows no key), and a matrix that is not 2-D."""
+    keys = [f"{prefix}{e}.{proj}.{suffix}" for e in range(num)]
+    parts = [ckpt.get(k) for k in keys]
+    first = parts[0]
+    if suffix in _MATRICES and first.dim() != 2:
+        raise MoeInputError(
+            f"checkpoint: {keys[0]} has shape {list(first.shape)}; a per-expert {suffix} must "
+            "be a 2-D [out, in] matrix"
+        )
+    for key, part in zip(keys, parts, strict=True):
+        if part.dtype != first.dtype or part.shape != first.shape:
+            raise MoeInputError(
+                f"checkpoint: the experts' {proj}.{suffix} dtypes/shapes differ under "
+                f"{prefix!r}: {key} is {part.dtype} {list(part.shape)}, {keys[0]} is "
+                f"{first.dtype} {list(first.shape)}; every expert needs the same"
+            )
+    return parts
+
+
+def _matrix_key(ckpt: _Checkpoint, base: str) -> str:
+    """The key of the matrix of projection ``base`` (``prefix{e}.{proj}.``)."""
+    return next((base + m for m in _MATRICES if base + m in ckpt), base + "weight")
+
+
+def _imported(what: str, importer, *args, **kwargs):
+    """``importer(*args, **kwargs)``; its ValueError (which names a field, not a key) as a
+    MoeInputError naming the tensors ``what`` it read."""
+    try:
+        return importer(*args, **kwargs)
+    except MoeInputError:
+        raise
+    except ValueError as e:
+        raise MoeInputError(f"checkpoint: {what}: {e}") from e
 
 
 def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[Any, str]:
@@ -341,6 +406,7 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
 
     base = f"{prefix}0.{proj}."
     q = _quant_config(ckpt.config)
+    what = f"{prefix}{{0..{num - 1}}}.{proj}.*"
 
     def each(suffix: str) -> list:
         return _per_expert(ckpt, prefix, num, proj, suffix)
@@ -352,7 +418,9 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
         if shape is not None:  # words = ceil(K * bits / 32)
             k = int(shape.reshape(-1)[1])
             bits = 8 if first.shape[1] != -(-k // 8) and first.shape[1] == -(-k // 4) else 4
-        weight = ck.import_compressed_tensors(
+        weight = _imported(
+            what,
+            ck.import_compressed_tensors,
             each("weight_packed"),
             each("weight_scale"),
             each("weight_zero_point") if base + "weight_zero_point" in ckpt else None,
@@ -368,10 +436,21 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
             qweight, scales = ckpt.get(base + "qweight"), ckpt.get(base + "scales")
             method = "gptq" if qweight.shape[1] == scales.shape[1] else "awq"
         bits = q.get("bits", q.get("w_bit", 4))
-        if method == "awq":
-            return ck.import_awq(each("qweight"), each("qzeros"), each("scales"), bits=bits), "awq"
+        if method == "awq":  # AutoAWQ's quant_config.json calls it q_group_size
+            weight = _imported(
+                what,
+                ck.import_awq,
+                each("qweight"),
+                each("qzeros"),
+                each("scales"),
+                bits=bits,
+                group_size=q.get("group_size", q.get("q_group_size")),
+            )
+            return weight, "awq"
         if method == "gptq":
-            weight = ck.import_gptq(
+            weight = _imported(
+                what,
+                ck.import_gptq,
                 each("qweight"),
                 each("qzeros"),
                 each("scales"),
@@ -391,11 +470,17 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
                 f"checkpoint: {base}weight is e4m3 without {base}weight_scale_inv; moerunner "
                 "reads FP8 experts with 128x128 block scales (DeepSeek-V3 layout)"
             )
-        return ck.import_deepseek_fp8(each("weight"), each("weight_scale_inv")), "fp8_block"
+        weight = _imported(what, ck.import_deepseek_fp8, each("weight"), each("weight_scale_inv"))
+        return weight, "fp8_block"
     if first.dtype == torch.uint8 and base + "weight_scale_2" in ckpt:
         inputs = each("input_scale") if base + "input_scale" in ckpt else None
-        weight = ck.import_modelopt_nvfp4(
-            each("weight"), each("weight_scale"), each("weight_scale_2"), inputs
+        weight = _imported(
+            what,
+            ck.import_modelopt_nvfp4,
+            each("weight"),
+            each("weight_scale"),
+            each("weight_scale_2"),
+            inputs,
         )
         return weight, "nvfp4"
     if not first.is_floating_point() or first.dtype.itemsize == 1:
@@ -403,14 +488,32 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
             f"checkpoint: {base}weight has dtype {first.dtype}, which no known format of "
             "moerunner's stores without its companion tensors"
         )
-    parts = each("weight")
-    shapes = {tuple(p.shape) for p in parts}
-    if len(shapes) != 1:
+    return torch.stack(each("weight")), "plain"
+
+
+def _check_gate_up(ckpt: _Checkpoint, prefix: str, projections: tuple, gate, up) -> None:
+    """Gate and up must both be [I, H] per expert: stacked row-wise, surplus gate rows would
+    silently become up rows (down checks only their sum, 2I)."""
+    if tuple(gate.shape[1:]) == tuple(up.shape[1:]):
+        return
+    kg, ku = (_matrix_key(ckpt, f"{prefix}0.{p}.") for p in projections[:2])
+    raise MoeInputError(
+        f"checkpoint: gate and up projections differ in shape: {kg} holds [out, in] = "
+        f"{list(gate.shape[1:])} per expert, {ku} holds {list(up.shape[1:])}; both must be "
+        "[I, H], the same"
+    )
+
+
+def _check_stacked_count(ckpt: _Checkpoint, fam: CheckpointFamily, key: str) -> None:
+    """A stacked ``[E, ...]`` tensor (GPT-OSS) must hold config.json's expert count, as the
+    per-expert families' keys must (`_count_experts`)."""
+    field, counted = _configured_experts(ckpt, fam)
+    shape = list(ckpt.get(key).shape)
+    if counted is not None and shape[:1] != [counted]:
         raise MoeInputError(
-            f"checkpoint: the experts' {proj}.weight shapes differ under {prefix!r}: "
-            f"{sorted(shapes)}"
+            f"checkpoint: config.json says {field}={counted}, but {key} has shape {shape} "
+            f"([E, ...]: {shape[0] if shape else 'no'} experts)"
         )
-    return torch.stack(parts), "plain"
 
 
 def _block_aligned(gate, up, down) -> tuple:
@@ -461,11 +564,14 @@ def _gpt_oss(ckpt: _Checkpoint, prefix: str) -> tuple:
     from .quant import checkpoints as ck
 
     if prefix + "gate_up_proj_blocks" in ckpt:
-        w13 = ck.import_gpt_oss_mxfp4(
-            ckpt.get(prefix + "gate_up_proj_blocks"), ckpt.get(prefix + "gate_up_proj_scales")
-        )
-        w2 = ck.import_gpt_oss_mxfp4(
-            ckpt.get(prefix + "down_proj_blocks"), ckpt.get(prefix + "down_proj_scales")
+        w13, w2 = (
+            _imported(
+                f"{prefix}{proj}_blocks / _scales",
+                ck.import_gpt_oss_mxfp4,
+                ckpt.get(f"{prefix}{proj}_blocks"),
+                ckpt.get(f"{prefix}{proj}_scales"),
+            )
+            for proj in ("gate_up_proj", "down_proj")
         )
         fmt = "mxfp4"
     else:
@@ -516,8 +622,11 @@ def load_experts(
     since the padded units add zero, and their ``intermediate_size`` is then the padded I.
 
     Raises ``MoeInputError`` for a missing tensor (naming it and the file or index it was
-    looked for in), experts that do not fit together, an unknown family or a layer out of
-    range.
+    looked for in), a file that is not readable safetensors (naming it), an expert count other
+    than config.json's, experts storing a projection in different dtypes or shapes (naming the
+    first key that differs from expert 0's), gate and up of different shapes (naming both),
+    experts that do not fit together, an importer's refusal (naming the projection's keys), an
+    unknown family or a layer out of range.
     """
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16, float16, float32 or None, got {dtype}")
@@ -544,6 +653,8 @@ def load_experts(
             )
         if fam.projections is None:
             w13, w2, b13, b2, fmt = _gpt_oss(ckpt, prefix)
+            stacked = "gate_up_proj_blocks" if fmt == "mxfp4" else "gate_up_proj"
+            _check_stacked_count(ckpt, fam, prefix + stacked)
         else:
             gate, up, down = fam.projections
             num = _count_experts(ckpt, prefix, fam, f"{prefix}0.{gate}.weight")
@@ -555,6 +666,7 @@ def load_experts(
                     f"checkpoint: the projections under {prefix!r} are stored in different "
                     f"formats ({gate}: {fmt}, {up}: {fmt_up}, {down}: {fmt_down})"
                 )
+            _check_gate_up(ckpt, prefix, fam.projections, g, u)
             if fmt == "plain":
                 w13 = torch.cat([g, u], dim=1)
             else:

@@ -101,3 +101,71 @@ def test_dtype_and_device_moves_keep_the_quantized_formats():
     m = layer(0, "fp8_block").to("meta")
     assert m.quantized.w13.device.type == "meta"
     assert m.get_buffer("w13_scheme").device.type == "cpu"
+
+
+def _held(m: moerunner.MoE) -> dict:
+    """Every buffer by name: the tensor object and a copy of its values."""
+    return {n: (t, t.clone()) for n, t in m.named_buffers()}
+
+
+def _assert_unchanged(m: moerunner.MoE, held: dict, out: torch.Tensor) -> None:
+    for name, (tensor, values) in held.items():
+        now = m.get_buffer(name)
+        assert now is tensor and torch.equal(now.view(torch.uint8), values.view(torch.uint8))
+    for w in ("w13", "w2"):
+        assert getattr(m.quantized, w).data is m.get_buffer(f"{w}_qdata")
+    assert torch.equal(outputs(m), out)
+
+
+WRONG_DTYPES = {  # scheme, key, a wrong tensor from the right one, expected dtype in the error
+    "fp8 data as its uint8 bytes": ("fp8_block", "w13_qdata", lambda t: t.view(torch.uint8)),
+    "e8m0 codes as the float scales they mean": (
+        "mxfp4",
+        "w13_scale",
+        lambda t: torch.exp2(t.float() - 127),
+    ),
+    "fp32 scales rounded to bf16": ("fp8_channel", "w2_scale", lambda t: t.bfloat16()),
+    "int4 zero points as int64": ("int4_g32_zp", "w13_zero_point", lambda t: t.long()),
+    "a scale of another shape": ("fp8_channel", "w2_scale", lambda t: t[:, :-1].clone()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_DTYPES))
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("with_scheme", [True, False])
+def test_a_tensor_of_another_dtype_or_shape_is_refused_by_key(case, assign, with_scheme):
+    """Was: copy_ cast it silently (fp8 bytes read as values, e8m0 codes as floats: outputs
+    off by ~1), assign=True replaced the buffer and failed later, a shape mismatch copied the
+    other tensors first. Now refused before anything is copied or replaced."""
+    scheme, key, wrong = WRONG_DTYPES[case]
+    state = layer(0, scheme).state_dict()
+    state[key] = wrong(state[key])
+    if not with_scheme:  # the tensors are loaded all the same without the *_scheme entries
+        del state["w13_scheme"], state["w2_scheme"]
+    target = layer(1, scheme)
+    held, out = _held(target), outputs(target)
+    mine = target.get_buffer(key)
+    match = (
+        rf"{key} is {state[key].dtype} {list(state[key].shape)}, but scheme '{scheme}' holds it "
+        rf"as {mine.dtype} {list(mine.shape)}".replace("[", r"\[").replace("]", r"\]")
+    )
+    with pytest.raises(moerunner.MoeInputError, match=match):
+        target.load_state_dict(state, strict=with_scheme, assign=assign)
+    _assert_unchanged(target, held, out)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_loaded_zero_point_outside_the_codes_is_refused(assign):
+    """Was accepted: an int4 zero point of 200 (codes 0..15) shifted its group of weights."""
+    state = layer(0, "int4_g32_zp").state_dict()
+    state["w2_zero_point"] = state["w2_zero_point"].clone()
+    state["w2_zero_point"][2, 5, 0] = 200
+    target = layer(1, "int4_g32_zp")
+    held, out = _held(target), outputs(target)
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=r"w2_zero_point: zero points .* must lie in \[0, 15\].*got 200 at index \[2, 5, 0\]"
+        r".*left as they were",
+    ):
+        target.load_state_dict(state, assign=assign)
+    _assert_unchanged(target, held, out)

@@ -6,6 +6,7 @@ independent reference; and checkpoints written here tensor by tensor (formats, e
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -364,7 +365,9 @@ def test_wrong_shapes_are_named(tmp_path):
     tensors, *_ = mixtral_tensors()
     tensors["model.layers.0.block_sparse_moe.experts.1.w2.weight"] = torch.zeros(H, I + 2)
     save_file(tensors, tmp_path / "a.safetensors")
-    with pytest.raises(moerunner.MoeInputError, match="w2.weight shapes differ"):
+    with pytest.raises(
+        moerunner.MoeInputError, match=r"w2\.weight dtypes/shapes differ.*experts\.1\.w2\.weight is"
+    ):
         moerunner.load_experts(tmp_path / "a.safetensors", layer=0, family="mixtral")
     tensors, *_ = mixtral_tensors()
     for e in range(E):
@@ -528,3 +531,305 @@ def test_e5m2_weights_and_a_lone_gpt_oss_bias_are_named(tmp_path):
     save_file(lone, tmp_path / "oss.safetensors")
     with pytest.raises(moerunner.MoeInputError, match="down_proj_bias' not found"):
         moerunner.load_experts(tmp_path / "oss.safetensors", layer=0, family="gpt_oss")
+
+
+# ---------------------------------------------------------------- regressions (loader probe)
+
+
+def _write(folder, tensors, config=None, name="model.safetensors"):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, folder / name)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _fp8_tensors(shapes, gen, num=E):
+    """DeepSeek-V3 fp8 tensors ``{proj: (N, K)}`` of ``num`` experts under layer 0."""
+    tensors = {}
+    for proj, (n, k) in shapes.items():
+        q = moerunner.quantize(torch.randn(num, n, k, generator=gen), "fp8_block")
+        for e in range(num):
+            key = f"model.layers.0.mlp.experts.{e}.{proj}"
+            tensors[f"{key}.weight"], tensors[f"{key}.weight_scale_inv"] = q.data[e], q.scale[e]
+    return tensors
+
+
+def test_gate_and_up_of_different_row_counts_are_refused(tmp_path):
+    """Was loaded: only w13's row count (gate + up) was checked against 2I, so gate's surplus
+    rows became up rows (plain and fp8). Now both keys are named with their shapes."""
+    tensors, *_ = mixtral_tensors()
+    prefix = "model.layers.0.block_sparse_moe.experts."
+    for e in range(E):
+        tensors[f"{prefix}{e}.w1.weight"] = torch.randn(I + 8, H)
+        tensors[f"{prefix}{e}.w3.weight"] = torch.randn(I - 8, H)
+    _write(tmp_path, tensors)
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=rf"gate and up .*differ in shape: {prefix}0\.w1\.weight holds \[out, in\] = "
+        rf"\[{I + 8}, {H}\] per expert, {prefix}0\.w3\.weight holds \[{I - 8}, {H}\]",
+    ):
+        moerunner.load_experts(tmp_path, layer=0, family="mixtral")
+    gen = torch.Generator().manual_seed(20)
+    fp8 = {"gate_proj": (384, 128), "up_proj": (128, 128), "down_proj": (128, 256)}
+    _write(tmp_path, _fp8_tensors(fp8, gen, 2), name="fp8.safetensors")
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=r"gate_proj\.weight holds \[out, in\] = \[384, 128\] per expert, "
+        r".*up_proj\.weight holds \[128, 128\]",
+    ):
+        moerunner.load_experts(tmp_path / "fp8.safetensors", layer=0, family="deepseek_v3")
+
+
+def _plain_qwen(over=None, num=E):
+    tensors = _qwen_tensors(num, torch.Generator().manual_seed(21))
+    tensors.update(over or {})
+    return tensors
+
+
+QWEN = "model.layers.0.mlp.experts."
+MALFORMED = {  # the checkpoint, the message expected
+    "up_proj [I, H + 1]": (
+        lambda: _plain_qwen({f"{QWEN}{e}.up_proj.weight": torch.randn(I, H + 1) for e in range(E)}),
+        rf"gate and up .*{QWEN}0\.gate_proj\.weight holds \[out, in\] = \[{I}, {H}\] .*"
+        rf"{QWEN}0\.up_proj\.weight holds \[{I}, {H + 1}\]; both must be \[I, H\]",
+    ),
+    "gate_proj 3-D [1, I, H]": (
+        lambda: _plain_qwen(
+            {f"{QWEN}{e}.gate_proj.weight": torch.randn(1, I, H) for e in range(E)}
+        ),
+        rf"{QWEN}0\.gate_proj\.weight has shape \[1, {I}, {H}\]; a per-expert weight must be a "
+        r"2-D \[out, in\] matrix",
+    ),
+    "down_proj 1-D": (
+        lambda: _plain_qwen({f"{QWEN}{e}.down_proj.weight": torch.randn(H * I) for e in range(E)}),
+        rf"{QWEN}0\.down_proj\.weight has shape \[{H * I}\]; a per-expert weight must be a 2-D",
+    ),
+    "expert 0's gate bf16, the others fp8": (
+        lambda: {
+            **_fp8_tensors(
+                {"gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)},
+                torch.Generator().manual_seed(22),
+            ),
+            f"{QWEN}0.gate_proj.weight": torch.randn(128, 64).bfloat16(),
+        },
+        rf"{QWEN}1\.gate_proj\.weight is torch\.float8_e4m3fn \[128, 64\], "
+        rf"{QWEN}0\.gate_proj\.weight is torch\.bfloat16 \[128, 64\]",
+    ),
+    "expert 2's down bf16, the others fp8": (
+        lambda: {
+            **_fp8_tensors(
+                {"gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)},
+                torch.Generator().manual_seed(23),
+            ),
+            f"{QWEN}2.down_proj.weight": torch.randn(64, 128).bfloat16(),
+        },
+        rf"{QWEN}2\.down_proj\.weight is torch\.bfloat16 \[64, 128\], "
+        rf"{QWEN}0\.down_proj\.weight is torch\.float8_e4m3fn \[64, 128\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_expert_tensors_are_named(case, tmp_path):
+    """Were RuntimeErrors from inside torch.cat / torch.stack (or a bare unpacking
+    ValueError), naming no key."""
+    build, match = MALFORMED[case]
+    _write(tmp_path, build(), {"model_type": "qwen3_moe", "num_experts": E})
+    with pytest.raises(moerunner.MoeInputError, match=match):
+        moerunner.load_experts(tmp_path, layer=0)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_truncated_file_is_named(sharded, tmp_path):
+    """Was safetensors' own SafetensorError (not a ValueError), naming no file."""
+    from safetensors import SafetensorError
+
+    tensors, *_ = mixtral_tensors()
+    if sharded:
+        write_sharded(tmp_path, tensors, shards=2)
+        file = tmp_path / "model-00002-of-00002.safetensors"
+    else:
+        file = _write(tmp_path, tensors) / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])  # an interrupted download
+    with pytest.raises(
+        moerunner.MoeInputError, match=rf"{file.name}' cannot be read as a safetensors file"
+    ) as caught:
+        moerunner.load_experts(tmp_path, layer=0, family="mixtral")
+    assert isinstance(caught.value.__cause__, SafetensorError)
+
+
+def test_importer_errors_name_the_keys(tmp_path):
+    """Were the importer's messages alone ("weight_scale_inv: per-expert tensors differ in
+    dtype/shape: [...]"), not saying which projection or expert."""
+    gen = torch.Generator().manual_seed(24)
+    shapes = {"gate_proj": (256, 256), "up_proj": (256, 256), "down_proj": (256, 256)}
+    tensors = _fp8_tensors(shapes, gen)
+    tensors[f"{QWEN}2.down_proj.weight_scale_inv"] = torch.full((2, 1), 1e-2)
+    _write(tmp_path, tensors, name="one.safetensors")
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=rf"{QWEN}2\.down_proj\.weight_scale_inv is torch\.float32 \[2, 1\], "
+        rf"{QWEN}0\.down_proj\.weight_scale_inv is torch\.float32 \[2, 2\]",
+    ):
+        moerunner.load_experts(tmp_path / "one.safetensors", layer=0, family="deepseek_v3")
+    for e in range(E):  # every expert alike, but not the weight's grid: the importer refuses
+        tensors[f"{QWEN}{e}.down_proj.weight_scale_inv"] = torch.full((2, 1), 1e-2)
+    _write(tmp_path, tensors, name="all.safetensors")
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=rf"{QWEN}\{{0\.\.{E - 1}\}}\.down_proj\.\*: weight_scale_inv: expected fp32",
+    ):
+        moerunner.load_experts(tmp_path / "all.safetensors", layer=0, family="deepseek_v3")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_half_precision_block_scales_load_exactly(dtype, tmp_path):
+    """Were refused (weight_scale_inv must be fp32), though upcasting them is exact. The
+    reference: e4m3 * scale in float64 (exact in float32 too: 4 + 11 significant bits)."""
+    gen = torch.Generator().manual_seed(25)
+    inter, hidden = 128, 192  # K = 192: a partial 128-column block
+    shapes = {
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+    tensors = _fp8_tensors(shapes, gen)
+    for key in [k for k in tensors if k.endswith("weight_scale_inv")]:
+        tensors[key] = (torch.rand(tensors[key].shape, generator=gen) * 0.05 + 1e-3).to(dtype)
+    _write(tmp_path, tensors)
+    loaded = moerunner.load_experts(tmp_path, layer=0, family="deepseek_v3")
+
+    def reference(proj):
+        w = torch.stack([tensors[f"{QWEN}{e}.{proj}.weight"] for e in range(E)]).double()
+        s = torch.stack([tensors[f"{QWEN}{e}.{proj}.weight_scale_inv"] for e in range(E)])
+        n, k = w.shape[1:]
+        return w * s.double().repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[..., :k]
+
+    w13 = torch.cat([reference("gate_proj"), reference("up_proj")], dim=1)
+    assert loaded.format == "fp8_block" and loaded.weights.w13.scale.dtype == torch.float32
+    assert torch.equal(loaded.weights.w13.dequantize().double(), w13)
+    assert torch.equal(loaded.weights.w2.dequantize().double(), reference("down_proj"))
+
+
+@pytest.mark.parametrize("fmt", ["plain", "mxfp4"])
+def test_gpt_oss_expert_count_is_checked_against_the_config(fmt, tmp_path):
+    """Was: 3 experts stored, num_local_experts 5, loaded as 3 silently (the per-expert
+    families refuse this)."""
+    held, prefix = 3, "model.layers.0.mlp.experts."
+    if fmt == "plain":
+        tensors = {
+            prefix + "gate_up_proj": torch.randn(held, H, 2 * I),
+            prefix + "down_proj": torch.randn(held, I, H),
+        }
+        key, shape = "gate_up_proj", [held, H, 2 * I]
+    else:
+        q13 = moerunner.quantize(torch.randn(held, 2 * I, H), "mxfp4")
+        q2 = moerunner.quantize(torch.randn(held, H, I), "mxfp4")
+        tensors = {
+            prefix + "gate_up_proj_blocks": q13.data.reshape(held, 2 * I, H // 32, 16),
+            prefix + "gate_up_proj_scales": q13.scale,
+            prefix + "down_proj_blocks": q2.data.reshape(held, H, I // 32, 16),
+            prefix + "down_proj_scales": q2.scale,
+        }
+        key, shape = "gate_up_proj_blocks", [held, 2 * I, H // 32, 16]
+    for counted in (held + 2, held - 1):
+        _write(tmp_path, tensors, {"model_type": "gpt_oss", "num_local_experts": counted})
+        with pytest.raises(
+            moerunner.MoeInputError,
+            match=rf"num_local_experts={counted}, but {prefix}{key} has shape "
+            + re.escape(str(shape)),
+        ):
+            moerunner.load_experts(tmp_path, layer=0)
+    _write(tmp_path, tensors, {"model_type": "gpt_oss", "num_local_experts": held})
+    assert moerunner.load_experts(tmp_path, layer=0).num_experts == held
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's slot order of a word's 8 columns
+
+
+def _awq_tensors(group, hidden=192, inter=96, seed=26):
+    """AWQ (GEMM) tensors of E experts packed by AutoAWQ's rules with ceil(K / group) groups,
+    and each projection's float64 value [E, N, K] (row k in group k // group)."""
+    rng = np.random.default_rng(seed)
+    tensors, expected = {}, {}
+    for proj, (n, k) in (
+        ("gate_proj", (inter, hidden)),
+        ("up_proj", (inter, hidden)),
+        ("down_proj", (hidden, inter)),
+    ):
+        groups = -(-k // group)
+        q, z = rng.integers(0, 16, (E, k, n)), rng.integers(0, 16, (E, groups, n))
+        s = rng.uniform(0.01, 0.1, (E, groups, n)).astype(np.float16)
+        rows = np.arange(k) // group
+        expected[proj] = np.swapaxes((q - z[:, rows]) * s.astype(np.float64)[:, rows], 1, 2)
+        for e in range(E):
+            key = f"{QWEN}{e}.{proj}."
+            tensors[key + "qweight"] = _pack(q[e], 4, 1, AWQ_ORDER)
+            tensors[key + "qzeros"] = _pack(z[e], 4, 1, AWQ_ORDER)
+            tensors[key + "scales"] = torch.from_numpy(s[e])
+    return tensors, expected
+
+
+@pytest.mark.parametrize("where", ["config.json", "quant_config.json"])
+def test_awq_group_size_comes_from_the_config(where, tmp_path):
+    """Was ignored: K = 192 with group_size 128 (two groups, the second one ragged) loaded as
+    int4_g96, rows 96..127 in the wrong group; docs/quantization.md said it was refused."""
+
+    def write(group, stated):
+        tensors, expected = _awq_tensors(group)
+        quant = {"quant_method": "awq", "bits": 4, "group_size": stated}
+        if where == "quant_config.json":  # AutoAWQ's older export
+            quant = {"zero_point": True, "q_group_size": stated, "w_bit": 4, "version": "GEMM"}
+            (tmp_path / where).write_text(json.dumps(quant))
+            config = {"model_type": "qwen3_moe", "num_experts": E}
+        else:
+            config = {"model_type": "qwen3_moe", "num_experts": E, "quantization_config": quant}
+        _write(tmp_path, tensors, config)
+        return expected
+
+    write(128, 128)
+    with pytest.raises(
+        moerunner.MoeInputError,
+        match=rf"{QWEN}\{{0\.\.{E - 1}\}}\.gate_proj\.\*: group size 128 does not divide K=192",
+    ):
+        moerunner.load_experts(tmp_path, layer=0)
+    expected = write(96, 96)  # two whole groups of 96, stated: loads exactly
+    loaded = moerunner.load_experts(tmp_path, layer=0)
+    assert loaded.format == "awq" and loaded.weights.w13.scheme.name == "int4_g96_zp"
+    w13 = np.concatenate([expected["gate_proj"], expected["up_proj"]], axis=1)
+    assert torch.equal(loaded.weights.w13.dequantize().double(), torch.from_numpy(w13))
+    assert torch.equal(
+        loaded.weights.w2.dequantize().double(), torch.from_numpy(expected["down_proj"])
+    )
+    write(96, 64)  # the stated group size does not make the stored scales' group count
+    with pytest.raises(moerunner.MoeInputError, match="group size 64 makes 3 groups of K=192"):
+        moerunner.load_experts(tmp_path, layer=0)
+
+
+def test_deepseek_v2_group_limited_routing_is_what_the_docs_say(tmp_path):
+    """docs/checkpoints.md said top_k and routing were None for DeepSeek-V2's group-limited
+    top-k; load_experts returns both. The docs' example is checked against it."""
+    from pathlib import Path
+
+    gen = torch.Generator().manual_seed(27)
+    _write(
+        tmp_path,
+        _qwen_tensors(8, gen),
+        {
+            "model_type": "deepseek_v2",
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 16.0,
+            "norm_topk_prob": False,
+        },
+    )
+    loaded = moerunner.load_experts(tmp_path, layer=0)
+    example = moerunner.RoutingConfig("softmax", False, 4, 2, 16.0, group_score="max")
+    assert loaded.top_k == 2 and loaded.routing == example
+    doc = (Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text()
+    assert 'e.g. `RoutingConfig("softmax", False, 4, 2, 16.0, group_score="max")`' in doc
+    assert "or for DeepSeek-V2's group-limited top-k" not in doc

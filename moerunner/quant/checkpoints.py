@@ -6,7 +6,8 @@
 #   how transformers' GPT-OSS integration decodes them (value = table[nibble] * 2^(scale-127),
 #   then transposed to its [E, in, out] parameter), so data is a plain reshape.
 # DeepSeek-V3 FP8: per expert `<proj>.weight` e4m3 [N, K] and `<proj>.weight_scale_inv` fp32
-#   [ceil(N/128), ceil(K/128)]; despite its name the scale is a multiplier (w = e4m3 * s).
+#   [ceil(N/128), ceil(K/128)] (bf16 / fp16 ones are upcast, exactly); despite its name the
+#   scale is a multiplier (w = e4m3 * s).
 # ModelOpt NVFP4: per expert `<proj>.weight` uint8 [N, K/2], `weight_scale` e4m3 [N, K/16],
 #   `weight_scale_2` fp32 scalar (global dequantization scale), `input_scale` fp32 scalar
 #   (static activation global scale, used by nvfp4 activations).
@@ -85,11 +86,13 @@ def _stack(name: str, parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Ten
             raise TypeError(
                 f"{name}[{i}] must be a torch.Tensor (one per expert), got {type(p).__name__}"
             )
-    shapes = {(p.dtype, tuple(p.shape)) for p in parts}
-    if len(shapes) != 1:
-        raise ValueError(
-            f"{name}: per-expert tensors differ in dtype/shape: {sorted(map(str, shapes))}"
-        )
+    first = (parts[0].dtype, list(parts[0].shape))
+    for i, p in enumerate(parts):
+        if (p.dtype, list(p.shape)) != first:  # name the first one off (E may be hundreds)
+            raise ValueError(
+                f"{name}: per-expert tensors differ in dtype/shape: {name}[{i}] is {p.dtype} "
+                f"{list(p.shape)}, {name}[0] is {first[0]} {first[1]}"
+            )
     return torch.stack(list(parts))
 
 
@@ -128,6 +131,10 @@ def import_gpt_oss_mxfp4(
     return qw.select_rows(_deinterleave_index(n, blocks.device)) if deinterleave else qw
 
 
+#: Float scale dtypes the importers upcast to fp32 (exactly: fp32 holds every value of each).
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def import_deepseek_fp8(
     weight: torch.Tensor | Sequence[torch.Tensor],
     weight_scale_inv: torch.Tensor | Sequence[torch.Tensor],
@@ -135,10 +142,17 @@ def import_deepseek_fp8(
     """DeepSeek-V3 FP8 expert projections -> fp8_block weight ``(E, N, K)``.
 
     ``weight``: e4m3 ``[N, K]`` per expert (a list) or stacked ``[E, N, K]``;
-    ``weight_scale_inv``: fp32 ``[ceil(N/128), ceil(K/128)]`` per expert, or stacked.
+    ``weight_scale_inv``: fp32 ``[ceil(N/128), ceil(K/128)]`` per expert, or stacked (bf16 /
+    fp16 scales are taken too: their upcast to fp32 is exact).
     """
     w = _tensor("weight", _stack("weight", weight), torch.float8_e4m3fn, 3)
-    s = _tensor("weight_scale_inv", _stack("weight_scale_inv", weight_scale_inv), torch.float32, 3)
+    s = _tensor("weight_scale_inv", _stack("weight_scale_inv", weight_scale_inv), None, 3)
+    if s.dtype not in _SCALE_DTYPES:
+        raise ValueError(
+            f"weight_scale_inv must have dtype torch.float32, torch.bfloat16 or torch.float16, "
+            f"got {s.dtype}"
+        )
+    s = s.float()
     e, n, k = w.shape
     grid = (e, -(-n // 128), -(-k // 128))
     if tuple(s.shape) != grid:
@@ -462,11 +476,15 @@ def import_awq(
     scales: torch.Tensor | Sequence[torch.Tensor],
     *,
     bits: int = 4,
+    group_size: int | None = None,
 ) -> QuantizedWeight:
     """AWQ (GEMM) expert projections -> int4 group weight ``(E, N, K)``.
 
     Per expert (lists) or stacked: ``qweight`` int32 ``[K, N/8]``, ``qzeros`` int32
     ``[K/g, N/8]`` (both in `AWQ_ORDER` within a word), ``scales`` float ``[K/g, N]``.
+    ``group_size``: the quantization config's (``group_size`` / ``q_group_size``; -1: one
+    group); without it the group size follows from the scales' shape where that is
+    unambiguous (``_group_size``; a K that is not a multiple of it is refused, as for GPTQ).
     """
     bits = _check_bits("bits", bits, (4,))
     qw = _tensor("qweight", _stack("qweight", qweight), torch.int32, 3)
@@ -479,6 +497,8 @@ def import_awq(
             f"qzeros: expected int32 [E, groups, N/8] with the {qw.shape[2]} words per row of "
             f"qweight {list(qw.shape)}, got {list(qz.shape)}"
         )
+    # The peers group ceil(K / g) rows: a scale count alone cannot tell g from a ragged g.
+    _group_size(codes.shape[1], sc.shape[1], group_size, None, "scales")
     slot_of = torch.tensor([AWQ_ORDER.index(m) for m in range(8)], device=qw.device)
     words = codes.shape[2] // 8
     column = (torch.arange(words, device=qw.device)[:, None] * 8 + slot_of).reshape(-1)

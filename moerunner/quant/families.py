@@ -84,6 +84,12 @@ class FamilyCodec:
     def check_select_rows(self, scheme: QuantScheme) -> None:
         """Raise ValueError when rows of ``scheme`` cannot be reordered one by one."""
 
+    def zero_point_range(self, scheme: QuantScheme) -> tuple[int, int] | None:
+        """The stored zero points ``scheme`` can mean (inclusive), where its zero-point dtype
+        holds more values than that; None where every value of the dtype is one (or there
+        are no zero points)."""
+        return None
+
 
 def _packed(shape: tuple[int, int, int]) -> tuple[torch.dtype, tuple[int, ...]]:
     e, n, k = shape
@@ -322,6 +328,10 @@ class Int4Codec(FamilyCodec):
     def pad_fill(self, scheme: QuantScheme) -> dict[str, float]:
         # Symmetric: two int4 zeros (q = 8) per byte; with a zero point, code 0 and zero 0.
         return {"data": 0.0 if scheme.zero_point else float(0x88), "scale": 1.0, "zero_point": 0.0}
+
+    def zero_point_range(self, scheme: QuantScheme) -> tuple[int, int] | None:
+        # A uint8 zero point holds 0..255, but only the codes' 0..15 keep (q - zero) in range.
+        return (0, 15) if scheme.zero_point else None
 
 
 #: Every family, in lookup order (the first codec that accepts a scheme stores it).

@@ -21,7 +21,15 @@ from moerunner.device_checks import capturing
 from moerunner.quant.families import codec_of, pad_rows_cols
 from moerunner.quant.schemes import STATIC_ACTIVATION_FORMATS, QuantScheme, get_scheme
 
-__all__ = ["TENSOR_FIELDS", "QuantizedWeight", "check_storable", "dequantize", "quantize"]
+__all__ = [
+    "TENSOR_FIELDS",
+    "QuantizedWeight",
+    "check_scale_values",
+    "check_storable",
+    "check_zero_point_values",
+    "dequantize",
+    "quantize",
+]
 
 #: Order of the tensor fields in `QuantizedWeight.flat_tensors()` / `from_tensors(sequence)`.
 TENSOR_FIELDS = ("data", "scale", "global_scale", "zero_point", "input_scale")
@@ -104,6 +112,30 @@ def check_scale_values(
             )
 
 
+def check_zero_point_values(
+    scheme: str | QuantScheme, zero_point: torch.Tensor | None, name: str = "zero_point"
+) -> None:
+    """Raise ValueError for stored zero points outside the range ``scheme``'s codes can mean
+    (int4: 0..15 in a uint8): one would shift its whole group of weights far outside their
+    range, silently. ``name``: what the caller knows the tensor as (a state-dict key). Reads
+    values (one reduction), so call it where `check_scale_values` is called; skipped for meta
+    tensors and while compiling or capturing a CUDA graph."""
+    if zero_point is None or zero_point.is_meta or zero_point.numel() == 0 or capturing():
+        return
+    s = get_scheme(scheme)
+    bounds = codec_of(s).zero_point_range(s)
+    if bounds is None:
+        return
+    low, high = bounds
+    bad = (zero_point < low) | (zero_point > high)
+    if bool(bad.any()):
+        index = [int(i) for i in torch.nonzero(bad)[0]]
+        raise ValueError(
+            f"{name}: zero points of scheme {s.name!r} must lie in [{low}, {high}] (the range "
+            f"of its codes); got {int(zero_point[tuple(index)])} at index {index}"
+        )
+
+
 class QuantizedWeight:
     """A quantized expert weight of logical shape ``(E, N, K)`` (out rows N, reduction dim K).
 
@@ -136,9 +168,10 @@ class QuantizedWeight:
         *,
         check_values: bool = True,
     ) -> None:
-        """``check_values=False`` skips reading the scales' values (``check_scale_values``),
-        for tensors already checked (moved or cast copies) or not yet written (``to_empty``
-        before a load); dtypes, shapes and devices are always checked."""
+        """``check_values=False`` skips reading the scales' and zero points' values
+        (``check_scale_values``, ``check_zero_point_values``), for tensors already checked
+        (moved or cast copies) or not yet written (``to_empty`` before a load); dtypes,
+        shapes and devices are always checked."""
         self.scheme = get_scheme(scheme)
         self.shape = _check_shape(tuple(shape))
         self.data = data
@@ -179,6 +212,7 @@ class QuantizedWeight:
                 raise ValueError(f"{field} is on {value.device} but data is on {device}")
         if check_values:
             check_scale_values(self.tensors())
+            check_zero_point_values(self.scheme, self.zero_point)
 
     def _static(self) -> bool:
         return self.scheme.activation_scales == "static"

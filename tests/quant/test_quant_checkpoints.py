@@ -166,3 +166,33 @@ def test_modelopt_inconsistent_tensors():
         import_modelopt_nvfp4([t["weight"]], [t["weight_scale"].float()], [t["weight_scale_2"]])
     with pytest.raises(ValueError, match="weight: per-expert tensors differ"):
         import_modelopt_nvfp4([t["weight"], t["weight"][:8]], [t["weight_scale"]] * 2, [1.0] * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deepseek_fp8_half_precision_scales_are_upcast_exactly(dtype):
+    # Was refused ("weight_scale_inv must have dtype torch.float32"), though the upcast is
+    # exact and the integer importers take fp16 / bf16 scales. e4m3 (4 significant bits)
+    # times a bf16 / fp16 scale (8 / 11) fits float32's 24: the float64 product is exact.
+    gen = torch.Generator().manual_seed(6)
+    e, n, k = 2, 200, 300  # partial last blocks both ways
+    w8 = codecs.encode_e4m3(torch.randn(e, n, k, generator=gen))
+    s = (torch.rand(e, 2, 3, generator=gen) * 0.05 + 1e-3).to(dtype)
+    qw = import_deepseek_fp8(list(w8), list(s))
+    full = s.double().repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+    assert qw.scale.dtype == torch.float32
+    assert torch.equal(qw.dequantize().double(), w8.double() * full)
+    with pytest.raises(ValueError, match=r"weight_scale_inv must have dtype torch\.float32, "):
+        import_deepseek_fp8(w8, torch.ones(e, 2, 3, dtype=torch.int32))
+
+
+def test_per_expert_lists_name_the_first_expert_that_differs():
+    # Was: the set of (dtype, shape) pairs, without saying which expert is off.
+    w = quantize(torch.randn(3, 128, 128), "fp8_block")
+    scales = [w.scale[0], w.scale[1], w.scale[2].bfloat16()]
+    with pytest.raises(
+        ValueError,
+        match=r"weight_scale_inv: per-expert tensors differ in dtype/shape: "
+        r"weight_scale_inv\[2\] is torch\.bfloat16 \[1, 1\], weight_scale_inv\[0\] is "
+        r"torch\.float32 \[1, 1\]",
+    ):
+        import_deepseek_fp8(list(w.data), scales)

@@ -284,3 +284,33 @@ def test_awq_qzeros_must_match_qweight_words():
     for words in (1, 3):
         with pytest.raises(ValueError, match="qzeros"):
             import_awq(qweight, torch.zeros(1, 4, words, dtype=torch.int32), scale)
+
+
+def test_awq_group_size_comes_from_the_config_like_gptq():
+    # Was: import_awq took no group_size and used K // groups, so K = 192 with AutoAWQ's
+    # group size 128 (ceil(192 / 128) = 2 groups, the second one ragged) imported as
+    # int4_g96, every row past 96 in the wrong group. Now as GPTQ: the config's group size,
+    # else the scales' shape where unambiguous; a ragged last group is refused by name.
+    rng = np.random.default_rng(13)
+    k, n = 192, 16
+
+    def parts(group):
+        groups = -(-k // group)
+        q, z = rng.integers(0, 16, (k, n)), rng.integers(0, 16, (groups, n))
+        scale = scales_fp16(rng, (1, groups, n))
+        return pack(q, 4, 1, AWQ_ORDER)[None], pack(z, 4, 1, AWQ_ORDER)[None], scale, q, z
+
+    qweight, qzeros, scale, _, _ = parts(128)
+    with pytest.raises(ValueError, match="scales: 2 groups for K=192.*pass group_size"):
+        import_awq(qweight, qzeros, scale)
+    with pytest.raises(ValueError, match=r"group size 128 does not divide K=192.*ragged"):
+        import_awq(qweight, qzeros, scale, group_size=128)
+    qweight, qzeros, scale, q, z = parts(96)
+    qw = import_awq(qweight, qzeros, scale, group_size=96)
+    w_kn = (q - np.repeat(z, 96, axis=0)) * np.repeat(scale[0].double().numpy(), 96, axis=0)
+    assert qw.scheme.name == "int4_g96_zp"
+    assert torch.equal(moerunner.dequantize(qw)[0].double(), torch.from_numpy(w_kn).T)
+    with pytest.raises(ValueError, match="makes 3 groups"):
+        import_awq(qweight, qzeros, scale, group_size=64)
+    with pytest.raises(ValueError, match="group_size must be"):
+        import_awq(qweight, qzeros, scale, group_size=0)

@@ -383,3 +383,25 @@ def test_custom_scheme_without_codec_is_rejected():
     odd = QuantScheme("odd", "e2m1", "e8m0", "group", (1, 64))
     with pytest.raises(ValueError, match="scheme: no codec"):
         quantize(torch.randn(1, 2, 64), odd)
+
+
+def test_zero_points_outside_the_codes_are_refused():
+    # Was accepted: a uint8 int4 zero point of 200 (the codes mean 0..15) shifted its whole
+    # group by ~190 steps. Checked where the scales are (construction, from_tensors).
+    qw = quantize(torch.randn(2, 8, 64), "int4_g32_zp")
+    for value in (0, 15):  # the ends of the range are zero points
+        zp = qw.zero_point.clone()
+        zp[1, 2, 1] = value
+        QuantizedWeight(qw.scheme, qw.shape, qw.data, qw.scale, zero_point=zp)
+    for value in (16, 200):
+        zp = qw.zero_point.clone()
+        zp[1, 2, 1] = value
+        match = (
+            rf"zero_point: .*'int4_g32_zp' must lie in \[0, 15\].*got {value} at index \[1, 2, 1\]"
+        )
+        with pytest.raises(ValueError, match=match):
+            QuantizedWeight(qw.scheme, qw.shape, qw.data, qw.scale, zero_point=zp)
+        with pytest.raises(ValueError, match=match):
+            QuantizedWeight.from_tensors(qw.scheme, qw.shape, {**qw.tensors(), "zero_point": zp})
+    # As for scales, check_values=False (moved copies, to_empty) reads no values.
+    QuantizedWeight(qw.scheme, qw.shape, qw.data, qw.scale, zero_point=zp, check_values=False)
