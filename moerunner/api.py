@@ -369,6 +369,14 @@ def _run_extended(
             f"hooks were made for {hooks.num_experts} experts (e.g. the factors of "
             f"lora_hooks), the weights have E={weights.num_experts}"
         )
+    out = _run_extended_call(
+        runner, weights, hidden_states, topk, act, weight_on_input, shared, hooks
+    )
+    # (trained hooks that no row reached: still in their graph, with zero gradients)
+    return out if hooks is None else hooks.in_graph(out)
+
+
+def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_input, shared, hooks):
     if weight_on_input:
         hidden_states, topk = weighted_input(hidden_states, topk)
     if shared is not None:
@@ -385,10 +393,9 @@ def _run_extended(
             runner = _hooks_with_grad(runner)
     if _needs_grad(hidden_states, weights, topk.weights):
         if hooks is not None:
-            raise MoeInputError(
-                "hooks have no backward: a tensor argument requires grad and grad mode is on; "
-                "wrap the call in torch.no_grad() (or pass detached tensors)"
-            )
+            from .lora import grad_limit_error
+
+            raise grad_limit_error("fused_moe with hooks")
         return _differentiable(
             runner, runner.requested, problem, hidden_states, weights, topk, spec
         )

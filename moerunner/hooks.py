@@ -81,15 +81,21 @@ class MoeHooks:
         lists in its ``tensors()`` (``LoraDelta``: the LoRA factors; a plain function lists
         none). Such a call runs where the hooks' PyTorch ops carry the gradient (the torch
         backend); a backend applying them in its own kernels would drop it."""
-        if not torch.is_grad_enabled():
-            return False
+        return torch.is_grad_enabled() and bool(self._trained())
+
+    def _trained(self) -> list[torch.Tensor]:
+        found = []
         for fn in (self.gate_up, self.down):
             tensors = getattr(fn, "tensors", None)
-            if callable(tensors) and any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in tensors()
-            ):
-                return True
-        return False
+            if callable(tensors):
+                found += [t for t in tensors() if isinstance(t, torch.Tensor) and t.requires_grad]
+        return found
+
+    def in_graph(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` of a call with these hooks, part of the graph of the tensors they train
+        even where no hook ran (no rows, no slots, no adapter): a loss over it then gives
+        them zero gradients instead of failing for want of a graph (``in_graph_of``)."""
+        return in_graph_of(out, self._trained()) if torch.is_grad_enabled() else out
 
     def apply(self, which: str, out: torch.Tensor, inp: torch.Tensor, rows: HookRows):
         """Run hook ``which`` ("gate_up" or "down") if set; check what it returns."""
@@ -133,3 +139,15 @@ def expert_of_rows(expert_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     row_ids = torch.arange(num_rows, device=expert_offsets.device)
     expert = torch.searchsorted(expert_offsets[1:].contiguous(), row_ids, right=True)
     return torch.where(expert < num_experts, expert, -1)
+
+
+def in_graph_of(out: torch.Tensor, tensors) -> torch.Tensor:
+    """``out``, part of the autograd graph of those ``tensors`` that require grad, where it
+    is not already (grad mode on): an empty slice's sum adds exactly 0 whatever the values (a
+    non-finite one included). Host metadata only."""
+    if out.requires_grad or not torch.is_grad_enabled():
+        return out
+    trained = [t for t in tensors if t.requires_grad]
+    if not trained:
+        return out
+    return out + sum(t.reshape(-1)[:0].sum() for t in trained)

@@ -11,12 +11,24 @@ standard format.
 
 Shapes (L adapters, E experts, r rank, N13 = w13's rows):
 
-- ``w13_a [L, E, r, H]``, ``w13_b [L, E, N13, r]`` (N13 in w13's row order: gate then up, or
-  alternating). A model whose gate and up projections carry separate adapters (PEFT's
-  ``gate_proj`` / ``up_proj``) stacks the two A's (rank 2r) and places the two B's block
-  diagonally;
+- ``w13_a [L, E, r, H]``, ``w13_b [L, E, N13, r]``. ``w13_b``'s rows are in the canonical
+  order that GEMM1's output has where the hook sees it: gate rows then up rows, for
+  ``w13_order="gate_up"`` and ``"up_gate"`` alike (an up-then-gate w13 is swapped to gate
+  then up where its weights are prepared; the factors are never swapped), alternating
+  (row 2j gate j, row 2j+1 up j) for ``"interleaved"``; a non-gated w13's ``I`` up rows.
+  A model whose gate and up projections carry separate adapters (PEFT's ``gate_proj`` /
+  ``up_proj``) stacks the two A's (rank 2r) and places the two B's block diagonally;
 - ``w2_a [L, E, r, I]``, ``w2_b [L, E, H, r]``;
-- ``scaling``: a number or float ``[L]`` (PEFT: ``lora_alpha / r``).
+- ``scaling``: a finite number or float ``[L]`` (PEFT: ``lora_alpha / r``). A tensor is read
+  on every call (in-place edits take effect); its values are checked where it lies on the
+  CPU, and never read on a GPU (no host read there: a non-finite scale gives non-finite rows).
+
+Gradients: the hooks' PyTorch form carries gradients to the factors (and a ``scaling``
+tensor) only. The hidden states, expert weights and routing weights of a call with hooks must
+not require grad while grad mode is on (the call raises; the transformers integration with
+``grad_limit_error``, which says what runs): one adapted MoE layer trains its factors with the
+model around it frozen; two or more do not (a later layer's hidden states depend on an
+earlier layer's factors). Inference in grad mode raises too: run it under ``torch.no_grad()``.
 
 Rows whose expert is past ``E`` (the shared experts of ``moerunner.shared``) get no delta.
 
@@ -35,17 +47,16 @@ form runs the shrink and expand in float32 on the factors of each row:
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
 from .device_checks import check_ids_async
 from .errors import MoeInputError
-from .hooks import HookRows, MoeHooks
+from .hooks import HookRows, MoeHooks, in_graph_of
 
-__all__ = ["LoraDelta", "MoeLoraWeights", "lora_hooks"]
+__all__ = ["LoraDelta", "MoeLoraWeights", "grad_limit_error", "lora_hooks"]
 
 # Gathered factor elements per chunk of rows (off the CPU): ~16 MiB of float32.
 _GATHER_ELEMENTS = 1 << 22
@@ -81,13 +92,27 @@ class MoeLoraWeights:
         t = self.w13_a
         return f"MoeLoraWeights({shapes}, scaling={scaling}, {t.dtype}, {t.device})"
 
-    @functools.cached_property
+    @property
     def scale_per_adapter(self) -> torch.Tensor | None:
-        """``scaling`` as float32 ``[L]`` on the factors' device, made on first use and kept
-        (the tensor itself where it already is one), so no call converts or copies it; None
-        where one number scales every adapter."""
-        if not isinstance(self.scaling, torch.Tensor):
+        """``scaling`` as float32 ``[L]`` on the factors' device (the tensor itself where it
+        already is one); None where one number scales every adapter. Another tensor is
+        converted once and again only after it changed in place, so an edit (``scaling[a] =
+        0``) takes effect whatever its dtype, layout or device, and an unchanged tensor is not
+        copied per call. Its version counter tells (a host-side number: no device read)."""
+        scaling = self.scaling
+        if not isinstance(scaling, torch.Tensor):
             return None
+        if scaling.is_inference() or (scaling.requires_grad and torch.is_grad_enabled()):
+            # An inference tensor has no version counter; a trained one needs this call's
+            # graph (a kept copy's would be freed by the first backward).
+            return self._float32_scaling()
+        kept = self.__dict__.get("_scaling_copy")
+        if kept is None or kept[0] is not scaling or kept[1] != scaling._version:
+            kept = (scaling, scaling._version, self._float32_scaling())
+            self.__dict__["_scaling_copy"] = kept  # frozen: beside the fields, as a cache
+        return kept[2]
+
+    def _float32_scaling(self) -> torch.Tensor:
         return self.scaling.to(device=self.w13_a.device, dtype=torch.float32).contiguous()
 
     def validate(self) -> None:
@@ -124,6 +149,11 @@ class MoeLoraWeights:
                 raise MoeInputError(
                     f"lora scaling must be a number or a float [L={lead[0]}] tensor, got "
                     f"{self.scaling.dtype} {list(self.scaling.shape)}"
+                )
+            # Values are read on the CPU only: on a GPU this would be a host read per call.
+            if self.scaling.device.type == "cpu" and not bool(self.scaling.isfinite().all()):
+                raise MoeInputError(
+                    f"lora scaling must be finite, got {self.scaling.detach().tolist()}"
                 )
         elif isinstance(self.scaling, bool) or not isinstance(self.scaling, (int, float)):
             raise TypeError(f"lora scaling must be a number or a tensor, got {self.scaling!r}")
@@ -177,17 +207,20 @@ def lora_delta(
     rows, n = x_RK.shape[0], b.shape[2]
     valid = (adapter_R >= 0) & (expert_R >= 0) & (expert_R < num_experts)
     out = torch.zeros(rows, n, dtype=torch.float32, device=x_RK.device)
-    if rows == 0 or rank == 0:
-        return out
-    key = torch.where(valid, adapter_R.long() * num_experts + expert_R.long(), -1)
-    if x_RK.device.type == "cpu":
-        return _grouped_cpu(x_RK, a, b, key, scale_R, out)
-    chunk = max(1, _GATHER_ELEMENTS // (rank * (a.shape[3] + n)))
-    return _gathered(x_RK, a, b, key, scale_R, out, chunk)
+    if rows and rank:
+        key = torch.where(valid, adapter_R.long() * num_experts + expert_R.long(), -1)
+        if x_RK.device.type == "cpu":
+            out = _grouped_cpu(x_RK, a, b, key, scale_R, out)
+        else:
+            chunk = max(1, _GATHER_ELEMENTS // (rank * (a.shape[3] + n)))
+            out = _gathered(x_RK, a, b, key, scale_R, out, chunk)
+    return in_graph_of(out, (a, b, scale_R))
 
 
 def _gathered(x_RK, a, b, key, scale_R, out, chunk: int):
-    """Each row's factors gathered, ``chunk`` rows at a time: batched GEMMs, no host read."""
+    """Each row's factors gathered, ``chunk`` rows at a time: batched GEMMs, no host read.
+    A row without a pair computes with pair 0's factors and is then replaced by 0 (selected
+    out, not multiplied by 0: pair 0's non-finite values would give NaN there)."""
     groups, rank, n = a.shape[0] * a.shape[1], a.shape[2], b.shape[2]
     a_flat = a.reshape(groups, rank, -1)
     b_flat = b.reshape(groups, n, rank)
@@ -196,8 +229,8 @@ def _gathered(x_RK, a, b, key, scale_R, out, chunk: int):
         g = k.clamp(min=0)
         shrunk = torch.bmm(a_flat[g].float(), x_RK[start : start + chunk, :, None].float())
         d = torch.bmm(b_flat[g].float(), shrunk)[:, :, 0]
-        scale = torch.where(k >= 0, scale_R[start : start + chunk], 0.0)
-        out[start : start + chunk] = d * scale[:, None]
+        d = d * scale_R[start : start + chunk, None]
+        out[start : start + chunk] = torch.where(k[:, None] >= 0, d, 0.0)
     return out
 
 
@@ -241,26 +274,85 @@ def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool 
         check_ids_async(
             adapter_ids[:, None], lora.num_adapters, where="lora", names=("adapter_ids", "L")
         )
-    ids = adapter_ids.long()
-    ids = torch.where((ids >= 0) & (ids < lora.num_adapters), ids, -1)
-    return MoeHooks(
-        gate_up=LoraDelta(lora, ids, "w13"),
-        down=LoraDelta(lora, ids, "w2"),
+    ids = _in_range(adapter_ids.long(), lora.num_adapters)
+    return MoeHooks(  # the ids are checked and in range: not again per hook
+        gate_up=LoraDelta(lora, ids, "w13", check_ids=False),
+        down=LoraDelta(lora, ids, "w2", check_ids=False),
         num_tokens=ids.shape[0],
         num_experts=lora.num_experts,
     )
 
 
+def _in_range(ids: torch.Tensor, num_adapters: int) -> torch.Tensor:
+    """``ids`` with those outside ``[-1, L)`` set to -1 (no adapter), on the device."""
+    return torch.where((ids >= 0) & (ids < num_adapters), ids, -1)
+
+
+def grad_limit_error(where: str) -> MoeInputError:
+    """The error of a call with LoRA hooks, in grad mode, whose hidden states, expert weights
+    or routing weights require grad: the hooks carry gradients to the LoRA factors (and a
+    scaling tensor) only, so nothing else of such a call may take part in autograd. Says
+    what runs instead, and never to detach a tensor (that would cut its gradients silently)."""
+    return MoeInputError(
+        f"{where}: the LoRA hooks have no backward through the hidden states, expert weights "
+        "or routing weights, and one of them requires grad while grad mode is on. For "
+        "inference, run under torch.no_grad() (or torch.inference_mode()). For training, "
+        "gradients reach the LoRA factors (and a scaling tensor) only, and only in calls "
+        "where none of those three requires grad: every parameter the layer's input, router "
+        "and experts depend on frozen (model.requires_grad_(False), then requires_grad_() on "
+        "the factors). That holds for one adapted MoE layer; training the factors of two or "
+        "more (a later layer's hidden states depend on an earlier layer's factors), or "
+        "adapters together with the experts, the router or any parameter before the layer, "
+        "is not supported."
+    )
+
+
+_GEMMS = ("w13", "w2")  # LoraDelta.gemm: the gate/up GEMM, the down GEMM
+
+
 @dataclass(frozen=True, eq=False)
 class LoraDelta:
     """One GEMM's LoRA in one call: ``gemm`` "w13" (the gate/up hook) or "w2" (the down
-    hook) of ``lora``, token ``t`` with adapter ``adapter_T[t]`` (int64 ``[T]`` in
-    ``[-1, L)``; -1: none). Called as a hook it adds the delta in PyTorch (``lora_delta``);
-    a backend that recognises the record may apply it with its own kernels instead."""
+    hook) of ``lora``, token ``t`` with adapter ``adapter_T[t]`` (int ``[T]``; -1: none).
+    Called as a hook it adds the delta in PyTorch (``lora_delta``); a backend that
+    recognises the record may apply it with its own kernels instead.
+
+    ``check_ids``: ids must lie in ``[-1, L)``, checked as ``lora_hooks`` checks them (at once
+    on CPU; on a GPU queued without a host read, ``check_ids_async``, and ids outside are set
+    to -1 so that no kernel reads past the factors). False: the caller vouches for them
+    (``lora_hooks`` passes ids it checked and brought into range)."""
 
     lora: MoeLoraWeights
     adapter_T: torch.Tensor
     gemm: str
+    check_ids: InitVar[bool] = True
+
+    def __post_init__(self, check_ids: bool) -> None:
+        if not isinstance(self.lora, MoeLoraWeights):
+            raise TypeError(f"LoraDelta: lora must be a MoeLoraWeights, got {type(self.lora)}")
+        if self.gemm not in _GEMMS:
+            raise MoeInputError(
+                f"LoraDelta: gemm must be 'w13' (the gate/up GEMM, hook gate_up) or 'w2' (the "
+                f"down GEMM, hook down), got {self.gemm!r}"
+            )
+        ids = self.adapter_T
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"LoraDelta: adapter_T must be a torch.Tensor, got {type(ids)}")
+        if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise MoeInputError(
+                f"LoraDelta: adapter_T must be a 1-D integer [T] tensor, got {ids.dtype} "
+                f"{list(ids.shape)}"
+            )
+        if ids.device != self.lora.w13_a.device:
+            raise MoeInputError(
+                f"LoraDelta: adapter_T is on {ids.device} but the lora factors on "
+                f"{self.lora.w13_a.device}"
+            )
+        if check_ids and ids.numel():
+            num_adapters = self.lora.num_adapters
+            check_ids_async(ids[:, None], num_adapters, "LoraDelta", names=("adapter_T", "L"))
+            if ids.device.type != "cpu":  # checked later there: out of range meanwhile
+                object.__setattr__(self, "adapter_T", _in_range(ids.long(), num_adapters))
 
     def tensors(self) -> tuple:
         """The tensors this delta reads (its factors and scaling): ``MoeHooks.needs_grad``."""

@@ -24,13 +24,17 @@ weights are read, per MoE layer ``i`` of the checkpoint:
   where ``in == out`` (e.g. GPT-OSS's down_proj, H = I) the shapes cannot show it.
 
 Separate gate and up adapters combine as ``moerunner.lora`` describes: A's stacked (rank
-``r_gate + r_up``), B's block-diagonal, in the experts' w13 row order (gate then up, or
-alternating for GPT-OSS). Scaling is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with
-``use_rslora``), per module through the config's ``rank_pattern`` / ``alpha_pattern`` (the
-regular expressions PEFT matches against the module's name, or ``<module>.<parameter>`` for
-a targeted parameter). ``MoeLoraWeights.scaling`` holds each adapter's default; a module
-whose own scaling differs has the ratio folded into its B. Adapters of different ranks are
-zero-padded to the largest (a zero row of A adds exactly 0).
+``r_gate + r_up``), B's block-diagonal, its rows in the canonical w13 order of
+``moerunner.lora`` (gate then up, whatever ``w13_order`` the experts are then passed with;
+alternating for GPT-OSS's interleaved rows, ``MoeModelShape.interleaved``). Scaling is
+``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), per module through the
+config's ``rank_pattern`` / ``alpha_pattern`` (the regular expressions PEFT matches against
+the module's name, or ``<module>.<parameter>`` for a targeted parameter). A malformed config
+(not a JSON object, a rank that is not a positive int, a non-finite alpha, a pattern that is
+not a regular expression) raises naming the file and the field. ``MoeLoraWeights.scaling``
+holds each adapter's default; a module whose own scaling differs has the ratio folded into
+its B. Adapters of different ranks are zero-padded to the largest (a zero row of A adds
+exactly 0).
 
 moerunner applies the routed experts' factors only. An adapter that also holds LoRA weights
 of other modules (attention, the router, a shared expert), or whole weights PEFT saved beside
@@ -202,6 +206,7 @@ def load_peft_adapters(
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise TypeError(f"layer must be a non-negative int, got {layer!r}")
     shape = MoeModelShape.of(config)
+    device = _device(device)
     read = _read_all(adapters, shape, other_modules, dtype)
     return _stack(read, shape, layer, dtype, device)
 
@@ -212,6 +217,7 @@ def load_peft_adapter_set(
     """Every MoE layer's factors of one or several PEFT LoRA adapters (arguments as
     ``load_peft_adapters``); the adapters' names are their folders' names."""
     shape = MoeModelShape.of(config)
+    device = _device(device)
     read = _read_all(adapters, shape, other_modules, dtype)
     touched = sorted({i for adapter in read for i in adapter.layers})
     layers = {i: _stack(read, shape, i, dtype, device) for i in touched}
@@ -229,7 +235,25 @@ def _read_all(adapters, shape: MoeModelShape, other_modules: str, dtype) -> list
         raise TypeError(
             f"adapters must be a folder or a non-empty sequence of folders, got {adapters!r}"
         )
+    for n, path in enumerate(adapters):
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+            raise TypeError(
+                f"adapters[{n}] must be a folder (a str or os.PathLike path), got {path!r}"
+            )
     return [_read(os.fspath(path), shape, other_modules) for path in adapters]
+
+
+def _device(device) -> torch.device | None:
+    """``device`` as given to the loaders (None: where the checkpoint's tensors load)."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise MoeInputError(
+            f"device: got {device!r}; accepted: None, a torch.device, or a device string or "
+            "index ('cpu', 'cuda', 'cuda:1', 0)"
+        ) from None
 
 
 def _read(path: str, shape: MoeModelShape, other_modules: str) -> _Adapter:
@@ -242,21 +266,26 @@ def _read(path: str, shape: MoeModelShape, other_modules: str) -> _Adapter:
                 f"adapters: {path!r} has no {os.path.basename(needed)} (a PEFT LoRA adapter "
                 f"folder holds {CONFIG_NAME} and {WEIGHTS_NAME})"
             )
-    with open(config_path) as f:
-        cfg = json.load(f)
+    cfg = _load_config(config_path)
     _check_config(cfg, config_path)
-    try:
-        rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", 8))
-    except (TypeError, ValueError):
+    rank, alpha = cfg["r"], cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise MoeInputError(
-            f"adapters: {config_path}: r and lora_alpha must be numbers, got r={cfg['r']!r}, "
-            f"lora_alpha={cfg.get('lora_alpha')!r}"
-        ) from None
-    rslora = bool(cfg.get("use_rslora", False))
+            f"adapters: {config_path}: r and lora_alpha must be numbers (lora_alpha finite), "
+            f"got r={rank!r}, lora_alpha={alpha!r}"
+        )
+    rslora = cfg.get("use_rslora") or False
+    if not isinstance(rslora, bool):
+        raise MoeInputError(
+            f"adapters: {config_path}: use_rslora must be true or false, got {rslora!r}"
+        )
+    # Checked here, once: a bad entry then names the file, not the module it first matched.
+    ranks = _patterns(cfg, "rank_pattern", config_path, _positive_int)
+    alphas = _patterns(cfg, "alpha_pattern", config_path, _finite_number)
 
     def scaling_of(key: str) -> tuple[int, float]:
-        r = int(_pattern_value(cfg.get("rank_pattern") or {}, key, rank))
-        a = float(_pattern_value(cfg.get("alpha_pattern") or {}, key, alpha))
+        r = _pattern_value(ranks, key, rank)
+        a = float(_pattern_value(alphas, key, alpha))
         return r, a / (math.sqrt(r) if rslora else r)
 
     tensors = load_file(weights_path)
@@ -305,6 +334,58 @@ def _read(path: str, shape: MoeModelShape, other_modules: str) -> _Adapter:
             )
     default = scaling_of("")[1] or 1.0  # alpha = 0: every module's (zero) scaling sits in B
     return _Adapter(os.path.basename(os.path.normpath(path)), default, layers)
+
+
+def _load_config(path: str) -> dict:
+    """``adapter_config.json`` as a dict; a file that is not a JSON object raises naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except ValueError as exc:  # not JSON (JSONDecodeError), or not UTF-8 text
+        raise MoeInputError(f"adapters: {path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise MoeInputError(
+            f"adapters: {path} must hold a JSON object (PEFT's LoraConfig fields: r, "
+            f"lora_alpha, ...), got a JSON {type(cfg).__name__}"
+        )
+    return cfg
+
+
+def _patterns(cfg: dict, field: str, where: str, check) -> dict:
+    """``cfg[field]`` (``rank_pattern`` / ``alpha_pattern``): a JSON object of regular
+    expressions (as PEFT matches them, ``_pattern_value``) to values ``check`` accepts."""
+    patterns = cfg.get(field) or {}
+    if not isinstance(patterns, dict):
+        raise MoeInputError(
+            f"adapters: {where}: {field} must be a JSON object of module-name patterns to "
+            f"values, got {patterns!r}"
+        )
+    for pattern, value in patterns.items():
+        try:
+            re.compile(rf"(.*\.)?({pattern})$")
+        except re.error as exc:
+            raise MoeInputError(
+                f"adapters: {where}: {field} key {pattern!r} is not a valid regular "
+                f"expression ({exc})"
+            ) from None
+        accepted = check(value)
+        if accepted is not None:
+            raise MoeInputError(
+                f"adapters: {where}: {field}[{pattern!r}] must be {accepted}, got {value!r}"
+            )
+    return patterns
+
+
+def _positive_int(value) -> str | None:
+    """None where ``value`` is an int > 0, else what is accepted."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return None if ok else "a positive int (a rank)"
+
+
+def _finite_number(value) -> str | None:
+    """None where ``value`` is a finite number, else what is accepted."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return None if ok else "a finite number (an alpha)"
 
 
 def _check_config(cfg: dict, where: str) -> None:
@@ -451,8 +532,11 @@ def _stack(read: list[_Adapter], shape: MoeModelShape, layer: int, dtype, device
         if down is not None:
             out["w2_a"][n, :, : down[0].shape[1]] = down[0]
             out["w2_b"][n, :, :, : down[1].shape[2]] = down[1]
-    moved = {k: v.to(device=device, dtype=dtype) for k, v in out.items()}
-    scaling = torch.tensor([a.scaling for a in read], dtype=torch.float32, device=device)
+    try:
+        moved = {k: v.to(device=device, dtype=dtype) for k, v in out.items()}
+        scaling = torch.tensor([a.scaling for a in read], dtype=torch.float32, device=device)
+    except (RuntimeError, AssertionError) as exc:  # torch without that device's support
+        raise MoeInputError(f"device: cannot place the factors on {device}: {exc}") from None
     return MoeLoraWeights(**moved, scaling=scaling)
 
 
@@ -464,7 +548,8 @@ def _scaled(module: _Module | None, default: float):
 
 
 def _w13(roles: dict[str, _Module], default: float, shape: MoeModelShape):
-    """GEMM1's (A ``[E, r, H]``, B ``[E, w13 rows, r]``) in the experts' row order."""
+    """GEMM1's (A ``[E, r, H]``, B ``[E, w13 rows, r]``), B's rows in the canonical order
+    (gate then up, or alternating where ``shape.interleaved``: ``moerunner.lora``)."""
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     if "gate_up" in roles:
         return _scaled(roles["gate_up"], default)

@@ -559,3 +559,258 @@ def test_training_lora_factors_runs_where_their_gradients_flow():
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-6)
     with torch.no_grad():  # no grad mode: the chosen backend as usual
         call("triton" if interpreted_triton() else "torch")
+
+
+def _factors(lora):
+    return (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)
+
+
+def _swap_halves(t, dim):
+    """Gate rows then up rows <-> up rows then gate rows along ``dim``."""
+    half = t.shape[dim] // 2
+    return torch.cat([t.narrow(dim, half, half), t.narrow(dim, 0, half)], dim)
+
+
+def _interleave_rows(t, dim):
+    """Gate rows then up rows -> alternating (row 2j gate j, row 2j+1 up j) along ``dim``."""
+    half = t.shape[dim] // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+    return t.index_select(dim, order)
+
+
+SCALINGS = {  # a scaling tensor the hooks take as it is, and ones they must convert
+    "float32": lambda v: torch.tensor(v),
+    "float64": lambda v: torch.tensor(v, dtype=torch.float64),
+    "float16": lambda v: torch.tensor(v, dtype=torch.float16),
+    "strided": lambda v: torch.tensor([x for x in v for _ in range(2)])[::2],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", [*SCALINGS, "inference"])
+def test_in_place_scaling_edits_take_effect_whatever_the_tensors_dtype(backend, kind):
+    """A float64 / fp16 / strided scaling tensor was converted once and the copy kept, so
+    ``scaling[a] = 0`` after a first call was silently ignored (a float32 one, used as it is,
+    followed the edit). Each call now matches the float64 merged-weights reference with the
+    tensor's values of that moment, over two edits; an inference tensor (no version
+    counter) alike."""
+    x, weights, lora, topk, adapters, act = _case(seed=6)
+    mode = torch.inference_mode() if kind == "inference" else torch.no_grad()
+    with mode:
+        scaling = SCALINGS["float64" if kind == "inference" else kind]([0.5, 1.0, 2.0])
+        lora = MoeLoraWeights(*_factors(lora), scaling)
+        for edit in (None, (1, 0.0), (2, -1.5)):
+            if edit is not None:
+                scaling[edit[0]] = edit[1]
+            out = _run(backend, x, weights, lora, topk, adapters, act)
+            ref = _reference(x, weights, lora, topk, adapters, act)
+            assert_close(out, ref, DTYPE_BOUND[torch.float32], what=f"{kind} after {edit}")
+
+
+def test_non_finite_scaling_tensor_is_refused_on_cpu():
+    """A NaN number was refused, a NaN or inf scaling tensor accepted (non-finite rows)."""
+    x, weights, lora, topk, adapters, act = _case()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        scaling = torch.tensor([0.5, bad, 2.0])
+        with pytest.raises(MoeInputError, match=r"lora scaling must be finite, got \[0\.5, "):
+            lora_hooks(MoeLoraWeights(*_factors(lora), scaling), adapters)
+
+
+def test_gathered_rows_without_a_pair_stay_finite_beside_a_non_finite_adapter(monkeypatch):
+    """The form run off the CPU computed rows without an (adapter, expert) pair with pair 0's
+    factors times 0: one non-finite adapter 0 gave NaN on every row without an adapter.
+    Called directly on CPU tensors, and through fused_moe with the CPU form swapped for it."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(12, H, generator=g)
+    a, b = torch.randn(L, E, 8, H, generator=g), torch.randn(L, E, 2 * I, 8, generator=g)
+    a[0, 0] = float("nan")  # pair 0: adapter 0, expert 0
+    b[0, 0, 3] = float("inf")
+    adapter = torch.tensor([-1, 1, 2, -1, 1, 2, -1, -1, 2, 1, -1, 2])
+    expert = torch.tensor([0, 1, 3, 2, 0, -1, 1, 3, 0, 2, 0, E + 1])
+    scale = torch.rand(12, generator=g)
+    want = _row_deltas(x, a, b, adapter, expert, scale)
+    valid = (adapter >= 0) & (expert >= 0) & (expert < E)
+    key = torch.where(valid, adapter * E + expert, -1)
+    got = _gathered(x, a, b, key, scale, torch.zeros(12, 2 * I), chunk=5)
+    assert_close(got, want, 1e-5)
+
+    import moerunner.lora as lora_module
+
+    def gathered_on_cpu(x_RK, a, b, key, scale_R, out):
+        return _gathered(x_RK, a, b, key, scale_R, out, chunk=5)
+
+    monkeypatch.setattr(lora_module, "_grouped_cpu", gathered_on_cpu)
+    x, weights, lora, topk, _, act = _case(seed=7)
+    broken = lora.w13_a.clone()
+    broken[0] = float("nan")  # adapter 0, which no token uses
+    lora = MoeLoraWeights(broken, lora.w13_b, lora.w2_a, lora.w2_b, lora.scaling)
+    adapters = torch.tensor([1, -1, 2, -1, 1, 2, -1, 1, 2])
+    out = _run("torch", x, weights, lora, topk, adapters, act)
+    assert_close(out, _reference(x, weights, lora, topk, adapters, act), DTYPE_BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order", ["up_gate", "interleaved"])
+def test_w13_b_rows_are_in_the_canonical_order_whatever_w13_order(backend, order):
+    """w13_b's rows are gate then up for an up_gate w13 too (the weights are swapped where
+    they are prepared, the factors never), and alternate with an interleaved w13; the module
+    doc said they follow w13's own row order. Both against the float64 reference of the
+    gate-then-up layer merged with the gate-then-up factors."""
+    x, weights, lora, topk, adapters, act = _case(seed=8)
+    ref = _reference(x, weights, lora, topk, adapters, act)
+    if order == "up_gate":
+        held = ExpertWeights(_swap_halves(weights.w13, 1), weights.w2, w13_order="up_gate")
+        b13, wrong_b13 = lora.w13_b, _swap_halves(lora.w13_b, 2)
+    else:
+        held = ExpertWeights(_interleave_rows(weights.w13, 1), weights.w2, w13_order=order)
+        b13, wrong_b13 = _interleave_rows(lora.w13_b, 2), lora.w13_b
+    factors = (lora.w13_a, b13, lora.w2_a, lora.w2_b)
+    out = _run(backend, x, held, MoeLoraWeights(*factors, lora.scaling), topk, adapters, act)
+    assert_close(out, ref, DTYPE_BOUND[torch.float32], what=order)
+    wrong = MoeLoraWeights(lora.w13_a, wrong_b13, lora.w2_a, lora.w2_b, lora.scaling)
+    off = _run(backend, x, held, wrong, topk, adapters, act)
+    assert (off - ref).abs().max() > 0.1 * ref.abs().max()  # the other order is not read
+
+
+def test_trainable_factors_get_zero_gradients_where_no_row_uses_them():
+    """With factors that require grad, a call in which no row has an adapter returned a
+    tensor without grad_fn, so loss.backward() raised. It now requires grad and gives each
+    factor (and a trained scaling tensor) zero gradients; its values are the base
+    experts' (float64 reference), also with a non-finite factor no row reads."""
+    x, weights, lora, topk, _, act = _case(seed=9)
+    factors = [t.clone().requires_grad_() for t in _factors(lora)]
+    with torch.no_grad():
+        factors[0][1, 2] = float("nan")
+    scaling = lora.scaling.clone().requires_grad_()
+    trained = MoeLoraWeights(*factors, scaling)
+    none = torch.full((T,), -1)
+    out = moerunner.fused_moe(
+        x, weights.w13, weights.w2, topk.weights, topk.ids, backend="auto",
+        hooks=lora_hooks(trained, none),
+    )  # fmt: skip
+    assert_close(
+        out.detach(), _reference(x, weights, lora, topk, none, act), DTYPE_BOUND[torch.float32]
+    )
+    assert out.requires_grad
+    out.sum().backward()
+    names = ("w13_a", "w13_b", "w2_a", "w2_b", "scaling")
+    for name, t in zip(names, (*factors, scaling), strict=True):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t)), name
+    # the hook's PyTorch form alike on no rows, and with rank-0 factors
+    rows = HookRows(*(torch.empty(0, dtype=torch.int64) for _ in range(3)))
+    empty = LoraDelta(trained, none, "w13")(torch.zeros(0, 2 * I), x[:0], rows)
+    assert empty.requires_grad and empty.shape == (0, 2 * I)
+    rank0 = [torch.zeros(*t.shape[:2], 0, t.shape[3]).requires_grad_() for t in (lora.w13_a,)]
+    delta = lora_delta(x, rank0[0], torch.zeros(L, E, 2 * I, 0), torch.zeros(T, dtype=torch.long),
+                       torch.zeros(T, dtype=torch.long), torch.ones(T))  # fmt: skip
+    assert delta.requires_grad and torch.equal(delta.detach(), torch.zeros(T, 2 * I))
+    with torch.no_grad():  # no grad mode: no graph
+        assert not LoraDelta(trained, none, "w13")(torch.zeros(0, 2 * I), x[:0], rows).requires_grad
+
+
+@pytest.mark.parametrize("empty", ["T=0", "top_k=0"])
+def test_trainable_factors_get_zero_gradients_from_an_empty_call(empty):
+    x, weights, lora, topk, _, act = _case(seed=9)
+    factors = [t.clone().requires_grad_() for t in _factors(lora)]
+    tokens, slots = (0, K) if empty == "T=0" else (T, 0)
+    out = moerunner.fused_moe(
+        x[:tokens], weights.w13, weights.w2, topk.weights[:tokens, :slots],
+        topk.ids[:tokens, :slots], backend="torch",
+        hooks=lora_hooks(MoeLoraWeights(*factors, lora.scaling), torch.zeros(tokens).long()),
+    )  # fmt: skip
+    out.sum().backward()
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in factors)
+
+
+def test_lora_delta_built_directly_checks_its_gemm_and_adapter_ids():
+    """A public ``LoraDelta`` with gemm="gate_up" (a hook's name, not a GEMM's) silently
+    applied the w2 factors where their shapes fit (non-gated experts with H == I), and
+    adapter ids past L failed in torch's indexing (IndexError)."""
+    g = torch.Generator().manual_seed(10)
+    x, w13, w2 = (torch.randn(T, H, generator=g), torch.randn(E, H, H, generator=g) / 6,
+                  torch.randn(E, H, H, generator=g) / 6)  # fmt: skip
+    factors = (torch.randn(L, E, 4, H, generator=g) / 4, torch.randn(L, E, H, 4, generator=g) / 4)
+    lora = MoeLoraWeights(*factors, *(torch.randn(*t.shape, generator=g) / 4 for t in factors))
+    topk = moerunner.select_experts(torch.randn(T, E, generator=g), K)
+    ids = torch.tensor(ADAPTERS)
+    with pytest.raises(MoeInputError, match=r"gemm must be 'w13' .* or 'w2' .*got 'gate_up'"):
+        LoraDelta(lora, ids, "gate_up")
+    with pytest.raises(MoeInputError, match=r"LoraDelta: adapter_T must be in \[-1, L=3\)"):
+        LoraDelta(lora, torch.tensor([0, 3, -1]), "w13")
+    with pytest.raises(MoeInputError, match=r"LoraDelta: adapter_T must be in \[-1, L=3\)"):
+        LoraDelta(lora, torch.tensor([-2, 0]), "w2")
+    with pytest.raises(MoeInputError, match="adapter_T must be a 1-D integer"):
+        LoraDelta(lora, ids.float(), "w13")
+    with pytest.raises(TypeError, match="LoraDelta: lora must be a MoeLoraWeights"):
+        LoraDelta(_factors(lora), ids, "w13")
+    # built by hand right, it runs as lora_hooks's (float64 merged-weights reference)
+    hooks = MoeHooks(gate_up=LoraDelta(lora, ids, "w13"), down=LoraDelta(lora, ids, "w2"),
+                     num_tokens=T)  # fmt: skip
+    out = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="relu2",
+                              backend="torch", hooks=hooks)  # fmt: skip
+    ref = _reference(x, ExpertWeights(w13, w2), lora, topk, ids, Activation.of("relu2"))
+    assert_close(out, ref, DTYPE_BOUND[torch.float32])
+
+
+@pytest.fixture
+def hf_lora(tmp_path):
+    """A tiny transformers model of ``layers`` decoder layers on moerunner with one PEFT
+    adapter attached and selected, its base parameters frozen, the factors trainable."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from moerunner.integrations.tiny_models import tiny_config, tiny_peft_adapter
+    from moerunner.integrations.transformers import set_adapter_ids, use_moerunner
+    from moerunner.lora_checkpoints import load_peft_adapter_set
+
+    def make(layers: int):
+        config = tiny_config("qwen3_moe", num_hidden_layers=layers)
+        model = AutoModelForCausalLM.from_config(config)
+        folder = tiny_peft_adapter(model, str(tmp_path / f"adapter-{layers}"), seed=1)
+        lora = load_peft_adapter_set([folder], model.config)
+        use_moerunner(model, backend="torch", lora=lora)
+        set_adapter_ids(model, torch.tensor([0]))
+        return model, lora
+
+    return make
+
+
+def test_lora_in_grad_mode_says_what_runs_without_suggesting_detaching(hf_lora):
+    """A grad-mode forward of a model with adapters (an eval loss, or training two adapted
+    MoE layers) raised "hooks have no backward ... (or pass detached tensors)": detaching
+    would cut the gradients silently. The message now names the layer and what runs
+    (no_grad for inference; one adapted MoE layer in a frozen model for training), and that
+    is what runs."""
+    ids = torch.tensor([[1, 2, 3]])
+    model, lora = hf_lora(2)
+    with pytest.raises(MoeInputError) as plain:  # base parameters require grad here
+        model(ids)
+    model.requires_grad_(False)
+    for w in (w for layer in lora.layers.values() for w in _factors(layer)):
+        w.requires_grad_()
+    with pytest.raises(MoeInputError) as two_layers:  # layer 1's input depends on layer 0's
+        model(ids)
+    for raised, layer in ((plain, 0), (two_layers, 1)):
+        message = str(raised.value)
+        assert f"experts layer model.layers.{layer}.mlp.experts with LoRA adapters" in message
+        assert "torch.no_grad()" in message and "one adapted MoE layer" in message
+        assert "two or more" in message and "detach" not in message
+    with torch.no_grad():
+        model(ids)
+    one, lora = hf_lora(1)  # what the message says trains: one adapted layer, all else frozen
+    one.requires_grad_(False)
+    factors = _factors(lora.layers[0])
+    for w in factors:
+        w.requires_grad_()
+    one(ids).logits.sum().backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in factors)
+
+
+def test_fused_moe_with_lora_in_grad_mode_does_not_suggest_detaching():
+    x, weights, lora, topk, adapters, act = _case()
+    with pytest.raises(MoeInputError, match="torch.no_grad") as raised:
+        moerunner.fused_moe(
+            x.requires_grad_(), weights.w13, weights.w2, topk.weights, topk.ids,
+            backend="torch", hooks=lora_hooks(lora, adapters),
+        )  # fmt: skip
+    assert "detach" not in str(raised.value)

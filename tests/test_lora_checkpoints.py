@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -412,3 +413,76 @@ def test_new_user_lora_faults_are_named(tmp_path):
         lora_hooks(MoeLoraWeights(*factors, float("nan")), torch.zeros(T, dtype=torch.long))
     with pytest.raises(MoeInputError, match=r"no adapters \(L = 0\)"):
         lora_hooks(MoeLoraWeights(*(f[:0] for f in factors)), torch.full((T,), -1))
+
+
+def _config_text(**fields) -> str:
+    """adapter_config.json text: PEFT's defaults here with ``fields`` (NaN / Infinity as
+    Python's json writes and reads them)."""
+    return json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **fields})
+
+
+_RANK = r"rank_pattern\['gate_proj'\] must be a positive int"
+_ALPHA = r"alpha_pattern\['(gate|up)_proj'\] must be a finite number"
+BAD_CONFIGS = {  # adapter_config.json text -> what the message says after the file's path
+    "not-json": ("{r: 4", "is not valid JSON"),
+    "a-list": ("[4]", "must hold a JSON object"),
+    "rank-0": (_config_text(rank_pattern={"gate_proj": 0}), _RANK),
+    "rank-x": (_config_text(rank_pattern={"gate_proj": "x"}), _RANK),
+    "rank-list": (_config_text(rank_pattern=["gate_proj"]), "rank_pattern must be a JSON object"),
+    "bad-regex": (
+        _config_text(rank_pattern={"gate_proj(": 2}),
+        r"rank_pattern key 'gate_proj\(' is not a valid regular expression",
+    ),
+    "alpha-null": (_config_text(alpha_pattern={"gate_proj": None}), _ALPHA),
+    "alpha-nan-pattern": (_config_text(alpha_pattern={"up_proj": math.nan}), _ALPHA),
+    "alpha-nan": (_config_text(lora_alpha=math.nan), "lora_alpha finite.*lora_alpha=nan"),
+    "alpha-inf": (_config_text(lora_alpha=math.inf), "lora_alpha finite.*lora_alpha=inf"),
+    "rslora-str": (_config_text(use_rslora="yes"), "use_rslora must be true or false"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_malformed_adapter_config_is_named(tmp_path, case):
+    """A malformed adapter_config.json raised json's, Python's or re's own errors
+    (JSONDecodeError, AttributeError, ZeroDivisionError, a bare int() ValueError, re.error,
+    a float() TypeError), a misleading rank/scaling mismatch for lora_alpha NaN, or nothing
+    for lora_alpha Infinity (an infinite scaling). Each now raises MoeInputError naming the
+    file and the field."""
+    text, says = BAD_CONFIGS[case]
+    t, _ = per_expert_adapter(torch.Generator().manual_seed(11), QWEN, [0], 4)
+    folder = write_adapter(tmp_path / case, t)
+    (folder / "adapter_config.json").write_text(text)
+    where = str(folder / "adapter_config.json")
+    with pytest.raises(MoeInputError, match=f"adapters: {re.escape(where)}.*{says}"):
+        load_peft_adapters(folder, QWEN, layer=0)
+
+
+def test_loader_arguments_are_named(tmp_path):
+    """device="nonsense" raised torch's RuntimeError; adapters=[123] an os.fspath TypeError
+    that named no argument."""
+    t, _ = per_expert_adapter(torch.Generator().manual_seed(12), QWEN, [0], 4)
+    good = write_adapter(tmp_path / "good", t)
+    with pytest.raises(MoeInputError, match=r"device: got 'nonsense'; accepted: None, a torch"):
+        load_peft_adapters(good, QWEN, layer=0, device="nonsense")
+    with pytest.raises(MoeInputError, match=r"device: got 'nonsense'"):
+        load_peft_adapter_set([good], QWEN, device="nonsense")
+    with pytest.raises(TypeError, match=r"adapters\[1\] must be a folder .*got 123"):
+        load_peft_adapters([good, 123], QWEN, layer=0)
+    if not torch.cuda.is_available():  # a device this torch cannot place tensors on
+        with pytest.raises(MoeInputError, match="device: cannot place the factors on cuda"):
+            load_peft_adapters(good, QWEN, layer=0, device="cuda")
+    lora = load_peft_adapters(good, QWEN, layer=0, device=torch.device("cpu"))
+    assert lora.w13_a.device.type == "cpu"
+
+
+def test_rank_and_alpha_patterns_still_scale_per_module(tmp_path):
+    """The checked patterns are PEFT's rules as before: rank_pattern / alpha_pattern per
+    module, against the float64 scaling the config gives each module (``_scaling``)."""
+    g = torch.Generator().manual_seed(13)
+    t, deltas = per_expert_adapter(g, QWEN, [0], 4, roles=("down",))
+    cfg = {"r": 4, "lora_alpha": 8, "alpha_pattern": {"down_proj": 3.0}}
+    lora = load_peft_adapters(write_adapter(tmp_path / "p", t, **cfg), QWEN, layer=0)
+    merged = lora.scaling[0].double() * torch.einsum(
+        "ehr,eri->ehi", lora.w2_b[0].double(), lora.w2_a[0].double()
+    )
+    torch.testing.assert_close(merged, _scaling(cfg, 4, 3.0) * deltas[0][1])
