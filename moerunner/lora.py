@@ -259,21 +259,7 @@ def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool 
     if not isinstance(lora, MoeLoraWeights):
         raise TypeError(f"lora must be a MoeLoraWeights, got {type(lora).__name__}")
     lora.validate()
-    if not isinstance(adapter_ids, torch.Tensor):
-        raise TypeError(f"adapter_ids must be a torch.Tensor, got {type(adapter_ids).__name__}")
-    if adapter_ids.dim() != 1 or adapter_ids.is_floating_point() or adapter_ids.dtype == torch.bool:
-        raise MoeInputError(
-            f"adapter_ids must be a 1-D integer [T] tensor, got {adapter_ids.dtype} "
-            f"{list(adapter_ids.shape)}"
-        )
-    if adapter_ids.device != lora.w13_a.device:
-        raise MoeInputError(
-            f"adapter_ids are on {adapter_ids.device} but the lora factors on {lora.w13_a.device}"
-        )
-    if check_ids and adapter_ids.numel():
-        check_ids_async(
-            adapter_ids[:, None], lora.num_adapters, where="lora", names=("adapter_ids", "L")
-        )
+    _check_adapter_ids(adapter_ids, lora, "adapter_ids", "lora", check_ids)
     ids = _in_range(adapter_ids.long(), lora.num_adapters)
     return MoeHooks(  # the ids are checked and in range: not again per hook
         gate_up=LoraDelta(lora, ids, "w13", check_ids=False),
@@ -281,6 +267,25 @@ def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool 
         num_tokens=ids.shape[0],
         num_experts=lora.num_experts,
     )
+
+
+def _check_adapter_ids(
+    ids: object, lora: MoeLoraWeights, name: str, where: str, check_ids: bool
+) -> None:
+    """A 1-D integer tensor beside the factors; with ``check_ids``, values in ``[-1, L)``
+    (at once on CPU; queued without a host read on a GPU, ``check_ids_async``)."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise MoeInputError(
+            f"{where}: {name} must be a 1-D integer [T] tensor, got {ids.dtype} {list(ids.shape)}"
+        )
+    if ids.device != lora.w13_a.device:
+        raise MoeInputError(
+            f"{where}: {name} is on {ids.device} but the lora factors on {lora.w13_a.device}"
+        )
+    if check_ids and ids.numel():
+        check_ids_async(ids[:, None], lora.num_adapters, where=where, names=(name, "L"))
 
 
 def _in_range(ids: torch.Tensor, num_adapters: int) -> torch.Tensor:
@@ -336,23 +341,10 @@ class LoraDelta:
                 f"down GEMM, hook down), got {self.gemm!r}"
             )
         ids = self.adapter_T
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"LoraDelta: adapter_T must be a torch.Tensor, got {type(ids)}")
-        if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
-            raise MoeInputError(
-                f"LoraDelta: adapter_T must be a 1-D integer [T] tensor, got {ids.dtype} "
-                f"{list(ids.shape)}"
-            )
-        if ids.device != self.lora.w13_a.device:
-            raise MoeInputError(
-                f"LoraDelta: adapter_T is on {ids.device} but the lora factors on "
-                f"{self.lora.w13_a.device}"
-            )
-        if check_ids and ids.numel():
-            num_adapters = self.lora.num_adapters
-            check_ids_async(ids[:, None], num_adapters, "LoraDelta", names=("adapter_T", "L"))
-            if ids.device.type != "cpu":  # checked later there: out of range meanwhile
-                object.__setattr__(self, "adapter_T", _in_range(ids.long(), num_adapters))
+        _check_adapter_ids(ids, self.lora, "adapter_T", "LoraDelta", check_ids)
+        if check_ids and ids.numel() and ids.device.type != "cpu":
+            # checked later there (no host read): ids out of range are none meanwhile
+            object.__setattr__(self, "adapter_T", _in_range(ids.long(), self.lora.num_adapters))
 
     def tensors(self) -> tuple:
         """The tensors this delta reads (its factors and scaling): ``MoeHooks.needs_grad``."""
