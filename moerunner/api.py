@@ -28,6 +28,7 @@ from .shared import (
     build_table,
     chunks_per_shared,
     expert_table,
+    shared_dense,
 )
 from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
@@ -209,6 +210,8 @@ _FUSED_MOE_KEYWORDS = frozenset(
         "check_ids",
         "w13_order",
         "apply_router_weight_on_input",
+        "shared_experts",
+        "hooks",
     }
 )
 
@@ -377,10 +380,21 @@ def _run_extended(
 
 
 def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_input, shared, hooks):
+    if weight_on_input and shared is not None and _check_shared(shared, weights, act):
+        # Llama-4: the routed expert's input is scaled by its weight, the shared expert's is
+        # not, so the two cannot share the expert table's rows: the shared ones run dense.
+        routed = _run_extended_call(
+            runner, weights, hidden_states, topk, act, weight_on_input, None, hooks
+        )
+        dense = shared_dense(hidden_states, shared, act, weights.w13_order == "interleaved")
+        return (routed.float() + dense).to(hidden_states.dtype)
     if weight_on_input:
         hidden_states, topk = weighted_input(hidden_states, topk)
     if shared is not None:
+        num_routed = weights.num_experts
         weights, topk = _with_shared(weights, shared, hidden_states, topk, act)
+        if hooks is not None and weights.num_experts > num_routed:
+            hooks = hooks.routed_only(num_routed)
     spec = weights.spec(act)
     if topk.top_k == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
@@ -431,10 +445,7 @@ def _with_shared(
     act: Activation,
 ) -> tuple[ExpertWeights, TopK]:
     """The expert table (routed, then shared chunks) and the routing with the shared slots."""
-    if not isinstance(shared, SharedExperts):
-        raise TypeError(f"shared_experts must be a SharedExperts, got {type(shared).__name__}")
-    shared.validate(weights, act)
-    if shared.num_shared == 0:
+    if not _check_shared(shared, weights, act):
         return weights, topk
     grad = _needs_grad(hidden_states, weights, topk.weights) or _needs_grad(
         hidden_states, ExpertWeights(shared.w13, shared.w2), topk.weights
@@ -442,6 +453,21 @@ def _with_shared(
     table = (build_table if grad else expert_table)(weights, shared, act)
     chunks = chunks_per_shared(shared, weights, act)
     return table, append_shared_slots(topk, hidden_states, shared, weights.num_experts, chunks)
+
+
+def _check_shared(shared: object, weights: ExpertWeights, act: Activation) -> bool:
+    """Shared experts a call can run beside these routed weights; False when there are none
+    (S = 0)."""
+    if not isinstance(shared, SharedExperts):
+        raise TypeError(f"shared_experts must be a SharedExperts, got {type(shared).__name__}")
+    shared.validate(weights, act)
+    if act.per_expert and shared.num_shared:
+        raise MoeInputError(
+            f"shared_experts with per-expert activation parameters "
+            f"({', '.join(act.tensors())} of shape [E]) are not supported: the shared experts "
+            "would need values of their own; pass scalar parameters"
+        )
+    return shared.num_shared > 0
 
 
 def weighted_input(hidden_states: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, TopK]:

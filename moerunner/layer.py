@@ -212,7 +212,9 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
 
         ``num_experts``: routed experts of the whole layer (default: the placement's, or the
         weights' count). ``shared_experts``: shared experts run with the routed ones (one
-        process, standard dispatcher). ``backend_forms``, ``combine_dtype``: as in ``MoE``.
+        process, standard dispatcher; plain ones become the parameters ``shared_w13`` /
+        ``shared_w2`` / ``shared_gate``, quantized ones run as given). ``backend_forms``,
+        ``combine_dtype``: as in ``MoE``.
 
         The weights become the layer's state (``state_dict``, ``.to`` / ``.half()``), as in a
         layer built from a config: plain ones the parameters ``w13`` / ``w2`` (sharing the
@@ -240,8 +242,19 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
                 )
             shared_experts.validate(weights, layer.config.activation)
             layer._check_shared_single_process()
-            layer._given_shared = shared_experts
+            if is_quantized(shared_experts.w13) or is_quantized(shared_experts.w2):
+                layer._given_shared = shared_experts  # run as given (not module state)
+            else:
+                layer._hold_shared(shared_experts)
         return layer
+
+    def _hold_shared(self, shared: SharedExperts) -> None:
+        """Given plain shared experts as this module's own parameters, as a layer built from
+        a config holds them (``state_dict``, ``.to`` / ``.half()``): the given tensors'
+        storage, gradients as they require them."""
+        for name, t in (("w13", shared.w13), ("w2", shared.w2), ("gate", shared.gate)):
+            held = None if t is None else nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+            setattr(self, f"shared_{name}", held)
 
     def _init_from_weights(
         self,

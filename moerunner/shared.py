@@ -39,7 +39,7 @@ from .config import Activation
 from .errors import MoeInputError
 from .memo import memoised, view_key
 from .routing import TopK
-from .weights import PLAIN_DTYPES, ExpertWeights, is_quantized, weight_shape
+from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
 __all__ = ["SharedExperts", "append_shared_slots", "expert_table", "shared_dense"]
 
@@ -211,7 +211,9 @@ def _bias_table(routed_bias, rows: int, count: int) -> torch.Tensor | None:
 
 def build_table(routed: ExpertWeights, shared: SharedExperts, act: Activation) -> ExpertWeights:
     """The expert table: routed experts ``0..E-1``, then each shared expert's ``m`` chunks
-    (unmemoised; differentiable for plain weights)."""
+    (unmemoised; differentiable for plain weights). Up-then-gate routed rows are brought to
+    gate then up first, the order of the shared experts' rows and of the table."""
+    routed = gate_up_first(routed)
     inter = routed.intermediate_size(act)
     m = chunks_per_shared(shared, routed, act)
     if is_quantized(shared.w13):  # I_s == I, same format (validated): no split
@@ -250,7 +252,7 @@ def expert_table(routed: ExpertWeights, shared: SharedExperts, act: Activation) 
     key = (
         "shared_table",
         act,
-        routed.gate_up_interleaved,
+        routed.w13_order,
         *(_state(w) for w in (routed.w13, routed.w2, routed.w13_bias, routed.w2_bias)),
         *(_state(w) for w in (shared.w13, shared.w2)),
     )
