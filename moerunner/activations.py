@@ -71,19 +71,13 @@ def activate(
     gate, up = split_gate_up(h, interleaved)
     if act.name == "swiglu_step":  # the clamp after the activation
         limit = _per_row(act.limit, experts)
-        if isinstance(limit, torch.Tensor):
-            return torch.minimum(F.silu(gate), limit) * torch.maximum(
-                torch.minimum(up, limit), -limit
-            )
+        # (clamp, also with per-expert tensor limits: its gradient at a value equal to the
+        # limit is the value's, as torch.clamp's; minimum / maximum would split it in two)
         return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
     if act.name != "swiglu_oai":
         return _plain(gate, act.name) * up
     # swiglu_oai: clamp, then (up + beta) * gate * sigmoid(alpha * gate)
     alpha, beta, limit = (_per_row(p, experts) for p in (act.alpha, act.beta, act.limit))
-    if isinstance(limit, torch.Tensor):
-        gate = torch.minimum(gate, limit)
-        up = torch.maximum(torch.minimum(up, limit), -limit)
-    else:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
+    gate = gate.clamp(max=limit)  # (the clamp's gradient convention whatever limit is)
+    up = up.clamp(min=-limit, max=limit)
     return (up + beta) * gate * torch.sigmoid(alpha * gate)

@@ -108,7 +108,11 @@ def fused_moe(
     "``fused_moe`` inside your own compiled function").
     """
     act = check_activation(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
-    weights = ExpertWeights(w13, w2, w13_bias, w2_bias, bool(gate_up_interleaved), w13_order)
+    if not isinstance(gate_up_interleaved, bool):  # ("False" was read as True)
+        raise TypeError(
+            f"gate_up_interleaved must be a bool, got {type(gate_up_interleaved).__name__}"
+        )
+    weights = ExpertWeights(w13, w2, w13_bias, w2_bias, gate_up_interleaved, w13_order)
     if torch.compiler.is_compiling():
         if shared_experts is not None or hooks is not None or not _op_takes(weights, act):
             return _eager_experts(
@@ -303,7 +307,7 @@ def run_experts(
             hooks,
         )
     step_key = None
-    if not weight_on_input and not _needs_grad(hidden_states, weights, topk_weights):
+    if not weight_on_input and not _needs_grad(hidden_states, weights, topk_weights, act):
         step_key = call_steps.step_key(
             runner, weights, hidden_states, topk_weights, topk_ids, act, check_ids
         )
@@ -318,7 +322,7 @@ def run_experts(
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
         _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
         return hidden_states.new_zeros(hidden_states.shape)
-    if _needs_grad(hidden_states, weights, topk_weights):
+    if _needs_grad(hidden_states, weights, topk_weights, act):
         topk = _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
         return _differentiable(
             runner, runner.requested, problem, hidden_states, weights, topk, spec
@@ -405,7 +409,7 @@ def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_inpu
         problem = dataclasses.replace(problem, hooks=True)
         if hooks.needs_grad():  # e.g. LoRA factors being trained: the torch backend's ops
             runner = _hooks_with_grad(runner)
-    if _needs_grad(hidden_states, weights, topk.weights):
+    if _needs_grad(hidden_states, weights, topk.weights, act):
         if hooks is not None:
             from .lora import grad_limit_error
 
@@ -492,12 +496,19 @@ def _weighted_rows(
 
 
 def _needs_grad(
-    hidden_states: torch.Tensor, weights: ExpertWeights, topk_weights: torch.Tensor
+    hidden_states: torch.Tensor,
+    weights: ExpertWeights,
+    topk_weights: torch.Tensor,
+    act: Activation | None = None,
 ) -> bool:
-    """Grad mode is on and some argument takes part in autograd (host metadata only)."""
+    """Grad mode is on and some argument takes part in autograd (host metadata only): the
+    tensors, and ``act``'s per-expert parameters (a trained swiglu alpha with frozen experts
+    reached the inference kernels, whose ``out=`` GEMMs have no autograd)."""
     if not torch.is_grad_enabled():
         return False
     tensors = [hidden_states, topk_weights, weights.w13_bias, weights.w2_bias]
+    if act is not None:
+        tensors += list(act.tensors().values())
     tensors += [w for w in (weights.w13, weights.w2) if isinstance(w, torch.Tensor)]
     # (a non-tensor argument is refused by name by the checks that follow)
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

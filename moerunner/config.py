@@ -51,7 +51,13 @@ def _real(name: str, value: object, default: float) -> float:
             f"{name} must be a number, a 1-D floating tensor [E] or None, "
             f"got {type(value).__name__} {value!r}"
         )
-    return float(value)
+    try:  # (a numpy array of several values, an int past float's range)
+        return float(value)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise TypeError(
+            f"{name} must be a number, a 1-D floating tensor [E] or None, got "
+            f"{type(value).__name__} {value!r:.80} ({err})"
+        ) from None
 
 
 def _param(name: str, value: object, default: float):
@@ -378,6 +384,14 @@ class MoeConfig:
             raise MoeInputError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if isinstance(self.activation, str):
             object.__setattr__(self, "activation", Activation(self.activation))
+        if not isinstance(self.activation, Activation):
+            raise TypeError(
+                f"activation must be a name or an Activation, got {type(self.activation).__name__}"
+            )
+        if not isinstance(self.gate_up_interleaved, bool):
+            raise TypeError(
+                f"gate_up_interleaved must be a bool, got {type(self.gate_up_interleaved).__name__}"
+            )
         if self.gate_up_interleaved and not self.activation.gated:
             raise MoeInputError("gate_up_interleaved=True needs a gated activation")
         r = self.routing

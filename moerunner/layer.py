@@ -642,6 +642,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             # tensors); kept float weights of keep_float_weights are not read
             tensors += (held.w13, held.w2, held.w13_bias, held.w2_bias)
         tensors += (self.shared_w13, self.shared_w2, self.shared_gate)
+        tensors += tuple(self.config.activation.tensors().values())  # (a trained swiglu alpha)
         if given is not None:
             tensors += (given.w13, given.w2, given.gate)
         return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

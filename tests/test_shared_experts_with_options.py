@@ -1,6 +1,8 @@
 """Shared experts beside the other options of a call: routing weights on the input
 (Llama-4), up-then-gate rows, per-expert activation parameters, hooks, the logits entry
-point, and a layer built from weights (a probe of shared experts and hooks, 2026-12-06).
+point, and a layer built from weights (a probe of shared experts and hooks, 2026-12-06);
+then the activation parameters themselves beside hooks and gradients (a probe of
+activations, the same day).
 
 References are computed here in float64 from the same weights: every token's routed experts
 plus each shared expert as a dense MLP of the unscaled input. fp32 on the torch backend is
@@ -179,3 +181,88 @@ def test_shared_experts_given_to_from_weights_are_layer_state():
         _close(layer(x, topk=topk), want)
         layer.to(torch.bfloat16)  # bf16: 2^-8 per rounding, a few roundings deep
         _close(layer(x.bfloat16(), topk=topk), want, tol=2e-2)
+
+
+# -- activations (a probe of activations and biases, 2026-12-06) ---------------------------
+
+
+@pytest.mark.parametrize("name", ["swiglu_oai", "swiglu_step"])
+def test_a_per_expert_limit_has_the_clamps_gradient_at_the_limit(name):
+    """``torch.minimum`` split the gradient of a value equal to a tensor limit in two (half
+    of a float limit's, which is torch.clamp's and the models' own)."""
+    x, w2 = torch.zeros(1, 8), torch.ones(1, 8, 1)
+    w13, ids, w = torch.zeros(1, 2, 8), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
+    limit = 7.0 if name == "swiglu_oai" else 2.0
+    grads = []
+    for given in (limit, torch.tensor([limit])):
+        bias = torch.tensor([[limit, limit]], requires_grad=True)  # gate = up = limit
+        out = moerunner.fused_moe(
+            x, w13, w2, w, ids, activation=name, swiglu_limit=given, w13_bias=bias
+        )
+        out[0, 0].backward()
+        grads.append(bias.grad)
+    # float64: d/d up of the clamped product at the limit, the clamp passing the gradient
+    g = torch.tensor(limit, dtype=torch.float64, requires_grad=True)
+    if name == "swiglu_oai":
+        ref = (
+            (g.clamp(max=limit) + 1)
+            * torch.tensor(limit).double()
+            * torch.sigmoid(1.702 * torch.tensor(limit).double())
+        )
+    else:
+        ref = F.silu(torch.tensor(limit).double()).clamp(max=limit) * g.clamp(-limit, limit)
+    ref.backward()
+    assert torch.equal(grads[0], grads[1]), grads
+    assert abs(float(grads[1][0, 1]) - float(g.grad)) <= 1e-5 * abs(float(g.grad))
+
+
+def test_hooks_with_per_expert_activation_parameters_run():
+    """The hooked torch sequence gave no row experts to the activation: a ValueError."""
+    x, w13, w2, _, topk = _case()
+    alpha = torch.tensor([1.0, 1.5, 2.0, 2.5])
+    got = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, backend="torch", activation="swiglu_oai",
+        swiglu_alpha=alpha, hooks=MoeHooks(gate_up=lambda h, a, r: h),
+    )  # fmt: skip
+    want = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, backend="torch", activation="swiglu_oai",
+        swiglu_alpha=alpha,
+    )  # fmt: skip
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_a_trained_activation_parameter_with_frozen_experts():
+    """It reached the inference path, whose out= GEMMs have no autograd (a RuntimeError
+    inside torch). Its gradient is held to float64 autograd of the same call."""
+    x, w13, w2, _, topk = _case()
+    alpha = torch.nn.Parameter(torch.full((E,), 1.702))
+    out = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai", swiglu_alpha=alpha
+    )
+    out.sum().backward()
+    a64 = alpha.detach().double().requires_grad_()
+    ref = torch.zeros((), dtype=torch.float64)
+    for t in range(T):  # swiglu_oai: clamp (limit 7), (up + 1) * gate * sigmoid(alpha gate)
+        for s in range(topk.ids.shape[1]):
+            e = int(topk.ids[t, s])
+            h = w13[e].double() @ x[t].double()
+            gate, up = h[:I].clamp(max=7.0), h[I:].clamp(-7.0, 7.0)
+            act = (up + 1) * gate * torch.sigmoid(a64[e] * gate)
+            ref = ref + float(topk.weights[t, s]) * (w2[e].double() @ act).sum()
+    ref.backward()
+    assert (alpha.grad.double() - a64.grad).abs().max() <= 1e-4 * a64.grad.abs().max()
+
+
+def test_activation_and_row_order_arguments_are_typed():
+    x, w13, w2, _, topk = _case()
+    with pytest.raises(TypeError, match="activation must be a name or an Activation"):
+        moerunner.MoeConfig(4, 8, 4, 2, activation=None)
+    with pytest.raises(TypeError, match="gate_up_interleaved must be a bool"):
+        moerunner.MoeConfig(4, 8, 4, 2, gate_up_interleaved="no")
+    with pytest.raises(TypeError, match="gate_up_interleaved must be a bool"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, gate_up_interleaved="False")
+    for limit in (torch.ones(E).numpy(), 10**400):
+        with pytest.raises(TypeError, match="swiglu_limit must be a number"):
+            moerunner.fused_moe(
+                x, w13, w2, topk.weights, topk.ids, activation="swiglu_oai", swiglu_limit=limit
+            )

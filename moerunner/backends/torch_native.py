@@ -524,7 +524,9 @@ def _hooked_experts(
         scale = None if t.get("input_scale") is None else t["input_scale"][e]
         h_MN[a:b] = _linear(x_MH[a:b], t["w13_experts"][e], bias, scheme, scale).float()
     h_MN = hooks.apply("gate_up", h_MN, x_MH, rows)
-    a_MI = apply_activation(h_MN, spec).to(x_MH.dtype)
+    # (per-expert activation parameters: each row's expert; rows of none compute nothing)
+    row_experts = rows.expert.clamp(min=0) if spec.activation.per_expert else None
+    a_MI = apply_activation(h_MN, spec, row_experts).to(x_MH.dtype)
     y_MH = torch.zeros((x_MH.shape[0], spec.hidden_size), dtype=torch.float32, device=x_MH.device)
     for e, a, b in experts:
         bias = None if t["w2_bias"] is None else t["w2_bias"][e]
