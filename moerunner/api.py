@@ -28,7 +28,7 @@ from .shared import (
     build_table,
     chunks_per_shared,
     expert_table,
-    shared_dense,
+    shared_weights_TS,
 )
 from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
@@ -385,13 +385,26 @@ def _run_extended(
 
 def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_input, shared, hooks):
     if weight_on_input and shared is not None and _check_shared(shared, weights, act):
-        # Llama-4: the routed expert's input is scaled by its weight, the shared expert's is
-        # not, so the two cannot share the expert table's rows: the shared ones run dense.
+        # Llama-4: the routed expert's input is scaled by its weight, the shared experts' is
+        # not, so the two cannot share the expert table's rows: the shared experts run as a
+        # call of their own (prepared once like any weights), every token to each of them
+        # with its gate value.
         routed = _run_extended_call(
             runner, weights, hidden_states, topk, act, weight_on_input, None, hooks
         )
-        dense = shared_dense(hidden_states, shared, act, weights.w13_order == "interleaved")
-        return (routed.float() + dense).to(hidden_states.dtype)
+        tokens, count = hidden_states.shape[0], shared.num_shared
+        ids = torch.arange(count, dtype=torch.int32, device=hidden_states.device)
+        own = _run_extended_call(
+            runner,
+            ExpertWeights(shared.w13, shared.w2, w13_order=_shared_order(weights)),
+            hidden_states,
+            TopK(shared_weights_TS(hidden_states, shared), ids.expand(tokens, count)),
+            act,
+            False,
+            None,
+            None,
+        )
+        return (routed.float() + own.float()).to(hidden_states.dtype)
     if weight_on_input:
         hidden_states, topk = weighted_input(hidden_states, topk)
     if shared is not None:
@@ -457,6 +470,12 @@ def _with_shared(
     table = (build_table if grad else expert_table)(weights, shared, act)
     chunks = chunks_per_shared(shared, weights, act)
     return table, append_shared_slots(topk, hidden_states, shared, weights.num_experts, chunks)
+
+
+def _shared_order(weights: ExpertWeights) -> str:
+    """The row order of shared experts beside these routed weights: alternating with
+    interleaved ones, else gate then up (``SharedExperts``)."""
+    return "interleaved" if weights.w13_order == "interleaved" else "gate_up"
 
 
 def _check_shared(shared: object, weights: ExpertWeights, act: Activation) -> bool:

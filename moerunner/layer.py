@@ -55,7 +55,7 @@ from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
 from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
-from .ops import adopt_quantized, call_fused_experts, op_tensor
+from .ops import adopt_quantized, call_fused_experts, op_tensor, registry_note
 from .registry import Registry
 from .routing import TopK, check_router_width, select_experts
 from .runner import (
@@ -135,7 +135,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         self.config = config
         self.backend = backend
         self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
-        self._op_registry = _op_registry_note(self.runner.registry, backend)
+        self._op_registry = registry_note(self.runner.registry, backend)
         num_local = self._setup_dispatch(
             dispatcher,
             placement,
@@ -244,17 +244,10 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             layer._check_shared_single_process()
             if is_quantized(shared_experts.w13) or is_quantized(shared_experts.w2):
                 layer._given_shared = shared_experts  # run as given (not module state)
-            else:
-                layer._hold_shared(shared_experts)
+            else:  # the layer's parameters, as a layer built from a config holds them
+                for name in ("w13", "w2", "gate"):
+                    setattr(layer, f"shared_{name}", _parameter(getattr(shared_experts, name)))
         return layer
-
-    def _hold_shared(self, shared: SharedExperts) -> None:
-        """Given plain shared experts as this module's own parameters, as a layer built from
-        a config holds them (``state_dict``, ``.to`` / ``.half()``): the given tensors'
-        storage, gradients as they require them."""
-        for name, t in (("w13", shared.w13), ("w2", shared.w2), ("gate", shared.gate)):
-            held = None if t is None else nn.Parameter(t.detach(), requires_grad=t.requires_grad)
-            setattr(self, f"shared_{name}", held)
 
     def _init_from_weights(
         self,
@@ -291,7 +284,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         self.config = config
         self.backend = backend
         self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
-        self._op_registry = _op_registry_note(self.runner.registry, backend)
+        self._op_registry = registry_note(self.runner.registry, backend)
         self._setup_dispatch(
             dispatcher,
             placement,
@@ -318,19 +311,13 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         parameters. Up-then-gate rows are swapped to gate-then-up once here, so the state
         has the row order of every other layer's."""
         weights = gate_up_first(weights)
-
-        def param(t, trainable: bool = True):
-            if t is None or isinstance(t, nn.Parameter):
-                return t
-            return nn.Parameter(t.detach(), requires_grad=trainable and t.requires_grad)
-
         quantized = is_quantized(weights.w13)
         # (quantized experts have no backward: their biases do not train)
         self.w13_bias, self.w2_bias = (
-            param(b, not quantized) for b in (weights.w13_bias, weights.w2_bias)
+            _parameter(b, not quantized) for b in (weights.w13_bias, weights.w2_bias)
         )
         if not quantized:
-            self.w13, self.w2 = param(weights.w13), param(weights.w2)
+            self.w13, self.w2 = _parameter(weights.w13), _parameter(weights.w2)
             self.quantized = None
             self._held_bias_keys = None
             return
@@ -802,23 +789,9 @@ def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:
     check_correction_bias_values(module.correction_bias)
 
 
-def _op_registry_note(registry: Registry, backend: str) -> str | None:
-    """Why this layer's compiled and training calls cannot run, or None. They go through
-    moerunner's custom op (``ops``), whose schema takes tensors and names, so it looks the
-    backend up in the default registry: a layer whose own registry serves ``backend`` with
-    other objects would run another backend there, or none."""
-    from .registry import DEFAULT_REGISTRY
-
-    if registry is DEFAULT_REGISTRY:
-        return None
-    names = sorted(registry.backends) if backend == "auto" else [backend]
-    differ = [n for n in names if registry.backends.get(n) is not DEFAULT_REGISTRY.backends.get(n)]
-    if not differ:
-        return None
-    return (
-        f"this layer's registry serves backend(s) {differ} with other objects than the default "
-        "registry; torch.compile and grad-mode calls run through moerunner's custom op, which "
-        "finds backends in the default registry only: register them there "
-        "(moerunner.DEFAULT_REGISTRY.register_backend) to compile or train, or run this layer "
-        "under torch.no_grad() eagerly"
-    )
+def _parameter(t: torch.Tensor | None, trainable: bool = True) -> nn.Parameter | None:
+    """A given tensor as a parameter of the layer: the tensor's storage, not a copy, with its
+    gradient requirement (none where not ``trainable``); a parameter as it is."""
+    if t is None or isinstance(t, nn.Parameter):
+        return t
+    return nn.Parameter(t.detach(), requires_grad=trainable and t.requires_grad)

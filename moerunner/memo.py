@@ -128,11 +128,19 @@ def view_key(t: torch.Tensor | None) -> tuple | None:
 
 
 def _storage_ref(t: torch.Tensor):
-    storage = t.untyped_storage()
+    return object_ref(t.untyped_storage())
+
+
+def object_ref(obj: object):
+    """A key naming ``obj`` while it lives and never a later object that gets its ``id``
+    (``view_key``): a weak reference, or the ``id`` of an object that takes none or cannot
+    be hashed (a weak reference hashes as its object)."""
+    if type(obj).__hash__ is None:
+        return ("id", id(obj))
     try:
-        return weakref.ref(storage)
-    except TypeError:  # a storage type without weak references: its id (module note above)
-        return ("id", id(storage))
+        return weakref.ref(obj)
+    except TypeError:  # (module note above)
+        return ("id", id(obj))
 
 
 def memoised(anchor, key: tuple, build):

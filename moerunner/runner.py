@@ -34,7 +34,7 @@ from .config import Activation, ExpertSpec
 from .dispatch.formats import STANDARD
 from .errors import BackendUnavailableError, ExtensionContractError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
-from .memo import DerivedCache, StepCache, version
+from .memo import DerivedCache, StepCache, object_ref, version
 from .memory import kept
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, BucketPlan, Registry, Selection
@@ -355,7 +355,7 @@ def prepared_for(
     # A form is made of the weights in ``state`` and of what varies between calls on the
     # same weights: w13's row order and the biases (their identities and states).
     # (the object's token too: a backend replaced under its name prepares anew)
-    key = (backend.name, backend.options, spec, form_variant(weights), _token(backend))
+    key = (backend.name, backend.options, spec, form_variant(weights), object_ref(backend))
     per_weight = getattr(weights.w13, _CACHE_ATTR, None)
     if per_weight is None:
         per_weight = _PreparedCache()
@@ -555,23 +555,6 @@ def forget_prepared(weight: Any) -> None:
         delattr(weight, _CACHE_ATTR)
     except AttributeError:
         pass
-
-
-_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NEXT_TOKEN = [0]
-
-
-def _token(backend: Backend) -> int:
-    """A number of this backend object, never reused while the memo could hold it (ids
-    are reused once an object is freed)."""
-    try:
-        token = _TOKENS.get(backend)
-        if token is None:
-            _NEXT_TOKEN[0] += 1
-            token = _TOKENS[backend] = _NEXT_TOKEN[0]
-        return token
-    except TypeError:  # not weakly referable (__slots__): its id
-        return id(backend)
 
 
 def prepared_memo(weights: ExpertWeights) -> _PreparedCache | None:
