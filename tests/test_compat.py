@@ -524,8 +524,6 @@ def test_vllm_moe_activation_enum_and_is_act_and_mul():
     # non-gated silu: MoEActivation.SILU_NO_MUL, or vLLM 0.10's silu with is_act_and_mul=False
     silu = vllm.fused_experts(*plain, activation=MoEActivation.SILU_NO_MUL)
     assert torch.equal(silu, vllm.fused_experts(*plain, activation="silu", is_act_and_mul=False))
-    with pytest.raises(MoeInputError, match="swigluoai_uninterleave"):
-        vllm.fused_experts(*plain, activation="swigluoai_uninterleave")
 
 
 @pytest.mark.parametrize(
@@ -703,6 +701,56 @@ def test_vllm_swiglustep_clamps_silu_at_7():
     assert bool((x.double() @ w13[0, :I].double().T > 7).any())  # the clamp is reached
     got = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, "swiglustep")
     assert_close(got, want, error_bound(torch.float32, False))
+
+
+def _clamped_swiglu_want(x, w13, w2, topk, alpha, beta, limit, interleaved=False):
+    """float64: sum_j w_j * w2 @ (g * sigmoid(alpha * g) * (u + beta)), g = min(gate, L),
+    u = clamp(up, -L, L); gate then up halves, or alternating rows."""
+    want = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk.weights[t].double(), topk.ids[t].tolist(), strict=True):
+            h = w13[e].double() @ x[t].double()
+            gate, up = (h[0::2], h[1::2]) if interleaved else h.chunk(2)
+            g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+            want[t] += w * (w2[e].double() @ (g * torch.sigmoid(alpha * g) * (u + beta)))
+    return want
+
+
+def test_vllm_quant_config_gemm1_activation_parameters():
+    """vLLM's quant config carries the clamped SwiGLU's parameters (gemm1_alpha, gemm1_beta,
+    gemm1_clamp_limit); they were not read, so a config with MiniMax-M3's values ran GPT-OSS's
+    and a clamped SiLU ran unclamped, silently. swigluoai_uninterleave (gate then up
+    halves) was refused."""
+    x, logits, w13, w2 = _problem(52)
+    x = x * 40  # GEMM1 values reach the clamp
+    topk = moerunner.select_experts(logits, 2)
+    call = (x, w13, w2, topk.weights, topk.ids)
+    bound = error_bound(torch.float32, False)
+    m3 = _QuantConfig(gemm1_alpha=1.5, gemm1_beta=0.5, gemm1_clamp_limit=3.0)
+    got = vllm.fused_experts(*call, activation="swigluoai_uninterleave", quant_config=m3)
+    assert_close(got, _clamped_swiglu_want(x, w13, w2, topk, 1.5, 0.5, 3.0), bound)
+    got = vllm.fused_experts(*call, activation="swigluoai", quant_config=m3)
+    want = _clamped_swiglu_want(x, w13, w2, topk, 1.5, 0.5, 3.0, interleaved=True)
+    assert_close(got, want, bound)
+    # unset ones keep GPT-OSS's (alpha 1.702, beta 1, limit 7)
+    limited = _QuantConfig(gemm1_clamp_limit=5.0)
+    got = vllm.fused_experts(*call, activation="swigluoai_uninterleave", quant_config=limited)
+    assert_close(got, _clamped_swiglu_want(x, w13, w2, topk, 1.702, 1.0, 5.0), bound)
+    # silu with a limit: silu(min(gate, L)) * clamp(up, -L, L)
+    got = vllm.fused_experts(*call, activation="silu", quant_config=limited)
+    assert_close(got, _clamped_swiglu_want(x, w13, w2, topk, 1.0, 0.0, 5.0), bound)
+    assert not torch.allclose(got, vllm.fused_experts(*call, activation="silu"))
+    # a config of a release without the properties, or with them unset: as before
+    plain = vllm.fused_experts(*call, activation="silu", quant_config=_QuantConfig())
+    assert torch.equal(plain, vllm.fused_experts(*call, activation="silu"))
+    with pytest.raises(MoeInputError, match="needs gemm1_clamp_limit"):
+        vllm.fused_experts(*call, activation="swigluoai_uninterleave")
+    with pytest.raises(MoeInputError, match="gemm1_alpha"):
+        vllm.fused_experts(*call, quant_config=_QuantConfig(gemm1_alpha=1.702))
+    with pytest.raises(MoeInputError, match="gemm1_clamp_limit"):
+        vllm.fused_experts(*call, activation="gelu", quant_config=limited)
+    with pytest.raises(TypeError, match="gemm1_beta"):
+        vllm.fused_experts(*call, activation="swigluoai", quant_config=_QuantConfig(gemm1_beta="1"))
 
 
 @pytest.mark.parametrize("peer", ["vllm", "sglang"])

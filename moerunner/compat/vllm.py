@@ -7,7 +7,9 @@ up rows; ``activation="swigluoai"`` reads them interleaved, as vLLM's GPT-OSS pa
 ``hidden_states``, which is returned), ``output`` (written and returned), ``expert_map`` with
 ``global_num_experts``, biases ``w1_bias`` / ``w2_bias`` and pre-quantized weights with their
 scales and zero points, given either as vLLM's ``quant_config`` (a ``FusedMoEQuantConfig``,
-read through its properties) or as the flat ``use_*`` flags of older releases.
+read through its properties, its ``gemm1_alpha`` / ``gemm1_beta`` / ``gemm1_clamp_limit``
+parameterising the clamped SwiGLU where given) or as the flat ``use_*`` flags of older
+releases.
 ``fused_topk`` and ``grouped_topk`` return vLLM's tuples. The extra keyword ``backend``
 picks the moerunner backend.
 
@@ -30,7 +32,7 @@ are int32 / float32.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 
@@ -46,6 +48,8 @@ ACTIVATIONS = {
     "gelu": ExpertsCall("gelu"),
     "gelu_tanh": ExpertsCall("gelu_tanh"),
     "swigluoai": ExpertsCall("swiglu_oai", "interleaved"),
+    # gate-then-up rows (MiniMax-M3); its clamp limit comes from the quant config
+    "swigluoai_uninterleave": ExpertsCall("swiglu_oai"),
     "swiglustep": ExpertsCall("swiglu_step", swiglu_limit=7.0),
     "relu2_no_mul": ExpertsCall("relu2"),
     "silu_no_mul": ExpertsCall("silu_no_mul"),
@@ -66,8 +70,11 @@ _WITHOUT_MUL = {
 }
 
 
-def _call(activation: object, is_act_and_mul: object = True) -> ExpertsCall:
-    """The experts call of vLLM's ``activation`` (a name or a ``MoEActivation``)."""
+def _call(
+    activation: object, is_act_and_mul: object = True, gemm1: dict | None = None
+) -> ExpertsCall:
+    """The experts call of vLLM's ``activation`` (a name or a ``MoEActivation``), with the
+    quant config's ``gemm1_*`` activation parameters (``_GEMM1_PARAMS``) where given."""
     name = getattr(activation, "value", activation)  # vLLM's MoEActivation is a str Enum
     if not isinstance(is_act_and_mul, bool):
         raise TypeError(f"is_act_and_mul must be a bool, got {type(is_act_and_mul).__name__}")
@@ -81,7 +88,51 @@ def _call(activation: object, is_act_and_mul: object = True) -> ExpertsCall:
             + ("" if is_act_and_mul else " with is_act_and_mul=False")
             + f"; accepted: {', '.join(sorted(ACTIVATIONS))}"
         )
-    return ACTIVATIONS[name]
+    return _with_gemm1(name, ACTIVATIONS[name], gemm1 or {})
+
+
+#: ``FusedMoEQuantConfig`` properties of vLLM's releases since mid-2026 that parameterise
+#: the activation (absent before, read as None): the clamped SwiGLU
+#: ``gate * sigmoid(alpha * gate) * (up + beta)`` with gate clamped above and up on both
+#: sides at the limit (``swigluoai``, ``swigluoai_uninterleave``), or SiLU with that clamp
+#: (``silu`` with a limit; alpha 1 and beta 0, DeepSeek-V4's form).
+_GEMM1_PARAMS = ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit")
+
+
+def _with_gemm1(name: str, call: ExpertsCall, gemm1: dict) -> ExpertsCall:
+    """``call`` with vLLM's ``gemm1_*`` parameters applied, or a ``MoeInputError`` where
+    they mean nothing for the activation (vLLM applies them to the two SwiGLU-OAI forms and
+    to a clamped SiLU only)."""
+    alpha, beta, limit = (gemm1.get(n) for n in _GEMM1_PARAMS)
+    where = "vllm.fused_experts: quant_config"
+    if name == "swigluoai_uninterleave" and limit is None:
+        raise MoeInputError(
+            f"{where}: activation 'swigluoai_uninterleave' needs gemm1_clamp_limit (vLLM's "
+            "Triton experts require it); got none"
+        )
+    if name in ("swigluoai", "swigluoai_uninterleave"):
+        # Unset ones keep GPT-OSS's values (alpha 1.702, beta 1, limit 7).
+        return replace(call, swiglu_alpha=alpha, swiglu_beta=beta, swiglu_limit=limit)
+    if name == "silu":
+        for param, value, identity in (("gemm1_alpha", alpha, 1.0), ("gemm1_beta", beta, 0.0)):
+            if value is not None and value != identity:
+                raise MoeInputError(
+                    f"{where}.{param}={value!r} with activation 'silu': vLLM takes alpha and "
+                    "beta for 'swigluoai_uninterleave' only (with 'silu' they must be 1 and 0 "
+                    "or unset)"
+                )
+        if limit is None:
+            return call
+        # silu(min(gate, L)) * clamp(up, -L, L) == swiglu_oai with alpha 1 and beta 0
+        return ExpertsCall("swiglu_oai", "gate_up", 1.0, limit, 0.0)
+    given = [n for n in _GEMM1_PARAMS if gemm1.get(n) is not None]
+    if given:
+        raise MoeInputError(
+            f"{where}.{given[0]}={gemm1[given[0]]!r} with activation {name!r}: vLLM applies "
+            "gemm1_alpha / gemm1_beta / gemm1_clamp_limit to 'swigluoai', "
+            "'swigluoai_uninterleave' and (the limit) 'silu'"
+        )
+    return call
 
 
 #: The ``FusedMoEQuantConfig`` properties read for the flat arguments of ``fused_experts``.
@@ -113,9 +164,11 @@ _QUANT_CONFIG_UNMAPPED = (
 )
 
 
-def _read_quant_config(where: str, quant_config: object) -> tuple[QuantArgs, object, object]:
-    """``(QuantArgs, w1_bias, w2_bias)`` of a vLLM ``FusedMoEQuantConfig``, read as vLLM's
-    own ``fused_experts`` reads it (``per_channel_quant`` is its ``per_act_token_quant``)."""
+def _read_quant_config(where: str, quant_config: object) -> tuple[QuantArgs, object, object, dict]:
+    """``(QuantArgs, w1_bias, w2_bias, gemm1)`` of a vLLM ``FusedMoEQuantConfig``, read as
+    vLLM's own ``fused_experts`` reads it (``per_channel_quant`` is its
+    ``per_act_token_quant``); ``gemm1``: its activation parameters (``_GEMM1_PARAMS``), None
+    where unset or absent (older releases)."""
     missing = [n for n in _QUANT_CONFIG_READS if not hasattr(quant_config, n)]
     if missing:
         raise MoeInputError(
@@ -146,7 +199,17 @@ def _read_quant_config(where: str, quant_config: object) -> tuple[QuantArgs, obj
         r["a2_scale"],
         None if block is None else list(block),
     )
-    return q, r["w1_bias"], r["w2_bias"]
+    gemm1 = {}
+    for name in _GEMM1_PARAMS:
+        value = getattr(quant_config, name, None)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"{where}: quant_config.{name} must be a float or None, got "
+                    f"{type(value).__name__}"
+                )
+            gemm1[name] = float(value)
+    return q, r["w1_bias"], r["w2_bias"], gemm1
 
 
 #: ``fused_experts``' arguments after ``topk_ids`` that vLLM passes positionally, with their
@@ -239,7 +302,7 @@ def fused_experts(
         },
     )
     inplace, activation, quant_config = peer["inplace"], peer["activation"], peer["quant_config"]
-    call = _call(activation, is_act_and_mul)
+    gemm1: dict = {}
     q = QuantArgs(
         use_fp8_w8a8,
         use_int8_w8a8,
@@ -261,7 +324,8 @@ def fused_experts(
                 f"{where}: quant_config and the flat quantization / bias arguments both "
                 "describe the weights; pass one"
             )
-        q, w1_bias, w2_bias = _read_quant_config(where, quant_config)
+        q, w1_bias, w2_bias, gemm1 = _read_quant_config(where, quant_config)
+    call = _call(activation, is_act_and_mul, gemm1)
     w13, w2q = peer_weights(where, w1, w2, q)
     num_local = w13.shape[0] if hasattr(w13, "shape") else 0
     ids = global_to_local(
