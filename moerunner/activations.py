@@ -74,6 +74,10 @@ def activate(
         # (clamp, also with per-expert tensor limits: its gradient at a value equal to the
         # limit is the value's, as torch.clamp's; minimum / maximum would split it in two)
         return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+    if act.name == "situ":  # soft caps: beta tanh(gate / beta) sigmoid(gate) * L tanh(up / L)
+        beta, linear_beta = act.alpha, act.limit  # (scalars; limit 0.0: no linear cap)
+        soft_gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+        return soft_gate * (linear_beta * torch.tanh(up / linear_beta) if linear_beta else up)
     if act.name != "swiglu_oai":
         return _plain(gate, act.name) * up
     # swiglu_oai: clamp, then (up + beta) * gate * sigmoid(alpha * gate)

@@ -66,15 +66,21 @@ def fused_moe(
         topk_ids: ``[T, k]`` integer expert ids in ``[0, E)`` or -1 (slot skipped). k may
             exceed E (an expert-parallel rank's shard holds fewer experts than a token's
             slots): slots naming the same expert each add its output.
-        activation: ``silu``, ``gelu``, ``gelu_tanh``, ``swiglu_oai``, ``swiglu_step``
-            (gated: act(gate) * up; the last two clamped, ``moerunner.Activation``), ``relu2``,
-            ``silu_no_mul``, ``gelu_no_mul``, ``gelu_tanh_no_mul`` (non-gated: act(x W1^T)).
+        activation: ``silu``, ``gelu``, ``gelu_tanh``, ``swiglu_oai``, ``swiglu_step``,
+            ``situ`` (gated: act(gate) * up; ``swiglu_*`` clamped, ``situ`` Kimi-K3's soft
+            caps ``situ_beta * tanh(gate / situ_beta) * sigmoid(gate) * situ_linear_beta *
+            tanh(up / situ_linear_beta)``, defaults 4.0 and 25.0, ``situ_linear_beta=None``:
+            up as is; ``moerunner.Activation("situ", situ_beta=..., situ_linear_beta=...)``),
+            ``relu2``, ``silu_no_mul``, ``gelu_no_mul``, ``gelu_tanh_no_mul`` (non-gated:
+            act(x W1^T)).
         w13_bias, w2_bias: optional ``[E, 2I]`` (or ``[E, I]``) and ``[E, H]``.
         gate_up_interleaved: w13 rows alternate gate, up (GPT-OSS checkpoints); the same as
             ``w13_order="interleaved"``.
         swiglu_alpha, swiglu_limit, swiglu_beta: ``swiglu_oai`` parameters (defaults 1.702,
             7.0 and 1.0; ``swiglu_step`` takes ``swiglu_limit``, default 7.0): floats, or
-            per-expert ``[E]`` tensors (``moerunner.Activation``).
+            per-expert ``[E]`` tensors (``moerunner.Activation``). With ``situ``,
+            ``swiglu_alpha`` / ``swiglu_limit`` are its stored form: floats ``situ_beta`` /
+            ``situ_linear_beta`` (None: 4.0 / 25.0; ``swiglu_limit=0.0``: no linear cap).
         backend: a backend name or ``"auto"``.
         check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
             raising at a later call (the triton kernels' check is read every 8th call) or at

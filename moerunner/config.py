@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 
 import torch
 
@@ -23,6 +23,7 @@ ACTIVATIONS: dict[str, bool] = {
     "gelu_tanh": True,
     "swiglu_oai": True,
     "swiglu_step": True,
+    "situ": True,
     "relu2": False,
     # non-gated forms of the gated ones (act(x W1^T), w13 [E, I, H]; vLLM's names)
     "silu_no_mul": False,
@@ -38,6 +39,14 @@ SWIGLU_OAI_DEFAULT_ALPHA = 1.702
 SWIGLU_OAI_DEFAULT_LIMIT = 7.0
 SWIGLU_OAI_DEFAULT_BETA = 1.0
 SWIGLU_STEP_DEFAULT_LIMIT = 7.0
+SITU_DEFAULT_BETA = 4.0  # Kimi-K3's
+SITU_DEFAULT_LINEAR_BETA = 25.0
+
+
+# An argument left out, where None is a value of its own (``situ_linear_beta=None``: no
+# linear clamp). Ellipsis: a constant torch.compile traces (an instance of a class of ours
+# is a graph break where Activation is built in compiled code).
+_UNSET = ...
 
 
 def _real(name: str, value: object, default: float) -> float:
@@ -97,6 +106,27 @@ def _check_param_values(name: str, value, rule: str) -> None:
         raise MoeInputError(f"{name} must be > 0, got {value}")
 
 
+def _situ_param(name: str, value: object, zero_is_none: bool = False) -> float:
+    """A situ parameter: a finite float > 0; ``zero_is_none``: 0.0 also passes (the stored
+    form of "no linear clamp")."""
+    if isinstance(value, torch.Tensor) or (
+        not torch.compiler.is_compiling()
+        and (isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"))
+    ):
+        what = (
+            "a tensor: situ takes no per-expert parameters"
+            if isinstance(value, torch.Tensor)
+            else f"{type(value).__name__} {value!r:.80}"
+        )
+        raise TypeError(f"{name} must be a number (a float > 0), got {what}")
+    value = _real(name, value, 0.0)
+    if zero_is_none and not torch.compiler.is_compiling() and value == 0.0:
+        return 0.0
+    _check_param_values(name, value, "finite")
+    _check_param_values(name, value, "positive")
+    return value
+
+
 class HashedOnce:
     """For frozen dataclasses that every call hashes (memo keys): the hash, and the key it is
     computed from, are worked out once per object. Neither is pickled or copied (string
@@ -141,18 +171,43 @@ class Activation(HashedOnce):
     only scalars with ``beta == 1`` (the fused triton kernels) decline per-expert
     parameters and other betas (``Capabilities.extended_swiglu``). Tensor parameters
     compare by identity, so a value holding them stays hashable.
+
+    ``situ`` (Kimi-K3's soft-capped gated activation, gate then up halves, in float32):
+    ``out = situ_beta * tanh(gate / situ_beta) * sigmoid(gate) * up'`` with
+    ``up' = situ_linear_beta * tanh(up / situ_linear_beta)``, or ``up' = up`` for
+    ``situ_linear_beta=None`` (vLLM's ``activation_situ_beta`` /
+    ``activation_situ_linear_beta``). Give them by name: ``Activation("situ")`` is Kimi-K3's
+    (4.0 and 25.0), ``Activation("situ", situ_beta=3.0, situ_linear_beta=None)`` another; each
+    a finite float > 0 (no per-expert tensors). They are stored in ``alpha`` and ``limit``, the
+    scalar slots that the fused kernels and the custom op (``moerunner.ops``) carry, which is
+    also what ``repr`` shows and what ``fused_moe``'s ``swiglu_alpha`` / ``swiglu_limit`` set
+    for ``situ``: ``alpha`` the beta (None: 4.0), ``limit`` the linear beta (None: 25.0; 0.0:
+    no linear clamp). ``act.situ_beta`` / ``act.situ_linear_beta`` read them back (None for
+    other activations).
     """
 
     name: str = "silu"
     alpha: float | torch.Tensor | None = None
     limit: float | torch.Tensor | None = None
     beta: float | torch.Tensor | None = None
+    # situ's parameters by name (``_UNSET``: left out), kept in alpha and limit
+    situ_beta: InitVar[float | None] = _UNSET
+    situ_linear_beta: InitVar[float | None] = _UNSET
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, situ_beta=_UNSET, situ_linear_beta=_UNSET) -> None:
         if not isinstance(self.name, str) or self.name not in ACTIVATIONS:
             raise MoeInputError(
                 f"activation: got {self.name!r}; accepted: {', '.join(sorted(ACTIVATIONS))}"
             )
+        if self.name == "situ":
+            self._init_situ(situ_beta, situ_linear_beta)
+            return
+        for given, value in (("situ_beta", situ_beta), ("situ_linear_beta", situ_linear_beta)):
+            if value is not _UNSET and value is not None:
+                raise MoeInputError(
+                    f"{given} applies to activation 'situ' only, got it with activation "
+                    f"{self.name!r}"
+                )
         params = (self.alpha, self.limit, self.beta)
         if self.name == "swiglu_step" and (self.alpha is not None or self.beta is not None):
             raise MoeInputError(
@@ -178,6 +233,42 @@ class Activation(HashedOnce):
             object.__setattr__(self, "alpha", alpha)
             object.__setattr__(self, "limit", limit)
             object.__setattr__(self, "beta", beta)
+
+    def _init_situ(self, situ_beta, situ_linear_beta) -> None:
+        """situ's beta into ``alpha`` and its linear beta into ``limit`` (0.0: none)."""
+        if self.beta is not None:
+            raise MoeInputError(
+                "swiglu_beta does not apply to activation 'situ' (its parameters: situ_beta "
+                "and situ_linear_beta)"
+            )
+        # By name or in the stored form (alpha, limit); both only with the same value (as
+        # dataclasses.replace passes them, reading the properties below).
+        named_beta = named_linear = stored_beta = stored_linear = _UNSET
+        if situ_beta is not None and situ_beta is not _UNSET:  # (None: the default)
+            named_beta = _situ_param("situ_beta", situ_beta)
+        if situ_linear_beta is None:  # given as None: no linear clamp
+            named_linear = 0.0
+        elif situ_linear_beta is not _UNSET:
+            named_linear = _situ_param("situ_linear_beta", situ_linear_beta)
+        if self.alpha is not None:
+            stored_beta = _situ_param("situ_beta (given as alpha)", self.alpha)
+        if self.limit is not None:  # (0.0: no linear clamp)
+            stored_linear = _situ_param("situ_linear_beta (given as limit)", self.limit, True)
+        picked = []
+        for given, raw, named, stored, field, default in (
+            ("situ_beta", situ_beta, named_beta, stored_beta, "alpha", SITU_DEFAULT_BETA),
+            ("situ_linear_beta", situ_linear_beta, named_linear, stored_linear, "limit",
+             SITU_DEFAULT_LINEAR_BETA),
+        ):  # fmt: skip
+            if named is not _UNSET and stored is not _UNSET and named != stored:
+                raise MoeInputError(
+                    f"situ: {given}={raw!r} and {field}={getattr(self, field)!r} (its stored form, "
+                    f"swiglu_{field}) name the same parameter; give one"
+                )
+            picked.append(named if named is not _UNSET else default if stored is _UNSET else stored)
+        beta, linear = picked
+        object.__setattr__(self, "alpha", beta)
+        object.__setattr__(self, "limit", linear)
 
     def _hash_key(self) -> tuple:
         return self._memo(
@@ -225,6 +316,17 @@ class Activation(HashedOnce):
         if not isinstance(value, str):
             raise TypeError(f"activation must be a str or Activation, got {type(value).__name__}")
         return cls(value)
+
+
+# (assigned after the class: in its body these names are situ's InitVar arguments)
+Activation.situ_beta = property(
+    lambda self: self.alpha if self.name == "situ" else None,
+    doc="situ's beta (``alpha``), None for other activations.",
+)
+Activation.situ_linear_beta = property(
+    lambda self: (self.limit or None) if self.name == "situ" else None,
+    doc="situ's linear beta (``limit``; None: no linear clamp, or another activation).",
+)
 
 
 @dataclass(frozen=True)

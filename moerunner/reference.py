@@ -51,6 +51,12 @@ def _act64(h: torch.Tensor, act: Activation, order: str, expert: int) -> torch.T
         return torch.clamp(_plain64(gate, "silu"), max=limit) * torch.clamp(
             up, min=-limit, max=limit
         )
+    if act.name == "situ":
+        beta, linear_beta = act.alpha, act.limit  # limit 0.0: up unchanged
+        gate_part = beta * torch.tanh(gate / beta) / (1.0 + torch.exp(-gate))
+        if linear_beta:
+            up = linear_beta * torch.tanh(up / linear_beta)
+        return gate_part * up
     if act.name != "swiglu_oai":
         return _plain64(gate, act.name) * up
     if act.name == "swiglu_oai":

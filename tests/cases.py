@@ -124,6 +124,7 @@ CASES = [
     Case("gelu_tanh_no_mul", activation="gelu_tanh_no_mul"),
     Case("swiglu_oai", activation="swiglu_oai", bias=True, interleaved=True),
     Case("swiglu_step", activation="swiglu_step", bias=True),
+    Case("situ", activation="situ", bias=True),
     Case("silu_interleaved", interleaved=True),
 ]
 

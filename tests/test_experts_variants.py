@@ -357,3 +357,236 @@ def test_swiglu_step_clamps_after_the_activation(backend):
                             swiglu_alpha=1.0)  # fmt: skip
     with pytest.raises(MoeInputError, match="swiglu_limit"):
         Activation("swiglu_step", limit=-1.0)
+
+
+# -- situ (Kimi-K3) ------------------------------------------------------------------------
+
+SITU_PARAMS = {  # id: (Activation keywords, beta, linear beta) as the formula below reads them
+    "kimi_k3": ({}, 4.0, 25.0),
+    "no_linear": ({"situ_beta": 3.0, "situ_linear_beta": None}, 3.0, None),
+    "beta_1.5_linear_6": ({"situ_beta": 1.5, "situ_linear_beta": 6.0}, 1.5, 6.0),
+}
+_TRITON = pytest.param(
+    "triton",
+    marks=pytest.mark.skipif(
+        not interpreted_triton(), reason="CPU tensors: triton runs them under its interpreter"
+    ),
+)
+
+
+def _situ_f64(x, w13, w2, weights, ids, beta, linear_beta, b13=None):
+    """float64, written out from the definition: beta tanh(g / beta) sigmoid(g) * up' on
+    gate-then-up halves, up' = L tanh(up / L) (up itself for L None)."""
+    i = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = w13[e].double() @ x[t].double()
+            if b13 is not None:
+                h = h + b13[e].double()
+            gate, up = h[:i], h[i:]
+            if linear_beta is not None:
+                up = linear_beta * torch.tanh(up / linear_beta)
+            act = beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up
+            out[t] += weights[t, k].double() * (w2[e].double() @ act)
+    return out
+
+
+def _situ_problem(seed: int, dtype=torch.float32, scale: float = 3.0):
+    """T=5, E=4, top-2, H=32, I=16; inputs scaled so |gate| passes the betas."""
+    g = torch.Generator().manual_seed(seed)
+    e, h, i, t = 4, 32, 16, 5
+    x = (torch.randn(t, h, generator=g) * scale).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * i**-0.5).to(dtype)
+    topk = moerunner.select_experts(torch.randn(t, e, generator=g), 2)
+    return x, w13, w2, topk
+
+
+@pytest.mark.parametrize("params", list(SITU_PARAMS), ids=list(SITU_PARAMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend", ["torch", _TRITON])
+def test_situ_matches_its_float64_formula(backend, dtype, params):
+    kwargs, beta, linear_beta = SITU_PARAMS[params]
+    act = Activation("situ", **kwargs)
+    x, w13, w2, topk = _situ_problem(31, dtype)
+    assert bool(((x.float() @ w13[0, :16].float().T).abs() > beta).any())  # the cap bends
+    got = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation=act, backend=backend)
+    want = _situ_f64(x, w13, w2, topk.weights, topk.ids, beta, linear_beta)
+    assert got.dtype == dtype
+    assert_close(got, want, DTYPE_BOUND[dtype], what=f"situ {backend}")
+    ref = reference_moe(x, ExpertWeights(w13, w2), topk.weights, topk.ids, act)
+    assert_close(ref, want, 1e-12, what="reference")
+    silu = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend=backend)
+    assert not torch.allclose(silu, got, rtol=1e-2, atol=1e-2)  # another function
+
+
+@pytest.mark.parametrize("linear_beta", [25.0, None], ids=["linear_25", "no_linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend", ["torch", _TRITON])
+def test_situ_large_inputs_stay_finite(backend, dtype, linear_beta):
+    # GEMM1 outputs of +-200 (the bias): tanh written as exp(2x) ratios overflows to NaN
+    # there in float32; sigmoid(-200) underflows to 0.
+    x, w13, w2, topk = _situ_problem(32, dtype, scale=1.0)
+    sign = torch.where(torch.arange(32) % 3 == 0, -1.0, 1.0)
+    b13 = (200.0 * sign.expand(4, 32) * torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]).to(dtype)
+    act = Activation("situ", situ_linear_beta=linear_beta)
+    got = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation=act, w13_bias=b13, backend=backend
+    )
+    assert bool(torch.isfinite(got).all())
+    want = _situ_f64(x, w13, w2, topk.weights, topk.ids, 4.0, linear_beta, b13)
+    assert_close(got, want, DTYPE_BOUND[dtype], what=f"situ +-200 {backend}")
+    ref = reference_moe(x, ExpertWeights(w13, w2, b13), topk.weights, topk.ids, act)
+    assert_close(ref, want, 1e-12, what="reference")
+
+
+@pytest.mark.parametrize("backend", ["torch", _TRITON])
+def test_situ_hooked_sequence(backend):
+    # The hooked sequence applies the activation in a launch of its own (triton:
+    # activation_kernel), after the hook: doubling GEMM1's output is doubling w13.
+    from moerunner.hooks import MoeHooks
+
+    x, w13, w2, topk = _situ_problem(33)
+    act = Activation("situ", situ_beta=2.0, situ_linear_beta=3.0)
+    got = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation=act, backend=backend,
+        hooks=MoeHooks(gate_up=lambda h, a, rows: h * 2),
+    )  # fmt: skip
+    want = _situ_f64(x, w13 * 2, w2, topk.weights, topk.ids, 2.0, 3.0)
+    assert_close(got, want, DTYPE_BOUND[torch.float32], what=f"hooked situ {backend}")
+
+
+def test_situ_moe_layer_matches_reference():
+    x, w13, w2, topk = _situ_problem(34)
+    act = Activation("situ", situ_beta=3.0, situ_linear_beta=None)
+    layer = moerunner.MoE.from_weights(ExpertWeights(w13, w2), activation=act, backend="torch")
+    assert layer.config.activation == act
+    with torch.no_grad():
+        got = layer(x, topk=topk)
+    want = _situ_f64(x, w13, w2, topk.weights, topk.ids, 3.0, None)
+    assert_close(got, want, DTYPE_BOUND[torch.float32], what="MoE.from_weights situ")
+    # A routed layer from a config naming the activation: Kimi-K3's parameters.
+    config = moerunner.MoeConfig(4, 32, 16, 2, activation="situ")
+    routed = moerunner.MoE(config, backend="torch")
+    logits = torch.randn(5, 4, generator=torch.Generator().manual_seed(35))
+    with torch.no_grad():
+        got = routed(x, logits)
+    picked = moerunner.select_experts(logits, 2)
+    want = _situ_f64(x, routed.w13, routed.w2, picked.weights, picked.ids, 4.0, 25.0)
+    assert_close(got, want, DTYPE_BOUND[torch.float32], what="MoE situ")
+
+
+@pytest.mark.parametrize("params", list(SITU_PARAMS), ids=list(SITU_PARAMS))
+def test_situ_gradients_match_float64_autograd(params):
+    kwargs, _, _ = SITU_PARAMS[params]
+    act = Activation("situ", **kwargs)
+    x, w13, w2, topk = _situ_problem(36)
+    leaves = [t.clone().requires_grad_() for t in (x, w13, w2, topk.weights)]
+    out = moerunner.fused_moe(*leaves[:3], leaves[3], topk.ids, activation=act, backend="torch")
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(37))
+    (out * cotangent).sum().backward()
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, w13, w2, topk.weights)]
+    weights64 = ExpertWeights(leaves64[1], leaves64[2])
+    ref = reference_moe(leaves64[0], weights64, leaves64[3], topk.ids, act)
+    (ref * cotangent.double()).sum().backward()
+    for name, got, want in zip(("x", "w13", "w2", "topk_weights"), leaves, leaves64, strict=True):
+        assert_close(got.grad, want.grad, DTYPE_BOUND[torch.float32], what=f"d {name}")
+
+
+def test_situ_parameters_through_the_custom_op():
+    # The custom op (torch.compile, a layer training on another backend) carries scalar
+    # alpha and limit, and rebuilds the Activation from them: situ's are stored there.
+    from moerunner.ops import call_fused_experts
+
+    x, w13, w2, topk = _situ_problem(38)
+    for act in (Activation("situ", situ_beta=2.5, situ_linear_beta=None), Activation("situ")):
+        direct = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation=act)
+        carried = call_fused_experts(
+            x, w13, w2, topk.weights, topk.ids, None, None, act.name, act.alpha, act.limit,
+            False, "torch", True,
+        )  # fmt: skip
+        assert torch.equal(direct, carried), act
+
+
+def test_situ_parameters_and_identity():
+    kimi = Activation("situ")
+    assert (kimi.situ_beta, kimi.situ_linear_beta) == (4.0, 25.0)
+    same = Activation("situ", situ_beta=4.0, situ_linear_beta=25.0)
+    no_linear = Activation("situ", situ_beta=4.0, situ_linear_beta=None)
+    beta3 = Activation("situ", situ_beta=3.0)
+    assert kimi == same and hash(kimi) == hash(same)
+    assert (beta3.situ_beta, beta3.situ_linear_beta, no_linear.situ_linear_beta) == (3, 25, None)
+    assert len({kimi, same, no_linear, beta3, Activation("silu")}) == 4
+    for act in (kimi, no_linear, beta3):  # repr pastes back
+        assert eval(repr(act), {"Activation": Activation}) == act
+    # The stored form, as fused_moe's swiglu_alpha / swiglu_limit set it (limit 0: none).
+    assert Activation("situ", 4.0, 0.0) == no_linear
+    assert Activation("situ", alpha=3.0) == beta3
+    # Memoised preparations are keyed by the activation: one call each, none served stale.
+    x, w13, w2, topk = _situ_problem(39)
+    outs = [
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation=a, backend="torch")
+        for a in (kimi, no_linear, beta3)
+    ]
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    keyword = moerunner.fused_moe(
+        x, w13, w2, topk.weights, topk.ids, activation="situ", swiglu_alpha=3.0
+    )
+    assert torch.equal(keyword, outs[2])
+
+
+def test_situ_parameter_checks():
+    x, w13, w2, topk = _situ_problem(40)
+    with pytest.raises(MoeInputError, match="swiglu_beta"):
+        Activation("situ", beta=0.5)
+    with pytest.raises(MoeInputError, match="swiglu_beta"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation="situ", swiglu_beta=1.0)
+    for other in ("silu", "swiglu_oai", "swiglu_step", "relu2"):
+        for name in ("situ_beta", "situ_linear_beta"):
+            with pytest.raises(MoeInputError, match=f"{name} applies to activation 'situ'"):
+                Activation(other, **{name: 2.0})
+    for name in ("situ_beta", "situ_linear_beta"):
+        for bad in (0.0, -1.0, float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(MoeInputError, match=name):
+                Activation("situ", **{name: bad})
+        for bad in ("2", True, [2.0], object()):
+            with pytest.raises(TypeError, match=name):
+                Activation("situ", **{name: bad})
+        with pytest.raises(TypeError, match="per-expert"):  # scalars only
+            Activation("situ", **{name: torch.full((4,), 2.0)})
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(MoeInputError, match="situ_beta"):
+            moerunner.fused_moe(
+                x, w13, w2, topk.weights, topk.ids, activation="situ", swiglu_alpha=bad
+            )
+    with pytest.raises(TypeError, match="per-expert"):
+        moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, activation="situ", swiglu_limit=torch.ones(4)
+        )
+    with pytest.raises(MoeInputError, match="situ_beta=2.0 and alpha=3.0"):
+        Activation("situ", alpha=3.0, situ_beta=2.0)
+
+
+def test_situ_in_compiled_code_is_one_graph():
+    # fullgraph: the Activation is built while tracing (keywords) or passed in, and its
+    # parameters ride the custom op's scalar alpha / limit (limit 0.0: no linear cap).
+    torch._dynamo.reset()
+    x, w13, w2, topk = _situ_problem(41)
+    act = Activation("situ", situ_beta=2.5, situ_linear_beta=None)
+
+    def by_value(x):
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, activation=act)
+
+    def by_keywords(x):
+        return moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, activation="situ", swiglu_alpha=2.5,
+            swiglu_limit=0.0,
+        )  # fmt: skip
+
+    want = _situ_f64(x, w13, w2, topk.weights, topk.ids, 2.5, None)
+    with torch.no_grad():
+        for fn in (by_value, by_keywords):
+            got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+            assert_close(got, want, DTYPE_BOUND[torch.float32], what=fn.__name__)

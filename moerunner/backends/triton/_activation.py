@@ -5,7 +5,8 @@
 # stored float32 output, for the hooked sequence (``hooked.py``), where a hook edits that
 # output before the activation. Gated activations take act(gate) * up, the clamped SwiGLU
 # of GPT-OSS (``swiglu_oai``) its alpha and limit, the clamp after silu (``swiglu_step``) its
-# limit.
+# limit, Kimi-K3's soft caps (``situ``) its beta in the alpha slot and its linear beta in the
+# limit slot (0: none).
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from . import _pdl
 
 # Activation ids (constexpr ACT); ACT_NONE is used by GEMM2.
 ACT_NONE, ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2, 3, 4, 5
-ACT_SWIGLU_STEP = 6
+ACT_SWIGLU_STEP, ACT_SITU = 6, 7
+
+
+@triton.jit
+def _soft_cap(x, cap):
+    """cap * tanh(x / cap) in float32, as cap * (2 sigmoid(2x / cap) - 1): Triton has no
+    tanh in every version; finite for any |x| (sigmoid saturates to 0 or 1)."""
+    return cap * (2.0 * tl.sigmoid((2.0 / cap) * x) - 1.0)
 
 
 @triton.jit
@@ -41,6 +49,10 @@ def activate(g, u, alpha, limit, ACT: tl.constexpr):
     elif ACT == 6:  # the clamp after the activation
         s = tl.minimum(g * tl.sigmoid(g), limit)
         out = s * tl.minimum(tl.maximum(u, -limit), limit)
+    elif ACT == 7:  # situ: alpha is its beta, limit its linear beta (0: up as is)
+        s = _soft_cap(g, alpha) * tl.sigmoid(g)
+        capped = _soft_cap(u, tl.where(limit > 0.0, limit, 1.0))
+        out = s * tl.where(limit > 0.0, capped, u)
     else:
         out = g
     return out

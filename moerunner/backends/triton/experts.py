@@ -57,6 +57,7 @@ _ACT_IDS = {
     "gelu_tanh": A.ACT_GELU_TANH,
     "swiglu_oai": A.ACT_SWIGLU_OAI,
     "swiglu_step": A.ACT_SWIGLU_STEP,
+    "situ": A.ACT_SITU,  # (beta and linear beta in the alpha and limit slots)
     "relu2": A.ACT_RELU2,
     # non-gated forms: GEMM1's epilogue multiplies by 1 where a gated one has up
     "silu_no_mul": A.ACT_SILU,
