@@ -19,6 +19,7 @@ from .errors import (
 )
 from .layer import MoE
 from .loader import LoadedExperts, load_experts
+from .memo import weights_changed
 from .reference import reference_moe
 from .routing import TopK, select_experts
 from .runner import DEFAULT_REGISTRY, MoeRunner, Registry, default_registry
@@ -79,4 +80,5 @@ __all__ = [
     "quantize",
     "reference_moe",
     "select_experts",
+    "weights_changed",
 ]

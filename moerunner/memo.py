@@ -92,10 +92,47 @@ register_optimizer_step_post_hook(_count_fused_steps)
 
 
 def version(t: torch.Tensor) -> int:
-    """``t``'s in-place version counter, -1 for an inference tensor (it keeps none: its
-    in-place edits inside ``inference_mode`` go unseen). Edits PyTorch does not count (through
-    ``.data``) are unseen too."""
-    return -1 if t.is_inference() else t._version
+    """``t``'s in-place version counter; for an inference tensor, which keeps none, minus one
+    minus the count of ``weights_changed`` calls on inference tensors. Edits PyTorch does not
+    count (through ``.data``; in place on inference tensors) are unseen until
+    ``weights_changed`` names the tensor."""
+    return -1 - _inference_edits[0] if t.is_inference() else t._version
+
+
+#: ``weights_changed`` calls that named an inference tensor (which has no version counter to
+#: bump): every inference tensor's ``version`` moves with it.
+_inference_edits = [0]
+
+
+def weights_changed(*tensors: object) -> None:
+    """Say that these tensors were written in a way PyTorch does not count, so that what
+    moerunner derived from them (prepared weights, converted scales, replayed steps) is
+    derived again on the next call.
+
+    Needed after writes through ``.data`` (``param.data.copy_(new)``, as many weight loaders
+    and RL weight syncs write) and in-place writes to tensors made under
+    ``torch.inference_mode``; edits PyTorch counts (in place on the tensor, optimizer steps)
+    need no call. Name the tensors moerunner was given (the parameter, not a ``.data`` alias
+    of it): expert weights, biases, a ``QuantizedWeight`` (all of its tensors), or the data,
+    scale and zero-point tensors given to ``moerunner.compat``. A ``MoE`` layer's own
+    parameters: ``MoE.weights_changed()``."""
+    for given in tensors:
+        if isinstance(given, torch.Tensor):
+            parts = [given]
+        elif hasattr(given, "scheme") and isinstance(getattr(given, "data", None), torch.Tensor):
+            named = ("data", "scale", "global_scale", "zero_point", "input_scale")
+            parts = [getattr(given, n, None) for n in named]
+            parts = [t for t in parts if isinstance(t, torch.Tensor)]
+        else:
+            raise TypeError(
+                "weights_changed takes tensors and QuantizedWeight values, got "
+                f"{type(given).__name__}"
+            )
+        for t in parts:
+            if t.is_inference():
+                _inference_edits[0] += 1
+            else:
+                torch.autograd.graph.increment_version(t)
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:

@@ -729,13 +729,17 @@ def test_vllm_quant_config_gemm1_activation_parameters():
     m3 = _QuantConfig(gemm1_alpha=1.5, gemm1_beta=0.5, gemm1_clamp_limit=3.0)
     got = vllm.fused_experts(*call, activation="swigluoai_uninterleave", quant_config=m3)
     assert_close(got, _clamped_swiglu_want(x, w13, w2, topk, 1.5, 0.5, 3.0), bound)
-    got = vllm.fused_experts(*call, activation="swigluoai", quant_config=m3)
-    want = _clamped_swiglu_want(x, w13, w2, topk, 1.5, 0.5, 3.0, interleaved=True)
-    assert_close(got, want, bound)
-    # unset ones keep GPT-OSS's (alpha 1.702, beta 1, limit 7)
+    # swigluoai keeps GPT-OSS's values: vLLM's Triton experts ignore the config's, its
+    # FlashInfer experts apply them, so other values are refused; GPT-OSS's own are taken
+    gpt_oss = _QuantConfig(gemm1_alpha=1.702, gemm1_beta=1.0, gemm1_clamp_limit=7.0)
+    got = vllm.fused_experts(*call, activation="swigluoai", quant_config=gpt_oss)
+    assert torch.equal(got, vllm.fused_experts(*call, activation="swigluoai"))
+    with pytest.raises(MoeInputError, match="gemm1_alpha=1.5 with activation 'swigluoai'"):
+        vllm.fused_experts(*call, activation="swigluoai", quant_config=m3)
     limited = _QuantConfig(gemm1_clamp_limit=5.0)
-    got = vllm.fused_experts(*call, activation="swigluoai_uninterleave", quant_config=limited)
-    assert_close(got, _clamped_swiglu_want(x, w13, w2, topk, 1.702, 1.0, 5.0), bound)
+    # swigluoai_uninterleave takes all three (unset ones fall back differently by release)
+    with pytest.raises(MoeInputError, match="gemm1_alpha, gemm1_beta unset"):
+        vllm.fused_experts(*call, activation="swigluoai_uninterleave", quant_config=limited)
     # silu with a limit: silu(min(gate, L)) * clamp(up, -L, L)
     got = vllm.fused_experts(*call, activation="silu", quant_config=limited)
     assert_close(got, _clamped_swiglu_want(x, w13, w2, topk, 1.0, 0.0, 5.0), bound)
@@ -743,7 +747,7 @@ def test_vllm_quant_config_gemm1_activation_parameters():
     # a config of a release without the properties, or with them unset: as before
     plain = vllm.fused_experts(*call, activation="silu", quant_config=_QuantConfig())
     assert torch.equal(plain, vllm.fused_experts(*call, activation="silu"))
-    with pytest.raises(MoeInputError, match="needs gemm1_clamp_limit"):
+    with pytest.raises(MoeInputError, match="gemm1_clamp_limit unset"):
         vllm.fused_experts(*call, activation="swigluoai_uninterleave")
     with pytest.raises(MoeInputError, match="gemm1_alpha"):
         vllm.fused_experts(*call, quant_config=_QuantConfig(gemm1_alpha=1.702))
@@ -751,6 +755,104 @@ def test_vllm_quant_config_gemm1_activation_parameters():
         vllm.fused_experts(*call, activation="gelu", quant_config=limited)
     with pytest.raises(TypeError, match="gemm1_beta"):
         vllm.fused_experts(*call, activation="swigluoai", quant_config=_QuantConfig(gemm1_beta="1"))
+    # gated-only activations have no is_act_and_mul=False form (the gated result was returned)
+    for name in ("swigluoai", "swiglustep", "swigluoai_uninterleave"):
+        with pytest.raises(MoeInputError, match="is_act_and_mul=False"):
+            vllm.fused_experts(*call, activation=name, is_act_and_mul=False)
+
+
+def _situ_want(x, w13, w2, topk, beta, linear_beta):
+    """float64: beta tanh(g / beta) sigmoid(g) * Lb tanh(u / Lb) (u for Lb None), gate then
+    up halves."""
+    want = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk.weights[t].double(), topk.ids[t].tolist(), strict=True):
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            soft = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+            if linear_beta is not None:
+                up = linear_beta * torch.tanh(up / linear_beta)
+            want[t] += w * (w2[e].double() @ (soft * up))
+    return want
+
+
+def test_peers_situ():
+    """Kimi-K3's SiTU was refused by both shims. vLLM: Kimi-K3's betas (4, 25: vLLM reads
+    them from the layer's config, which fused_experts is not given); SGLang's Triton runner:
+    beta gemm1_alpha (unset 4), linear beta gemm1_clamp_limit (unset: none)."""
+    x, logits, w13, w2 = _problem(55)
+    x = x * 20  # GEMM1 values beyond the soft caps
+    topk = moerunner.select_experts(logits, 2)
+    bound = error_bound(torch.float32, False)
+    got = vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, activation="situ")
+    assert_close(got, _situ_want(x, w13, w2, topk, 4.0, 25.0), bound)
+    with pytest.raises(MoeInputError, match="gemm1_alpha"):
+        vllm.fused_experts(
+            x, w13, w2, topk.weights, topk.ids, activation="situ",
+            quant_config=_QuantConfig(gemm1_alpha=3.0),
+        )  # fmt: skip
+    pair = (topk.weights, topk.ids)
+    for alpha, limit, beta, linear in ((None, None, 4.0, None), (3.0, 6.0, 3.0, 6.0)):
+        cfg = sglang.MoeRunnerConfig(
+            inplace=False, activation="situ", gemm1_alpha=alpha, gemm1_clamp_limit=limit
+        )
+        got = sglang.fused_experts(x, w13, w2, pair, cfg)
+        assert_close(got, _situ_want(x, w13, w2, topk, beta, linear), bound)
+    with pytest.raises(MoeInputError, match="swiglu_limit"):
+        cfg = sglang.MoeRunnerConfig(inplace=False, activation="situ", swiglu_limit=7.0)
+        sglang.fused_experts(x, w13, w2, pair, cfg)
+
+
+def test_vllm_errors_name_the_argument_the_caller_passed():
+    """An expert_map entry outside the local experts was reported as a topk_ids value the
+    caller never passed; a malformed gating_output as router_logits; a call in vLLM 0.9's
+    positional order as a bad quant_config."""
+    x, _, w13, w2 = _problem(53)
+    g = torch.Generator().manual_seed(53)
+    topk = moerunner.select_experts(torch.randn(T, 2 * E, generator=g), 2)
+    bad_map = torch.tensor([-1] * E + [0, 1, 2, E + 3], dtype=torch.int32)
+    with pytest.raises(MoeInputError, match="expert_map"):
+        vllm.fused_experts(
+            x, w13, w2, topk.weights, topk.ids, global_num_experts=2 * E, expert_map=bad_map
+        )
+    for gating in (torch.randn(T), torch.randint(0, 4, (T, E))):
+        for route in (vllm.fused_topk, vllm.grouped_topk):
+            with pytest.raises(MoeInputError, match="gating_output"):
+                route(x, gating, 2, True)
+    with pytest.raises(TypeError, match="global_num_experts"):
+        vllm.fused_experts(x, w13, w2, topk.weights, topk.ids, False, "silu", False, False,
+                           False, False)  # fmt: skip
+
+
+def test_weights_changed_after_writes_pytorch_does_not_count():
+    """Scales the shim converts to float32 (bf16 here) are converted once per set of tensors,
+    keyed on their in-place versions: a write through .data (weight loaders, RL weight
+    syncs) or in place on an inference tensor left the old values in use, and there was no
+    public way to say so. moerunner.weights_changed names the written tensors."""
+    x, logits, w13, w2 = _problem(54)
+    topk = moerunner.select_experts(logits, 2)
+    q1, q2 = quantize(w13, "fp8_tensor"), quantize(w2, "fp8_tensor")
+    s2 = q2.scale.to(torch.bfloat16)
+
+    def call(s1):
+        return vllm.fused_experts(
+            x, q1.data, q2.data, topk.weights, topk.ids,
+            use_fp8_w8a8=True, w1_scale=s1, w2_scale=s2,
+        )  # fmt: skip
+
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            s1 = q1.scale.to(torch.bfloat16)
+            before = call(s1)
+            (s1.data if not inference else s1).mul_(2)
+            assert torch.equal(call(s1), before)  # unseen, as documented
+            moerunner.weights_changed(s1)
+            after = call(s1)
+            assert torch.equal(after, call(s1.clone()))  # what a fresh tensor gives
+            assert not torch.allclose(after, before)
+    # a QuantizedWeight names all of its tensors; other objects are refused by type
+    moerunner.weights_changed(q1, w13)
+    with pytest.raises(TypeError, match="weights_changed"):
+        moerunner.weights_changed([w13])
 
 
 @pytest.mark.parametrize("peer", ["vllm", "sglang"])

@@ -289,12 +289,7 @@ def global_to_local(
     """The peers' expert parallelism: ids are global in ``[0, global_num_experts)`` and
     ``expert_map[global]`` is the local id or -1. Ids are checked against the global range
     (on a GPU without a host read, ``moerunner.check_errors``), then mapped."""
-    if isinstance(global_num_experts, bool) or not isinstance(global_num_experts, int):
-        raise TypeError(
-            f"{where}: global_num_experts must be an int, got {global_num_experts!r} (the "
-            "flat quantization flags that older vLLM releases took by position are "
-            "keyword-only here)"
-        )
+    check_global_num_experts(where, global_num_experts)
     if expert_map is None:
         if global_num_experts not in (-1, num_local):
             raise MoeInputError(
@@ -321,7 +316,27 @@ def global_to_local(
             f"{where}: expert_map is on {expert_map.device} but topk_ids on {topk_ids.device}"
         )
     check_ids_async(topk_ids, total, where=where)
+    # The map's entries are local ids or -1: checked once per map (and in-place version).
+    memoised(
+        expert_map,
+        ("expert_map checked", view_key(expert_map), num_local),
+        lambda: (
+            check_ids_async(expert_map, num_local, where=where, names=("expert_map", "the local E"))
+            or True
+        ),
+    )
     return local_ids(topk_ids, expert_map)
+
+
+def check_global_num_experts(where: str, global_num_experts: object) -> None:
+    """``global_num_experts`` is an int (-1: w1's count); checked before the other
+    arguments, so a call in an older release's positional order fails here, by name."""
+    if isinstance(global_num_experts, bool) or not isinstance(global_num_experts, int):
+        raise TypeError(
+            f"{where}: global_num_experts must be an int, got {global_num_experts!r} (the "
+            "flat quantization flags that older vLLM releases took by position are "
+            "keyword-only here)"
+        )
 
 
 def run(

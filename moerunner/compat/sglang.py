@@ -235,6 +235,17 @@ def _call(cfg: MoeRunnerConfig, fuse_swiglu_interleaved: bool = False) -> Expert
             "whatever gemm1_beta says, its FlashInfer runners add gemm1_beta; pass None or "
             "1.0, or call moerunner.fused_moe with swiglu_beta"
         )
+    if name == "situ" and cfg.is_gated and not fuse_swiglu_interleaved:
+        # Kimi-K3's soft caps on gate-then-up halves (whatever gate_up_interleaved says), as
+        # SGLang's Triton runner computes them: beta gemm1_alpha (unset: 4.0), linear beta
+        # gemm1_clamp_limit (unset: none, up as is)
+        if cfg.swiglu_limit is not None:
+            raise MoeInputError(
+                "swiglu_limit applies to the gated 'silu' activation, got activation 'situ' "
+                "(its parameters: gemm1_alpha, gemm1_clamp_limit)"
+            )
+        limit = 0.0 if cfg.gemm1_clamp_limit is None else cfg.gemm1_clamp_limit
+        return ExpertsCall("situ", "gate_up", swiglu_alpha=cfg.gemm1_alpha, swiglu_limit=limit)
     if given and (name != "silu" or not cfg.is_gated):
         raise MoeInputError(
             f"{', '.join(given)} apply to the gated 'silu' activation, got activation "

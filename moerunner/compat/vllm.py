@@ -38,7 +38,14 @@ import torch
 
 from ..errors import MoeInputError
 from ..routing import check_router_width, select_experts
-from ._common import ExpertsCall, QuantArgs, global_to_local, peer_weights, run
+from ._common import (
+    ExpertsCall,
+    QuantArgs,
+    check_global_num_experts,
+    global_to_local,
+    peer_weights,
+    run,
+)
 
 __all__ = ["ACTIVATIONS", "fused_experts", "fused_moe", "fused_topk", "grouped_topk"]
 
@@ -51,6 +58,9 @@ ACTIVATIONS = {
     # gate-then-up rows (MiniMax-M3); its clamp limit comes from the quant config
     "swigluoai_uninterleave": ExpertsCall("swiglu_oai"),
     "swiglustep": ExpertsCall("swiglu_step", swiglu_limit=7.0),
+    # Kimi-K3's values: vLLM reads situ's betas from the layer's FusedMoEConfig, which
+    # fused_experts is not given
+    "situ": ExpertsCall("situ"),
     "relu2_no_mul": ExpertsCall("relu2"),
     "silu_no_mul": ExpertsCall("silu_no_mul"),
     "gelu_no_mul": ExpertsCall("gelu_no_mul"),
@@ -81,6 +91,11 @@ def _call(
     if isinstance(name, str):
         name = _ALIASES.get(name, name)
     if not is_act_and_mul and isinstance(name, str):
+        if name in ACTIVATIONS and name not in _WITHOUT_MUL and not name.endswith("_no_mul"):
+            raise MoeInputError(
+                f"activation {name!r} with is_act_and_mul=False: it is gated only (vLLM "
+                f"refuses it too); non-gated forms: {', '.join(sorted(_WITHOUT_MUL))}"
+            )
         name = _WITHOUT_MUL.get(name, name)
     if not isinstance(name, str) or name not in ACTIVATIONS:
         raise MoeInputError(
@@ -105,14 +120,31 @@ def _with_gemm1(name: str, call: ExpertsCall, gemm1: dict) -> ExpertsCall:
     to a clamped SiLU only)."""
     alpha, beta, limit = (gemm1.get(n) for n in _GEMM1_PARAMS)
     where = "vllm.fused_experts: quant_config"
-    if name == "swigluoai_uninterleave" and limit is None:
-        raise MoeInputError(
-            f"{where}: activation 'swigluoai_uninterleave' needs gemm1_clamp_limit (vLLM's "
-            "Triton experts require it); got none"
-        )
-    if name in ("swigluoai", "swigluoai_uninterleave"):
-        # Unset ones keep GPT-OSS's values (alpha 1.702, beta 1, limit 7).
+    if name == "swigluoai_uninterleave":
+        missing = [n for n in _GEMM1_PARAMS if gemm1.get(n) is None]
+        if missing:
+            # (vLLM's Triton experts require the limit; where alpha or beta is unset its
+            # releases and backends fall back to different values: GPT-OSS's or plain SiLU's)
+            raise MoeInputError(
+                f"{where}: activation 'swigluoai_uninterleave' needs gemm1_alpha, gemm1_beta "
+                f"and gemm1_clamp_limit (MiniMax-M3: 1.702, 1.0 and its limit); "
+                f"{', '.join(missing)} unset"
+            )
         return replace(call, swiglu_alpha=alpha, swiglu_beta=beta, swiglu_limit=limit)
+    if name == "swigluoai":
+        # vLLM's Triton experts run GPT-OSS's values whatever the config says, its FlashInfer
+        # experts the config's: other values are refused rather than given either meaning.
+        gpt_oss = (1.702, 1.0, 7.0)
+        for param, value, fixed in zip(_GEMM1_PARAMS, (alpha, beta, limit), gpt_oss, strict=True):
+            if value is not None and value != fixed:
+                raise MoeInputError(
+                    f"{where}.{param}={value!r} with activation 'swigluoai': vLLM's backends "
+                    f"disagree on it (its Triton experts keep GPT-OSS's {fixed}); for other "
+                    "parameters use 'swigluoai_uninterleave' with gate-then-up rows, or "
+                    "moerunner.fused_moe(activation='swiglu_oai', gate_up_interleaved=True, "
+                    "swiglu_alpha=..., swiglu_beta=..., swiglu_limit=...)"
+                )
+        return call
     if name == "silu":
         for param, value, identity in (("gemm1_alpha", alpha, 1.0), ("gemm1_beta", beta, 0.0)):
             if value is not None and value != identity:
@@ -246,6 +278,7 @@ def _peer_arguments(where: str, args: tuple, named: dict) -> dict:
     for name, default in _PEER_DEFAULTS.items():
         if name not in out:
             out[name] = default if named[name] is _UNSET else named[name]
+    check_global_num_experts(where, out["global_num_experts"])
     return out
 
 
@@ -506,6 +539,11 @@ def _check_hidden(where: str, hidden_states: object, gating_output: object) -> N
         raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
     if not isinstance(gating_output, torch.Tensor):
         raise TypeError(f"{where}: gating_output must be a torch.Tensor")
+    if gating_output.dim() != 2 or not gating_output.is_floating_point():
+        raise MoeInputError(
+            f"{where}: gating_output must be a 2-D floating tensor [T, E], got "
+            f"{gating_output.dtype} {list(gating_output.shape)}"
+        )
     if gating_output.dim() == 2 and hidden_states.shape[0] != gating_output.shape[0]:
         raise MoeInputError(
             f"{where}: gating_output has T={gating_output.shape[0]} rows but hidden_states "
