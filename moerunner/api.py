@@ -20,6 +20,7 @@ from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .hooks import MoeHooks, check_hooks
+from .registry import Registry
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
 from .shared import (
@@ -53,6 +54,7 @@ def fused_moe(
     apply_router_weight_on_input: bool = False,
     shared_experts: SharedExperts | None = None,
     hooks: MoeHooks | None = None,
+    registry: Registry | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on pre-routed tokens.
 
@@ -82,6 +84,12 @@ def fused_moe(
             ``swiglu_alpha`` / ``swiglu_limit`` are its stored form: floats ``situ_beta`` /
             ``situ_linear_beta`` (None: 4.0 / 25.0; ``swiglu_limit=0.0``: no linear cap).
         backend: a backend name or ``"auto"``.
+        registry: the ``Registry`` the backend is chosen from (default
+            ``moerunner.DEFAULT_REGISTRY``). Traced by torch.compile, the call runs through
+            the custom op, which finds backends in the default registry only: one that serves
+            ``backend`` with other objects is refused there by name. Calls that need
+            gradients run moerunner's own differentiable PyTorch ops, refused where the
+            registry's ``"torch"`` is another object.
         check_ids: verify ``-1 <= ids < E``: at once on CPU; on a GPU without waiting for it,
             raising at a later call (the triton kernels' check is read every 8th call) or at
             ``moerunner.check_errors()`` (``moerunner.device_checks``). Callers whose ids
@@ -120,16 +128,18 @@ def fused_moe(
         )
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, gate_up_interleaved, w13_order)
     if torch.compiler.is_compiling():
+        if registry is not None:
+            _check_op_registry(registry, backend)
         if shared_experts is not None or hooks is not None or not _op_takes(weights, act):
             return _eager_experts(
-                backend, weights, hidden_states, topk_weights, topk_ids, act, check_ids,
-                apply_router_weight_on_input, shared=shared_experts, hooks=hooks,
+                backend, registry, weights, hidden_states, topk_weights, topk_ids, act,
+                check_ids, apply_router_weight_on_input, shared=shared_experts, hooks=hooks,
             )  # fmt: skip
         if apply_router_weight_on_input:
             hidden_states, topk_weights = _weighted_rows(hidden_states, topk_weights, topk_ids)
         return _traced_call(weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids)
     return run_experts(
-        MoeRunner(backend),
+        MoeRunner(backend, registry=registry),
         weights,
         hidden_states,
         topk_weights,
@@ -222,6 +232,7 @@ _FUSED_MOE_KEYWORDS = frozenset(
         "apply_router_weight_on_input",
         "shared_experts",
         "hooks",
+        "registry",
     }
 )
 
@@ -265,9 +276,21 @@ def _traced_call(
     )
 
 
-def _eager_experts(backend: str, *args, **kwargs) -> torch.Tensor:
-    """``run_experts(MoeRunner(backend), *args, **kwargs)`` outside the traced graph."""
-    return run_experts(MoeRunner(backend), *args, **kwargs)
+def _eager_experts(backend: str, registry: Registry | None, *args, **kwargs) -> torch.Tensor:
+    """``run_experts(MoeRunner(backend, registry=registry), *args, **kwargs)`` outside the
+    traced graph."""
+    return run_experts(MoeRunner(backend, registry=registry), *args, **kwargs)
+
+
+@torch.compiler.disable
+def _check_op_registry(registry: Registry, backend: str) -> None:
+    """A traced call runs through the custom op, which finds ``backend`` in the default
+    registry only: refused, by name, where ``registry`` serves it otherwise."""
+    from .ops import registry_note
+
+    note = registry_note(registry, backend, "the registry given to fused_moe")
+    if note is not None:
+        raise MoeInputError(note)
 
 
 # What the custom op does not take runs eagerly: a graph break (an error under fullgraph).
@@ -561,6 +584,14 @@ def _differentiable(
         raise MoeInputError(
             f"quantized weights ({weights.scheme}) have no backward: a tensor argument requires "
             f"grad and grad mode is on; {hint}, or use plain bf16/fp16/fp32 weights"
+        )
+    served = runner.registry.backends.get(torch_native.NAME)
+    if served is not None and type(served) is not torch_native.TorchBackend:
+        raise MoeInputError(
+            f"this call's registry serves backend 'torch' with {type(served).__name__}, not "
+            "moerunner's: calls that need gradients run moerunner's own differentiable "
+            f"PyTorch ops, which would bypass it; {hint}, or use a registry with moerunner's "
+            "torch backend to train"
         )
     MoeRunner(torch_native.NAME, registry=runner.registry).select(problem)  # raises if unfit
     weights = gate_up_first(weights)  # differentiable: a concatenation of row slices

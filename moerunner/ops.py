@@ -506,11 +506,11 @@ fused_experts.register_autograd(_backward(False), setup_context=_saving)
 fused_experts_transposed.register_autograd(_backward(True), setup_context=_saving)
 
 
-def registry_note(registry, backend: str) -> str | None:
-    """Why a layer with this ``registry`` cannot run its compiled and training calls, or
-    None. They go through these custom ops, whose schema takes tensors and names, so they
-    look ``backend`` up in the default registry: a registry that serves it with other
-    objects would run another backend there, or none."""
+def registry_note(registry, backend: str, whose: str = "this layer's registry") -> str | None:
+    """Why calls with this ``registry`` cannot run through the custom ops (a layer's compiled
+    and training calls, a traced ``fused_moe``), or None. The ops' schema takes tensors and
+    names, so they look ``backend`` up in the default registry: a registry that serves it
+    with other objects would run another backend there, or none."""
     from .registry import DEFAULT_REGISTRY
 
     if registry is DEFAULT_REGISTRY:
@@ -520,9 +520,9 @@ def registry_note(registry, backend: str) -> str | None:
     if not differ:
         return None
     return (
-        f"this layer's registry serves backend(s) {differ} with other objects than the default "
-        "registry; torch.compile and grad-mode calls run through moerunner's custom op, which "
-        "finds backends in the default registry only: register them there "
-        "(moerunner.DEFAULT_REGISTRY.register_backend) to compile or train, or run this layer "
-        "under torch.no_grad() eagerly"
+        f"{whose} serves backend(s) {differ} with other objects than the default "
+        "registry; torch.compile (and a layer's grad-mode calls) run through moerunner's custom "
+        "op, which finds backends in the default registry only: register them there "
+        "(moerunner.DEFAULT_REGISTRY.register_backend) to compile or train, or run eagerly "
+        "(a layer under torch.no_grad())"
     )

@@ -262,3 +262,57 @@ def test_capabilities_refuse_typos(field, value, error, match):
     given[field] = value
     with pytest.raises(error, match=match):
         Capabilities(**given)
+
+
+def test_fused_moe_takes_a_registry():
+    """fused_moe chose from the default registry only: a backend registered in a copy could
+    not be called, and a replaced 'torch' backend was bypassed, silently, by calls that
+    need gradients (they run moerunner's own differentiable ops)."""
+    x, w13, w2, topk = _case()
+    want = _reference(x, w13, w2, topk)
+    registry = moerunner.DEFAULT_REGISTRY.copy()
+    registry.register_backend(Loop(name="mine_only"))
+    call = (x, w13, w2, topk.weights, topk.ids)
+    _close(moerunner.fused_moe(*call, backend="mine_only", registry=registry), want)
+    logits = torch.randn(T, E)
+    routed = moerunner.fused_moe_from_logits(
+        x, logits, w13, w2, K, backend="mine_only", registry=registry
+    )
+    again = moerunner.select_experts(logits, K)
+    _close(routed, _reference(x, w13, w2, again))
+    with pytest.raises(moerunner.BackendUnavailableError, match="mine_only"):
+        moerunner.fused_moe(*call, backend="mine_only")  # the default registry has none
+
+    # Traced: the custom op looks backends up in the default registry, so it is refused.
+    @torch.compile(backend="eager")
+    def traced(x):
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, registry=registry)
+
+    with pytest.raises(MoeInputError, match="the registry given to fused_moe serves"):
+        traced(x)
+    same = moerunner.DEFAULT_REGISTRY.copy()  # nothing replaced: traced as before
+    traced_same = torch.compile(backend="eager")(
+        lambda x: moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, registry=same)
+    )
+    _close(traced_same(x), want)
+
+    # Gradients: a registry whose 'torch' is another object is refused, not bypassed.
+    from moerunner.backends.torch_native import TorchBackend
+
+    class MyTorch(TorchBackend):
+        pass
+
+    mine = moerunner.DEFAULT_REGISTRY.copy()
+    mine.register_backend(MyTorch(), replace=True)
+    xg = x.clone().requires_grad_()
+    with pytest.raises(MoeInputError, match="serves backend 'torch' with MyTorch"):
+        moerunner.fused_moe(xg, w13, w2, topk.weights, topk.ids, registry=mine)
+    cfg = moerunner.MoeConfig(E, H, I, K)
+    layer = moerunner.MoE(cfg, backend="torch", registry=mine, dtype=torch.float32)
+    with pytest.raises(MoeInputError, match="serves backend 'torch' with MyTorch"):
+        layer(x, logits)  # parameters require grad, grad mode on
+    with torch.no_grad():
+        layer(x, logits)  # inference runs the registry's own
+    grads = moerunner.fused_moe(xg, w13, w2, topk.weights, topk.ids, registry=same)
+    grads.sum().backward()
+    assert xg.grad is not None and bool(xg.grad.abs().sum() > 0)
