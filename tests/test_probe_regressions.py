@@ -322,7 +322,9 @@ def test_d10_unchecked_ids_are_skipped_not_wrapped(backend, force_permute, dtype
         _triton()
     if force_permute:  # the permute path (what the torch backend runs off the CPU)
         real = moerunner.api.MoeRunner
-        monkeypatch.setattr(moerunner.api, "MoeRunner", lambda b: real(b, force_permute=True))
+        monkeypatch.setattr(
+            moerunner.api, "MoeRunner", lambda b, **kw: real(b, force_permute=True, **kw)
+        )
     x, w13, w2, tk = _problem(tokens=6)
     ids = tk.ids.to(dtype)
     if dtype == torch.int64:
