@@ -92,48 +92,72 @@ class ExpertsLayout:
 
 
 def layer_name(module: torch.nn.Module) -> str:
-    """The module's path in its model when known (set by the model helpers), else its class."""
+    """The module's path in its model when known (set by the model helpers: ``use_moerunner``,
+    ``check_model``), else its class and where to find the path."""
     name = getattr(module, LAYER_NAME, None)
-    return f"{name} ({type(module).__name__})" if name else type(module).__name__
+    if name:
+        return f"{name} ({type(module).__name__})"
+    return (
+        f"{type(module).__name__} (its path in the model: "
+        "moerunner.integrations.transformers.check_model(model) names every layer)"
+    )
 
 
 def describe(module: torch.nn.Module) -> ExpertsLayout:
-    """The module's layout and activation (cached); ``UnsupportedExpertsError`` if unsupported."""
+    """The module's layout and activation; ``UnsupportedExpertsError`` if unsupported. What
+    its structure decides is worked out once and cached; its weights' dtypes, which
+    ``.to()`` changes, are checked on every call (a cached refusal of float64 experts stayed
+    after ``.float()``, and a cached "runnable" let them reach the kernels after
+    ``.double()``, past ``fallback="eager"``)."""
     cached = module.__dict__.get(_DESCRIPTION)
+    if cached is None:
+        try:
+            cached = _describe(module)
+        except UnsupportedExpertsError as exc:
+            cached = exc
+        module.__dict__[_DESCRIPTION] = cached
     if isinstance(cached, UnsupportedExpertsError):
         raise cached
-    if cached is not None:
-        return cached
-    try:
-        layout = _describe(module)
-    except UnsupportedExpertsError as exc:
-        module.__dict__[_DESCRIPTION] = exc
-        raise
-    module.__dict__[_DESCRIPTION] = layout
-    return layout
+    _check_dtypes(module)
+    return cached
+
+
+def _refusal(module: torch.nn.Module, reason: str) -> UnsupportedExpertsError:
+    return UnsupportedExpertsError(
+        f"experts layer {layer_name(module)} cannot run on moerunner: {reason}"
+    )
+
+
+def _weight_names(module: torch.nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
+def _check_dtypes(module: torch.nn.Module) -> None:
+    for name in _weight_names(module):
+        dtype = getattr(module, name).dtype
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise _refusal(
+                module,
+                f"{name} has dtype {dtype}; moerunner reads bf16/fp16/fp32 experts here "
+                "(quantized checkpoints: see quantize_experts / load_gpt_oss_mxfp4)",
+            )
 
 
 def _describe(module: torch.nn.Module) -> ExpertsLayout:
+    """What the module's structure decides (``describe``): refused, or its layout."""
+
     def refuse(reason: str) -> UnsupportedExpertsError:
-        return UnsupportedExpertsError(
-            f"experts layer {layer_name(module)} cannot run on moerunner: {reason}"
-        )
+        return _refusal(module, reason)
 
     if not is_experts_module(module):
         raise refuse("not an experts class decorated with @use_experts_implementation")
     if getattr(module, "has_post_expert_norm", False):
         raise refuse("a norm after each expert (has_post_expert_norm) is not supported")
     gated = bool(module.has_gate)
-    first = "gate_up_proj" if gated else "up_proj"
-    for name in (first, "down_proj"):
+    for name in _weight_names(module):
         weight = getattr(module, name, None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
             raise refuse(f"expected a 3-D tensor {name}, found {type(weight).__name__}")
-        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise refuse(
-                f"{name} has dtype {weight.dtype}; moerunner reads bf16/fp16/fp32 experts here "
-                "(quantized checkpoints: see quantize_experts / load_gpt_oss_mxfp4)"
-            )
     interleaved = gated and not getattr(module, "is_concatenated", True)
     candidates = _GATED_CANDIDATES if gated else _PLAIN_CANDIDATES
     activation = _match_activation(module, candidates, gated, interleaved)

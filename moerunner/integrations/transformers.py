@@ -597,13 +597,19 @@ def _check_shared_block(block, path: str) -> None:
         raise refuse(f"the shared MLP's gating is not the routed experts' {layout.activation.name}")
 
 
-def _shared_experts(block) -> SharedExperts:
-    """The block's shared MLP as ``SharedExperts`` (made once per weight version: moerunner
-    memoises the expert table on this object's w13)."""
+def _shared_sources(block) -> list:
+    """The shared MLP's gate, up and down weights and the shared gate's (or None)."""
     mlp = getattr(block, SHARED_BLOCKS[type(block).__name__])
     gate = getattr(block, "shared_expert_gate", None)
     sources = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     sources.append(None if gate is None else gate.weight)
+    return sources
+
+
+def _shared_experts(block) -> SharedExperts:
+    """The block's shared MLP as ``SharedExperts`` (made once per weight version: moerunner
+    memoises the expert table on this object's w13)."""
+    sources = _shared_sources(block)
     key = sources_key(sources)
     cached = block.__dict__.get(_SHARED_CACHE)
     if cached is not None and cached[0] == key:
@@ -655,6 +661,13 @@ def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         expert_w, activation = expert_weights(experts)
     except UnsupportedExpertsError:
         return own(self, hidden_states)  # the experts call raises or falls back itself
+    if torch.is_grad_enabled() and any(
+        p.requires_grad for p in _shared_sources(self) if p is not None
+    ):
+        # The fused call takes the shared MLP as detached weights (made once per weight
+        # version): training runs the block's own forward, whose shared MLP carries its
+        # gradients (the routed experts still run on moerunner).
+        return own(self, hidden_states)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     routed = self.gate(x)
     if not (isinstance(routed, tuple) and len(routed) == 3):

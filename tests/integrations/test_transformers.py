@@ -159,6 +159,41 @@ def test_unsupported_layer_is_named_or_falls_back_by_rule():
     assert_close(_logits(model, "moerunner", ids), ref, FP32_MAX_REL, what="eager fallback")
 
 
+def test_dtype_changes_are_seen_after_a_layer_was_described():
+    """Whether the experts' dtype is one moerunner reads was cached with the layer's
+    structure: a refusal of float64 experts stayed after .float(), and after .double() the
+    float64 weights reached the kernels (a TypeError naming w13) past fallback='eager'."""
+    model = build("qwen3_moe").double()
+    with pytest.raises(mt.UnsupportedExpertsError, match="gate_up_proj has dtype torch.float64"):
+        mt.use_moerunner(model)
+    model.float()
+    mt.use_moerunner(model)  # refused before: the cached float64 verdict
+    ids = _ids(length=5)
+    ref = _logits(copy.deepcopy(model), "eager", ids)
+    assert_close(_logits(model, "moerunner", ids), ref, FP32_MAX_REL, what="after .float()")
+    mt.use_moerunner(model, fallback="eager")
+    model.double()
+    with torch.no_grad():
+        got = model(input_ids=ids).logits  # every layer falls back to transformers' loop
+    twin = copy.deepcopy(model)
+    twin.set_experts_implementation("eager")
+    with torch.no_grad():
+        assert torch.equal(got, twin(input_ids=ids).logits)
+
+
+def test_a_refused_layer_reached_without_the_model_helpers_says_how_to_find_it():
+    """Loaded with experts_implementation='moerunner' (no use_moerunner), a layer has no
+    path of its own: the refusal named its class only."""
+    model = build("qwen3_moe")
+    _break_layer(model, 1)
+    model.set_experts_implementation("moerunner")
+    with pytest.raises(
+        mt.UnsupportedExpertsError, match=r"Qwen3MoeExperts \(its path.*check_model"
+    ):
+        with torch.no_grad():
+            model(input_ids=_ids(length=5))
+
+
 @pytest.mark.parametrize(
     "scheme, max_rel",
     [

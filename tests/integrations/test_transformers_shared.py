@@ -158,3 +158,28 @@ def test_a_copy_or_a_saved_fused_model_runs_its_own_blocks(family, tmp_path):
         buffer.seek(0)
         loaded = torch.load(buffer, weights_only=False)
         assert torch.equal(loaded(ids).logits, before)
+
+
+@pytest.mark.parametrize("family", SHARED_FAMILIES)
+def test_fused_shared_experts_get_their_gradients(family):
+    """In grad mode the fused call took the shared MLP as detached weights: the loss and
+    every other gradient matched, but the shared MLP's (and Qwen2's shared gate's) stayed
+    None, so an optimizer never updated them. Training runs the block's own forward."""
+    torch.manual_seed(0)
+    ref = build(family).train()
+    model = copy.deepcopy(ref)
+    mt.use_moerunner(model, backend="torch", shared_experts=True)
+    ids = _ids()
+    for m in (ref, model):
+        m(input_ids=ids, labels=ids).loss.backward()
+    want = dict(ref.named_parameters())
+    shared = [n for n, p in model.named_parameters() if "shared_expert" in n]
+    assert shared
+    for name, p in model.named_parameters():
+        if want[name].grad is None:
+            continue
+        assert p.grad is not None, name
+        assert_close(p.grad, want[name].grad, FP32_MAX_REL, what=name)
+    with torch.no_grad():  # inference still runs the fused call
+        _forbid_shared_mlps(model)
+        model(input_ids=ids)
