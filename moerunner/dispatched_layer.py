@@ -18,10 +18,13 @@ from .device_checks import capturing
 from .dispatch.all_to_all import DTYPE_CODES
 from .dispatch.base import DispatchSetup
 from .dispatch.expert_map import ExpertPlacement
+from .dispatch.masked import OVERFLOW_POLICIES
 from .errors import MoeInputError
+from .ops import registry_note
 from .profiling import trace_range
 from .routing import TopK
-from .weights import is_quantized
+from .runner import MoeRunner
+from .weights import PLAIN_DTYPES, is_quantized
 
 if TYPE_CHECKING:  # annotations only
     from .config import MoeConfig
@@ -48,6 +51,35 @@ def _layout_digest(config) -> int:
 class DispatchedForward:
     """The dispatcher of a ``MoE`` layer and its expert-parallel forward (see the module)."""
 
+    def _check_arguments(self, dtype, on_overflow, backend, registry, backend_forms) -> None:
+        """The constructors' own checks; makes the runner."""
+        if dtype is not None and dtype not in PLAIN_DTYPES:
+            raise TypeError(
+                f"dtype must be one of the experts' float dtypes (bf16, fp16, fp32) or None, "
+                f"got {dtype}; quantize with quantize_() after building the layer"
+            )
+        if on_overflow not in OVERFLOW_POLICIES:
+            raise MoeInputError(
+                f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
+            )
+        self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
+        self._op_registry = registry_note(self.runner.registry, backend)
+
+    def _checked_locally(self, placement, group, checks) -> BaseException | None:
+        """Run a constructor's own ``checks``. With one process their failure raises; with
+        a group it is returned, for ``_setup_dispatch`` to carry to every rank (a rank
+        raising alone left the others waiting in the consistency exchange). A runner is
+        made in any case, since the dispatch setup reads its registry."""
+        try:
+            checks()
+        except Exception as err:  # noqa: BLE001  (every rank learns of it in the exchange)
+            if placement is None and group is None:
+                raise
+            self.runner = MoeRunner("torch")
+            self._op_registry = None
+            return err
+        return None
+
     def _setup_dispatch(
         self,
         dispatcher: str,
@@ -59,8 +91,11 @@ class DispatchedForward:
         config: MoeConfig | None,
         num_local: int | None = None,
         combine_dtype: torch.dtype | None = None,
+        error: BaseException | None = None,
     ) -> int:
-        """Build the dispatcher; return how many experts this rank holds."""
+        """Build the dispatcher; return how many experts this rank holds. ``error``: the
+        constructor's own checks failed on this rank (``_checked_locally``): every rank
+        raises ``RankFailedError`` in the consistency exchange."""
         if not isinstance(dispatcher, str):
             raise TypeError(f"dispatcher must be a str, got {type(dispatcher).__name__}")
         if placement is not None and not isinstance(placement, ExpertPlacement):
@@ -75,9 +110,10 @@ class DispatchedForward:
             if group is None:  # dispatchers read None as "no group": name the default one
                 group = dist.group.WORLD
             rank, _ = rank_and_size(group)
-        error = None
         registry = self.runner.registry
         try:
+            if error is not None:
+                raise error
             num_local = self._check_placement(placement, rank, num_experts, num_local)
             if combine_dtype is not None and (
                 not isinstance(combine_dtype, torch.dtype) or combine_dtype not in DTYPE_CODES
@@ -107,6 +143,14 @@ class DispatchedForward:
                     "intermediate_size": config.intermediate_size if config else -1,
                     "placement": -1 if placement is None else placement.fingerprint(),
                     "combine_dtype": DTYPE_CODES.get(combine_dtype, -1) if error is None else -1,
+                    # (the dispatcher's own checks of these run after this exchange: equal on
+                    # every rank, they fail on every rank alike instead of one rank alone)
+                    "capacity": -1 if not isinstance(capacity, int) else int(capacity),
+                    "on_overflow": (
+                        OVERFLOW_POLICIES.index(on_overflow)
+                        if on_overflow in OVERFLOW_POLICIES
+                        else -1
+                    ),
                     "layout (activation, bias, gate/up order, top_k, routing)": (
                         _layout_digest(config) if config else -1
                     ),
@@ -213,10 +257,14 @@ class DispatchedForward:
             error, prepared = err, None
             x, topk = self._stand_in()
         what = f"expert-parallel MoE forward ({self.dispatcher_kind})"
-        # standard: every rank passes the same tokens and the partial outputs are summed, so
-        # T must agree before that sum (else gloo aborts or a rank waits forever); both
-        # agreements below carry it, so every rank exchanges the same values.
-        same = ("the token count T", x.shape[0]) if self._standard_dispatch else None
+        # standard: every rank passes the same tokens and routing, and the partial outputs
+        # are summed, so T must agree before that sum (else gloo aborts or a rank waits
+        # forever), and so must top_k (a rank routing with another k summed its own
+        # experts' share of other routing, finite and wrong); both agreements below carry
+        # them, so every rank exchanges the same values.
+        same = None
+        if self._standard_dispatch:
+            same = {"the token count T": x.shape[0], "top_k": topk.ids.shape[1]}
         with stage("dispatch"), trace_range("moerunner.dispatch"):
             try:
                 if error is not None and getattr(self.dispatcher, "takes_failure", False):

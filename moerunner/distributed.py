@@ -190,21 +190,24 @@ def raise_failed(
 
 
 def agree(
-    group, what: str, error: BaseException | None = None, same: tuple[str, int] | None = None
+    group, what: str, error: BaseException | None = None, same: Mapping[str, int] | None = None
 ) -> None:
     """Collective: every rank calls it at the same point, with its local failure or None; if
     any rank passed one, every rank raises ``RankFailedError`` naming the failing ranks.
-    ``same``: ``(name, value)``, a value every rank must pass alike (else every rank raises
-    ``MoeInputError`` listing each rank's), carried by the same exchange.
+    ``same``: named values every rank must pass alike (else every rank raises
+    ``MoeInputError`` listing each rank's), carried by the same exchange; every rank passes
+    the same names.
 
     One small all_gather and one host read (a synchronisation on a GPU).
     """
-    values = [int(error is not None)] + ([int(same[1])] if same is not None else [])
+    same = dict(same or {})
+    values = [int(error is not None)] + [int(v) for v in same.values()]
     table = all_gather_ints(torch.tensor(values).to(collective_device(group)), group).cpu()
     raise_failed(table[:, 0], group, what, error)
-    if same is not None and not bool((table[:, 1] == table[0, 1]).all()):
-        each = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 1]))
-        raise MoeInputError(f"{what}: {same[0]} differs across ranks ({each})")
+    for column, name in enumerate(same, start=1):
+        if not bool((table[:, column] == table[0, column]).all()):
+            each = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, column]))
+            raise MoeInputError(f"{what}: {name} differs across ranks ({each})")
 
 
 @contextmanager

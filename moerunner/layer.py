@@ -49,17 +49,15 @@ from .api import check_routing_shapes, run_experts, validate_call
 from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement, append_shared_slots
-from .dispatch.masked import OVERFLOW_POLICIES
 from .dispatched_layer import DispatchedForward
 from .errors import MoeInputError
 from .held_quantized import HoldsQuantized
 from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
-from .ops import adopt_quantized, call_fused_experts, op_tensor, registry_note
+from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .registry import Registry
 from .routing import TopK, check_router_width, select_experts
 from .runner import (
-    MoeRunner,
     forget_prepared,
     form_bytes,
     prepare_forms,
@@ -67,7 +65,7 @@ from .runner import (
     tensor_state,
 )
 from .shared import SharedExperts, shared_dense
-from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized
+from .weights import ExpertWeights, gate_up_first, is_quantized
 
 __all__ = ["MoE"]
 
@@ -123,19 +121,13 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         super().__init__()
         if not isinstance(config, MoeConfig):
             raise TypeError(f"config must be a MoeConfig, got {type(config).__name__}")
-        if dtype is not None and dtype not in PLAIN_DTYPES:
-            raise TypeError(
-                f"dtype must be one of the experts' float dtypes (bf16, fp16, fp32) or None, "
-                f"got {dtype}; quantize with quantize_() after building the layer"
-            )
-        if on_overflow not in OVERFLOW_POLICIES:
-            raise MoeInputError(
-                f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
-            )
         self.config = config
         self.backend = backend
-        self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
-        self._op_registry = registry_note(self.runner.registry, backend)
+        error = self._checked_locally(
+            placement,
+            group,
+            lambda: self._check_arguments(dtype, on_overflow, backend, registry, backend_forms),
+        )
         num_local = self._setup_dispatch(
             dispatcher,
             placement,
@@ -145,6 +137,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             config.num_experts,
             config,
             combine_dtype=combine_dtype,
+            error=error,
         )
         kw = {"dtype": dtype, "device": device}
         e, h, i = num_local, config.hidden_size, config.intermediate_size
@@ -266,35 +259,41 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         combine_dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)
-        if not isinstance(weights, ExpertWeights):
-            raise TypeError(f"weights must be ExpertWeights, got {type(weights).__name__}")
-        act = Activation.of(activation)
-        weights.validate(act)
-        if num_experts is None:
-            num_experts = placement.num_experts if placement is not None else weights.num_experts
-        config = MoeConfig(
-            num_experts=num_experts,
-            hidden_size=weights.hidden_size,
-            intermediate_size=weights.intermediate_size(act),
-            top_k=1,  # unused: a layer built from weights does not route
-            activation=act,
-            bias=weights.w13_bias is not None or weights.w2_bias is not None,
-            gate_up_interleaved=weights.gate_up_interleaved,
-        )
-        self.config = config
         self.backend = backend
-        self.runner = MoeRunner(backend, registry=registry, backend_forms=backend_forms)
-        self._op_registry = registry_note(self.runner.registry, backend)
+        self.config = None
+
+        def checks() -> None:
+            if not isinstance(weights, ExpertWeights):
+                raise TypeError(f"weights must be ExpertWeights, got {type(weights).__name__}")
+            act = Activation.of(activation)
+            weights.validate(act)
+            total = num_experts
+            if total is None:
+                total = placement.num_experts if placement is not None else weights.num_experts
+            self.config = MoeConfig(
+                num_experts=total,
+                hidden_size=weights.hidden_size,
+                intermediate_size=weights.intermediate_size(act),
+                top_k=1,  # unused: a layer built from weights does not route
+                activation=act,
+                bias=weights.w13_bias is not None or weights.w2_bias is not None,
+                gate_up_interleaved=weights.gate_up_interleaved,
+            )
+            self._check_arguments(None, on_overflow, backend, registry, backend_forms)
+
+        error = self._checked_locally(placement, group, checks)
+        config = self.config
         self._setup_dispatch(
             dispatcher,
             placement,
             group,
             capacity,
             on_overflow,
-            num_experts,
+            -1 if config is None else config.num_experts,
             config,
-            num_local=weights.num_experts,
+            num_local=None if error is not None else weights.num_experts,
             combine_dtype=combine_dtype,
+            error=error,
         )
         self.correction_bias = None
         self.routes = False

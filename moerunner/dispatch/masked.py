@@ -119,31 +119,39 @@ class MaskedDispatcher:
         on_overflow: str = "raise",
         dtype: torch.dtype | None = None,
     ) -> None:
-        if not isinstance(placement, ExpertPlacement):
-            raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
-        for name, value in (("capacity", capacity), ("hidden_size", hidden_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MoeInputError(f"{name} must be a positive int, got {value!r}")
-        if on_overflow not in OVERFLOW_POLICIES:
-            raise MoeInputError(
-                f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
-            )
-        if dtype is not None and dtype not in DTYPE_CODES:
-            raise TypeError(f"dtype must be None or one of {list(DTYPE_CODES)}, got {dtype!r}")
         self.group = group
         self.rank, self.world_size = rank_and_size(group)
-        check_consistent(
-            group,
-            "MaskedDispatcher configuration",
-            {
-                "placement": placement.fingerprint(),
-                "placement.world_size": placement.world_size,
-                "capacity": capacity,
-                "hidden_size": hidden_size,
-                "on_overflow": OVERFLOW_POLICIES.index(on_overflow),
-                "dtype": -1 if dtype is None else DTYPE_CODES[dtype],
-            },
-        )
+        error = None
+        try:  # this rank's own checks: a failure is carried to every rank by the exchange
+            if not isinstance(placement, ExpertPlacement):
+                raise TypeError(
+                    f"placement must be an ExpertPlacement, got {type(placement).__name__}"
+                )
+            for name, value in (("capacity", capacity), ("hidden_size", hidden_size)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise MoeInputError(f"{name} must be a positive int, got {value!r}")
+            if on_overflow not in OVERFLOW_POLICIES:
+                raise MoeInputError(
+                    f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}"
+                )
+            if dtype is not None and dtype not in DTYPE_CODES:
+                raise TypeError(f"dtype must be None or one of {list(DTYPE_CODES)}, got {dtype!r}")
+        except Exception as err:  # noqa: BLE001
+            error = err
+        names = ("placement", "placement.world_size", "capacity", "hidden_size", "on_overflow")
+        values = dict.fromkeys(names + ("dtype",), 0)  # (every rank sends as many values)
+        if error is None:
+            values.update(
+                {
+                    "placement": placement.fingerprint(),
+                    "placement.world_size": placement.world_size,
+                    "capacity": capacity,
+                    "hidden_size": hidden_size,
+                    "on_overflow": OVERFLOW_POLICIES.index(on_overflow),
+                    "dtype": -1 if dtype is None else DTYPE_CODES[dtype],
+                }
+            )
+        check_consistent(group, "MaskedDispatcher configuration", values, error=error)
         if placement.world_size != self.world_size:
             raise MoeInputError(
                 f"placement is for world_size={placement.world_size} but the process group has "

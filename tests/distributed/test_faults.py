@@ -123,6 +123,13 @@ def scenarios(rank: int, world: int) -> dict:
                 mine = rows if rank == 1 else T
                 part = TopK(topk.weights[:mine], topk.ids[:mine])
                 results[f"standard/T{rows}"] = _outcome(lambda m=moe, x=x[:mine], t=part: m(x, t))
+            # ... and the same routing: rank 1 routes with k + 1 (was a finite wrong sum)
+            wider = TopK(
+                torch.cat([topk.weights, topk.weights[:, :1]], 1),
+                torch.cat([topk.ids, (topk.ids[:, :1] + 1) % E], 1),
+            )
+            mine = wider if rank == 1 else topk
+            results["standard/top_k"] = _outcome(lambda m=moe, x=x, t=mine: m(x, t))
         # The group is still aligned: a correct step on every rank.
         results[f"{kind}/after"] = _outcome(lambda m=moe, x=x, t=topk: m(x, t))
         results[f"{kind}/input"] = (x, topk)
@@ -181,6 +188,29 @@ def scenarios(rank: int, world: int) -> dict:
         )
 
     results["construct/placement"] = _outcome(build)
+
+    # Construction: an argument the layer (or the masked dispatcher) checks itself, invalid
+    # on rank 1 alone. Rank 1 raised at once and the others waited in the consistency
+    # exchange until the process group timed out.
+    from moerunner import MoE, MoeConfig
+
+    cfg = MoeConfig(E, H, I, K)
+    bad = rank == 1
+    for name, kwargs in (
+        ("dtype", {"dispatcher": "all_to_all", "dtype": torch.float64 if bad else None}),
+        ("backend", {"dispatcher": "all_to_all", "backend": "nope" if bad else "torch"}),
+        (
+            "on_overflow",
+            {"dispatcher": "masked", "capacity": 32, "on_overflow": "drop" if bad else "raise"},
+        ),
+        ("capacity", {"dispatcher": "masked", "capacity": 0 if bad else 32}),
+    ):
+        results[f"construct/{name}"] = _outcome(
+            lambda kw=kwargs: MoE(cfg, placement=placement, **kw)
+        )
+    results["construct/direct_masked"] = _outcome(
+        lambda: MaskedDispatcher(placement, 0 if bad else 32, H)
+    )
 
     # distributed.failing_together: a block that raises on rank 1 only.
     from moerunner.distributed import failing_together
@@ -402,6 +432,37 @@ def test_direct_flag_dispatcher_first_call_fails_everywhere(world):
 def test_construction_local_check(world):
     _, results = world
     _assert_named_failure(results, "construct/placement", ("routed experts but the layer",))
+
+
+@pytest.mark.parametrize(
+    "key, words",
+    [
+        ("construct/dtype", ("rank 1: TypeError: dtype must be one of",)),
+        ("construct/backend", ("rank 1: BackendUnavailableError", "'nope'")),
+        ("construct/on_overflow", ("rank 1: MoeInputError: on_overflow must be one of",)),
+        ("construct/direct_masked", ("rank 1: MoeInputError: capacity must be a positive int",)),
+    ],
+)
+def test_construction_argument_invalid_on_one_rank_is_no_hang(world, key, words):
+    _, results = world
+    _assert_named_failure(results, key, words)
+
+
+def test_construction_capacity_differing_is_named_everywhere(world):
+    _, results = world
+    for rank, r in enumerate(results):
+        error = r["construct/capacity"]["error"]
+        assert error is not None and error[0] == "MoeInputError", (rank, error)
+        assert "ranks disagree on capacity" in error[1], (rank, error)
+
+
+def test_standard_dispatch_with_another_top_k_on_one_rank(world):
+    # Was: no error; every rank returned the same finite, wrong sum (0.63 relative error).
+    _, results = world
+    for rank, r in enumerate(results):
+        error = r["standard/top_k"]["error"]
+        assert error is not None and error[0] == "MoeInputError", (rank, error)
+        assert "top_k differs across ranks" in error[1] and f"rank 1: {K + 1}" in error[1]
 
 
 def test_failing_together_helper(world):
