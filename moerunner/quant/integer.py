@@ -74,7 +74,9 @@ def quantize_int4(
     else:
         scale = absmax_scale(groups.abs().amax(dim=-1), 7.0)
         zero = torch.full(scale.shape, INT4_SYMMETRIC_ZERO, dtype=torch.uint8, device=x.device)
-    q = encode_int4(groups / scale.unsqueeze(-1) + zero.unsqueeze(-1).float())
+    # round(x / s) + z, not round(x / s + z): the sum rounded in float32 first (a second
+    # rounding) broke the s/2 bound, and ties broke by the parity of x / s + z
+    q = encode_int4(torch.round(groups / scale.unsqueeze(-1)) + zero.unsqueeze(-1).float())
     data = pack_nibbles(q.reshape(x.shape))
     return data, scale, (zero if zero_point else None)
 
@@ -102,7 +104,7 @@ def quantize_int8_groups(
         hi = groups.amax(dim=-1).clamp(min=0.0)
         scale = absmax_scale(hi - lo, 255.0)
         zero = encode_int8(torch.round(-lo / scale) - 128.0)
-        q = encode_int8(groups / scale.unsqueeze(-1) + zero.unsqueeze(-1).float())
+        q = encode_int8(torch.round(groups / scale.unsqueeze(-1)) + zero.unsqueeze(-1).float())
         return q.reshape(x.shape), scale, zero
     scale = absmax_scale(groups.abs().amax(dim=-1), 127.0)
     return encode_int8(groups / scale.unsqueeze(-1)).reshape(x.shape), scale, None

@@ -450,6 +450,15 @@ def quantize(
     # A quantized weight has no backward: no autograd graph (it would hold float temporaries
     # of the whole weight, and the parameter, for as long as the result lives).
     weight = weight.detach()
+    if weight.dtype == torch.float64 and weight.numel():
+        # Quantized in float32: a finite float64 value beyond its range became inf there
+        # (the MX schemes then stored the NaN scale of a non-finite block). One host read.
+        big = float(weight.abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax())
+        if big > torch.finfo(torch.float32).max:
+            raise ValueError(
+                f"weight holds finite float64 values beyond float32's range (largest |w| "
+                f"{big:.3g}); the schemes quantize in float32: rescale the weight first"
+            )
     if isinstance(input_scale, torch.Tensor):
         input_scale = input_scale.detach()
     if input_scale is not None:
@@ -458,7 +467,13 @@ def quantize(
                 f"input_scale: scheme {s.name!r} does not quantize activations with a static "
                 "scale; accepted only for activation formats fp8_token, int8_token, nvfp4"
             )
-        input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=weight.device)
+        why = f"input_scale must be a float or floats (one per expert), got {input_scale!r:.60}"
+        if isinstance(input_scale, (str, bytes, bool)):
+            raise TypeError(why)
+        try:
+            input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=weight.device)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(why) from err
         if input_scale.numel() not in (1, shape[0]):
             raise ValueError(
                 f"input_scale must be a scalar or one value per expert (E={shape[0]}), got "

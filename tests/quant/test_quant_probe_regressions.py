@@ -168,3 +168,75 @@ def test_fp8_block_segments_off_the_block_grid_pad_to_their_exact_values():
     d = dequantize(q)
     want[:, :64], want[:, 128:192] = d[:, :64], d[:, 64:]
     assert torch.equal(dequantize(padded), want)
+
+
+# -- a second probe (2026-12-06): integer rounding, tiny scales, float64 range --------------
+
+
+def _int_codes64(x: torch.Tensor, scale: float, zero: int, lo: int, hi: int) -> torch.Tensor:
+    """The documented codes: round_half_even(x / s) + z, clamped, in float64."""
+    return (torch.round(x.double() / scale) + zero).clamp(lo, hi)
+
+
+def test_zero_point_codes_round_before_adding_the_zero_point():
+    """The codes were round(x / s + z): ties broke by the parity of the sum (-62 for the
+    documented -63 below), and a layer with int4 zero points was 1.2e-2 off the reference
+    built on the documented rule."""
+    from moerunner.quant import dequantize
+
+    x = torch.tensor([[[-15.75, 48.0, 0.625, 0.0]]])  # s = 0.25, z = -65, 0.625 / s = 2.5
+    q = quantize(x, "int8_g4_zp")
+    want = _int_codes64(x, float(q.scale), int(q.zero_point), -128, 127)
+    assert q.data.double().tolist() == want.tolist() == [[[-128.0, 127.0, -63.0, -65.0]]]
+    x4 = torch.tensor([[[-1.0, 14.0, 2.5, 0.0]]])  # s = 1, z = 1: 2.5 -> round(2.5) + 1 = 3
+    q4 = quantize(x4, "int4_g4_zp")
+    assert dequantize(q4).tolist() == [[[-1.0, 14.0, 2.0, 0.0]]]
+
+
+def test_symmetric_int4_keeps_the_half_step_bound():
+    """round(x / s + 8) rounded the sum in float32 first: 1.4999999 with s = 1 became code
+    10 (value 2.0, an error of 0.5000001 s) instead of 9."""
+    from moerunner.quant import dequantize
+
+    w = torch.zeros(1, 1, 32)
+    w[0, 0, 0], w[0, 0, 1] = 7.0, 1.4999999
+    q = quantize(w, "int4_g32")
+    assert float(dequantize(q)[0, 0, 1]) == 1.0
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 64, 128, generator=g).bfloat16().float()  # bf16 values hit the ties
+    for scheme in ("int4_g32", "int4_g32_zp", "int8_g32_zp"):
+        q = quantize(w, scheme)
+        s = q.scale.double().repeat_interleave(32, dim=-1)
+        err = (dequantize(q).double() - w.double()).abs()
+        # (+ float32 rounding of the dequantized product, up to 2^-24 of |w| and a half step)
+        assert bool((err <= s / 2 * (1 + 2**-20) + 2**-23 * w.double().abs()).all()), scheme
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor", "fp8_block", "int8", "int4_g32", "int8_g32_zp"])
+def test_tiny_weights_keep_their_bounds(scheme):
+    """A scale amax / qmax among float32's subnormals rounded down: the block's maximum
+    clipped (8e-43 came back as 6.3e-43 on fp8, 21 % off, against a 2^-4 bound)."""
+    from moerunner.quant import dequantize
+
+    w = torch.full((1, 128, 128), 8e-43)
+    q = quantize(w, scheme)
+    scale = float(q.scale.max())
+    assert scale >= torch.finfo(torch.float32).tiny
+    err = float((dequantize(q).double() - w.double()).abs().max())
+    bound = 2**-10 * scale if scheme.startswith("fp8") else scale / 2
+    assert err <= max(bound, 2**-4 * 8e-43)
+
+
+def test_float64_weights_beyond_float32_range_are_refused():
+    """mxfp4 stored the NaN scale for a finite float64 value of 1e39 (inf in float32), so
+    the block dequantized to NaN; the other schemes' error named the scale."""
+    w = torch.zeros(1, 1, 1024, dtype=torch.float64)
+    w[0, 0, 0] = 1e39
+    for scheme in ("mxfp4", "int8", "fp8_block"):
+        with pytest.raises(ValueError, match="weight holds finite float64 values beyond"):
+            quantize(w, scheme)
+
+
+def test_input_scale_of_another_type_is_named():
+    with pytest.raises(TypeError, match="input_scale must be a float"):
+        quantize(torch.randn(2, 8, 16), "int8_static", input_scale="1")
