@@ -202,11 +202,9 @@ def absmax_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
     Where that is 0 (an all-zero block, or an amax so small the quotient underflows) the scale
     is 1.0 instead, so quantizing divides by a finite non-zero number and the block stores 0.
-    A quotient below float32's smallest normal (2^-126) is raised to it: a subnormal scale
-    rounds to fewer bits, often below ``amax / qmax``, and the block's maximum then clipped.
+    A quotient among float32's subnormals (blocks with amax below about 2^-126 * qmax) holds
+    fewer bits: the documented error bounds do not hold there (docs/quantization.md).
     """
     amax = _check_float("amax", amax)
     scale = amax / qmax
-    tiny = torch.finfo(torch.float32).tiny
-    scale = torch.where((scale > 0) & (scale < tiny), torch.full_like(scale, tiny), scale)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
