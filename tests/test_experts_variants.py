@@ -458,6 +458,31 @@ def test_situ_hooked_sequence(backend):
     assert_close(got, want, DTYPE_BOUND[torch.float32], what=f"hooked situ {backend}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", list(SITU_PARAMS), ids=list(SITU_PARAMS))
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
+def test_situ_triton_kernel_on_cuda(dtype, params):
+    """The tests above hand triton CPU tensors (its interpreter): on the GPU machine they
+    skip, so the compiled kernel is checked here, fused and in the hooked sequence."""
+    from moerunner.hooks import MoeHooks
+
+    kwargs, beta, linear_beta = SITU_PARAMS[params]
+    act = Activation("situ", **kwargs)
+    x, w13, w2, topk = _situ_problem(31, dtype)
+    cuda = [t.cuda() for t in (x, w13, w2, topk.weights, topk.ids)]
+    got = moerunner.fused_moe(*cuda, activation=act, backend="triton")
+    want = _situ_f64(x, w13, w2, topk.weights, topk.ids, beta, linear_beta)
+    assert got.dtype == dtype and got.is_cuda
+    assert_close(got.cpu(), want, DTYPE_BOUND[dtype], what=f"situ triton cuda {params}")
+    doubled = moerunner.fused_moe(
+        *cuda, activation=act, backend="triton", hooks=MoeHooks(gate_up=lambda h, a, r: h * 2)
+    )
+    want = _situ_f64(x, w13 * 2, w2, topk.weights, topk.ids, beta, linear_beta)
+    assert_close(doubled.cpu(), want, DTYPE_BOUND[dtype], what=f"hooked situ cuda {params}")
+
+
 def test_situ_moe_layer_matches_reference():
     x, w13, w2, topk = _situ_problem(34)
     act = Activation("situ", situ_beta=3.0, situ_linear_beta=None)
