@@ -282,15 +282,21 @@ def _eager_experts(backend: str, registry: Registry | None, *args, **kwargs) -> 
     return run_experts(MoeRunner(backend, registry=registry), *args, **kwargs)
 
 
-@torch.compiler.disable
 def _check_op_registry(registry: Registry, backend: str) -> None:
     """A traced call runs through the custom op, which finds ``backend`` in the default
-    registry only: refused, by name, where ``registry`` serves it otherwise."""
+    registry only: refused, by name, where ``registry`` serves it otherwise. The lookups are
+    traced (a registry that passes keeps a fullgraph trace whole); the refusal is raised
+    outside the graph, so it reaches the caller as it is."""
     from .ops import registry_note
 
     note = registry_note(registry, backend, "the registry given to fused_moe")
     if note is not None:
-        raise MoeInputError(note)
+        _refuse(note)
+
+
+@torch.compiler.disable
+def _refuse(note: str) -> None:
+    raise MoeInputError(note)
 
 
 # What the custom op does not take runs eagerly: a graph break (an error under fullgraph).

@@ -295,6 +295,10 @@ def test_fused_moe_takes_a_registry():
         lambda x: moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, registry=same)
     )
     _close(traced_same(x), want)
+    whole = torch.compile(backend="eager", fullgraph=True)(  # no graph break for the check
+        lambda x: moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, registry=same)
+    )
+    _close(whole(x), want)
 
     # Gradients: a registry whose 'torch' is another object is refused, not bypassed.
     from moerunner.backends.torch_native import TorchBackend
