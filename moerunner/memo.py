@@ -116,12 +116,14 @@ def weights_changed(*tensors: object) -> None:
     of it): expert weights, biases, a ``QuantizedWeight`` (all of its tensors), or the data,
     scale and zero-point tensors given to ``moerunner.compat``. A ``MoE`` layer's own
     parameters: ``MoE.weights_changed()``."""
+    from .quant.weight import TENSOR_FIELDS
+    from .weights import is_quantized
+
     for given in tensors:
         if isinstance(given, torch.Tensor):
             parts = [given]
-        elif hasattr(given, "scheme") and isinstance(getattr(given, "data", None), torch.Tensor):
-            named = ("data", "scale", "global_scale", "zero_point", "input_scale")
-            parts = [getattr(given, n, None) for n in named]
+        elif is_quantized(given):
+            parts = [getattr(given, n, None) for n in TENSOR_FIELDS]
             parts = [t for t in parts if isinstance(t, torch.Tensor)]
         else:
             raise TypeError(

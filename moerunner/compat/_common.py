@@ -316,15 +316,13 @@ def global_to_local(
             f"{where}: expert_map is on {expert_map.device} but topk_ids on {topk_ids.device}"
         )
     check_ids_async(topk_ids, total, where=where)
+
     # The map's entries are local ids or -1: checked once per map (and in-place version).
-    memoised(
-        expert_map,
-        ("expert_map checked", view_key(expert_map), num_local),
-        lambda: (
-            check_ids_async(expert_map, num_local, where=where, names=("expert_map", "the local E"))
-            or True
-        ),
-    )
+    def check_map() -> bool:
+        check_ids_async(expert_map, num_local, where=where, names=("expert_map", "the local E"))
+        return True  # (memoised: a value, not None)
+
+    memoised(expert_map, ("expert_map checked", view_key(expert_map), num_local), check_map)
     return local_ids(topk_ids, expert_map)
 
 

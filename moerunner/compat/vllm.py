@@ -544,7 +544,7 @@ def _check_hidden(where: str, hidden_states: object, gating_output: object) -> N
             f"{where}: gating_output must be a 2-D floating tensor [T, E], got "
             f"{gating_output.dtype} {list(gating_output.shape)}"
         )
-    if gating_output.dim() == 2 and hidden_states.shape[0] != gating_output.shape[0]:
+    if hidden_states.shape[0] != gating_output.shape[0]:
         raise MoeInputError(
             f"{where}: gating_output has T={gating_output.shape[0]} rows but hidden_states "
             f"has T={hidden_states.shape[0]}"
