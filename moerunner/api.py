@@ -114,8 +114,12 @@ def fused_moe(
         expert(x). ``top_k = 0`` or ``E = 0`` gives zeros, ``H = 0`` an empty ``[T, 0]``.
 
     Gradients: with grad mode on and a tensor argument that requires grad, the call runs the
-    torch backend's differentiable path (``backend="auto"`` or ``"torch"``; plain weights);
-    other backends raise ``MoeInputError`` (use ``torch.no_grad()`` or ``backend="torch"``).
+    torch backend's differentiable path (``backend="auto"`` or ``"torch"``); other backends
+    raise ``MoeInputError`` (use ``torch.no_grad()`` or ``backend="torch"``). Gradients reach
+    the hidden states, routing weights, plain weights, biases, per-expert activation
+    parameters and the tensors hooks read (LoRA factors), through hooks too, so stacked
+    adapted layers train. Quantized weights are frozen: gradients pass through them (their
+    input quantization straight through), their own tensors get none.
 
     torch.compile: traced, the call is the custom op ``moerunner::fused_experts`` (one node
     for any T; fullgraph works); what its schema lacks runs eagerly (docs/transformers.md,
@@ -458,12 +462,8 @@ def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_inpu
         if hooks.needs_grad():  # e.g. LoRA factors being trained: the torch backend's ops
             runner = _hooks_with_grad(runner)
     if _needs_grad(hidden_states, weights, topk.weights, act):
-        if hooks is not None:
-            from .lora import grad_limit_error
-
-            raise grad_limit_error("fused_moe with hooks")
         return _differentiable(
-            runner, runner.requested, problem, hidden_states, weights, topk, spec
+            runner, runner.requested, problem, hidden_states, weights, topk, spec, hooks
         )
     prepared = prepared_for(
         runner, weights, problem, spec, hidden_states.shape[0], topk.ids.shape[1]
@@ -576,8 +576,10 @@ def _differentiable(
     weights: ExpertWeights,
     topk: TopK,
     spec,
+    hooks: MoeHooks | None = None,
 ) -> torch.Tensor:
-    """The torch backend's autograd-friendly path; a clear error where it cannot serve."""
+    """The torch backend's autograd-friendly path (with ``hooks``: the hooked sequence on
+    it); a clear error where it cannot serve."""
     from .backends import torch_native
 
     hint = "wrap the call in torch.no_grad() (or pass detached tensors) for inference"
@@ -585,11 +587,6 @@ def _differentiable(
         raise MoeInputError(
             f"backend {backend!r} has no backward: a tensor argument requires grad and grad "
             f"mode is on; {hint}, or pass backend='torch' to train through the experts"
-        )
-    if is_quantized(weights.w13):
-        raise MoeInputError(
-            f"quantized weights ({weights.scheme}) have no backward: a tensor argument requires "
-            f"grad and grad mode is on; {hint}, or use plain bf16/fp16/fp32 weights"
         )
     served = runner.registry.backends.get(torch_native.NAME)
     if served is not None and type(served) is not torch_native.TorchBackend:
@@ -601,7 +598,7 @@ def _differentiable(
         )
     MoeRunner(torch_native.NAME, registry=runner.registry).select(problem)  # raises if unfit
     weights = gate_up_first(weights)  # differentiable: a concatenation of row slices
-    return torch_native.differentiable_forward(hidden_states, weights, topk, spec)
+    return torch_native.differentiable_forward(hidden_states, weights, topk, spec, hooks)
 
 
 def validate_call(

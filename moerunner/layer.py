@@ -14,9 +14,10 @@ the held runner. With grad mode on and a parameter, the input or the routing wei
 requiring grad, the layer trains: eagerly on the torch backend's differentiable path
 (backend "auto" or "torch", as ``fused_moe``), else through the custom op (the backend's
 forward, a backward recomputed on the torch backend, as ``torch.compile`` runs it);
-quantized experts have no backward and raise there (run them under ``torch.no_grad()`` or
-``torch.inference_mode()``). ``quantize_(scheme)`` swaps the weights for quantized ones
-(done once); the backend then runs that scheme. By default it frees the float ``w13`` /
+quantized experts are frozen and pass gradients on in eager calls on the torch backend,
+and raise elsewhere (run them under ``torch.no_grad()`` or ``torch.inference_mode()``).
+``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend then
+runs that scheme. By default it frees the float ``w13`` /
 ``w2`` (they become None) and holds the quantized tensors as buffers (``w13_qdata``,
 ``w13_scale``, ``w13_zero_point``, ``w13_global_scale``, ``w13_input_scale`` where the
 scheme has them, the same for ``w2``, and ``w13_scheme`` / ``w2_scheme``: the scheme's
@@ -311,7 +312,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         has the row order of every other layer's."""
         weights = gate_up_first(weights)
         quantized = is_quantized(weights.w13)
-        # (quantized experts have no backward: their biases do not train)
+        # (quantized experts are frozen, their biases too: grad-mode calls run the fast path)
         self.w13_bias, self.w2_bias = (
             _parameter(b, not quantized) for b in (weights.w13_bias, weights.w2_bias)
         )
@@ -348,10 +349,11 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         static schemes (``fp8_tensor_static``, ``int8_static``, ``nvfp4_a4_static``), accepted
         by schemes whose inputs are quantized (``quantize``'s ``input_scale``).
 
-        Quantized experts have no backward: the parameters the quantized call still reads
-        (the biases, the shared experts') stop requiring grad, so calls in grad mode run
-        without an autograd graph; a call whose input or routing weights require grad
-        raises ``MoeInputError``.
+        Quantized experts are frozen: the parameters the quantized call still reads (the
+        biases, the shared experts') stop requiring grad, so calls in grad mode run without
+        an autograd graph; a call whose input or routing weights require grad passes the
+        gradients on (eagerly, on the torch backend: ``fused_moe``'s Gradients) and raises
+        ``MoeInputError`` elsewhere.
         """
         from .quant import get_scheme, quantize
 
@@ -401,7 +403,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
     # -- quantized weights as buffers (state_dict) -----------------------------------------
 
     def _detached_biases(self) -> tuple:
-        """The bias parameters as views without grad (the quantized path has no backward)."""
+        """The bias parameters as views without grad (quantized experts are frozen)."""
         return tuple(None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
 
     _held_owner = "layer"
@@ -640,12 +642,14 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         compiling = torch.compiler.is_compiling()
         train = self._trains(x, topk.weights)
         held = self.quantized
-        if train and held is not None and is_quantized(held.w13):
+        quantized = held is not None and is_quantized(held.w13)
+        if train and quantized and (compiling or self.backend not in ("auto", "torch")):
             raise MoeInputError(
-                f"this layer's experts are quantized ({self.quantized.scheme}) and have no "
-                "backward, but grad mode is on and the input, the routing weights or a "
-                "parameter the call reads requires grad: run it under torch.no_grad() or "
-                "torch.inference_mode(), or train a float layer"
+                f"this layer's experts are quantized ({self.quantized.scheme}) and pass "
+                "gradients (frozen) only in eager calls on the torch backend, but grad mode "
+                "is on and the input, the routing weights or a parameter the call reads "
+                "requires grad: call it eagerly with backend='torch' or 'auto', or run it "
+                "under torch.no_grad() or torch.inference_mode()"
             )
         if train and not compiling and act.extended and self.backend not in ("auto", "torch"):
             raise MoeInputError(

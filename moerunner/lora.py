@@ -23,12 +23,14 @@ Shapes (L adapters, E experts, r rank, N13 = w13's rows):
   on every call (in-place edits take effect); its values are checked where it lies on the
   CPU, and never read on a GPU (no host read there: a non-finite scale gives non-finite rows).
 
-Gradients: the hooks' PyTorch form carries gradients to the factors (and a ``scaling``
-tensor) only. The hidden states, expert weights and routing weights of a call with hooks must
-not require grad while grad mode is on (the call raises; the transformers integration with
-``grad_limit_error``, which says what runs): one adapted MoE layer trains its factors with the
-model around it frozen; two or more do not (a later layer's hidden states depend on an
-earlier layer's factors). Inference in grad mode raises too: run it under ``torch.no_grad()``.
+Gradients: the hooks' PyTorch form is differentiable in the factors (and a ``scaling``
+tensor) and in its input rows. In grad mode a call whose factors, hidden states, expert
+weights or routing weights require grad runs on the torch backend's differentiable path
+(``fused_moe``'s Gradients), so gradients reach every one of them: adapted MoE layers train
+stacked (a later layer's hidden states depend on an earlier layer's factors), beside a
+trained router or experts, and over frozen quantized experts (QLoRA: the weights stay
+quantized, ``moerunner.backends.torch_native._FrozenExpertGemm``). Backends that apply the
+hooks in their own kernels (triton) have no backward and refuse such a call by name.
 
 Rows whose expert is past ``E`` (the shared experts of ``moerunner.shared``) get no delta.
 
@@ -57,7 +59,7 @@ from .device_checks import check_ids_async
 from .errors import MoeInputError
 from .hooks import HookRows, MoeHooks, in_graph_of
 
-__all__ = ["LoraDelta", "MoeLoraWeights", "grad_limit_error", "lora_hooks"]
+__all__ = ["LoraDelta", "MoeLoraWeights", "lora_hooks"]
 
 # Gathered factor elements per chunk of rows (off the CPU): ~16 MiB of float32.
 _GATHER_ELEMENTS = 1 << 22
@@ -292,25 +294,6 @@ def _check_adapter_ids(
 def _in_range(ids: torch.Tensor, num_adapters: int) -> torch.Tensor:
     """``ids`` with those outside ``[-1, L)`` set to -1 (no adapter), on the device."""
     return torch.where((ids >= 0) & (ids < num_adapters), ids, -1)
-
-
-def grad_limit_error(where: str) -> MoeInputError:
-    """The error of a call with LoRA hooks, in grad mode, whose hidden states, expert weights
-    or routing weights require grad: the hooks carry gradients to the LoRA factors (and a
-    scaling tensor) only, so nothing else of such a call may take part in autograd. Says
-    what runs instead, and never to detach a tensor (that would cut its gradients silently)."""
-    return MoeInputError(
-        f"{where}: the LoRA hooks have no backward through the hidden states, expert weights "
-        "or routing weights, and one of them requires grad while grad mode is on. For "
-        "inference, run under torch.no_grad() (or torch.inference_mode()). For training, "
-        "gradients reach the LoRA factors (and a scaling tensor) only, and only in calls "
-        "where none of those three requires grad: every parameter the layer's input, router "
-        "and experts depend on frozen (model.requires_grad_(False), then requires_grad_() on "
-        "the factors). That holds for one adapted MoE layer; training the factors of two or "
-        "more (a later layer's hidden states depend on an earlier layer's factors), or "
-        "adapters together with the experts, the router or any parameter before the layer, "
-        "is not supported."
-    )
 
 
 _GEMMS = ("w13", "w2")  # LoraDelta.gemm: the gate/up GEMM, the down GEMM

@@ -403,7 +403,8 @@ def _fused_experts_transposed_fake(
 # kernels, and the backward recomputes the experts on the torch backend's differentiable
 # path (``fused_moe`` with grad mode on) and differentiates that, inside one more opaque op
 # (its Python is not traced: the path reads expert offsets on the host). The quantized op
-# has none: quantized weights are not trained through (``fused_moe`` says so in eager mode).
+# has none: frozen quantized experts pass gradients on in eager calls only (``fused_moe``'s
+# differentiable path); a traced caller in grad mode runs those calls eagerly or raises.
 
 #: Argument positions of the ops that can take a gradient: hidden states, w13, w2, topk
 #: weights, w13 bias, w2 bias.

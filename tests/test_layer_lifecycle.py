@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from cases import interpreted_triton
 
 import moerunner
 from moerunner import MoE, MoeConfig, MoeInputError, SharedExpertsConfig, TopK
@@ -244,15 +245,34 @@ def test_a_layer_from_weights_trains_the_weights_it_was_given():
     assert_close(w2.grad, ref2.grad, 1e-5, what="w2")
 
 
-def test_quantized_layers_run_in_grad_mode_and_refuse_gradients():
+def test_quantized_layers_run_in_grad_mode_and_pass_gradients_on():
+    """A quantized layer whose input requires grad (a layer of a model trained around frozen
+    quantized experts) raised "no backward"; the gradient now reaches the input and the
+    router's logits, as autograd of the float64 reference on the dequantized weights gives
+    (int8_w8a16 is weight-only: fp32 bound). Compiled, or on a backend without a backward,
+    it still raises by name."""
     layer = MoE(_config(bias=True), backend="torch").quantize_("int8_w8a16")
     assert not layer.w13_bias.requires_grad  # quantize_ froze what the call still reads
     x, logits = _inputs(11)
     out = layer(x, logits)  # grad mode on, nothing requires grad: runs without a graph
     assert not out.requires_grad
     assert_close(out, _reference(layer, x, logits), BOUND)
-    with pytest.raises(MoeInputError, match="no backward"):
-        layer(x.requires_grad_(True), logits)
+    got = [t.clone().requires_grad_() for t in (x, logits)]
+    want = [t.double().requires_grad_() for t in (x, logits)]
+    proj = torch.linspace(-1, 1, H, dtype=torch.float64)
+    (layer(*got).double() * proj).sum().backward()
+    q = layer.quantized
+    topk = moerunner.select_experts(want[1], K, renormalize=True)
+    weights = moerunner.ExpertWeights(q.w13, q.w2, _d(layer.w13_bias), _d(layer.w2_bias))
+    ref = moerunner.reference_moe(want[0], weights, topk.weights, topk.ids)
+    (ref * proj).sum().backward()
+    for name, g, w in zip(("x", "router logits"), got, want, strict=True):
+        assert_close(g.grad, w.grad, BOUND, what=name)
+    triton = MoE(_config(bias=True), backend="triton" if interpreted_triton() else "torch")
+    if triton.backend == "triton":
+        triton.quantize_("int8_w8a16")
+        with pytest.raises(MoeInputError, match="only in eager calls on the torch backend"):
+            triton(x.requires_grad_(True), logits)
 
 
 # -- GPU: the triton forward trains too ------------------------------------------------------

@@ -20,6 +20,8 @@ from moerunner.backends.triton import TritonBackend, TritonOptions
 from moerunner.config import Activation
 from moerunner.hooks import HookRows, MoeHooks
 from moerunner.lora import LoraDelta, MoeLoraWeights, _gathered, lora_delta, lora_hooks
+from moerunner.quant import fake_quantize_activation
+from moerunner.routing import TopK
 from moerunner.testing import DTYPE_BOUND, assert_close
 from moerunner.weights import ExpertWeights
 
@@ -752,65 +754,185 @@ def test_lora_delta_built_directly_checks_its_gemm_and_adapter_ids():
     assert_close(out, ref, DTYPE_BOUND[torch.float32])
 
 
-@pytest.fixture
-def hf_lora(tmp_path):
-    """A tiny transformers model of ``layers`` decoder layers on moerunner with one PEFT
-    adapter attached and selected, its base parameters frozen, the factors trainable."""
-    pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
-
-    from moerunner.integrations.tiny_models import tiny_config, tiny_peft_adapter
-    from moerunner.integrations.transformers import set_adapter_ids, use_moerunner
-    from moerunner.lora_checkpoints import load_peft_adapter_set
-
-    def make(layers: int):
-        config = tiny_config("qwen3_moe", num_hidden_layers=layers)
-        model = AutoModelForCausalLM.from_config(config)
-        folder = tiny_peft_adapter(model, str(tmp_path / f"adapter-{layers}"), seed=1)
-        lora = load_peft_adapter_set([folder], model.config)
-        use_moerunner(model, backend="torch", lora=lora)
-        set_adapter_ids(model, torch.tensor([0]))
-        return model, lora
-
-    return make
+def _leaves(*tensors, device="cpu"):
+    """Trainable fp32 copies (on ``device``) and their float64 twins (on the CPU)."""
+    got = [None if t is None else t.detach().to(device).clone().requires_grad_() for t in tensors]
+    want = [None if t is None else t.detach().double().requires_grad_() for t in tensors]
+    return got, want
 
 
-def test_lora_in_grad_mode_says_what_runs_without_suggesting_detaching(hf_lora):
-    """A grad-mode forward of a model with adapters (an eval loss, or training two adapted
-    MoE layers) raised "hooks have no backward ... (or pass detached tensors)": detaching
-    would cut the gradients silently. The message now names the layer and what runs
-    (no_grad for inference; one adapted MoE layer in a frozen model for training), and that
-    is what runs."""
-    ids = torch.tensor([[1, 2, 3]])
-    model, lora = hf_lora(2)
-    with pytest.raises(MoeInputError) as plain:  # base parameters require grad here
-        model(ids)
-    model.requires_grad_(False)
-    for w in (w for layer in lora.layers.values() for w in _factors(layer)):
-        w.requires_grad_()
-    with pytest.raises(MoeInputError) as two_layers:  # layer 1's input depends on layer 0's
-        model(ids)
-    for raised, layer in ((plain, 0), (two_layers, 1)):
-        message = str(raised.value)
-        assert f"experts layer model.layers.{layer}.mlp.experts with LoRA adapters" in message
-        assert "torch.no_grad()" in message and "one adapted MoE layer" in message
-        assert "two or more" in message and "detach" not in message
-    with torch.no_grad():
-        model(ids)
-    one, lora = hf_lora(1)  # what the message says trains: one adapted layer, all else frozen
-    one.requires_grad_(False)
-    factors = _factors(lora.layers[0])
-    for w in factors:
-        w.requires_grad_()
-    one(ids).logits.sum().backward()
-    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in factors)
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient differs per hidden column (a plain sum hides column mix-ups)."""
+    return (out.double() * torch.linspace(-1, 1, out.shape[1], dtype=torch.float64)).sum()
 
 
-def test_fused_moe_with_lora_in_grad_mode_does_not_suggest_detaching():
-    x, weights, lora, topk, adapters, act = _case()
-    with pytest.raises(MoeInputError, match="torch.no_grad") as raised:
+def _assert_grads(got, want, what, bound=DTYPE_BOUND[torch.float32]):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g is not None:
+            assert g.grad is not None, f"{what}: leaf {i} got no gradient"
+            assert_close(g.grad.cpu(), w.grad, bound, what=f"{what}: gradient of leaf {i}")
+
+
+GRAD_CASES = {  # activation, w13 order, biased
+    "silu": ("silu", "gate_up", False),
+    "swiglu_oai interleaved biased": ("swiglu_oai", "interleaved", True),
+    "relu2": ("relu2", "gate_up", False),
+}
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_gradients_reach_every_input_of_a_call_with_lora_hooks(case):
+    """A call with LoRA hooks whose hidden states, routing weights, experts or biases
+    required grad raised: the hooks' path had no backward through the hidden states. It now
+    runs the torch backend's differentiable path with the hooks, and the gradients of the
+    hidden states, routing weights, experts, biases and factors match autograd of the
+    float64 merged-weights reference (fp32 math in another order: rtol 1e-4)."""
+    act_name, order, biased = GRAD_CASES[case]
+    x, weights, lora, topk, adapters, act = _case(seed=5, act=act_name)
+    g = torch.Generator().manual_seed(6)
+    rows = weights.w13.shape[1]
+    b13 = torch.randn(E, rows, generator=g) * 0.1 if biased else None
+    b2 = torch.randn(E, H, generator=g) * 0.1 if biased else None
+    got, want = _leaves(x, topk.weights, weights.w13, weights.w2, b13, b2, *_factors(lora))
+    out = moerunner.fused_moe(
+        got[0], got[2], got[3], got[1], topk.ids, activation=act, w13_bias=got[4],
+        w2_bias=got[5], w13_order=order, backend="auto",
+        hooks=lora_hooks(MoeLoraWeights(*got[6:], lora.scaling), adapters),
+    )  # fmt: skip
+    assert out.dtype == x.dtype and out.requires_grad
+    _loss(out).backward()
+    ref = _reference(
+        want[0], ExpertWeights(want[2], want[3], want[4], want[5], w13_order=order),
+        MoeLoraWeights(*want[6:], lora.scaling.double()),
+        TopK(weights=want[1], ids=topk.ids), adapters, act,
+    )  # fmt: skip
+    assert_close(out, ref.detach(), DTYPE_BOUND[torch.float32])
+    _loss(ref).backward()
+    _assert_grads(got, want, case)
+    with pytest.raises(MoeInputError, match="backend 'triton' applies hooks without autograd"):
         moerunner.fused_moe(
-            x.requires_grad_(), weights.w13, weights.w2, topk.weights, topk.ids,
-            backend="torch", hooks=lora_hooks(lora, adapters),
+            got[0], got[2], got[3], got[1], topk.ids, activation=act, w13_bias=got[4],
+            w2_bias=got[5], w13_order=order, backend="triton",
+            hooks=lora_hooks(MoeLoraWeights(*got[6:], lora.scaling), adapters),
         )  # fmt: skip
-    assert "detach" not in str(raised.value)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stacked_adapted_layers_train_together(device):
+    """Two adapted MoE layers, the second on the first's output (a later layer's hidden
+    states depend on the earlier layer's factors): this raised; the factors of both layers,
+    and the input, now get the gradients of the float64 reference (on the CPU) of the same
+    stack. On CUDA the hooks gather each row's factors (``_gathered``) instead of grouping
+    rows on the host."""
+    x, w_a, lora_a, topk_a, adapters, act = _case(seed=7)
+    _, w_b, lora_b, _, _, _ = _case(seed=8)
+    topk_b = moerunner.select_experts(
+        torch.randn(T, E, generator=torch.Generator().manual_seed(9)), K, renormalize=True
+    )
+    got, want = _leaves(x, *_factors(lora_a), *_factors(lora_b), device=device)
+    layers = ((w_a, lora_a.scaling, topk_a), (w_b, lora_b.scaling, topk_b))
+
+    def stack(leaves, run):
+        h = leaves[0]
+        for i, (w, scaling, topk) in enumerate(layers):
+            h = h + run(h, w, MoeLoraWeights(*leaves[1 + 4 * i : 5 + 4 * i], scaling), topk)
+        return h
+
+    def on_device(h, w, lora, topk):
+        lora = MoeLoraWeights(lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b, lora.scaling.to(device))
+        return moerunner.fused_moe(
+            h, w.w13.to(device), w.w2.to(device), topk.weights.to(device), topk.ids.to(device),
+            hooks=lora_hooks(lora, adapters.to(device)),
+        )  # fmt: skip
+
+    def reference(h, w, lora, topk):
+        lora = MoeLoraWeights(*_factors(lora), lora.scaling.double())
+        return _reference(
+            h, ExpertWeights(w.w13.double(), w.w2.double()), lora, topk, adapters, act
+        )
+
+    out, ref = stack(got, on_device), stack(want, reference)
+    assert_close(out.cpu(), ref.detach(), DTYPE_BOUND[torch.float32])
+    _loss(out).backward()
+    _loss(ref).backward()
+    _assert_grads(got, want, f"two stacked layers on {device}")
+    assert all(t.grad.abs().sum() > 0 for t in got)
+
+
+def _quantized_reference(x, weights64, lora, topk, adapters, scheme):
+    """float64 silu experts on dequantized weights, slot by slot, with LoRA on each GEMM's
+    unquantized input (as the hooks see it). A scheme that quantizes each GEMM's input (the
+    scheme's quantizer, fp32) does so in the forward and passes the gradient straight
+    through; the activation's output is rounded to fp32 as the kernels store it."""
+    quantizes = moerunner.quant.get_scheme(scheme).activation_format != "none"
+
+    def gemm_input(v):
+        if not quantizes:
+            return v
+        return v + (fake_quantize_activation(v.detach().float(), scheme).double() - v).detach()
+
+    w13, w2 = weights64
+    a13, b13, a2, b2 = _factors(lora)
+    inter = w2.shape[2]
+    rows = []
+    for t in range(x.shape[0]):
+        row = torch.zeros_like(x[t])
+        ad = int(adapters[t])
+        for j in range(K):
+            e = int(topk.ids[t, j])
+            h = w13[e] @ gemm_input(x[t : t + 1])[0]
+            if ad >= 0:
+                h = h + lora.scaling[ad].item() * (b13[ad, e] @ (a13[ad, e] @ x[t]))
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            act = act + (act.float().double() - act).detach()
+            y = w2[e] @ gemm_input(act[None])[0]
+            if ad >= 0:
+                y = y + lora.scaling[ad].item() * (b2[ad, e] @ (a2[ad, e] @ act))
+            row = row + topk.weights[t, j] * y
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scheme", ["mxfp4", "int4_g32_zp", "fp8_block"])
+def test_frozen_quantized_experts_pass_gradients_without_keeping_float_weights(scheme, device):
+    """QLoRA: quantized experts (frozen) with trainable LoRA factors, in grad mode with the
+    hidden states requiring grad (any layer after the first). This raised ("quantized
+    weights have no backward"). The gradients now pass through the quantized experts and
+    match autograd of a float64 reference on the dequantized weights (fp32 bound; fp8_block
+    also quantizes each GEMM's input, whose gradient passes straight through, as in the
+    reference). The backward dequantizes again instead of keeping any expert's float weight
+    alive from the forward."""
+    x, weights, lora, topk, adapters, act = _case(seed=11, hidden=128, inter=128)
+    w13, w2 = (moerunner.quantize(w.to(device), scheme) for w in (weights.w13, weights.w2))
+    got, want = _leaves(x, topk.weights, *_factors(lora), device=device)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trained = MoeLoraWeights(*got[2:], lora.scaling.to(device))
+        out = moerunner.fused_moe(
+            got[0], w13, w2, got[1], topk.ids.to(device),
+            hooks=lora_hooks(trained, adapters.to(device)),
+        )  # fmt: skip
+    float_weights = {tuple(w.shape[1:]) for w in (weights.w13, weights.w2)}
+    assert not float_weights & set(saved), "an expert's float weight was kept for the backward"
+    _loss(out).backward()
+    ref = _quantized_reference(
+        want[0], [moerunner.quant.dequantize(w).cpu().double() for w in (w13, w2)],
+        MoeLoraWeights(*want[2:], lora.scaling.double()), TopK(weights=want[1], ids=topk.ids),
+        adapters, scheme,
+    )  # fmt: skip
+    assert_close(out.cpu(), ref.detach(), DTYPE_BOUND[torch.float32], what=scheme)
+    _loss(ref).backward()
+    _assert_grads(got, want, scheme)
+    if w13.scale.is_floating_point():  # (e8m0 scales are bytes: they cannot require grad)
+        w13.scale.requires_grad_()
+        with pytest.raises(MoeInputError, match=r"are frozen, but w13.scale requires grad"):
+            moerunner.fused_moe(got[0], w13, w2, got[1], topk.ids.to(device))

@@ -33,6 +33,7 @@ input width, M one expert's rows, R one chunk's rows, P slices of N, S rows per 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,11 @@ from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
 from ..dispatch.permute import group_pairs, is_scratch
+from ..errors import MoeInputError
 from ..hooks import HookRows, MoeHooks, RowHooks, expert_of_rows
 from ..quant.families import CODECS
 from ..registry import DEFAULT_REGISTRY
-from ..weights import ExpertWeights, PreparedWeights, is_quantized, weight_shape
+from ..weights import ExpertWeights, PreparedWeights, is_quantized
 from .base import Backend, Capabilities, SchemeSupport
 from .option_fields import changed_repr, check_int, dtype_set, frozen_set, options_and_name
 
@@ -504,44 +506,66 @@ def _grouped_forward(
     return y_MH
 
 
+#: One expert GEMM of the hooked sequence: ``gemm(which, e, x_RK)`` with ``which`` "w13" or
+#: "w2" is expert ``e``'s float32 ``[R, N]`` output on rows ``x_RK``, bias added.
+ExpertGemm = Callable[[str, int, torch.Tensor], torch.Tensor]
+
+
+def _prepared_gemm(prepared: PreparedWeights) -> ExpertGemm:
+    """The expert GEMMs of prepared weights (``_linear``: the scheme's input quantization)."""
+    t = prepared.tensors
+
+    def gemm(which: str, e: int, x_RK: torch.Tensor) -> torch.Tensor:
+        suffix = "2" if which == "w2" else ""
+        bias, scale = t[f"{which}_bias"], t.get(f"input_scale{suffix}")
+        return _linear(
+            x_RK,
+            t[f"{which}_experts"][e],
+            None if bias is None else bias[e],
+            t.get(f"scheme{suffix}"),
+            None if scale is None else scale[e],
+        ).float()
+
+    return gemm
+
+
 def _hooked_experts(
     x_MH: torch.Tensor,
     bounds: list[int],
-    prepared: PreparedWeights,
+    spec: ExpertSpec,
+    gemm: ExpertGemm,
     hooks: MoeHooks,
     rows: HookRows,
 ) -> torch.Tensor:
     """Grouped rows (``bounds``: expert offsets on the host) through GEMM1, the gate/up hook,
-    the activation, GEMM2 and the down hook (``moerunner.hooks``); float32 ``[M, H]``."""
-    t, spec = prepared.tensors, prepared.spec
-    scheme, scheme2 = t.get("scheme"), t.get("scheme2")
-    rows13 = weight_shape(t["w13"])[1]
-    h_MN = torch.zeros((x_MH.shape[0], rows13), dtype=torch.float32, device=x_MH.device)
+    the activation, GEMM2 and the down hook (``moerunner.hooks``); float32 ``[M, H]``.
+    Autograd carries gradients through it where ``gemm`` and the hooks do."""
+    n13 = spec.intermediate_size * (2 if spec.gated else 1)
+    h_MN = torch.zeros((x_MH.shape[0], n13), dtype=torch.float32, device=x_MH.device)
     experts = [(e, bounds[e], bounds[e + 1]) for e in range(spec.num_experts)]
     experts = [(e, a, b) for e, a, b in experts if b > a]
     for e, a, b in experts:
-        bias = None if t["w13_bias"] is None else t["w13_bias"][e]
-        scale = None if t.get("input_scale") is None else t["input_scale"][e]
-        h_MN[a:b] = _linear(x_MH[a:b], t["w13_experts"][e], bias, scheme, scale).float()
+        h_MN[a:b] = gemm("w13", e, x_MH[a:b])
     h_MN = hooks.apply("gate_up", h_MN, x_MH, rows)
     # (per-expert activation parameters: each row's expert; rows of none compute nothing)
     row_experts = rows.expert.clamp(min=0) if spec.activation.per_expert else None
     a_MI = apply_activation(h_MN, spec, row_experts).to(x_MH.dtype)
     y_MH = torch.zeros((x_MH.shape[0], spec.hidden_size), dtype=torch.float32, device=x_MH.device)
     for e, a, b in experts:
-        bias = None if t["w2_bias"] is None else t["w2_bias"][e]
-        scale = None if t.get("input_scale2") is None else t["input_scale2"][e]
-        y_MH[a:b] = _linear(a_MI[a:b], t["w2_experts"][e], bias, scheme2, scale).float()
+        y_MH[a:b] = gemm("w2", e, a_MI[a:b])
     return hooks.apply("down", y_MH, a_MI, rows)
 
 
 def _hooked_standard(
-    dispatch_output: StandardDispatchOutput, prepared: PreparedWeights, hooks: MoeHooks
+    dispatch_output: StandardDispatchOutput,
+    spec: ExpertSpec,
+    gemm: ExpertGemm,
+    hooks: MoeHooks,
 ) -> torch.Tensor:
     """The standard format with hooks, on any device: grouped rows, hooked experts, each
     row weighted and added into a float32 [T, H] sum, rounded once."""
     x_TH, topk = dispatch_output.hidden_states, dispatch_output.topk
-    order, token, offsets, weight_TK = group_pairs(topk, prepared.spec.num_experts)
+    order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
     expert = expert_of_rows(offsets, order.shape[0])
     valid = expert >= 0
     rows = HookRows(
@@ -549,7 +573,7 @@ def _hooked_standard(
         token=torch.where(valid, token, -1),
         slot=torch.where(valid, order % topk.top_k, -1),
     )
-    y_MH = _hooked_experts(x_TH[token], offsets.tolist(), prepared, hooks, rows)
+    y_MH = _hooked_experts(x_TH[token], offsets.tolist(), spec, gemm, hooks, rows)
     weight = weight_TK.reshape(-1)[order]
     y_MH = torch.where(valid[:, None], y_MH * weight[:, None], 0.0)
     acc = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
@@ -565,7 +589,7 @@ def torch_fused_standard(
     into a float32 [T, H] sum, rounded once. Declines (None) on other devices, where the
     permute path runs. With ``hooks``: the hooked sequence, on any device."""
     if hooks is not None:
-        return _hooked_standard(dispatch_output, prepared, hooks)
+        return _hooked_standard(dispatch_output, prepared.spec, _prepared_gemm(prepared), hooks)
     x_TH = dispatch_output.hidden_states
     if x_TH.device.type != "cpu":
         return None
@@ -607,7 +631,8 @@ def torch_core(
     if hooks is not None:
         rows = hooks.rows(expert_of_rows(expert_offsets, x_MH.shape[0]))
         bounds = expert_offsets.tolist()
-        return _hooked_experts(x_MH, bounds, prepared, hooks.hooks, rows).to(x_MH.dtype)
+        gemm = _prepared_gemm(prepared)
+        return _hooked_experts(x_MH, bounds, prepared.spec, gemm, hooks.hooks, rows).to(x_MH.dtype)
     if _use_grouped_mm(x_MH, prepared):
         return _grouped_forward(x_MH, expert_offsets, prepared)
     if is_scratch(x_MH) and x_MH.shape[1] == prepared.spec.hidden_size:
@@ -633,14 +658,24 @@ DEFAULT_REGISTRY.register_backend(TorchBackend())
 
 
 def differentiable_forward(
-    hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec
+    hidden_TH: torch.Tensor,
+    weights: ExpertWeights,
+    topk,
+    spec: ExpertSpec,
+    hooks: MoeHooks | None = None,
 ) -> torch.Tensor:
     """The experts with autograd: out-of-place PyTorch ops only (no ``out=``, no cached
-    views), so gradients reach the hidden states, the routing weights, the plain weights and
-    the biases. Computes in the fast paths' precision (fp32 activation and sum); one host read
-    of the expert offsets. Used by ``fused_moe`` when grad mode is on and an argument
-    requires grad."""
-    w13, w2, b13, b2 = weights.w13, weights.w2, weights.w13_bias, weights.w2_bias
+    views), so gradients reach the hidden states, the routing weights, plain weights, the
+    biases and per-expert activation parameters. Quantized weights are frozen (their codes
+    and scales get none; ``_FrozenExpertGemm``). With ``hooks``, the hooked sequence on the
+    same ops: gradients also reach what the hooks read (LoRA factors) and pass through them
+    to the hidden states, so adapted layers train stacked. Computes in the fast paths'
+    precision (fp32 activation and sum); one host read of the expert offsets. Used by
+    ``fused_moe`` when grad mode is on and an argument requires grad."""
+    _check_frozen(weights)
+    gemm = _autograd_gemm(weights)
+    if hooks is not None:
+        return _hooked_standard(StandardDispatchOutput(hidden_TH, topk), spec, gemm, hooks)
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
     bounds = offsets.tolist()
     weight = weight_TK.reshape(-1)[order]
@@ -650,12 +685,74 @@ def differentiable_forward(
         if end == start:
             continue
         tok = token[start:end]
-        h = hidden_TH[tok] @ w13[e].transpose(0, 1)
-        if b13 is not None:
-            h = h.float() + b13[e].float()
+        h = gemm("w13", e, hidden_TH[tok])
         a = apply_activation(h, spec, e).to(hidden_TH.dtype)
-        y = a @ w2[e].transpose(0, 1)
-        if b2 is not None:
-            y = y.float() + b2[e].float()
-        out = out.index_add(0, tok, y.float() * weight[start:end, None])
+        y = gemm("w2", e, a)
+        out = out.index_add(0, tok, y * weight[start:end, None])
     return out.to(hidden_TH.dtype)
+
+
+def _check_frozen(weights: ExpertWeights) -> None:
+    """Quantized weights train nothing of their own: refuse tensors of theirs that require
+    grad, which would get no gradient silently."""
+    from ..quant.weight import TENSOR_FIELDS
+
+    trained = [
+        f"{name}.{field}"
+        for name, w in (("w13", weights.w13), ("w2", weights.w2))
+        if is_quantized(w)
+        for field in TENSOR_FIELDS
+        if isinstance(getattr(w, field, None), torch.Tensor) and getattr(w, field).requires_grad
+    ]
+    if trained:
+        raise MoeInputError(
+            f"quantized weights ({weights.scheme}) are frozen, but {', '.join(trained)} "
+            "requires grad: their codes and scales get no gradients (the hidden states, "
+            "routing weights, biases and hooks' tensors do); call requires_grad_(False) on "
+            "them, or train plain bf16/fp16/fp32 weights"
+        )
+
+
+def _autograd_gemm(weights: ExpertWeights) -> ExpertGemm:
+    """Expert GEMMs on a call's own weights that autograd differentiates: plain weights
+    indexed per expert (views of the tensors that require grad), quantized ones through
+    ``_FrozenExpertGemm``. Nothing is cached: each call's graph is its own."""
+
+    def gemm(which: str, e: int, x_RK: torch.Tensor) -> torch.Tensor:
+        w = weights.w13 if which == "w13" else weights.w2
+        bias = weights.w13_bias if which == "w13" else weights.w2_bias
+        bias = None if bias is None else bias[e]
+        if is_quantized(w):
+            return _FrozenExpertGemm.apply(x_RK, bias, w, e)
+        return _linear(x_RK, w[e], bias, None).float()
+
+    return gemm
+
+
+class _FrozenExpertGemm(torch.autograd.Function):
+    """Expert ``e`` of a quantized weight on rows ``x``: float32 ``[R, N]``, bias added, as
+    ``_linear`` computes it. The weight is frozen (its codes and scales get no gradient); the
+    gradient reaches ``x`` and the bias. The backward dequantizes the expert's weight again
+    instead of keeping it from the forward: kept, a layer's experts would hold their whole
+    float32 form until the backward (QLoRA-style training keeps the weights quantized). The
+    scheme's input quantization passes the gradient straight through (``d round(x) / dx``
+    taken as 1, as quantization-aware training does), so ``dx = grad @ W``."""
+
+    @staticmethod
+    def forward(ctx, x_RK, bias, weight, e):
+        ctx.weight, ctx.e, ctx.x_dtype = weight, e, x_RK.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        scale = weight.input_scale
+        w_NK = weight.dequantize_experts(e)[0]
+        scale = None if scale is None else scale[e]
+        return _linear(x_RK, w_NK, bias, weight.scheme, scale).float()
+
+    @staticmethod
+    def backward(ctx, grad_RN):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w_NK = ctx.weight.dequantize_experts(ctx.e)[0]
+            grad_x = (grad_RN.float() @ w_NK).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad_RN.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_bias, None, None

@@ -26,7 +26,7 @@ import torch
 from ..api import run_experts
 from ..config import ACTIVATIONS
 from ..errors import MoeInputError
-from ..lora import MoeLoraWeights, grad_limit_error, lora_hooks
+from ..lora import MoeLoraWeights, lora_hooks
 from ..ops import call_fused_experts
 from ..runner import MoeRunner, default_registry
 from ..shared import SharedExperts
@@ -119,7 +119,7 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
         if getattr(self, "_is_expert_parallel", False):
             # transformers marks tokens routed to other ranks with id == num_experts.
             ids = torch.where(ids >= expert_w.num_experts, -1, ids)
-        hooks = None if lora is None else lora.hooks(x, weights, expert_w)
+        hooks = None if lora is None else lora.hooks(x)
         out = _run_experts(x, ids, weights, expert_w, activation, chosen, hooks)
         return out if x is hidden_states else out.reshape(hidden_states.shape)
 
@@ -383,19 +383,13 @@ class _LoraBinding:
         self.state = state
         self.layer = layer
 
-    def hooks(self, x: torch.Tensor, routing_weights: torch.Tensor, expert_w):
+    def hooks(self, x: torch.Tensor):
         """The LoRA hooks of a call on hidden states ``x`` (``[T, H]``): None without ids.
-        Raises naming the layer where a call input takes part in autograd, which the hooks
-        cannot carry (``grad_limit_error``: what runs instead)."""
+        In grad mode they train like the experts (``moerunner.lora``'s Gradients)."""
         ids = self.state.ids
         if ids is None:  # no ids set: every token runs the base experts
             return None
         num_tokens = x.shape[0]
-        if torch.is_grad_enabled():
-            inputs = (x, routing_weights, expert_w.w13, expert_w.w2)
-            inputs += (expert_w.w13_bias, expert_w.w2_bias)  # (a quantized weight: no tensor)
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-                raise grad_limit_error(f"experts layer {self.layer} with LoRA adapters")
         if ids.numel() == num_tokens:
             per_token = ids.reshape(-1)
         elif ids.dim() == 1 and ids.numel() and num_tokens % ids.numel() == 0:
@@ -678,7 +672,7 @@ def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         )
     _, weights, ids = routed
     lora = experts.__dict__.get(LORA_ATTR)
-    hooks = None if lora is None else lora.hooks(x, weights, expert_w)
+    hooks = None if lora is None else lora.hooks(x)
     chosen = getattr(config, BACKEND_ATTR, None) or function.moerunner_backend
     shared = _shared_experts(self)
     out = _run_experts(x, ids, weights, expert_w, activation, chosen, hooks, shared)

@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 import moerunner.integrations.transformers as mt  # noqa: E402
 from moerunner.errors import BackendUnavailableError, MoeInputError  # noqa: E402
 from moerunner.memory import storage_bytes  # noqa: E402
+from moerunner.quant import dequantize  # noqa: E402
 from moerunner.testing import assert_close, compare  # noqa: E402
 
 from ._tiny_models import FAMILIES, build  # noqa: E402
@@ -303,13 +304,31 @@ def test_training_through_moerunner_gives_the_experts_their_gradients(family):
             assert_close(got, want.double(), FP32_MAX_REL, what=f"step {step}: d/d {name}")
 
 
-def test_training_with_quantized_experts_names_what_to_do():
+def test_training_over_quantized_experts_reaches_every_other_parameter():
+    """Grad mode on a model whose experts were quantized (``quantize_experts``): this raised
+    "no backward". Quantized experts are now frozen and pass the gradient on (QLoRA's
+    setting), so every other parameter gets the gradient of the eager model whose experts
+    hold the dequantized weights (mxfp4 is weight-only: the same weights in both, fp32, the
+    logits' bound)."""
     model = build("qwen3_moe", implementation="moerunner")
-    mt.quantize_experts(model, "fp8_channel")
-    with pytest.raises(MoeInputError, match="no backward.*no_grad"):
-        model(_ids()).logits.sum().backward()
+    reference = build("qwen3_moe")
+    mt.quantize_experts(model, "mxfp4")
     with torch.no_grad():
-        assert torch.isfinite(model(_ids()).logits).all()
+        for (_, experts), (_, own) in zip(
+            mt.experts_modules(model), mt.experts_modules(reference), strict=True
+        ):
+            quantized = mt.expert_weights(experts)[0]
+            own.gate_up_proj.copy_(dequantize(quantized.w13))
+            own.down_proj.copy_(dequantize(quantized.w2))
+    ids = _ids()
+    for m in (model, reference):
+        m.train()
+        m(ids).logits.square().mean().backward()
+    want = dict(reference.named_parameters())
+    trained = [(n, p) for n, p in model.named_parameters() if ".experts." not in n]
+    assert trained and all(p.grad is not None for _, p in trained)
+    for name, p in trained:
+        assert_close(p.grad, want[name].grad.double(), FP32_MAX_REL, what=f"d/d {name}")
 
 
 def _clamp_gating(module, limit: float, attr: str | None) -> None:

@@ -34,6 +34,10 @@ ADAPTERS = torch.tensor([1, -1, 0])  # per sequence of the batch
 NEW_TOKENS = 8
 
 
+def _factors(lora):
+    return (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)
+
+
 def _save(folder, tensors, **config):
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}
@@ -209,3 +213,52 @@ def test_adapters_on_the_gpu_with_triton(family, tmp_path):
             assert_close(out[row : row + 1], ref, 1e-4, what=f"{family} row {row}")
             base = references[1 - adapter].to("cuda")(ids[row : row + 1]).logits.double()
             assert (base - ref).abs().max() > 1e-2 * ref.abs().max()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("base", ["frozen", "trained"])
+def test_adapters_on_every_layer_train_like_a_merged_float64_model(family, base, tmp_path):
+    """Training PEFT adapters on every experts layer (PEFT's usual setting), with the base
+    model frozen or trained beside them: a grad-mode forward with adapters raised beyond one
+    adapted layer in a frozen model. It now trains: the logits and the gradients of every
+    factor (and of every base parameter when trained) match autograd of a float64 copy of
+    the model running transformers' eager experts on W + s B A, built from float64 twins of
+    the factors (fp32 on one side, the bound of the logits above)."""
+    model = build(family)
+    _fused_adapter(model, tmp_path / "a", torch.Generator().manual_seed(7))
+    lora = load_peft_adapter_set([tmp_path / "a"], model.config)
+    reference = copy.deepcopy(model).double()
+    reference.set_experts_implementation("eager")
+    mt.use_moerunner(model, backend="torch", lora=lora)
+    mt.set_adapter_ids(model, torch.tensor([0, 0]))
+    for m in (model, reference):
+        m.requires_grad_(base == "trained")
+    factors = {i: [t.requires_grad_() for t in _factors(w)] for i, w in lora.layers.items()}
+    twins = {i: [t.detach().double().requires_grad_() for t in f] for i, f in factors.items()}
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 128, (2, 6), generator=g)
+    out = model(ids).logits.double()
+    proj = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    (out * proj).sum().backward()
+    modules = dict(mt.experts_modules(reference))
+    merged = {}
+    for i, (a13, b13, a2, b2) in twins.items():
+        path = f"model.layers.{i}.mlp.experts"
+        module, scaling = modules[path], lora.layers[i].scaling
+        s = float(scaling[0]) if isinstance(scaling, torch.Tensor) else float(scaling)
+        d13, d2 = s * (b13[0] @ a13[0]), s * (b2[0] @ a2[0])
+        if module.is_transposed:  # parameters stored [E, in, out]
+            d13, d2 = d13.transpose(1, 2), d2.transpose(1, 2)
+        merged[f"{path}.gate_up_proj"] = module.gate_up_proj + d13
+        merged[f"{path}.down_proj"] = module.down_proj + d2
+    assert len(merged) == 4  # both layers adapted
+    ref = torch.func.functional_call(reference, merged, (ids,)).logits
+    assert_close(out, ref.detach(), FP32_MAX_REL, what="logits")
+    (ref * proj).sum().backward()
+    for i, got in factors.items():
+        for name, g_, w in zip(("w13_a", "w13_b", "w2_a", "w2_b"), got, twins[i], strict=True):
+            assert_close(g_.grad, w.grad, FP32_MAX_REL, what=f"layer {i} {name}")
+    if base == "trained":
+        want = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            assert_close(p.grad, want[name].grad, FP32_MAX_REL, what=f"d/d {name}")
