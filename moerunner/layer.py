@@ -14,8 +14,8 @@ the held runner. With grad mode on and a parameter, the input or the routing wei
 requiring grad, the layer trains: eagerly on the torch backend's differentiable path
 (backend "auto" or "torch", as ``fused_moe``), else through the custom op (the backend's
 forward, a backward recomputed on the torch backend, as ``torch.compile`` runs it);
-quantized experts are frozen and pass gradients on in eager calls on the torch backend,
-and raise elsewhere (run them under ``torch.no_grad()`` or ``torch.inference_mode()``).
+quantized experts are frozen and pass gradients on (to the input, the routing weights and
+anything before them).
 ``quantize_(scheme)`` swaps the weights for quantized ones (done once); the backend then
 runs that scheme. By default it frees the float ``w13`` /
 ``w2`` (they become None) and holds the quantized tensors as buffers (``w13_qdata``,
@@ -352,8 +352,8 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         Quantized experts are frozen: the parameters the quantized call still reads (the
         biases, the shared experts') stop requiring grad, so calls in grad mode run without
         an autograd graph; a call whose input or routing weights require grad passes the
-        gradients on (eagerly, on the torch backend: ``fused_moe``'s Gradients) and raises
-        ``MoeInputError`` elsewhere.
+        gradients on (``fused_moe``'s Gradients; compiled or on another backend, through the
+        custom op's backward).
         """
         from .quant import get_scheme, quantize
 
@@ -642,15 +642,6 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         compiling = torch.compiler.is_compiling()
         train = self._trains(x, topk.weights)
         held = self.quantized
-        quantized = held is not None and is_quantized(held.w13)
-        if train and quantized and (compiling or self.backend not in ("auto", "torch")):
-            raise MoeInputError(
-                f"this layer's experts are quantized ({self.quantized.scheme}) and pass "
-                "gradients (frozen) only in eager calls on the torch backend, but grad mode "
-                "is on and the input, the routing weights or a parameter the call reads "
-                "requires grad: call it eagerly with backend='torch' or 'auto', or run it "
-                "under torch.no_grad() or torch.inference_mode()"
-            )
         if train and not compiling and act.extended and self.backend not in ("auto", "torch"):
             raise MoeInputError(
                 f"training with swiglu_oai of per-expert parameters or swiglu_beta != 1 runs on "

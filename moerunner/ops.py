@@ -402,9 +402,9 @@ def _fused_experts_transposed_fake(
 # compiled training step differentiates through them: the forward runs the chosen backend's
 # kernels, and the backward recomputes the experts on the torch backend's differentiable
 # path (``fused_moe`` with grad mode on) and differentiates that, inside one more opaque op
-# (its Python is not traced: the path reads expert offsets on the host). The quantized op
-# has none: frozen quantized experts pass gradients on in eager calls only (``fused_moe``'s
-# differentiable path); a traced caller in grad mode runs those calls eagerly or raises.
+# (its Python is not traced: the path reads expert offsets on the host). The quantized op's
+# backward does the same with its weights frozen: gradients reach the hidden states, the
+# routing weights and the biases.
 
 #: Argument positions of the ops that can take a gradient: hidden states, w13, w2, topk
 #: weights, w13 bias, w2 bias.
@@ -505,6 +505,83 @@ def _backward(transposed: bool):
 
 fused_experts.register_autograd(_backward(False), setup_context=_saving)
 fused_experts_transposed.register_autograd(_backward(True), setup_context=_saving)
+
+#: Argument positions of ``fused_experts_quantized`` that can take a gradient: hidden states,
+#: topk weights, w13 bias, w2 bias (the quantized weights are frozen).
+_QUANTIZED_GRAD_ARGS = (0, 7, 9, 10)
+
+
+@torch.library.custom_op("moerunner::fused_experts_quantized_backward", mutates_args=())
+def fused_experts_quantized_backward(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    w13: list[torch.Tensor | None],
+    w2: list[torch.Tensor | None],
+    w13_scheme: str,
+    w13_shape: list[int],
+    w2_scheme: str,
+    w2_shape: list[int],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float | None,
+    swiglu_limit: float | None,
+    gate_up_interleaved: bool,
+    needs: list[bool],
+) -> list[torch.Tensor]:
+    """Gradients of ``fused_experts_quantized`` for the arguments at ``_QUANTIZED_GRAD_ARGS``
+    whose entry in ``needs`` is set (an empty tensor for the others), as
+    ``fused_experts_backward``: recomputed on ``fused_moe``'s differentiable path, where the
+    frozen quantized experts pass the gradient on."""
+    inputs = (hidden_states, topk_weights, w13_bias, w2_bias)
+    wanted = [i for i, t in enumerate(inputs) if needs[i] and t is not None]
+    q13 = quantized_weight(w13_scheme, w13_shape, w13)
+    q2 = quantized_weight(w2_scheme, w2_shape, w2)
+    settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+
+    def experts(*differentiated):
+        args = list(inputs)
+        for i, t in zip(wanted, differentiated, strict=True):
+            args[i] = t
+        x, weights, b13, b2 = args
+        bits = (*settings, "torch", False)
+        return _op_body(x, q13, q2, weights, topk_ids, b13, b2, *bits, grad=True)
+
+    got = dict(zip(wanted, _vjp(experts, [inputs[i] for i in wanted], grad_out), strict=True))
+    return [got[i] if i in got else grad_out.new_empty(0) for i in range(len(inputs))]
+
+
+@fused_experts_quantized_backward.register_fake
+def _fused_experts_quantized_backward_fake(grad_out, hidden_states, *args):
+    topk_weights, w13_bias, w2_bias, needs = args[6], args[8], args[9], args[-1]
+    inputs = (hidden_states, topk_weights, w13_bias, w2_bias)
+    return [
+        torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
+        for t, need in zip(inputs, needs, strict=True)
+    ]
+
+
+def _saving_quantized(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0], inputs[7], inputs[8], inputs[9], inputs[10])
+    ctx.weights = inputs[1:7]  # the two weights' tensors, schemes and shapes
+    ctx.settings = inputs[11:15]  # activation, swiglu alpha and limit, interleaved
+
+
+def _backward_quantized(ctx, grad_out):
+    x, weights, ids, b13, b2 = ctx.saved_tensors
+    needs = [bool(ctx.needs_input_grad[i]) for i in _QUANTIZED_GRAD_ARGS]
+    grads = torch.ops.moerunner.fused_experts_quantized_backward(
+        grad_out.contiguous(), x, *ctx.weights, weights, ids, b13, b2, *ctx.settings, needs
+    )
+    result: list = [None] * 17
+    for i, need, g in zip(_QUANTIZED_GRAD_ARGS, needs, grads, strict=True):
+        result[i] = g if need else None
+    return tuple(result)
+
+
+fused_experts_quantized.register_autograd(_backward_quantized, setup_context=_saving_quantized)
 
 
 def registry_note(registry, backend: str, whose: str = "this layer's registry") -> str | None:

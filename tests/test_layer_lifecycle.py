@@ -249,8 +249,7 @@ def test_quantized_layers_run_in_grad_mode_and_pass_gradients_on():
     """A quantized layer whose input requires grad (a layer of a model trained around frozen
     quantized experts) raised "no backward"; the gradient now reaches the input and the
     router's logits, as autograd of the float64 reference on the dequantized weights gives
-    (int8_w8a16 is weight-only: fp32 bound). Compiled, or on a backend without a backward,
-    it still raises by name."""
+    (int8_w8a16 is weight-only: fp32 bound), eagerly, compiled and on triton."""
     layer = MoE(_config(bias=True), backend="torch").quantize_("int8_w8a16")
     assert not layer.w13_bias.requires_grad  # quantize_ froze what the call still reads
     x, logits = _inputs(11)
@@ -268,11 +267,20 @@ def test_quantized_layers_run_in_grad_mode_and_pass_gradients_on():
     (ref * proj).sum().backward()
     for name, g, w in zip(("x", "router logits"), got, want, strict=True):
         assert_close(g.grad, w.grad, BOUND, what=name)
-    triton = MoE(_config(bias=True), backend="triton" if interpreted_triton() else "torch")
-    if triton.backend == "triton":
-        triton.quantize_("int8_w8a16")
-        with pytest.raises(MoeInputError, match="only in eager calls on the torch backend"):
-            triton(x.requires_grad_(True), logits)
+    # compiled (the quantized custom op's backward), and on triton where it runs (its
+    # forward, the backward recomputed on the torch backend): the same gradients
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    others = [("compiled", compiled)]
+    if interpreted_triton():
+        triton = MoE(_config(bias=True), backend="triton").quantize_("int8_w8a16")
+        triton.load_state_dict(layer.state_dict())
+        others.append(("triton", triton))
+    for name, other in others:
+        again = [t.clone().requires_grad_() for t in (x, logits)]
+        (other(*again).double() * proj).sum().backward()
+        for what, g, w in zip(("x", "router logits"), again, want, strict=True):
+            assert_close(g.grad, w.grad, BOUND, what=f"{name}: {what}")
 
 
 # -- GPU: the triton forward trains too ------------------------------------------------------

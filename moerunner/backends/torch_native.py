@@ -739,13 +739,17 @@ class _FrozenExpertGemm(torch.autograd.Function):
     taken as 1, as quantization-aware training does), so ``dx = grad @ W``."""
 
     @staticmethod
-    def forward(ctx, x_RK, bias, weight, e):
-        ctx.weight, ctx.e, ctx.x_dtype = weight, e, x_RK.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
+    def forward(x_RK, bias, weight, e):
         scale = weight.input_scale
         w_NK = weight.dequantize_experts(e)[0]
         scale = None if scale is None else scale[e]
         return _linear(x_RK, w_NK, bias, weight.scheme, scale).float()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (this form also serves torch.func transforms)
+        x_RK, bias, weight, e = inputs
+        ctx.weight, ctx.e, ctx.x_dtype = weight, e, x_RK.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
 
     @staticmethod
     def backward(ctx, grad_RN):
