@@ -598,7 +598,10 @@ def _differentiable(
         )
     MoeRunner(torch_native.NAME, registry=runner.registry).select(problem)  # raises if unfit
     weights = gate_up_first(weights)  # differentiable: a concatenation of row slices
-    return torch_native.differentiable_forward(hidden_states, weights, topk, spec, hooks)
+    from .backends.torch_autograd import differentiable_forward
+
+    options = getattr(served, "options", torch_native.DEFAULT_TORCH_OPTIONS)
+    return differentiable_forward(hidden_states, weights, topk, spec, hooks, options)
 
 
 def validate_call(

@@ -29,7 +29,7 @@ weights or routing weights require grad runs on the torch backend's differentiab
 (``fused_moe``'s Gradients), so gradients reach every one of them: adapted MoE layers train
 stacked (a later layer's hidden states depend on an earlier layer's factors), beside a
 trained router or experts, and over frozen quantized experts (QLoRA: the weights stay
-quantized, ``moerunner.backends.torch_native._FrozenExpertGemm``). Backends that apply the
+quantized, ``moerunner.backends.torch_autograd``). Backends that apply the
 hooks in their own kernels (triton) have no backward and refuse such a call by name.
 
 Rows whose expert is past ``E`` (the shared experts of ``moerunner.shared``) get no delta.

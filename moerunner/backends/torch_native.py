@@ -42,7 +42,6 @@ from ..activations import apply_activation
 from ..config import ACTIVATIONS, ExpertSpec
 from ..dispatch.formats import STANDARD, StandardDispatchOutput
 from ..dispatch.permute import group_pairs, is_scratch
-from ..errors import MoeInputError
 from ..hooks import HookRows, MoeHooks, RowHooks, expert_of_rows
 from ..quant.families import CODECS
 from ..registry import DEFAULT_REGISTRY
@@ -204,7 +203,7 @@ class TorchBackend(Backend):
             tensors["w13_experts"], tensors["w2_experts"] = weights.w13, weights.w2
         tensors["w13_bias"], tensors["w2_bias"] = weights.w13_bias, weights.w2_bias
         # What the grouped GEMM needs of the weights, known once (``_grouped_fits``).
-        rows = tensors["grouped_rows"] = _grouped_rows(prepared)
+        rows = tensors["grouped_rows"] = _grouped_rows(weights.w13, spec)
         tensors["grouped_aligned"] = rows and _aligned16(weights.w13) and _aligned16(weights.w2)
         return prepared
 
@@ -452,13 +451,12 @@ def _grouped_fits(prepared: PreparedWeights, dtype: torch.dtype) -> bool:
     return t["grouped_rows"] and t["w13"].dtype == dtype
 
 
-def _grouped_rows(prepared: PreparedWeights) -> bool:
+def _grouped_rows(w13, spec: ExpertSpec) -> bool:
     """The prepare-time part of ``_grouped_fits``: PyTorch has the grouped GEMM, the weights
     are plain and the rows of H and I in their dtype are 16-byte multiples."""
-    t, spec = prepared.tensors, prepared.spec
-    if _GROUPED_MM is None or "scheme" in t:
+    if _GROUPED_MM is None or is_quantized(w13):
         return False
-    width = t["w13"].element_size()
+    width = w13.element_size()
     return (spec.hidden_size * width) % 16 == 0 and (spec.intermediate_size * width) % 16 == 0
 
 
@@ -655,108 +653,3 @@ def torch_core(
 
 
 DEFAULT_REGISTRY.register_backend(TorchBackend())
-
-
-def differentiable_forward(
-    hidden_TH: torch.Tensor,
-    weights: ExpertWeights,
-    topk,
-    spec: ExpertSpec,
-    hooks: MoeHooks | None = None,
-) -> torch.Tensor:
-    """The experts with autograd: out-of-place PyTorch ops only (no ``out=``, no cached
-    views), so gradients reach the hidden states, the routing weights, plain weights, the
-    biases and per-expert activation parameters. Quantized weights are frozen (their codes
-    and scales get none; ``_FrozenExpertGemm``). With ``hooks``, the hooked sequence on the
-    same ops: gradients also reach what the hooks read (LoRA factors) and pass through them
-    to the hidden states, so adapted layers train stacked. Computes in the fast paths'
-    precision (fp32 activation and sum); one host read of the expert offsets. Used by
-    ``fused_moe`` when grad mode is on and an argument requires grad."""
-    _check_frozen(weights)
-    gemm = _autograd_gemm(weights)
-    if hooks is not None:
-        return _hooked_standard(StandardDispatchOutput(hidden_TH, topk), spec, gemm, hooks)
-    order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
-    bounds = offsets.tolist()
-    weight = weight_TK.reshape(-1)[order]
-    out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
-    for e in range(spec.num_experts):
-        start, end = bounds[e], bounds[e + 1]
-        if end == start:
-            continue
-        tok = token[start:end]
-        h = gemm("w13", e, hidden_TH[tok])
-        a = apply_activation(h, spec, e).to(hidden_TH.dtype)
-        y = gemm("w2", e, a)
-        out = out.index_add(0, tok, y * weight[start:end, None])
-    return out.to(hidden_TH.dtype)
-
-
-def _check_frozen(weights: ExpertWeights) -> None:
-    """Quantized weights train nothing of their own: refuse tensors of theirs that require
-    grad, which would get no gradient silently."""
-    from ..quant.weight import TENSOR_FIELDS
-
-    trained = [
-        f"{name}.{field}"
-        for name, w in (("w13", weights.w13), ("w2", weights.w2))
-        if is_quantized(w)
-        for field in TENSOR_FIELDS
-        if isinstance(getattr(w, field, None), torch.Tensor) and getattr(w, field).requires_grad
-    ]
-    if trained:
-        raise MoeInputError(
-            f"quantized weights ({weights.scheme}) are frozen, but {', '.join(trained)} "
-            "requires grad: their codes and scales get no gradients (the hidden states, "
-            "routing weights, biases and hooks' tensors do); call requires_grad_(False) on "
-            "them, or train plain bf16/fp16/fp32 weights"
-        )
-
-
-def _autograd_gemm(weights: ExpertWeights) -> ExpertGemm:
-    """Expert GEMMs on a call's own weights that autograd differentiates: plain weights
-    indexed per expert (views of the tensors that require grad), quantized ones through
-    ``_FrozenExpertGemm``. Nothing is cached: each call's graph is its own."""
-
-    def gemm(which: str, e: int, x_RK: torch.Tensor) -> torch.Tensor:
-        w = weights.w13 if which == "w13" else weights.w2
-        bias = weights.w13_bias if which == "w13" else weights.w2_bias
-        bias = None if bias is None else bias[e]
-        if is_quantized(w):
-            return _FrozenExpertGemm.apply(x_RK, bias, w, e)
-        return _linear(x_RK, w[e], bias, None).float()
-
-    return gemm
-
-
-class _FrozenExpertGemm(torch.autograd.Function):
-    """Expert ``e`` of a quantized weight on rows ``x``: float32 ``[R, N]``, bias added, as
-    ``_linear`` computes it. The weight is frozen (its codes and scales get no gradient); the
-    gradient reaches ``x`` and the bias. The backward dequantizes the expert's weight again
-    instead of keeping it from the forward: kept, a layer's experts would hold their whole
-    float32 form until the backward (QLoRA-style training keeps the weights quantized). The
-    scheme's input quantization passes the gradient straight through (``d round(x) / dx``
-    taken as 1, as quantization-aware training does), so ``dx = grad @ W``."""
-
-    @staticmethod
-    def forward(x_RK, bias, weight, e):
-        scale = weight.input_scale
-        w_NK = weight.dequantize_experts(e)[0]
-        scale = None if scale is None else scale[e]
-        return _linear(x_RK, w_NK, bias, weight.scheme, scale).float()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # (this form also serves torch.func transforms)
-        x_RK, bias, weight, e = inputs
-        ctx.weight, ctx.e, ctx.x_dtype = weight, e, x_RK.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-
-    @staticmethod
-    def backward(ctx, grad_RN):
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            w_NK = ctx.weight.dequantize_experts(ctx.e)[0]
-            grad_x = (grad_RN.float() @ w_NK).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_bias = grad_RN.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_bias, None, None

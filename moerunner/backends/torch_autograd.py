@@ -1,0 +1,197 @@
+"""The torch backend's differentiable path: the experts as PyTorch ops that autograd
+differentiates, for calls in grad mode where an argument requires grad (``fused_moe``'s
+Gradients; the custom ops' backward recomputes through it too).
+
+Gradients reach the hidden states, the routing weights, plain weights, biases, per-expert
+activation parameters and, with hooks, what the hooks read (LoRA factors), passing through
+the hooks to the hidden states. Quantized weights are frozen (``_FrozenExpertGemm``). The
+forms, by what the call has:
+
+- no hooks, a (device, dtype) pair of ``TorchOptions.grouped_mm`` (CUDA bf16) and plain
+  weights it can read: two grouped GEMMs (``_grouped_differentiable``), no host read;
+- no hooks otherwise: one GEMM pair per expert hit (one host read of the expert offsets);
+- hooks: the torch backend's hooked sequence (``torch_native._hooked_standard``) on the
+  call's own weights.
+
+Every form rounds where the inference paths do (GEMM outputs in the input dtype unless
+biased or quantized, the activation in fp32, the weighted sum in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import apply_activation
+from ..config import ExpertSpec
+from ..dispatch.formats import StandardDispatchOutput
+from ..dispatch.permute import group_pairs
+from ..errors import MoeInputError
+from ..hooks import MoeHooks, expert_of_rows
+from ..weights import ExpertWeights, is_quantized
+from .torch_native import (
+    _GROUPED_MM,
+    DEFAULT_TORCH_OPTIONS,
+    ExpertGemm,
+    TorchOptions,
+    _aligned16,
+    _grouped_rows,
+    _hooked_standard,
+    _linear,
+)
+
+__all__ = ["differentiable_forward"]
+
+
+def differentiable_forward(
+    hidden_TH: torch.Tensor,
+    weights: ExpertWeights,
+    topk,
+    spec: ExpertSpec,
+    hooks: MoeHooks | None = None,
+    options: TorchOptions = DEFAULT_TORCH_OPTIONS,
+) -> torch.Tensor:
+    """The experts with autograd: out-of-place PyTorch ops only (no ``out=``, no cached
+    views), so gradients reach the hidden states, the routing weights, plain weights, the
+    biases and per-expert activation parameters. Quantized weights are frozen (their codes
+    and scales get none; ``_FrozenExpertGemm``). With ``hooks``, the hooked sequence on the
+    same ops: gradients also reach what the hooks read (LoRA factors) and pass through them
+    to the hidden states, so adapted layers train stacked. Computes in the fast paths'
+    precision (fp32 activation and sum); one host read of the expert offsets, none where
+    ``options.grouped_mm`` has the call's (device, dtype) (``_grouped_differentiable``).
+    Used by ``fused_moe`` when grad mode is on and an argument requires grad."""
+    _check_frozen(weights)
+    if hooks is None and _grouped_trains(hidden_TH, weights, spec, options):
+        return _grouped_differentiable(hidden_TH, weights, topk, spec)
+    gemm = _autograd_gemm(weights)
+    if hooks is not None:
+        return _hooked_standard(StandardDispatchOutput(hidden_TH, topk), spec, gemm, hooks)
+    order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
+    bounds = offsets.tolist()
+    weight = weight_TK.reshape(-1)[order]
+    out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
+    for e in range(spec.num_experts):
+        start, end = bounds[e], bounds[e + 1]
+        if end == start:
+            continue
+        tok = token[start:end]
+        h = gemm("w13", e, hidden_TH[tok])
+        a = apply_activation(h, spec, e).to(hidden_TH.dtype)
+        y = gemm("w2", e, a)
+        out = out.index_add(0, tok, y * weight[start:end, None])
+    return out.to(hidden_TH.dtype)
+
+
+def _grouped_trains(
+    x_TH: torch.Tensor, weights: ExpertWeights, spec: ExpertSpec, options: TorchOptions
+) -> bool:
+    """The grouped GEMM serves a differentiable call where it serves inference calls
+    (``_use_grouped_mm``): a (device, dtype) pair of ``options.grouped_mm``, and plain weights
+    of that dtype whose rows it can read."""
+    w13, w2 = weights.w13, weights.w2
+    return (
+        (x_TH.device.type, x_TH.dtype) in options.grouped_mm
+        and _grouped_rows(w13, spec)
+        and w13.dtype == x_TH.dtype
+        and _aligned16(w13)
+        and _aligned16(w2)
+    )
+
+
+def _grouped_differentiable(
+    hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec
+) -> torch.Tensor:
+    """``differentiable_forward`` as two grouped GEMMs, which PyTorch differentiates: no host
+    read, no per-expert launches (training at the speed of transformers' own grouped_mm
+    experts). The rounding points are the per-expert path's. Rows of skipped slots (past
+    offsets[E]) belong to no group: the grouped GEMMs leave their outputs, and in the
+    backward their input gradients, undefined, so they are selected out (never multiplied:
+    undefined values may be NaN) before they reach a sum or a gradient."""
+    dtype = hidden_TH.dtype
+    order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
+    expert = expert_of_rows(offsets, order.shape[0])
+    valid = (expert >= 0)[:, None]
+    row_expert = expert.clamp(min=0)
+    ends = offsets[1:].to(torch.int32)
+    x_MH = torch.where(valid, hidden_TH[token], 0)
+    h_MN = _GROUPED_MM(x_MH, weights.w13.transpose(-2, -1), offs=ends)
+    if weights.w13_bias is not None:
+        h_MN = h_MN.float() + weights.w13_bias[row_expert].float()
+    h_MN = torch.where(valid, h_MN, 0)
+    a_MI = apply_activation(h_MN, spec, row_expert).to(dtype)
+    y_MH = _GROUPED_MM(a_MI, weights.w2.transpose(-2, -1), offs=ends)
+    if weights.w2_bias is not None:
+        y_MH = y_MH.float() + weights.w2_bias[row_expert].float()
+    weight = weight_TK.reshape(-1)[order]
+    y_MH = torch.where(valid, y_MH.float() * weight[:, None], 0.0)
+    out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
+    return out.index_add(0, token, y_MH).to(dtype)
+
+
+def _check_frozen(weights: ExpertWeights) -> None:
+    """Quantized weights train nothing of their own: refuse tensors of theirs that require
+    grad, which would get no gradient silently."""
+    from ..quant.weight import TENSOR_FIELDS
+
+    trained = [
+        f"{name}.{field}"
+        for name, w in (("w13", weights.w13), ("w2", weights.w2))
+        if is_quantized(w)
+        for field in TENSOR_FIELDS
+        if isinstance(getattr(w, field, None), torch.Tensor) and getattr(w, field).requires_grad
+    ]
+    if trained:
+        raise MoeInputError(
+            f"quantized weights ({weights.scheme}) are frozen, but {', '.join(trained)} "
+            "requires grad: their codes and scales get no gradients (the hidden states, "
+            "routing weights, biases and hooks' tensors do); call requires_grad_(False) on "
+            "them, or train plain bf16/fp16/fp32 weights"
+        )
+
+
+def _autograd_gemm(weights: ExpertWeights) -> ExpertGemm:
+    """Expert GEMMs on a call's own weights that autograd differentiates: plain weights
+    indexed per expert (views of the tensors that require grad), quantized ones through
+    ``_FrozenExpertGemm``. Nothing is cached: each call's graph is its own."""
+
+    def gemm(which: str, e: int, x_RK: torch.Tensor) -> torch.Tensor:
+        w = weights.w13 if which == "w13" else weights.w2
+        bias = weights.w13_bias if which == "w13" else weights.w2_bias
+        bias = None if bias is None else bias[e]
+        if is_quantized(w):
+            return _FrozenExpertGemm.apply(x_RK, bias, w, e)
+        return _linear(x_RK, w[e], bias, None).float()
+
+    return gemm
+
+
+class _FrozenExpertGemm(torch.autograd.Function):
+    """Expert ``e`` of a quantized weight on rows ``x``: float32 ``[R, N]``, bias added, as
+    ``_linear`` computes it. The weight is frozen (its codes and scales get no gradient); the
+    gradient reaches ``x`` and the bias. The backward dequantizes the expert's weight again
+    instead of keeping it from the forward: kept, a layer's experts would hold their whole
+    float32 form until the backward (QLoRA-style training keeps the weights quantized). The
+    scheme's input quantization passes the gradient straight through (``d round(x) / dx``
+    taken as 1, as quantization-aware training does), so ``dx = grad @ W``."""
+
+    @staticmethod
+    def forward(x_RK, bias, weight, e):
+        scale = weight.input_scale
+        w_NK = weight.dequantize_experts(e)[0]
+        scale = None if scale is None else scale[e]
+        return _linear(x_RK, w_NK, bias, weight.scheme, scale).float()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (this form also serves torch.func transforms)
+        x_RK, bias, weight, e = inputs
+        ctx.weight, ctx.e, ctx.x_dtype = weight, e, x_RK.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx, grad_RN):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w_NK = ctx.weight.dequantize_experts(ctx.e)[0]
+            grad_x = (grad_RN.float() @ w_NK).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad_RN.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_bias, None, None

@@ -1,0 +1,133 @@
+"""The torch backend's differentiable path (``moerunner.backends.torch_autograd``): its
+grouped-GEMM form against the float64 reference and against the per-expert form.
+
+The float64 reference is ``reference_moe`` under autograd, on float64 twins of every leaf.
+bf16 bound: ``DTYPE_BOUND`` (bf16 GEMM outputs, the activation in fp32). The two forms round
+at the same points; they differ in the GEMMs' summation order only, so they agree within the
+same bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moerunner
+from moerunner.backends import torch_autograd
+from moerunner.backends.torch_native import TorchBackend, TorchOptions
+from moerunner.testing import DTYPE_BOUND, assert_close
+
+T, E, H, I, K = 11, 5, 32, 16, 3
+BF16 = DTYPE_BOUND[torch.bfloat16]
+
+
+def _case(device: str, biased: bool, act: str, seed: int = 0):
+    """bf16 leaves (hidden states, w13, w2, routing weights, biases) and ids with skipped
+    slots (-1) on ``device``."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * I if moerunner.Activation(act).gated else I
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, rows, H, generator=g) * H**-0.5
+    w2 = torch.randn(E, H, I, generator=g) * I**-0.5
+    topk = moerunner.select_experts(torch.randn(T, E, generator=g), K, renormalize=True)
+    ids = topk.ids.clone()
+    ids[::4, 1] = -1  # skipped slots: rows that belong to no group
+    b13 = torch.randn(E, rows, generator=g) * 0.1 if biased else None
+    b2 = torch.randn(E, H, generator=g) * 0.1 if biased else None
+    leaves = [
+        None if t is None else t.to(torch.bfloat16).to(device)
+        for t in (x, w13, w2, topk.weights, b13, b2)
+    ]
+    return leaves, ids.to(device)
+
+
+def _grads(leaves, ids, act, registry=None):
+    got = [None if t is None else t.clone().requires_grad_() for t in leaves]
+    x, w13, w2, tw, b13, b2 = got
+    out = moerunner.fused_moe(
+        x, w13, w2, tw, ids, activation=act, w13_bias=b13, w2_bias=b2, registry=registry
+    )
+    proj = torch.linspace(-1, 1, H, dtype=torch.float64, device=out.device)
+    (out.double() * proj).sum().backward()
+    return out, [None if t is None else t.grad for t in got]
+
+
+def _reference(leaves, ids, act):
+    want = [None if t is None else t.detach().cpu().double().requires_grad_() for t in leaves]
+    x, w13, w2, tw, b13, b2 = want
+    weights = moerunner.ExpertWeights(w13, w2, b13, b2)
+    out = moerunner.reference_moe(x, weights, tw, ids.cpu(), act)
+    (out * torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
+    return out, [None if t is None else t.grad for t in want]
+
+
+def _grouped_registry(device: str) -> moerunner.Registry:
+    registry = moerunner.default_registry().copy()
+    options = TorchOptions(grouped_mm=frozenset({(device, torch.bfloat16)}))
+    registry.register_backend(TorchBackend(options), replace=True)
+    return registry
+
+
+@pytest.mark.parametrize("act,biased", [("silu", False), ("swiglu_oai", True), ("relu2", True)])
+def test_grouped_form_matches_the_reference_and_the_per_expert_form(monkeypatch, act, biased):
+    """The grouped form (two grouped GEMMs, no host read; CUDA bf16 by default, here on the
+    CPU through ``TorchOptions.grouped_mm``) gives the float64 reference's values and
+    gradients, and the per-expert form's, with skipped slots whose grouped rows belong to
+    no group."""
+    taken = []
+    grouped = torch_autograd._grouped_differentiable
+    monkeypatch.setattr(  # a spy: which form served each call
+        torch_autograd, "_grouped_differentiable", lambda *a: taken.append(1) or grouped(*a)
+    )
+    leaves, ids = _case("cpu", biased, act)
+    out, grads = _grads(leaves, ids, act, registry=_grouped_registry("cpu"))
+    assert taken == [1]
+    per_expert, per_expert_grads = _grads(leaves, ids, act)  # default options on the CPU
+    assert taken == [1]
+    ref, ref_grads = _reference(leaves, ids, act)
+    assert_close(out, ref.detach(), BF16, what="values")
+    assert_close(out, per_expert.double(), BF16, what="values against the per-expert form")
+    names = ("x", "w13", "w2", "routing weights", "w13 bias", "w2 bias")
+    for name, g, p, w in zip(names, grads, per_expert_grads, ref_grads, strict=True):
+        if w is None:
+            continue
+        assert_close(g, w, BF16, what=f"d/d {name}")
+        assert_close(g, p.double(), BF16, what=f"d/d {name} against the per-expert form")
+
+
+def test_grouped_form_of_an_empty_batch():
+    leaves, ids = _case("cpu", True, "silu")
+    leaves = [t[:0] if t is not None and t.shape[0] == T else t for t in leaves]
+    out, grads = _grads(leaves, ids[:0], "silu", registry=_grouped_registry("cpu"))
+    assert out.shape == (0, H)
+    assert grads[1] is not None and torch.equal(grads[1], torch.zeros_like(grads[1]))
+
+
+@pytest.mark.gpu
+def test_training_on_cuda_bf16_runs_grouped_without_a_host_sync(monkeypatch):
+    """CUDA bf16 (the default grouped_mm pair): the forward of a training call takes the
+    grouped form and reads nothing on the host; values and gradients as the reference."""
+    taken = []
+    grouped = torch_autograd._grouped_differentiable
+    monkeypatch.setattr(
+        torch_autograd, "_grouped_differentiable", lambda *a: taken.append(1) or grouped(*a)
+    )
+    leaves, ids = _case("cuda", True, "swiglu_oai")
+    got = [None if t is None else t.clone().requires_grad_() for t in leaves]
+    x, w13, w2, tw, b13, b2 = got
+    moerunner.fused_moe(x, w13, w2, tw, ids, activation="swiglu_oai", w13_bias=b13, w2_bias=b2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moerunner.fused_moe(
+            x, w13, w2, tw, ids, activation="swiglu_oai", w13_bias=b13, w2_bias=b2,
+            check_ids=False,
+        )  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert taken == [1, 1]
+    out, grads = _grads(leaves, ids, "swiglu_oai")
+    ref, ref_grads = _reference(leaves, ids, "swiglu_oai")
+    assert_close(out.cpu(), ref.detach(), BF16, what="values")
+    for i, (g, w) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert_close(g.cpu(), w, BF16, what=f"gradient of leaf {i}")
