@@ -19,7 +19,7 @@ from .config import Activation, ExpertSpec
 from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
-from .hooks import MoeHooks, check_hooks
+from .hooks import MoeHooks, check_hooks, in_graph_of
 from .registry import Registry
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
@@ -27,8 +27,10 @@ from .shared import (
     SharedExperts,
     append_shared_slots,
     build_table,
+    check_shared,
     chunks_per_shared,
     expert_table,
+    shared_order,
     shared_weights_TS,
 )
 from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
@@ -360,7 +362,7 @@ def run_experts(
     if topk_ids.shape[1] == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
         _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
-        return hidden_states.new_zeros(hidden_states.shape)
+        return _zeros_in_graph(hidden_states, weights, topk_weights, act)
     if _needs_grad(hidden_states, weights, topk_weights, act):
         topk = _routing_values(topk_ids, topk_weights, spec.num_experts, check_ids)
         return _differentiable(
@@ -423,7 +425,7 @@ def _run_extended(
 
 
 def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_input, shared, hooks):
-    if weight_on_input and shared is not None and _check_shared(shared, weights, act):
+    if weight_on_input and shared is not None and check_shared(shared, weights, act):
         # Llama-4: the routed expert's input is scaled by its weight, the shared experts' is
         # not, so the two cannot share the expert table's rows: the shared experts run as a
         # call of their own (prepared once like any weights), every token to each of them
@@ -435,7 +437,7 @@ def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_inpu
         ids = torch.arange(count, dtype=torch.int32, device=hidden_states.device)
         own = _run_extended_call(
             runner,
-            ExpertWeights(shared.w13, shared.w2, w13_order=_shared_order(weights)),
+            ExpertWeights(shared.w13, shared.w2, w13_order=shared_order(weights)),
             hidden_states,
             TopK(shared_weights_TS(hidden_states, shared), ids.expand(tokens, count)),
             act,
@@ -454,14 +456,17 @@ def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_inpu
     spec = weights.spec(act)
     if topk.top_k == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
-        return hidden_states.new_zeros(hidden_states.shape)
+        return _zeros_in_graph(hidden_states, weights, topk.weights, act)
     dispatch_output = StandardDispatchOutput(hidden_states=hidden_states, topk=topk)
     problem = MoeProblem.of(hidden_states, weights, spec, dispatch_output.format)
+    hooks_train = False
     if check_hooks(hooks) is not None:
         problem = dataclasses.replace(problem, hooks=True)
-        if hooks.needs_grad():  # e.g. LoRA factors being trained: the torch backend's ops
+        if hooks_train := hooks.needs_grad():  # e.g. LoRA factors being trained
             runner = _hooks_with_grad(runner)
-    if _needs_grad(hidden_states, weights, topk.weights, act):
+    # (trained hooks alone run the differentiable path too: there a scheme's quantization of
+    # a GEMM's input passes the gradient straight through, as everywhere in training)
+    if hooks_train or _needs_grad(hidden_states, weights, topk.weights, act):
         return _differentiable(
             runner, runner.requested, problem, hidden_states, weights, topk, spec, hooks
         )
@@ -497,7 +502,7 @@ def _with_shared(
     act: Activation,
 ) -> tuple[ExpertWeights, TopK]:
     """The expert table (routed, then shared chunks) and the routing with the shared slots."""
-    if not _check_shared(shared, weights, act):
+    if not check_shared(shared, weights, act):
         return weights, topk
     grad = _needs_grad(hidden_states, weights, topk.weights) or _needs_grad(
         hidden_states, ExpertWeights(shared.w13, shared.w2), topk.weights
@@ -505,27 +510,6 @@ def _with_shared(
     table = (build_table if grad else expert_table)(weights, shared, act)
     chunks = chunks_per_shared(shared, weights, act)
     return table, append_shared_slots(topk, hidden_states, shared, weights.num_experts, chunks)
-
-
-def _shared_order(weights: ExpertWeights) -> str:
-    """The row order of shared experts beside these routed weights: alternating with
-    interleaved ones, else gate then up (``SharedExperts``)."""
-    return "interleaved" if weights.w13_order == "interleaved" else "gate_up"
-
-
-def _check_shared(shared: object, weights: ExpertWeights, act: Activation) -> bool:
-    """Shared experts a call can run beside these routed weights; False when there are none
-    (S = 0)."""
-    if not isinstance(shared, SharedExperts):
-        raise TypeError(f"shared_experts must be a SharedExperts, got {type(shared).__name__}")
-    shared.validate(weights, act)
-    if act.per_expert and shared.num_shared:
-        raise MoeInputError(
-            f"shared_experts with per-expert activation parameters "
-            f"({', '.join(act.tensors())} of shape [E]) are not supported: the shared experts "
-            "would need values of their own; pass scalar parameters"
-        )
-    return shared.num_shared > 0
 
 
 def weighted_input(hidden_states: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, TopK]:
@@ -560,12 +544,30 @@ def _needs_grad(
     reached the inference kernels, whose ``out=`` GEMMs have no autograd)."""
     if not torch.is_grad_enabled():
         return False
+    return any(t.requires_grad for t in _grad_tensors(hidden_states, weights, topk_weights, act))
+
+
+def _grad_tensors(hidden_states, weights: ExpertWeights, topk_weights, act) -> list:
+    """The tensor arguments of a call that can take part in autograd (``_needs_grad``)."""
     tensors = [hidden_states, topk_weights, weights.w13_bias, weights.w2_bias]
     if act is not None:
         tensors += list(act.tensors().values())
-    tensors += [w for w in (weights.w13, weights.w2) if isinstance(w, torch.Tensor)]
+    for w in (weights.w13, weights.w2):
+        if is_quantized(w):  # its own tensors: the differentiable path refuses them by name
+            from .quant.weight import TENSOR_FIELDS
+
+            tensors += [getattr(w, name, None) for name in TENSOR_FIELDS]
+        else:
+            tensors.append(w)
     # (a non-tensor argument is refused by name by the checks that follow)
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _zeros_in_graph(hidden_states, weights: ExpertWeights, topk_weights, act) -> torch.Tensor:
+    """Zeros of a call with nothing to compute, in grad mode in the graph of the arguments
+    that require grad (zero gradients for them, not a loss without a graph)."""
+    zeros = hidden_states.new_zeros(hidden_states.shape)
+    return in_graph_of(zeros, _grad_tensors(hidden_states, weights, topk_weights, act))
 
 
 def _differentiable(
@@ -581,7 +583,9 @@ def _differentiable(
     """The torch backend's autograd-friendly path (with ``hooks``: the hooked sequence on
     it); a clear error where it cannot serve."""
     from .backends import torch_native
+    from .backends.torch_autograd import check_frozen, differentiable_forward
 
+    check_frozen(weights)
     hint = "wrap the call in torch.no_grad() (or pass detached tensors) for inference"
     if backend not in ("auto", torch_native.NAME):
         raise MoeInputError(
@@ -598,10 +602,10 @@ def _differentiable(
         )
     MoeRunner(torch_native.NAME, registry=runner.registry).select(problem)  # raises if unfit
     weights = gate_up_first(weights)  # differentiable: a concatenation of row slices
-    from .backends.torch_autograd import differentiable_forward
-
     options = getattr(served, "options", torch_native.DEFAULT_TORCH_OPTIONS)
-    return differentiable_forward(hidden_states, weights, topk, spec, hooks, options)
+    out = differentiable_forward(hidden_states, weights, topk, spec, hooks, options)
+    # (no row computed, e.g. every id -1: zero gradients rather than a loss without a graph)
+    return in_graph_of(out, _grad_tensors(hidden_states, weights, topk.weights, None))
 
 
 def validate_call(

@@ -98,7 +98,7 @@ class MoeHooks:
         """``out`` of a call with these hooks, part of the graph of the tensors they train
         even where no hook ran (no rows, no slots, no adapter): a loss over it then gives
         them zero gradients instead of failing for want of a graph (``in_graph_of``)."""
-        return in_graph_of(out, self._trained()) if torch.is_grad_enabled() else out
+        return in_graph_of(out, self._trained(), each=True) if torch.is_grad_enabled() else out
 
     def apply(self, which: str, out: torch.Tensor, inp: torch.Tensor, rows: HookRows):
         """Run hook ``which`` ("gate_up" or "down") if set; check what it returns."""
@@ -191,11 +191,12 @@ def expert_of_rows(expert_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.where(expert < num_experts, expert, -1)
 
 
-def in_graph_of(out: torch.Tensor, tensors) -> torch.Tensor:
+def in_graph_of(out: torch.Tensor, tensors, each: bool = False) -> torch.Tensor:
     """``out``, part of the autograd graph of those ``tensors`` that require grad, where it
-    is not already (grad mode on): an empty slice's sum adds exactly 0 whatever the values (a
+    is not already (grad mode on; ``each``: of each of them, also where ``out`` is in a graph
+    that may miss some): an empty slice's sum adds exactly 0 whatever the values (a
     non-finite one included). Host metadata only."""
-    if out.requires_grad or not torch.is_grad_enabled():
+    if (out.requires_grad and not each) or not torch.is_grad_enabled():
         return out
     trained = [t for t in tensors if t.requires_grad]
     if not trained:

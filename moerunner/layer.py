@@ -28,7 +28,10 @@ keep_float_weights=True)`` keeps the float parameters instead (and the state dic
 them); the quantized copy then follows them: after an in-place edit, ``load_state_dict`` or
 ``.data`` assignment of ``w13`` / ``w2`` the next eager forward quantizes them again (a
 host-side check, no device sync; a compiled layer does not check: call ``quantize_`` again
-after such edits).
+after such edits). Float shared experts beside quantized ones: eager calls quantize them into
+the routed scheme (``moerunner.shared``'s table), compiled calls run them as float dense MLPs
+beside the quantized op (no table inside a trace), so the two differ by that rounding of the
+shared experts (3.7 % relative for fp8_block on a small random layer).
 
 Caches of what is derived from the parameters (prepared weights, the shared experts' table,
 the quantized copy of ``keep_float_weights``) follow PyTorch's in-place version counter,
@@ -653,8 +656,10 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             # Eager training on the torch backend's differentiable path (as fused_moe): no
             # recomputation in the backward; it also serves per-expert swiglu parameters,
             # which the custom op (scalar alpha / limit) does not carry.
-            weights = held or ExpertWeights(
-                self.w13, self.w2, self.w13_bias, self.w2_bias, self.config.gate_up_interleaved
+            # (the bias parameters themselves: held quantized weights keep detached ones)
+            w13, w2 = (self.w13, self.w2) if held is None else (held.w13, held.w2)
+            weights = ExpertWeights(
+                w13, w2, self.w13_bias, self.w2_bias, self.config.gate_up_interleaved
             )
             return run_experts(
                 self.runner, weights, x, topk.weights, topk.ids, act, check_ids,
@@ -672,14 +677,16 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             # recomputed on the torch backend. The tensors themselves: where the call needs
             # no gradients (``_trains``), none of them requires grad in grad mode.
             w = self if held is None else held  # plain, or as held
+            # (held weights keep detached biases: a training call takes the parameters)
+            b13, b2 = (self.w13_bias, self.w2_bias) if train else (w.w13_bias, w.w2_bias)
             routed = call_fused_experts(
                 x,
                 w.w13,
                 w.w2,
                 topk.weights,
                 topk.ids,
-                w.w13_bias,
-                w.w2_bias,
+                b13,
+                b2,
                 act.name,
                 act.alpha,
                 act.limit,

@@ -303,3 +303,32 @@ def shared_dense(
         a = activate(x @ w13[s].to(x.dtype).T, act, interleaved).to(x.dtype)
         out = out + (a @ w2[s].to(x.dtype).T).float() * gate_TS[:, s : s + 1]
     return out
+
+
+def shared_order(weights: ExpertWeights) -> str:
+    """The row order of shared experts beside these routed weights: alternating with
+    interleaved ones, else gate then up (``SharedExperts``)."""
+    return "interleaved" if weights.w13_order == "interleaved" else "gate_up"
+
+
+def check_shared(shared: object, weights: ExpertWeights, act: Activation) -> bool:
+    """Shared experts a call can run beside these routed weights; False when there are none
+    (S = 0)."""
+    if not isinstance(shared, SharedExperts):
+        raise TypeError(f"shared_experts must be a SharedExperts, got {type(shared).__name__}")
+    shared.validate(weights, act)
+    if act.per_expert and shared.num_shared:
+        raise MoeInputError(
+            f"shared_experts with per-expert activation parameters "
+            f"({', '.join(act.tensors())} of shape [E]) are not supported: the shared experts "
+            "would need values of their own; pass scalar parameters"
+        )
+    trained = [n for n in ("w13", "w2") if getattr(getattr(shared, n), "requires_grad", False)]
+    if trained and torch.is_grad_enabled() and is_quantized(weights.w13):
+        raise MoeInputError(
+            f"shared_experts: {' and '.join(trained)} require grad, but beside quantized routed "
+            f"experts ({weights.scheme}) float shared experts are quantized into that scheme, "
+            "whose weights are frozen: call requires_grad_(False) on them (the other tensors "
+            "still train), or train with plain routed experts"
+        )
+    return shared.num_shared > 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import cpu_backends
+from cases import cpu_backends, interpreted_triton
 
 import moerunner
 from moerunner import MoeInputError, MoeRunner
@@ -206,6 +206,22 @@ def test_gradients_pass_through_the_hooks(act, interleaved):
         (out.double() * proj).sum().backward()
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert_close(g.grad, w.grad, DTYPE_BOUND[torch.float32], what=f"gradient of leaf {i}")
+
+
+def test_triton_refuses_a_hook_whose_result_requires_grad():
+    """A plain hook closing over a tensor that requires grad (no ``tensors()`` method, so
+    ``MoeHooks.needs_grad`` cannot see it): triton applied it and dropped the graph, so the
+    tensor got no gradient. Triton now refuses such a result by name; the torch backend
+    carries its gradient."""
+    if not interpreted_triton():
+        pytest.skip("CPU tensors: triton runs them under its interpreter only")
+    x, weights, topk, act, p13, p2, c = _case()
+    trained = p2.clone().requires_grad_()
+    hooks = _hooks(p13, trained, c)
+    with pytest.raises(MoeInputError, match="down returned a tensor that requires grad"):
+        _run("triton", x, weights, topk, act, hooks)
+    _run("torch", x, weights, topk, act, hooks).sum().backward()
+    assert trained.grad is not None and trained.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

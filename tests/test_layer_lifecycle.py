@@ -283,6 +283,29 @@ def test_quantized_layers_run_in_grad_mode_and_pass_gradients_on():
             assert_close(g.grad, w.grad, BOUND, what=f"{name}: {what}")
 
 
+def test_quantized_layer_biases_trained_again_get_their_gradients():
+    """``quantize_`` freezes the biases; a user who turns their gradients back on got None
+    (the held quantized weights kept detached copies), eager and compiled. The calls now read
+    the bias parameters themselves: their gradients are the float64 reference's."""
+    layer = MoE(_config(bias=True), backend="torch").quantize_("int8_w8a16")
+    for b in (layer.w13_bias, layer.w2_bias):
+        b.requires_grad_()
+    x, logits = _inputs(12)
+    proj = torch.linspace(-1, 1, H, dtype=torch.float64)
+    q, topk = layer.quantized, moerunner.select_experts(logits, K, renormalize=True)
+    b13, b2 = (b.detach().double().requires_grad_() for b in (layer.w13_bias, layer.w2_bias))
+    ref = moerunner.reference_moe(
+        x.double(), moerunner.ExpertWeights(q.w13, q.w2, b13, b2), topk.weights, topk.ids
+    )
+    (ref * proj).sum().backward()
+    torch._dynamo.reset()
+    for name, call in (("eager", layer), ("compiled", torch.compile(layer, backend="aot_eager"))):
+        layer.zero_grad()
+        (call(x, logits).double() * proj).sum().backward()
+        assert_close(layer.w13_bias.grad, b13.grad, BOUND, what=f"{name}: w13 bias")
+        assert_close(layer.w2_bias.grad, b2.grad, BOUND, what=f"{name}: w2 bias")
+
+
 # -- GPU: the triton forward trains too ------------------------------------------------------
 
 

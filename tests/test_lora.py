@@ -896,19 +896,27 @@ def _quantized_reference(x, weights64, lora, topk, adapters, scheme):
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("x_trains", [True, False], ids=["input-trained", "factors-only"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scheme", ["mxfp4", "int4_g32_zp", "fp8_block"])
-def test_frozen_quantized_experts_pass_gradients_without_keeping_float_weights(scheme, device):
+def test_frozen_quantized_experts_pass_gradients_without_keeping_float_weights(
+    scheme, device, x_trains
+):
     """QLoRA: quantized experts (frozen) with trainable LoRA factors, in grad mode with the
     hidden states requiring grad (any layer after the first). This raised ("quantized
     weights have no backward"). The gradients now pass through the quantized experts and
     match autograd of a float64 reference on the dequantized weights (fp32 bound; fp8_block
     also quantizes each GEMM's input, whose gradient passes straight through, as in the
     reference). The backward dequantizes again instead of keeping any expert's float weight
-    alive from the forward."""
+    alive from the forward. With the input frozen (the first layer of a frozen model) the
+    factors' gradients are the same: that call ran the inference path, where autograd
+    differentiated the input quantization itself (w13 factors off by 0.1-1.3). A quantized
+    weight's scale that requires grad is refused either way (it got a gradient silently)."""
     x, weights, lora, topk, adapters, act = _case(seed=11, hidden=128, inter=128)
     w13, w2 = (moerunner.quantize(w.to(device), scheme) for w in (weights.w13, weights.w2))
     got, want = _leaves(x, topk.weights, *_factors(lora), device=device)
+    if not x_trains:
+        got[0].requires_grad_(False)
     saved = []
 
     def pack(t):
@@ -931,8 +939,28 @@ def test_frozen_quantized_experts_pass_gradients_without_keeping_float_weights(s
     )  # fmt: skip
     assert_close(out.cpu(), ref.detach(), DTYPE_BOUND[torch.float32], what=scheme)
     _loss(ref).backward()
-    _assert_grads(got, want, scheme)
+    _assert_grads(got if x_trains else [None, *got[1:]], want, scheme)
     if w13.scale.is_floating_point():  # (e8m0 scales are bytes: they cannot require grad)
         w13.scale.requires_grad_()
         with pytest.raises(MoeInputError, match=r"are frozen, but w13.scale requires grad"):
-            moerunner.fused_moe(got[0], w13, w2, got[1], topk.ids.to(device))
+            moerunner.fused_moe(got[0], w13, w2, got[1].detach(), topk.ids.to(device))
+
+
+def test_a_call_that_computes_no_row_gives_zero_gradients():
+    """Grad mode, every id -1 (or top_k = 0): the output had no graph, so a loss over it
+    raised "does not require grad" (without hooks), and with LoRA hooks the w13 factors got
+    None where the w2 factors got zeros. Every trained tensor now gets zero gradients."""
+    x, weights, lora, topk, adapters, act = _case(seed=13)
+    none = torch.full_like(topk.ids, -1)
+    for ids in (none, none[:, :0]):
+        got, _ = _leaves(x, weights.w13, weights.w2, topk.weights[:, : ids.shape[1]])
+        out = moerunner.fused_moe(got[0], got[1], got[2], got[3], ids)
+        assert out.requires_grad and torch.equal(out, torch.zeros_like(out))
+        out.sum().backward()
+        assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in got)
+    factors, _ = _leaves(*_factors(lora))
+    hooks = lora_hooks(MoeLoraWeights(*factors, lora.scaling), adapters)
+    moerunner.fused_moe(
+        x, weights.w13, weights.w2, topk.weights, none, hooks=hooks
+    ).sum().backward()
+    assert all(t.grad is not None and torch.equal(t.grad, torch.zeros_like(t)) for t in factors)

@@ -316,3 +316,24 @@ def test_shared_experts_config_is_checked():
         SharedExpertsConfig(gate=1)
     with pytest.raises(TypeError, match="shared_experts must be a SharedExpertsConfig"):
         MoeConfig(4, 8, 8, 2, shared_experts=2)
+
+
+def test_trainable_float_shared_experts_beside_quantized_routed_ones_are_refused():
+    """Float shared experts beside quantized routed experts are quantized into the routed
+    scheme, whose weights are frozen: shared weights that required grad got no gradient,
+    silently. Grad mode now refuses them by name; frozen, they run, and the gate (which
+    weighs their slots) still trains."""
+    x, routed, shared, topk, act = _case(s=1, gate=True)
+    q = ExpertWeights(*(moerunner.quantize(w, "int8_w8a16") for w in (routed.w13, routed.w2)))
+    trained = SharedExperts(shared.w13.clone().requires_grad_(), shared.w2, shared.gate)
+    with pytest.raises(MoeInputError, match="shared_experts: w13 require grad, but beside"):
+        _fused(x, q, trained, topk, act, "torch")
+    with torch.no_grad():  # inference: as before
+        assert_close(
+            _fused(x, q, trained, topk, act, "torch"),
+            _fused(x, q, shared, topk, act, "torch").double(),
+            0.0,
+        )
+    gate = shared.gate.clone().requires_grad_()
+    _fused(x, q, SharedExperts(shared.w13, shared.w2, gate), topk, act, "torch").sum().backward()
+    assert gate.grad is not None and gate.grad.abs().sum() > 0

@@ -39,7 +39,7 @@ from .torch_native import (
     _linear,
 )
 
-__all__ = ["differentiable_forward"]
+__all__ = ["check_frozen", "differentiable_forward"]
 
 
 def differentiable_forward(
@@ -59,7 +59,7 @@ def differentiable_forward(
     precision (fp32 activation and sum); one host read of the expert offsets, none where
     ``options.grouped_mm`` has the call's (device, dtype) (``_grouped_differentiable``).
     Used by ``fused_moe`` when grad mode is on and an argument requires grad."""
-    _check_frozen(weights)
+    check_frozen(weights)
     if hooks is None and _grouped_trains(hidden_TH, weights, spec, options):
         return _grouped_differentiable(hidden_TH, weights, topk, spec)
     gemm = _autograd_gemm(weights)
@@ -127,7 +127,7 @@ def _grouped_differentiable(
     return out.index_add(0, token, y_MH).to(dtype)
 
 
-def _check_frozen(weights: ExpertWeights) -> None:
+def check_frozen(weights: ExpertWeights) -> None:
     """Quantized weights train nothing of their own: refuse tensors of theirs that require
     grad, which would get no gradient silently."""
     from ..quant.weight import TENSOR_FIELDS

@@ -236,7 +236,10 @@ def _gemm_input(x: torch.Tensor, scheme, input_scale: torch.Tensor | None) -> to
         return x
     from ..quant import fake_quantize_activation
 
-    return fake_quantize_activation(x, scheme, input_scale=input_scale)
+    q = fake_quantize_activation(x, scheme, input_scale=input_scale)
+    if torch.is_grad_enabled() and x.requires_grad:  # (the gradient passes straight through)
+        return x.float() + (q - x.float()).detach()
+    return q
 
 
 def _linear(

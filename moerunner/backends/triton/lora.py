@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from ...errors import MoeInputError
 from ...hooks import HookRows, MoeHooks
 from ...lora import LoraDelta
 from . import _launch
@@ -387,7 +388,15 @@ def apply_hook(
     fn = getattr(hooks, which)
     if not isinstance(fn, LoraDelta):
         x_RK = x_XK if a_row_div == 1 else x_XK.repeat_interleave(a_row_div, dim=0)
-        return hooks.apply(which, out, x_RK, rows)
+        got = hooks.apply(which, out, x_RK, rows)
+        if got.requires_grad and torch.is_grad_enabled():  # (the kernels would drop it)
+            raise MoeInputError(
+                f"hooks: {which} returned a tensor that requires grad, but backend 'triton' "
+                "applies hooks without autograd: give the hook a tensors() method listing the "
+                "tensors it trains (MoeHooks.needs_grad: such calls run on the torch backend), "
+                "pass backend='torch', or run under torch.no_grad()"
+            )
+        return got
     fn.check(out, x_XK)
     key = (id(fn.adapter_T), fn.lora.num_adapters, fn.lora.num_experts)
     layout = layouts.get(key)
