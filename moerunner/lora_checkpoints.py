@@ -36,6 +36,9 @@ holds each adapter's default; a module whose own scaling differs has the ratio f
 its B. Adapters of different ranks are zero-padded to the largest (a zero row of A adds
 exactly 0).
 
+``new_lora_set`` makes fresh trainable adapters (PEFT's initialisation) and
+``save_peft_adapter`` writes one adapter back in the fused-parameter layout above.
+
 moerunner applies the routed experts' factors only. An adapter that also holds LoRA weights
 of other modules (attention, the router, a shared expert), or whole weights PEFT saved beside
 them (``modules_to_save``: a trained router or lm_head), is refused unless
@@ -574,3 +577,112 @@ def _w13(roles: dict[str, _Module], default: float, shape: MoeModelShape):
         order = torch.stack([torch.arange(i), torch.arange(i) + i], dim=1).flatten()
         b = b[:, order]
     return a, b
+
+
+# -- new adapters, and adapters written back in PEFT's layout ------------------------------
+
+
+def _experts_layers(model) -> dict[int, str]:
+    """Decoder layer index -> path of each experts module of a transformers model."""
+    from .integrations.transformers import experts_modules
+
+    found = {}
+    for path, _ in experts_modules(model):
+        match = re.search(r"(?:^|\.)layers\.(\d+)\.", path)
+        if match is None:
+            raise MoeInputError(f"experts module {path}: no layers.<i> in its path")
+        found[int(match.group(1))] = path
+    if not found:
+        raise MoeInputError("model: no experts module runs on moerunner or transformers' experts")
+    return found
+
+
+def new_lora_set(
+    model, *, r: int, lora_alpha: float, num_adapters: int = 1, seed: int = 0, device=None
+) -> MoeLoraSet:
+    """Fresh trainable LoRA adapters over every experts layer of a transformers ``model``, as
+    PEFT initialises them: A uniform in ``[-1/sqrt(in), 1/sqrt(in)]`` (kaiming-uniform with
+    a = sqrt(5)), B zero, so the adapted model starts as the base model; scaling
+    ``lora_alpha / r``. float32 factors on ``device`` (default: the experts' device) that
+    require grad: attach them (``use_moerunner(model, lora=...)`` or ``attach_lora``), train,
+    and write them with ``save_peft_adapter``."""
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise TypeError(f"r must be a positive int, got {r!r}")
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)):
+        raise TypeError(f"lora_alpha must be a number, got {lora_alpha!r}")
+    if not math.isfinite(lora_alpha):
+        raise MoeInputError(f"lora_alpha must be finite, got {lora_alpha!r}")
+    if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or num_adapters < 1:
+        raise TypeError(f"num_adapters must be an int >= 1, got {num_adapters!r}")
+    shape = MoeModelShape.of(model.config)
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    gen = torch.Generator().manual_seed(seed)
+    where = device if device is not None else next(model.parameters()).device
+
+    def uniform(*size, fan_in):
+        return (torch.rand(*size, generator=gen) * 2 - 1) * fan_in**-0.5
+
+    layers = {}
+    for index in sorted(_experts_layers(model)):
+        factors = (
+            uniform(num_adapters, e, r, h, fan_in=h),
+            torch.zeros(num_adapters, e, shape.w13_rows, r),
+            uniform(num_adapters, e, r, i, fan_in=i),
+            torch.zeros(num_adapters, e, h, r),
+        )
+        layers[index] = MoeLoraWeights(
+            *(f.to(where).requires_grad_() for f in factors),
+            scaling=torch.full((num_adapters,), lora_alpha / r, device=where),
+        )
+    names = tuple(f"adapter_{a}" for a in range(num_adapters))
+    return MoeLoraSet(layers, names)
+
+
+def save_peft_adapter(lora: MoeLoraSet, folder, model, *, adapter: int = 0) -> str:
+    """Write adapter ``adapter`` of ``lora`` into ``folder`` as PEFT saves LoRA on transformers
+    5's fused expert parameters (``target_parameters``; the layout this module reads, so
+    ``load_peft_adapter_set`` gives the same updates back), for ``model``'s experts module
+    paths. Each layer's scaling is folded into its B (``lora_alpha = r``), and the two GEMMs'
+    factors are zero-padded to one rank. Returns the folder."""
+    from safetensors.torch import save_file
+
+    if not isinstance(lora, MoeLoraSet):
+        raise TypeError(f"lora must be a MoeLoraSet, got {type(lora).__name__}")
+    if isinstance(adapter, bool) or not isinstance(adapter, int):
+        raise TypeError(f"adapter must be an int, got {adapter!r}")
+    if not 0 <= adapter < lora.num_adapters:
+        raise MoeInputError(f"adapter must be in [0, {lora.num_adapters}), got {adapter}")
+    paths = _experts_layers(model)
+    missing = sorted(set(lora.layers) - set(paths))
+    if missing:
+        raise MoeInputError(f"lora: layers {missing} have no experts module in this model")
+    rank = max(max(w.w13_a.shape[2], w.w2_a.shape[2]) for w in lora.layers.values())
+    tensors = {}
+    for index, weights in sorted(lora.layers.items()):
+        s = weights.scaling
+        s = float(s[adapter]) if isinstance(s, torch.Tensor) else float(s)
+        parts = (("base_layer.", weights.w13_a, weights.w13_b), ("", weights.w2_a, weights.w2_b))
+        for wrap, a_all, b_all in parts:
+            a = a_all[adapter].detach().float().cpu()  # [E, r, in]
+            b = b_all[adapter].detach().float().cpu() * s  # [E, out, r]
+            pad = rank - a.shape[1]
+            a = torch.cat([a, a.new_zeros(a.shape[0], pad, a.shape[2])], dim=1)
+            b = torch.cat([b, b.new_zeros(b.shape[0], b.shape[1], pad)], dim=2)
+            key = f"{_PEFT_PREFIX}{paths[index]}.{wrap}"
+            tensors[key + "lora_A.weight"] = a.reshape(-1, a.shape[2]).contiguous()
+            # column j * E + e holds expert e's column j
+            tensors[key + "lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+    shape = MoeModelShape.of(model.config)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": rank,
+        "target_modules": [],
+        "target_parameters": ["gate_up_proj" if shape.gated else "up_proj", "down_proj"],
+    }
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, CONFIG_NAME), "w") as f:
+        json.dump(config, f)
+    save_file(tensors, os.path.join(folder, WEIGHTS_NAME))
+    return folder
