@@ -605,7 +605,7 @@ def _differentiable(
     options = getattr(served, "options", torch_native.DEFAULT_TORCH_OPTIONS)
     out = differentiable_forward(hidden_states, weights, topk, spec, hooks, options)
     # (no row computed, e.g. every id -1: zero gradients rather than a loss without a graph)
-    return in_graph_of(out, _grad_tensors(hidden_states, weights, topk.weights, None))
+    return in_graph_of(out, _grad_tensors(hidden_states, weights, topk.weights, None), each=True)
 
 
 def validate_call(

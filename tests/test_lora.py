@@ -964,3 +964,9 @@ def test_a_call_that_computes_no_row_gives_zero_gradients():
         x, weights.w13, weights.w2, topk.weights, none, hooks=hooks
     ).sum().backward()
     assert all(t.grad is not None and torch.equal(t.grad, torch.zeros_like(t)) for t in factors)
+    # T = 0 with trained factors and inputs: the factors kept the output in a graph, and the
+    # inputs then got None
+    got, _ = _leaves(x[:0], weights.w13, weights.w2, topk.weights[:0], *_factors(lora))
+    hooks = lora_hooks(MoeLoraWeights(*got[4:], lora.scaling), adapters[:0])
+    moerunner.fused_moe(*got[:3], got[3], topk.ids[:0], hooks=hooks).sum().backward()
+    assert all(t.grad is not None and torch.equal(t.grad, torch.zeros_like(t)) for t in got)
