@@ -61,9 +61,11 @@ def _reference(leaves, ids, act):
     return out, [None if t is None else t.grad for t in want]
 
 
-def _grouped_registry(device: str) -> moerunner.Registry:
+def _registry(device: str, grouped: bool) -> moerunner.Registry:
+    """The torch backend with the grouped GEMM for ``device`` bf16, or nowhere."""
     registry = moerunner.default_registry().copy()
-    options = TorchOptions(grouped_mm=frozenset({(device, torch.bfloat16)}))
+    pairs = frozenset({(device, torch.bfloat16)}) if grouped else frozenset()
+    options = TorchOptions(grouped_mm=pairs, grouped_training=frozenset())
     registry.register_backend(TorchBackend(options), replace=True)
     return registry
 
@@ -73,17 +75,19 @@ def test_grouped_form_matches_the_reference_and_the_per_expert_form(monkeypatch,
     """The grouped form (two grouped GEMMs, no host read; CUDA bf16 by default, here on the
     CPU through ``TorchOptions.grouped_mm``) gives the float64 reference's values and
     gradients, and the per-expert form's, with skipped slots whose grouped rows belong to
-    no group."""
+    no group. CPU calls take it by default (``TorchOptions.grouped_training``)."""
     taken = []
     grouped = torch_autograd._grouped_differentiable
     monkeypatch.setattr(  # a spy: which form served each call
         torch_autograd, "_grouped_differentiable", lambda *a: taken.append(1) or grouped(*a)
     )
     leaves, ids = _case("cpu", biased, act)
-    out, grads = _grads(leaves, ids, act, registry=_grouped_registry("cpu"))
+    out, grads = _grads(leaves, ids, act, registry=_registry("cpu", True))
     assert taken == [1]
-    per_expert, per_expert_grads = _grads(leaves, ids, act)  # default options on the CPU
+    per_expert, per_expert_grads = _grads(leaves, ids, act, registry=_registry("cpu", False))
     assert taken == [1]
+    _grads(leaves, ids, act)  # the default options: grouped in CPU training (grouped_training)
+    assert taken == [1, 1]
     ref, ref_grads = _reference(leaves, ids, act)
     assert_close(out, ref.detach(), BF16, what="values")
     assert_close(out, per_expert.double(), BF16, what="values against the per-expert form")
@@ -98,7 +102,7 @@ def test_grouped_form_matches_the_reference_and_the_per_expert_form(monkeypatch,
 def test_grouped_form_of_an_empty_batch():
     leaves, ids = _case("cpu", True, "silu")
     leaves = [t[:0] if t is not None and t.shape[0] == T else t for t in leaves]
-    out, grads = _grads(leaves, ids[:0], "silu", registry=_grouped_registry("cpu"))
+    out, grads = _grads(leaves, ids[:0], "silu", registry=_registry("cpu", True))
     assert out.shape == (0, H)
     assert grads[1] is not None and torch.equal(grads[1], torch.zeros_like(grads[1]))
 

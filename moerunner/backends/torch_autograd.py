@@ -7,8 +7,9 @@ activation parameters and, with hooks, what the hooks read (LoRA factors), passi
 the hooks to the hidden states. Quantized weights are frozen (``_FrozenExpertGemm``). The
 forms, by what the call has:
 
-- no hooks, a (device, dtype) pair of ``TorchOptions.grouped_mm`` (CUDA bf16) and plain
-  weights it can read: two grouped GEMMs (``_grouped_differentiable``), no host read;
+- no hooks, a (device, dtype) pair of ``TorchOptions.grouped_mm`` (CUDA bf16) or a device
+  of ``grouped_training`` (the CPU), and plain weights it can read: two grouped GEMMs
+  (``_grouped_differentiable``; no host read on a GPU);
 - no hooks otherwise: one GEMM pair per expert hit (one host read of the expert offsets);
 - hooks: the torch backend's hooked sequence (``torch_native._hooked_standard``) on the
   call's own weights.
@@ -67,62 +68,82 @@ def differentiable_forward(
         return _hooked_standard(StandardDispatchOutput(hidden_TH, topk), spec, gemm, hooks)
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
     bounds = offsets.tolist()
-    weight = weight_TK.reshape(-1)[order]
-    out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
+    rows = bounds[spec.num_experts]  # the valid pairs; the others sort past them
+    x_MH = hidden_TH[token[:rows]]  # one gather (its backward: one scatter-add)
+    ys = []
     for e in range(spec.num_experts):
         start, end = bounds[e], bounds[e + 1]
-        if end == start:
-            continue
-        tok = token[start:end]
-        h = gemm("w13", e, hidden_TH[tok])
-        a = apply_activation(h, spec, e).to(hidden_TH.dtype)
-        y = gemm("w2", e, a)
-        out = out.index_add(0, tok, y * weight[start:end, None])
+        if end > start:
+            h = gemm("w13", e, x_MH[start:end])
+            ys.append(gemm("w2", e, apply_activation(h, spec, e).to(hidden_TH.dtype)))
+    out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
+    if ys:  # one weighted sum of every row (not one [T, H] copy per expert)
+        weight = weight_TK.reshape(-1)[order[:rows]]
+        out = out.index_add(0, token[:rows], torch.cat(ys) * weight[:, None])
     return out.to(hidden_TH.dtype)
 
 
 def _grouped_trains(
     x_TH: torch.Tensor, weights: ExpertWeights, spec: ExpertSpec, options: TorchOptions
 ) -> bool:
-    """The grouped GEMM serves a differentiable call where it serves inference calls
-    (``_use_grouped_mm``): a (device, dtype) pair of ``options.grouped_mm``, and plain weights
-    of that dtype whose rows it can read."""
-    w13, w2 = weights.w13, weights.w2
+    """The grouped GEMM serves a differentiable call on a (device, dtype) pair of
+    ``options.grouped_mm`` or a device of ``options.grouped_training`` (the CPU), for plain
+    weights of that dtype whose rows it can read."""
+    w13, w2, device = weights.w13, weights.w2, x_TH.device.type
+    # (the grouped GEMM's fake-tensor rule takes bf16 alone: traced, other dtypes run per
+    # expert)
+    traceable = x_TH.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
     return (
-        (x_TH.device.type, x_TH.dtype) in options.grouped_mm
+        ((device, x_TH.dtype) in options.grouped_mm or device in options.grouped_training)
+        and traceable
         and _grouped_rows(w13, spec)
         and w13.dtype == x_TH.dtype
-        and _aligned16(w13)
-        and _aligned16(w2)
+        and _readable(w13)
+        and _readable(w2)
     )
+
+
+def _readable(w: torch.Tensor) -> bool:
+    """``_aligned16``, False for a tensor without storage to check (the custom ops' backward
+    differentiates through ``torch.func``, whose wrapped tensors have none): such calls run
+    per expert."""
+    try:
+        return _aligned16(w)
+    except RuntimeError:
+        return False
 
 
 def _grouped_differentiable(
     hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec
 ) -> torch.Tensor:
-    """``differentiable_forward`` as two grouped GEMMs, which PyTorch differentiates: no host
-    read, no per-expert launches (training at the speed of transformers' own grouped_mm
-    experts). The rounding points are the per-expert path's. Rows of skipped slots (past
-    offsets[E]) belong to no group: the grouped GEMMs leave their outputs, and in the
-    backward their input gradients, undefined, so they are selected out (never multiplied:
-    undefined values may be NaN) before they reach a sum or a gradient."""
+    """``differentiable_forward`` as two grouped GEMMs, which PyTorch differentiates: no
+    per-expert launches, and no host read on a GPU. The rounding points are the per-expert
+    path's. Rows of skipped slots (past offsets[E]) belong to no group: the grouped GEMMs
+    leave their outputs, and in the backward their input gradients, undefined, so on a GPU
+    they are selected out (never multiplied: undefined values may be NaN) before they reach
+    a sum or a gradient; on the CPU they are dropped after one host read."""
     dtype = hidden_TH.dtype
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
+    if hidden_TH.device.type == "cpu":  # (a host read is free here: the valid rows alone)
+        rows = int(offsets[-1])
+        order, token = order[:rows], token[:rows]
+
+    def valid_only(t: torch.Tensor) -> torch.Tensor:
+        return t if valid is None else torch.where(valid, t, 0)
+
     expert = expert_of_rows(offsets, order.shape[0])
-    valid = (expert >= 0)[:, None]
+    valid = None if hidden_TH.device.type == "cpu" else (expert >= 0)[:, None]
     row_expert = expert.clamp(min=0)
     ends = offsets[1:].to(torch.int32)
-    x_MH = torch.where(valid, hidden_TH[token], 0)
-    h_MN = _GROUPED_MM(x_MH, weights.w13.transpose(-2, -1), offs=ends)
+    h_MN = _GROUPED_MM(valid_only(hidden_TH[token]), weights.w13.transpose(-2, -1), offs=ends)
     if weights.w13_bias is not None:
         h_MN = h_MN.float() + weights.w13_bias[row_expert].float()
-    h_MN = torch.where(valid, h_MN, 0)
-    a_MI = apply_activation(h_MN, spec, row_expert).to(dtype)
+    a_MI = apply_activation(valid_only(h_MN), spec, row_expert).to(dtype)
     y_MH = _GROUPED_MM(a_MI, weights.w2.transpose(-2, -1), offs=ends)
     if weights.w2_bias is not None:
         y_MH = y_MH.float() + weights.w2_bias[row_expert].float()
     weight = weight_TK.reshape(-1)[order]
-    y_MH = torch.where(valid, y_MH.float() * weight[:, None], 0.0)
+    y_MH = valid_only(y_MH.float() * weight[:, None])
     out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
     return out.index_add(0, token, y_MH).to(dtype)
 

@@ -69,6 +69,12 @@ class TorchOptions:
     #: once (no host reads: CUDA graphs capture it). Plain weights with 16-byte aligned rows
     #: only; elsewhere one GEMM pair per expert hit (on CPU: the chunks below).
     grouped_mm: frozenset = frozenset({("cuda", torch.bfloat16)})
+    #: Device types whose calls in training (the differentiable path) run the grouped GEMM
+    #: in every dtype, beyond ``grouped_mm``'s pairs. CPU: autograd's per-expert work costs
+    #: far more than the GEMMs (``benchmarks/training_step.py``, record
+    #: cpu-training-step-2026-12-06: Qwen3-30B-A3B / 16 fp32, T = 256 and 1024, one GEMM pair
+    #: per expert 0.08-0.12x transformers' grouped_mm experts, grouped 0.68-0.86x).
+    grouped_training: frozenset = frozenset({"cpu"})
     #: CPU standard calls of these dtypes run as two grouped GEMMs over the valid rows instead
     #: of the chunks where ``cpu_grouped_large`` or ``cpu_grouped_hit_share`` says. bf16 (torch
     #: 2.13; 2.11 ran the GEMMs alone the same): Qwen3-30B-A3B's full experts (3.1M w13
@@ -114,6 +120,7 @@ class TorchOptions:
             "(device type, dtype) pairs such as ('cuda', torch.bfloat16)",
             _device_dtype,
         )
+        frozen_set(self, "grouped_training", "device types such as 'cpu'", _device_type)
         dtype_set(self, "cpu_grouped_dtypes")
         dtype_set(self, "cpu_columns_dtypes")
         check_int(self, "cpu_grouped_hit_share", 1)
@@ -135,6 +142,10 @@ class TorchOptions:
 
     def __repr__(self) -> str:
         return changed_repr(self)
+
+
+def _device_type(name) -> bool:
+    return isinstance(name, str) and bool(name)
 
 
 def _device_dtype(pair) -> bool:

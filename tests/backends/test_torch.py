@@ -459,6 +459,8 @@ def test_options_validate_and_rebuild_from_their_repr():
         ({"cpu_columns_dtypes": {"bf16"}}, TypeError, "must hold torch dtypes"),
         ({"grouped_mm": {("cuda", "bf16")}}, TypeError, r"\(device type, dtype\) pairs"),
         ({"grouped_mm": "cuda"}, TypeError, "grouped_mm must be a set"),
+        ({"grouped_training": "cpu"}, TypeError, "grouped_training must be a set"),
+        ({"grouped_training": {torch.float32}}, TypeError, "must hold device types"),
         ({"cpu_float32_row_forms": (16, 4, 48)}, ValueError, "non-decreasing"),
     ]
     for kwargs, error, match in bad:
