@@ -45,6 +45,7 @@ def test_benchmark_folders_hold_what_the_readmes_say():
         "ep_gpu_check.py",
         "ep_scaling.py",
         "host_cost.py",
+        "training_step.py",
         "transformers_e2e.py",
         "version_ab.py",
     }
