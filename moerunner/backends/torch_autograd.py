@@ -30,7 +30,6 @@ from ..errors import MoeInputError
 from ..hooks import MoeHooks, expert_of_rows
 from ..weights import ExpertWeights, is_quantized
 from .torch_native import (
-    _GROUPED_MM,
     DEFAULT_TORCH_OPTIONS,
     ExpertGemm,
     TorchOptions,
@@ -38,6 +37,7 @@ from .torch_native import (
     _grouped_rows,
     _hooked_standard,
     _linear,
+    grouped_experts,
 )
 
 __all__ = ["check_frozen", "differentiable_forward"]
@@ -54,13 +54,13 @@ def differentiable_forward(
     """The experts with autograd: out-of-place PyTorch ops only (no ``out=``, no cached
     views), so gradients reach the hidden states, the routing weights, plain weights, the
     biases and per-expert activation parameters. Quantized weights are frozen (their codes
-    and scales get none; ``_FrozenExpertGemm``). With ``hooks``, the hooked sequence on the
+    and scales get none; ``_FrozenExpertGemm``; the caller refuses tensors of theirs that
+    require grad: ``check_frozen``). With ``hooks``, the hooked sequence on the
     same ops: gradients also reach what the hooks read (LoRA factors) and pass through them
     to the hidden states, so adapted layers train stacked. Computes in the fast paths'
     precision (fp32 activation and sum); one host read of the expert offsets, none where
     ``options.grouped_mm`` has the call's (device, dtype) (``_grouped_differentiable``).
     Used by ``fused_moe`` when grad mode is on and an argument requires grad."""
-    check_frozen(weights)
     if hooks is None and _grouped_trains(hidden_TH, weights, spec, options):
         return _grouped_differentiable(hidden_TH, weights, topk, spec)
     gemm = _autograd_gemm(weights)
@@ -116,36 +116,24 @@ def _readable(w: torch.Tensor) -> bool:
 def _grouped_differentiable(
     hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec
 ) -> torch.Tensor:
-    """``differentiable_forward`` as two grouped GEMMs, which PyTorch differentiates: no
-    per-expert launches, and no host read on a GPU. The rounding points are the per-expert
-    path's. Rows of skipped slots (past offsets[E]) belong to no group: the grouped GEMMs
-    leave their outputs, and in the backward their input gradients, undefined, so on a GPU
-    they are selected out (never multiplied: undefined values may be NaN) before they reach
-    a sum or a gradient; on the CPU they are dropped after one host read."""
-    dtype = hidden_TH.dtype
+    """``differentiable_forward`` as the inference path's two grouped GEMMs
+    (``torch_native.grouped_experts``, which PyTorch differentiates): no per-expert
+    launches, and no host read on a GPU, where rows of skipped slots are selected out; on
+    the CPU they are dropped after one host read."""
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
+    valid = None
     if hidden_TH.device.type == "cpu":  # (a host read is free here: the valid rows alone)
         rows = int(offsets[-1])
         order, token = order[:rows], token[:rows]
-
-    def valid_only(t: torch.Tensor) -> torch.Tensor:
-        return t if valid is None else torch.where(valid, t, 0)
-
-    expert = expert_of_rows(offsets, order.shape[0])
-    valid = None if hidden_TH.device.type == "cpu" else (expert >= 0)[:, None]
-    row_expert = expert.clamp(min=0)
-    ends = offsets[1:].to(torch.int32)
-    h_MN = _GROUPED_MM(valid_only(hidden_TH[token]), weights.w13.transpose(-2, -1), offs=ends)
-    if weights.w13_bias is not None:
-        h_MN = h_MN.float() + weights.w13_bias[row_expert].float()
-    a_MI = apply_activation(valid_only(h_MN), spec, row_expert).to(dtype)
-    y_MH = _GROUPED_MM(a_MI, weights.w2.transpose(-2, -1), offs=ends)
-    if weights.w2_bias is not None:
-        y_MH = y_MH.float() + weights.w2_bias[row_expert].float()
+    else:
+        valid = (expert_of_rows(offsets, order.shape[0]) >= 0)[:, None]
+    w = weights
+    y_MH = grouped_experts(
+        hidden_TH[token], offsets, spec, w.w13, w.w2, w.w13_bias, w.w2_bias, valid
+    )
     weight = weight_TK.reshape(-1)[order]
-    y_MH = valid_only(y_MH.float() * weight[:, None])
     out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
-    return out.index_add(0, token, y_MH).to(dtype)
+    return out.index_add(0, token, y_MH.float() * weight[:, None]).to(hidden_TH.dtype)
 
 
 def check_frozen(weights: ExpertWeights) -> None:

@@ -498,24 +498,49 @@ def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
 def _grouped_forward(
     x_MH: torch.Tensor, offsets: torch.Tensor, prepared: PreparedWeights
 ) -> torch.Tensor:
-    """All segments in two grouped GEMMs; no host synchronisation."""
-    t, spec = prepared.tensors, prepared.spec
+    """All segments of the prepared weights in two grouped GEMMs (``grouped_experts``)."""
+    t = prepared.tensors
+    return grouped_experts(
+        x_MH, offsets, prepared.spec, t["w13"], t["w2"], t["w13_bias"], t["w2_bias"]
+    )
+
+
+def grouped_experts(
+    x_MH: torch.Tensor,
+    offsets: torch.Tensor,
+    spec: ExpertSpec,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped rows (expert ``e``'s are ``offsets[e]:offsets[e+1]``) through both GEMMs as two
+    grouped GEMMs; no host synchronisation, out-of-place ops (autograd differentiates it:
+    ``torch_autograd``). ``valid`` (bool ``[M, 1]``): rows past ``offsets[E]`` belong to no
+    group, and the grouped GEMMs leave their outputs (and in a backward their input
+    gradients) undefined; where given, they are selected out (never multiplied: undefined
+    values may be NaN) at the input, before the activation and at the output."""
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        return t if valid is None else torch.where(valid, t, 0)
+
     ends = offsets[1:].to(torch.int32)
-    h_MN = _GROUPED_MM(x_MH, t["w13"].transpose(-2, -1), offs=ends)
+    h_MN = _GROUPED_MM(grouped(x_MH), w13.transpose(-2, -1), offs=ends)
     expert_of_row = None
-    if t["w13_bias"] is not None or t["w2_bias"] is not None or spec.activation.per_expert:
+    if w13_bias is not None or w2_bias is not None or spec.activation.per_expert:
         row_ids = torch.arange(x_MH.shape[0], device=x_MH.device)
         expert_of_row = torch.searchsorted(offsets[1:], row_ids, right=True).clamp(
             max=spec.num_experts - 1
         )
-    if t["w13_bias"] is not None:
-        h_MN = h_MN.float() + t["w13_bias"][expert_of_row].float()
+    if w13_bias is not None:
+        h_MN = h_MN.float() + w13_bias[expert_of_row].float()
     # Activation in fp32 (as the fused kernels do), rounded once into the GEMM2 input.
-    a_MI = apply_activation(h_MN, spec, expert_of_row).to(x_MH.dtype)
-    y_MH = _GROUPED_MM(a_MI, t["w2"].transpose(-2, -1), offs=ends)
-    if t["w2_bias"] is not None:
-        y_MH = (y_MH.float() + t["w2_bias"][expert_of_row].float()).to(x_MH.dtype)
-    return y_MH
+    a_MI = apply_activation(grouped(h_MN), spec, expert_of_row).to(x_MH.dtype)
+    y_MH = _GROUPED_MM(a_MI, w2.transpose(-2, -1), offs=ends)
+    if w2_bias is not None:
+        y_MH = (y_MH.float() + w2_bias[expert_of_row].float()).to(x_MH.dtype)
+    return grouped(y_MH)
 
 
 #: One expert GEMM of the hooked sequence: ``gemm(which, e, x_RK)`` with ``which`` "w13" or
