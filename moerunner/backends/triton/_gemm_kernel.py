@@ -31,6 +31,7 @@ from ._overlap import (
 )
 from ._quant_kernel import quant_groups_e4m3
 from ._weight_decode import (
+    _a_tile,
     _channel_scale,
     _column,
     _fragment_prefetch,
@@ -43,33 +44,6 @@ from ._weight_decode import (
 )
 
 # The constexpr ids of W_FORMAT, SCALE_FMT and A_SCALE are ``_operands``' WF_*, SF_*, AS_*.
-
-
-@triton.jit
-def _a_tile(
-    a_row_ptrs,
-    k0,
-    K,
-    stride_ak,
-    row_mask,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    MASK_ROWS: tl.constexpr,
-):
-    """[BLOCK_M, BLOCK_K] A tile of the block's rows from ``k0`` (zeros past K). MASK_ROWS:
-    padding rows (``row_mask`` false) are not read but zero-filled."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    ptrs = a_row_ptrs + offs_k[None, :] * stride_ak
-    if MASK_ROWS:
-        if EVEN_K:
-            a = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-        else:
-            a = tl.load(ptrs, mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-    elif EVEN_K:
-        a = tl.load(ptrs)
-    else:
-        a = tl.load(ptrs, mask=offs_k[None, :] < K, other=0.0)
-    return a
 
 
 @triton.jit

@@ -1,10 +1,11 @@
-# Stage "experts" of the triton backend: weight decoding for the grouped GEMM (private).
+# Stage "experts" of the triton backend: operand tiles for the grouped GEMM (private).
 #
-# Weight tiles as the grouped GEMM's K loop reads them (one element per weight, dequantized by
-# group scales where the scheme has them), scale codes (e8m0, e4m3, fp32) to multipliers, and
-# packed 4-bit weights (int4, fp4 e2m1) in the split layout of ``_prepare.split_packed`` to
-# the MMA's operand type: on the GPU through packed integer PTX for fp4 with bf16
-# activations, elsewhere in float32. ``_gemm_kernel`` calls these from its K loop.
+# The A tile and the weight tiles as the grouped GEMM's K loop reads them (weights one element
+# per weight, dequantized by group scales where the scheme has them), scale codes (e8m0,
+# e4m3, fp32) to multipliers, and packed 4-bit weights (int4, fp4 e2m1) in the split layout
+# of ``_prepare.split_packed`` to the MMA's operand type: on the GPU through packed integer
+# PTX for fp4 with bf16 activations, elsewhere in float32. ``_gemm_kernel`` calls these from
+# its K loop.
 
 from __future__ import annotations
 
@@ -478,6 +479,33 @@ def _fragment_prefetch(w_base, row0, step0, stride_wn, WIDTH: tl.constexpr, STEP
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def _a_tile(
+    a_row_ptrs,
+    k0,
+    K,
+    stride_ak,
+    row_mask,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_K] A tile of the block's rows from ``k0`` (zeros past K). MASK_ROWS:
+    padding rows (``row_mask`` false) are not read but zero-filled."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    ptrs = a_row_ptrs + offs_k[None, :] * stride_ak
+    if MASK_ROWS:
+        if EVEN_K:
+            a = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            a = tl.load(ptrs, mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+    elif EVEN_K:
+        a = tl.load(ptrs)
+    else:
+        a = tl.load(ptrs, mask=offs_k[None, :] < K, other=0.0)
+    return a
 
 
 @triton.jit
