@@ -30,8 +30,9 @@ from .shared import (
     check_shared,
     chunks_per_shared,
     expert_table,
+    own_slots,
+    runs_apart,
     shared_order,
-    shared_weights_TS,
 )
 from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
@@ -425,21 +426,21 @@ def _run_extended(
 
 
 def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_input, shared, hooks):
-    if weight_on_input and shared is not None and check_shared(shared, weights, act):
-        # Llama-4: the routed expert's input is scaled by its weight, the shared experts' is
-        # not, so the two cannot share the expert table's rows: the shared experts run as a
-        # call of their own (prepared once like any weights), every token to each of them
-        # with its gate value.
+    if (
+        shared is not None
+        and check_shared(shared, weights, act, hidden_states)
+        and runs_apart(shared, weights, weight_on_input)
+    ):
+        # The shared experts as a call of their own (prepared once like any weights), every
+        # token to each of them with its gate value (``shared.runs_apart`` says when).
         routed = _run_extended_call(
             runner, weights, hidden_states, topk, act, weight_on_input, None, hooks
         )
-        tokens, count = hidden_states.shape[0], shared.num_shared
-        ids = torch.arange(count, dtype=torch.int32, device=hidden_states.device)
         own = _run_extended_call(
             runner,
             ExpertWeights(shared.w13, shared.w2, w13_order=shared_order(weights)),
             hidden_states,
-            TopK(shared_weights_TS(hidden_states, shared), ids.expand(tokens, count)),
+            own_slots(hidden_states, shared),
             act,
             False,
             None,
@@ -502,7 +503,7 @@ def _with_shared(
     act: Activation,
 ) -> tuple[ExpertWeights, TopK]:
     """The expert table (routed, then shared chunks) and the routing with the shared slots."""
-    if not check_shared(shared, weights, act):
+    if not check_shared(shared, weights, act, hidden_states):
         return weights, topk
     grad = _needs_grad(hidden_states, weights, topk.weights) or _needs_grad(
         hidden_states, ExpertWeights(shared.w13, shared.w2), topk.weights

@@ -28,10 +28,9 @@ keep_float_weights=True)`` keeps the float parameters instead (and the state dic
 them); the quantized copy then follows them: after an in-place edit, ``load_state_dict`` or
 ``.data`` assignment of ``w13`` / ``w2`` the next eager forward quantizes them again (a
 host-side check, no device sync; a compiled layer does not check: call ``quantize_`` again
-after such edits). Float shared experts beside quantized ones: eager calls quantize them into
-the routed scheme (``moerunner.shared``'s table), compiled calls run them as float dense MLPs
-beside the quantized op (no table inside a trace), so the two differ by that rounding of the
-shared experts (3.7 % relative for fp8_block on a small random layer).
+after such edits). Float shared experts beside quantized ones stay in floating point (and
+``quantize_`` leaves them so): eager and compiled calls run them as a call of their own
+beside the quantized routed one (``moerunner.shared``).
 
 Caches of what is derived from the parameters (prepared weights, the shared experts' table,
 the quantized copy of ``keep_float_weights``) follow PyTorch's in-place version counter,
@@ -68,7 +67,7 @@ from .runner import (
     prepared_for,
     tensor_state,
 )
-from .shared import SharedExperts, shared_dense
+from .shared import SharedExperts, own_slots
 from .weights import ExpertWeights, gate_up_first, is_quantized
 
 __all__ = ["MoE"]
@@ -695,13 +694,16 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
                 check_ids,
             )
             shared = self._shared_params()
-            if shared is None:
+            if shared is None or shared.num_shared == 0:
                 return routed
-            # The expert table is built outside the graph and without gradients, in eager
-            # inference calls only: here the shared experts run beside the custom op as dense
-            # PyTorch MLPs.
-            dense = shared_dense(x, shared, act, self.config.gate_up_interleaved)
-            return (routed.float() + dense).to(x.dtype)
+            # (no expert table inside a trace: the shared experts run as a call of their own,
+            # as eager calls run float ones beside quantized routed experts)
+            own = own_slots(x, shared)
+            out = call_fused_experts(
+                x, shared.w13, shared.w2, own.weights, own.ids, None, None, act.name,
+                act.alpha, act.limit, self.config.gate_up_interleaved, self.backend, False,
+            )  # fmt: skip
+            return (routed.float() + out.float()).to(x.dtype)
         shared = self.shared_experts()
         return run_experts(
             self.runner,

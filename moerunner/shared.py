@@ -23,9 +23,12 @@ Memory: the table is one copy of the routed and shared weights, built once per w
 version and memoised on the shared weights (``SharedExperts.w13``); the routed weights it
 was built from stay as they are.
 
-Quantized routed experts: float shared weights are quantized into the routed scheme when the
-table is built; quantized shared weights must have the routed weights' format and, being
-stored in blocks along I, ``I_s == I`` (then no split is needed).
+Quantized routed experts: quantized shared weights must have the routed weights' format and,
+being stored in blocks along I, ``I_s == I`` (then no split is needed). Float shared weights
+beside quantized routed ones stay in floating point, as a model keeps its shared MLP when
+only its experts are quantized (transformers' blocks, a compiled layer): they run as a call
+of their own (``runs_apart``), so eager and compiled calls compute the same, the table holds
+no second copy of the routed weights, and the shared weights can train.
 """
 
 from __future__ import annotations
@@ -41,7 +44,14 @@ from .memo import memoised, view_key
 from .routing import TopK
 from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
-__all__ = ["SharedExperts", "append_shared_slots", "expert_table", "shared_dense"]
+__all__ = [
+    "SharedExperts",
+    "append_shared_slots",
+    "expert_table",
+    "own_slots",
+    "runs_apart",
+    "shared_dense",
+]
 
 
 @dataclass(frozen=True)
@@ -114,18 +124,17 @@ class SharedExperts:
                         raise MoeInputError(
                             f"{name} is {w.scheme.name!r} but the routed weights are "
                             f"{ref.scheme.name!r}: quantized shared experts need the routed "
-                            "format (or pass float ones, quantized into it once)"
+                            "format (or pass float ones, which run in floating point)"
                         )
                 if inter != routed.intermediate_size(activation):
                     raise MoeInputError(
                         f"quantized shared experts need I_s equal to the routed I="
                         f"{routed.intermediate_size(activation)}, got I_s={inter}; pass them "
-                        "as float weights (split and quantized into the routed scheme once)"
+                        "as float weights (which run in floating point)"
                     )
-            elif routed.w13.scheme.activation_scales == "static":
-                raise MoeInputError(
-                    f"routed scheme {routed.w13.scheme.name!r} has static activation scales: "
-                    "pass the shared experts quantized in it (with their input scales)"
+            elif self.w13.dtype != self.w2.dtype:
+                raise TypeError(
+                    f"shared w13/w2 dtypes {self.w13.dtype}/{self.w2.dtype} must be equal"
                 )
         elif is_quantized(self.w13):
             raise TypeError("shared experts are quantized but the routed weights are not")
@@ -221,12 +230,6 @@ def build_table(routed: ExpertWeights, shared: SharedExperts, act: Activation) -
     else:
         s13 = _split_w13(shared.w13, inter, m, act, routed.gate_up_interleaved)
         s2 = _split_w2(shared.w2, inter, m)
-        if is_quantized(routed.w13):
-            from .quant import quantize
-
-            with torch.no_grad():
-                s13 = quantize(s13.float(), routed.w13.scheme)
-                s2 = quantize(s2.float(), routed.w2.scheme)
     count = weight_shape(s13)[0]
     return ExpertWeights(
         _cat_weights(routed.w13, s13),
@@ -266,6 +269,23 @@ def shared_weights_TS(hidden_TH: torch.Tensor, shared: SharedExperts) -> torch.T
     if shared.gate is None:
         return torch.ones(tokens, count, dtype=torch.float32, device=hidden_TH.device)
     return torch.sigmoid(hidden_TH.float() @ shared.gate.float().T)
+
+
+def own_slots(hidden_TH: torch.Tensor, shared: SharedExperts) -> TopK:
+    """The routing of the shared experts run as a call of their own (``S`` experts, every
+    token to each with its gate value): ``S`` slots per token, ids ``0..S-1``."""
+    count = shared.num_shared
+    ids = torch.arange(count, dtype=torch.int32, device=hidden_TH.device)
+    return TopK(shared_weights_TS(hidden_TH, shared), ids.expand(hidden_TH.shape[0], count))
+
+
+def runs_apart(shared: SharedExperts, routed: ExpertWeights, weight_on_input: bool) -> bool:
+    """Whether the shared experts run as a call of their own beside the routed call instead
+    of in the expert table: with ``apply_router_weight_on_input`` (the routed input is scaled
+    by its weight, the shared experts' is not, so they cannot share the table's rows), and
+    float shared experts beside quantized routed ones (they stay in floating point, as the
+    model's own shared MLP is; module doc)."""
+    return weight_on_input or (is_quantized(routed.w13) and not is_quantized(shared.w13))
 
 
 def append_shared_slots(
@@ -311,24 +331,23 @@ def shared_order(weights: ExpertWeights) -> str:
     return "interleaved" if weights.w13_order == "interleaved" else "gate_up"
 
 
-def check_shared(shared: object, weights: ExpertWeights, act: Activation) -> bool:
-    """Shared experts a call can run beside these routed weights; False when there are none
-    (S = 0)."""
+def check_shared(
+    shared: object, weights: ExpertWeights, act: Activation, hidden_states: torch.Tensor
+) -> bool:
+    """Shared experts a call of ``hidden_states`` can run beside these routed weights; False
+    when there are none (S = 0)."""
     if not isinstance(shared, SharedExperts):
         raise TypeError(f"shared_experts must be a SharedExperts, got {type(shared).__name__}")
     shared.validate(weights, act)
+    if isinstance(shared.w13, torch.Tensor) and shared.w13.dtype != hidden_states.dtype:
+        raise TypeError(
+            f"shared w13/w2 dtype {shared.w13.dtype} must equal hidden_states dtype "
+            f"{hidden_states.dtype} (or pass quantized shared experts)"
+        )
     if act.per_expert and shared.num_shared:
         raise MoeInputError(
             f"shared_experts with per-expert activation parameters "
             f"({', '.join(act.tensors())} of shape [E]) are not supported: the shared experts "
             "would need values of their own; pass scalar parameters"
-        )
-    trained = [n for n in ("w13", "w2") if getattr(getattr(shared, n), "requires_grad", False)]
-    if trained and torch.is_grad_enabled() and is_quantized(weights.w13):
-        raise MoeInputError(
-            f"shared_experts: {' and '.join(trained)} require grad, but beside quantized routed "
-            f"experts ({weights.scheme}) float shared experts are quantized into that scheme, "
-            "whose weights are frozen: call requires_grad_(False) on them (the other tensors "
-            "still train), or train with plain routed experts"
         )
     return shared.num_shared > 0

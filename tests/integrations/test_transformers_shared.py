@@ -183,3 +183,24 @@ def test_fused_shared_experts_get_their_gradients(family):
     with torch.no_grad():  # inference still runs the fused call
         _forbid_shared_mlps(model)
         model(input_ids=ids)
+
+
+@pytest.mark.parametrize("family", SHARED_FAMILIES)
+@pytest.mark.parametrize("scheme", ["int8_w8a16", "fp8_channel"])
+def test_fused_shared_mlp_beside_quantized_experts_stays_float(family, scheme):
+    """``quantize_experts`` then fused shared experts: the fused call quantized the shared
+    MLP into the routed scheme, which the block's own forward (unfused, or under
+    ``torch.compile``) keeps in floating point, so the two runs were 2-5 % apart. The fused
+    shared MLP now stays float: the fused model's logits equal the unfused one's to fp32
+    rounding."""
+    model = build(family)
+    mt.use_moerunner(model, backend="torch")
+    mt.quantize_experts(model, scheme)
+    unfused = copy.deepcopy(model)
+    mt.fuse_shared_experts(model)
+    _forbid_shared_mlps(model)
+    ids = _ids()
+    with torch.no_grad():
+        ref = unfused(ids).logits.double()
+        out = model(ids).logits.double()
+    assert_close(out, ref, FP32_MAX_REL, what=f"{family} {scheme} fused shared")
