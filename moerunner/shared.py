@@ -310,8 +310,7 @@ def shared_dense(
     hidden_TH: torch.Tensor, shared: SharedExperts, act: Activation, interleaved: bool = False
 ) -> torch.Tensor:
     """The shared experts as separate dense MLPs in PyTorch (float32 ``[T, H]``, gate
-    applied): what a model computes beside its routed call. Used where the table cannot run
-    (while ``torch.compile`` traces) and as the benchmarks' baseline."""
+    applied): what a model computes beside its routed call; the benchmarks' baseline."""
     from .activations import activate
 
     w13 = shared.w13.dequantize() if is_quantized(shared.w13) else shared.w13
