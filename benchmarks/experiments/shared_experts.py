@@ -1,5 +1,7 @@
-# Shared experts in the routed call (moerunner.shared) against the routed call plus a
-# separate dense MLP per shared expert, at decode and prefill token counts.
+# Shared experts in the routed call (moerunner.shared's expert table) against the routed call
+# plus a separate dense MLP per shared expert (PyTorch), and plus the shared experts as a
+# fused call of their own (how float shared experts beside quantized routed ones run), at
+# decode and prefill token counts.
 #
 #   python benchmarks/experiments/shared_experts.py --preset deepseek-v3 --tokens 1,16,256,4096
 #   python benchmarks/experiments/shared_experts.py --preset cpu-small --device cpu --tokens 1,16
@@ -7,8 +9,8 @@
 # Shapes come from moerunner.bench.presets; the shared experts are given relative to them:
 # --shared S experts of intermediate size --shared-mult x the routed I (DeepSeek-V3: 1 x 1;
 # Qwen2-MoE-style: 1 x 4 with --gate). --shrink N divides H and I by N (CPU runs). Prints a
-# table (milliseconds per call, median; CUDA-graph replay on a GPU where capture works) and
-# writes --json.
+# table (milliseconds per call, median; CUDA-graph replay on a GPU where capture works; ratio:
+# that form's time over the one call's, above 1 the one call is faster) and writes --json.
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import moerunner  # noqa: E402
 from moerunner.bench.presets import PRESETS, get_preset  # noqa: E402
 from moerunner.bench.timing import time_cases  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
-from moerunner.shared import SharedExperts, shared_dense  # noqa: E402
+from moerunner.shared import SharedExperts, own_slots, shared_dense  # noqa: E402
 
 
 def build_weights(args, device: torch.device, dtype: torch.dtype):
@@ -65,8 +67,10 @@ def build(args, weights, tokens: int, device: torch.device, dtype: torch.dtype):
 
 
 def measure(args, case, device: torch.device):
-    """Timings of the one call with shared slots and of the routed call + dense MLPs."""
+    """Timings of the one call with shared slots, of the routed call + dense MLPs and of the
+    routed call + the shared experts' own call."""
     x, w13, w2, shared, topk, act, _ = case
+    own = own_slots(x, shared)
 
     def one_call(_i):
         return moerunner.fused_moe(
@@ -81,8 +85,18 @@ def measure(args, case, device: torch.device):
         )  # fmt: skip
         return routed + shared_dense(x, shared, act).to(x.dtype)
 
+    def own_call(_i):
+        routed = moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, activation=act, backend=args.backend,
+            check_ids=False,
+        )  # fmt: skip
+        return routed + moerunner.fused_moe(
+            x, shared.w13, shared.w2, own.weights, own.ids, activation=act, backend=args.backend,
+            check_ids=False,
+        )  # fmt: skip
+
     with torch.no_grad():
-        return time_cases(one_call, 1, device), time_cases(separate, 1, device)
+        return tuple(time_cases(f, 1, device) for f in (one_call, separate, own_call))
 
 
 def main() -> None:
@@ -101,16 +115,19 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    print(f"{'T':>6} {'one call ms':>12} {'routed+dense ms':>16} {'ratio':>7}  shape E,H,I,k")
+    print(
+        f"{'T':>6} {'one call ms':>12} {'routed+dense ms':>16} {'ratio':>7} "
+        f"{'routed+own ms':>14} {'ratio':>7}  shape E,H,I,k"
+    )
     weights = build_weights(args, device, dtype)
     for tokens in (int(t) for t in args.tokens.split(",")):
         case = build(args, weights, tokens, device, dtype)
-        a, b = measure(args, case, device)
+        a, b, c = measure(args, case, device)
         dims = case[-1]
-        ratio = b.seconds / a.seconds
+        ratio, own_ratio = b.seconds / a.seconds, c.seconds / a.seconds
         print(
-            f"{tokens:>6} {a.seconds * 1e3:>12.3f} {b.seconds * 1e3:>16.3f} {ratio:>6.2f}x  "
-            f"{','.join(map(str, dims))}"
+            f"{tokens:>6} {a.seconds * 1e3:>12.3f} {b.seconds * 1e3:>16.3f} {ratio:>6.2f}x "
+            f"{c.seconds * 1e3:>14.3f} {own_ratio:>6.2f}x  {','.join(map(str, dims))}"
         )
         rows.append(
             {
@@ -120,6 +137,9 @@ def main() -> None:
                 "separate_s": b.seconds,
                 "separate_mode": b.mode,
                 "speedup": ratio,
+                "own_call_s": c.seconds,
+                "own_call_mode": c.mode,
+                "own_call_speedup": own_ratio,
                 "shape": dims,
                 "shared": args.shared,
                 "shared_mult": args.shared_mult,
