@@ -34,6 +34,15 @@ def _plain(x: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"activate: no activation function {name!r}")
 
 
+def _finite_below(gate: torch.Tensor) -> torch.Tensor:
+    """The gate (float32) with -inf raised to the lowest finite value. fp16 GEMM outputs
+    below fp16's range round to -inf, where ``x * sigmoid(x)`` is NaN; every activation's
+    gate gives 0 for any value that low (as for the float32 values the fused kernels keep),
+    which the lowest finite value gives too. The up half keeps its infinities: they are the
+    correctly rounded product."""
+    return gate.clamp_min(torch.finfo(gate.dtype).min)
+
+
 def _per_row(param, experts: torch.Tensor | int | None) -> torch.Tensor | float:
     """A swiglu_oai parameter for each row: a float as is; a per-expert tensor ``[E]``
     indexed by the rows' expert (an int for rows of one expert, or ``[M]`` ids) as float32
@@ -67,8 +76,9 @@ def activate(
     made, so ``torch.compile`` traces it on every supported torch)."""
     h = h_MN.float()
     if not act.gated:  # relu2, silu_no_mul, ...: act(x)
-        return _plain(h, act.name.removesuffix("_no_mul"))
+        return _plain(_finite_below(h), act.name.removesuffix("_no_mul"))
     gate, up = split_gate_up(h, interleaved)
+    gate = _finite_below(gate)
     if act.name == "swiglu_step":  # the clamp after the activation
         limit = _per_row(act.limit, experts)
         # (clamp, also with per-expert tensor limits: its gradient at a value equal to the
@@ -84,4 +94,4 @@ def activate(
     alpha, beta, limit = (_per_row(p, experts) for p in (act.alpha, act.beta, act.limit))
     gate = gate.clamp(max=limit)  # (the clamp's gradient convention whatever limit is)
     up = up.clamp(min=-limit, max=limit)
-    return (up + beta) * gate * torch.sigmoid(alpha * gate)
+    return (up + beta) * (gate * torch.sigmoid(alpha * gate))  # (gate first: -> 0, not inf)

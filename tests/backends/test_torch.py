@@ -25,6 +25,7 @@ from moerunner.backends import torch_native
 from moerunner.backends.base import MoeProblem
 from moerunner.backends.torch_native import DEFAULT_TORCH_OPTIONS, TorchBackend, TorchOptions
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
+from moerunner.hooks import MoeHooks
 from moerunner.memory import AllocationTracker
 from moerunner.routing import TopK
 from moerunner.runner import default_registry
@@ -492,3 +493,34 @@ def test_backends_with_other_options_run_side_by_side(grouped_calls):
         out = runner.run(StandardDispatchOutput(x, topk), prepared)
         _check(out, x, weights, topk, name)
         assert len(calls) - before == (2 if name == "torch" else 0), name
+
+
+@pytest.mark.parametrize(
+    "activation", ["silu", "gelu", "gelu_tanh", "silu_no_mul", "swiglu_oai", "swiglu_step"]
+)
+@pytest.mark.parametrize("hooked", [False, True])
+def test_fp16_gate_below_fp16_range_activates_to_zero(activation, hooked):
+    """fp16 GEMM1 gates below -65504 round to -inf, where ``x * sigmoid(x)`` is NaN: the
+    whole output was NaN where the fused kernels (float32 accumulators) and the float64
+    reference give the other experts' sum. The activation now sees fp16's lowest value for
+    those gates, whose activation is 0 as theirs is; fp16 bound against float64."""
+    act = moerunner.Activation.of(activation)
+    gen = torch.Generator().manual_seed(5)
+    experts, hidden, inter, tokens = 4, 64, 16, 6
+    x = torch.rand(tokens, hidden, generator=gen) + 0.5  # positive: gate rows of -3000
+    rows = 2 * inter if act.gated else inter
+    w13 = torch.randn(experts, rows, hidden, generator=gen) * hidden**-0.5
+    w13[1, :inter] = -3000.0  # expert 1's gate (or whole GEMM1): about -1e5 in every row
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    topk = moerunner.select_experts(torch.randn(tokens, experts, generator=gen), 2)
+    ids = topk.ids.clone()
+    ids[:, 0] = 1  # every token reaches expert 1
+    hooks = MoeHooks(gate_up=lambda h, x, rows: h) if hooked else None
+    out = moerunner.fused_moe(
+        x.half(), w13.half(), w2.half(), topk.weights, ids, activation=act, backend="torch",
+        hooks=hooks,
+    )  # fmt: skip
+    ref = moerunner.reference_moe(
+        x.half(), ExpertWeights(w13.half(), w2.half()), topk.weights, ids, act
+    )
+    assert_close(out, ref, DTYPE_BOUND[torch.float16], what=f"fp16 {activation}")
