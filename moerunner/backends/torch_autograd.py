@@ -12,7 +12,8 @@ forms, by what the call has:
   (``_grouped_differentiable``; no host read on a GPU);
 - no hooks otherwise: one GEMM pair per expert hit (one host read of the expert offsets);
 - hooks: the torch backend's hooked sequence (``torch_native._hooked_standard``) on the
-  call's own weights.
+  call's own weights, its GEMMs grouped where the form without hooks would be (LoRA
+  training without a launch per expert, nor a host read on a GPU), else per expert hit.
 
 Every form rounds where the inference paths do (GEMM outputs in the input dtype unless
 biased or quantized, the activation in fp32, the weighted sum in fp32).
@@ -61,11 +62,15 @@ def differentiable_forward(
     precision (fp32 activation and sum); one host read of the expert offsets, none where
     ``options.grouped_mm`` has the call's (device, dtype) (``_grouped_differentiable``).
     Used by ``fused_moe`` when grad mode is on and an argument requires grad."""
-    if hooks is None and _grouped_trains(hidden_TH, weights, spec, options):
+    grouped = _grouped_trains(hidden_TH, weights, spec, options)
+    if hooks is None and grouped:
         return _grouped_differentiable(hidden_TH, weights, topk, spec)
     gemm = _autograd_gemm(weights)
     if hooks is not None:
-        return _hooked_standard(StandardDispatchOutput(hidden_TH, topk), spec, gemm, hooks)
+        w = weights
+        plain = (w.w13, w.w2, w.w13_bias, w.w2_bias) if grouped else None
+        dispatched = StandardDispatchOutput(hidden_TH, topk)
+        return _hooked_standard(dispatched, spec, gemm, hooks, plain)
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
     bounds = offsets.tolist()
     rows = bounds[spec.num_experts]  # the valid pairs; the others sort past them

@@ -546,6 +546,9 @@ def grouped_experts(
 #: One expert GEMM of the hooked sequence: ``gemm(which, e, x_RK)`` with ``which`` "w13" or
 #: "w2" is expert ``e``'s float32 ``[R, N]`` output on rows ``x_RK``, bias added.
 ExpertGemm = Callable[[str, int, torch.Tensor], torch.Tensor]
+#: The hooked sequence's GEMM ``which`` on all its grouped rows at once: float32 ``[M, N]``,
+#: bias added; rows of no expert give zeros.
+RowGemms = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def _prepared_gemm(prepared: PreparedWeights) -> ExpertGemm:
@@ -566,31 +569,61 @@ def _prepared_gemm(prepared: PreparedWeights) -> ExpertGemm:
     return gemm
 
 
+def _prepared_plain(x_MH: torch.Tensor, prepared: PreparedWeights) -> tuple | None:
+    """The prepared plain weights and biases for the grouped hooked GEMMs, where the grouped
+    GEMM serves the call (``_use_grouped_mm``), else None."""
+    if not _use_grouped_mm(x_MH, prepared):
+        return None
+    t = prepared.tensors
+    return t["w13"], t["w2"], t["w13_bias"], t["w2_bias"]
+
+
+def _per_expert_gemms(gemm: ExpertGemm, offsets: torch.Tensor, spec: ExpertSpec) -> RowGemms:
+    """``gemm`` on each expert's rows: one host read of the offsets, a GEMM per expert hit."""
+    bounds = offsets.tolist()
+    hit = [(e, bounds[e], bounds[e + 1]) for e in range(spec.num_experts)]
+    hit = [(e, a, b) for e, a, b in hit if b > a]
+    width = {"w13": spec.intermediate_size * (2 if spec.gated else 1), "w2": spec.hidden_size}
+
+    def gemms(which: str, x_MK: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((x_MK.shape[0], width[which]), dtype=torch.float32, device=x_MK.device)
+        for e, a, b in hit:
+            out[a:b] = gemm(which, e, x_MK[a:b])
+        return out
+
+    return gemms
+
+
+def _grouped_gemms(plain: tuple, offsets: torch.Tensor, expert: torch.Tensor) -> RowGemms:
+    """Plain weights ``(w13, w2, w13_bias, w2_bias)`` as one grouped GEMM per GEMM over every
+    row: no host read, no launch per expert. Rows of no expert (``expert`` -1: the grouped
+    GEMM leaves their outputs, and in a backward their input gradients, undefined) are
+    selected out at the input and the output, as in ``grouped_experts``."""
+    w13, w2, b13, b2 = plain
+    ends = offsets[1:].to(torch.int32)
+    valid, row_expert = (expert >= 0)[:, None], expert.clamp(min=0)
+
+    def gemms(which: str, x_MK: torch.Tensor) -> torch.Tensor:
+        w, bias = (w13, b13) if which == "w13" else (w2, b2)
+        out = _GROUPED_MM(torch.where(valid, x_MK, 0), w.transpose(-2, -1), offs=ends).float()
+        if bias is not None:
+            out = out + bias[row_expert].float()
+        return torch.where(valid, out, 0.0)
+
+    return gemms
+
+
 def _hooked_experts(
-    x_MH: torch.Tensor,
-    bounds: list[int],
-    spec: ExpertSpec,
-    gemm: ExpertGemm,
-    hooks: MoeHooks,
-    rows: HookRows,
+    x_MH: torch.Tensor, spec: ExpertSpec, gemms: RowGemms, hooks: MoeHooks, rows: HookRows
 ) -> torch.Tensor:
-    """Grouped rows (``bounds``: expert offsets on the host) through GEMM1, the gate/up hook,
-    the activation, GEMM2 and the down hook (``moerunner.hooks``); float32 ``[M, H]``.
-    Autograd carries gradients through it where ``gemm`` and the hooks do."""
-    n13 = spec.intermediate_size * (2 if spec.gated else 1)
-    h_MN = torch.zeros((x_MH.shape[0], n13), dtype=torch.float32, device=x_MH.device)
-    experts = [(e, bounds[e], bounds[e + 1]) for e in range(spec.num_experts)]
-    experts = [(e, a, b) for e, a, b in experts if b > a]
-    for e, a, b in experts:
-        h_MN[a:b] = gemm("w13", e, x_MH[a:b])
-    h_MN = hooks.apply("gate_up", h_MN, x_MH, rows)
+    """Grouped rows through GEMM1, the gate/up hook, the activation, GEMM2 and the down hook
+    (``moerunner.hooks``); float32 ``[M, H]``. Autograd carries gradients through it where
+    ``gemms`` and the hooks do."""
+    h_MN = hooks.apply("gate_up", gemms("w13", x_MH), x_MH, rows)
     # (per-expert activation parameters: each row's expert; rows of none compute nothing)
     row_experts = rows.expert.clamp(min=0) if spec.activation.per_expert else None
     a_MI = apply_activation(h_MN, spec, row_experts).to(x_MH.dtype)
-    y_MH = torch.zeros((x_MH.shape[0], spec.hidden_size), dtype=torch.float32, device=x_MH.device)
-    for e, a, b in experts:
-        y_MH[a:b] = gemm("w2", e, a_MI[a:b])
-    return hooks.apply("down", y_MH, a_MI, rows)
+    return hooks.apply("down", gemms("w2", a_MI), a_MI, rows)
 
 
 def _hooked_standard(
@@ -598,8 +631,10 @@ def _hooked_standard(
     spec: ExpertSpec,
     gemm: ExpertGemm,
     hooks: MoeHooks,
+    plain: tuple | None = None,
 ) -> torch.Tensor:
-    """The standard format with hooks, on any device: grouped rows, hooked experts, each
+    """The standard format with hooks, on any device: grouped rows, hooked experts (one GEMM
+    per expert hit, or with ``plain`` weights the grouped GEMMs: ``_grouped_gemms``), each
     row weighted and added into a float32 [T, H] sum, rounded once."""
     x_TH, topk = dispatch_output.hidden_states, dispatch_output.topk
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
@@ -610,7 +645,11 @@ def _hooked_standard(
         token=torch.where(valid, token, -1),
         slot=torch.where(valid, order % topk.top_k, -1),
     )
-    y_MH = _hooked_experts(x_TH[token], offsets.tolist(), spec, gemm, hooks, rows)
+    if plain is None:
+        gemms = _per_expert_gemms(gemm, offsets, spec)
+    else:
+        gemms = _grouped_gemms(plain, offsets, expert)
+    y_MH = _hooked_experts(x_TH[token], spec, gemms, hooks, rows)
     weight = weight_TK.reshape(-1)[order]
     y_MH = torch.where(valid[:, None], y_MH * weight[:, None], 0.0)
     acc = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
@@ -626,7 +665,10 @@ def torch_fused_standard(
     into a float32 [T, H] sum, rounded once. Declines (None) on other devices, where the
     permute path runs. With ``hooks``: the hooked sequence, on any device."""
     if hooks is not None:
-        return _hooked_standard(dispatch_output, prepared.spec, _prepared_gemm(prepared), hooks)
+        plain = _prepared_plain(dispatch_output.hidden_states, prepared)
+        return _hooked_standard(
+            dispatch_output, prepared.spec, _prepared_gemm(prepared), hooks, plain
+        )
     x_TH = dispatch_output.hidden_states
     if x_TH.device.type != "cpu":
         return None
@@ -666,10 +708,14 @@ def torch_core(
     holds one ``[M, H]`` buffer, not two (the grouped-GEMM path allocates its own).
     ``hooks``: the hooked sequence (``moerunner.hooks``)."""
     if hooks is not None:
-        rows = hooks.rows(expert_of_rows(expert_offsets, x_MH.shape[0]))
-        bounds = expert_offsets.tolist()
-        gemm = _prepared_gemm(prepared)
-        return _hooked_experts(x_MH, bounds, prepared.spec, gemm, hooks.hooks, rows).to(x_MH.dtype)
+        expert = expert_of_rows(expert_offsets, x_MH.shape[0])
+        plain = _prepared_plain(x_MH, prepared)
+        if plain is None:
+            gemms = _per_expert_gemms(_prepared_gemm(prepared), expert_offsets, prepared.spec)
+        else:
+            gemms = _grouped_gemms(plain, expert_offsets, expert)
+        out = _hooked_experts(x_MH, prepared.spec, gemms, hooks.hooks, hooks.rows(expert))
+        return out.to(x_MH.dtype)
     if _use_grouped_mm(x_MH, prepared):
         return _grouped_forward(x_MH, expert_offsets, prepared)
     if is_scratch(x_MH) and x_MH.shape[1] == prepared.spec.hidden_size:

@@ -26,6 +26,7 @@ from moerunner.backends.base import MoeProblem
 from moerunner.backends.torch_native import DEFAULT_TORCH_OPTIONS, TorchBackend, TorchOptions
 from moerunner.dispatch.formats import STANDARD, StandardDispatchOutput
 from moerunner.hooks import MoeHooks
+from moerunner.lora import MoeLoraWeights, lora_hooks
 from moerunner.memory import AllocationTracker
 from moerunner.routing import TopK
 from moerunner.runner import default_registry
@@ -332,6 +333,54 @@ def test_grouped_path_reads_nothing_on_the_host(dtype, tokens, monkeypatch):
         _no_host_reads(patched)
         out = runner.run(dispatched, prepared)
     _check(out, x, weights, topk, f"{dtype} T={tokens} without host reads")
+
+
+def _hooked_grouped(dtype, force_permute, tokens=6, experts=8, hidden=64, inter=48):
+    x, weights, topk = _case(tokens, experts, hidden, inter, 2, dtype, bias=True, skips="some")
+    spec = weights.spec(moerunner.Activation("silu"))
+    runner = _runner(GROUPED, force_permute=force_permute)
+    prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
+    assert torch_native._use_grouped_mm(x, prepared)
+    return x, weights, topk, runner, prepared
+
+
+@pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hooked_grouped_path_reads_nothing_on_the_host(dtype, force_permute, monkeypatch):
+    """Hooks where the grouped GEMM serves the call: they ran one GEMM per expert after a
+    host read of the offsets (on CUDA a synchronisation, and no graph capture); the grouped
+    GEMMs now run with the hooks between them, reading nothing on the host. Hooks scaling
+    GEMM1's output by 2 and GEMM2's by 0.5 are the reference's weights and biases so
+    scaled."""
+    x, weights, topk, runner, prepared = _hooked_grouped(dtype, force_permute)
+    hooks = MoeHooks(gate_up=lambda h, x, rows: h * 2.0, down=lambda y, a, rows: y * 0.5)
+    with monkeypatch.context() as patched:
+        _no_host_reads(patched)
+        out = runner.run(StandardDispatchOutput(x, topk), prepared, hooks)
+    scaled = ExpertWeights(
+        weights.w13 * 2, weights.w2 * 0.5, weights.w13_bias * 2, weights.w2_bias * 0.5
+    )
+    _check(out, x, scaled, topk, f"{dtype} hooked grouped")
+
+
+@pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
+def test_lora_on_the_grouped_path(force_permute):
+    """LoRA hooks between the grouped GEMMs (each row's factors by its expert): one adapter
+    for every token, against float64 of the merged weights."""
+    tokens, experts, hidden, inter, rank = 6, 8, 64, 48, 4
+    x, weights, topk, runner, prepared = _hooked_grouped(torch.float32, force_permute)
+    g = torch.Generator().manual_seed(9)
+    a13, a2 = (torch.randn(1, experts, rank, k, generator=g) * 0.1 for k in (hidden, inter))
+    b13, b2 = (torch.randn(1, experts, n, rank, generator=g) * 0.1 for n in (2 * inter, hidden))
+    hooks = lora_hooks(MoeLoraWeights(a13, b13, a2, b2), torch.zeros(tokens, dtype=torch.int64))
+    out = runner.run(StandardDispatchOutput(x, topk), prepared, hooks)
+    merged = ExpertWeights(
+        weights.w13.double() + b13[0].double() @ a13[0].double(),
+        weights.w2.double() + b2[0].double() @ a2[0].double(),
+        weights.w13_bias,
+        weights.w2_bias,
+    )
+    _check(out, x, merged, topk, "LoRA hooked grouped")
 
 
 # -- quantized weights: dequantized per expert, never all at once ---------------------------
