@@ -135,3 +135,56 @@ def test_training_on_cuda_bf16_runs_grouped_without_a_host_sync(monkeypatch):
     assert_close(out.cpu(), ref.detach(), BF16, what="values")
     for i, (g, w) in enumerate(zip(grads, ref_grads, strict=True)):
         assert_close(g.cpu(), w, BF16, what=f"gradient of leaf {i}")
+
+
+def _lora_training(device: str, sync_check: bool):
+    """A LoRA training call on ``device`` (bf16 leaves of ``_case``, base frozen, factors
+    trained): the output and the factors' gradients; with ``sync_check`` the forward runs
+    under CUDA's sync debug mode "error"."""
+    from moerunner.lora import MoeLoraWeights, lora_hooks
+
+    leaves, ids = _case(device, True, "silu", seed=3)
+    x, w13, w2, tw, b13, b2 = leaves
+    g = torch.Generator().manual_seed(4)
+    shapes = ((2, E, 4, H), (2, E, 2 * I, 4), (2, E, 4, I), (2, E, H, 4))
+    factors = [
+        (torch.randn(*s, generator=g) * 0.2).to(torch.bfloat16).to(device).requires_grad_()
+        for s in shapes
+    ]
+    adapters = torch.tensor([0, 1, -1] * 4, device=device)[:T]
+    hooks = lora_hooks(MoeLoraWeights(*factors), adapters)
+
+    def call():
+        return moerunner.fused_moe(
+            x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, hooks=hooks, check_ids=False
+        )
+
+    if sync_check:
+        call()  # (first call: preparation)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = call()
+    finally:
+        if sync_check:
+            torch.cuda.set_sync_debug_mode("default")
+    out.float().square().sum().backward()
+    return out.float().cpu(), [f.grad.float().cpu() for f in factors]
+
+
+@pytest.mark.gpu
+def test_lora_training_on_cuda_bf16_runs_grouped_without_a_host_sync(monkeypatch):
+    """LoRA factors training on CUDA bf16: the hooked sequence runs the grouped GEMMs (was
+    one GEMM per expert after a host read of the offsets), so the forward reads nothing on
+    the host; values and factor gradients as the same call on the CPU."""
+    from moerunner.backends import torch_native
+
+    taken = []
+    grouped = torch_native._grouped_gemms
+    monkeypatch.setattr(torch_native, "_grouped_gemms", lambda *a: taken.append(1) or grouped(*a))
+    out, grads = _lora_training("cuda", sync_check=True)
+    assert taken
+    ref, ref_grads = _lora_training("cpu", sync_check=False)
+    assert_close(out, ref.double(), BF16, what="values")
+    for i, (got, want) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert_close(got, want.double(), 2 * BF16, what=f"gradient of factor {i}")
