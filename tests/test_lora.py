@@ -763,7 +763,8 @@ def _leaves(*tensors, device="cpu"):
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
     """A loss whose gradient differs per hidden column (a plain sum hides column mix-ups)."""
-    return (out.double() * torch.linspace(-1, 1, out.shape[1], dtype=torch.float64)).sum()
+    columns = torch.linspace(-1, 1, out.shape[1], dtype=torch.float64, device=out.device)
+    return (out.double() * columns).sum()
 
 
 def _assert_grads(got, want, what, bound=DTYPE_BOUND[torch.float32]):
