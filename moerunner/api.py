@@ -23,17 +23,7 @@ from .hooks import MoeHooks, check_hooks, in_graph_of
 from .registry import Registry
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
-from .shared import (
-    SharedExperts,
-    append_shared_slots,
-    build_table,
-    check_shared,
-    chunks_per_shared,
-    expert_table,
-    own_slots,
-    runs_apart,
-    shared_order,
-)
+from .shared import SharedExperts, check_shared, own_slots, shared_order
 from .weights import PLAIN_DTYPES, ExpertWeights, gate_up_first, is_quantized, weight_shape
 
 
@@ -104,9 +94,8 @@ def fused_moe(
         apply_router_weight_on_input: multiply each token's hidden state by its routing
             weight before GEMM1 and leave the output unweighted (Llama-4); top_k must be 1.
         shared_experts: optional ``SharedExperts`` (``moerunner.shared``): experts every
-            token passes through, with weight 1 or their gate value, computed in the same
-            kernel sequence as always-selected slots of an expert table (routed experts,
-            then the shared ones split into chunks of the routed I).
+            token passes through, with weight 1 or their gate value, computed as a call of
+            their own on the same runner and added to the routed experts' output.
         hooks: optional ``MoeHooks`` (``moerunner.hooks``): callables on GEMM1's output
             before the activation and on GEMM2's output before the routing weight, given
             each row's expert, token and slot (LoRA: ``moerunner.lora``). ``"auto"`` then
@@ -410,7 +399,7 @@ def _run_extended(
     shared: SharedExperts | None,
     hooks: MoeHooks | None,
 ) -> torch.Tensor:
-    """``run_experts`` with shared experts (an expert table and extra slots) or hooks."""
+    """``run_experts`` with shared experts (a call of their own) or hooks."""
     topk = validate_call(hidden_states, weights, topk_weights, topk_ids, act, check_ids)
     hooks = check_hooks(hooks)
     if hooks is not None and hooks.num_experts not in (None, weights.num_experts):
@@ -426,13 +415,10 @@ def _run_extended(
 
 
 def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_input, shared, hooks):
-    if (
-        shared is not None
-        and check_shared(shared, weights, act, hidden_states)
-        and runs_apart(shared, weights, weight_on_input)
-    ):
+    if shared is not None and check_shared(shared, weights, act, hidden_states):
         # The shared experts as a call of their own (prepared once like any weights), every
-        # token to each of them with its gate value (``shared.runs_apart`` says when).
+        # token to each of them with its gate value (``moerunner.shared``); the routed input
+        # alone is scaled by its weight with ``apply_router_weight_on_input`` (Llama-4).
         routed = _run_extended_call(
             runner, weights, hidden_states, topk, act, weight_on_input, None, hooks
         )
@@ -449,11 +435,6 @@ def _run_extended_call(runner, weights, hidden_states, topk, act, weight_on_inpu
         return (routed.float() + own.float()).to(hidden_states.dtype)
     if weight_on_input:
         hidden_states, topk = weighted_input(hidden_states, topk)
-    if shared is not None:
-        num_routed = weights.num_experts
-        weights, topk = _with_shared(weights, shared, hidden_states, topk, act)
-        if hooks is not None and weights.num_experts > num_routed:
-            hooks = hooks.routed_only(num_routed)
     spec = weights.spec(act)
     if topk.top_k == 0 or spec.num_experts == 0 or spec.hidden_size == 0:
         # Nothing to compute: a sum over no slots (or an empty row). No kernel runs.
@@ -493,24 +474,6 @@ def _hooks_with_grad(runner: MoeRunner) -> MoeRunner:
     if runner.requested == torch_native.NAME:
         return runner
     return MoeRunner(torch_native.NAME, registry=runner.registry)
-
-
-def _with_shared(
-    weights: ExpertWeights,
-    shared: SharedExperts,
-    hidden_states: torch.Tensor,
-    topk: TopK,
-    act: Activation,
-) -> tuple[ExpertWeights, TopK]:
-    """The expert table (routed, then shared chunks) and the routing with the shared slots."""
-    if not check_shared(shared, weights, act, hidden_states):
-        return weights, topk
-    grad = _needs_grad(hidden_states, weights, topk.weights) or _needs_grad(
-        hidden_states, ExpertWeights(shared.w13, shared.w2), topk.weights
-    )
-    table = (build_table if grad else expert_table)(weights, shared, act)
-    chunks = chunks_per_shared(shared, weights, act)
-    return table, append_shared_slots(topk, hidden_states, shared, weights.num_experts, chunks)
 
 
 def weighted_input(hidden_states: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, TopK]:

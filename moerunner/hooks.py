@@ -14,8 +14,7 @@ Each returns the tensor to continue with (it may modify its argument in place an
 it). ``rows`` (``HookRows``) names per row its expert (the index into the prepared
 weights; -1 for a row that computes nothing, whose values are undefined and discarded), its
 token (row of the call's hidden states) and its top-k slot. Shared experts
-(``moerunner.shared``) run unhooked: their rows reach a hook as rows of no expert (-1) and
-what it returns for them is dropped. Sizes are the prepared
+(``moerunner.shared``) run unhooked, in a call of their own. Sizes are the prepared
 weights' (``prepared.spec``). Rows come in whatever order the backend runs them; a hook must
 be row-wise: its output row r may depend only on row r of its inputs and of ``rows``.
 
@@ -34,7 +33,6 @@ with kernels for them applies instead of calling them (the triton backend does).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,46 +117,6 @@ class MoeHooks:
             )
         # (the kernels after a hook read rows by one stride: a transposed result was misread)
         return got.float().contiguous()
-
-    def routed_only(self, num_routed: int) -> MoeHooks:
-        """These hooks in a call whose expert table holds shared experts past the
-        ``num_routed`` routed ones (``moerunner.shared``): a hook sees their rows as rows of
-        no expert (-1) and what it returns for them is dropped, so the shared experts run
-        unhooked whatever chunks their table splits them into. LoRA's hooks skip such rows
-        themselves (``routed_rows_only``) and are kept as they are."""
-
-        def wrap(fn):
-            if fn is None or getattr(fn, "routed_rows_only", False):
-                return fn
-            return _RoutedOnly(fn, num_routed)
-
-        return dataclasses.replace(self, gate_up=wrap(self.gate_up), down=wrap(self.down))
-
-
-@dataclass(frozen=True)
-class _RoutedOnly:
-    """A hook applied to the routed experts' rows only (``MoeHooks.routed_only``)."""
-
-    fn: Hook
-    num_routed: int
-
-    def __call__(self, out: torch.Tensor, inp: torch.Tensor, rows: HookRows) -> torch.Tensor:
-        shared = rows.expert >= self.num_routed
-        none = torch.full_like(rows.token, -1)
-        hidden = HookRows(
-            torch.where(shared, -1, rows.expert),
-            torch.where(shared, none, rows.token),
-            torch.where(shared, none, rows.slot),
-        )
-        kept = out.clone()  # (a hook may edit its argument in place)
-        got = self.fn(out, inp, hidden)
-        if isinstance(got, torch.Tensor) and got.shape == out.shape:
-            got = torch.where(shared[:, None], kept, got)
-        return got
-
-    def tensors(self) -> tuple:
-        tensors = getattr(self.fn, "tensors", None)
-        return tensors() if callable(tensors) else ()
 
 
 @dataclass(frozen=True)

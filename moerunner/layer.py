@@ -28,11 +28,11 @@ keep_float_weights=True)`` keeps the float parameters instead (and the state dic
 them); the quantized copy then follows them: after an in-place edit, ``load_state_dict`` or
 ``.data`` assignment of ``w13`` / ``w2`` the next eager forward quantizes them again (a
 host-side check, no device sync; a compiled layer does not check: call ``quantize_`` again
-after such edits). Float shared experts beside quantized ones stay in floating point (and
-``quantize_`` leaves them so): eager and compiled calls run them as a call of their own
-beside the quantized routed one (``moerunner.shared``).
+after such edits). Shared experts run as a call of their own beside the routed one, eagerly
+and compiled alike (``moerunner.shared``); float ones beside quantized routed experts stay in
+floating point (``quantize_`` leaves them so).
 
-Caches of what is derived from the parameters (prepared weights, the shared experts' table,
+Caches of what is derived from the parameters (prepared weights, the shared experts' views,
 the quantized copy of ``keep_float_weights``) follow PyTorch's in-place version counter,
 without a device sync. Optimizer steps, ``load_state_dict``, ``.data`` assignment and
 in-place ops on the parameters count (fused optimizer steps, which PyTorch does not count,
@@ -425,7 +425,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
 
     def weights_changed(self) -> None:
         """Forget everything derived from the parameters (prepared weights, the shared
-        experts' table, the quantized copy of ``keep_float_weights``, eager steps), so the
+        experts' views, the quantized copy of ``keep_float_weights``, eager steps), so the
         next call derives it again. Needed only after edits PyTorch's version counter does
         not count: writes through ``.data``."""
         params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
@@ -578,7 +578,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
 
     def shared_experts(self) -> SharedExperts | None:
         """The shared experts the layer runs (detached views of its parameters, rebuilt only
-        when one is replaced or edited, so the memoised expert table is reused), or None."""
+        when one is replaced or edited, so their prepared weights are reused), or None."""
         if self._given_shared is not None or self.shared_w13 is None:
             return self._given_shared
         params = (self.shared_w13, self.shared_w2, self.shared_gate)
@@ -696,8 +696,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             shared = self._shared_params()
             if shared is None or shared.num_shared == 0:
                 return routed
-            # (no expert table inside a trace: the shared experts run as a call of their own,
-            # as eager calls run float ones beside quantized routed experts)
+            # the shared experts: a call of their own, as in eager calls (``moerunner.shared``)
             own = own_slots(x, shared)
             out = call_fused_experts(
                 x, shared.w13, shared.w2, own.weights, own.ids, None, None, act.name,

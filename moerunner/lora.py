@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import InitVar, dataclass
-from typing import ClassVar
 
 import torch
 
@@ -315,8 +314,6 @@ class LoraDelta:
     adapter_T: torch.Tensor
     gemm: str
     check_ids: InitVar[bool] = True
-    #: rows of experts past the factors' E (shared experts) get no delta: ``MoeHooks.routed_only``
-    routed_rows_only: ClassVar[bool] = True
 
     def __post_init__(self, check_ids: bool) -> None:
         if not isinstance(self.lora, MoeLoraWeights):

@@ -32,7 +32,7 @@ def _reference(layer, x, logits, w13) -> torch.Tensor:
     return routed + (F.silu(h[:, :I]) * h[:, I:]) @ s2.T
 
 
-def test_a_replaced_routed_weight_is_never_served_the_old_shared_table():
+def test_a_replaced_routed_weight_with_shared_experts_is_never_served_stale():
     cfg = moerunner.MoeConfig(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K,
                               shared_experts=moerunner.SharedExpertsConfig(1))  # fmt: skip
     layer = moerunner.MoE(cfg, backend="torch")

@@ -1,10 +1,9 @@
-"""Shared experts as always-selected slots of the routed call (``moerunner.shared``).
+"""Shared experts beside the routed experts (``moerunner.shared``: a call of their own).
 
 Every result is held to the float64 reference of the separate computation: the routed
 experts (``reference_moe``) plus each shared expert as one dense MLP over all tokens, times
 its gate (``reference_moe`` with every token routed to shared expert s with the gate value
-as weight), which knows nothing of the table or of the split into chunks. fp32 bounds are
-``DTYPE_BOUND`` (two GEMMs in fp32); the split only reorders fp32 sums. Triton runs in the
+as weight). fp32 bounds are ``DTYPE_BOUND`` (two GEMMs in fp32). Triton runs in the
 interpreter (fp32: it computes bf16 wrongly).
 """
 
@@ -124,9 +123,9 @@ def test_biased_routed_experts_add_no_bias_to_shared_ones(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("quantized_shared", [False, True])
 def test_quantized_routed_experts(backend, quantized_shared):
-    """fp8 per channel: quantized shared weights are used as given (I_s = I: the table's
-    shared part is exactly ``quantize(shared)``); float ones stay in floating point, as the
-    model's own shared MLP, and the reference runs each on what was given."""
+    """fp8 per channel: quantized shared weights are used as given; float ones stay in
+    floating point, as the model's own shared MLP; the reference runs each on what was
+    given."""
     scheme = "fp8_channel"
     x, routed, shared, topk, act = _case(s=2, inter_s=I, gate=True)
     q = ExpertWeights(moerunner.quantize(routed.w13, scheme), moerunner.quantize(routed.w2, scheme))
@@ -240,16 +239,10 @@ def test_bad_shared_experts_are_named():
         call(SharedExperts(shared.w13[:, :8], shared.w2))
     with pytest.raises(MoeInputError, match=r"shared gate must be \[S=2, H=32\]"):
         call(SharedExperts(shared.w13, shared.w2, torch.randn(1, H)))
-    with pytest.raises(TypeError, match="must equal the routed weights"):
+    with pytest.raises(TypeError, match="shared w13/w2 dtype torch.float16 must equal hidden"):
         call(SharedExperts(shared.w13.half(), shared.w2.half()))
     q = ExpertWeights(*(moerunner.quantize(w, "fp8_channel") for w in (routed.w13, routed.w2)))
-    wide = SharedExperts(*_weights(act, 1, 2 * I))
-    qwide = SharedExperts(*(moerunner.quantize(w, "fp8_channel") for w in (wide.w13, wide.w2)))
-    with pytest.raises(MoeInputError, match="quantized shared experts need I_s equal"):
-        _fused(x, q, qwide, topk, act, "torch")
     qother = SharedExperts(*(moerunner.quantize(w, "int8") for w in (shared.w13, shared.w2)))
-    with pytest.raises(MoeInputError, match="quantized shared experts need the routed"):
-        _fused(x, q, qother, topk, act, "torch")
     # float shared experts beside quantized routed ones run on the hidden states as they are
     with pytest.raises(TypeError, match="shared w13/w2 dtype torch.float32 must equal hidden"):
         _fused(x.bfloat16(), q, shared, topk, act, "torch")
@@ -257,6 +250,25 @@ def test_bad_shared_experts_are_named():
         _fused(x, q, SharedExperts(shared.w13, qother.w2), topk, act, "torch")
     with pytest.raises(TypeError, match="shared w13/w2 dtypes torch.float32/torch.float16"):
         _fused(x, q, SharedExperts(shared.w13, shared.w2.half()), topk, act, "torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantized_shared_experts_of_any_width_and_scheme(backend):
+    """Shared experts run as a call of their own, so quantized ones need neither the routed
+    I (I_s = 2I here) nor the routed scheme (int8 beside fp8_channel), nor quantized routed
+    experts; each part against float64 on what it was given (int8's activation bound)."""
+    x, routed, shared, topk, act = _case(s=1, inter_s=2 * I, gate=True)
+    qs = SharedExperts(
+        *(moerunner.quantize(w, "int8") for w in (shared.w13, shared.w2)), shared.gate
+    )
+    gate = torch.sigmoid(x.double() @ shared.gate.double().T)
+    ids = torch.zeros(T, 1, dtype=torch.int32)
+    ref_shared = moerunner.reference_moe(x, ExpertWeights(qs.w13, qs.w2), gate, ids, act)
+    q = ExpertWeights(*(moerunner.quantize(w, "fp8_channel") for w in (routed.w13, routed.w2)))
+    for weights in (q, routed):
+        out = _fused(x, weights, qs, topk, act, backend)
+        ref = moerunner.reference_moe(x, weights, topk.weights, topk.ids, act) + ref_shared
+        assert_close(out, ref, error_bound(torch.float32, True), what=f"{backend}")
 
 
 # -- the layer ------------------------------------------------------------------------------
@@ -286,7 +298,7 @@ def test_layer_runs_its_shared_experts_and_follows_edits(backend):
 
     with torch.no_grad():
         assert_close(layer(x, logits), ref(), DTYPE_BOUND[torch.float32])
-        layer.shared_w2.mul_(2.0)  # in place: the table is rebuilt
+        layer.shared_w2.mul_(2.0)  # in place: prepared again
         assert_close(layer(x, logits), ref(), DTYPE_BOUND[torch.float32])
     assert {"shared_w13", "shared_w2", "shared_gate"} <= set(layer.state_dict())
 

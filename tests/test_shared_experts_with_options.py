@@ -73,8 +73,8 @@ def test_weight_on_input_scales_the_routed_input_only(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_up_then_gate_rows_with_shared_experts(backend):
-    """The expert table dropped the row order: the routed experts ran gate and up swapped
-    (0.75 relative error)."""
+    """The routed experts with their shared ones ran gate and up swapped (0.75 relative
+    error)."""
     if backend == "triton":
         pytest.importorskip("triton")
     x, w13, w2, shared, topk = _case()
@@ -102,9 +102,9 @@ def test_per_expert_activation_parameters_with_shared_experts_are_named():
 
 
 def test_hooks_do_not_reach_the_shared_experts():
-    """A down hook adding 1 per row was applied once per chunk the table split the shared
-    expert into, and per-expert data indexed past E. Now the shared rows reach a hook as
-    rows of no expert (-1) and its result for them is dropped."""
+    """A down hook adding 1 per row was applied once per chunk of the shared expert (then
+    extra slots of the routed call), and per-expert data indexed past E. The shared experts
+    run in a call of their own, which the hooks never see."""
     x, w13, w2, shared, topk = _case()
     seen = []
 

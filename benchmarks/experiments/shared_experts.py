@@ -1,7 +1,8 @@
-# Shared experts in the routed call (moerunner.shared's expert table) against the routed call
-# plus a separate dense MLP per shared expert (PyTorch), and plus the shared experts as a
-# fused call of their own (how float shared experts beside quantized routed ones run), at
-# decode and prefill token counts.
+# Shared experts through fused_moe (moerunner.shared: the routed call and the shared experts'
+# own call on the same runner) against the routed call plus a separate dense MLP per shared
+# expert (PyTorch, as a model computes it), at decode and prefill token counts. (The records
+# of 2026-11-27 and 2026-12-06 also time the form the own call replaced: the shared experts as
+# extra slots of the routed call.)
 #
 #   python benchmarks/experiments/shared_experts.py --preset deepseek-v3 --tokens 1,16,256,4096
 #   python benchmarks/experiments/shared_experts.py --preset cpu-small --device cpu --tokens 1,16
@@ -10,7 +11,7 @@
 # --shared S experts of intermediate size --shared-mult x the routed I (DeepSeek-V3: 1 x 1;
 # Qwen2-MoE-style: 1 x 4 with --gate). --shrink N divides H and I by N (CPU runs). Prints a
 # table (milliseconds per call, median; CUDA-graph replay on a GPU where capture works; ratio:
-# that form's time over the one call's, above 1 the one call is faster) and writes --json.
+# routed+dense time over fused_moe's, above 1 fused_moe is faster) and writes --json.
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import moerunner  # noqa: E402
 from moerunner.bench.presets import PRESETS, get_preset  # noqa: E402
 from moerunner.bench.timing import time_cases  # noqa: E402
 from moerunner.config import Activation  # noqa: E402
-from moerunner.shared import SharedExperts, own_slots, shared_dense  # noqa: E402
+from moerunner.shared import SharedExperts, shared_dense  # noqa: E402
 
 
 def build_weights(args, device: torch.device, dtype: torch.dtype):
@@ -67,12 +68,10 @@ def build(args, weights, tokens: int, device: torch.device, dtype: torch.dtype):
 
 
 def measure(args, case, device: torch.device):
-    """Timings of the one call with shared slots, of the routed call + dense MLPs and of the
-    routed call + the shared experts' own call."""
+    """Timings of fused_moe with the shared experts and of the routed call + dense MLPs."""
     x, w13, w2, shared, topk, act, _ = case
-    own = own_slots(x, shared)
 
-    def one_call(_i):
+    def fused(_i):
         return moerunner.fused_moe(
             x, w13, w2, topk.weights, topk.ids, activation=act, backend=args.backend,
             shared_experts=shared, check_ids=False,
@@ -85,18 +84,8 @@ def measure(args, case, device: torch.device):
         )  # fmt: skip
         return routed + shared_dense(x, shared, act).to(x.dtype)
 
-    def own_call(_i):
-        routed = moerunner.fused_moe(
-            x, w13, w2, topk.weights, topk.ids, activation=act, backend=args.backend,
-            check_ids=False,
-        )  # fmt: skip
-        return routed + moerunner.fused_moe(
-            x, shared.w13, shared.w2, own.weights, own.ids, activation=act, backend=args.backend,
-            check_ids=False,
-        )  # fmt: skip
-
     with torch.no_grad():
-        return tuple(time_cases(f, 1, device) for f in (one_call, separate, own_call))
+        return time_cases(fused, 1, device), time_cases(separate, 1, device)
 
 
 def main() -> None:
@@ -115,31 +104,25 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    print(
-        f"{'T':>6} {'one call ms':>12} {'routed+dense ms':>16} {'ratio':>7} "
-        f"{'routed+own ms':>14} {'ratio':>7}  shape E,H,I,k"
-    )
+    print(f"{'T':>6} {'fused_moe ms':>12} {'routed+dense ms':>16} {'ratio':>7}  shape E,H,I,k")
     weights = build_weights(args, device, dtype)
     for tokens in (int(t) for t in args.tokens.split(",")):
         case = build(args, weights, tokens, device, dtype)
-        a, b, c = measure(args, case, device)
+        a, b = measure(args, case, device)
         dims = case[-1]
-        ratio, own_ratio = b.seconds / a.seconds, c.seconds / a.seconds
+        ratio = b.seconds / a.seconds
         print(
-            f"{tokens:>6} {a.seconds * 1e3:>12.3f} {b.seconds * 1e3:>16.3f} {ratio:>6.2f}x "
-            f"{c.seconds * 1e3:>14.3f} {own_ratio:>6.2f}x  {','.join(map(str, dims))}"
+            f"{tokens:>6} {a.seconds * 1e3:>12.3f} {b.seconds * 1e3:>16.3f} {ratio:>6.2f}x  "
+            f"{','.join(map(str, dims))}"
         )
         rows.append(
             {
                 "tokens": tokens,
-                "one_call_s": a.seconds,
-                "one_call_mode": a.mode,
+                "fused_moe_s": a.seconds,
+                "fused_moe_mode": a.mode,
                 "separate_s": b.seconds,
                 "separate_mode": b.mode,
                 "speedup": ratio,
-                "own_call_s": c.seconds,
-                "own_call_mode": c.mode,
-                "own_call_speedup": own_ratio,
                 "shape": dims,
                 "shared": args.shared,
                 "shared_mult": args.shared_mult,

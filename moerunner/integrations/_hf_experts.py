@@ -225,7 +225,7 @@ def _candidate(module: torch.nn.Module, name: str) -> Activation | None:
 
 def shared_mlp_matches(mlp: torch.nn.Module, activation: Activation) -> bool:
     """Whether a shared-expert MLP's ``act_fn(gate) * up`` is ``activation``'s gating (the
-    shared experts run in the routed call with the routed activation)."""
+    shared experts run with the routed activation)."""
     if not activation.gated or activation.name in ("swiglu_oai", "swiglu_step"):
         return False
     probe = _probe(8, _PROBE_WIDTH)

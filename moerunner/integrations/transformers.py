@@ -287,8 +287,8 @@ def use_moerunner(
     ``moerunner_backend``. ``lora`` (a ``moerunner.lora_checkpoints.MoeLoraSet``) attaches
     LoRA adapters to the experts (``attach_lora``); ``set_adapter_ids`` then selects them.
     ``shared_experts=True`` runs the shared expert of Qwen2-MoE / DeepSeek-V3 MoE blocks in
-    the routed call (``fuse_shared_experts``). ``relayout`` (default) re-stores GPT-OSS's
-    transposed experts over contiguous canonical memory where that is safe
+    the experts' ``fused_moe`` call (``fuse_shared_experts``). ``relayout`` (default)
+    re-stores GPT-OSS's transposed experts over contiguous canonical memory where that is safe
     (``relayout_experts``); ``False`` keeps them as stored (read through strided views).
     """
     if fallback not in FALLBACKS:
@@ -524,8 +524,8 @@ _SHARED_CACHE = "_moerunner_shared"
 
 
 def fuse_shared_experts(model, enable: bool = True) -> list[str]:
-    """Run the shared expert of each Qwen2-MoE / DeepSeek-V3 MoE block in the routed
-    ``fused_moe`` call (``moerunner.shared``: the shared MLP as extra expert slots) instead
+    """Run the shared expert of each Qwen2-MoE / DeepSeek-V3 MoE block in the experts'
+    ``fused_moe`` call (``moerunner.shared``: the shared MLP on moerunner's kernels) instead
     of transformers' separate MLP; ``enable=False`` restores the blocks. Returns the blocks.
 
     The block's forward is replaced on the instance: it calls the block's own router, then
@@ -602,7 +602,7 @@ def _shared_sources(block) -> list:
 
 def _shared_experts(block) -> SharedExperts:
     """The block's shared MLP as ``SharedExperts`` (made once per weight version: moerunner
-    memoises the expert table on this object's w13)."""
+    memoises the prepared weights on its tensors)."""
     sources = _shared_sources(block)
     key = sources_key(sources)
     cached = block.__dict__.get(_SHARED_CACHE)
@@ -640,7 +640,7 @@ class _FusedForward:
 
 
 def _fused_block_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A shared-expert MoE block's forward with its shared MLP in the routed call."""
+    """A shared-expert MoE block's forward with its shared MLP in the experts' call."""
     experts = self.experts
     config = getattr(experts, "config", None)
     function = experts_implementation(experts)[1]
