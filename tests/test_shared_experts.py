@@ -380,3 +380,28 @@ def test_quantized_layer_compiled_equals_eager_with_float_shared_experts(backend
     with torch.no_grad():
         eager, traced = layer(x, logits), compiled(x, logits)
     assert_close(traced, eager.double(), DTYPE_BOUND[torch.float32], what=f"{backend} {scheme}")
+
+
+def test_shared_experts_hold_no_copy_of_the_routed_weights():
+    """The expert table (routed experts followed by the shared ones) was a second copy of
+    every routed weight, made at the first call; the shared experts' own call allocates
+    nothing of that size: every storage a call makes is smaller than the routed w13."""
+    from moerunner.memory import AllocationTracker, storage_bytes
+
+    experts, hidden, inter, tokens = 64, 64, 32, 4
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) * inter**-0.5
+    shared = SharedExperts(
+        torch.randn(1, 4 * inter, hidden, generator=g) * hidden**-0.5,
+        torch.randn(1, hidden, 2 * inter, generator=g) * inter**-0.5,
+    )
+    topk = moerunner.select_experts(torch.randn(tokens, experts, generator=g), K)
+    with AllocationTracker() as tracker:
+        out = moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, backend="torch", shared_experts=shared
+        )
+    assert tracker.largest_bytes < storage_bytes(w13), tracker.largest_bytes
+    ref = _reference(x, ExpertWeights(w13, w2), shared, topk, Activation("silu"))
+    assert_close(out, ref, DTYPE_BOUND[torch.float32])
