@@ -237,20 +237,27 @@ def _gathered(x_RK, a, b, key, scale_R, out, chunk: int):
 
 
 def _grouped_cpu(x_RK, a, b, key, scale_R, out):
-    """Rows grouped by (adapter, expert): two GEMMs per group (host-side bounds)."""
+    """Rows grouped by (adapter, expert): two GEMMs per group (host-side bounds). One gather
+    of the rows in group order, the factors split once (``unbind``), one scatter of the
+    result: under autograd, indexing a factor per group made a full-size gradient per group
+    (3.5 s for one Qwen3-30B-A3B-size layer's backward, 0.12 s gathered)."""
     groups = a.shape[0] * a.shape[1]
     order = torch.argsort(torch.where(key >= 0, key, groups), stable=True)
     counts = torch.bincount(key[key >= 0], minlength=groups).tolist()
-    a_flat = a.reshape(groups, a.shape[2], -1)
-    b_flat = b.reshape(groups, b.shape[2], -1)
-    start = 0
+    rows = sum(counts)
+    if rows == 0:
+        return out
+    a_groups = a.reshape(groups, a.shape[2], -1).unbind(0)
+    b_groups = b.reshape(groups, b.shape[2], -1).unbind(0)
+    x_sorted = x_RK[order[:rows]].float()
+    parts, start = [], 0
     for g, count in enumerate(counts):
         if count:
-            idx = order[start : start + count]
-            shrunk = x_RK[idx].float() @ a_flat[g].float().T
-            out[idx] = (shrunk @ b_flat[g].float().T) * scale_R[idx, None]
+            shrunk = x_sorted[start : start + count] @ a_groups[g].float().T
+            parts.append(shrunk @ b_groups[g].float().T)
             start += count
-    return out
+    d = torch.cat(parts) * scale_R[order[:rows], None]
+    return out.index_put((order[:rows],), d)
 
 
 def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool = True):
