@@ -41,7 +41,7 @@ from moerunner.backends.torch_native import TorchBackend, TorchOptions
 from moerunner.bench.baselines import build_baseline
 from moerunner.bench.presets import get_preset
 from moerunner.bench.sweep import draw_routing, make_weights
-from moerunner.bench.timing import time_cases, time_interleaved_cpu
+from moerunner.bench.timing import time_steps
 from moerunner.testing import DTYPE_BOUND, compare
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -148,13 +148,7 @@ def main(argv=None) -> int:
             for tokens in args.tokens:
                 steps, leaves = _steps(shape, dtype, device, tokens, seed=len(rows))
                 errors = _check(steps, leaves, dtype)
-                if device.type == "cpu":
-                    timings = time_interleaved_cpu(steps, CASES, min_time_s=0.5)
-                else:
-                    timings = {
-                        k: time_cases(run, CASES, device, cuda_graph=False)
-                        for k, run in steps.items()
-                    }
+                timings = time_steps(steps, CASES, device)
                 base = timings["grouped_mm"].seconds
                 for impl in IMPLS:
                     t = timings[impl]

@@ -30,7 +30,7 @@ import moerunner  # noqa: E402
 from moerunner.backends.torch_native import TorchBackend, TorchOptions  # noqa: E402
 from moerunner.bench.presets import get_preset  # noqa: E402
 from moerunner.bench.sweep import draw_routing, make_weights  # noqa: E402
-from moerunner.bench.timing import time_cases, time_interleaved_cpu  # noqa: E402
+from moerunner.bench.timing import time_steps  # noqa: E402
 from moerunner.lora import MoeLoraWeights, lora_hooks  # noqa: E402
 from moerunner.testing import DTYPE_BOUND, compare  # noqa: E402
 
@@ -141,13 +141,7 @@ def main(argv=None) -> int:
                     if value.max_rel > bound or grad.max_rel > bound:
                         raise AssertionError(f"{form}: out {value}, dx {grad} (bound {bound})")
                     errors[form] = {"out": value.max_rel, "dx": grad.max_rel}
-                if device.type == "cpu":
-                    timings = time_interleaved_cpu(steps, CASES, min_time_s=0.5)
-                else:
-                    timings = {
-                        k: time_cases(go, CASES, device, cuda_graph=False)
-                        for k, go in steps.items()
-                    }
+                timings = time_steps(steps, CASES, device)
                 base = timings["per-expert"].seconds
                 for form, t in timings.items():
                     row = {

@@ -219,3 +219,14 @@ def time_cases(
             max(min_reps, max_reps // 4),
             note=f"graph capture failed ({reason})",
         )
+
+
+def time_steps(
+    steps: dict[object, Callable[[int], object]], n_cases: int, device: torch.device
+) -> dict[object, Timing]:
+    """Training steps (forward and backward, which graphs do not capture) side by side: on
+    the CPU in interleaved rounds (``time_interleaved_cpu``), on CUDA with events around each
+    eager step (``time_cases`` without graphs)."""
+    if device.type == "cpu":
+        return time_interleaved_cpu(steps, n_cases, min_time_s=0.5)
+    return {k: time_cases(run, n_cases, device, cuda_graph=False) for k, run in steps.items()}
