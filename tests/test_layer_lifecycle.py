@@ -72,11 +72,11 @@ def test_a_layer_built_under_inference_mode_runs():
 
 def test_weights_changed_after_edits_the_version_counter_does_not_count():
     # Writes through .data (and fused optimizers' steps) leave the version counter as it
-    # was; weights_changed() makes the layer derive its shared-expert table again.
+    # was; weights_changed() makes the layer prepare its (shared) experts again.
     x, logits = _inputs(2)
     layer = MoE(_config(shared_experts=SharedExpertsConfig(1)), backend="torch")
     with torch.no_grad():
-        layer(x, logits)  # the expert table is made
+        layer(x, logits)  # the weights are prepared
         for p in (layer.w13, layer.w2, layer.shared_w13):
             p.data.mul_(-2.0)
         layer.weights_changed()
@@ -87,7 +87,7 @@ def test_weights_changed_after_edits_the_version_counter_does_not_count():
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam])
 def test_a_fused_optimizer_step_is_seen_without_weights_changed(optimizer):
     # PyTorch's fused steps leave the version counter as it was; moerunner's post-step hook
-    # counts them, so the shared-expert table and the kept quantized copy follow.
+    # counts them, so the prepared (shared) experts and the kept quantized copy follow.
     x, logits = _inputs(13)
     shared = MoE(_config(shared_experts=SharedExpertsConfig(1)), backend="torch")
     kept = MoE(_config(), backend="torch").quantize_("int8_w8a16", keep_float_weights=True)
