@@ -39,6 +39,7 @@ from .torch_native import (
     _hooked_standard,
     _linear,
     grouped_experts,
+    grouped_mm,
 )
 
 __all__ = ["check_frozen", "differentiable_forward"]
@@ -63,14 +64,19 @@ def differentiable_forward(
     ``options.grouped_mm`` has the call's (device, dtype) (``_grouped_differentiable``).
     Used by ``fused_moe`` when grad mode is on and an argument requires grad."""
     grouped = _grouped_trains(hidden_TH, weights, spec, options)
+    mm = (
+        _fp32_backward_mm
+        if (hidden_TH.device.type, hidden_TH.dtype) in options.fp32_backward
+        else None
+    )
     if hooks is None and grouped:
-        return _grouped_differentiable(hidden_TH, weights, topk, spec)
+        return _grouped_differentiable(hidden_TH, weights, topk, spec, mm)
     gemm = _autograd_gemm(weights)
     if hooks is not None:
         w = weights
         plain = (w.w13, w.w2, w.w13_bias, w.w2_bias) if grouped else None
         dispatched = StandardDispatchOutput(hidden_TH, topk)
-        return _hooked_standard(dispatched, spec, gemm, hooks, plain)
+        return _hooked_standard(dispatched, spec, gemm, hooks, plain, mm)
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
     bounds = offsets.tolist()
     rows = bounds[spec.num_experts]  # the valid pairs; the others sort past them
@@ -119,7 +125,7 @@ def _readable(w: torch.Tensor) -> bool:
 
 
 def _grouped_differentiable(
-    hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec
+    hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec, mm=None
 ) -> torch.Tensor:
     """``differentiable_forward`` as the inference path's two grouped GEMMs
     (``torch_native.grouped_experts``, which PyTorch differentiates): no per-expert
@@ -134,7 +140,7 @@ def _grouped_differentiable(
         valid = (expert_of_rows(offsets, order.shape[0]) >= 0)[:, None]
     w = weights
     y_MH = grouped_experts(
-        hidden_TH[token], offsets, spec, w.w13, w.w2, w.w13_bias, w.w2_bias, valid
+        hidden_TH[token], offsets, spec, w.w13, w.w2, w.w13_bias, w.w2_bias, valid, mm
     )
     weight = weight_TK.reshape(-1)[order]
     out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
@@ -209,3 +215,38 @@ class _FrozenExpertGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_bias = grad_RN.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_bias, None, None
+
+
+class _Fp32BackwardGroupedMm(torch.autograd.Function):
+    """PyTorch's grouped GEMM whose backward computes in float32 (``TorchOptions
+    .fp32_backward``): the forward as PyTorch computes it; the input gradient ``grad @ b^T``
+    and the weight gradient ``a^T @ grad`` per group from float32 copies, rounded to the
+    inputs' dtypes (PyTorch's CPU bf16 matmul with a row-major right operand ran 50-150x
+    slower than this)."""
+
+    @staticmethod
+    def forward(a, b, ends):
+        return grouped_mm(a, b, ends)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # (this form also serves torch.func transforms)
+        a, b, ends = inputs
+        ctx.save_for_backward(a, b, ends)
+
+    @staticmethod
+    def backward(ctx, grad_MN):
+        a, b, ends = ctx.saved_tensors
+        grad = grad_MN.float()
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = grouped_mm(grad, b.float().transpose(-2, -1), ends).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = grouped_mm(a.float().T, grad, ends).to(b.dtype)
+        return grad_a, grad_b, None
+
+
+def _fp32_backward_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``GroupedMm`` with a float32 backward where a gradient is needed."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _Fp32BackwardGroupedMm.apply(a, b, ends)
+    return grouped_mm(a, b, ends)

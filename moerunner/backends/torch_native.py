@@ -75,6 +75,16 @@ class TorchOptions:
     #: cpu-training-step-2026-12-06: Qwen3-30B-A3B / 16 fp32, T = 256 and 1024, one GEMM pair
     #: per expert 0.08-0.12x transformers' grouped_mm experts, grouped 0.68-0.86x).
     grouped_training: frozenset = frozenset({"cpu"})
+    #: (device type, dtype) pairs whose grouped GEMMs in training compute their backward in
+    #: float32. CPU bf16: PyTorch's CPU bf16 matmul with a row-major right operand (the input
+    #: gradient, ``grad @ W``) ran 50-150x slower than the float32 product here (torch 2.13,
+    #: [16-128, 1792] x [1792, 256]); whole training steps 1.5-11.9x faster: Qwen3-30B-A3B /
+    #: 16 at T = 256 / 1024 45.1 / 173.0 -> 29.6 / 83.8 ms, Mixtral-8x7B / 16 776 / 3089 ->
+    #: 83 / 260 ms (``benchmarks/training_step.py``, record
+    #: cpu-training-step-fp32-backward-2026-12-06; transformers' grouped_mm experts, which
+    #: keep PyTorch's backward, are now 1.6-11.5x slower).
+    #: The backward holds a float32 copy of the weights while it runs.
+    fp32_backward: frozenset = frozenset({("cpu", torch.bfloat16)})
     #: CPU standard calls of these dtypes run as two grouped GEMMs over the valid rows instead
     #: of the chunks where ``cpu_grouped_large`` or ``cpu_grouped_hit_share`` says. bf16 (torch
     #: 2.13; 2.11 ran the GEMMs alone the same): Qwen3-30B-A3B's full experts (3.1M w13
@@ -121,6 +131,12 @@ class TorchOptions:
             _device_dtype,
         )
         frozen_set(self, "grouped_training", "device types such as 'cpu'", _device_type)
+        frozen_set(
+            self,
+            "fp32_backward",
+            "(device type, dtype) pairs such as ('cpu', torch.bfloat16)",
+            _device_dtype,
+        )
         dtype_set(self, "cpu_grouped_dtypes")
         dtype_set(self, "cpu_columns_dtypes")
         check_int(self, "cpu_grouped_hit_share", 1)
@@ -495,6 +511,16 @@ def _use_grouped_mm(x_MH: torch.Tensor, prepared: PreparedWeights) -> bool:
     return pair in _options(prepared).grouped_mm and _grouped_fits(prepared, x_MH.dtype)
 
 
+#: A grouped GEMM ``mm(a [M, K], b [E, K, N], ends [E]) -> [M, N]`` (rows ``ends[e-1]:ends[e]``
+#: times ``b[e]``), as PyTorch's ``_grouped_mm`` computes it.
+GroupedMm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """PyTorch's grouped GEMM (``GroupedMm``)."""
+    return _GROUPED_MM(a, b, offs=ends)
+
+
 def _grouped_forward(
     x_MH: torch.Tensor, offsets: torch.Tensor, prepared: PreparedWeights
 ) -> torch.Tensor:
@@ -514,19 +540,22 @@ def grouped_experts(
     w13_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
     valid: torch.Tensor | None = None,
+    mm: GroupedMm | None = None,
 ) -> torch.Tensor:
     """Grouped rows (expert ``e``'s are ``offsets[e]:offsets[e+1]``) through both GEMMs as two
     grouped GEMMs; no host synchronisation, out-of-place ops (autograd differentiates it:
     ``torch_autograd``). ``valid`` (bool ``[M, 1]``): rows past ``offsets[E]`` belong to no
     group, and the grouped GEMMs leave their outputs (and in a backward their input
     gradients) undefined; where given, they are selected out (never multiplied: undefined
-    values may be NaN) at the input, before the activation and at the output."""
+    values may be NaN) at the input, before the activation and at the output. ``mm``: the
+    grouped GEMM (default PyTorch's; training passes one with its own backward)."""
+    mm = mm or grouped_mm
 
     def grouped(t: torch.Tensor) -> torch.Tensor:
         return t if valid is None else torch.where(valid, t, 0)
 
     ends = offsets[1:].to(torch.int32)
-    h_MN = _GROUPED_MM(grouped(x_MH), w13.transpose(-2, -1), offs=ends)
+    h_MN = mm(grouped(x_MH), w13.transpose(-2, -1), ends)
     expert_of_row = None
     if w13_bias is not None or w2_bias is not None or spec.activation.per_expert:
         row_ids = torch.arange(x_MH.shape[0], device=x_MH.device)
@@ -537,7 +566,7 @@ def grouped_experts(
         h_MN = h_MN.float() + w13_bias[expert_of_row].float()
     # Activation in fp32 (as the fused kernels do), rounded once into the GEMM2 input.
     a_MI = apply_activation(grouped(h_MN), spec, expert_of_row).to(x_MH.dtype)
-    y_MH = _GROUPED_MM(a_MI, w2.transpose(-2, -1), offs=ends)
+    y_MH = mm(a_MI, w2.transpose(-2, -1), ends)
     if w2_bias is not None:
         y_MH = (y_MH.float() + w2_bias[expert_of_row].float()).to(x_MH.dtype)
     return grouped(y_MH)
@@ -594,18 +623,21 @@ def _per_expert_gemms(gemm: ExpertGemm, offsets: torch.Tensor, spec: ExpertSpec)
     return gemms
 
 
-def _grouped_gemms(plain: tuple, offsets: torch.Tensor, expert: torch.Tensor) -> RowGemms:
+def _grouped_gemms(
+    plain: tuple, offsets: torch.Tensor, expert: torch.Tensor, mm: GroupedMm | None = None
+) -> RowGemms:
     """Plain weights ``(w13, w2, w13_bias, w2_bias)`` as one grouped GEMM per GEMM over every
     row: no host read, no launch per expert. Rows of no expert (``expert`` -1: the grouped
     GEMM leaves their outputs, and in a backward their input gradients, undefined) are
-    selected out at the input and the output, as in ``grouped_experts``."""
+    selected out at the input and the output, as in ``grouped_experts``; ``mm`` as there."""
     w13, w2, b13, b2 = plain
+    mm = mm or grouped_mm
     ends = offsets[1:].to(torch.int32)
     valid, row_expert = (expert >= 0)[:, None], expert.clamp(min=0)
 
     def gemms(which: str, x_MK: torch.Tensor) -> torch.Tensor:
         w, bias = (w13, b13) if which == "w13" else (w2, b2)
-        out = _GROUPED_MM(torch.where(valid, x_MK, 0), w.transpose(-2, -1), offs=ends).float()
+        out = mm(torch.where(valid, x_MK, 0), w.transpose(-2, -1), ends).float()
         if bias is not None:
             out = out + bias[row_expert].float()
         return torch.where(valid, out, 0.0)
@@ -632,6 +664,7 @@ def _hooked_standard(
     gemm: ExpertGemm,
     hooks: MoeHooks,
     plain: tuple | None = None,
+    mm: GroupedMm | None = None,
 ) -> torch.Tensor:
     """The standard format with hooks, on any device: grouped rows, hooked experts (one GEMM
     per expert hit, or with ``plain`` weights the grouped GEMMs: ``_grouped_gemms``), each
@@ -648,7 +681,7 @@ def _hooked_standard(
     if plain is None:
         gemms = _per_expert_gemms(gemm, offsets, spec)
     else:
-        gemms = _grouped_gemms(plain, offsets, expert)
+        gemms = _grouped_gemms(plain, offsets, expert, mm)
     y_MH = _hooked_experts(x_TH[token], spec, gemms, hooks, rows)
     weight = weight_TK.reshape(-1)[order]
     y_MH = torch.where(valid[:, None], y_MH * weight[:, None], 0.0)
