@@ -547,29 +547,38 @@ def grouped_experts(
     ``torch_autograd``). ``valid`` (bool ``[M, 1]``): rows past ``offsets[E]`` belong to no
     group, and the grouped GEMMs leave their outputs (and in a backward their input
     gradients) undefined; where given, they are selected out (never multiplied: undefined
-    values may be NaN) at the input, before the activation and at the output. ``mm``: the
+    values may be NaN) at each GEMM's input and output (``_grouped_gemm``). ``mm``: the
     grouped GEMM (default PyTorch's; training passes one with its own backward)."""
     mm = mm or grouped_mm
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:
-        return t if valid is None else torch.where(valid, t, 0)
-
     ends = offsets[1:].to(torch.int32)
-    h_MN = mm(grouped(x_MH), w13.transpose(-2, -1), ends)
     expert_of_row = None
     if w13_bias is not None or w2_bias is not None or spec.activation.per_expert:
-        row_ids = torch.arange(x_MH.shape[0], device=x_MH.device)
-        expert_of_row = torch.searchsorted(offsets[1:], row_ids, right=True).clamp(
-            max=spec.num_experts - 1
-        )
-    if w13_bias is not None:
-        h_MN = h_MN.float() + w13_bias[expert_of_row].float()
+        expert_of_row = expert_of_rows(offsets, x_MH.shape[0]).clamp(min=0)
+    h_MN = _grouped_gemm(x_MH, w13, w13_bias, ends, expert_of_row, valid, mm)
     # Activation in fp32 (as the fused kernels do), rounded once into the GEMM2 input.
-    a_MI = apply_activation(grouped(h_MN), spec, expert_of_row).to(x_MH.dtype)
-    y_MH = mm(a_MI, w2.transpose(-2, -1), ends)
-    if w2_bias is not None:
-        y_MH = (y_MH.float() + w2_bias[expert_of_row].float()).to(x_MH.dtype)
-    return grouped(y_MH)
+    a_MI = apply_activation(h_MN, spec, expert_of_row).to(x_MH.dtype)
+    y_MH = _grouped_gemm(a_MI, w2, w2_bias, ends, expert_of_row, valid, mm)
+    return y_MH if w2_bias is None else y_MH.to(x_MH.dtype)
+
+
+def _grouped_gemm(
+    x_MK: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    ends: torch.Tensor,
+    row_expert: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    mm: GroupedMm,
+) -> torch.Tensor:
+    """One grouped GEMM ``x @ w[e]^T`` over grouped rows (``ends``): in x's dtype, or float32
+    with the bias (of each row's expert, ``row_expert``) added. Rows outside every group
+    (``valid`` false, where given) are selected out at the input and the output."""
+    if valid is not None:
+        x_MK = torch.where(valid, x_MK, 0)
+    out = mm(x_MK, w.transpose(-2, -1), ends)
+    if bias is not None:
+        out = out.float() + bias[row_expert].float()
+    return out if valid is None else torch.where(valid, out, 0)
 
 
 #: One expert GEMM of the hooked sequence: ``gemm(which, e, x_RK)`` with ``which`` "w13" or
@@ -637,12 +646,24 @@ def _grouped_gemms(
 
     def gemms(which: str, x_MK: torch.Tensor) -> torch.Tensor:
         w, bias = (w13, b13) if which == "w13" else (w2, b2)
-        out = mm(torch.where(valid, x_MK, 0), w.transpose(-2, -1), ends).float()
-        if bias is not None:
-            out = out + bias[row_expert].float()
-        return torch.where(valid, out, 0.0)
+        return _grouped_gemm(x_MK, w, bias, ends, row_expert, valid, mm).float()
 
     return gemms
+
+
+def _row_gemms(
+    gemm: ExpertGemm,
+    plain: tuple | None,
+    offsets: torch.Tensor,
+    expert: torch.Tensor,
+    spec: ExpertSpec,
+    mm: GroupedMm | None = None,
+) -> RowGemms:
+    """The hooked sequence's GEMMs: grouped on ``plain`` weights where given, else ``gemm``
+    per expert hit."""
+    if plain is None:
+        return _per_expert_gemms(gemm, offsets, spec)
+    return _grouped_gemms(plain, offsets, expert, mm)
 
 
 def _hooked_experts(
@@ -678,10 +699,7 @@ def _hooked_standard(
         token=torch.where(valid, token, -1),
         slot=torch.where(valid, order % topk.top_k, -1),
     )
-    if plain is None:
-        gemms = _per_expert_gemms(gemm, offsets, spec)
-    else:
-        gemms = _grouped_gemms(plain, offsets, expert, mm)
+    gemms = _row_gemms(gemm, plain, offsets, expert, spec, mm)
     y_MH = _hooked_experts(x_TH[token], spec, gemms, hooks, rows)
     weight = weight_TK.reshape(-1)[order]
     y_MH = torch.where(valid[:, None], y_MH * weight[:, None], 0.0)
@@ -742,12 +760,9 @@ def torch_core(
     ``hooks``: the hooked sequence (``moerunner.hooks``)."""
     if hooks is not None:
         expert = expert_of_rows(expert_offsets, x_MH.shape[0])
-        plain = _prepared_plain(x_MH, prepared)
-        if plain is None:
-            gemms = _per_expert_gemms(_prepared_gemm(prepared), expert_offsets, prepared.spec)
-        else:
-            gemms = _grouped_gemms(plain, expert_offsets, expert)
-        out = _hooked_experts(x_MH, prepared.spec, gemms, hooks.hooks, hooks.rows(expert))
+        plain, spec = _prepared_plain(x_MH, prepared), prepared.spec
+        gemms = _row_gemms(_prepared_gemm(prepared), plain, expert_offsets, expert, spec)
+        out = _hooked_experts(x_MH, spec, gemms, hooks.hooks, hooks.rows(expert))
         return out.to(x_MH.dtype)
     if _use_grouped_mm(x_MH, prepared):
         return _grouped_forward(x_MH, expert_offsets, prepared)
