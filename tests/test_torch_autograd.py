@@ -202,9 +202,9 @@ def test_cpu_bf16_backward_in_float32_matches_pytorchs_and_the_reference(monkeyp
     values and every gradient match the float64 reference, and PyTorch's own bf16 backward
     (the option emptied) within the bf16 bound; a spy sees the float32 backward run."""
     ran = []
-    backward = torch_autograd._Fp32BackwardGroupedMm.backward
+    backward = torch_autograd._Float32GroupedMm.backward
     monkeypatch.setattr(
-        torch_autograd._Fp32BackwardGroupedMm,
+        torch_autograd._Float32GroupedMm,
         "backward",
         staticmethod(lambda ctx, g: ran.append(1) or backward(ctx, g)),
     )
@@ -212,13 +212,52 @@ def test_cpu_bf16_backward_in_float32_matches_pytorchs_and_the_reference(monkeyp
     out, grads = _grads(leaves, ids, act)  # the defaults: grouped, float32 backward
     assert len(ran) == 2  # both GEMMs
     registry = moerunner.default_registry().copy()
-    registry.register_backend(TorchBackend(TorchOptions(fp32_backward=frozenset())), replace=True)
+    own_options = TorchOptions(fp32_backward=frozenset(), cpu_float32_gemms=frozenset())
+    registry.register_backend(TorchBackend(own_options), replace=True)
     own, own_grads = _grads(leaves, ids, act, registry=registry)
     assert len(ran) == 2
     ref, ref_grads = _reference(leaves, ids, act)
     assert_close(out, ref.detach(), BF16, what="values")
     assert_close(out, own.double(), BF16, what="values against PyTorch's bf16 backward")
     _assert_grads(grads, ref_grads, own_grads, "PyTorch's bf16 backward")
+
+
+@pytest.mark.parametrize("backward32", [True, False])
+def test_cpu_bf16_training_forward_in_float32(backward32):
+    """With bf16 in ``TorchOptions.cpu_float32_gemms`` (the default on CPUs without
+    PyTorch's oneDNN bf16 matmul), training's grouped GEMMs run their forward from float32
+    copies, rounded to bf16: values and every gradient match the float64 reference within
+    the bf16 bound, with and without the float32 backward; a spy sees each grouped GEMM's
+    operands in float32 (forward, and backward where asked) or bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Spy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "_grouped_mm":
+                self.dtypes.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    options = TorchOptions(
+        cpu_float32_gemms=frozenset({torch.bfloat16}),
+        fp32_backward=frozenset({("cpu", torch.bfloat16)}) if backward32 else frozenset(),
+    )
+    registry = moerunner.default_registry().copy()
+    registry.register_backend(TorchBackend(options), replace=True)
+    leaves, ids = _case("cpu", True, "silu", seed=7)
+    with Spy() as spy:
+        out, grads = _grads(leaves, ids, "silu", registry=registry)
+    backward = torch.float32 if backward32 else torch.bfloat16
+    # 2 forward GEMMs; 2 gradients (input, weight) for each in the backward
+    assert spy.dtypes == [torch.float32] * 2 + [backward] * 4, spy.dtypes
+    ref, ref_grads = _reference(leaves, ids, "silu")
+    assert_close(out, ref.detach(), BF16, what="values")
+    names = ("x", "w13", "w2", "routing weights", "w13 bias", "w2 bias")
+    for name, g, w in zip(names, grads, ref_grads, strict=True):
+        assert_close(g, w, BF16, what=f"d/d {name}")
 
 
 def test_fp32_backward_option_is_validated():

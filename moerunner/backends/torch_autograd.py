@@ -33,8 +33,10 @@ from ..weights import ExpertWeights, is_quantized
 from .torch_native import (
     DEFAULT_TORCH_OPTIONS,
     ExpertGemm,
+    GroupedMm,
     TorchOptions,
     _aligned16,
+    _float32_gemm,
     _grouped_rows,
     _hooked_standard,
     _linear,
@@ -64,14 +66,14 @@ def differentiable_forward(
     ``options.grouped_mm`` has the call's (device, dtype) (``_grouped_differentiable``).
     Used by ``fused_moe`` when grad mode is on and an argument requires grad."""
     grouped = _grouped_trains(hidden_TH, weights, spec, options)
-    mm = (
-        _fp32_backward_mm
-        if (hidden_TH.device.type, hidden_TH.dtype) in options.fp32_backward
-        else None
+    device, dtype = hidden_TH.device.type, hidden_TH.dtype
+    mm = _float32_mm(
+        device == "cpu" and dtype in options.cpu_float32_gemms,
+        (device, dtype) in options.fp32_backward,
     )
     if hooks is None and grouped:
         return _grouped_differentiable(hidden_TH, weights, topk, spec, mm)
-    gemm = _autograd_gemm(weights)
+    gemm = _autograd_gemm(weights, options)
     if hooks is not None:
         w = weights
         plain = (w.w13, w.w2, w.w13_bias, w.w2_bias) if grouped else None
@@ -168,10 +170,11 @@ def check_frozen(weights: ExpertWeights) -> None:
         )
 
 
-def _autograd_gemm(weights: ExpertWeights) -> ExpertGemm:
+def _autograd_gemm(weights: ExpertWeights, options: TorchOptions) -> ExpertGemm:
     """Expert GEMMs on a call's own weights that autograd differentiates: plain weights
-    indexed per expert (views of the tensors that require grad), quantized ones through
-    ``_FrozenExpertGemm``. Nothing is cached: each call's graph is its own."""
+    indexed per expert (views of the tensors that require grad; in float32 where
+    ``_float32_gemm`` says), quantized ones through ``_FrozenExpertGemm``. Nothing is
+    cached: each call's graph is its own."""
 
     def gemm(which: str, e: int, x_RK: torch.Tensor) -> torch.Tensor:
         w = weights.w13 if which == "w13" else weights.w2
@@ -179,7 +182,7 @@ def _autograd_gemm(weights: ExpertWeights) -> ExpertGemm:
         bias = None if bias is None else bias[e]
         if is_quantized(w):
             return _FrozenExpertGemm.apply(x_RK, bias, w, e)
-        return _linear(x_RK, w[e], bias, None).float()
+        return _linear(x_RK, w[e], bias, None, None, _float32_gemm(x_RK, options)).float()
 
     return gemm
 
@@ -217,36 +220,52 @@ class _FrozenExpertGemm(torch.autograd.Function):
         return grad_x, grad_bias, None, None
 
 
-class _Fp32BackwardGroupedMm(torch.autograd.Function):
-    """PyTorch's grouped GEMM whose backward computes in float32 (``TorchOptions
-    .fp32_backward``): the forward as PyTorch computes it; the input gradient ``grad @ b^T``
-    and the weight gradient ``a^T @ grad`` per group from float32 copies, rounded to the
-    inputs' dtypes (PyTorch's CPU bf16 matmul with a row-major right operand ran 50-150x
-    slower than this)."""
+class _Float32GroupedMm(torch.autograd.Function):
+    """PyTorch's grouped GEMM computed from float32 copies of its inputs in the forward
+    (``TorchOptions.cpu_float32_gemms``), the backward (``fp32_backward``) or both, each
+    result rounded to the inputs' dtype. Only the inputs themselves are saved for the
+    backward, which makes its float32 copies again: autograd through ``a.float()`` would
+    hold a float32 copy of every layer's weights from its forward to its backward. The
+    backward's input gradient is ``grad @ b^T`` and weight gradient ``a^T @ grad`` per group
+    (PyTorch's CPU bf16 matmul with a row-major right operand ran 50-150x slower than these
+    in float32)."""
 
     @staticmethod
-    def forward(a, b, ends):
+    def forward(a, b, ends, forward32, backward32):
+        if forward32:
+            return grouped_mm(a.float(), b.float(), ends).to(a.dtype)
         return grouped_mm(a, b, ends)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # (this form also serves torch.func transforms)
-        a, b, ends = inputs
+        a, b, ends, _, backward32 = inputs
         ctx.save_for_backward(a, b, ends)
+        ctx.backward32 = backward32
 
     @staticmethod
     def backward(ctx, grad_MN):
         a, b, ends = ctx.saved_tensors
-        grad = grad_MN.float()
+        compute = torch.float32 if ctx.backward32 else a.dtype
+        grad = grad_MN.to(compute)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = grouped_mm(grad, b.float().transpose(-2, -1), ends).to(a.dtype)
+            grad_a = grouped_mm(grad, b.to(compute).transpose(-2, -1), ends).to(a.dtype)
         if ctx.needs_input_grad[1]:
-            grad_b = grouped_mm(a.float().T, grad, ends).to(b.dtype)
-        return grad_a, grad_b, None
+            grad_b = grouped_mm(a.to(compute).T, grad, ends).to(b.dtype)
+        return grad_a, grad_b, None, None, None
 
 
-def _fp32_backward_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """``GroupedMm`` with a float32 backward where a gradient is needed."""
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _Fp32BackwardGroupedMm.apply(a, b, ends)
-    return grouped_mm(a, b, ends)
+def _float32_mm(forward32: bool, backward32: bool) -> GroupedMm | None:
+    """The grouped GEMM for a differentiable call whose forward and / or backward compute
+    in float32 (``_Float32GroupedMm``); None (PyTorch's own) for neither."""
+    if not (forward32 or backward32):
+        return None
+
+    def mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return _Float32GroupedMm.apply(a, b, ends, forward32, backward32)
+        if forward32:
+            return grouped_mm(a.float(), b.float(), ends).to(a.dtype)
+        return grouped_mm(a, b, ends)
+
+    return mm

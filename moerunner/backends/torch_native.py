@@ -145,14 +145,30 @@ def _linear(
     bias: torch.Tensor | None,
     scheme,
     input_scale: torch.Tensor | None = None,
+    float32: bool = False,
 ) -> torch.Tensor:
-    """x @ w.T (+ bias) with the scheme's activation quantization; fp32 result if biased."""
-    out = _gemm_input(x, scheme, input_scale) @ w_NK.transpose(-2, -1).to(
-        torch.float32 if scheme is not None else x.dtype
-    )
+    """x @ w.T (+ bias) with the scheme's activation quantization; fp32 result if biased.
+    ``float32``: plain weights multiplied in float32, rounded to x's dtype
+    (``_float32_gemm``)."""
+    if float32 and scheme is None:
+        out = (x.float() @ w_NK.transpose(-2, -1).float()).to(x.dtype)
+    else:
+        out = _gemm_input(x, scheme, input_scale) @ w_NK.transpose(-2, -1).to(
+            torch.float32 if scheme is not None else x.dtype
+        )
     if bias is not None:
         out = out.float() + bias.float()
     return out
+
+
+def _float32_gemm(x_RK: torch.Tensor, options: TorchOptions) -> bool:
+    """Whether a CPU expert GEMM on rows ``x`` multiplies in float32: a dtype of
+    ``options.cpu_float32_gemms`` and at least ``cpu_float32_from_rows`` rows."""
+    return (
+        x_RK.device.type == "cpu"
+        and x_RK.dtype in options.cpu_float32_gemms
+        and x_RK.shape[0] >= options.cpu_float32_from_rows
+    )
 
 
 def _expert_forward(
@@ -237,11 +253,19 @@ def _cpu_gemms(
             )
         return
     options = _options(prepared)
+    w32_NK = None  # one float32 weight buffer, refilled per expert (``cpu_float32_gemms``)
     for e, start, end in experts:
-        if columns:
-            _cpu_mm_columns(out_RN[start:end], x_RK[start:end], w[e])
+        x_MK, out_MN = x_RK[start:end], out_RN[start:end]
+        if _float32_gemm(x_MK, options):
+            if w32_NK is None:
+                w32_NK = torch.empty(w[e].shape, dtype=torch.float32)
+            y_MN = x_MK.new_empty((end - start, w32_NK.shape[0]), dtype=torch.float32)
+            _cpu_mm_rows(y_MN, x_MK.float(), w32_NK.copy_(w[e]), options)
+            out_MN.copy_(y_MN)
+        elif columns:
+            _cpu_mm_columns(out_MN, x_MK, w[e])
         else:
-            _cpu_mm_rows(out_RN[start:end], x_RK[start:end], w[e], options)
+            _cpu_mm_rows(out_MN, x_MK, w[e], options)
     if bias is not None:
         for e, start, end in experts:
             out_RN[start:end] = out_RN[start:end].float() + bias[e].float()
@@ -294,11 +318,23 @@ def _experts_hit(bounds: list[int], num_experts: int) -> int:
     return sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
 
 
+def _cpu_float32_call(dtype: torch.dtype, bounds: list[int], prepared: PreparedWeights) -> bool:
+    """Whether a CPU call's GEMMs mostly multiply in float32 (``cpu_float32_gemms``): at
+    least ``cpu_float32_from_rows`` rows per expert hit on average. Such calls run the
+    row-major chunks; the others take the half dtype's forms (transposed, or the grouped
+    GEMMs), their experts of enough rows still in float32 within the chunks."""
+    options, num_experts = _options(prepared), prepared.spec.num_experts
+    if dtype not in options.cpu_float32_gemms:
+        return False
+    hit = _experts_hit(bounds, num_experts)
+    return bounds[num_experts] >= options.cpu_float32_from_rows * hit
+
+
 def _cpu_columns(dtype: torch.dtype, bounds: list[int], prepared: PreparedWeights) -> bool:
     """Whether a CPU call runs transposed: a ``cpu_columns_dtypes`` dtype with fewer than
-    ``cpu_columns_until`` rows per expert hit on average."""
+    ``cpu_columns_until`` rows per expert hit on average, not a float32 call."""
     options, num_experts = _options(prepared), prepared.spec.num_experts
-    if dtype not in options.cpu_columns_dtypes:
+    if dtype not in options.cpu_columns_dtypes or _cpu_float32_call(dtype, bounds, prepared):
         return False
     hit = _experts_hit(bounds, num_experts)
     return bounds[num_experts] < options.cpu_columns_until * hit
@@ -329,13 +365,15 @@ def _cpu_chunks(
 
 def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int]) -> bool:
     """Whether a CPU standard call runs as two grouped GEMMs over every expert instead of the
-    per-expert chunks: plain ``cpu_grouped_dtypes`` weights with 16-byte aligned rows, and at
-    least one expert in ``cpu_grouped_hit_share`` hit or experts of at least
-    ``cpu_grouped_large`` weights each (``TorchOptions``)."""
+    per-expert chunks: plain ``cpu_grouped_dtypes`` weights with 16-byte aligned rows, not a
+    float32 call (``_cpu_float32_call``), and at least one expert in
+    ``cpu_grouped_hit_share`` hit or experts of at least ``cpu_grouped_large`` weights each
+    (``TorchOptions``)."""
     t, num_experts, options = prepared.tensors, prepared.spec.num_experts, _options(prepared)
     if dtype not in options.cpu_grouped_dtypes or not _grouped_fits(prepared, dtype):
         return False
-    if not t["grouped_aligned"]:
+    if not t["grouped_aligned"] or _cpu_float32_call(dtype, bounds, prepared):
+        return False
         return False
     w13 = t["w13"]
     if w13.shape[1] * w13.shape[2] >= options.cpu_grouped_large:  # large: whatever is hit
@@ -461,7 +499,7 @@ RowGemms = Callable[[str, torch.Tensor], torch.Tensor]
 
 def _prepared_gemm(prepared: PreparedWeights) -> ExpertGemm:
     """The expert GEMMs of prepared weights (``_linear``: the scheme's input quantization)."""
-    t = prepared.tensors
+    t, options = prepared.tensors, _options(prepared)
 
     def gemm(which: str, e: int, x_RK: torch.Tensor) -> torch.Tensor:
         suffix = "2" if which == "w2" else ""
@@ -472,6 +510,7 @@ def _prepared_gemm(prepared: PreparedWeights) -> ExpertGemm:
             None if bias is None else bias[e],
             t.get(f"scheme{suffix}"),
             None if scale is None else scale[e],
+            _float32_gemm(x_RK, options),
         ).float()
 
     return gemm

@@ -13,6 +13,27 @@ from .option_fields import changed_repr, check_int, dtype_set, frozen_set
 __all__ = ["DEFAULT_TORCH_OPTIONS", "TorchOptions"]
 
 
+def _slow_cpu_half_gemms() -> frozenset:
+    """The half dtypes whose CPU matmul PyTorch runs without oneDNN here (its own checks; a
+    build without them counts as without oneDNN)."""
+    checks = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }
+    slow = set()
+    for dtype, check in checks.items():
+        try:
+            fast = bool(getattr(torch.ops.mkldnn, check)())
+        except (AttributeError, RuntimeError):
+            fast = False
+        if not fast:
+            slow.add(dtype)
+    return frozenset(slow)
+
+
+_SLOW_CPU_HALF_GEMMS = _slow_cpu_half_gemms()
+
+
 @dataclass(frozen=True, slots=True)
 class TorchOptions:
     """Switches of the torch backend (defaults: the measured best), given to
@@ -22,7 +43,10 @@ class TorchOptions:
 
     The CPU forms were measured per expert GEMM at the Qwen3-30B-A3B shape (H=2048, I=768,
     weights streamed from memory) on an AVX-512 / AMX-bf16 CPU with 2 threads, and checked
-    on whole calls against transformers' experts (benchmarks/cpu_torch_vs_transformers.py).
+    on whole calls against transformers' experts (benchmarks/cpu_torch_vs_transformers.py);
+    the float32 GEMMs of half dtypes (``cpu_float32_gemms``) on an AVX2 CPU with 2 threads,
+    where PyTorch has no oneDNN half matmul. One default depends on the CPU at hand: that
+    one's.
     """
 
     #: (device type, dtype) pairs whose calls run PyTorch's grouped GEMM over all experts at
@@ -45,6 +69,24 @@ class TorchOptions:
     #: keep PyTorch's backward, are now 1.6-11.5x slower).
     #: The backward holds a float32 copy of the weights while it runs.
     fp32_backward: frozenset = frozenset({("cpu", torch.bfloat16)})
+    #: CPU dtypes whose expert GEMMs compute in float32: each expert's weight is copied to
+    #: float32 when it runs (one buffer per GEMM and chunk), and the output is rounded as the
+    #: dtype's own GEMM rounds it; training's grouped GEMMs run their forward in float32 too.
+    #: Default: the half dtypes for which PyTorch has no oneDNN matmul on this CPU (its own
+    #: checks, ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` and ``..._fp16_...``: x86
+    #: without AVX-512 or AVX-NE-CONVERT; fp16 without AVX512-FP16), whose half matmul then
+    #: falls back to a kernel with no blocking. On a 2-thread AVX2 CPU (torch 2.13), bf16 and
+    #: fp16 ``[M, 2048] x [2048, 1536]`` ran at 20-24 GFLOP/s at every M, float32 at 20-142
+    #: (7x from M = 128); per Qwen3-30B-A3B expert the upcast form ran GEMM1 1.3x faster at 3
+    #: rows, 3.5x at 16 and 6x at 128 rows. Calls with at least ``cpu_float32_from_rows`` rows
+    #: per expert hit on average run the row-major chunks, taking neither the grouped GEMMs
+    #: (``cpu_grouped_dtypes``) nor the transposed form (``cpu_columns_dtypes``); fewer
+    #: rows keep the half dtype's forms.
+    cpu_float32_gemms: frozenset = _SLOW_CPU_HALF_GEMMS
+    #: ... for experts with at least this many rows: below it the half GEMV is as fast as the
+    #: upcast alone (1 row: 0.33 ms per Qwen3 GEMM1 against 0.33 ms of upcast; 2 rows 0.64
+    #: against 0.99 ms upcast and float32 GEMM).
+    cpu_float32_from_rows: int = 3
     #: CPU standard calls of these dtypes run as two grouped GEMMs over the valid rows instead
     #: of the chunks where ``cpu_grouped_large`` or ``cpu_grouped_hit_share`` says. bf16 (torch
     #: 2.13; 2.11 ran the GEMMs alone the same): Qwen3-30B-A3B's full experts (3.1M w13
@@ -97,6 +139,8 @@ class TorchOptions:
             "(device type, dtype) pairs such as ('cpu', torch.bfloat16)",
             _device_dtype,
         )
+        dtype_set(self, "cpu_float32_gemms")
+        check_int(self, "cpu_float32_from_rows", 1)
         dtype_set(self, "cpu_grouped_dtypes")
         dtype_set(self, "cpu_columns_dtypes")
         check_int(self, "cpu_grouped_hit_share", 1)

@@ -317,14 +317,18 @@ def measure_ceilings(device: torch.device) -> DeviceCeilings:
     else:
         copy = _copy_gbps(device, 256 << 20, 5)
         sizes = {dtype: _cpu_gemm_size(dtype) for dtype in (torch.float32, torch.bfloat16)}
+        fp32 = matmul_tflops(device, sizes[torch.float32], torch.float32, 5)
+        # A bf16 GEMM may multiply in float32 (the torch backend does where PyTorch has no
+        # oneDNN bf16 matmul: TorchOptions.cpu_float32_gemms), so bf16 work's peak is the
+        # better of the two.
         peaks = {
-            "fp32": matmul_tflops(device, sizes[torch.float32], torch.float32, 5),
-            "bf16": matmul_tflops(device, sizes[torch.bfloat16], torch.bfloat16, 5),
+            "fp32": fp32,
+            "bf16": max(fp32, matmul_tflops(device, sizes[torch.bfloat16], torch.bfloat16, 5)),
         }
         method = (
             f"copy_ 256 MiB fp32 (read+write), square GEMMs (fp32 {sizes[torch.float32]}, "
-            f"bf16 {sizes[torch.bfloat16]}), perf_counter medians, "
-            f"{torch.get_num_threads()} threads"
+            f"bf16 {sizes[torch.bfloat16]}; bf16 the better of the two), perf_counter "
+            f"medians, {torch.get_num_threads()} threads"
         )
     return DeviceCeilings(
         device_key(device), copy, peaks, time.strftime("%Y-%m-%dT%H:%M:%S%z"), method

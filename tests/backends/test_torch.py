@@ -81,9 +81,14 @@ def _check(out, x, weights, topk, what, bound=None):
 # --- CPU: expert chunks ---------------------------------------------------------------------
 
 
+# Half GEMMs in their own dtype whatever this CPU's default (``cpu_float32_gemms``: the
+# half dtypes without oneDNN kernels here), so each test sees the same forms on every CPU;
+# the float32 forms are tested with the option set.
+NATIVE_HALF = TorchOptions(cpu_float32_gemms=frozenset())
+HALF_IN_FP32 = TorchOptions(cpu_float32_gemms=frozenset({torch.bfloat16, torch.float16}))
 # CPU standard calls run the per-expert chunks even with many experts hit (they take two
 # grouped GEMMs then: tested below).
-CHUNKS = TorchOptions(cpu_grouped_dtypes=frozenset())
+CHUNKS = dataclasses.replace(NATIVE_HALF, cpu_grouped_dtypes=frozenset())
 
 
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
@@ -159,7 +164,7 @@ def test_cpu_calls_with_many_experts_hit_run_two_grouped_gemms(tokens, dtype, bi
     skipped. Large experts take the grouped GEMMs at any T (below)."""
     calls = grouped_calls
     x, weights, topk = _case(tokens, 16, 64, 32, 2, dtype, bias=bias, skips="some", seed=2)
-    out, _ = _run(x, weights, topk)
+    out, _ = _run(x, weights, topk, options=NATIVE_HALF)
     _check(out, x, weights, topk, f"{dtype} T={tokens} bias={bias}")
     valid = int((topk.ids >= 0).sum())
     hit = len(set(topk.ids[topk.ids >= 0].tolist()))
@@ -176,7 +181,8 @@ def test_cpu_calls_on_large_experts_run_grouped_gemms_at_any_t(grouped_calls):
     with one token (here the threshold is lowered to this case's 64 x 64)."""
     calls = grouped_calls
     x, weights, topk = _case(1, 16, 64, 32, 2, torch.bfloat16, bias=True)
-    out, _ = _run(x, weights, topk, options=TorchOptions(cpu_grouped_large=64 * 64))
+    options = dataclasses.replace(NATIVE_HALF, cpu_grouped_large=64 * 64)
+    out, _ = _run(x, weights, topk, options=options)
     _check(out, x, weights, topk, "large experts, T = 1")
     assert [c[0] for c in calls] == [2, 2]
 
@@ -186,14 +192,14 @@ def test_cpu_grouped_gemms_need_16_byte_rows_and_plain_weights(grouped_calls):
     plain weights (quantized experts dequantize per expert in the chunks)."""
     calls = grouped_calls
     x, weights, topk = _case(40, 8, 30, 18, 2, torch.bfloat16)
-    out, _ = _run(x, weights, topk)
+    out, _ = _run(x, weights, topk, options=NATIVE_HALF)
     _check(out, x, weights, topk, "60-byte rows")
     x, weights, topk = _case(40, 8, 64, 32, 2, torch.bfloat16)
     quantized = ExpertWeights(
         moerunner.quantize(weights.w13.float(), "fp8_channel"),
         moerunner.quantize(weights.w2.float(), "fp8_channel"),
     )
-    _run(x, quantized, topk)
+    _run(x, quantized, topk, options=NATIVE_HALF)
     assert calls == []
 
 
@@ -523,25 +529,27 @@ def test_options_validate_and_rebuild_from_their_repr():
 
 
 def test_backends_with_other_options_run_side_by_side(grouped_calls):
-    """Two torch backends in one registry, the defaults and chunks of 8 rows with no grouped
-    GEMMs: each call runs its own backend's options (recorded in its prepared weights). The
-    defaults take two grouped GEMMs here (most of 16 experts hit), the other none."""
+    """Two torch backends in one registry beside the defaults, half GEMMs in their own
+    dtype, and chunks of 8 rows with no grouped GEMMs: each call runs its own backend's
+    options (recorded in its prepared weights). The first takes two grouped GEMMs here (most
+    of 16 experts hit), the other none."""
     calls = grouped_calls
     registry = default_registry().copy()
     small = dataclasses.replace(CHUNKS, cpu_chunk_rows=8)
+    registry.register_backend(TorchBackend(NATIVE_HALF, name="torch-half"))
     registry.register_backend(TorchBackend(small, name="torch-small-chunks"))
     assert repr(registry.backends["torch-small-chunks"]).endswith("cpu_chunk_rows=8)>")
     assert repr(registry.backends["torch"]) == "<backend torch>"
     x, weights, topk = _case(40, 16, 64, 32, 2, torch.bfloat16)
     spec = weights.spec(moerunner.Activation("silu"))
-    for name in ("torch", "torch-small-chunks"):
+    for name in ("torch-half", "torch-small-chunks"):
         runner = moerunner.MoeRunner(name, registry=registry)
         prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
         assert prepared.options == registry.backends[name].options
         before = len(calls)
         out = runner.run(StandardDispatchOutput(x, topk), prepared)
         _check(out, x, weights, topk, name)
-        assert len(calls) - before == (2 if name == "torch" else 0), name
+        assert len(calls) - before == (2 if name == "torch-half" else 0), name
 
 
 @pytest.mark.parametrize(
@@ -573,3 +581,113 @@ def test_fp16_gate_below_fp16_range_activates_to_zero(activation, hooked):
         x.half(), ExpertWeights(w13.half(), w2.half()), topk.weights, ids, act
     )
     assert_close(out, ref, DTYPE_BOUND[torch.float16], what=f"fp16 {activation}")
+
+
+# --- CPU: half GEMMs in float32 (``cpu_float32_gemms``) -----------------------------------
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Notes ``(rows, dtype)`` of every CPU matmul (mm, mv, bmm, addmm, grouped GEMMs), in
+    order: its operands' dtype and the smaller of its outer sizes (the expert's rows in
+    both ``x @ W^T`` and ``W @ x^T``; 1 for a GEMV)."""
+
+    OPS = {"mm", "mv", "bmm", "addmm", "_grouped_mm"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.OPS:
+            a, b = args[1:3] if name == "addmm" else args[:2]
+            rows = 1 if name == "mv" else min(a.shape[-2], b.shape[-1])
+            self.calls.append((rows, a.dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 6, 24, 80])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_half_gemms_in_float32_match_reference(tokens, dtype, bias, force_permute):
+    """Half dtypes of ``cpu_float32_gemms`` (by default those PyTorch has no oneDNN matmul
+    for on the CPU at hand) multiply in float32 wherever an expert has at least
+    ``cpu_float32_from_rows`` rows (E = 8, k = 2: 0.25 to 20 rows per expert), in half below
+    that, never in a grouped GEMM; values within the dtype's bound of the float64 reference
+    (the outputs are rounded where the half GEMMs round them), chunks of 12 rows included."""
+    options = dataclasses.replace(HALF_IN_FP32, cpu_chunk_rows=12, cpu_grouped_dtypes=frozenset())
+    x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=bias, skips="some", seed=3)
+    with _MatmulDtypes() as spy:
+        out, _ = _run(x, weights, topk, force_permute, options)
+    _check(out, x, weights, topk, f"{dtype} T={tokens} GEMMs in float32")
+    assert spy.calls
+    for rows, got in spy.calls:  # (the N-split form batches the rows as they are)
+        assert got == (torch.float32 if rows >= 3 else dtype), spy.calls
+    counts = torch.bincount(topk.ids[topk.ids >= 0].long(), minlength=8)
+    assert any(r >= 3 for r, _ in spy.calls) == bool((counts >= 3).any())
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_cpu_half_gemms_in_float32_take_the_grouped_gemms_below_3_rows(grouped_calls, large):
+    """Under ``cpu_float32_gemms`` a bf16 call of at least ``cpu_float32_from_rows`` rows
+    per expert hit on average (T = 40: 5) runs the float32 chunks, row-major, where the
+    grouped GEMMs would serve it in bf16 (most of 16 experts hit, or large experts); a call
+    of fewer (T = 10: 1.25-1.7) keeps the bf16 grouped GEMMs. Both against float64."""
+    options = HALF_IN_FP32
+    if large:
+        options = dataclasses.replace(HALF_IN_FP32, cpu_grouped_large=64 * 64)
+    for tokens, grouped in ((40, False), (10, True)):
+        x, weights, topk = _case(tokens, 16, 64, 32, 2, torch.bfloat16, seed=2)
+        before = len(grouped_calls)
+        out, prepared = _run(x, weights, topk, options=options)
+        _check(out, x, weights, topk, f"bf16 T={tokens}, GEMMs in float32")
+        assert len(grouped_calls) - before == (2 if grouped else 0), (tokens, grouped_calls)
+        counts = torch.bincount(topk.ids.flatten().long(), minlength=16)
+        bounds = [0] + counts.cumsum(0).tolist()
+        assert torch_native._cpu_columns(torch.bfloat16, bounds, prepared) == grouped
+
+
+@pytest.mark.parametrize("tokens", [2, 40])
+def test_cpu_hooked_half_gemms_in_float32(tokens):
+    """The hooked sequence's per-expert GEMMs multiply in float32 too (LoRA inference on
+    the CPU), against the float64 reference of the merged weights."""
+    x, weights, topk = _case(tokens, 8, 64, 32, 2, torch.bfloat16, skips="some", seed=4)
+    gen = torch.Generator().manual_seed(4)
+    lora = MoeLoraWeights(
+        *(torch.randn(1, 8, *s, generator=gen).bfloat16() * 0.1
+          for s in ((4, 64), (64, 4), (4, 32), (64, 4))),
+        scaling=1.0,
+    )  # fmt: skip
+    hooks = lora_hooks(lora, torch.zeros(tokens, dtype=torch.long))
+    registry = default_registry().copy()
+    registry.register_backend(TorchBackend(HALF_IN_FP32), replace=True)
+    with _MatmulDtypes() as spy:
+        out = moerunner.fused_moe(
+            x, weights.w13, weights.w2, topk.weights, topk.ids, backend="torch",
+            hooks=hooks, registry=registry,
+        )  # fmt: skip
+    merged = ExpertWeights(
+        (weights.w13.float() + lora.w13_b[0].float() @ lora.w13_a[0].float()).bfloat16(),
+        (weights.w2.float() + lora.w2_b[0].float() @ lora.w2_a[0].float()).bfloat16(),
+    )
+    ref = moerunner.reference_moe(x, merged, topk.weights, topk.ids)
+    assert_close(out, ref, 2 * DTYPE_BOUND[torch.bfloat16], what=f"LoRA T={tokens}")
+    base = [(r, d) for r, d in spy.calls if r >= 3 and d == torch.bfloat16]
+    assert tokens == 2 or any(d == torch.float32 for _, d in spy.calls)
+    assert base == [], base  # (LoRA's own small factor products may run in bf16: rows < 3)
+
+
+def test_cpu_float32_gemms_default_and_validation():
+    """The default names the half dtypes PyTorch's own check finds no oneDNN matmul for on
+    this CPU; bad values are named errors."""
+    checks = {
+        torch.bfloat16: "_is_mkldnn_bf16_supported",
+        torch.float16: "_is_mkldnn_fp16_supported",
+    }
+    slow = {d for d, c in checks.items() if not getattr(torch.ops.mkldnn, c)()}
+    assert DEFAULT_TORCH_OPTIONS.cpu_float32_gemms == slow
+    with pytest.raises(TypeError, match="cpu_float32_gemms must hold torch dtypes"):
+        TorchOptions(cpu_float32_gemms={"bf16"})
+    with pytest.raises(ValueError, match="cpu_float32_from_rows must be at least 1"):
+        TorchOptions(cpu_float32_from_rows=0)
