@@ -81,7 +81,9 @@ def _steps(shape, dtype, device, tokens: int, seed: int) -> tuple[dict, list]:
         return run
 
     def baseline_step(impl):
-        module_run, _ = build_baseline(shape, impl, w13, w2)
+        # (trainable: the module's weights get gradients, as moerunner's w13 and w2 do;
+        # before 2026-12-06 23:55 UTC they were frozen: the baselines skipped those gradients)
+        module_run, _ = build_baseline(shape, impl, w13, w2, trainable=True)
 
         def run(i):
             x, tw, ids = cases[i]

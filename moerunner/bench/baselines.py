@@ -35,11 +35,13 @@ _HF_ACT = {
 BaselineFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _param(t: torch.Tensor) -> torch.nn.Parameter:
-    return torch.nn.Parameter(t, requires_grad=False)
+def _param(t: torch.Tensor, trainable: bool = False) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t.detach(), requires_grad=trainable)
 
 
-def _transformers_module(shape: BenchShape, impl: str, w13, w2, b13, b2) -> torch.nn.Module:
+def _transformers_module(
+    shape: BenchShape, impl: str, w13, w2, b13, b2, trainable: bool = False
+) -> torch.nn.Module:
     if shape.activation == "swiglu_oai":
         from transformers import GptOssConfig
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -57,10 +59,10 @@ def _transformers_module(shape: BenchShape, impl: str, w13, w2, b13, b2) -> torc
             experts_implementation=impl,
         )
         module = GptOssExperts(config)
-        module.gate_up_proj = _param(w13.transpose(1, 2).contiguous())
-        module.gate_up_proj_bias = _param(b13)
-        module.down_proj = _param(w2.transpose(1, 2).contiguous())
-        module.down_proj_bias = _param(b2)
+        module.gate_up_proj = _param(w13.transpose(1, 2).contiguous(), trainable)
+        module.gate_up_proj_bias = _param(b13, trainable)
+        module.down_proj = _param(w2.transpose(1, 2).contiguous(), trainable)
+        module.down_proj_bias = _param(b2, trainable)
         return module
     if b13 is not None or b2 is not None:
         raise ValueError(f"no transformers experts module with biases for {shape.activation!r}")
@@ -76,7 +78,7 @@ def _transformers_module(shape: BenchShape, impl: str, w13, w2, b13, b2) -> torc
             experts_implementation=impl,
         )
         module = NemotronHExperts(config)
-        module.up_proj, module.down_proj = _param(w13), _param(w2)
+        module.up_proj, module.down_proj = _param(w13, trainable), _param(w2, trainable)
         return module
     if shape.gate_up_interleaved:
         raise ValueError(
@@ -93,7 +95,7 @@ def _transformers_module(shape: BenchShape, impl: str, w13, w2, b13, b2) -> torc
         experts_implementation=impl,
     )
     module = Qwen3MoeExperts(config)
-    module.gate_up_proj, module.down_proj = _param(w13), _param(w2)
+    module.gate_up_proj, module.down_proj = _param(w13, trainable), _param(w2, trainable)
     return module
 
 
@@ -146,15 +148,20 @@ def build_baseline(
     w2: torch.Tensor,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    trainable: bool = False,
 ) -> tuple[BaselineFn, str]:
-    """A callable running baseline ``impl`` on these canonical weights, and what it is."""
+    """A callable running baseline ``impl`` on these canonical weights, and what it is.
+    ``trainable``: the module's weights and biases require grad (a training step's
+    backward computes their gradients, as a model's does); else they are frozen. The
+    PyTorch equivalent (without transformers) uses the given tensors, trained or not as
+    they are."""
     if impl not in BASELINES:
         raise ValueError(f"baseline: unknown {impl!r}; accepted: {', '.join(BASELINES)}")
     try:
         import transformers
     except ImportError:
         return _torch_baseline(shape, impl, w13, w2, w13_bias, w2_bias), "torch equivalent"
-    module = _transformers_module(shape, impl, w13, w2, w13_bias, w2_bias)
+    module = _transformers_module(shape, impl, w13, w2, w13_bias, w2_bias, trainable)
 
     def run(hidden, ids, weights):
         return module(hidden, ids, weights)

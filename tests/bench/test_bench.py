@@ -367,3 +367,50 @@ def test_non_gated_baselines_compute_their_activation(act, impl):
     want = moerunner.reference_moe(x, moerunner.ExpertWeights(w13, w2), topk.weights, topk.ids, act)
     assert "NemotronH" in what
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_trainable_baselines_compute_weight_gradients(impl, act):
+    """The training-step benchmark's baselines train their weights as moerunner's step does
+    (``trainable=True``): until it, transformers' modules held frozen copies, so their
+    backward skipped the weight gradients that moerunner's computed. Gradients against
+    float64 autograd of the reference; frozen modules still get none."""
+    pytest.importorskip("transformers")
+    import moerunner
+    from moerunner.bench.baselines import build_baseline
+
+    oai = act == "swiglu_oai"
+    shape = BenchShape("t", 4, 32, 16, 2, act)
+    g = torch.Generator().manual_seed(4)
+    w13, w2 = torch.randn(4, 32, 32, generator=g) / 6, torch.randn(4, 32, 16, generator=g) / 4
+    b13, b2 = (
+        (torch.randn(4, 32, generator=g) / 8, torch.randn(4, 32, generator=g) / 8)
+        if oai
+        else (None, None)
+    )
+    x = torch.randn(5, 32, generator=g)
+    topk = moerunner.select_experts(torch.randn(5, 4, generator=g), 2)
+    run, what = build_baseline(shape, impl, w13, w2, b13, b2, trainable=True)
+    run(x, topk.ids.long(), topk.weights).square().sum().backward()
+    module = run.__closure__[0].cell_contents  # (the transformers module the callable runs)
+    params = dict(module.named_parameters())
+    w13_64, w2_64 = (w.double().requires_grad_() for w in (w13, w2))
+    weights = moerunner.ExpertWeights(
+        w13_64, w2_64, None if b13 is None else b13.double(), None if b2 is None else b2.double()
+    )
+    ref = moerunner.reference_moe(x.double(), weights, topk.weights.double(), topk.ids, act)
+    ref.square().sum().backward()
+    up, down = ("gate_up_proj", "down_proj")
+    got13, got2 = params[up].grad, params[down].grad
+    if oai:  # GPT-OSS stores [E, H, 2I] with gate/up interleaved and [E, I, H]
+        i = 16
+        order = torch.stack([torch.arange(i), torch.arange(i) + i], 1).reshape(-1)
+        got13, want13, got2 = got13.transpose(1, 2), w13_64.grad[:, order], got2.transpose(1, 2)
+    else:
+        want13 = w13_64.grad
+    torch.testing.assert_close(got13.double(), want13, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got2.double(), w2_64.grad, rtol=1e-4, atol=1e-5)
+    frozen, _ = build_baseline(shape, impl, w13, w2, b13, b2)
+    module = frozen.__closure__[0].cell_contents
+    assert not any(p.requires_grad for p in module.parameters())
