@@ -62,6 +62,7 @@ __all__ = ["LoraDelta", "MoeLoraWeights", "lora_hooks"]
 
 # Gathered factor elements per chunk of rows (off the CPU): ~16 MiB of float32.
 _GATHER_ELEMENTS = 1 << 22
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
 @dataclass(frozen=True)
@@ -237,28 +238,44 @@ def _gathered(x_RK, a, b, key, scale_R, out, chunk: int):
 
 
 def _grouped_cpu(x_RK, a, b, key, scale_R, out):
-    """Rows grouped by (adapter, expert): two GEMMs per group (host-side bounds). One gather
-    of the rows in group order, split once (``split``), the factors split once (``unbind``),
-    one scatter of the result: under autograd, indexing a factor per group made a full-size
-    gradient per group (3.5 s for one Qwen3-30B-A3B-size layer's backward, 0.12 s gathered),
-    and so did slicing the rows per group (each slice's backward fills a zero gradient of
-    all the rows: 64 % of a Qwen3-30B-A3B / 16 LoRA training step at T = 256)."""
+    """Rows grouped by (adapter, expert), gathered once in group order: two grouped GEMMs
+    over every group where PyTorch's can take the factors (``_grouped_fits``), else two
+    GEMMs per group (host-side bounds; the rows and factors split once, ``split`` and
+    ``unbind``); one scatter of the result. Under autograd, indexing a factor per group made
+    a full-size gradient per group (3.5 s for one Qwen3-30B-A3B-size layer's backward, 0.12 s
+    gathered), and so did slicing the rows per group (each slice's backward fills a zero
+    gradient of all the rows: 64 % of a Qwen3-30B-A3B / 16 LoRA training step, T = 256)."""
     groups = a.shape[0] * a.shape[1]
     order = torch.argsort(torch.where(key >= 0, key, groups), stable=True)
     counts = torch.bincount(key[key >= 0], minlength=groups).tolist()
     rows = sum(counts)
     if rows == 0:
         return out
-    a_groups = a.reshape(groups, a.shape[2], -1).unbind(0)
-    b_groups = b.reshape(groups, b.shape[2], -1).unbind(0)
-    hit = [g for g, count in enumerate(counts) if count]
-    x_groups = x_RK[order[:rows]].float().split([counts[g] for g in hit])
-    parts = [
-        (x_g @ a_groups[g].float().T) @ b_groups[g].float().T
-        for g, x_g in zip(hit, x_groups, strict=True)
-    ]
-    d = torch.cat(parts) * scale_R[order[:rows], None]
+    x_sorted = x_RK[order[:rows]].float()
+    a_f = a.reshape(groups, a.shape[2], -1).float().transpose(1, 2)
+    b_f = b.reshape(groups, b.shape[2], -1).float().transpose(1, 2)
+    if _grouped_fits(a_f, b_f):
+        ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+        d = _GROUPED_MM(_GROUPED_MM(x_sorted, a_f, offs=ends), b_f, offs=ends)
+    else:
+        hit = [g for g, count in enumerate(counts) if count]
+        x_groups = x_sorted.split([counts[g] for g in hit])
+        a_groups, b_groups = a_f.unbind(0), b_f.unbind(0)
+        d = torch.cat([
+            x_g @ a_groups[g] @ b_groups[g]
+            for g, x_g in zip(hit, x_groups, strict=True)
+        ])  # fmt: skip
+    d = d * scale_R[order[:rows], None]
     return out.index_put((order[:rows],), d)
+
+
+def _grouped_fits(a_GKR: torch.Tensor, b_GRN: torch.Tensor) -> bool:
+    """PyTorch's grouped GEMM can take these float32 factors (and the rows, ``[M, K]`` and
+    ``[M, R]`` made row-major here): every width a 16-byte multiple, 16-byte aligned."""
+    if _GROUPED_MM is None:
+        return False
+    widths = (a_GKR.shape[1], a_GKR.shape[2], b_GRN.shape[2])
+    return all(w % 4 == 0 for w in widths) and all(t.data_ptr() % 16 == 0 for t in (a_GKR, b_GRN))
 
 
 def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool = True):

@@ -132,6 +132,50 @@ def test_gathered_and_grouped_deltas_agree():
     assert_close(gathered, want, 1e-5)
 
 
+@pytest.mark.parametrize("rank", [8, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_grouped_delta_forms_and_gradients(monkeypatch, rank, dtype):
+    """The CPU delta runs two grouped GEMMs over every (adapter, expert) group where
+    PyTorch's take the factors (rank 8: 32-byte rows), else two GEMMs per group (rank 3):
+    values and the gradients of the rows, both factors and the scales against float64
+    autograd of a loop over rows (float32 products: 1e-5; bf16 factors and rows are exact
+    in float32, the delta is float32)."""
+    from moerunner import lora as lora_module
+
+    calls = []
+    grouped = lora_module._GROUPED_MM
+    monkeypatch.setattr(
+        lora_module, "_GROUPED_MM", lambda *a, **k: calls.append(1) or grouped(*a, **k)
+    )
+    g = torch.Generator().manual_seed(6)
+    leaves = [
+        torch.randn(40, H, generator=g).to(dtype),
+        torch.randn(L, E, rank, H, generator=g).to(dtype),
+        torch.randn(L, E, 2 * I, rank, generator=g).to(dtype),
+        torch.rand(40, generator=g),
+    ]
+    adapter = torch.randint(-1, L, (40,), generator=g)
+    expert = torch.randint(-1, E + 2, (40,), generator=g)
+    got = [t.clone().requires_grad_() for t in leaves]
+    out = lora_delta(got[0], got[1], got[2], adapter, expert, got[3])
+    assert len(calls) == (2 if rank == 8 else 0)
+    want64 = [t.double().requires_grad_() for t in leaves]
+    x64, a64, b64, s64 = want64
+    zero = torch.zeros(2 * I, dtype=torch.float64)
+    want = torch.stack([
+        s64[r] * (b64[ad, ex] @ (a64[ad, ex] @ x64[r])) if ad >= 0 and 0 <= ex < E else zero
+        for r, (ad, ex) in enumerate(zip(adapter.tolist(), expert.tolist(), strict=True))
+    ])  # fmt: skip
+    assert_close(out, want.detach(), 1e-5)
+    proj = torch.linspace(-1, 1, 2 * I)
+    (out * proj).sum().backward()
+    (want * proj.double()).sum().backward()
+    for name, t, w in zip(("x", "a", "b", "scale"), got, want64, strict=True):
+        assert_close(
+            t.grad, w.grad, 1e-5 if dtype == torch.float32 else DTYPE_BOUND[dtype], what=name
+        )
+
+
 # The triton backend's LoRA kernels (``moerunner.backends.triton.lora``), in both row
 # layouts: each row its own block (few rows per adapter/expert pair) and rows grouped by
 # pair (forced with ``lora_group_min_rows_per_pair``). fp32 bound: DTYPE_BOUND (float32
