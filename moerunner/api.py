@@ -567,10 +567,11 @@ def _differentiable(
     MoeRunner(torch_native.NAME, registry=runner.registry).select(problem)  # raises if unfit
     weights = gate_up_first(weights)  # differentiable: a concatenation of row slices
     options = getattr(served, "options", torch_native.DEFAULT_TORCH_OPTIONS)
-    out = differentiable_forward(hidden_states, weights, topk, spec, hooks, options)
-    # (an output in no graph: zero gradients rather than a loss without one; each argument
-    # is in the graph of the forms that may miss some: ``differentiable_forward``)
-    return in_graph_of(out, _grad_tensors(hidden_states, weights, topk.weights, None))
+    out, complete = differentiable_forward(hidden_states, weights, topk, spec, hooks, options)
+    # (no row computed, e.g. every id -1: zero gradients rather than a loss without a graph;
+    # forms that may miss arguments connect each of them)
+    tensors = _grad_tensors(hidden_states, weights, topk.weights, None)
+    return in_graph_of(out, tensors, each=not complete)
 
 
 def validate_call(

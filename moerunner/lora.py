@@ -247,7 +247,8 @@ def _grouped_cpu(x_RK, a, b, key, scale_R, out):
     gradient of all the rows: 64 % of a Qwen3-30B-A3B / 16 LoRA training step, T = 256)."""
     groups = a.shape[0] * a.shape[1]
     order = torch.argsort(torch.where(key >= 0, key, groups), stable=True)
-    counts = torch.bincount(key[key >= 0], minlength=groups).tolist()
+    counts_G = torch.bincount(key[key >= 0], minlength=groups)
+    counts = counts_G.tolist()
     rows = sum(counts)
     if rows == 0:
         return out
@@ -255,7 +256,7 @@ def _grouped_cpu(x_RK, a, b, key, scale_R, out):
     a_f = a.reshape(groups, a.shape[2], -1).float().transpose(1, 2)
     b_f = b.reshape(groups, b.shape[2], -1).float().transpose(1, 2)
     if _grouped_fits(a_f, b_f):
-        ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+        ends = counts_G.cumsum(0).to(torch.int32)
         d = _GROUPED_MM(_GROUPED_MM(x_sorted, a_f, offs=ends), b_f, offs=ends)
     else:
         hit = [g for g, count in enumerate(counts) if count]

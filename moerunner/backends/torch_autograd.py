@@ -28,7 +28,7 @@ from ..config import ExpertSpec
 from ..dispatch.formats import StandardDispatchOutput
 from ..dispatch.permute import group_pairs
 from ..errors import MoeInputError
-from ..hooks import MoeHooks, expert_of_rows, in_graph_of
+from ..hooks import MoeHooks, expert_of_rows
 from ..weights import ExpertWeights, is_quantized
 from .torch_native import (
     DEFAULT_TORCH_OPTIONS,
@@ -54,8 +54,13 @@ def differentiable_forward(
     spec: ExpertSpec,
     hooks: MoeHooks | None = None,
     options: TorchOptions = DEFAULT_TORCH_OPTIONS,
-) -> torch.Tensor:
-    """The experts with autograd: out-of-place PyTorch ops only (no ``out=``, no cached
+) -> tuple[torch.Tensor, bool]:
+    """The experts with autograd, and whether the output's graph reaches every argument
+    that requires grad whatever the rows (the grouped GEMMs do, even with no row; the
+    per-expert forms reach only the experts hit). The caller connects the others
+    (``hooks.in_graph_of``), whose backward makes a zero gradient of each tensor's size and
+    adds it to the real one: done for every argument, that was 3.5 of 15 ms of a CPU fp32
+    training step. The experts: out-of-place PyTorch ops only (no ``out=``, no cached
     views), so gradients reach the hidden states, the routing weights, plain weights, the
     biases and per-expert activation parameters. Quantized weights are frozen (their codes
     and scales get none; ``_FrozenExpertGemm``; the caller refuses tensors of theirs that
@@ -72,28 +77,14 @@ def differentiable_forward(
         (device, dtype) in options.fp32_backward,
     )
     if hooks is None and grouped:
-        return _grouped_differentiable(hidden_TH, weights, topk, spec, mm)
+        return _grouped_differentiable(hidden_TH, weights, topk, spec, mm), True
     gemm = _autograd_gemm(weights, options)
     if hooks is not None:
         w = weights
         plain = (w.w13, w.w2, w.w13_bias, w.w2_bias) if grouped else None
         dispatched = StandardDispatchOutput(hidden_TH, topk)
-        out = _hooked_standard(dispatched, spec, gemm, hooks, plain, mm)
-        return out if grouped else _in_graph_of_each(out, hidden_TH, weights, topk)
-    return _in_graph_of_each(
-        _per_expert_differentiable(hidden_TH, topk, spec, gemm), hidden_TH, weights, topk
-    )
-
-
-def _in_graph_of_each(out: torch.Tensor, hidden_TH, weights: ExpertWeights, topk) -> torch.Tensor:
-    """``out`` in the graph of each argument that requires grad (``hooks.in_graph_of``):
-    the per-expert forms reach only the experts hit (none: no weight). The grouped GEMMs
-    reach every argument, even with no row, and skip this: each connection's backward
-    makes a zero gradient of the tensor's size and adds it to the real one (a weight-sized
-    fill and add per weight and step: 3.5 of 15 ms of a CPU fp32 training step)."""
-    w = weights
-    tensors = (hidden_TH, topk.weights, w.w13, w.w2, w.w13_bias, w.w2_bias)
-    return in_graph_of(out, [t for t in tensors if isinstance(t, torch.Tensor)], each=True)
+        return _hooked_standard(dispatched, spec, gemm, hooks, plain, mm), grouped
+    return _per_expert_differentiable(hidden_TH, topk, spec, gemm), False
 
 
 def _per_expert_differentiable(hidden_TH, topk, spec: ExpertSpec, gemm) -> torch.Tensor:

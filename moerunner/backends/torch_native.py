@@ -318,26 +318,25 @@ def _experts_hit(bounds: list[int], num_experts: int) -> int:
     return sum(bounds[e + 1] > bounds[e] for e in range(num_experts))
 
 
-def _cpu_float32_call(dtype: torch.dtype, bounds: list[int], prepared: PreparedWeights) -> bool:
-    """Whether a CPU call's GEMMs mostly multiply in float32 (``cpu_float32_gemms``): at
-    least ``cpu_float32_from_rows`` rows per expert hit on average. Such calls run the
-    row-major chunks; the others take the half dtype's forms (transposed, or the grouped
-    GEMMs), their experts of enough rows still in float32 within the chunks."""
-    options, num_experts = _options(prepared), prepared.spec.num_experts
-    if dtype not in options.cpu_float32_gemms:
-        return False
-    hit = _experts_hit(bounds, num_experts)
-    return bounds[num_experts] >= options.cpu_float32_from_rows * hit
+def _cpu_float32_call(dtype: torch.dtype, rows: int, hit: int, options: TorchOptions) -> bool:
+    """Whether a CPU call of ``rows`` grouped rows over ``hit`` experts mostly multiplies in
+    float32 (``cpu_float32_gemms``): at least ``cpu_float32_from_rows`` rows per expert hit
+    on average. Such calls run the row-major chunks; the others take the half dtype's forms
+    (transposed, or the grouped GEMMs), their experts of enough rows still in float32
+    within the chunks."""
+    return dtype in options.cpu_float32_gemms and rows >= options.cpu_float32_from_rows * hit
 
 
 def _cpu_columns(dtype: torch.dtype, bounds: list[int], prepared: PreparedWeights) -> bool:
     """Whether a CPU call runs transposed: a ``cpu_columns_dtypes`` dtype with fewer than
     ``cpu_columns_until`` rows per expert hit on average, not a float32 call."""
     options, num_experts = _options(prepared), prepared.spec.num_experts
-    if dtype not in options.cpu_columns_dtypes or _cpu_float32_call(dtype, bounds, prepared):
+    if dtype not in options.cpu_columns_dtypes:
         return False
-    hit = _experts_hit(bounds, num_experts)
-    return bounds[num_experts] < options.cpu_columns_until * hit
+    hit, rows = _experts_hit(bounds, num_experts), bounds[num_experts]
+    return rows < options.cpu_columns_until * hit and not _cpu_float32_call(
+        dtype, rows, hit, options
+    )
 
 
 def _cpu_chunks(
@@ -372,13 +371,14 @@ def _cpu_grouped(dtype: torch.dtype, prepared: PreparedWeights, bounds: list[int
     t, num_experts, options = prepared.tensors, prepared.spec.num_experts, _options(prepared)
     if dtype not in options.cpu_grouped_dtypes or not _grouped_fits(prepared, dtype):
         return False
-    if not t["grouped_aligned"] or _cpu_float32_call(dtype, bounds, prepared):
+    if not t["grouped_aligned"]:
         return False
+    hit, rows = _experts_hit(bounds, num_experts), bounds[num_experts]
+    if _cpu_float32_call(dtype, rows, hit, options):
         return False
     w13 = t["w13"]
     if w13.shape[1] * w13.shape[2] >= options.cpu_grouped_large:  # large: whatever is hit
-        return bounds[num_experts] > 0
-    hit = _experts_hit(bounds, num_experts)
+        return rows > 0
     return hit > 0 and hit * options.cpu_grouped_hit_share >= num_experts
 
 
