@@ -8,9 +8,11 @@ than a backend claims.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moerunner
 from moerunner.backends.base import MoeProblem
@@ -219,3 +221,20 @@ def cli_usage_error(code, err: str, command: str) -> str:
     assert "Traceback" not in err and len(lines) == 1, err
     assert lines[0].startswith(f"moerunner {command}: error: " if command else "moerunner: error:")
     return lines[0]
+
+
+class OpCalls(TorchDispatchMode):
+    """Notes ``note(name, args, out)`` of every run of the named aten ops (overload packet
+    names such as ``"_grouped_mm"``), in order, in ``self.calls``: which kernels a call ran,
+    in which dtype, on which shapes, without patching the library."""
+
+    def __init__(self, names, note: Callable = lambda name, args, out: name) -> None:
+        super().__init__()
+        self.names, self.note, self.calls = frozenset(names), note, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in self.names:
+            self.calls.append(self.note(name, args, out))
+        return out

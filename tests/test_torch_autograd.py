@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import OpCalls
 
 import moerunner
 from moerunner.backends import torch_autograd
@@ -229,18 +230,6 @@ def test_cpu_bf16_training_forward_in_float32(backward32):
     copies, rounded to bf16: values and every gradient match the float64 reference within
     the bf16 bound, with and without the float32 backward; a spy sees each grouped GEMM's
     operands in float32 (forward, and backward where asked) or bf16."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Spy(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.dtypes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "_grouped_mm":
-                self.dtypes.append(args[0].dtype)
-            return func(*args, **(kwargs or {}))
-
     options = TorchOptions(
         cpu_float32_gemms=frozenset({torch.bfloat16}),
         fp32_backward=frozenset({("cpu", torch.bfloat16)}) if backward32 else frozenset(),
@@ -248,11 +237,11 @@ def test_cpu_bf16_training_forward_in_float32(backward32):
     registry = moerunner.default_registry().copy()
     registry.register_backend(TorchBackend(options), replace=True)
     leaves, ids = _case("cpu", True, "silu", seed=7)
-    with Spy() as spy:
+    with OpCalls({"_grouped_mm"}, lambda name, args, out: args[0].dtype) as spy:
         out, grads = _grads(leaves, ids, "silu", registry=registry)
     backward = torch.float32 if backward32 else torch.bfloat16
     # 2 forward GEMMs; 2 gradients (input, weight) for each in the backward
-    assert spy.dtypes == [torch.float32] * 2 + [backward] * 4, spy.dtypes
+    assert spy.calls == [torch.float32] * 2 + [backward] * 4, spy.calls
     ref, ref_grads = _reference(leaves, ids, "silu")
     assert_close(out, ref.detach(), BF16, what="values")
     names = ("x", "w13", "w2", "routing weights", "w13 bias", "w2 bias")
@@ -272,28 +261,15 @@ def test_grouped_training_adds_no_zero_weight_gradients():
     CPU fp32 training step). The backward makes no weight-sized zeros (``slice_backward``
     of the empty slice, or a fill); gradients as the float64 reference's; an empty batch
     still gets zero weight gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Fills(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.sizes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("slice_backward", "fill_", "zero_", "zeros"):
-                out = func(*args, **(kwargs or {}))
-                self.sizes.append(out.numel())
-                return out
-            return func(*args, **(kwargs or {}))
-
     leaves, ids = _case("cpu", True, "silu", seed=9)
     leaves = [t.float() if t is not None else None for t in leaves]
     got = [t.clone().requires_grad_() for t in leaves]
     x, w13, w2, tw, b13, b2 = got
     out = moerunner.fused_moe(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2)
-    with Fills() as fills:
+    fill_ops = {"slice_backward", "fill_", "zero_", "zeros"}
+    with OpCalls(fill_ops, lambda name, args, out: out.numel()) as fills:
         (out.double() * torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
-    assert w13.numel() not in fills.sizes and w2.numel() not in fills.sizes, fills.sizes
+    assert w13.numel() not in fills.calls and w2.numel() not in fills.calls, fills.calls
     ref, ref_grads = _reference(leaves, ids, "silu")
     for name, g, w in zip(("x", "w13", "w2", "tw", "b13", "b2"), got, ref_grads, strict=True):
         assert_close(g.grad, w, 1e-5, what=f"d/d {name}")

@@ -18,7 +18,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from cases import OpCalls
 
 import moerunner
 from moerunner.backends import torch_native
@@ -134,24 +134,11 @@ def test_cpu_chunks_with_biases_and_no_valid_ids(dtype, force_permute):
     assert torch.equal(out, torch.zeros_like(out))
 
 
-class _GroupedCalls(TorchDispatchMode):
-    """Notes the first operand's shape of every grouped GEMM (``aten::_grouped_mm``) run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.shapes: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ == "_grouped_mm":
-            self.shapes.append(args[0].shape)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture
 def grouped_calls():
-    """The shapes of the grouped GEMMs the test runs (``_GroupedCalls``), in order."""
-    with _GroupedCalls() as mode:
-        yield mode.shapes
+    """The first operand's shape of every grouped GEMM the test runs, in order."""
+    with OpCalls({"_grouped_mm"}, lambda name, args, out: args[0].shape) as mode:
+        yield mode.calls
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -586,24 +573,16 @@ def test_fp16_gate_below_fp16_range_activates_to_zero(activation, hooked):
 # --- CPU: half GEMMs in float32 (``cpu_float32_gemms``) -----------------------------------
 
 
-class _MatmulDtypes(TorchDispatchMode):
+def _matmul_dtypes() -> OpCalls:
     """Notes ``(rows, dtype)`` of every CPU matmul (mm, mv, bmm, addmm, grouped GEMMs), in
     order: its operands' dtype and the smaller of its outer sizes (the expert's rows in
     both ``x @ W^T`` and ``W @ x^T``; 1 for a GEMV)."""
 
-    OPS = {"mm", "mv", "bmm", "addmm", "_grouped_mm"}
+    def note(name, args, out):
+        a, b = args[1:3] if name == "addmm" else args[:2]
+        return (1 if name == "mv" else min(a.shape[-2], b.shape[-1]), a.dtype)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self.OPS:
-            a, b = args[1:3] if name == "addmm" else args[:2]
-            rows = 1 if name == "mv" else min(a.shape[-2], b.shape[-1])
-            self.calls.append((rows, a.dtype))
-        return func(*args, **(kwargs or {}))
+    return OpCalls({"mm", "mv", "bmm", "addmm", "_grouped_mm"}, note)
 
 
 @pytest.mark.parametrize("force_permute", [False, True], ids=["fused", "permute"])
@@ -618,7 +597,7 @@ def test_cpu_half_gemms_in_float32_match_reference(tokens, dtype, bias, force_pe
     (the outputs are rounded where the half GEMMs round them), chunks of 12 rows included."""
     options = dataclasses.replace(HALF_IN_FP32, cpu_chunk_rows=12, cpu_grouped_dtypes=frozenset())
     x, weights, topk = _case(tokens, 8, 64, 48, 2, dtype, bias=bias, skips="some", seed=3)
-    with _MatmulDtypes() as spy:
+    with _matmul_dtypes() as spy:
         out, _ = _run(x, weights, topk, force_permute, options)
     _check(out, x, weights, topk, f"{dtype} T={tokens} GEMMs in float32")
     assert spy.calls
@@ -662,7 +641,7 @@ def test_cpu_hooked_half_gemms_in_float32(tokens):
     hooks = lora_hooks(lora, torch.zeros(tokens, dtype=torch.long))
     registry = default_registry().copy()
     registry.register_backend(TorchBackend(HALF_IN_FP32), replace=True)
-    with _MatmulDtypes() as spy:
+    with _matmul_dtypes() as spy:
         out = moerunner.fused_moe(
             x, weights.w13, weights.w2, topk.weights, topk.ids, backend="torch",
             hooks=hooks, registry=registry,
