@@ -181,6 +181,10 @@ def check_ids_async(
         )
         _raise_if_bad(check.stats.tolist(), check, lazily=False)
         return
+    # Checks completed since the last call are read first, so this call reuses their buffers
+    # (after a synchronisation every earlier check has completed: no new buffer is made). An
+    # error found there is raised once this call's own check is queued.
+    earlier_error = _read_completed(queue)
     device, dtype = topk_ids.device, topk_ids.dtype
     reused = queue.take_buffers(device, dtype)
     if reused is None:
@@ -201,9 +205,18 @@ def check_ids_async(
         event = event if event is not None else torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
     queue.submit(PendingCheck(host, event, num_experts, where, device_stats, names))
-    # Earlier checks that have completed (this call's own is queued first, so an earlier
-    # error raising here leaves it to a later read).
-    queue.poll()
+    if earlier_error is not None:
+        raise earlier_error
+    queue.poll()  # this call's own check, where the device has already run it
+
+
+def _read_completed(queue: CheckQueue) -> MoeInputError | None:
+    """``queue.poll()``, returning the error it raises instead of raising it."""
+    try:
+        queue.poll()
+    except MoeInputError as error:
+        return error
+    return None
 
 
 class IdFlags:

@@ -127,6 +127,37 @@ def test_buffers_are_reused_once_read():
     assert submitted[1].device_stats is submitted[0].device_stats
 
 
+def test_a_call_reuses_the_buffers_of_checks_completed_before_it():
+    """The checks the device has run since the last call are read before this call takes
+    buffers: after a synchronisation a call makes none (the GPU weight-lifetime test saw
+    a new 512-byte buffer on the second call when they were read after it)."""
+    queue, submitted, events = CheckQueue(), [], []
+    submit = queue.submit
+    queue.submit = lambda check: (submitted.append(check), submit(check))
+
+    def make_event(ids):
+        events.append(FakeEvent())  # not completed when recorded, as on a busy GPU
+        return events[-1]
+
+    def check(*values):
+        check_ids_async(_ids(*values), E, "fused_moe", queue=queue, make_event=make_event)
+
+    check(0, 1)
+    events[0].done = True  # the device ran it (a synchronisation, or time)
+    check(2, 3)
+    assert submitted[1].device_stats is submitted[0].device_stats
+    assert submitted[1].stats is submitted[0].stats
+    check(0, E)  # bad: read only once its event completes
+    events[1].done = events[2].done = True
+    with pytest.raises(MoeInputError, match=rf"\[0, {E}\]"):
+        check(4, 5)  # raised after its own check is queued: that one is read later
+    assert len(queue) == 1
+    assert any(submitted[3].device_stats is done.device_stats for done in submitted[1:3])
+    events[3].done = True
+    check(1, 2)
+    assert len(queue) == 1  # check(4, 5) was read (no error); this call's own waits
+
+
 def test_buffers_made_under_inference_mode_serve_checks_outside_it():
     """A model's first calls may run under ``torch.inference_mode`` and later ones under
     ``torch.no_grad``: the reused buffers must not be inference tensors (which refuse the
