@@ -275,3 +275,31 @@ def test_grouped_training_adds_no_zero_weight_gradients():
         assert_close(g.grad, w, 1e-5, what=f"d/d {name}")
     _, grads = _grads([t[:0] if t.shape[0] == T else t for t in leaves], ids[:0], "silu")
     assert grads[1] is not None and not grads[1].any()
+
+
+def test_per_expert_training_fills_no_weight_sized_zeros_per_expert():
+    """The per-expert form (here forced on the CPU: no grouped training) takes each
+    expert's weight from one ``unbind`` per tensor and call, whose backward stacks the
+    experts' gradients. Indexing ``w[e]`` made a zero tensor of the whole weight per expert
+    hit in the backward (weight-sized fills and adds per expert: 3x the step time of a
+    CPU fp32 Qwen3-30B-A3B / 16 step). The backward makes no zeros of a weight's shape
+    (the connection of the experts not hit fills a flat view); gradients as the float64
+    reference's."""
+    registry = moerunner.default_registry().copy()
+    options = TorchOptions(grouped_training=frozenset(), cpu_float32_gemms=frozenset())
+    registry.register_backend(TorchBackend(options), replace=True)
+    leaves, ids = _case("cpu", True, "silu", seed=11)
+    leaves = [t.float() if t is not None else None for t in leaves]
+    got = [t.clone().requires_grad_() for t in leaves]
+    x, w13, w2, tw, b13, b2 = got
+    with OpCalls({"_grouped_mm"}) as grouped:
+        out = moerunner.fused_moe(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, registry=registry)
+    assert grouped.calls == []  # the per-expert form ran
+    assert len(ids.unique()) >= 3  # several experts hit: the old form filled once per expert
+    fill_ops = {"select_backward", "slice_backward", "fill_", "zero_", "zeros", "new_zeros"}
+    with OpCalls(fill_ops, lambda name, args, out: tuple(out.shape)) as fills:
+        (out.double() * torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
+    assert tuple(w13.shape) not in fills.calls and tuple(w2.shape) not in fills.calls, fills.calls
+    ref, ref_grads = _reference(leaves, ids, "silu")
+    for name, g, w in zip(("x", "w13", "w2", "tw", "b13", "b2"), got, ref_grads, strict=True):
+        assert_close(g.grad, w, 1e-5, what=f"d/d {name}")

@@ -183,17 +183,29 @@ def check_frozen(weights: ExpertWeights) -> None:
 
 def _autograd_gemm(weights: ExpertWeights, options: TorchOptions) -> ExpertGemm:
     """Expert GEMMs on a call's own weights that autograd differentiates: plain weights
-    indexed per expert (views of the tensors that require grad; in float32 where
-    ``_float32_gemm`` says), quantized ones through ``_FrozenExpertGemm``. Nothing is
-    cached: each call's graph is its own."""
+    per expert (views of the tensors that require grad; in float32 where ``_float32_gemm``
+    says), quantized ones through ``_FrozenExpertGemm``. Nothing outlives the call: each
+    call's graph is its own.
+
+    The views come from one ``unbind`` per tensor and call, whose backward stacks the
+    experts' gradients into one tensor (zeros for the experts not hit). Indexing ``w[e]``
+    per expert made, in the backward, a zero tensor of the whole weight per expert hit and
+    added them up: 128 experts' worth of weight-sized fills and adds per tensor."""
+    views: dict[str, tuple] = {}
+
+    def expert(name: str, tensor: torch.Tensor, e: int) -> torch.Tensor:
+        if name not in views:
+            views[name] = tensor.unbind(0)
+        return views[name][e]
 
     def gemm(which: str, e: int, x_RK: torch.Tensor) -> torch.Tensor:
         w = weights.w13 if which == "w13" else weights.w2
         bias = weights.w13_bias if which == "w13" else weights.w2_bias
-        bias = None if bias is None else bias[e]
+        bias = None if bias is None else expert(which + "_bias", bias, e)
         if is_quantized(w):
             return _FrozenExpertGemm.apply(x_RK, bias, w, e)
-        return _linear(x_RK, w[e], bias, None, None, _float32_gemm(x_RK, options)).float()
+        w_e = expert(which, w, e)
+        return _linear(x_RK, w_e, bias, None, None, _float32_gemm(x_RK, options)).float()
 
     return gemm
 
