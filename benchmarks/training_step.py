@@ -10,6 +10,9 @@ of a model being fine-tuned computes). Implementations:
 - ``moerunner-grouped``: the same with ``TorchOptions.grouped_mm`` naming this device and
   dtype (the grouped form wherever PyTorch has the grouped GEMM; on the CPU this is how it
   is measured);
+- ``moerunner-per-expert``: the same with neither ``grouped_mm`` nor ``grouped_training``
+  (one GEMM pair per expert hit, the form of CUDA fp16 / fp32 training and of rows the
+  grouped GEMM cannot read);
 - ``grouped_mm`` / ``eager``: transformers' experts module of the preset's family with that
   experts implementation (``moerunner.bench.baselines``), on the same weights.
 
@@ -21,7 +24,7 @@ spread (min - max) and the ratio of medians to ``grouped_mm``. Shapes are the pr
 divided by ``--scale`` in H and I (16 by default on the CPU, 1 on a GPU).
 
     python benchmarks/training_step.py [--presets qwen3-30b-a3b ...] [--tokens 256 1024]
-        [--dtypes bf16] [--scale 16] [--out benchmarks/results]
+        [--dtypes bf16] [--scale 16] [--impls moerunner ...] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -45,18 +48,17 @@ from moerunner.bench.timing import time_steps
 from moerunner.testing import DTYPE_BOUND, compare
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IMPLS = ("moerunner", "moerunner-grouped", "grouped_mm", "eager")
+IMPLS = ("moerunner", "moerunner-grouped", "moerunner-per-expert", "grouped_mm", "eager")
 CASES = 3  # routings and inputs per point, taken in turn
 
 
-def _grouped_registry(device: torch.device, dtype: torch.dtype) -> moerunner.Registry:
+def _registry(options: TorchOptions) -> moerunner.Registry:
     registry = moerunner.default_registry().copy()
-    options = TorchOptions(grouped_mm=frozenset({(device.type, dtype)}))
     registry.register_backend(TorchBackend(options), replace=True)
     return registry
 
 
-def _steps(shape, dtype, device, tokens: int, seed: int) -> tuple[dict, list]:
+def _steps(shape, dtype, device, tokens: int, seed: int, impls) -> tuple[dict, list]:
     """Per implementation, ``step(i)``: case ``i``'s forward and backward; and the cases."""
     weights = make_weights(shape, dtype, device, seed)
     w13 = weights["w13"].requires_grad_()
@@ -69,7 +71,8 @@ def _steps(shape, dtype, device, tokens: int, seed: int) -> tuple[dict, list]:
         ids = topk.ids.long()  # (transformers one-hots them)
         cases.append((x.requires_grad_(), topk.weights.to(dtype).requires_grad_(), ids))
     proj = torch.linspace(-1, 1, shape.hidden_size, device=device, dtype=torch.float32)
-    registry = _grouped_registry(device, dtype)
+    grouped = _registry(TorchOptions(grouped_mm=frozenset({(device.type, dtype)})))
+    per_expert = _registry(TorchOptions(grouped_mm=frozenset(), grouped_training=frozenset()))
 
     def moerunner_step(registry=None):
         def run(i):
@@ -93,13 +96,14 @@ def _steps(shape, dtype, device, tokens: int, seed: int) -> tuple[dict, list]:
 
         return run
 
-    steps = {
-        "moerunner": moerunner_step(),
-        "moerunner-grouped": moerunner_step(registry),
-        "grouped_mm": baseline_step("grouped_mm"),
-        "eager": baseline_step("eager"),
+    makers = {
+        "moerunner": moerunner_step,
+        "moerunner-grouped": lambda: moerunner_step(grouped),
+        "moerunner-per-expert": lambda: moerunner_step(per_expert),
+        "grouped_mm": lambda: baseline_step("grouped_mm"),
+        "eager": lambda: baseline_step("eager"),
     }
-    return steps, [w13, w2, cases]
+    return {impl: makers[impl]() for impl in impls}, [w13, w2, cases]
 
 
 def _check(steps: dict, leaves, dtype) -> dict:
@@ -132,8 +136,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"])
     p.add_argument("--scale", type=int, default=None, help="divide H and I (CPU 16, GPU 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--impls", nargs="+", choices=IMPLS, default=list(IMPLS),
+        help="implementations to time (grouped_mm, the ratios' base, always runs)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="folder for the JSON record")
     args = p.parse_args(argv)
+    impls = [i for i in IMPLS if i in args.impls or i == "grouped_mm"]
     device = torch.device(args.device)
     scale = args.scale or (1 if device.type == "cuda" else 16)
     rows = []
@@ -148,11 +157,11 @@ def main(argv=None) -> int:
         for dtype_name in args.dtypes:
             dtype = DTYPES[dtype_name]
             for tokens in args.tokens:
-                steps, leaves = _steps(shape, dtype, device, tokens, seed=len(rows))
+                steps, leaves = _steps(shape, dtype, device, tokens, len(rows), impls)
                 errors = _check(steps, leaves, dtype)
                 timings = time_steps(steps, CASES, device)
                 base = timings["grouped_mm"].seconds
-                for impl in IMPLS:
+                for impl in impls:
                     t = timings[impl]
                     rows.append({
                         "shape": shape.name, "E": shape.num_experts, "H": shape.hidden_size,
