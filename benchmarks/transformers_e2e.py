@@ -291,14 +291,17 @@ class ExpertsSpan:
     """Hooks around every experts module that time each call's span on the device's
     timeline (module docstring): a CUDA event pair per call on CUDA, read after the step's
     synchronisation, or the call's wall time on a CPU. ``take()`` returns the milliseconds
-    of the calls since the last ``take()`` and starts over."""
+    of the calls since the last ``take()`` and starts over. Each call also counts the
+    experts its routing hits (on the device, queued before the call's first event, so
+    outside its span; read by ``take_hit()``): the weight bytes a decode step must read."""
 
     def __init__(self, model, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pending: list = []
+        self.hit: list = []
         self.handles = []
         for _, module in mt.experts_modules(model):
-            self.handles.append(module.register_forward_pre_hook(self._enter))
+            self.handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._leave))
 
     def _stamp(self):
@@ -308,7 +311,13 @@ class ExpertsSpan:
             return event
         return time.perf_counter()
 
-    def _enter(self, module, args):
+    def _enter(self, module, args, kwargs):
+        ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+        experts = getattr(module, "num_experts", None)
+        if isinstance(ids, torch.Tensor) and isinstance(experts, int):
+            flags = torch.zeros(experts + 1, device=ids.device, dtype=torch.int32)
+            ids = ids.reshape(-1).long().clamp(-1, experts - 1) % (experts + 1)  # -1: the spare
+            self.hit.append(flags.index_fill_(0, ids, 1)[:experts].sum())
         self.pending.append([self._stamp(), None])
 
     def _leave(self, module, args, output):
@@ -322,17 +331,22 @@ class ExpertsSpan:
         self.pending = []
         return ms
 
+    def take_hit(self) -> float | None:
+        """Mean experts hit per call since the last ``take_hit()`` (None: no call counted)."""
+        hit, self.hit = self.hit, []
+        return torch.stack(hit).float().mean().item() if hit else None
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
 
 
-def time_spans(model, prompt, decode_ids, steps: int, repeats: int) -> tuple[list, list]:
+def time_spans(model, prompt, decode_ids, steps: int, repeats: int) -> tuple[list, list, dict]:
     """Experts' span (ms) per prefill of ``prompt`` and per decode step after a prefill of
     ``decode_ids``: ``repeats`` samples each, after a warm-up, in runs of their own (the
-    events are not in the timed runs)."""
+    events are not in the timed runs); and the experts hit per call in each phase."""
     span = ExpertsSpan(model, prompt.device)
-    prefill, decode = [], []
+    prefill, decode, hit = [], [], {}
     try:
         with torch.no_grad():
             for i in range(repeats + 1):
@@ -341,20 +355,23 @@ def time_spans(model, prompt, decode_ids, steps: int, repeats: int) -> tuple[lis
                 ms = span.take()
                 if i:
                     prefill.append(ms)
+            hit["prefill"] = span.take_hit()
             cache = _dynamic_cache(model)
             out = model(decode_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             token = out.logits[:, -1:].argmax(-1)
             token = model(token, past_key_values=cache, use_cache=True).logits.argmax(-1)
             _sync(prompt.device)
             span.take()
+            span.take_hit()
             for _ in range(repeats):
                 for _ in range(steps):
                     token = model(token, past_key_values=cache, use_cache=True).logits.argmax(-1)
                 _sync(prompt.device)
                 decode.append(span.take() / steps)
+            hit["decode"] = span.take_hit()
     finally:
         span.remove()
-    return [ms / 1e3 for ms in prefill], [ms / 1e3 for ms in decode]
+    return [ms / 1e3 for ms in prefill], [ms / 1e3 for ms in decode], hit
 
 
 class BackendLog(logging.Handler):
@@ -489,7 +506,7 @@ def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
         err = ((logits - ref).abs().max() / ref.abs().max()).item()
     prefill = spread(time_prefill(model, prompt, args.repeats))
     decode = spread(time_decode(model, decode_prompt, args.decode_steps, args.repeats))
-    prefill_span, decode_span = time_spans(
+    prefill_span, decode_span, hit = time_spans(
         model, prompt, decode_prompt, args.decode_steps, args.repeats
     )
     row = {
@@ -505,6 +522,7 @@ def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
         "max_rel_vs_first": err,
         "prefill_span_ms": spread(prefill_span),
         "decode_span_ms": spread(decode_span),
+        "experts_hit_per_call": hit,
         "experts_layout": experts_layout(model),
     }
     layout = f"  experts {row['experts_layout']}" if row["experts_layout"] else ""
@@ -976,20 +994,23 @@ def span_table(rows: list[dict]) -> str:
     ratio to grouped_mm's."""
     lines = [
         f"{'shape':<15}{'impl':<21}{'prefill span ms min/med/max':>30}{'/gm':>6}"
-        f"{'decode span ms min/med/max':>29}{'/gm':>6}"
+        f"{'decode span ms min/med/max':>29}{'/gm':>6}{'hit prefill':>12}{'hit decode':>11}"
     ]
     for r in rows:
         if "error" in r or r["impl"] == ZERO_IMPL or "prefill_span_ms" not in r:
             continue
+        hit = r.get("experts_hit_per_call") or {}
         lines.append(
             f"{r['shape']:<15}{r['impl']:<21}{_spread_text(r['prefill_span_ms']):>30}"
             f"{_fmt(r.get('prefill_span_vs_grouped_mm'), '.2f', 6)}"
             f"{_spread_text(r['decode_span_ms']):>29}"
             f"{_fmt(r.get('decode_span_vs_grouped_mm'), '.2f', 6)}"
+            f"{_fmt(hit.get('prefill'), '.1f', 12)}{_fmt(hit.get('decode'), '.1f', 11)}"
         )
     lines.append(
         "span: the experts calls' time on the device's timeline per prefill / decode step "
-        "(CUDA events around each call, summed); /gm: median over grouped_mm's"
+        "(CUDA events around each call, summed); /gm: median over grouped_mm's; hit: experts "
+        "hit per experts call (mean), whose weights the call reads"
     )
     return "\n".join(lines)
 

@@ -137,6 +137,7 @@ def _check_rows(results, shapes, impls):
         for phase in ("prefill", "decode"):  # the experts' span, measured in runs of its own
             span = r[f"{phase}_span_ms"]
             assert 0 < span["min"] <= span["median"] <= span["max"]
+            assert r["experts_hit_per_call"][phase] >= 1  # (exact: the span test below)
 
 
 def test_experts_span_counts_only_the_experts_calls(e2e):
@@ -154,13 +155,18 @@ def test_experts_span_counts_only_the_experts_calls(e2e):
     ExpertsInterface.register("slow_zero_for_test", slow_zero)
     model = e2e.build_model("qwen3-30b-a3b", 2, 128, True, torch.float32, "cpu")
     model.set_experts_implementation("slow_zero_for_test")
+    routed = []
     for _, experts in e2e.mt.experts_modules(model):
-        experts.register_forward_pre_hook(lambda m, a: time.sleep(0.03))
+        experts.register_forward_pre_hook(lambda m, a: time.sleep(0.03) or routed.append(a[1]))
     span = e2e.ExpertsSpan(model, torch.device("cpu"))
     assert span.take() == 0.0
     with torch.no_grad():
         model(torch.arange(6)[None])
     ms = span.take()
+    # the experts each call's routing hits (6 tokens, top-8 of 32 here: several distinct)
+    hit = [len(ids.unique()) for ids in routed]
+    assert len(hit) == 2 and span.take_hit() == pytest.approx(sum(hit) / 2)
+    assert span.take_hit() is None  # taken: starts over
     span.remove()
     assert 40.0 <= ms < 60.0, ms
     assert span.take() == 0.0  # taken: starts over
