@@ -14,11 +14,14 @@ from .config import Activation, ExpertSpec
 
 
 def split_gate_up(h_MN: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate and up halves of a gated GEMM1 output."""
+    """Gate and up halves of a gated GEMM1 output (views). As one unbind or split: in a
+    backward they give one gradient of ``h_MN``'s size, where two slices gave two zero
+    tensors of it, added."""
     if interleaved:
-        return h_MN[:, 0::2], h_MN[:, 1::2]
-    half = h_MN.shape[-1] // 2
-    return h_MN[:, :half], h_MN[:, half:]
+        gate, up = h_MN.unflatten(-1, (-1, 2)).unbind(-1)
+        return gate, up
+    gate, up = h_MN.split(h_MN.shape[-1] // 2, dim=-1)
+    return gate, up
 
 
 def _plain(x: torch.Tensor, name: str) -> torch.Tensor:

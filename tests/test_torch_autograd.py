@@ -277,29 +277,57 @@ def test_grouped_training_adds_no_zero_weight_gradients():
     assert grads[1] is not None and not grads[1].any()
 
 
-def test_per_expert_training_fills_no_weight_sized_zeros_per_expert():
-    """The per-expert form (here forced on the CPU: no grouped training) takes each
-    expert's weight from one ``unbind`` per tensor and call, whose backward stacks the
-    experts' gradients. Indexing ``w[e]`` made a zero tensor of the whole weight per expert
-    hit in the backward (weight-sized fills and adds per expert: 3x the step time of a
-    CPU fp32 Qwen3-30B-A3B / 16 step). The backward makes no zeros of a weight's shape
-    (the connection of the experts not hit fills a flat view); gradients as the float64
-    reference's."""
-    registry = moerunner.default_registry().copy()
-    options = TorchOptions(grouped_training=frozenset(), cpu_float32_gemms=frozenset())
-    registry.register_backend(TorchBackend(options), replace=True)
+@pytest.mark.parametrize("hooked", [False, True])
+def test_per_expert_training_fills_no_weight_or_row_sized_zeros(hooked):
+    """The per-expert form (here forced on the CPU: no grouped training), without and with
+    hooks (LoRA factors trained beside the weights), takes each expert's weight from one
+    ``unbind`` per tensor and call, whose backward stacks the experts' gradients: indexing
+    ``w[e]`` made a zero tensor of the whole weight per expert hit in the backward (3x the
+    step time of a CPU fp32 Qwen3-30B-A3B / 16 step). The rows likewise come from one split
+    (a slice per expert filled a zero gradient of all the rows each), and GEMM1's gate and
+    up halves from one split or unbind. The backward makes no zeros of a weight's shape
+    (the connection of the experts not hit fills a flat view) and slices no rows;
+    gradients as the float64 reference's, or with hooks as the grouped form's."""
+    from moerunner.lora import MoeLoraWeights, lora_hooks
+
     leaves, ids = _case("cpu", True, "silu", seed=11)
     leaves = [t.float() if t is not None else None for t in leaves]
-    got = [t.clone().requires_grad_() for t in leaves]
-    x, w13, w2, tw, b13, b2 = got
-    with OpCalls({"_grouped_mm"}) as grouped:
-        out = moerunner.fused_moe(x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, registry=registry)
-    assert grouped.calls == []  # the per-expert form ran
+    g = torch.Generator().manual_seed(4)
+    shapes = ((2, E, 4, H), (2, E, 2 * I, 4), (2, E, 4, I), (2, E, H, 4))
+    factors = [torch.randn(*s, generator=g) * 0.2 for s in shapes]
+
+    def train(registry):
+        got = [t.clone().requires_grad_() for t in [*leaves, *factors]]
+        x, w13, w2, tw, b13, b2, *lora = got
+        hooks = None
+        if hooked:
+            hooks = lora_hooks(MoeLoraWeights(*lora), torch.tensor([0, 1, -1] * 4)[:T])
+        out = moerunner.fused_moe(
+            x, w13, w2, tw, ids, w13_bias=b13, w2_bias=b2, hooks=hooks, registry=registry
+        )
+        fill_ops = {"select_backward", "slice_backward", "fill_", "zero_", "zeros", "new_zeros"}
+        with OpCalls(fill_ops, lambda name, args, out: (name, tuple(out.shape))) as fills:
+            (out.double() * torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
+        return out, [t.grad for t in got[: 6 + 4 * hooked]], fills.calls
+
+    per_expert = moerunner.default_registry().copy()
+    options = TorchOptions(grouped_training=frozenset(), cpu_float32_gemms=frozenset())
+    per_expert.register_backend(TorchBackend(options), replace=True)
+    with OpCalls({"_grouped_mm"}, lambda name, args, out: tuple(args[1].shape)) as grouped:
+        out, grads, fills = train(per_expert)
+    # the per-expert form ran: no grouped GEMM over the experts' weights (the LoRA delta's,
+    # over rank-4 factors and their gradients, are its own)
+    assert not [s for s in grouped.calls if len(s) == 3 and min(s[-2:]) > 4], grouped.calls
     assert len(ids.unique()) >= 3  # several experts hit: the old form filled once per expert
-    fill_ops = {"select_backward", "slice_backward", "fill_", "zero_", "zeros", "new_zeros"}
-    with OpCalls(fill_ops, lambda name, args, out: tuple(out.shape)) as fills:
-        (out.double() * torch.linspace(-1, 1, H, dtype=torch.float64)).sum().backward()
-    assert tuple(w13.shape) not in fills.calls and tuple(w2.shape) not in fills.calls, fills.calls
-    ref, ref_grads = _reference(leaves, ids, "silu")
-    for name, g, w in zip(("x", "w13", "w2", "tw", "b13", "b2"), got, ref_grads, strict=True):
-        assert_close(g.grad, w, 1e-5, what=f"d/d {name}")
+    shapes = [s for _, s in fills]
+    assert tuple(leaves[1].shape) not in shapes and tuple(leaves[2].shape) not in shapes, fills
+    rows = ids.numel() if hooked else int((ids >= 0).sum())  # the grouped rows
+    sliced = [s for name, s in fills if name == "slice_backward" and len(s) == 2]
+    assert not [s for s in sliced if s[0] == rows], fills
+    if hooked:
+        _, expected, _ = train(None)  # the default: grouped GEMMs with the hooks between
+    else:
+        _, expected = _reference(leaves, ids, "silu")
+    names = ("x", "w13", "w2", "tw", "b13", "b2", "A13", "B13", "A2", "B2")
+    for name, got, want in zip(names[: len(grads)], grads, expected, strict=True):
+        assert_close(got, want, 1e-5, what=f"d/d {name}")

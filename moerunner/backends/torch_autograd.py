@@ -94,11 +94,13 @@ def _per_expert_differentiable(hidden_TH, topk, spec: ExpertSpec, gemm) -> torch
     bounds = offsets.tolist()
     rows = bounds[spec.num_experts]  # the valid pairs; the others sort past them
     x_MH = hidden_TH[token[:rows]]  # one gather (its backward: one scatter-add)
+    # The experts' rows as one split (its backward concatenates their gradients; a slice per
+    # expert made a zero gradient of all the rows per expert hit).
+    sizes = [bounds[e + 1] - bounds[e] for e in range(spec.num_experts)]
     ys = []
-    for e in range(spec.num_experts):
-        start, end = bounds[e], bounds[e + 1]
-        if end > start:
-            h = gemm("w13", e, x_MH[start:end])
+    for e, x_RH in enumerate(x_MH.split(sizes)):
+        if x_RH.shape[0]:
+            h = gemm("w13", e, x_RH)
             ys.append(gemm("w2", e, apply_activation(h, spec, e).to(hidden_TH.dtype)))
     out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
     if ys:  # one weighted sum of every row (not one [T, H] copy per expert)

@@ -526,17 +526,19 @@ def _prepared_plain(x_MH: torch.Tensor, prepared: PreparedWeights) -> tuple | No
 
 
 def _per_expert_gemms(gemm: ExpertGemm, offsets: torch.Tensor, spec: ExpertSpec) -> RowGemms:
-    """``gemm`` on each expert's rows: one host read of the offsets, a GEMM per expert hit."""
+    """``gemm`` on each expert's rows: one host read of the offsets, a GEMM per expert hit.
+    The rows are split once and the outputs concatenated (zeros for the rows of no expert):
+    in a backward, a slice of the rows per expert made a zero gradient of all of them each."""
     bounds = offsets.tolist()
-    hit = [(e, bounds[e], bounds[e + 1]) for e in range(spec.num_experts)]
-    hit = [(e, a, b) for e, a, b in hit if b > a]
+    num_experts = spec.num_experts
+    sizes = [bounds[e + 1] - bounds[e] for e in range(num_experts)]
     width = {"w13": spec.intermediate_size * (2 if spec.gated else 1), "w2": spec.hidden_size}
 
     def gemms(which: str, x_MK: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((x_MK.shape[0], width[which]), dtype=torch.float32, device=x_MK.device)
-        for e, a, b in hit:
-            out[a:b] = gemm(which, e, x_MK[a:b])
-        return out
+        parts = x_MK.split([*sizes, x_MK.shape[0] - bounds[num_experts]])
+        outs = [gemm(which, e, x).float() for e, x in enumerate(parts[:-1]) if x.shape[0]]
+        tail = parts[-1].new_zeros((parts[-1].shape[0], width[which]), dtype=torch.float32)
+        return torch.cat([*outs, tail])
 
     return gemms
 
