@@ -63,13 +63,14 @@ def _steps(shape, dtype, device, tokens: int, seed: int, impls) -> tuple[dict, l
     weights = make_weights(shape, dtype, device, seed)
     w13 = weights["w13"].requires_grad_()
     w2 = weights["w2"].requires_grad_()
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1)  # (drawn on the CPU: the same on any device)
     cases = []
     for _ in range(CASES):
         topk = draw_routing(tokens, shape, "uniform", gen, 1.0)
-        x = torch.randn(tokens, shape.hidden_size, generator=gen, device=device).to(dtype)
-        ids = topk.ids.long()  # (transformers one-hots them)
-        cases.append((x.requires_grad_(), topk.weights.to(dtype).requires_grad_(), ids))
+        x = torch.randn(tokens, shape.hidden_size, generator=gen).to(device, dtype)
+        ids = topk.ids.long().to(device)  # (transformers one-hots them)
+        tw = topk.weights.to(device, dtype)
+        cases.append((x.requires_grad_(), tw.requires_grad_(), ids))
     proj = torch.linspace(-1, 1, shape.hidden_size, device=device, dtype=torch.float32)
     grouped = _registry(TorchOptions(grouped_mm=frozenset({(device.type, dtype)})))
     per_expert = _registry(TorchOptions(grouped_mm=frozenset(), grouped_training=frozenset()))
