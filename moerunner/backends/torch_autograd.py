@@ -8,7 +8,7 @@ the hooks to the hidden states. Quantized weights are frozen (``_FrozenExpertGem
 forms, by what the call has:
 
 - no hooks, a (device, dtype) pair of ``TorchOptions.grouped_mm`` (CUDA bf16) or a device
-  of ``grouped_training`` (the CPU), and plain weights it can read: two grouped GEMMs
+  of ``grouped_training`` (CPU, CUDA), and plain weights it can read: two grouped GEMMs
   (``_grouped_differentiable``; no host read on a GPU);
 - no hooks otherwise: one GEMM pair per expert hit (one host read of the expert offsets);
 - hooks: the torch backend's hooked sequence (``torch_native._hooked_standard``) on the
@@ -113,7 +113,7 @@ def _grouped_trains(
     x_TH: torch.Tensor, weights: ExpertWeights, spec: ExpertSpec, options: TorchOptions
 ) -> bool:
     """The grouped GEMM serves a differentiable call on a (device, dtype) pair of
-    ``options.grouped_mm`` or a device of ``options.grouped_training`` (the CPU), for plain
+    ``options.grouped_mm`` or a device of ``options.grouped_training`` (CPU, CUDA), for plain
     weights of that dtype whose rows it can read."""
     w13, w2, device = weights.w13, weights.w2, x_TH.device.type
     # (the grouped GEMM's fake-tensor rule takes bf16 alone: traced, other dtypes run per

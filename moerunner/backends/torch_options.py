@@ -57,8 +57,12 @@ class TorchOptions:
     #: in every dtype, beyond ``grouped_mm``'s pairs. CPU: autograd's per-expert work costs
     #: far more than the GEMMs (``benchmarks/training_step.py``, record
     #: cpu-training-step-2026-12-06: Qwen3-30B-A3B / 16 fp32, T = 256 and 1024, one GEMM pair
-    #: per expert 0.08-0.12x transformers' grouped_mm experts, grouped 0.68-0.86x).
-    grouped_training: frozenset = frozenset({"cpu"})
+    #: per expert 0.08-0.12x transformers' grouped_mm experts, grouped 0.68-0.86x). CUDA fp16
+    #: / fp32 (PyTorch's grouped GEMM there: one host read of the offsets and a GEMM per
+    #: group in C++, as the per-expert form reads them too): Qwen3-30B-A3B fp32 on an H100 at
+    #: T = 256 / 1024 17.7 / 21.4 ms a step against 52.3 / 49.7 per expert (record
+    #: nvidia-h100-training-step-2026-12-07).
+    grouped_training: frozenset = frozenset({"cpu", "cuda"})
     #: (device type, dtype) pairs whose grouped GEMMs in training compute their backward in
     #: float32. CPU bf16: PyTorch's CPU bf16 matmul with a row-major right operand (the input
     #: gradient, ``grad @ W``) ran 50-150x slower than the float32 product here (torch 2.13,
