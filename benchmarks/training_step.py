@@ -5,14 +5,13 @@ The step is the experts call and the backward of a fixed linear loss over its ou
 gradients for the hidden states, the routing weights and both expert weights (what a layer
 of a model being fine-tuned computes). Implementations:
 
-- ``moerunner``: ``fused_moe`` in grad mode, default options (the differentiable path:
-  two grouped GEMMs on CUDA bf16, one GEMM pair per expert hit elsewhere);
+- ``moerunner``: ``fused_moe`` in grad mode, default options (the differentiable path: two
+  grouped GEMMs on the CPU and CUDA where they can read the rows, else a GEMM pair per
+  expert hit);
 - ``moerunner-grouped``: the same with ``TorchOptions.grouped_mm`` naming this device and
-  dtype (the grouped form wherever PyTorch has the grouped GEMM; on the CPU this is how it
-  is measured);
+  dtype (the inference path's grouped GEMMs too);
 - ``moerunner-per-expert``: the same with neither ``grouped_mm`` nor ``grouped_training``
-  (one GEMM pair per expert hit, the form of CUDA fp16 / fp32 training and of rows the
-  grouped GEMM cannot read);
+  (one GEMM pair per expert hit, the form of rows the grouped GEMM cannot read);
 - ``grouped_mm`` / ``eager``: transformers' experts module of the preset's family with that
   experts implementation (``moerunner.bench.baselines``), on the same weights.
 
