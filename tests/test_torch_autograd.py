@@ -285,9 +285,11 @@ def test_per_expert_training_fills_no_weight_or_row_sized_zeros(hooked):
     ``w[e]`` made a zero tensor of the whole weight per expert hit in the backward (3x the
     step time of a CPU fp32 Qwen3-30B-A3B / 16 step). The rows likewise come from one split
     (a slice per expert filled a zero gradient of all the rows each), and GEMM1's gate and
-    up halves from one split or unbind. The backward makes no zeros of a weight's shape
-    (the connection of the experts not hit fills a flat view) and slices no rows;
-    gradients as the float64 reference's, or with hooks as the grouped form's."""
+    up halves from one split or unbind. The backward makes no zeros of a weight's shape and
+    slices no rows; without hooks, a call that computes a row reaches every argument, so
+    the connection that gives the others zero gradients (a flat fill per weight) is left
+    out, and kept for a call without rows. Gradients as the float64 reference's, or with
+    hooks as the grouped form's."""
     from moerunner.lora import MoeLoraWeights, lora_hooks
 
     leaves, ids = _case("cpu", True, "silu", seed=11)
@@ -321,9 +323,15 @@ def test_per_expert_training_fills_no_weight_or_row_sized_zeros(hooked):
     assert len(ids.unique()) >= 3  # several experts hit: the old form filled once per expert
     shapes = [s for _, s in fills]
     assert tuple(leaves[1].shape) not in shapes and tuple(leaves[2].shape) not in shapes, fills
+    if not hooked:  # a row was computed: every weight is reached, no flat connection either
+        flat = {(leaves[i].numel(),) for i in (1, 2, 4, 5)}  # w13, w2 and their biases
+        assert not [s for name, s in fills if name == "slice_backward" and s in flat], fills
     rows = ids.numel() if hooked else int((ids >= 0).sum())  # the grouped rows
     sliced = [s for name, s in fills if name == "slice_backward" and len(s) == 2]
     assert not [s for s in sliced if s[0] == rows], fills
+    skipped = torch.full_like(ids, -1)  # no row: zero gradients, through the connection
+    _, zero_grads = _grads(leaves, skipped, "silu", registry=per_expert)
+    assert all(g is not None and not g.any() for g in zero_grads)
     if hooked:
         _, expected, _ = train(None)  # the default: grouped GEMMs with the hooks between
     else:

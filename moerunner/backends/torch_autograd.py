@@ -56,8 +56,8 @@ def differentiable_forward(
     options: TorchOptions = DEFAULT_TORCH_OPTIONS,
 ) -> tuple[torch.Tensor, bool]:
     """The experts with autograd, and whether the output's graph reaches every argument
-    that requires grad whatever the rows (the grouped GEMMs do, even with no row; the
-    per-expert forms reach only the experts hit). The caller connects the others
+    that requires grad (the grouped GEMMs do, even with no row; the per-expert form once it
+    computes a row; the hooked per-expert form may not). The caller connects the others
     (``hooks.in_graph_of``), whose backward makes a zero gradient of each tensor's size and
     adds it to the real one: done for every argument, that was 3.5 of 15 ms of a CPU fp32
     training step. The experts: out-of-place PyTorch ops only (no ``out=``, no cached
@@ -84,12 +84,16 @@ def differentiable_forward(
         plain = (w.w13, w.w2, w.w13_bias, w.w2_bias) if grouped else None
         dispatched = StandardDispatchOutput(hidden_TH, topk)
         return _hooked_standard(dispatched, spec, gemm, hooks, plain, mm), grouped
-    return _per_expert_differentiable(hidden_TH, topk, spec, gemm), False
+    return _per_expert_differentiable(hidden_TH, topk, spec, gemm)
 
 
-def _per_expert_differentiable(hidden_TH, topk, spec: ExpertSpec, gemm) -> torch.Tensor:
+def _per_expert_differentiable(
+    hidden_TH, topk, spec: ExpertSpec, gemm
+) -> tuple[torch.Tensor, bool]:
     """``differentiable_forward`` as one GEMM pair per expert hit (one host read of the
-    expert offsets)."""
+    expert offsets), and whether it reached every argument: it does once a row is computed
+    (the weights' ``unbind`` views give every expert a gradient, zero where not hit; the
+    rows' gather and the routing weights' index reach all of theirs), not without one."""
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
     bounds = offsets.tolist()
     rows = bounds[spec.num_experts]  # the valid pairs; the others sort past them
@@ -106,7 +110,7 @@ def _per_expert_differentiable(hidden_TH, topk, spec: ExpertSpec, gemm) -> torch
     if ys:  # one weighted sum of every row (not one [T, H] copy per expert)
         weight = weight_TK.reshape(-1)[order[:rows]]
         out = out.index_add(0, token[:rows], torch.cat(ys) * weight[:, None])
-    return out.to(hidden_TH.dtype)
+    return out.to(hidden_TH.dtype), bool(ys)
 
 
 def _grouped_trains(
