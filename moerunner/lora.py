@@ -248,7 +248,7 @@ def _grouped_cpu(x_RK, a, b, key, scale_R, out):
     groups = a.shape[0] * a.shape[1]
     order = torch.argsort(torch.where(key >= 0, key, groups), stable=True)
     counts_G = torch.bincount(key[key >= 0], minlength=groups)
-    counts = counts_G.tolist()
+    counts = counts_G.tolist()  # (CPU tensors only: a host read that waits for nothing)
     rows = sum(counts)
     if rows == 0:
         return out

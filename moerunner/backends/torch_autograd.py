@@ -261,9 +261,7 @@ class _Float32GroupedMm(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b, ends, forward32, backward32):
-        if forward32:
-            return grouped_mm(a.float(), b.float(), ends).to(a.dtype)
-        return grouped_mm(a, b, ends)
+        return _grouped_mm_in(a, b, ends, forward32)
 
     @staticmethod
     def setup_context(ctx, inputs, output):  # (this form also serves torch.func transforms)
@@ -293,8 +291,14 @@ def _float32_mm(forward32: bool, backward32: bool) -> GroupedMm | None:
     def mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
             return _Float32GroupedMm.apply(a, b, ends, forward32, backward32)
-        if forward32:
-            return grouped_mm(a.float(), b.float(), ends).to(a.dtype)
-        return grouped_mm(a, b, ends)
+        return _grouped_mm_in(a, b, ends, forward32)
 
     return mm
+
+
+def _grouped_mm_in(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, float32: bool):
+    """``grouped_mm``, from float32 copies of ``a`` and ``b`` rounded to ``a``'s dtype where
+    ``float32`` says, else as given."""
+    if float32:
+        return grouped_mm(a.float(), b.float(), ends).to(a.dtype)
+    return grouped_mm(a, b, ends)
