@@ -15,8 +15,10 @@ from cases import OpCalls
 
 import moerunner
 from moerunner.backends import torch_autograd
-from moerunner.backends.torch_native import TorchBackend, TorchOptions
+from moerunner.backends.torch_native import TorchBackend, TorchOptions, grouped_mm
+from moerunner.config import ExpertSpec
 from moerunner.testing import DTYPE_BOUND, assert_close
+from moerunner.topk import TopK
 
 T, E, H, I, K = 11, 5, 32, 16, 3
 BF16 = DTYPE_BOUND[torch.bfloat16]
@@ -111,6 +113,56 @@ def test_grouped_form_of_an_empty_batch():
     out, grads = _grads(leaves, ids[:0], "silu", registry=_registry("cpu", True))
     assert out.shape == (0, H)
     assert grads[1] is not None and torch.equal(grads[1], torch.zeros_like(grads[1]))
+
+
+class _UndefinedRowsMm(torch.autograd.Function):
+    """PyTorch's grouped GEMM with the rows it leaves undefined made NaN: rows past the last
+    group of its output and of its input's gradient (the CUDA kernel leaves them as memory
+    was); its weight gradient reads the groups' rows alone, as the kernel does."""
+
+    @staticmethod
+    def forward(ctx, a, b, ends):
+        ctx.save_for_backward(a, b, ends)
+        return _nan_past(grouped_mm(a, b, ends), ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, ends = ctx.saved_tensors
+        end = int(ends[-1])
+        grad_a = _nan_past(grouped_mm(grad, b.transpose(-2, -1), ends), ends)
+        return grad_a, grouped_mm(a[:end].T, grad[:end], ends), None
+
+
+def _nan_past(out, ends):
+    out[int(ends[-1]) :] = float("nan")
+    return out
+
+
+@pytest.mark.parametrize("act,biased", [("silu", False), ("silu", True), ("swiglu_oai", True)])
+def test_grouped_form_without_a_host_read_keeps_undefined_rows_out(act, biased):
+    """The grouped form as it runs on a GPU (no host read: the rows of skipped slots stay
+    past the last group), here on the CPU with a grouped GEMM that leaves those rows NaN in
+    its output and input gradient: the values and every gradient are the float64
+    reference's. Selecting the rows out at GEMM1's input and GEMM2's output is enough
+    without biases; biases (gathered by each row's expert) need each GEMM's input and
+    output."""
+    leaves, ids = _case("cpu", biased, act)
+    got = [None if t is None else t.clone().requires_grad_() for t in leaves]
+    x, w13, w2, tw, b13, b2 = got
+    spec = ExpertSpec(E, H, I, moerunner.Activation(act))
+    topk = TopK(tw.float(), ids.int())
+    weights = moerunner.ExpertWeights(w13, w2, b13, b2)
+    out = torch_autograd._grouped_differentiable(
+        x, weights, topk, spec, _UndefinedRowsMm.apply, host_rows=False
+    )
+    proj = torch.linspace(-1, 1, H, dtype=torch.float64)
+    (out.double() * proj).sum().backward()
+    ref, ref_grads = _reference(leaves, ids, act)
+    assert_close(out, ref.detach(), BF16, what="values")
+    names = ("x", "w13", "w2", "routing weights", "w13 bias", "w2 bias")
+    for name, t, want in zip(names, got, ref_grads, strict=True):
+        if t is not None:
+            assert_close(t.grad, want, BF16, what=f"d/d {name}")
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ from ..config import ExpertSpec
 from ..dispatch.formats import StandardDispatchOutput
 from ..dispatch.permute import group_pairs
 from ..errors import MoeInputError
-from ..hooks import MoeHooks, expert_of_rows
+from ..hooks import MoeHooks
 from ..weights import ExpertWeights, is_quantized
 from .torch_native import (
     DEFAULT_TORCH_OPTIONS,
@@ -144,26 +144,34 @@ def _readable(w: torch.Tensor) -> bool:
 
 
 def _grouped_differentiable(
-    hidden_TH: torch.Tensor, weights: ExpertWeights, topk, spec: ExpertSpec, mm=None
+    hidden_TH: torch.Tensor,
+    weights: ExpertWeights,
+    topk,
+    spec: ExpertSpec,
+    mm=None,
+    host_rows: bool | None = None,
 ) -> torch.Tensor:
     """``differentiable_forward`` as the inference path's two grouped GEMMs
     (``torch_native.grouped_experts``, which PyTorch differentiates): no per-expert
-    launches, and no host read on a GPU, where rows of skipped slots are selected out; on
-    the CPU they are dropped after one host read."""
+    launches. ``host_rows`` (default: on the CPU, where a host read is free): rows of skipped
+    slots are dropped after one host read of their number; else (a GPU: no host read) they
+    are selected out where their undefined values could spread (``grouped_experts``)."""
     order, token, offsets, weight_TK = group_pairs(topk, spec.num_experts)
     valid = None
-    if hidden_TH.device.type == "cpu":  # (a host read is free here: the valid rows alone)
+    if hidden_TH.device.type == "cpu" if host_rows is None else host_rows:
         rows = int(offsets[-1])
         order, token = order[:rows], token[:rows]
     else:
-        valid = (expert_of_rows(offsets, order.shape[0]) >= 0)[:, None]
+        rows = torch.arange(order.shape[0], device=offsets.device)
+        valid = (rows < offsets[-1])[:, None]  # (the pairs of valid ids sort first)
     w = weights
     y_MH = grouped_experts(
         hidden_TH[token], offsets, spec, w.w13, w.w2, w.w13_bias, w.w2_bias, valid, mm
     )
     weight = weight_TK.reshape(-1)[order]
     out = torch.zeros(hidden_TH.shape, dtype=torch.float32, device=hidden_TH.device)
-    return out.index_add(0, token, y_MH.float() * weight[:, None]).to(hidden_TH.dtype)
+    # (y's dtype times float32 promotes: one float32 product, no float32 copy of y first)
+    return out.index_add(0, token, y_MH * weight[:, None]).to(hidden_TH.dtype)
 
 
 def check_frozen(weights: ExpertWeights) -> None:

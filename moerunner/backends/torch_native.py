@@ -455,17 +455,23 @@ def grouped_experts(
     ``torch_autograd``). ``valid`` (bool ``[M, 1]``): rows past ``offsets[E]`` belong to no
     group, and the grouped GEMMs leave their outputs (and in a backward their input
     gradients) undefined; where given, they are selected out (never multiplied: undefined
-    values may be NaN) at each GEMM's input and output (``_grouped_gemm``). ``mm``: the
+    values may be NaN) where such values could reach defined ones: GEMM1's input (the
+    gather's backward adds its gradient into the hidden states') and GEMM2's output (summed
+    into the tokens). Between the two they meet only elementwise ops and the other GEMM,
+    whose output and weight gradient read no row outside the groups. A bias or per-expert
+    activation parameter is gathered by each row's expert, so its gradient would add those
+    rows into expert 0: with one, each GEMM selects at its input and output. ``mm``: the
     grouped GEMM (default PyTorch's; training passes one with its own backward)."""
     mm = mm or grouped_mm
     ends = offsets[1:].to(torch.int32)
     expert_of_row = None
     if w13_bias is not None or w2_bias is not None or spec.activation.per_expert:
         expert_of_row = expert_of_rows(offsets, x_MH.shape[0]).clamp(min=0)
-    h_MN = _grouped_gemm(x_MH, w13, w13_bias, ends, expert_of_row, valid, mm)
+    inner = valid if expert_of_row is not None else None
+    h_MN = _grouped_gemm(x_MH, w13, w13_bias, ends, expert_of_row, valid, inner, mm)
     # Activation in fp32 (as the fused kernels do), rounded once into the GEMM2 input.
     a_MI = apply_activation(h_MN, spec, expert_of_row).to(x_MH.dtype)
-    y_MH = _grouped_gemm(a_MI, w2, w2_bias, ends, expert_of_row, valid, mm)
+    y_MH = _grouped_gemm(a_MI, w2, w2_bias, ends, expert_of_row, inner, valid, mm)
     return y_MH if w2_bias is None else y_MH.to(x_MH.dtype)
 
 
@@ -475,18 +481,20 @@ def _grouped_gemm(
     bias: torch.Tensor | None,
     ends: torch.Tensor,
     row_expert: torch.Tensor | None,
-    valid: torch.Tensor | None,
+    valid_in: torch.Tensor | None,
+    valid_out: torch.Tensor | None,
     mm: GroupedMm,
 ) -> torch.Tensor:
     """One grouped GEMM ``x @ w[e]^T`` over grouped rows (``ends``): in x's dtype, or float32
     with the bias (of each row's expert, ``row_expert``) added. Rows outside every group
-    (``valid`` false, where given) are selected out at the input and the output."""
-    if valid is not None:
-        x_MK = torch.where(valid, x_MK, 0)
+    (false in ``valid_in`` / ``valid_out``, where given) are selected out at the input / the
+    output."""
+    if valid_in is not None:
+        x_MK = torch.where(valid_in, x_MK, 0)
     out = mm(x_MK, w.transpose(-2, -1), ends)
     if bias is not None:
         out = out.float() + bias[row_expert].float()
-    return out if valid is None else torch.where(valid, out, 0)
+    return out if valid_out is None else torch.where(valid_out, out, 0)
 
 
 #: One expert GEMM of the hooked sequence: ``gemm(which, e, x_RK)`` with ``which`` "w13" or
@@ -557,7 +565,7 @@ def _grouped_gemms(
 
     def gemms(which: str, x_MK: torch.Tensor) -> torch.Tensor:
         w, bias = (w13, b13) if which == "w13" else (w2, b2)
-        return _grouped_gemm(x_MK, w, bias, ends, row_expert, valid, mm).float()
+        return _grouped_gemm(x_MK, w, bias, ends, row_expert, valid, valid, mm).float()
 
     return gemms
 

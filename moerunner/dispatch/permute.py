@@ -52,13 +52,11 @@ def is_scratch(t: torch.Tensor) -> bool:
 
 def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable order of rows by ``key`` (``num_experts`` = padding, last) and the offsets."""
-    order = torch.argsort(key, stable=True)
-    # scatter_add into a fixed-size buffer: unlike bincount, no host read of max(key).
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
-    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
-    offsets[1:] = torch.cumsum(counts, dim=0)
-    return order, offsets
+    sorted_key, order = torch.sort(key, stable=True)
+    # offsets[e] = how many keys sort below e: a search of the sorted keys (two launches, no
+    # host read; a count of each key scattered into a buffer, then a cumulative sum, took six).
+    bounds = torch.arange(num_experts + 1, dtype=sorted_key.dtype, device=key.device)
+    return order, torch.searchsorted(sorted_key, bounds)
 
 
 def group_pairs(
