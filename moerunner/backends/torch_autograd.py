@@ -224,7 +224,35 @@ def _autograd_gemm(weights: ExpertWeights, options: TorchOptions) -> ExpertGemm:
     return gemm
 
 
-class _FrozenExpertGemm(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """``torch.autograd.Function`` without its per-call binding of the arguments to
+    ``forward``'s signature outside torch.func transforms: a Function with ``setup_context``
+    (the form transforms need) has ``apply`` build an ``inspect.signature`` on every call,
+    25-30 us of host time each on a CPU; called with every argument positionally (as here),
+    the binding changes nothing. Inside a transform, ``apply`` as PyTorch defines it."""
+
+    @classmethod
+    def apply(cls, *args):
+        if _unwrap_dead_wrappers is None or torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        # (the autograd.Function base's own apply: PyTorch's, after its binding step)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead_wrappers(args))
+
+
+def _private_unwrap():
+    """PyTorch's step of ``Function.apply`` that ``_Function`` keeps, where this torch has
+    it and the transforms' check (private names: else ``apply`` as PyTorch defines it)."""
+    try:
+        from torch._functorch.utils import unwrap_dead_wrappers
+    except ImportError:
+        return None
+    return unwrap_dead_wrappers if hasattr(torch._C, "_are_functorch_transforms_active") else None
+
+
+_unwrap_dead_wrappers = _private_unwrap()
+
+
+class _FrozenExpertGemm(_Function):
     """Expert ``e`` of a quantized weight on rows ``x``: float32 ``[R, N]``, bias added, as
     ``_linear`` computes it. The weight is frozen (its codes and scales get no gradient); the
     gradient reaches ``x`` and the bias. The backward dequantizes the expert's weight again
@@ -257,7 +285,7 @@ class _FrozenExpertGemm(torch.autograd.Function):
         return grad_x, grad_bias, None, None
 
 
-class _Float32GroupedMm(torch.autograd.Function):
+class _Float32GroupedMm(_Function):
     """PyTorch's grouped GEMM computed from float32 copies of its inputs in the forward
     (``TorchOptions.cpu_float32_gemms``), the backward (``fp32_backward``) or both, each
     result rounded to the inputs' dtype. Only the inputs themselves are saved for the
