@@ -50,12 +50,12 @@ def _registry(options: TorchOptions | None) -> moerunner.Registry | None:
 
 def _case(shape, dtype, device, tokens, rank, adapters, seed):
     weights = make_weights(shape, dtype, device, seed)
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    gen = torch.Generator().manual_seed(seed + 1)  # (drawn on the CPU: the same on any device)
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
 
     def factor(*size, scale):
-        t = torch.randn(adapters, e, *size, generator=gen, device=device) * scale
-        return t.to(dtype).requires_grad_()
+        t = torch.randn(adapters, e, *size, generator=gen) * scale
+        return t.to(device, dtype).requires_grad_()
 
     lora = MoeLoraWeights(
         factor(rank, h, scale=h**-0.5), factor(2 * i, rank, scale=0.1),
@@ -64,24 +64,30 @@ def _case(shape, dtype, device, tokens, rank, adapters, seed):
     cases = []
     for _ in range(CASES):
         topk = draw_routing(tokens, shape, "uniform", gen, 1.0)
-        x = torch.randn(tokens, h, generator=gen, device=device).to(dtype).requires_grad_()
+        x = torch.randn(tokens, h, generator=gen).to(device, dtype).requires_grad_()
         ids = torch.arange(tokens, device=device) % adapters
-        cases.append((x, topk.weights.to(dtype).requires_grad_(), topk.ids, ids))
+        tw = topk.weights.to(device, dtype).requires_grad_()
+        cases.append((x, tw, topk.ids.to(device), ids))
     return weights["w13"], weights["w2"], lora, cases
 
 
 def _reference(w13, w2, lora, case):
-    """float64 output and hidden-state gradient: each adapter's tokens on merged weights."""
+    """float64 output and hidden-state gradient (on the CPU): each adapter's tokens on
+    merged weights."""
     x, tw, ids, adapters = case
-    x64 = x.detach().double().requires_grad_()
+    x64 = x.detach().double().cpu().requires_grad_()
+    w13, w2, ids, adapters = w13.double().cpu(), w2.double().cpu(), ids.cpu(), adapters.cpu()
     out = 0
+
+    def merged(w, b, a_, a):
+        return w + b[a].detach().double().cpu() @ a_[a].detach().double().cpu()
+
     for a in range(lora.num_adapters):
-        merged = moerunner.ExpertWeights(
-            w13.double() + lora.w13_b[a].detach().double() @ lora.w13_a[a].detach().double(),
-            w2.double() + lora.w2_b[a].detach().double() @ lora.w2_a[a].detach().double(),
+        weights = moerunner.ExpertWeights(
+            merged(w13, lora.w13_b, lora.w13_a, a), merged(w2, lora.w2_b, lora.w2_a, a)
         )
-        mine = (adapters == a).double()[:, None].cpu()
-        out = out + moerunner.reference_moe(x64, merged, tw.detach().double().cpu() * mine, ids)
+        mine = (adapters == a).double()[:, None]
+        out = out + moerunner.reference_moe(x64, weights, tw.detach().double().cpu() * mine, ids)
     proj = torch.linspace(-1, 1, out.shape[1], dtype=torch.float64)
     (out * proj).sum().backward()
     return out.detach(), x64.grad
