@@ -68,7 +68,7 @@ def group_pairs(
     ``[0, num_experts)`` (-1, or unchecked ids out of range) are skipped: they sort past
     offsets[E]."""
     valid_TK = _valid_ids(topk.ids, num_experts)
-    key = torch.where(valid_TK, topk.ids, num_experts).reshape(-1).long()
+    key = torch.where(valid_TK, topk.ids, num_experts).reshape(-1)  # (ids' dtype: no copy)
     order, offsets = _group_rows(key, num_experts)
     weight_TK = torch.where(valid_TK, topk.weights.float(), 0.0)
     return order, order // topk.ids.shape[1], offsets, weight_TK
