@@ -214,6 +214,8 @@ def lora_delta(
         key = torch.where(valid, adapter_R.long() * num_experts + expert_R.long(), -1)
         if x_RK.device.type == "cpu":
             out = _grouped_cpu(x_RK, a, b, key, scale_R, out)
+        elif _grouped_device_fits(x_RK, a, b):
+            out = _grouped_device(x_RK, a, b, key, scale_R, out)
         else:
             chunk = max(1, _GATHER_ELEMENTS // (rank * (a.shape[3] + n)))
             out = _gathered(x_RK, a, b, key, scale_R, out, chunk)
@@ -268,6 +270,43 @@ def _grouped_cpu(x_RK, a, b, key, scale_R, out):
         ])  # fmt: skip
     d = d * scale_R[order[:rows], None]
     return out.index_put((order[:rows],), d)
+
+
+def _grouped_device(x_RK, a, b, key, scale_R, out, mm=None):
+    """Rows grouped by (adapter, expert) on the device: one sort, the groups' ends from a
+    search of the sorted keys, two grouped GEMMs in the rows' dtype (the rank-r intermediate
+    rounds to it, as a LoRA layer's own bf16 product does), one scatter; no host read, no
+    per-row copy of the factors (the gathered form's backward scattered a factor-sized
+    gradient per row). Rows without a pair sort past the last group, where the grouped GEMM
+    leaves its output and its input gradient undefined: they are selected out at the first
+    GEMM's input (whose gradient reaches the rows') and at the result. ``mm``: the grouped
+    GEMM (PyTorch's by default)."""
+    mm = mm or _GROUPED_MM
+    groups = a.shape[0] * a.shape[1]
+    sorted_key, order = torch.sort(torch.where(key >= 0, key, groups), stable=True)
+    bounds = torch.arange(1, groups + 1, dtype=sorted_key.dtype, device=key.device)
+    ends = torch.searchsorted(sorted_key, bounds, out_int32=True)  # ends[g]: keys <= g
+    valid = (sorted_key < groups)[:, None]
+    x_sorted = torch.where(valid, x_RK[order], 0)
+    a_t = a.reshape(groups, a.shape[2], -1).transpose(1, 2)  # [G, K, r]
+    b_t = b.reshape(groups, b.shape[2], -1).transpose(1, 2)  # [G, r, N]
+    d = mm(mm(x_sorted, a_t, offs=ends), b_t, offs=ends)
+    d = torch.where(valid, d, 0) * scale_R[order, None]  # (selected before the product)
+    return out.index_put((order,), d)
+
+
+def _grouped_device_fits(x_RK: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``_grouped_device`` serves these rows and factors: a CUDA bf16 call (PyTorch's grouped
+    GEMM runs other dtypes there a group at a time after a host read of the ends), every
+    width a 16-byte multiple and every tensor 16-byte aligned."""
+    if _GROUPED_MM is None or x_RK.device.type != "cuda":
+        return False
+    if not x_RK.dtype == a.dtype == b.dtype == torch.bfloat16:
+        return False
+    widths = (x_RK.shape[1], a.shape[2], b.shape[2])
+    return all(w % 8 == 0 for w in widths) and all(
+        t.data_ptr() % 16 == 0 and t.stride(-1) == 1 for t in (x_RK, a, b)
+    )
 
 
 def _grouped_fits(a_GKR: torch.Tensor, b_GRN: torch.Tensor) -> bool:

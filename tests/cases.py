@@ -238,3 +238,33 @@ class OpCalls(TorchDispatchMode):
         if name in self.names:
             self.calls.append(self.note(name, args, out))
         return out
+
+
+class _UndefinedRowsMm(torch.autograd.Function):
+    """PyTorch's grouped GEMM with the rows it leaves undefined made NaN: rows past the last
+    group of its output and of its input's gradient (the CUDA kernel leaves them as memory
+    was); its weight gradient reads the groups' rows alone, as the kernel does."""
+
+    @staticmethod
+    def forward(ctx, a, b, ends):
+        ctx.save_for_backward(a, b, ends)
+        return _nan_past(torch._grouped_mm(a, b, offs=ends), ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, ends = ctx.saved_tensors
+        end = int(ends[-1])
+        grad_a = _nan_past(torch._grouped_mm(grad, b.transpose(-2, -1), offs=ends), ends)
+        return grad_a, torch._grouped_mm(a[:end].T, grad[:end], offs=ends), None
+
+
+def _nan_past(out, ends):
+    out[int(ends[-1]) :] = float("nan")
+    return out
+
+
+def undefined_rows_mm(a: torch.Tensor, b: torch.Tensor, ends=None, *, offs=None) -> torch.Tensor:
+    """A grouped GEMM (``torch._grouped_mm``'s arguments: the ends positionally or as
+    ``offs``) whose undefined rows are NaN (``_UndefinedRowsMm``): to show on the CPU that a
+    form running without a host read keeps those rows out of every defined value."""
+    return _UndefinedRowsMm.apply(a, b, ends if offs is None else offs)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import OpCalls, cpu_backends, interpreted_triton
+from cases import OpCalls, cpu_backends, interpreted_triton, undefined_rows_mm
 
 import moerunner
+import moerunner.lora as lora_module
 from moerunner import MoeInputError, MoeRunner
 from moerunner.api import run_experts
 from moerunner.backends import triton as triton_backend
@@ -168,6 +169,45 @@ def test_cpu_grouped_delta_forms_and_gradients(rank, dtype):
         assert_close(
             t.grad, w.grad, 1e-5 if dtype == torch.float32 else DTYPE_BOUND[dtype], what=name
         )
+
+
+def test_device_grouped_delta_keeps_rows_without_a_pair_out():
+    """The device form of the delta (CUDA bf16: two grouped GEMMs over the (adapter, expert)
+    groups, no host read; run here on the CPU with a grouped GEMM that leaves the rows past
+    the last group NaN in its output and input gradient, as the CUDA kernel may): values and
+    the gradients of the rows, both factors and the scales against float64 autograd of a
+    loop over rows. Bound: bf16's (the rank-r intermediate rounds to bf16, relative 2^-9 of
+    the delta)."""
+    g = torch.Generator().manual_seed(7)
+    leaves = [
+        torch.randn(40, H, generator=g).bfloat16(),
+        torch.randn(L, E, 8, H, generator=g).bfloat16(),
+        torch.randn(L, E, 2 * I, 8, generator=g).bfloat16(),
+        torch.rand(40, generator=g),
+    ]
+    adapter = torch.randint(-1, L, (40,), generator=g)
+    expert = torch.randint(-1, E + 2, (40,), generator=g)
+    valid = (adapter >= 0) & (expert >= 0) & (expert < E)
+    assert not valid.all()
+    key = torch.where(valid, adapter * E + expert, -1)
+    got = [t.clone().requires_grad_() for t in leaves]
+    out = lora_module._grouped_device(
+        got[0], got[1], got[2], key, got[3], torch.zeros(40, 2 * I), mm=undefined_rows_mm
+    )
+    want64 = [t.double().requires_grad_() for t in leaves]
+    x64, a64, b64, s64 = want64
+    zero = torch.zeros(2 * I, dtype=torch.float64)
+    want = torch.stack([
+        s64[r] * (b64[ad, ex] @ (a64[ad, ex] @ x64[r])) if ad >= 0 and 0 <= ex < E else zero
+        for r, (ad, ex) in enumerate(zip(adapter.tolist(), expert.tolist(), strict=True))
+    ])  # fmt: skip
+    bound = DTYPE_BOUND[torch.bfloat16]
+    assert_close(out, want.detach(), bound)
+    proj = torch.linspace(-1, 1, 2 * I)
+    (out * proj).sum().backward()
+    (want * proj.double()).sum().backward()
+    for name, t, w in zip(("x", "a", "b", "scale"), got, want64, strict=True):
+        assert_close(t.grad, w.grad, bound, what=name)
 
 
 # The triton backend's LoRA kernels (``moerunner.backends.triton.lora``), in both row
@@ -673,8 +713,6 @@ def test_gathered_rows_without_a_pair_stay_finite_beside_a_non_finite_adapter(mo
     key = torch.where(valid, adapter * E + expert, -1)
     got = _gathered(x, a, b, key, scale, torch.zeros(12, 2 * I), chunk=5)
     assert_close(got, want, 1e-5)
-
-    import moerunner.lora as lora_module
 
     def gathered_on_cpu(x_RK, a, b, key, scale_R, out):
         return _gathered(x_RK, a, b, key, scale_R, out, chunk=5)

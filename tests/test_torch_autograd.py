@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import OpCalls
+from cases import OpCalls, undefined_rows_mm
 
 import moerunner
 from moerunner.backends import torch_autograd
-from moerunner.backends.torch_native import TorchBackend, TorchOptions, grouped_mm
+from moerunner.backends.torch_native import TorchBackend, TorchOptions
 from moerunner.config import ExpertSpec
 from moerunner.testing import DTYPE_BOUND, assert_close
 from moerunner.topk import TopK
@@ -115,29 +115,6 @@ def test_grouped_form_of_an_empty_batch():
     assert grads[1] is not None and torch.equal(grads[1], torch.zeros_like(grads[1]))
 
 
-class _UndefinedRowsMm(torch.autograd.Function):
-    """PyTorch's grouped GEMM with the rows it leaves undefined made NaN: rows past the last
-    group of its output and of its input's gradient (the CUDA kernel leaves them as memory
-    was); its weight gradient reads the groups' rows alone, as the kernel does."""
-
-    @staticmethod
-    def forward(ctx, a, b, ends):
-        ctx.save_for_backward(a, b, ends)
-        return _nan_past(grouped_mm(a, b, ends), ends)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b, ends = ctx.saved_tensors
-        end = int(ends[-1])
-        grad_a = _nan_past(grouped_mm(grad, b.transpose(-2, -1), ends), ends)
-        return grad_a, grouped_mm(a[:end].T, grad[:end], ends), None
-
-
-def _nan_past(out, ends):
-    out[int(ends[-1]) :] = float("nan")
-    return out
-
-
 @pytest.mark.parametrize("act,biased", [("silu", False), ("silu", True), ("swiglu_oai", True)])
 def test_grouped_form_without_a_host_read_keeps_undefined_rows_out(act, biased):
     """The grouped form as it runs on a GPU (no host read: the rows of skipped slots stay
@@ -153,7 +130,7 @@ def test_grouped_form_without_a_host_read_keeps_undefined_rows_out(act, biased):
     topk = TopK(tw.float(), ids.int())
     weights = moerunner.ExpertWeights(w13, w2, b13, b2)
     out = torch_autograd._grouped_differentiable(
-        x, weights, topk, spec, _UndefinedRowsMm.apply, host_rows=False
+        x, weights, topk, spec, undefined_rows_mm, host_rows=False
     )
     proj = torch.linspace(-1, 1, H, dtype=torch.float64)
     (out.double() * proj).sum().backward()
@@ -195,7 +172,7 @@ def test_training_on_cuda_bf16_runs_grouped_without_a_host_sync(monkeypatch):
         assert_close(g.cpu(), w, BF16, what=f"gradient of leaf {i}")
 
 
-def _lora_training(device: str, sync_check: bool):
+def _lora_training(device: str, sync_check: bool, rank: int = 4):
     """A LoRA training call on ``device`` (bf16 leaves of ``_case``, base frozen, factors
     trained): the output and the factors' gradients; with ``sync_check`` the forward runs
     under CUDA's sync debug mode "error"."""
@@ -204,7 +181,8 @@ def _lora_training(device: str, sync_check: bool):
     leaves, ids = _case(device, True, "silu", seed=3)
     x, w13, w2, tw, b13, b2 = leaves
     g = torch.Generator().manual_seed(4)
-    shapes = ((2, E, 4, H), (2, E, 2 * I, 4), (2, E, 4, I), (2, E, H, 4))
+    r = rank
+    shapes = ((2, E, r, H), (2, E, 2 * I, r), (2, E, r, I), (2, E, H, r))
     factors = [
         (torch.randn(*s, generator=g) * 0.2).to(torch.bfloat16).to(device).requires_grad_()
         for s in shapes
@@ -231,18 +209,26 @@ def _lora_training(device: str, sync_check: bool):
 
 
 @pytest.mark.gpu
-def test_lora_training_on_cuda_bf16_runs_grouped_without_a_host_sync(monkeypatch):
+@pytest.mark.parametrize("rank", [4, 8])
+def test_lora_training_on_cuda_bf16_runs_grouped_without_a_host_sync(monkeypatch, rank):
     """LoRA factors training on CUDA bf16: the hooked sequence runs the grouped GEMMs (was
     one GEMM per expert after a host read of the offsets), so the forward reads nothing on
-    the host; values and factor gradients as the same call on the CPU."""
+    the host; values and factor gradients as the same call on the CPU. The delta itself:
+    rank 8 (16-byte factor rows) as two grouped GEMMs over the (adapter, expert) groups,
+    rank 4 gathered per row."""
+    import moerunner.lora as lora_module
     from moerunner.backends import torch_native
 
-    taken = []
+    taken, delta = [], []
     grouped = torch_native._grouped_gemms
     monkeypatch.setattr(torch_native, "_grouped_gemms", lambda *a: taken.append(1) or grouped(*a))
-    out, grads = _lora_training("cuda", sync_check=True)
-    assert taken
-    ref, ref_grads = _lora_training("cpu", sync_check=False)
+    device_delta = lora_module._grouped_device
+    monkeypatch.setattr(
+        lora_module, "_grouped_device", lambda *a, **k: delta.append(1) or device_delta(*a, **k)
+    )
+    out, grads = _lora_training("cuda", sync_check=True, rank=rank)
+    assert taken and bool(delta) == (rank == 8)
+    ref, ref_grads = _lora_training("cpu", sync_check=False, rank=rank)
     assert_close(out, ref.double(), BF16, what="values")
     for i, (got, want) in enumerate(zip(grads, ref_grads, strict=True)):
         assert_close(got, want.double(), 2 * BF16, what=f"gradient of factor {i}")
