@@ -38,13 +38,17 @@ Each hook is a ``LoraDelta``: a callable (the PyTorch form below, which every ba
 runs hooks can call) and at once a declarative record of one GEMM's LoRA that a backend
 with its own kernels applies instead (the triton backend's hooked sequence:
 ``moerunner.backends.triton.lora``, punica-style shrink and expand kernels). The PyTorch
-form runs the shrink and expand in float32 on the factors of each row:
+form runs the shrink and expand on the rows grouped by (adapter, expert):
 
-- on CPU grouped by (adapter, expert), two GEMMs per group (one host read of the group
-  bounds, as the torch backend's experts do);
-- elsewhere by gathering each row's factors in chunks of rows (batched GEMMs, no host read,
-  CUDA-graph capturable). This reads r x (K + N) factor values per row: cheap at decode,
-  the dominant cost of a long prefill.
+- on CPU in float32, two grouped GEMMs over every group (or two GEMMs per group where
+  PyTorch's grouped GEMM cannot take the factors), after one host read of the group bounds,
+  as the torch backend's experts do;
+- on CUDA in bf16 as two grouped GEMMs too, with the groups' ends found on the device (no
+  host read, CUDA-graph capturable; the rank-r intermediate rounds to bf16);
+- elsewhere (other dtypes, widths that are not 16-byte multiples) in float32 by gathering
+  each row's factors in chunks of rows (batched GEMMs, no host read). This reads
+  r x (K + N) factor values per row, and its backward scatters as many: cheap at decode, the
+  dominant cost of a long prefill or a training step.
 """
 
 from __future__ import annotations
