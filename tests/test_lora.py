@@ -133,15 +133,10 @@ def test_gathered_and_grouped_deltas_agree():
     assert_close(gathered, want, 1e-5)
 
 
-@pytest.mark.parametrize("rank", [8, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_grouped_delta_forms_and_gradients(rank, dtype):
-    """The CPU delta runs two grouped GEMMs over every (adapter, expert) group where
-    PyTorch's take the factors (rank 8: 32-byte rows), else two GEMMs per group (rank 3):
-    values and the gradients of the rows, both factors and the scales against float64
-    autograd of a loop over rows (float32 products: 1e-5; bf16 factors and rows are exact
-    in float32, the delta is float32)."""
-    g = torch.Generator().manual_seed(6)
+def _delta_leaves(seed: int, rank: int, dtype: torch.dtype):
+    """A delta's differentiable leaves (40 rows, factors of ``rank``, scales) and each row's
+    adapter and expert, some -1 and some experts past E."""
+    g = torch.Generator().manual_seed(seed)
     leaves = [
         torch.randn(40, H, generator=g).to(dtype),
         torch.randn(L, E, rank, H, generator=g).to(dtype),
@@ -150,10 +145,12 @@ def test_cpu_grouped_delta_forms_and_gradients(rank, dtype):
     ]
     adapter = torch.randint(-1, L, (40,), generator=g)
     expert = torch.randint(-1, E + 2, (40,), generator=g)
-    got = [t.clone().requires_grad_() for t in leaves]
-    with OpCalls({"_grouped_mm"}) as spy:
-        out = lora_delta(got[0], got[1], got[2], adapter, expert, got[3])
-    assert len(spy.calls) == (2 if rank == 8 else 0)
+    return leaves, adapter, expert
+
+
+def _check_delta(out, got, leaves, adapter, expert, bound: float, grad_bound: float) -> None:
+    """``out`` (a delta of ``got``, twins of ``leaves`` that require grad) and the gradients
+    of the rows, both factors and the scales against float64 autograd of a loop over rows."""
     want64 = [t.double().requires_grad_() for t in leaves]
     x64, a64, b64, s64 = want64
     zero = torch.zeros(2 * I, dtype=torch.float64)
@@ -161,32 +158,38 @@ def test_cpu_grouped_delta_forms_and_gradients(rank, dtype):
         s64[r] * (b64[ad, ex] @ (a64[ad, ex] @ x64[r])) if ad >= 0 and 0 <= ex < E else zero
         for r, (ad, ex) in enumerate(zip(adapter.tolist(), expert.tolist(), strict=True))
     ])  # fmt: skip
-    assert_close(out, want.detach(), 1e-5)
+    assert_close(out, want.detach(), bound)
     proj = torch.linspace(-1, 1, 2 * I)
     (out * proj).sum().backward()
     (want * proj.double()).sum().backward()
     for name, t, w in zip(("x", "a", "b", "scale"), got, want64, strict=True):
-        assert_close(
-            t.grad, w.grad, 1e-5 if dtype == torch.float32 else DTYPE_BOUND[dtype], what=name
-        )
+        assert_close(t.grad, w.grad, grad_bound, what=name)
+
+
+@pytest.mark.parametrize("rank", [8, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_grouped_delta_forms_and_gradients(rank, dtype):
+    """The CPU delta runs two grouped GEMMs over every (adapter, expert) group where
+    PyTorch's take the factors (rank 8: 32-byte rows), else two GEMMs per group (rank 3):
+    values and the gradients of the rows, both factors and the scales against float64
+    autograd of a loop over rows (float32 products: 1e-5; bf16 factors and rows are exact
+    in float32, the delta is float32)."""
+    leaves, adapter, expert = _delta_leaves(6, rank, dtype)
+    got = [t.clone().requires_grad_() for t in leaves]
+    with OpCalls({"_grouped_mm"}) as spy:
+        out = lora_delta(got[0], got[1], got[2], adapter, expert, got[3])
+    assert len(spy.calls) == (2 if rank == 8 else 0)
+    grad_bound = 1e-5 if dtype == torch.float32 else DTYPE_BOUND[dtype]
+    _check_delta(out, got, leaves, adapter, expert, 1e-5, grad_bound)
 
 
 def test_device_grouped_delta_keeps_rows_without_a_pair_out():
     """The device form of the delta (CUDA bf16: two grouped GEMMs over the (adapter, expert)
     groups, no host read; run here on the CPU with a grouped GEMM that leaves the rows past
     the last group NaN in its output and input gradient, as the CUDA kernel may): values and
-    the gradients of the rows, both factors and the scales against float64 autograd of a
-    loop over rows. Bound: bf16's (the rank-r intermediate rounds to bf16, relative 2^-9 of
-    the delta)."""
-    g = torch.Generator().manual_seed(7)
-    leaves = [
-        torch.randn(40, H, generator=g).bfloat16(),
-        torch.randn(L, E, 8, H, generator=g).bfloat16(),
-        torch.randn(L, E, 2 * I, 8, generator=g).bfloat16(),
-        torch.rand(40, generator=g),
-    ]
-    adapter = torch.randint(-1, L, (40,), generator=g)
-    expert = torch.randint(-1, E + 2, (40,), generator=g)
+    gradients as float64's. Bound: bf16's (the rank-r intermediate rounds to bf16, relative
+    2^-9 of the delta)."""
+    leaves, adapter, expert = _delta_leaves(7, 8, torch.bfloat16)
     valid = (adapter >= 0) & (expert >= 0) & (expert < E)
     assert not valid.all()
     key = torch.where(valid, adapter * E + expert, -1)
@@ -194,20 +197,8 @@ def test_device_grouped_delta_keeps_rows_without_a_pair_out():
     out = lora_module._grouped_device(
         got[0], got[1], got[2], key, got[3], torch.zeros(40, 2 * I), mm=undefined_rows_mm
     )
-    want64 = [t.double().requires_grad_() for t in leaves]
-    x64, a64, b64, s64 = want64
-    zero = torch.zeros(2 * I, dtype=torch.float64)
-    want = torch.stack([
-        s64[r] * (b64[ad, ex] @ (a64[ad, ex] @ x64[r])) if ad >= 0 and 0 <= ex < E else zero
-        for r, (ad, ex) in enumerate(zip(adapter.tolist(), expert.tolist(), strict=True))
-    ])  # fmt: skip
     bound = DTYPE_BOUND[torch.bfloat16]
-    assert_close(out, want.detach(), bound)
-    proj = torch.linspace(-1, 1, 2 * I)
-    (out * proj).sum().backward()
-    (want * proj.double()).sum().backward()
-    for name, t, w in zip(("x", "a", "b", "scale"), got, want64, strict=True):
-        assert_close(t.grad, w.grad, bound, what=name)
+    _check_delta(out, got, leaves, adapter, expert, bound, bound)
 
 
 # The triton backend's LoRA kernels (``moerunner.backends.triton.lora``), in both row
