@@ -53,6 +53,7 @@ form runs the shrink and expand on the rows grouped by (adapter, expert):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import InitVar, dataclass
 
@@ -300,10 +301,13 @@ def _grouped_device(x_RK, a, b, key, scale_R, out, mm=None):
 
 
 def _grouped_device_fits(x_RK: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``_grouped_device`` serves these rows and factors: a CUDA bf16 call (PyTorch's grouped
-    GEMM runs other dtypes there a group at a time after a host read of the ends), every
-    width a 16-byte multiple and every tensor 16-byte aligned."""
+    """``_grouped_device`` serves these rows and factors: a CUDA bf16 call on a GPU where
+    PyTorch's grouped GEMM has its own kernel (compute capability 9 or 10; elsewhere, and
+    for other dtypes, it runs a group at a time after a host read of the ends), every width
+    a 16-byte multiple and every tensor 16-byte aligned."""
     if _GROUPED_MM is None or x_RK.device.type != "cuda":
+        return False
+    if _capability_major(x_RK.device.index) not in (9, 10):
         return False
     if not x_RK.dtype == a.dtype == b.dtype == torch.bfloat16:
         return False
@@ -311,6 +315,11 @@ def _grouped_device_fits(x_RK: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
     return all(w % 8 == 0 for w in widths) and all(
         t.data_ptr() % 16 == 0 and t.stride(-1) == 1 for t in (x_RK, a, b)
     )
+
+
+@functools.cache
+def _capability_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _grouped_fits(a_GKR: torch.Tensor, b_GRN: torch.Tensor) -> bool:
