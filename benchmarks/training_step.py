@@ -18,8 +18,11 @@ of a model being fine-tuned computes). Implementations:
 Every implementation is first checked against autograd of the float64 reference (output and
 the hidden states' gradient, the dtype's bound), then all are timed: on the CPU in
 interleaved rounds (``time_interleaved_cpu``), on CUDA with events around each step
-(``time_cases``, eager: a step's backward is not captured). Each row gives the median and the
-spread (min - max) and the ratio of medians to ``grouped_mm``. Shapes are the presets'
+(``time_cases``, eager: a step's backward is not captured) and again with ten steps queued
+back to back between synchronisations (``time_steps_queued``: a training loop's rate, where
+the host queues ahead; the first measure also counts the device idling while each step's
+first kernels are queued). Each row gives the median and the spread (min - max) and the
+ratio of medians to ``grouped_mm``. Shapes are the presets'
 divided by ``--scale`` in H and I (16 by default on the CPU, 1 on a GPU).
 
     python benchmarks/training_step.py [--presets qwen3-30b-a3b ...] [--tokens 256 1024]
@@ -43,7 +46,7 @@ from moerunner.backends.torch_native import TorchBackend, TorchOptions
 from moerunner.bench.baselines import build_baseline
 from moerunner.bench.presets import get_preset
 from moerunner.bench.sweep import draw_routing, make_weights
-from moerunner.bench.timing import time_steps
+from moerunner.bench.timing import time_steps, time_steps_queued
 from moerunner.testing import DTYPE_BOUND, compare
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -129,6 +132,24 @@ def _check(steps: dict, leaves, dtype) -> dict:
     return errors
 
 
+def _print(rows) -> None:
+    """The table: per step with a synchronisation after each (and on CUDA queued back to
+    back), median, spread (min-max) and the ratio of medians to grouped_mm's."""
+    queued = bool(rows) and "queued_ms" in rows[0]
+    head = (
+        f"{'shape':<22} {'dtype':<5} {'T':>5} {'impl':<20} {'ms':>9} {'min-max':>17} {'x gmm':>6}"
+    )
+    print(head + (f" {'queued ms':>10} {'min-max':>17} {'x gmm':>6}" if queued else ""))
+    for r in rows:
+        spread = f"{r['min_ms']:.2f}-{r['max_ms']:.2f}"
+        line = (f"{r['shape']:<22} {r['dtype']:<5} {r['T']:>5} {r['impl']:<20} {r['ms']:>9.2f} "
+                f"{spread:>17} {r['vs_grouped_mm']:>6.2f}")  # fmt: skip
+        if queued:
+            spread = f"{r['queued_min_ms']:.2f}-{r['queued_max_ms']:.2f}"
+            line += f" {r['queued_ms']:>10.2f} {spread:>17} {r['queued_vs_grouped_mm']:>6.2f}"
+        print(line)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b"])
@@ -160,6 +181,7 @@ def main(argv=None) -> int:
                 steps, leaves = _steps(shape, dtype, device, tokens, len(rows), impls)
                 errors = _check(steps, leaves, dtype)
                 timings = time_steps(steps, CASES, device)
+                queued = time_steps_queued(steps, CASES, device) if device.type == "cuda" else {}
                 base = timings["grouped_mm"].seconds
                 for impl in impls:
                     t = timings[impl]
@@ -170,12 +192,14 @@ def main(argv=None) -> int:
                         "min_ms": t.min_s * 1e3, "max_ms": t.max_s * 1e3, "samples": t.samples,
                         "vs_grouped_mm": base / t.seconds, "max_rel_err": errors[impl],
                     })  # fmt: skip
-    print(f"{'shape':<22} {'dtype':<5} {'T':>5} {'impl':<18} {'ms':>9} {'min-max':>17} "
-          f"{'x grouped_mm':>12}")  # fmt: skip
-    for r in rows:
-        spread = f"{r['min_ms']:.2f}-{r['max_ms']:.2f}"
-        print(f"{r['shape']:<22} {r['dtype']:<5} {r['T']:>5} {r['impl']:<18} {r['ms']:>9.2f} "
-              f"{spread:>17} {r['vs_grouped_mm']:>12.2f}")  # fmt: skip
+                    if queued:
+                        q, q_base = queued[impl], queued["grouped_mm"].seconds
+                        rows[-1].update({
+                            "queued_ms": q.seconds * 1e3, "queued_min_ms": q.min_s * 1e3,
+                            "queued_max_ms": q.max_s * 1e3,
+                            "queued_vs_grouped_mm": q_base / q.seconds,
+                        })  # fmt: skip
+    _print(rows)
     if args.out:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         record = {

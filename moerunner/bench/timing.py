@@ -230,3 +230,34 @@ def time_steps(
     if device.type == "cpu":
         return time_interleaved_cpu(steps, n_cases, min_time_s=0.5)
     return {k: time_cases(run, n_cases, device, cuda_graph=False) for k, run in steps.items()}
+
+
+def time_steps_queued(
+    steps: dict[object, Callable[[int], object]],
+    n_cases: int,
+    device: torch.device,
+    per_rep: int = 10,
+    reps: int = 5,
+) -> dict[object, Timing]:
+    """Training steps queued back to back: per sample, ``per_rep`` steps (case indices in
+    turn) between two synchronisations, wall seconds per step; ``reps`` samples. The rate of
+    a training loop whose host runs ahead of the device, where ``time_steps`` (a
+    synchronisation after each step) also counts the device idling while each step's first
+    kernels are queued. On the CPU the same loop (nothing to queue ahead)."""
+    cuda = device.type == "cuda"
+    out = {}
+    for key, run in steps.items():
+        for i in range(n_cases):  # warm-up: every case once
+            run(i)
+        samples = []
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for i in range(per_rep):
+                run(i % n_cases)
+            if cuda:
+                torch.cuda.synchronize(device)
+            samples.append((time.perf_counter() - start) / per_rep)
+        out[key] = summarize(samples, f"wall, {per_rep} steps queued back to back")
+    return out

@@ -174,6 +174,33 @@ def test_interleaved_timing_rotates_alternates_cases_and_keeps_ratios():
     assert out["c"].seconds < out["b"].seconds
 
 
+def test_queued_steps_time_runs_of_steps_between_synchronisations(monkeypatch):
+    """``time_steps_queued``: each sample is ``per_rep`` steps in a row (case indices in
+    turn) between two synchronisations on CUDA, seconds per step; none on the CPU."""
+    import time
+
+    calls, syncs = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(len(calls)))
+
+    def step(key, seconds):
+        def run(i):
+            calls.append((key, i))
+            time.sleep(seconds)
+
+        return run
+
+    runs = {"a": step("a", 0.001), "b": step("b", 0.005)}
+    out = timing.time_steps_queued(runs, 3, torch.device("cuda"), per_rep=4, reps=2)
+    assert set(out) == {"a", "b"} and all(t.samples == 2 for t in out.values())
+    assert [i for k, i in calls if k == "a"] == [0, 1, 2] + [0, 1, 2, 0] * 2  # warm-up, reps
+    assert syncs == [3, 7, 7, 11, 14, 18, 18, 22]  # around each run of 4 steps, not each step
+    assert out["b"].seconds >= 0.005 and out["a"].seconds >= 0.001
+    assert out["a"].seconds < out["b"].seconds
+    syncs.clear()
+    timing.time_steps_queued(runs, 3, torch.device("cpu"), per_rep=2, reps=1)
+    assert syncs == []
+
+
 def test_ceilings_cache_is_per_torch_build(tmp_path, monkeypatch):
     # Another build's cached peaks are not reused: the key names the build, so the call
     # measures (stubbed here) and adds its own entry beside the old one.

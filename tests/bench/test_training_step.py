@@ -33,4 +33,8 @@ def test_tiny_training_step_checks_and_times_every_implementation(
         assert r["H"] == 2048 // 64 and r["T"] == 16 and 0 < r["min_ms"] <= r["ms"] <= r["max_ms"]
         bound = DTYPE_BOUND[torch.float32]  # (the benchmark refuses to time a step past it)
         assert r["max_rel_err"]["out"] <= bound and r["max_rel_err"]["dx"] <= bound
+        if device == "cuda":  # steps queued back to back too
+            assert 0 < r["queued_min_ms"] <= r["queued_ms"] <= r["queued_max_ms"]
+        else:
+            assert "queued_ms" not in r
     assert "moerunner-per-expert" in capsys.readouterr().out
