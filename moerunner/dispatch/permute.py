@@ -67,8 +67,10 @@ def group_pairs(
     weights [T, k] in float32 with 0 for skipped ids). Pairs whose id is not in
     ``[0, num_experts)`` (-1, or unchecked ids out of range) are skipped: they sort past
     offsets[E]."""
-    valid_TK = _valid_ids(topk.ids, num_experts)
-    key = torch.where(valid_TK, topk.ids, num_experts).reshape(-1)  # (ids' dtype: no copy)
+    ids = topk.ids if topk.ids.dtype in (torch.int32, torch.int64) else topk.ids.int()
+    valid_TK = _valid_ids(ids, num_experts)
+    # (the keys in int32 / int64 ids' own dtype: no copy; narrower ids could not hold E)
+    key = torch.where(valid_TK, ids, num_experts).reshape(-1)
     order, offsets = _group_rows(key, num_experts)
     weight_TK = torch.where(valid_TK, topk.weights.float(), 0.0)
     return order, order // topk.ids.shape[1], offsets, weight_TK
