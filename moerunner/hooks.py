@@ -34,7 +34,7 @@ with kernels for them applies instead of calling them (the triton backend does).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,11 +48,15 @@ Hook = Callable[[torch.Tensor, torch.Tensor, "HookRows"], torch.Tensor]
 @dataclass(frozen=True)
 class HookRows:
     """What each computed row is: ``expert`` (int ``[R]``, -1: nothing computed), ``token``
-    (int64 ``[R]``, -1 with expert -1) and ``slot`` (int64 ``[R]``, -1 with expert -1)."""
+    (int64 ``[R]``, -1 with expert -1) and ``slot`` (int64 ``[R]``, -1 with expert -1).
+    ``shared``: a scratch of the call's rows where its hooks keep what they derive from the
+    rows once for both GEMMs (LoRA: each row's adapter, scale and grouping); it lives as
+    long as the rows, one call."""
 
     expert: torch.Tensor
     token: torch.Tensor
     slot: torch.Tensor
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

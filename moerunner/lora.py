@@ -208,23 +208,38 @@ def lora_delta(
     adapter_R: torch.Tensor,
     expert_R: torch.Tensor,
     scale_R: torch.Tensor,
+    shared: dict | None = None,
 ) -> torch.Tensor:
     """float32 ``[R, N]``: row r's ``scale_R[r] * b[ad, ex] @ (a[ad, ex] @ x_RK[r])`` with
-    ``ad, ex = adapter_R[r], expert_R[r]``; 0 where either is -1 (or ``ex`` past E)."""
+    ``ad, ex = adapter_R[r], expert_R[r]``; 0 where either is -1 (or ``ex`` past E).
+    ``shared``: where to keep (and find) what depends only on the rows, their adapters and
+    the factors' shape, for the other GEMM of the same call (``LoraDelta``)."""
     num_experts, rank = a.shape[1], a.shape[2]
     rows, n = x_RK.shape[0], b.shape[2]
-    valid = (adapter_R >= 0) & (expert_R >= 0) & (expert_R < num_experts)
     out = torch.zeros(rows, n, dtype=torch.float32, device=x_RK.device)
     if rows and rank:
-        key = torch.where(valid, adapter_R.long() * num_experts + expert_R.long(), -1)
-        if x_RK.device.type == "cpu":
+        shared = {} if shared is None else shared
+        if "key" not in shared:
+            valid = (adapter_R >= 0) & (expert_R >= 0) & (expert_R < num_experts)
+            pair = adapter_R.long() * num_experts + expert_R.long()
+            shared["key"] = torch.where(valid, pair, -1)
+        key, form = shared["key"], _delta_form(x_RK, a, b)
+        if form == "grouped_cpu":
             out = _grouped_cpu(x_RK, a, b, key, scale_R, out)
-        elif _grouped_device_fits(x_RK, a, b):
-            out = _grouped_device(x_RK, a, b, key, scale_R, out)
+        elif form == "grouped_device":
+            out = _grouped_device(x_RK, a, b, key, scale_R, out, shared=shared)
         else:
             chunk = max(1, _GATHER_ELEMENTS // (rank * (a.shape[3] + n)))
             out = _gathered(x_RK, a, b, key, scale_R, out, chunk)
     return in_graph_of(out, (a, b, scale_R))
+
+
+def _delta_form(x_RK: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str:
+    """Which form computes a delta: "grouped_cpu" (CPU tensors), "grouped_device"
+    (``_grouped_device_fits``) or "gathered"."""
+    if x_RK.device.type == "cpu":
+        return "grouped_cpu"
+    return "grouped_device" if _grouped_device_fits(x_RK, a, b) else "gathered"
 
 
 def _gathered(x_RK, a, b, key, scale_R, out, chunk: int):
@@ -277,7 +292,7 @@ def _grouped_cpu(x_RK, a, b, key, scale_R, out):
     return out.index_put((order[:rows],), d)
 
 
-def _grouped_device(x_RK, a, b, key, scale_R, out, mm=None):
+def _grouped_device(x_RK, a, b, key, scale_R, out, mm=None, shared: dict | None = None):
     """Rows grouped by (adapter, expert) on the device: one sort, the groups' ends from a
     search of the sorted keys, two grouped GEMMs in the rows' dtype (the rank-r intermediate
     rounds to it, as a LoRA layer's own bf16 product does), one scatter; no host read, no
@@ -285,18 +300,22 @@ def _grouped_device(x_RK, a, b, key, scale_R, out, mm=None):
     gradient per row). Rows without a pair sort past the last group, where the grouped GEMM
     leaves its output and its input gradient undefined: they are selected out at the first
     GEMM's input (whose gradient reaches the rows') and at the result. ``mm``: the grouped
-    GEMM (PyTorch's by default)."""
+    GEMM (PyTorch's by default). ``shared``: the grouping kept for the call's other GEMM
+    (``lora_delta``)."""
     mm = mm or _GROUPED_MM
     groups = a.shape[0] * a.shape[1]
-    sorted_key, order = torch.sort(torch.where(key >= 0, key, groups), stable=True)
-    bounds = torch.arange(1, groups + 1, dtype=sorted_key.dtype, device=key.device)
-    ends = torch.searchsorted(sorted_key, bounds, out_int32=True)  # ends[g]: keys <= g
-    valid = (sorted_key < groups)[:, None]
+    shared = {} if shared is None else shared
+    if "grouping" not in shared:
+        sorted_key, order = torch.sort(torch.where(key >= 0, key, groups), stable=True)
+        bounds = torch.arange(1, groups + 1, dtype=sorted_key.dtype, device=key.device)
+        ends = torch.searchsorted(sorted_key, bounds, out_int32=True)  # ends[g]: keys <= g
+        shared["grouping"] = order, ends, (sorted_key < groups)[:, None], scale_R[order, None]
+    order, ends, valid, scale_sorted = shared["grouping"]
     x_sorted = torch.where(valid, x_RK[order], 0)
     a_t = a.reshape(groups, a.shape[2], -1).transpose(1, 2)  # [G, K, r]
     b_t = b.reshape(groups, b.shape[2], -1).transpose(1, 2)  # [G, r, N]
     d = mm(mm(x_sorted, a_t, offs=ends), b_t, offs=ends)
-    d = torch.where(valid, d, 0) * scale_R[order, None]  # (selected before the product)
+    d = torch.where(valid, d, 0) * scale_sorted  # (selected before the product)
     return out.index_put((order,), d)
 
 
@@ -435,6 +454,22 @@ class LoraDelta:
 
     def __call__(self, out_RN: torch.Tensor, x_RK: torch.Tensor, rows: HookRows) -> torch.Tensor:
         self.check(out_RN, x_RK)
-        adapter = self.row_adapters(rows)
-        scale = _scales(self.lora, adapter)
-        return out_RN.add_(lora_delta(x_RK, self.a, self.b, adapter, rows.expert, scale))
+        shared = self._shared(rows)
+        if "adapter" not in shared:  # (the call's first LoRA GEMM)
+            shared["adapter"] = adapter = self.row_adapters(rows)
+            shared["scale"] = _scales(self.lora, adapter)
+        adapter, scale = shared["adapter"], shared["scale"]
+        delta = lora_delta(x_RK, self.a, self.b, adapter, rows.expert, scale, shared)
+        return out_RN.add_(delta)
+
+    def _shared(self, rows: HookRows) -> dict:
+        """What this call's two GEMMs of these adapters share (``HookRows.shared``): each
+        row's adapter and scale, the (adapter, expert) keys, the device grouping. Found by
+        identity of the adapter ids and the factors, which both hooks of ``lora_hooks``
+        hold."""
+        entries = rows.shared.setdefault("lora", [])
+        for adapter_T, lora, shared in entries:
+            if adapter_T is self.adapter_T and lora is self.lora:
+                return shared
+        entries.append((self.adapter_T, self.lora, {}))
+        return entries[-1][2]

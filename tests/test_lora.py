@@ -201,6 +201,41 @@ def test_device_grouped_delta_keeps_rows_without_a_pair_out():
     _check_delta(out, got, leaves, adapter, expert, bound, bound)
 
 
+def test_the_two_lora_gemms_of_a_call_share_the_rows_grouping(monkeypatch):
+    """The gate/up and down hooks of one call (one ``HookRows``) derive each row's adapter,
+    scale, key and the device grouping once (``HookRows.shared``): one sort for both GEMMs
+    of the device form (run here on the CPU), the same deltas as hooks called on rows of
+    their own."""
+    monkeypatch.setattr(lora_module, "_delta_form", lambda *args: "grouped_device")
+    g = torch.Generator().manual_seed(8)
+    factors = [
+        torch.randn(L, E, 8, H, generator=g), torch.randn(L, E, 2 * I, 8, generator=g),
+        torch.randn(L, E, 8, I, generator=g), torch.randn(L, E, H, 8, generator=g),
+    ]  # fmt: skip
+    lora = MoeLoraWeights(*[f.bfloat16() for f in factors], scaling=0.5)
+    hooks = lora_hooks(lora, torch.tensor([0, 1, -1, 2, 1, 0, 2, 1, 0])[:T])
+    rows_R = 2 * T
+    expert = torch.randint(-1, E, (rows_R,), generator=g)
+    token = torch.where(expert >= 0, torch.arange(rows_R) // 2, -1)
+    x_RH = torch.randn(rows_R, H, generator=g).bfloat16()
+    a_RI = torch.randn(rows_R, I, generator=g).bfloat16()
+
+    def both(rows):
+        h = hooks.gate_up(torch.zeros(rows_R, 2 * I), x_RH, rows)
+        return h, hooks.down(torch.zeros(rows_R, H), a_RI, rows)
+
+    def rows_of():
+        return HookRows(expert=expert, token=token, slot=torch.where(expert >= 0, 0, -1))
+
+    with OpCalls({"sort"}) as sorts:
+        h, y = both(rows_of())
+    assert len(sorts.calls) == 1
+    alone_h, _ = both(rows_of())
+    _, alone_y = both(rows_of())
+    assert torch.equal(h, alone_h) and torch.equal(y, alone_y)
+    assert h.abs().sum() > 0 and y.abs().sum() > 0
+
+
 # The triton backend's LoRA kernels (``moerunner.backends.triton.lora``), in both row
 # layouts: each row its own block (few rows per adapter/expert pair) and rows grouped by
 # pair (forced with ``lora_group_min_rows_per_pair``). fp32 bound: DTYPE_BOUND (float32
