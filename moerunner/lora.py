@@ -60,6 +60,7 @@ from dataclasses import InitVar, dataclass
 import torch
 
 from .device_checks import check_ids_async
+from .dispatch.permute import group_rows, valid_rows
 from .errors import MoeInputError
 from .hooks import HookRows, MoeHooks, in_graph_of
 
@@ -223,23 +224,32 @@ def lora_delta(
             valid = (adapter_R >= 0) & (expert_R >= 0) & (expert_R < num_experts)
             pair = adapter_R.long() * num_experts + expert_R.long()
             shared["key"] = torch.where(valid, pair, -1)
-        key, form = shared["key"], _delta_form(x_RK, a, b)
-        if form == "grouped_cpu":
-            out = _grouped_cpu(x_RK, a, b, key, scale_R, out)
-        elif form == "grouped_device":
-            out = _grouped_device(x_RK, a, b, key, scale_R, out, shared=shared)
+        key = shared["key"]
+        if x_RK.device.type == "cpu":
+            out = _grouped_cpu(x_RK, a, b, key, scale_R, out, shared)
+        elif _grouped_device_fits(x_RK, a, b):
+            out = _grouped_device(x_RK, a, b, key, scale_R, out, shared)
         else:
             chunk = max(1, _GATHER_ELEMENTS // (rank * (a.shape[3] + n)))
             out = _gathered(x_RK, a, b, key, scale_R, out, chunk)
     return in_graph_of(out, (a, b, scale_R))
 
 
-def _delta_form(x_RK: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str:
-    """Which form computes a delta: "grouped_cpu" (CPU tensors), "grouped_device"
-    (``_grouped_device_fits``) or "gathered"."""
-    if x_RK.device.type == "cpu":
-        return "grouped_cpu"
-    return "grouped_device" if _grouped_device_fits(x_RK, a, b) else "gathered"
+def _grouping(
+    key: torch.Tensor, a: torch.Tensor, scale_R: torch.Tensor, shared: dict | None
+) -> tuple:
+    """The rows grouped by (adapter, expert) key (``dispatch.permute.group_rows``; rows
+    without a pair sort last): (order, offsets ``[G + 1]``, the groups' ends in int32, the
+    rows inside a group ``[R, 1]``, the scales in group order ``[R, 1]``), made once per
+    call (``shared``, where given) for both GEMMs."""
+    shared = {} if shared is None else shared
+    if "grouping" not in shared:
+        groups = a.shape[0] * a.shape[1]
+        order, offsets = group_rows(torch.where(key >= 0, key, groups), groups)
+        valid = valid_rows(offsets, order.shape[0])[:, None]
+        ends = offsets[1:].to(torch.int32)
+        shared["grouping"] = order, offsets, ends, valid, scale_R[order, None]
+    return shared["grouping"]
 
 
 def _gathered(x_RK, a, b, key, scale_R, out, chunk: int):
@@ -259,26 +269,24 @@ def _gathered(x_RK, a, b, key, scale_R, out, chunk: int):
     return out
 
 
-def _grouped_cpu(x_RK, a, b, key, scale_R, out):
-    """Rows grouped by (adapter, expert), gathered once in group order: two grouped GEMMs
+def _grouped_cpu(x_RK, a, b, key, scale_R, out, shared: dict | None = None):
+    """The rows in (adapter, expert) order (``_grouping``), gathered once: two grouped GEMMs
     over every group where PyTorch's can take the factors (``_grouped_fits``), else two
     GEMMs per group (host-side bounds; the rows and factors split once, ``split`` and
     ``unbind``); one scatter of the result. Under autograd, indexing a factor per group made
     a full-size gradient per group (3.5 s for one Qwen3-30B-A3B-size layer's backward, 0.12 s
     gathered), and so did slicing the rows per group (each slice's backward fills a zero
     gradient of all the rows: 64 % of a Qwen3-30B-A3B / 16 LoRA training step, T = 256)."""
-    groups = a.shape[0] * a.shape[1]
-    order = torch.argsort(torch.where(key >= 0, key, groups), stable=True)
-    counts_G = torch.bincount(key[key >= 0], minlength=groups)
-    counts = counts_G.tolist()  # (CPU tensors only: a host read that waits for nothing)
+    order, offsets, ends, _, scale_sorted = _grouping(key, a, scale_R, shared)
+    counts = offsets.diff().tolist()  # (CPU tensors only: a host read that waits for nothing)
     rows = sum(counts)
     if rows == 0:
         return out
+    groups = a.shape[0] * a.shape[1]
     x_sorted = x_RK[order[:rows]].float()
     a_f = a.reshape(groups, a.shape[2], -1).float().transpose(1, 2)
     b_f = b.reshape(groups, b.shape[2], -1).float().transpose(1, 2)
     if _grouped_fits(a_f, b_f):
-        ends = counts_G.cumsum(0).to(torch.int32)
         d = _GROUPED_MM(_GROUPED_MM(x_sorted, a_f, offs=ends), b_f, offs=ends)
     else:
         hit = [g for g, count in enumerate(counts) if count]
@@ -288,29 +296,21 @@ def _grouped_cpu(x_RK, a, b, key, scale_R, out):
             x_g @ a_groups[g] @ b_groups[g]
             for g, x_g in zip(hit, x_groups, strict=True)
         ])  # fmt: skip
-    d = d * scale_R[order[:rows], None]
+    d = d * scale_sorted[:rows]
     return out.index_put((order[:rows],), d)
 
 
-def _grouped_device(x_RK, a, b, key, scale_R, out, mm=None, shared: dict | None = None):
-    """Rows grouped by (adapter, expert) on the device: one sort, the groups' ends from a
-    search of the sorted keys, two grouped GEMMs in the rows' dtype (the rank-r intermediate
-    rounds to it, as a LoRA layer's own bf16 product does), one scatter; no host read, no
-    per-row copy of the factors (the gathered form's backward scattered a factor-sized
-    gradient per row). Rows without a pair sort past the last group, where the grouped GEMM
-    leaves its output and its input gradient undefined: they are selected out at the first
-    GEMM's input (whose gradient reaches the rows') and at the result. ``mm``: the grouped
-    GEMM (PyTorch's by default). ``shared``: the grouping kept for the call's other GEMM
-    (``lora_delta``)."""
+def _grouped_device(x_RK, a, b, key, scale_R, out, shared: dict | None = None, mm=None):
+    """The rows in (adapter, expert) order (``_grouping``: no host read) through two grouped
+    GEMMs in the rows' dtype (the rank-r intermediate rounds to it, as a LoRA layer's own
+    bf16 product does), one scatter; no per-row copy of the factors (the gathered form's
+    backward scattered a factor-sized gradient per row). Rows without a pair sort past the
+    last group, where the grouped GEMM leaves its output and its input gradient undefined:
+    they are selected out at the first GEMM's input (whose gradient reaches the rows') and
+    at the result. ``mm``: the grouped GEMM (PyTorch's by default)."""
     mm = mm or _GROUPED_MM
+    order, _, ends, valid, scale_sorted = _grouping(key, a, scale_R, shared)
     groups = a.shape[0] * a.shape[1]
-    shared = {} if shared is None else shared
-    if "grouping" not in shared:
-        sorted_key, order = torch.sort(torch.where(key >= 0, key, groups), stable=True)
-        bounds = torch.arange(1, groups + 1, dtype=sorted_key.dtype, device=key.device)
-        ends = torch.searchsorted(sorted_key, bounds, out_int32=True)  # ends[g]: keys <= g
-        shared["grouping"] = order, ends, (sorted_key < groups)[:, None], scale_R[order, None]
-    order, ends, valid, scale_sorted = shared["grouping"]
     x_sorted = torch.where(valid, x_RK[order], 0)
     a_t = a.reshape(groups, a.shape[2], -1).transpose(1, 2)  # [G, K, r]
     b_t = b.reshape(groups, b.shape[2], -1).transpose(1, 2)  # [G, r, N]
@@ -331,9 +331,7 @@ def _grouped_device_fits(x_RK: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
     if not x_RK.dtype == a.dtype == b.dtype == torch.bfloat16:
         return False
     widths = (x_RK.shape[1], a.shape[2], b.shape[2])
-    return all(w % 8 == 0 for w in widths) and all(
-        t.data_ptr() % 16 == 0 and t.stride(-1) == 1 for t in (x_RK, a, b)
-    )
+    return _rows16((x_RK, a, b), widths) and all(t.stride(-1) == 1 for t in (x_RK, a, b))
 
 
 @functools.cache
@@ -346,8 +344,14 @@ def _grouped_fits(a_GKR: torch.Tensor, b_GRN: torch.Tensor) -> bool:
     ``[M, R]`` made row-major here): every width a 16-byte multiple, 16-byte aligned."""
     if _GROUPED_MM is None:
         return False
-    widths = (a_GKR.shape[1], a_GKR.shape[2], b_GRN.shape[2])
-    return all(w % 4 == 0 for w in widths) and all(t.data_ptr() % 16 == 0 for t in (a_GKR, b_GRN))
+    return _rows16((a_GKR, b_GRN), (a_GKR.shape[1], a_GKR.shape[2], b_GRN.shape[2]))
+
+
+def _rows16(tensors: tuple, widths: tuple) -> bool:
+    """The grouped GEMM's layout rule for operands of one dtype: every row width (elements)
+    a multiple of 16 bytes and every tensor 16-byte aligned."""
+    size = tensors[0].element_size()
+    return all(w * size % 16 == 0 for w in widths) and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool = True):

@@ -201,12 +201,11 @@ def test_device_grouped_delta_keeps_rows_without_a_pair_out():
     _check_delta(out, got, leaves, adapter, expert, bound, bound)
 
 
-def test_the_two_lora_gemms_of_a_call_share_the_rows_grouping(monkeypatch):
+def test_the_two_lora_gemms_of_a_call_share_the_rows_grouping():
     """The gate/up and down hooks of one call (one ``HookRows``) derive each row's adapter,
-    scale, key and the device grouping once (``HookRows.shared``): one sort for both GEMMs
-    of the device form (run here on the CPU), the same deltas as hooks called on rows of
-    their own."""
-    monkeypatch.setattr(lora_module, "_delta_form", lambda *args: "grouped_device")
+    scale, key and grouping once (``HookRows.shared``; the CPU and the device grouped forms
+    take the same grouping): one sort for both GEMMs, the same deltas as hooks called on
+    rows of their own."""
     g = torch.Generator().manual_seed(8)
     factors = [
         torch.randn(L, E, 8, H, generator=g), torch.randn(L, E, 2 * I, 8, generator=g),
@@ -740,7 +739,7 @@ def test_gathered_rows_without_a_pair_stay_finite_beside_a_non_finite_adapter(mo
     got = _gathered(x, a, b, key, scale, torch.zeros(12, 2 * I), chunk=5)
     assert_close(got, want, 1e-5)
 
-    def gathered_on_cpu(x_RK, a, b, key, scale_R, out):
+    def gathered_on_cpu(x_RK, a, b, key, scale_R, out, shared=None):
         return _gathered(x_RK, a, b, key, scale_R, out, chunk=5)
 
     monkeypatch.setattr(lora_module, "_grouped_cpu", gathered_on_cpu)

@@ -26,7 +26,7 @@ import torch
 from ..activations import apply_activation
 from ..config import ExpertSpec
 from ..dispatch.formats import StandardDispatchOutput
-from ..dispatch.permute import group_pairs
+from ..dispatch.permute import group_pairs, valid_rows
 from ..errors import MoeInputError
 from ..hooks import MoeHooks
 from ..weights import ExpertWeights, is_quantized
@@ -162,8 +162,7 @@ def _grouped_differentiable(
         rows = int(offsets[-1])
         order, token = order[:rows], token[:rows]
     else:
-        rows = torch.arange(order.shape[0], device=offsets.device)
-        valid = (rows < offsets[-1])[:, None]  # (the pairs of valid ids sort first)
+        valid = valid_rows(offsets, order.shape[0])[:, None]
     w = weights
     y_MH = grouped_experts(
         hidden_TH[token], offsets, spec, w.w13, w.w2, w.w13_bias, w.w2_bias, valid, mm

@@ -50,13 +50,21 @@ def is_scratch(t: torch.Tensor) -> bool:
     return getattr(t, _SCRATCH_ATTR, False)
 
 
-def _group_rows(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stable order of rows by ``key`` (``num_experts`` = padding, last) and the offsets."""
+def group_rows(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order of rows by ``key`` (group ids; ``num_groups`` or more: padding, last)
+    and the offsets ``[G + 1]`` (int64; group g's rows are ``offsets[g]:offsets[g+1]``), no
+    host read."""
     sorted_key, order = torch.sort(key, stable=True)
-    # offsets[e] = how many keys sort below e: a search of the sorted keys (two launches, no
-    # host read; a count of each key scattered into a buffer, then a cumulative sum, took six).
-    bounds = torch.arange(num_experts + 1, dtype=sorted_key.dtype, device=key.device)
+    # offsets[g] = how many keys sort below g: a search of the sorted keys (two launches; a
+    # count of each key scattered into a buffer, then a cumulative sum, took six).
+    bounds = torch.arange(num_groups + 1, dtype=sorted_key.dtype, device=key.device)
     return order, torch.searchsorted(sorted_key, bounds)
+
+
+def valid_rows(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """bool ``[num_rows]``: the grouped rows inside a group (before ``offsets[-1]``; the
+    padding rows sort after them), no host read."""
+    return torch.arange(num_rows, device=offsets.device) < offsets[-1]
 
 
 def group_pairs(
@@ -71,7 +79,7 @@ def group_pairs(
     valid_TK = _valid_ids(ids, num_experts)
     # (the keys in int32 / int64 ids' own dtype: no copy; narrower ids could not hold E)
     key = torch.where(valid_TK, ids, num_experts).reshape(-1)
-    order, offsets = _group_rows(key, num_experts)
+    order, offsets = group_rows(key, num_experts)
     weight_TK = torch.where(valid_TK, topk.weights.float(), 0.0)
     return order, order // topk.ids.shape[1], offsets, weight_TK
 
@@ -151,7 +159,7 @@ def pre_permute_masked(
     valid_EC = slot[None, :] < dispatch_output.counts.to(slot.device).long()[:, None]
     expert_EC = torch.arange(experts, device=hidden_ECH.device)[:, None].expand(-1, capacity)
     key = torch.where(valid_EC, expert_EC, num_experts).reshape(-1)
-    order, offsets = _group_rows(key, num_experts)
+    order, offsets = group_rows(key, num_experts)
     grouped = PermutedDispatchOutput(
         hidden_states=_scratch(hidden_ECH.reshape(-1, hidden_size)[order]),
         expert_offsets=offsets,
