@@ -64,7 +64,9 @@ class MoeHooks:
     """The hooks of one call (see the module doc); either may be None. ``num_tokens``: the
     number of tokens of the call they were made for (per-token data such as LoRA adapter
     ids), checked by the runner; ``num_experts``: the routed experts they were made for
-    (per-expert data such as LoRA factors), checked against the weights; None: any."""
+    (per-expert data such as LoRA factors), checked against the weights; None: any. A hook
+    object with a ``num_tokens`` of its own (``LoraDelta``: its adapter ids) sets it where it
+    is None and must agree with it otherwise."""
 
     gate_up: Hook | None = None
     down: Hook | None = None
@@ -80,6 +82,16 @@ class MoeHooks:
             n = getattr(self, name)
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
                 raise TypeError(f"hooks: {name} must be None or an int >= 0, got {n!r}")
+        for name in ("gate_up", "down"):
+            n = getattr(getattr(self, name), "num_tokens", None)
+            if not isinstance(n, int) or n == self.num_tokens:
+                continue
+            if self.num_tokens is not None:
+                raise MoeInputError(
+                    f"hooks: {name} holds data of {n} tokens (e.g. a LoraDelta's adapter ids), "
+                    f"another hook or num_tokens says {self.num_tokens}"
+                )
+            object.__setattr__(self, "num_tokens", n)
 
     def needs_grad(self) -> bool:
         """Grad mode is on and a tensor the hooks read requires grad: what a hook object

@@ -59,12 +59,20 @@ from dataclasses import InitVar, dataclass
 
 import torch
 
-from .device_checks import check_ids_async
+from .device_checks import check_ids_async, checks_may_run
 from .dispatch.permute import group_rows, valid_rows
 from .errors import MoeInputError
 from .hooks import HookRows, MoeHooks, in_graph_of
 
 __all__ = ["LoraDelta", "MoeLoraWeights", "lora_hooks"]
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def finite_in_float32(value: float) -> bool:
+    """A scale the hooks can use: they compute in float32, where a larger number is inf."""
+    return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
+
 
 # Gathered factor elements per chunk of rows (off the CPU): ~16 MiB of float32.
 _GATHER_ELEMENTS = 1 << 22
@@ -159,15 +167,31 @@ class MoeLoraWeights:
                     f"lora scaling must be a number or a float [L={lead[0]}] tensor, got "
                     f"{self.scaling.dtype} {list(self.scaling.shape)}"
                 )
-            # Values are read on the CPU only: on a GPU this would be a host read per call.
-            if self.scaling.device.type == "cpu" and not bool(self.scaling.isfinite().all()):
+            scaling = self.scaling
+            if scaling.device not in (a13.device, torch.device("cpu")):
                 raise MoeInputError(
-                    f"lora scaling must be finite, got {self.scaling.detach().tolist()}"
+                    f"lora scaling is on {scaling.device}: it must lie on the CPU or on the "
+                    f"factors' device ({a13.device})"
+                )
+            # Values are read on the CPU only (on a GPU this would be a host read per call),
+            # and not while torch.compile traces (as the adapter ids: ``checks_may_run``);
+            # finite in float32, the precision the hooks compute in.
+            if (
+                scaling.device.type == "cpu"
+                and checks_may_run(scaling.device)
+                and not bool(scaling.detach().float().isfinite().all())
+            ):
+                raise MoeInputError(
+                    "lora scaling must be finite, and in float32 (the precision LoRA computes "
+                    f"in), got {scaling.detach().tolist()}"
                 )
         elif isinstance(self.scaling, bool) or not isinstance(self.scaling, (int, float)):
             raise TypeError(f"lora scaling must be a number or a tensor, got {self.scaling!r}")
-        elif not math.isfinite(self.scaling):
-            raise MoeInputError(f"lora scaling must be finite, got {self.scaling}")
+        elif not finite_in_float32(self.scaling):
+            raise MoeInputError(
+                "lora scaling must be finite, and in float32 (the precision LoRA computes in), "
+                f"got {self.scaling}"
+            )
         if lead[0] == 0:
             raise MoeInputError(
                 "lora holds no adapters (L = 0): pass hooks=None (or adapter ids of -1) to run "
@@ -429,6 +453,12 @@ class LoraDelta:
         if check_ids and ids.numel() and ids.device.type != "cpu":
             # checked later there (no host read): ids out of range are none meanwhile
             object.__setattr__(self, "adapter_T", _in_range(ids.long(), self.lora.num_adapters))
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens of the call this delta is for (one adapter id each): ``MoeHooks`` checks
+        it against the call."""
+        return self.adapter_T.shape[0]
 
     def tensors(self) -> tuple:
         """The tensors this delta reads (its factors and scaling): ``MoeHooks.needs_grad``."""

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import MoeInputError
-from .lora import MoeLoraWeights
+from .lora import MoeLoraWeights, finite_in_float32
 
 __all__ = ["MoeLoraSet", "MoeModelShape", "load_peft_adapter_set", "load_peft_adapters"]
 
@@ -272,10 +272,10 @@ def _read(path: str, shape: MoeModelShape, other_modules: str) -> _Adapter:
     cfg = _load_config(config_path)
     _check_config(cfg, config_path)
     rank, alpha = cfg["r"], cfg.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+    if _finite_number(alpha) is not None:
         raise MoeInputError(
-            f"adapters: {config_path}: r and lora_alpha must be numbers (lora_alpha finite), "
-            f"got r={rank!r}, lora_alpha={alpha!r}"
+            f"adapters: {config_path}: r and lora_alpha must be numbers (lora_alpha finite in "
+            f"float32), got r={rank!r}, lora_alpha={alpha!r}"
         )
     rslora = cfg.get("use_rslora") or False
     if not isinstance(rslora, bool):
@@ -386,9 +386,10 @@ def _positive_int(value) -> str | None:
 
 
 def _finite_number(value) -> str | None:
-    """None where ``value`` is a finite number, else what is accepted."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return None if ok else "a finite number (an alpha)"
+    """None where ``value`` is a number finite in float32 (a scale derived from it then is
+    too: ranks are >= 1), else what is accepted."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return None if ok and finite_in_float32(value) else "a finite number (an alpha; finite in float32)"
 
 
 def _check_config(cfg: dict, where: str) -> None:
@@ -610,8 +611,8 @@ def new_lora_set(
         raise TypeError(f"r must be a positive int, got {r!r}")
     if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)):
         raise TypeError(f"lora_alpha must be a number, got {lora_alpha!r}")
-    if not math.isfinite(lora_alpha):
-        raise MoeInputError(f"lora_alpha must be finite, got {lora_alpha!r}")
+    if not finite_in_float32(lora_alpha):
+        raise MoeInputError(f"lora_alpha must be finite in float32, got {lora_alpha!r}")
     if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or num_adapters < 1:
         raise TypeError(f"num_adapters must be an int >= 1, got {num_adapters!r}")
     shape = MoeModelShape.of(model.config)

@@ -717,7 +717,7 @@ def test_non_finite_scaling_tensor_is_refused_on_cpu():
     x, weights, lora, topk, adapters, act = _case()
     for bad in (float("nan"), float("inf"), -float("inf")):
         scaling = torch.tensor([0.5, bad, 2.0])
-        with pytest.raises(MoeInputError, match=r"lora scaling must be finite, got \[0\.5, "):
+        with pytest.raises(MoeInputError, match=r"lora scaling must be finite.*got \[0\.5, "):
             lora_hooks(MoeLoraWeights(*_factors(lora), scaling), adapters)
 
 

@@ -78,6 +78,25 @@ def _tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def check_router_input(where: str, hidden_states: object, logits: object, name: str) -> None:
+    """A peer routing call's ``hidden_states`` (read for its token count only) and router
+    logits ``name``: a 2-D floating ``[T, E]`` tensor with the hidden states' T."""
+    if not isinstance(hidden_states, torch.Tensor):
+        raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor")
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise MoeInputError(
+            f"{where}: {name} must be a 2-D floating tensor [T, E], got "
+            f"{logits.dtype} {list(logits.shape)}"
+        )
+    if hidden_states.dim() < 1 or hidden_states.shape[0] != logits.shape[0]:
+        raise MoeInputError(
+            f"{where}: {name} has T={logits.shape[0]} rows but hidden_states has shape "
+            f"{list(hidden_states.shape)}"
+        )
+
+
 def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A peer scale as float32 of ``shape`` (a view where it already is float32): of that
     shape, with trailing dims of 1 allowed (``[E, N, 1]`` for ``[E, N]``). A tensor of the
@@ -106,6 +125,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _static_scale(name: str, t: torch.Tensor, num_experts: int) -> torch.Tensor:
     """A static activation scale (one value, or one per expert) as float32 ``[E]``."""
     t = _tensor(name, t)
+    if not t.is_floating_point():  # (as every other scale: an int was taken as a value)
+        raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     if t.numel() not in (1, num_experts):
         raise MoeInputError(
             f"{name} must be one value or one per expert (E={num_experts}), got shape "
@@ -358,6 +379,10 @@ def run(
     returns) ``hidden_states``, ``output`` is written and returned, else a new tensor.
     ``scale`` multiplies the output (SGLang's ``routed_scaling_factor``), through the
     routing weights where that is exact."""
+    weight_on_input = apply_router_weight_on_input
+    for name, flag in (("inplace", inplace), ("apply_router_weight_on_input", weight_on_input)):
+        if not isinstance(flag, bool):  # ("False" and 0-d tensors were read as truth values)
+            raise TypeError(f"{where}: {name} must be a bool, got {flag!r}")
     if inplace and output is not None:
         raise MoeInputError(f"{where}: inplace=True and output= both name the result; pass one")
     if apply_router_weight_on_input and w13_bias is not None:

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import MoeInputError
 from ..routing import select_experts as _select_experts
-from ._common import ExpertsCall, QuantArgs, peer_weights, run
+from ._common import ExpertsCall, QuantArgs, check_router_input, peer_weights, run
 
 __all__ = [
     "MoeRunnerConfig",
@@ -135,18 +135,7 @@ def select_experts(
             f"{where}: output_format {c.output_format!r}; accepted: None, 'standard' or "
             "TopKOutputFormat.STANDARD"
         )
-    if not isinstance(hidden_states, torch.Tensor):
-        raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
-    if (
-        isinstance(router_logits, torch.Tensor)
-        and hidden_states.dim() >= 1
-        and router_logits.dim() >= 1
-        and hidden_states.shape[0] != router_logits.shape[0]
-    ):
-        raise MoeInputError(
-            f"{where}: hidden_states has {hidden_states.shape[0]} tokens but router_logits "
-            f"{router_logits.shape[0]} rows"
-        )
+    check_router_input(where, hidden_states, router_logits, "router_logits")
     factor = c.routed_scaling_factor if c.apply_routed_scaling_factor_on_output else None
     if c.custom_routing_function is not None:
         if c.use_grouped_topk or c.correction_bias is not None or factor is not None:

@@ -42,6 +42,7 @@ from ._common import (
     ExpertsCall,
     QuantArgs,
     check_global_num_experts,
+    check_router_input,
     global_to_local,
     peer_weights,
     run,
@@ -395,8 +396,18 @@ def fused_topk(
     Returns ``(topk_weights fp32 [T, k], topk_ids int32 (or indices_type) [T, k],
     token_expert_indices int32 [T, k])`` where ``token_expert_indices[t, j] = j * T + t``
     (the row of slot j of token t in vLLM's slot-major layout)."""
-    _check_hidden("vllm.fused_topk", hidden_states, gating_output)
+    check_router_input("vllm.fused_topk", hidden_states, gating_output, "gating_output")
     _check_scoring(scoring_func)
+    if indices_type is not None and (
+        not isinstance(indices_type, torch.dtype)
+        or indices_type.is_floating_point
+        or indices_type.is_complex
+        or indices_type == torch.bool
+    ):
+        raise TypeError(
+            f"vllm.fused_topk: indices_type must be None or an integer torch.dtype, got "
+            f"{indices_type!r}"
+        )
     topk_result = select_experts(
         gating_output, topk, scoring_func=scoring_func, renormalize=renormalize
     )
@@ -422,7 +433,7 @@ def grouped_topk(
     """vLLM's ``grouped_topk``: groups ranked by their best score (DeepSeek-V2), or with
     ``e_score_correction_bias`` by the sum of their two best biased scores (DeepSeek-V3).
     Returns ``(topk_weights fp32, topk_ids int32)``, ``[T, topk]`` each."""
-    _check_hidden("vllm.grouped_topk", hidden_states, gating_output)
+    check_router_input("vllm.grouped_topk", hidden_states, gating_output, "gating_output")
     _check_scoring(scoring_func)
     topk_result = select_experts(
         gating_output,
@@ -493,7 +504,7 @@ def fused_moe(
             hidden_states, gating_output, topk, renormalize, num_expert_group, topk_group
         )
     elif custom_routing_function is not None:
-        _check_hidden("vllm.fused_moe", hidden_states, gating_output)
+        check_router_input("vllm.fused_moe", hidden_states, gating_output, "gating_output")
         routed = select_experts(
             gating_output,
             topk,
@@ -531,24 +542,6 @@ def fused_moe(
         w2_bias=w2_bias,
         backend=backend,
     )
-
-
-def _check_hidden(where: str, hidden_states: object, gating_output: object) -> None:
-    """The routing calls take ``hidden_states`` for its token count only."""
-    if not isinstance(hidden_states, torch.Tensor):
-        raise TypeError(f"{where}: hidden_states must be a torch.Tensor")
-    if not isinstance(gating_output, torch.Tensor):
-        raise TypeError(f"{where}: gating_output must be a torch.Tensor")
-    if gating_output.dim() != 2 or not gating_output.is_floating_point():
-        raise MoeInputError(
-            f"{where}: gating_output must be a 2-D floating tensor [T, E], got "
-            f"{gating_output.dtype} {list(gating_output.shape)}"
-        )
-    if hidden_states.shape[0] != gating_output.shape[0]:
-        raise MoeInputError(
-            f"{where}: gating_output has T={gating_output.shape[0]} rows but hidden_states "
-            f"has T={hidden_states.shape[0]}"
-        )
 
 
 def _check_scoring(scoring_func: object) -> None:

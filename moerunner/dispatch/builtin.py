@@ -30,12 +30,7 @@ def _standard(setup: DispatchSetup) -> Dispatcher:
     _no_combine_dtype("standard", setup, "sums the experts' outputs in fp32 already")
     if setup.placement is None:
         return StandardDispatcher(group=setup.group, num_local_experts=setup.num_local_experts)
-    placement = setup.placement
-    table = placement.expert_map(setup.rank)
-    if placement.num_shared and setup.rank != 0:
-        # Every rank sees every token and holds the shared experts: one rank computes them,
-        # or the all-reduce of the partial outputs would add them once per rank.
-        table[placement.num_experts :] = -1
+    table = setup.placement.standard_map(setup.rank)
     return StandardDispatcher(table, setup.group, num_local_experts=setup.num_local_experts)
 
 

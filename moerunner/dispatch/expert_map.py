@@ -156,13 +156,23 @@ class ExpertPlacement:
         """Routed plus shared experts: the id range routing may use."""
         return self.num_experts + self.num_shared
 
+    def check_rank(self, rank: object, name: str = "rank") -> int:
+        """``rank`` if it is one of the placement's ranks, ``[0, world_size)``; else raises."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"{name} must be an int, got {type(rank).__name__}")
+        if not 0 <= rank < self.world_size:
+            raise MoeInputError(f"{name} must be in [0, world_size={self.world_size}), got {rank}")
+        return rank
+
     def experts_of(self, rank: int) -> list[int]:
         """Global ids of the routed experts ``rank`` owns, in local-id order."""
+        self.check_rank(rank)
         mine = [e for e, r in enumerate(self.owner) if r == rank]
         return sorted(mine, key=lambda e: self.local_id[e])
 
     def num_local_routed(self, rank: int) -> int:
         """Routed experts held by ``rank``."""
+        self.check_rank(rank)
         return sum(1 for r in self.owner if r == rank)
 
     def num_local(self, rank: int) -> int:
@@ -180,17 +190,29 @@ class ExpertPlacement:
 
     def expert_map(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """int32 ``[E + S]``: local id on ``rank`` of every global expert, -1 if not held
-        (the ``StandardDispatcher`` argument)."""
+        (every rank holds the shared experts). For a ``StandardDispatcher``, whose ranks all
+        compute every token, take ``standard_map``."""
         table = torch.full((self.num_total,), -1, dtype=torch.int32)
         for local, expert in enumerate(self.global_ids(rank)):
             table[expert] = local
         return table.to(device) if device is not None else table
+
+    def standard_map(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """``expert_map(rank)`` with the shared experts on rank 0 only: the
+        ``StandardDispatcher`` argument. Its ranks all see every token and its combine sums
+        their outputs, so shared experts computed on every rank would be added once per
+        rank."""
+        table = self.expert_map(rank, device)
+        if self.num_shared and rank != 0:
+            table[self.num_experts :] = -1
+        return table
 
     def routing_table(
         self, rank: int, device: torch.device | str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """int64 ``[E + S]`` destination rank and local id there of every global expert, as
         seen from ``rank`` (shared experts stay on ``rank``)."""
+        self.check_rank(rank)
         dest = list(self.owner) + [rank] * self.num_shared
         local = list(self.local_id) + [
             self.num_local_routed(rank) + j for j in range(self.num_shared)
@@ -235,6 +257,11 @@ def append_shared_slots(
         placement.num_experts, placement.num_total, dtype=torch.int32, device=device
     ).expand(num_tokens, shared)
     w = torch.as_tensor(weight, dtype=torch.float32, device=device)
+    if w.shape not in ((), (num_tokens,), (num_tokens, shared), (num_tokens, 1)):
+        raise MoeInputError(
+            f"append_shared_slots: weight must be a number, [T={num_tokens}] or "
+            f"[T={num_tokens}, S={shared}], got shape {list(w.shape)}"
+        )
     w = (w[:, None] if w.dim() == 1 else w).expand(num_tokens, shared)
     return TopK(
         weights=torch.cat([topk.weights.float(), w], dim=1),
