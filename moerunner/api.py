@@ -20,6 +20,7 @@ from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
 from .errors import MoeInputError
 from .hooks import MoeHooks, check_hooks, in_graph_of
+from .lora import op_arguments
 from .registry import Registry
 from .routing import TopK
 from .runner import MoeRunner, check_activation, prepared_for
@@ -114,8 +115,9 @@ def fused_moe(
     input quantization straight through), their own tensors get none.
 
     torch.compile: traced, the call is the custom op ``moerunner::fused_experts`` (one node
-    for any T; fullgraph works); what its schema lacks runs eagerly (docs/transformers.md,
-    "``fused_moe`` inside your own compiled function").
+    for any T; fullgraph works; the hooks of ``lora_hooks`` are its LoRA arguments); what
+    its schema lacks runs eagerly (docs/transformers.md, "``fused_moe`` inside your own
+    compiled function").
     """
     act = check_activation(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
     if not isinstance(gate_up_interleaved, bool):  # ("False" was read as True)
@@ -126,14 +128,17 @@ def fused_moe(
     if torch.compiler.is_compiling():
         if registry is not None:
             _check_op_registry(registry, backend)
-        if shared_experts is not None or hooks is not None or not _op_takes(weights, act):
+        lora = op_arguments(check_hooks(hooks))  # None: hooks the op does not take
+        if shared_experts is not None or lora is None or not _op_takes(weights, act):
             return _eager_experts(
                 backend, registry, weights, hidden_states, topk_weights, topk_ids, act,
                 check_ids, apply_router_weight_on_input, shared=shared_experts, hooks=hooks,
             )  # fmt: skip
         if apply_router_weight_on_input:
             hidden_states, topk_weights = _weighted_rows(hidden_states, topk_weights, topk_ids)
-        return _traced_call(weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids)
+        return _traced_call(
+            weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids, lora
+        )
     return run_experts(
         MoeRunner(backend, registry=registry),
         weights,
@@ -247,12 +252,14 @@ def _traced_call(
     act: Activation,
     backend: str,
     check_ids: bool,
+    lora: tuple = (),
 ) -> torch.Tensor:
     """``fused_moe`` inside a region torch.compile traces: the custom op
     (``moerunner.ops.call_fused_experts``), one opaque graph node whose fake gives the output's
     shape for any T, instead of the host work of an eager call (backend choice, memo lookups),
     which the tracer cannot follow. The op runs ``fused_moe`` eagerly (gradients: its
-    registered backward)."""
+    registered backward). ``lora``: the hooks of ``lora_hooks`` as the op's arguments
+    (``moerunner.lora.op_arguments``)."""
     from .ops import call_fused_experts
 
     return call_fused_experts(
@@ -269,6 +276,7 @@ def _traced_call(
         weights.w13_order == "interleaved",
         backend,
         check_ids,
+        lora,
     )
 
 
@@ -297,9 +305,9 @@ def _refuse(note: str) -> None:
 
 # What the custom op does not take runs eagerly: a graph break (an error under fullgraph).
 _EAGER_REASON = (
-    "moerunner: fused_moe with shared_experts, hooks, w13_order='up_gate', swiglu_beta or "
-    "per-expert swiglu parameters runs eagerly (the custom op moerunner::fused_experts does "
-    "not take them)"
+    "moerunner: fused_moe with shared_experts, hooks other than those of lora_hooks, "
+    "w13_order='up_gate', swiglu_beta or per-expert swiglu parameters runs eagerly (the "
+    "custom op moerunner::fused_experts does not take them)"
 )
 try:
     _eager_experts = torch.compiler.disable(_eager_experts, reason=_EAGER_REASON)

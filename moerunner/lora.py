@@ -34,6 +34,10 @@ hooks in their own kernels (triton) have no backward and refuse such a call by n
 
 Rows whose expert is past ``E`` (the shared experts of ``moerunner.shared``) get no delta.
 
+torch.compile: a traced ``fused_moe`` call with ``lora_hooks``' hooks is one custom op that
+takes the factors, adapter ids and scaling as arguments (``op_arguments``; fullgraph works,
+and the op's backward gives the factors their gradients); other hooks run eagerly.
+
 Each hook is a ``LoraDelta``: a callable (the PyTorch form below, which every backend that
 runs hooks can call) and at once a declarative record of one GEMM's LoRA that a backend
 with its own kernels applies instead (the triton backend's hooked sequence:
@@ -375,7 +379,21 @@ def _rows16(tensors: tuple, widths: tuple) -> bool:
     """The grouped GEMM's layout rule for operands of one dtype: every row width (elements)
     a multiple of 16 bytes and every tensor 16-byte aligned."""
     size = tensors[0].element_size()
-    return all(w * size % 16 == 0 for w in widths) and all(t.data_ptr() % 16 == 0 for t in tensors)
+    return all(w * size % 16 == 0 for w in widths) and all(_address(t) % 16 == 0 for t in tensors)
+
+
+def _address(t: torch.Tensor) -> int:
+    """``t``'s data address, also of a tensor that torch.func transforms wrap (the custom ops'
+    backward differentiates the hooks under ``torch.func.vjp``), whose own has no storage;
+    an odd number where the wrappers cannot be undone (the caller's check then fails)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    unwrap = getattr(functorch, "get_unwrapped", None)
+    while unwrap is not None and functorch.is_functorch_wrapped_tensor(t):
+        t = unwrap(t)
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 1
 
 
 def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool = True):
@@ -394,6 +412,50 @@ def lora_hooks(lora: MoeLoraWeights, adapter_ids: torch.Tensor, check_ids: bool 
         num_tokens=ids.shape[0],
         num_experts=lora.num_experts,
     )
+
+
+#: The LoRA arguments the custom ops (``moerunner.ops``) take last, in this order.
+OP_ARGUMENTS = (
+    "lora_w13_a",
+    "lora_w13_b",
+    "lora_w2_a",
+    "lora_w2_b",
+    "lora_adapter_ids",
+    "lora_scaling",
+    "lora_scale",
+)
+
+
+def op_arguments(hooks: MoeHooks | None) -> tuple | None:
+    """The hooks of ``lora_hooks`` as the custom ops' LoRA arguments (``OP_ARGUMENTS``: the
+    four factors, the per-token adapter ids, the scaling tensor or None, the scaling number),
+    so a traced call with LoRA stays one graph node; ``()`` for no hooks; None for any other
+    hooks (those run eagerly)."""
+    if hooks is None:
+        return ()
+    up, down = hooks.gate_up, hooks.down
+    if not (
+        isinstance(up, LoraDelta)
+        and isinstance(down, LoraDelta)
+        and (up.gemm, down.gemm) == _GEMMS
+        and up.lora is down.lora
+        and up.adapter_T is down.adapter_T
+    ):
+        return None
+    lora = up.lora
+    scaling = lora.scaling if isinstance(lora.scaling, torch.Tensor) else None
+    number = 1.0 if scaling is not None else float(lora.scaling)
+    return (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b, up.adapter_T, scaling, number)
+
+
+def hooks_of_op_arguments(
+    w13_a, w13_b, w2_a, w2_b, adapter_ids, scaling, number, check_ids: bool
+) -> MoeHooks | None:
+    """The hooks that ``op_arguments`` gave these arguments of (None without factors)."""
+    if w13_a is None:
+        return None
+    lora = MoeLoraWeights(w13_a, w13_b, w2_a, w2_b, number if scaling is None else scaling)
+    return lora_hooks(lora, adapter_ids, check_ids)
 
 
 def _check_adapter_ids(

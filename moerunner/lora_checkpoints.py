@@ -389,7 +389,9 @@ def _finite_number(value) -> str | None:
     """None where ``value`` is a number finite in float32 (a scale derived from it then is
     too: ranks are >= 1), else what is accepted."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return None if ok and finite_in_float32(value) else "a finite number (an alpha; finite in float32)"
+    if ok and finite_in_float32(value):
+        return None
+    return "a finite number (an alpha; finite in float32)"
 
 
 def _check_config(cfg: dict, where: str) -> None:

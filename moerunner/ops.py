@@ -6,6 +6,10 @@
 - ``moerunner::fused_experts_transposed``: on plain weights stored ``[E, in, out]`` (GPT-OSS),
   read through canonical-shaped views (no copy).
 
+Each forward op takes LoRA last (``moerunner.lora.OP_ARGUMENTS``: the factors, the per-token
+adapter ids, the scaling; all None without LoRA), so a call with ``lora_hooks``' hooks stays
+one graph node too.
+
 Each fake implementation only describes the output (``[T, H]`` in the hidden dtype), so the
 compiler never traces into the backends' data-dependent code (host reads of expert offsets,
 Triton launches). ``call_fused_experts`` picks the op for a pair of weights. The plain ops
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .api import fused_moe
+from .lora import hooks_of_op_arguments
 from .memo import memoised, seed_memo, view_key
 
 
@@ -35,14 +40,17 @@ def _op_body(
     gate_up_interleaved,
     backend,
     check_ids,
+    lora: tuple = (None,) * 7,
     grad: bool = False,
 ) -> torch.Tensor:
     """What every moerunner op computes once its weights are objects ``fused_moe`` takes:
     ``fused_moe`` with the op's arguments, with grad mode off (an op's forward runs the chosen
     backend's kernels; gradients come from the backward registered below; ``grad``: on, for
     that backward's recomputation); an empty result is a new tensor (an op's output may not
-    alias its input)."""
+    alias its input). ``lora``: the op's LoRA arguments (``moerunner.lora.OP_ARGUMENTS``; no
+    factors: none)."""
     with torch.set_grad_enabled(grad):
+        hooks = hooks_of_op_arguments(*lora, check_ids)
         out = fused_moe(
             hidden_states,
             w13,
@@ -57,6 +65,7 @@ def _op_body(
             swiglu_limit=swiglu_limit,
             backend=backend,
             check_ids=check_ids,
+            hooks=hooks,
         )
     return out if out.numel() else out.clone()
 
@@ -76,6 +85,13 @@ def fused_experts(
     gate_up_interleaved: bool,
     backend: str,
     check_ids: bool = True,
+    lora_w13_a: torch.Tensor | None = None,
+    lora_w13_b: torch.Tensor | None = None,
+    lora_w2_a: torch.Tensor | None = None,
+    lora_w2_b: torch.Tensor | None = None,
+    lora_adapter_ids: torch.Tensor | None = None,
+    lora_scaling: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """``fused_moe`` as an opaque graph node (same arguments, positional)."""
     return _op_body(
@@ -92,25 +108,20 @@ def fused_experts(
         gate_up_interleaved,
         backend,
         check_ids,
+        (
+            lora_w13_a,
+            lora_w13_b,
+            lora_w2_a,
+            lora_w2_b,
+            lora_adapter_ids,
+            lora_scaling,
+            lora_scale,
+        ),
     )
 
 
 @fused_experts.register_fake
-def _fused_experts_fake(
-    hidden_states,
-    w13,
-    w2,
-    topk_weights,
-    topk_ids,
-    w13_bias,
-    w2_bias,
-    activation,
-    swiglu_alpha,
-    swiglu_limit,
-    gate_up_interleaved,
-    backend,
-    check_ids=True,
-):
+def _fused_experts_fake(hidden_states, *args, **kwargs):
     return hidden_states.new_empty(hidden_states.shape)  # row-major, as every backend returns
 
 
@@ -201,6 +212,13 @@ def fused_experts_quantized(
     gate_up_interleaved: bool,
     backend: str,
     check_ids: bool = True,
+    lora_w13_a: torch.Tensor | None = None,
+    lora_w13_b: torch.Tensor | None = None,
+    lora_w2_a: torch.Tensor | None = None,
+    lora_w2_b: torch.Tensor | None = None,
+    lora_adapter_ids: torch.Tensor | None = None,
+    lora_scaling: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """``fused_moe`` on quantized weights as an opaque graph node.
 
@@ -223,29 +241,20 @@ def fused_experts_quantized(
         gate_up_interleaved,
         backend,
         check_ids,
+        (
+            lora_w13_a,
+            lora_w13_b,
+            lora_w2_a,
+            lora_w2_b,
+            lora_adapter_ids,
+            lora_scaling,
+            lora_scale,
+        ),
     )
 
 
 @fused_experts_quantized.register_fake
-def _fused_experts_quantized_fake(
-    hidden_states,
-    w13,
-    w2,
-    w13_scheme,
-    w13_shape,
-    w2_scheme,
-    w2_shape,
-    topk_weights,
-    topk_ids,
-    w13_bias,
-    w2_bias,
-    activation,
-    swiglu_alpha,
-    swiglu_limit,
-    gate_up_interleaved,
-    backend,
-    check_ids=True,
-):
+def _fused_experts_quantized_fake(hidden_states, *args, **kwargs):
     return hidden_states.new_empty(hidden_states.shape)
 
 
@@ -276,43 +285,19 @@ def call_fused_experts(
     gate_up_interleaved: bool,
     backend: str,
     check_ids: bool = True,
+    lora: tuple = (),
 ) -> torch.Tensor:
     """The custom op that runs these weights (plain tensors or ``QuantizedWeight``s), called
-    with their tensors: what a traced caller uses in place of ``fused_moe``."""
+    with their tensors: what a traced caller uses in place of ``fused_moe``. ``lora``: the
+    LoRA arguments (``moerunner.lora.op_arguments``) or ``()``."""
+    settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, backend, check_ids)
+    routing = (topk_weights, topk_ids, w13_bias, w2_bias)
     if isinstance(w13, torch.Tensor):
-        return torch.ops.moerunner.fused_experts(
-            hidden_states,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            w13_bias,
-            w2_bias,
-            activation,
-            swiglu_alpha,
-            swiglu_limit,
-            gate_up_interleaved,
-            backend,
-            check_ids,
-        )
+        return torch.ops.moerunner.fused_experts(hidden_states, w13, w2, *routing, *settings, *lora)
+    weights = (quantized_tensors(w13), quantized_tensors(w2))
+    shapes = (w13.scheme.name, list(w13.shape), w2.scheme.name, list(w2.shape))
     return torch.ops.moerunner.fused_experts_quantized(
-        hidden_states,
-        quantized_tensors(w13),
-        quantized_tensors(w2),
-        w13.scheme.name,
-        list(w13.shape),
-        w2.scheme.name,
-        list(w2.shape),
-        topk_weights,
-        topk_ids,
-        w13_bias,
-        w2_bias,
-        activation,
-        swiglu_alpha,
-        swiglu_limit,
-        gate_up_interleaved,
-        backend,
-        check_ids,
+        hidden_states, *weights, *shapes, *routing, *settings, *lora
     )
 
 
@@ -352,6 +337,13 @@ def fused_experts_transposed(
     gate_up_interleaved: bool,
     backend: str,
     check_ids: bool = True,
+    lora_w13_a: torch.Tensor | None = None,
+    lora_w13_b: torch.Tensor | None = None,
+    lora_w2_a: torch.Tensor | None = None,
+    lora_w2_b: torch.Tensor | None = None,
+    lora_adapter_ids: torch.Tensor | None = None,
+    lora_scaling: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """``fused_experts`` on weights stored transposed (``w13_t [E, H, N]``, ``w2_t [E, I, H]``,
     as GPT-OSS checkpoints do), run through views in the canonical shape
@@ -374,25 +366,20 @@ def fused_experts_transposed(
         gate_up_interleaved,
         backend,
         check_ids,
+        (
+            lora_w13_a,
+            lora_w13_b,
+            lora_w2_a,
+            lora_w2_b,
+            lora_adapter_ids,
+            lora_scaling,
+            lora_scale,
+        ),
     )
 
 
 @fused_experts_transposed.register_fake
-def _fused_experts_transposed_fake(
-    hidden_states,
-    w13_t,
-    w2_t,
-    topk_weights,
-    topk_ids,
-    w13_bias,
-    w2_bias,
-    activation,
-    swiglu_alpha,
-    swiglu_limit,
-    gate_up_interleaved,
-    backend,
-    check_ids=True,
-):
+def _fused_experts_transposed_fake(hidden_states, *args, **kwargs):
     return hidden_states.new_empty(hidden_states.shape)
 
 
@@ -404,11 +391,15 @@ def _fused_experts_transposed_fake(
 # path (``fused_moe`` with grad mode on) and differentiates that, inside one more opaque op
 # (its Python is not traced: the path reads expert offsets on the host). The quantized op's
 # backward does the same with its weights frozen: gradients reach the hidden states, the
-# routing weights and the biases.
+# routing weights and the biases. Both give the LoRA factors and a LoRA scaling tensor
+# theirs the same way.
 
-#: Argument positions of the ops that can take a gradient: hidden states, w13, w2, topk
-#: weights, w13 bias, w2 bias.
-_GRAD_ARGS = (0, 1, 2, 3, 5, 6)
+#: Argument positions of the plain ops that can take a gradient: hidden states, w13, w2,
+#: topk weights, w13 bias, w2 bias, the four LoRA factors and the LoRA scaling tensor.
+_GRAD_ARGS = (0, 1, 2, 3, 5, 6, 13, 14, 15, 16, 18)
+#: The same for ``fused_experts_quantized`` (its quantized weights are frozen): hidden
+#: states, topk weights, w13 bias, w2 bias, the LoRA factors and scaling tensor.
+_QUANTIZED_GRAD_ARGS = (0, 7, 9, 10, 17, 18, 19, 20, 22)
 
 
 @torch.library.custom_op("moerunner::fused_experts_backward", mutates_args=())
@@ -427,27 +418,80 @@ def fused_experts_backward(
     gate_up_interleaved: bool,
     transposed: bool,
     needs: list[bool],
+    lora_w13_a: torch.Tensor | None = None,
+    lora_w13_b: torch.Tensor | None = None,
+    lora_w2_a: torch.Tensor | None = None,
+    lora_w2_b: torch.Tensor | None = None,
+    lora_adapter_ids: torch.Tensor | None = None,
+    lora_scaling: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Gradients of ``fused_experts`` (``transposed``: of ``fused_experts_transposed``) for the
     arguments at ``_GRAD_ARGS`` whose entry in ``needs`` is set (an empty tensor for the
     others): the experts recomputed on ``fused_moe``'s differentiable path and differentiated
     against ``grad_out``."""
-    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias)
-    wanted = [i for i, t in enumerate(inputs) if needs[i] and t is not None]
-    settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
+    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
+    settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, "torch", False)
 
-    def experts(*differentiated):
+    def experts(x, a, b, weights, b13, b2, *lora):
+        if transposed:
+            a, b = a.transpose(1, 2), b.transpose(1, 2)
+        lora = (*lora[:4], lora_adapter_ids, lora[4], lora_scale)
+        return _op_body(x, a, b, weights, topk_ids, b13, b2, *settings, lora, grad=True)
+
+    return _differentiated(experts, inputs, needs, grad_out)
+
+
+@fused_experts_backward.register_fake
+def _fused_experts_backward_fake(
+    grad_out,
+    hidden_states,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    w13_bias,
+    w2_bias,
+    activation,
+    swiglu_alpha,
+    swiglu_limit,
+    gate_up_interleaved,
+    transposed,
+    needs,
+    lora_w13_a=None,
+    lora_w13_b=None,
+    lora_w2_a=None,
+    lora_w2_b=None,
+    lora_adapter_ids=None,
+    lora_scaling=None,
+    lora_scale=1.0,
+):
+    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
+    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
+    return _fake_grads(inputs, needs, grad_out)
+
+
+def _differentiated(fn, inputs: tuple, needs: list[bool], grad_out: torch.Tensor) -> list:
+    """The gradients of ``fn(*inputs)`` against ``grad_out`` for the inputs whose entry in
+    ``needs`` is set (an empty tensor for the others and for inputs that are None)."""
+    wanted = [i for i, t in enumerate(inputs) if needs[i] and t is not None]
+
+    def call(*differentiated):
         args = list(inputs)
         for i, t in zip(wanted, differentiated, strict=True):
             args[i] = t
-        x, a, b, weights, b13, b2 = args
-        if transposed:
-            a, b = a.transpose(1, 2), b.transpose(1, 2)
-        return _op_body(x, a, b, weights, topk_ids, b13, b2, *settings, "torch", False, grad=True)
+        return fn(*args)
 
-    # vjp gives every primal a gradient (zeros where it does not reach the output)
-    got = dict(zip(wanted, _vjp(experts, [inputs[i] for i in wanted], grad_out), strict=True))
+    got = dict(zip(wanted, _vjp(call, [inputs[i] for i in wanted], grad_out), strict=True))
     return [got[i] if i in got else grad_out.new_empty(0) for i in range(len(inputs))]
+
+
+def _fake_grads(inputs: tuple, needs: list[bool], grad_out: torch.Tensor) -> list:
+    return [
+        torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
+        for t, need in zip(inputs, needs, strict=True)
+    ]
 
 
 def _vjp(fn, primals: list[torch.Tensor], cotangent: torch.Tensor) -> tuple:
@@ -465,50 +509,60 @@ def _vjp(fn, primals: list[torch.Tensor], cotangent: torch.Tensor) -> tuple:
         return pull(cotangent)
 
 
-@fused_experts_backward.register_fake
-def _fused_experts_backward_fake(
-    grad_out, hidden_states, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, *settings
-):
-    needs = settings[-1]
-    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias)
-    return [
-        torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
-        for t, need in zip(inputs, needs, strict=True)
-    ]
+# An op's trailing arguments left at their defaults may not reach its autograd functions
+# (the dispatcher drops them): ``_filled`` puts them back for ``setup_context``, and a
+# backward returns one entry per argument that came (``ctx.needs_input_grad``), since an op
+# with list arguments refuses any other count.
+_LORA_DEFAULTS = (None,) * 6 + (1.0,)
+
+
+def _filled(inputs, count: int) -> tuple:
+    """An op's ``count`` arguments: ``inputs`` and the LoRA defaults of those left out."""
+    missing = count - len(inputs)
+    return (*inputs, *_LORA_DEFAULTS[len(_LORA_DEFAULTS) - missing :])
+
+
+def _needs(ctx, positions: tuple) -> list[bool]:
+    came = len(ctx.needs_input_grad)
+    return [i < came and bool(ctx.needs_input_grad[i]) for i in positions]
+
+
+def _placed(ctx, grads: list, needs: list[bool], positions: tuple) -> tuple:
+    """An op's backward result: an entry per argument that came, each gradient at its
+    argument's position."""
+    result: list = [None] * len(ctx.needs_input_grad)
+    for i, need, g in zip(positions, needs, grads, strict=True):
+        if need:
+            result[i] = g
+    return tuple(result)
 
 
 def _saving(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*(inputs[i] for i in _GRAD_ARGS), inputs[4])
+    inputs = _filled(inputs, 20)
+    ctx.save_for_backward(*(inputs[i] for i in _GRAD_ARGS), inputs[4], inputs[17])
     ctx.settings = inputs[7:11]  # activation, swiglu alpha and limit, interleaved
+    ctx.lora_scale = inputs[19]
 
 
 def _backward(transposed: bool):
     def backward(ctx, grad_out):
-        *saved, topk_ids = ctx.saved_tensors
-        needs = [bool(ctx.needs_input_grad[i]) for i in _GRAD_ARGS]
+        x, w13, w2, weights, b13, b2, *lora, topk_ids, adapter_ids = ctx.saved_tensors
+        needs = _needs(ctx, _GRAD_ARGS)
         grads = torch.ops.moerunner.fused_experts_backward(
             grad_out.contiguous(),
-            *saved[:4],
-            topk_ids,
-            *saved[4:],
+            *(x, w13, w2, weights, topk_ids, b13, b2),
             *ctx.settings,
             transposed,
             needs,
+            *(*lora[:4], adapter_ids, lora[4], ctx.lora_scale),
         )
-        result: list = [None] * 13
-        for i, need, g in zip(_GRAD_ARGS, needs, grads, strict=True):
-            result[i] = g if need else None
-        return tuple(result)
+        return _placed(ctx, grads, needs, _GRAD_ARGS)
 
     return backward
 
 
 fused_experts.register_autograd(_backward(False), setup_context=_saving)
 fused_experts_transposed.register_autograd(_backward(True), setup_context=_saving)
-
-#: Argument positions of ``fused_experts_quantized`` that can take a gradient: hidden states,
-#: topk weights, w13 bias, w2 bias (the quantized weights are frozen).
-_QUANTIZED_GRAD_ARGS = (0, 7, 9, 10)
 
 
 @torch.library.custom_op("moerunner::fused_experts_quantized_backward", mutates_args=())
@@ -530,55 +584,82 @@ def fused_experts_quantized_backward(
     swiglu_limit: float | None,
     gate_up_interleaved: bool,
     needs: list[bool],
+    lora_w13_a: torch.Tensor | None = None,
+    lora_w13_b: torch.Tensor | None = None,
+    lora_w2_a: torch.Tensor | None = None,
+    lora_w2_b: torch.Tensor | None = None,
+    lora_adapter_ids: torch.Tensor | None = None,
+    lora_scaling: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Gradients of ``fused_experts_quantized`` for the arguments at ``_QUANTIZED_GRAD_ARGS``
     whose entry in ``needs`` is set (an empty tensor for the others), as
     ``fused_experts_backward``: recomputed on ``fused_moe``'s differentiable path, where the
     frozen quantized experts pass the gradient on."""
-    inputs = (hidden_states, topk_weights, w13_bias, w2_bias)
-    wanted = [i for i, t in enumerate(inputs) if needs[i] and t is not None]
+    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
+    inputs = (hidden_states, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
     q13 = quantized_weight(w13_scheme, w13_shape, w13)
     q2 = quantized_weight(w2_scheme, w2_shape, w2)
-    settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, "torch", False)
 
-    def experts(*differentiated):
-        args = list(inputs)
-        for i, t in zip(wanted, differentiated, strict=True):
-            args[i] = t
-        x, weights, b13, b2 = args
-        bits = (*settings, "torch", False)
-        return _op_body(x, q13, q2, weights, topk_ids, b13, b2, *bits, grad=True)
+    def experts(x, weights, b13, b2, *lora):
+        lora = (*lora[:4], lora_adapter_ids, lora[4], lora_scale)
+        return _op_body(x, q13, q2, weights, topk_ids, b13, b2, *settings, lora, grad=True)
 
-    got = dict(zip(wanted, _vjp(experts, [inputs[i] for i in wanted], grad_out), strict=True))
-    return [got[i] if i in got else grad_out.new_empty(0) for i in range(len(inputs))]
+    return _differentiated(experts, inputs, needs, grad_out)
 
 
 @fused_experts_quantized_backward.register_fake
-def _fused_experts_quantized_backward_fake(grad_out, hidden_states, *args):
-    topk_weights, w13_bias, w2_bias, needs = args[6], args[8], args[9], args[-1]
-    inputs = (hidden_states, topk_weights, w13_bias, w2_bias)
-    return [
-        torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
-        for t, need in zip(inputs, needs, strict=True)
-    ]
+def _fused_experts_quantized_backward_fake(
+    grad_out,
+    hidden_states,
+    w13,
+    w2,
+    w13_scheme,
+    w13_shape,
+    w2_scheme,
+    w2_shape,
+    topk_weights,
+    topk_ids,
+    w13_bias,
+    w2_bias,
+    activation,
+    swiglu_alpha,
+    swiglu_limit,
+    gate_up_interleaved,
+    needs,
+    lora_w13_a=None,
+    lora_w13_b=None,
+    lora_w2_a=None,
+    lora_w2_b=None,
+    lora_adapter_ids=None,
+    lora_scaling=None,
+    lora_scale=1.0,
+):
+    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
+    inputs = (hidden_states, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
+    return _fake_grads(inputs, needs, grad_out)
 
 
 def _saving_quantized(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[0], inputs[7], inputs[8], inputs[9], inputs[10])
+    inputs = _filled(inputs, 24)
+    ctx.save_for_backward(*(inputs[i] for i in _QUANTIZED_GRAD_ARGS), inputs[8], inputs[21])
     ctx.weights = inputs[1:7]  # the two weights' tensors, schemes and shapes
     ctx.settings = inputs[11:15]  # activation, swiglu alpha and limit, interleaved
+    ctx.lora_scale = inputs[23]
 
 
 def _backward_quantized(ctx, grad_out):
-    x, weights, ids, b13, b2 = ctx.saved_tensors
-    needs = [bool(ctx.needs_input_grad[i]) for i in _QUANTIZED_GRAD_ARGS]
+    x, weights, b13, b2, *lora, ids, adapter_ids = ctx.saved_tensors
+    needs = _needs(ctx, _QUANTIZED_GRAD_ARGS)
     grads = torch.ops.moerunner.fused_experts_quantized_backward(
-        grad_out.contiguous(), x, *ctx.weights, weights, ids, b13, b2, *ctx.settings, needs
+        grad_out.contiguous(),
+        *(x, *ctx.weights, weights, ids, b13, b2),
+        *ctx.settings,
+        needs,
+        *(*lora[:4], adapter_ids, lora[4], ctx.lora_scale),
     )
-    result: list = [None] * 17
-    for i, need, g in zip(_QUANTIZED_GRAD_ARGS, needs, grads, strict=True):
-        result[i] = g if need else None
-    return tuple(result)
+    return _placed(ctx, grads, needs, _QUANTIZED_GRAD_ARGS)
 
 
 fused_experts_quantized.register_autograd(_backward_quantized, setup_context=_saving_quantized)

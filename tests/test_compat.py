@@ -948,7 +948,9 @@ def test_router_weight_on_input_with_a_static_activation_scale_is_refused():
 
 def test_sglang_routing_checks_tokens_and_takes_its_fields_by_keyword():
     x, logits, _, _ = _problem(4)
-    with pytest.raises(MoeInputError, match=r"router_logits has T=6 rows but hidden_states has shape \[3, "):
+    with pytest.raises(
+        MoeInputError, match=r"router_logits has T=6 rows but hidden_states has shape \[3, "
+    ):
         sglang.select_experts(x[:3], logits, sglang.TopKConfig(top_k=2))
     with pytest.raises(TypeError):  # SGLang's field order differs: no positional fields
         sglang.TopKConfig(2, True)

@@ -384,3 +384,108 @@ def test_routing_and_swiglu_arguments_trace_with_dynamic_shapes_and_changing_flo
                     compiled(x, logits, alpha, scale), moe(x, logits, alpha, scale),
                     rtol=1e-5, atol=1e-6,
                 )  # fmt: skip
+
+
+def _lora_case(L=2, r=4, scaling="tensor", quantized=None):
+    from moerunner.lora import MoeLoraWeights
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I = 4, 32, 16
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    if quantized is not None:
+        w13, w2 = quantize(w13, quantized), quantize(w2, quantized)
+    shapes = ((L, E, r, H), (L, E, 2 * I, r), (L, E, r, I), (L, E, H, r))
+    factors = [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
+    scale = torch.tensor([0.5, 2.0]).requires_grad_() if scaling == "tensor" else 0.75
+    return w13, w2, MoeLoraWeights(*factors, scaling=scale), g
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "number"])
+@pytest.mark.parametrize("quantized", [None, "int8"])
+def test_lora_hooks_compile_fullgraph_and_train_as_eager(scaling, quantized):
+    """``fused_moe`` with the hooks of ``lora_hooks`` traces as the custom op with the LoRA
+    arguments (one graph, fullgraph): output and the gradients of the factors, a scaling
+    tensor and the hidden states as an eager call's, over plain and quantized experts
+    (QLoRA: frozen)."""
+    from moerunner.lora import lora_hooks
+
+    torch._dynamo.reset()
+    w13, w2, lora, g = _lora_case(scaling=scaling, quantized=quantized)
+    trained = [lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b]
+    if scaling == "tensor":
+        trained.append(lora.scaling)
+    x = torch.randn(7, 32, generator=g).requires_grad_()
+    logits = torch.randn(7, 4, generator=g)
+    adapters = torch.tensor([0, 1, -1, 0, 1, 1, -1])
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def moe(x, logits, adapters):
+        topk = moerunner.select_experts(logits, 2)
+        hooks = lora_hooks(lora, adapters)
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, hooks=hooks)
+
+    results = []
+    for fn in (torch.compile(moe, fullgraph=True, backend=counting), moe):
+        out = fn(x, logits, adapters)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad.clone(), *(t.grad.clone() for t in trained)))
+        for t in (x, *trained):
+            t.grad = None
+    assert len(graphs) == 1
+    for compiled, eager in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # serving: no backward, the chosen backend's forward
+        no_grad = torch.compile(moe, fullgraph=True)(x, logits, adapters)
+    torch.testing.assert_close(no_grad, results[1][0], rtol=1e-5, atol=1e-5)
+
+
+def test_lora_hooks_compile_with_an_empty_batch_and_without_adapters():
+    """T = 0 and every adapter id -1 through the traced LoRA call: the base experts' output,
+    zero factor gradients."""
+    from moerunner.lora import lora_hooks
+
+    torch._dynamo.reset()
+    w13, w2, lora, g = _lora_case()
+
+    def moe(x, logits, adapters):
+        topk = moerunner.select_experts(logits, 2)
+        return moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, hooks=lora_hooks(lora, adapters)
+        )
+
+    compiled = torch.compile(moe, fullgraph=True)
+    for tokens in (0, 3):
+        x, logits = torch.randn(tokens, 32, generator=g), torch.randn(tokens, 4, generator=g)
+        out = compiled(x, logits, torch.full((tokens,), -1))
+        topk = moerunner.select_experts(logits, 2)
+        with torch.no_grad():
+            base = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids)
+        torch.testing.assert_close(out, base, rtol=1e-5, atol=1e-5)
+        out.sum().backward()
+        assert all(not t.grad.any() for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b))
+
+
+def test_other_hooks_run_eagerly_in_a_compiled_function():
+    """Hooks that are not ``lora_hooks``' (a plain function here) are not the op's: compiled,
+    they run eagerly (a graph break) with an eager call's output; under fullgraph the error
+    says that such hooks run eagerly."""
+    from moerunner.hooks import MoeHooks
+
+    torch._dynamo.reset()
+    w13, w2, _, g = _lora_case()
+    hooks = MoeHooks(gate_up=lambda out, x, rows: out.mul_(2.0))
+    x, logits = torch.randn(5, 32, generator=g), torch.randn(5, 4, generator=g)
+
+    def moe(x, logits):
+        topk = moerunner.select_experts(logits, 2)
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, hooks=hooks)
+
+    torch.testing.assert_close(torch.compile(moe)(x, logits), moe(x, logits), rtol=0, atol=0)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="runs eagerly") as caught:
+        torch.compile(moe, fullgraph=True)(x, logits)
+    assert "hooks other than those of lora_hooks" in str(caught.value)

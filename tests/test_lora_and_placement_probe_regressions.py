@@ -116,7 +116,7 @@ def test_a_scaling_tensor_on_a_device_the_factors_cannot_read_is_named():
 def test_standard_map_puts_shared_experts_on_rank_zero_only():
     """``StandardDispatcher(placement.expert_map(rank))``, as the docs showed, computed the
     shared experts on every rank, and the combine added them once per rank (0.91 relative
-    error at W = 2). The world (two ranks) is simulated: each rank's output, summed, is the all-reduce."""
+    error at W = 2). Two ranks are simulated: their outputs, summed, are the all-reduce."""
     num_shared, world = 1, 2
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=g)

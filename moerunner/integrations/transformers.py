@@ -26,7 +26,7 @@ import torch
 from ..api import run_experts
 from ..config import ACTIVATIONS
 from ..errors import MoeInputError
-from ..lora import MoeLoraWeights, lora_hooks
+from ..lora import MoeLoraWeights, lora_hooks, op_arguments
 from ..ops import call_fused_experts
 from ..runner import MoeRunner, default_registry
 from ..shared import SharedExperts
@@ -40,7 +40,6 @@ from ._hf_experts import (
     experts_modules,
     float_weights,
     held_weights,
-    layer_name,
     no_experts_error,
     quantized_weights,
     shared_mlp_matches,
@@ -96,12 +95,7 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
         config = getattr(self, "config", None)
         lora = self.__dict__.get(LORA_ATTR)
         if torch.compiler.is_compiling():
-            if lora is not None:
-                raise MoeInputError(
-                    f"experts layer {layer_name(self)} carries LoRA adapters, which run eagerly "
-                    "only; detach them (attach_lora(model, None)) to compile the model"
-                )
-            return _traced_experts(self, hidden_states, ids, weights, backend, fallback)
+            return _traced_experts(self, hidden_states, ids, weights, backend, fallback, lora)
         try:
             expert_w, activation = expert_weights(self, _relayout.auto_relayout)
         except UnsupportedExpertsError:
@@ -166,10 +160,12 @@ def _runner(backend: str) -> MoeRunner:
     return runner
 
 
-def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback: str):
+def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback: str, lora):
     """The experts call while ``torch.compile`` traces: the weights enter the graph as the
     module's own tensors and run in one moerunner custom op; layout conversion and the
-    backend's weight preparation happen inside the op, once (no graph break)."""
+    backend's weight preparation happen inside the op, once (no graph break). ``lora``: the
+    layer's adapters (``_LoraBinding``) or None; their factors and the batch's adapter ids
+    enter the op as its LoRA arguments."""
     config = getattr(module, "config", None)
     layout = traced_layout(module)
     if len(layout) == 1:  # moerunner cannot run this layer
@@ -198,27 +194,18 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     ids = ids.reshape(x.shape[0], -1)
     if getattr(module, "_is_expert_parallel", False):
         ids = torch.where(ids >= num_experts, -1, ids)
-    grads = (x, weights, b13, b2)
-    if (
-        quantized is not None
-        and torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in grads)
-    ):
-        raise MoeInputError(
-            f"experts layer {layer_name(module)} holds quantized weights, which have no "
-            "backward: run it under torch.no_grad() or torch.inference_mode(), or train float "
-            "experts"
-        )
+    lora_args = () if lora is None else op_arguments(lora.hooks(x))
     # The module's own tensors (not aliases made per call): the runner's prepared weights
-    # are memoised on them, and with grad mode on the ops' backward gives them gradients.
+    # are memoised on them, and with grad mode on the ops' backward gives them gradients
+    # (quantized experts are frozen: theirs passes the gradient on).
     args = (ids, b13, b2, act, alpha, limit, interleaved, chosen, False)
     if quantized is None and transposed:
         out = torch.ops.moerunner.fused_experts_transposed(
-            x, w13, w2, weights.reshape(ids.shape), *args
+            x, w13, w2, weights.reshape(ids.shape), *args, *lora_args
         )
     else:
         topk_weights = weights.reshape(ids.shape)
-        out = call_fused_experts(x, w13, w2, topk_weights, *args)
+        out = call_fused_experts(x, w13, w2, topk_weights, *args, lora_args)
     return out.reshape(hidden_states.shape)
 
 

@@ -310,3 +310,111 @@ def test_new_adapters_train_and_save_as_peft_adapters_that_load_back(family, tmp
     with torch.no_grad():
         assert_close(model(ids).logits, trained, FP32_MAX_REL, what="reloaded adapter")
         assert (trained - base.double()).abs().max() > 1e-3  # the adapter moved the logits
+
+
+def _adapted(family, scheme=None, train=False):
+    """A tiny model with two adapters on every experts layer (``new_lora_set``, B given
+    random values so they change the logits), on the torch backend; quantized experts
+    under ``scheme``; factors trainable with ``train`` (the base frozen)."""
+    from moerunner.lora_checkpoints import new_lora_set
+
+    model = build(family)
+    lora = new_lora_set(model, r=4, lora_alpha=8, num_adapters=2)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for w in lora.layers.values():
+            for b in (w.w13_b, w.w2_b):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+    mt.use_moerunner(model, backend="torch", lora=lora)
+    if scheme is not None:
+        mt.quantize_experts(model, scheme)
+    model.requires_grad_(False)
+    factors = [t.requires_grad_(train) for w in lora.layers.values() for t in _factors(w)]
+    return model, factors
+
+
+class _OpCounter:
+    """A compile backend that counts the moerunner experts ops of each graph, then runs it
+    with aot_eager."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __deepcopy__(self, memo):  # transformers deep-copies its compile config
+        return self
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.calls.append(
+            sum(
+                node.op == "call_function" and str(node.target).startswith("moerunner.")
+                for node in gm.graph.nodes
+            )
+        )
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+@pytest.mark.parametrize(
+    ("family", "scheme"), [("qwen3_moe", None), ("gpt_oss", None), ("qwen3_moe", "fp8_channel")]
+)
+def test_adapters_compile_fullgraph_and_decode_under_a_compiled_static_cache_step(family, scheme):
+    """A compiled experts call with adapters attached raised ("run eagerly only"). The
+    adapters now enter the experts' custom op: a fullgraph forward has one op per layer and
+    the eager logits (which the adapters move), and a static-cache generate whose decode
+    step transformers compiles gives the eager greedy ids (GPT-OSS: its transposed experts;
+    fp8_channel: quantized ones)."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model, _ = _adapted(family, scheme)
+    layers = len(list(mt.experts_modules(model)))
+    ids = torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(2))
+    mt.set_adapter_ids(model, ADAPTERS)
+    counter = _OpCounter()
+    with torch.no_grad():
+        eager = model(ids).logits
+        compiled = torch.compile(model.forward, fullgraph=True, backend=counter)(ids).logits
+        assert counter.calls == [layers]
+        assert_close(compiled, eager.double(), FP32_MAX_REL, what="compiled logits")
+        mt.set_adapter_ids(model, None)
+        base = model(ids).logits
+        assert (base - eager)[ADAPTERS >= 0].abs().max() > 1e-3 * eager.abs().max()
+        assert_close(eager[1], base[1].double(), FP32_MAX_REL, what="the row without adapter")
+        mt.set_adapter_ids(model, ADAPTERS)
+        counter = _OpCounter()
+        config = CompileConfig(fullgraph=True, mode="default", backend=counter)
+        config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+        kwargs = dict(
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+        )
+        want = model.generate(ids, disable_compile=True, **kwargs)
+        got = model.generate(ids, compile_config=config, **kwargs)
+    assert counter.calls and all(c == layers for c in counter.calls), counter.calls
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("family", "scheme"), [("qwen3_moe", None), ("gpt_oss", None), ("qwen3_moe", "int8")]
+)
+def test_adapters_train_in_a_compiled_fullgraph_step_as_eagerly(family, scheme):
+    """Training adapters with a compiled forward (the base frozen, plain or quantized
+    experts: QLoRA): every factor's gradient equals the eager step's (fp32, summation order
+    only)."""
+    torch._dynamo.reset()
+    model, factors = _adapted(family, scheme, train=True)
+    mt.set_adapter_ids(model, torch.tensor([0, 1]))
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for forward in (torch.compile(model.forward, fullgraph=True, backend="aot_eager"), model):
+        for t in factors:
+            t.grad = None
+        forward(ids).logits.square().mean().backward()
+        grads.append([t.grad.clone() for t in factors])
+    assert all(g.abs().max() > 0 for g in grads[1])
+    for i, (got, want) in enumerate(zip(*grads, strict=True)):
+        assert_close(got, want.double(), FP32_MAX_REL, what=f"factor {i}")
