@@ -489,3 +489,51 @@ def test_other_hooks_run_eagerly_in_a_compiled_function():
     with pytest.raises(Exception, match="runs eagerly") as caught:
         torch.compile(moe, fullgraph=True)(x, logits)
     assert "hooks other than those of lora_hooks" in str(caught.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_lora_hooks_compile_on_cuda_with_the_triton_forward(mode):
+    """On CUDA in bf16 the traced LoRA call's forward runs the triton backend's LoRA kernels
+    (``backend="auto"``), under inductor's CUDA graphs too (``reduce-overhead``: replayed
+    with new values in the same buffers); against the float64 merged-weights reference of
+    the CPU tests (bf16 bound), every step. Without grad (serving)."""
+    from moerunner.lora import MoeLoraWeights, lora_hooks
+    from moerunner.testing import DTYPE_BOUND
+
+    torch._dynamo.reset()
+    w13, w2, lora, g = _lora_case()
+    dev, bf16 = "cuda", torch.bfloat16
+    w13, w2 = w13.to(dev, bf16), w2.to(dev, bf16)
+    factors = [t.detach().to(dev, bf16) for t in (lora.w13_a, lora.w13_b, lora.w2_a, lora.w2_b)]
+    scaling = lora.scaling.detach().to(dev)
+    lora = MoeLoraWeights(*factors, scaling)
+
+    def moe(x, logits, adapters):
+        topk = moerunner.select_experts(logits, 2)
+        return moerunner.fused_moe(
+            x, w13, w2, topk.weights, topk.ids, hooks=lora_hooks(lora, adapters)
+        )
+
+    compiled = torch.compile(moe, fullgraph=True, mode=mode)
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(6, 32, generator=g).to(dev, bf16)
+            logits = torch.randn(6, 4, generator=g).to(dev)
+            adapters = torch.tensor([0, 1, -1, 1, 0, step % 2 - 1], device=dev)
+            out = compiled(x, logits, adapters).double()
+            topk = moerunner.select_experts(logits, 2)
+            want = torch.zeros(6, 32, dtype=torch.float64, device=dev)
+            for a in (-1, 0, 1):
+                rows = adapters == a
+                d13 = d2 = 0.0
+                if a >= 0:
+                    s = float(scaling[a])
+                    d13 = s * factors[1][a].double() @ factors[0][a].double()
+                    d2 = s * factors[3][a].double() @ factors[2][a].double()
+                merged = (w13.double() + d13, w2.double() + d2)
+                ref = moerunner.reference_moe(
+                    x.double(), ExpertWeights(*merged), topk.weights, topk.ids, "silu"
+                )
+                want[rows] = ref[rows]
+            assert_close(out, want, 4 * DTYPE_BOUND[bf16], what=f"{mode} step {step}")
