@@ -535,5 +535,5 @@ def test_lora_hooks_compile_on_cuda_with_the_triton_forward(mode):
                 ref = moerunner.reference_moe(
                     x.double(), ExpertWeights(*merged), topk.weights, topk.ids, "silu"
                 )
-                want[rows] = ref[rows]
+                want[rows] = ref.to(dev)[rows]
             assert_close(out, want, 4 * DTYPE_BOUND[bf16], what=f"{mode} step {step}")
