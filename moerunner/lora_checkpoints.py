@@ -234,7 +234,11 @@ def _read_all(adapters, shape: MoeModelShape, other_modules: str, dtype) -> list
         raise MoeInputError(f"other_modules: got {other_modules!r}; accepted: {OTHER_MODULES}")
     if isinstance(adapters, (str, os.PathLike)):
         adapters = [adapters]
-    if not isinstance(adapters, Sequence) or not adapters:
+    if (
+        isinstance(adapters, (bytes, bytearray))
+        or not isinstance(adapters, Sequence)
+        or not adapters
+    ):
         raise TypeError(
             f"adapters must be a folder or a non-empty sequence of folders, got {adapters!r}"
         )
@@ -395,8 +399,8 @@ def _finite_number(value) -> str | None:
 
 
 def _check_config(cfg: dict, where: str) -> None:
-    peft_type = str(cfg.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
+    peft_type = cfg.get("peft_type", "LORA")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise MoeInputError(f"{where}: peft_type {peft_type!r}; only LORA adapters are read")
     if not isinstance(cfg.get("r"), int) or isinstance(cfg.get("r"), bool) or cfg["r"] <= 0:
         raise MoeInputError(f"{where}: r must be a positive int, got {cfg.get('r')!r}")

@@ -218,3 +218,20 @@ def test_sglang_routing_names_one_dimensional_router_logits():
     """1-D logits were reported as a token-count mismatch ('router_logits 8 rows')."""
     with pytest.raises(MoeInputError, match=r"router_logits must be a 2-D floating tensor"):
         sglang.select_experts(torch.randn(5, 16), torch.randn(8), sglang.TopKConfig(top_k=2))
+
+
+def test_adapter_paths_given_as_bytes_and_a_null_peft_type_are_named(tmp_path):
+    """A bytes path was iterated as a sequence ("adapters[0] ... got 47"); ``"peft_type":
+    null`` was reported as 'NONE', a value the file does not hold."""
+    from moerunner.lora_checkpoints import MoeModelShape, load_peft_adapters
+
+    shape = MoeModelShape(num_experts=2, hidden_size=8, intermediate_size=4)
+    with pytest.raises(TypeError, match=r"adapters must be a folder .* got b'/tmp/x'"):
+        load_peft_adapters(b"/tmp/x", shape, layer=0)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    config = {"peft_type": None, "r": 2, "lora_alpha": 4, "target_modules": ["gate_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(MoeInputError, match="peft_type None; only LORA adapters are read"):
+        load_peft_adapters(str(folder), shape, layer=0)

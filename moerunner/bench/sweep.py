@@ -569,8 +569,9 @@ class Sweep:
         timing: Timing,
         note: str,
     ) -> None:
-        """Fill the row from its timing: bytes, flops and the roofline of the cases."""
-        row.note = "; ".join(n for n in (note, timing.note) if n)
+        """Fill the row from its timing: bytes, flops and the roofline of the cases (the
+        note joins what the check wrote, e.g. a T = 0 row's reason)."""
+        row.note = "; ".join(n for n in (row.note, note, timing.note) if n)
         row.timing, row.samples = timing.mode, timing.samples
         hit = [len(torch.unique(cs.topk.ids[cs.topk.ids >= 0])) for cs in cases]
         slots = [int((cs.topk.ids >= 0).sum()) for cs in cases]
