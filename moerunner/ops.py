@@ -474,7 +474,11 @@ def _fused_experts_backward_fake(
 
 def _differentiated(fn, inputs: tuple, needs: list[bool], grad_out: torch.Tensor) -> list:
     """The gradients of ``fn(*inputs)`` against ``grad_out`` for the inputs whose entry in
-    ``needs`` is set (an empty tensor for the others and for inputs that are None)."""
+    ``needs`` is set (an empty tensor for the others and for inputs that are None). A
+    shorter ``needs`` leaves the last inputs out: a backward graph that an earlier version
+    compiled and PyTorch's compile caches kept (their keys do not cover the op's code) calls
+    the op as it was, without the LoRA entries, and reads only the gradients it knew."""
+    needs = [*needs, *[False] * (len(inputs) - len(needs))]
     wanted = [i for i, t in enumerate(inputs) if needs[i] and t is not None]
 
     def call(*differentiated):
@@ -488,6 +492,7 @@ def _differentiated(fn, inputs: tuple, needs: list[bool], grad_out: torch.Tensor
 
 
 def _fake_grads(inputs: tuple, needs: list[bool], grad_out: torch.Tensor) -> list:
+    needs = [*needs, *[False] * (len(inputs) - len(needs))]  # (as ``_differentiated``)
     return [
         torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
         for t, need in zip(inputs, needs, strict=True)

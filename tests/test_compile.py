@@ -537,3 +537,24 @@ def test_lora_hooks_compile_on_cuda_with_the_triton_forward(mode):
                 )
                 want[rows] = ref.to(dev)[rows]
             assert_close(out, want, 4 * DTYPE_BOUND[bf16], what=f"{mode} step {step}")
+
+
+def test_backward_op_takes_the_needs_of_a_graph_compiled_before_lora():
+    """PyTorch's compile caches keep backward graphs across library versions (their keys do
+    not cover the op's code): one compiled before the ops took LoRA calls the backward op
+    with six ``needs`` and no LoRA arguments; it gets those six gradients, not an
+    IndexError (which the caches produced once here)."""
+    x = torch.randn(4, 16, requires_grad=True)
+    w13, w2 = torch.randn(3, 16, 16), torch.randn(3, 16, 8)
+    topk = moerunner.select_experts(torch.randn(4, 3), 2)
+    grad_out = torch.randn(4, 16)
+    old = [True, False, False, True, False, False]
+    grads = torch.ops.moerunner.fused_experts_backward(
+        grad_out, x, w13, w2, topk.weights, topk.ids, None, None, "silu", None, None, False,
+        False, old,
+    )  # fmt: skip
+    out = moerunner.fused_moe(x, w13, w2, topk.weights.requires_grad_(), topk.ids)
+    want_x, want_w = torch.autograd.grad(out, (x, topk.weights), grad_out)
+    torch.testing.assert_close(grads[0], want_x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[3], want_w, rtol=1e-5, atol=1e-5)
+    assert all(g.numel() == 0 for i, g in enumerate(grads) if i not in (0, 3))
