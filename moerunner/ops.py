@@ -19,6 +19,8 @@ training step differentiates through them.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .api import fused_moe
@@ -394,6 +396,12 @@ def _fused_experts_transposed_fake(hidden_states, *args, **kwargs):
 # routing weights and the biases. Both give the LoRA factors and a LoRA scaling tensor
 # theirs the same way.
 
+#: The arguments of the backward ops that the gradients are for, by name, in the order of
+#: their results (the LoRA factors and scaling tensor last in both).
+_LORA_GRADS = ("lora_w13_a", "lora_w13_b", "lora_w2_a", "lora_w2_b", "lora_scaling")
+_PLAIN_GRADS = ("hidden_states", "w13", "w2", "topk_weights", "w13_bias", "w2_bias", *_LORA_GRADS)
+_QUANTIZED_GRADS = ("hidden_states", "topk_weights", "w13_bias", "w2_bias", *_LORA_GRADS)
+
 #: Argument positions of the plain ops that can take a gradient: hidden states, w13, w2,
 #: topk weights, w13 bias, w2 bias, the four LoRA factors and the LoRA scaling tensor.
 _GRAD_ARGS = (0, 1, 2, 3, 5, 6, 13, 14, 15, 16, 18)
@@ -402,8 +410,7 @@ _GRAD_ARGS = (0, 1, 2, 3, 5, 6, 13, 14, 15, 16, 18)
 _QUANTIZED_GRAD_ARGS = (0, 7, 9, 10, 17, 18, 19, 20, 22)
 
 
-@torch.library.custom_op("moerunner::fused_experts_backward", mutates_args=())
-def fused_experts_backward(
+def _fused_experts_backward(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -430,8 +437,7 @@ def fused_experts_backward(
     arguments at ``_GRAD_ARGS`` whose entry in ``needs`` is set (an empty tensor for the
     others): the experts recomputed on ``fused_moe``'s differentiable path and differentiated
     against ``grad_out``."""
-    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
-    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
+    inputs = _named(locals(), _PLAIN_GRADS)
     settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, "torch", False)
 
     def experts(x, a, b, weights, b13, b2, *lora):
@@ -443,33 +449,12 @@ def fused_experts_backward(
     return _differentiated(experts, inputs, needs, grad_out)
 
 
-@fused_experts_backward.register_fake
-def _fused_experts_backward_fake(
-    grad_out,
-    hidden_states,
-    w13,
-    w2,
-    topk_weights,
-    topk_ids,
-    w13_bias,
-    w2_bias,
-    activation,
-    swiglu_alpha,
-    swiglu_limit,
-    gate_up_interleaved,
-    transposed,
-    needs,
-    lora_w13_a=None,
-    lora_w13_b=None,
-    lora_w2_a=None,
-    lora_w2_b=None,
-    lora_adapter_ids=None,
-    lora_scaling=None,
-    lora_scale=1.0,
-):
-    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
-    inputs = (hidden_states, w13, w2, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
-    return _fake_grads(inputs, needs, grad_out)
+fused_experts_backward = torch.library.custom_op(
+    "moerunner::fused_experts_backward", mutates_args=()
+)(_fused_experts_backward)
+fused_experts_backward.register_fake(
+    lambda *a, **k: _fake_grads(_fused_experts_backward, _PLAIN_GRADS, a, k)
+)
 
 
 def _differentiated(fn, inputs: tuple, needs: list[bool], grad_out: torch.Tensor) -> list:
@@ -491,7 +476,17 @@ def _differentiated(fn, inputs: tuple, needs: list[bool], grad_out: torch.Tensor
     return [got[i] if i in got else grad_out.new_empty(0) for i in range(len(inputs))]
 
 
-def _fake_grads(inputs: tuple, needs: list[bool], grad_out: torch.Tensor) -> list:
+def _named(arguments: dict, names: tuple) -> tuple:
+    return tuple(arguments[n] for n in names)
+
+
+def _fake_grads(impl, names: tuple, args: tuple, kwargs: dict) -> list:
+    """A backward op's fake: the shapes of ``impl``'s results, from its arguments bound by
+    name (``names``: those the gradients are for)."""
+    bound = inspect.signature(impl).bind(*args, **kwargs)
+    bound.apply_defaults()
+    inputs, grad_out = _named(bound.arguments, names), bound.arguments["grad_out"]
+    needs = bound.arguments["needs"]
     needs = [*needs, *[False] * (len(inputs) - len(needs))]  # (as ``_differentiated``)
     return [
         torch.empty_like(t) if need and t is not None else grad_out.new_empty(0)
@@ -570,8 +565,7 @@ fused_experts.register_autograd(_backward(False), setup_context=_saving)
 fused_experts_transposed.register_autograd(_backward(True), setup_context=_saving)
 
 
-@torch.library.custom_op("moerunner::fused_experts_quantized_backward", mutates_args=())
-def fused_experts_quantized_backward(
+def _fused_experts_quantized_backward(
     grad_out: torch.Tensor,
     hidden_states: torch.Tensor,
     w13: list[torch.Tensor | None],
@@ -601,8 +595,7 @@ def fused_experts_quantized_backward(
     whose entry in ``needs`` is set (an empty tensor for the others), as
     ``fused_experts_backward``: recomputed on ``fused_moe``'s differentiable path, where the
     frozen quantized experts pass the gradient on."""
-    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
-    inputs = (hidden_states, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
+    inputs = _named(locals(), _QUANTIZED_GRADS)
     q13 = quantized_weight(w13_scheme, w13_shape, w13)
     q2 = quantized_weight(w2_scheme, w2_shape, w2)
     settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, "torch", False)
@@ -614,36 +607,12 @@ def fused_experts_quantized_backward(
     return _differentiated(experts, inputs, needs, grad_out)
 
 
-@fused_experts_quantized_backward.register_fake
-def _fused_experts_quantized_backward_fake(
-    grad_out,
-    hidden_states,
-    w13,
-    w2,
-    w13_scheme,
-    w13_shape,
-    w2_scheme,
-    w2_shape,
-    topk_weights,
-    topk_ids,
-    w13_bias,
-    w2_bias,
-    activation,
-    swiglu_alpha,
-    swiglu_limit,
-    gate_up_interleaved,
-    needs,
-    lora_w13_a=None,
-    lora_w13_b=None,
-    lora_w2_a=None,
-    lora_w2_b=None,
-    lora_adapter_ids=None,
-    lora_scaling=None,
-    lora_scale=1.0,
-):
-    factors = (lora_w13_a, lora_w13_b, lora_w2_a, lora_w2_b)
-    inputs = (hidden_states, topk_weights, w13_bias, w2_bias, *factors, lora_scaling)
-    return _fake_grads(inputs, needs, grad_out)
+fused_experts_quantized_backward = torch.library.custom_op(
+    "moerunner::fused_experts_quantized_backward", mutates_args=()
+)(_fused_experts_quantized_backward)
+fused_experts_quantized_backward.register_fake(
+    lambda *a, **k: _fake_grads(_fused_experts_quantized_backward, _QUANTIZED_GRADS, a, k)
+)
 
 
 def _saving_quantized(ctx, inputs, output) -> None:

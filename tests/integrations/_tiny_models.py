@@ -42,3 +42,35 @@ def build(
             if "e_score_correction_bias" in name:
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
     return model.to(dtype).eval()
+
+
+MOERUNNER_OPS = [
+    ["moerunner", name]
+    for name in ("fused_experts", "fused_experts_quantized", "fused_experts_transposed")
+]
+
+
+class Recorder:
+    """A compile backend that keeps the graphs it is given, then runs them with aot_eager."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __deepcopy__(self, memo):  # transformers deep-copies its compile config
+        return self
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def moerunner_calls(self) -> list[int]:
+        """Per graph compiled: how many moerunner experts ops it calls."""
+        return [
+            sum(
+                node.op == "call_function" and str(node.target).split(".")[:2] in MOERUNNER_OPS
+                for node in gm.graph.nodes
+            )
+            for gm in self.graphs
+        ]

@@ -14,43 +14,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from torch._dynamo.backends.registry import lookup_backend  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
 
 import moerunner.integrations.transformers as mt  # noqa: E402
 from moerunner.testing import assert_close  # noqa: E402
 
-from ._tiny_models import build  # noqa: E402
+from ._tiny_models import Recorder, build  # noqa: E402
 
 NEW_TOKENS = 6
-MOERUNNER_OPS = [
-    ["moerunner", name]
-    for name in ("fused_experts", "fused_experts_quantized", "fused_experts_transposed")
-]
-
-
-class _Recorder:
-    """A compile backend that keeps the graphs it is given, then runs them with aot_eager."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __deepcopy__(self, memo):  # transformers deep-copies its compile config
-        return self
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    def moerunner_calls(self) -> list[int]:
-        """Per graph compiled: how many moerunner experts ops it calls."""
-        return [
-            sum(
-                node.op == "call_function" and str(node.target).split(".")[:2] in MOERUNNER_OPS
-                for node in gm.graph.nodes
-            )
-            for gm in self.graphs
-        ]
 
 
 def _ids(length: int = 6) -> torch.Tensor:
@@ -61,7 +32,7 @@ def _ids(length: int = 6) -> torch.Tensor:
 def test_model_forward_compiles_fullgraph(family):
     torch._dynamo.reset()
     model = build(family, implementation="moerunner")  # never run eagerly before tracing
-    recorder = _Recorder()
+    recorder = Recorder()
     compiled = torch.compile(model.forward, fullgraph=True, backend=recorder)
     ids = _ids()
     with torch.no_grad():
@@ -78,7 +49,7 @@ def test_model_never_run_eagerly_compiles_with_dynamic_shapes(family):
     (SpeculationLogDivergence). Traced, a layer is described without caching it."""
     torch._dynamo.reset()
     model = build(family, implementation="moerunner")
-    recorder = _Recorder()
+    recorder = Recorder()
     compiled = torch.compile(model.forward, fullgraph=True, dynamic=True, backend=recorder)
     inputs = [_ids(length) for length in (6, 9, 12, 5)]
     with torch.no_grad():
@@ -135,7 +106,7 @@ def test_static_cache_generate_with_compiled_decode_matches_eager(family, scheme
     model = build(family, implementation="moerunner")
     if scheme is not None:
         mt.quantize_experts(model, scheme)
-    recorder = _Recorder()
+    recorder = Recorder()
     config = CompileConfig(fullgraph=True, mode="default", backend=recorder)
     config._compile_all_devices = True  # transformers compiles on GPUs only unless told
     kwargs = dict(

@@ -26,7 +26,7 @@ from moerunner import MoeInputError  # noqa: E402
 from moerunner.lora_checkpoints import load_peft_adapter_set  # noqa: E402
 from moerunner.testing import assert_close  # noqa: E402
 
-from ._tiny_models import FAMILIES, build  # noqa: E402
+from ._tiny_models import FAMILIES, Recorder, build  # noqa: E402
 
 FP32_MAX_REL = 1e-5
 PREFIX = "base_model.model."
@@ -333,28 +333,6 @@ def _adapted(family, scheme=None, train=False):
     return model, factors
 
 
-class _OpCounter:
-    """A compile backend that counts the moerunner experts ops of each graph, then runs it
-    with aot_eager."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __deepcopy__(self, memo):  # transformers deep-copies its compile config
-        return self
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.calls.append(
-            sum(
-                node.op == "call_function" and str(node.target).startswith("moerunner.")
-                for node in gm.graph.nodes
-            )
-        )
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-
 @pytest.mark.parametrize(
     ("family", "scheme"), [("qwen3_moe", None), ("gpt_oss", None), ("qwen3_moe", "fp8_channel")]
 )
@@ -371,18 +349,18 @@ def test_adapters_compile_fullgraph_and_decode_under_a_compiled_static_cache_ste
     layers = len(list(mt.experts_modules(model)))
     ids = torch.randint(0, 128, (3, 6), generator=torch.Generator().manual_seed(2))
     mt.set_adapter_ids(model, ADAPTERS)
-    counter = _OpCounter()
+    counter = Recorder()
     with torch.no_grad():
         eager = model(ids).logits
         compiled = torch.compile(model.forward, fullgraph=True, backend=counter)(ids).logits
-        assert counter.calls == [layers]
+        assert counter.moerunner_calls() == [layers]
         assert_close(compiled, eager.double(), FP32_MAX_REL, what="compiled logits")
         mt.set_adapter_ids(model, None)
         base = model(ids).logits
         assert (base - eager)[ADAPTERS >= 0].abs().max() > 1e-3 * eager.abs().max()
         assert_close(eager[1], base[1].double(), FP32_MAX_REL, what="the row without adapter")
         mt.set_adapter_ids(model, ADAPTERS)
-        counter = _OpCounter()
+        counter = Recorder()
         config = CompileConfig(fullgraph=True, mode="default", backend=counter)
         config._compile_all_devices = True  # transformers compiles on GPUs only unless told
         kwargs = dict(
@@ -394,7 +372,8 @@ def test_adapters_compile_fullgraph_and_decode_under_a_compiled_static_cache_ste
         )
         want = model.generate(ids, disable_compile=True, **kwargs)
         got = model.generate(ids, compile_config=config, **kwargs)
-    assert counter.calls and all(c == layers for c in counter.calls), counter.calls
+    calls = counter.moerunner_calls()
+    assert calls and all(c == layers for c in calls), calls
     assert torch.equal(got, want)
 
 
