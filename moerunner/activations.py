@@ -92,7 +92,13 @@ def activate(
         soft_gate = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
         return soft_gate * (linear_beta * torch.tanh(up / linear_beta) if linear_beta else up)
     if act.name != "swiglu_oai":
-        return _plain(gate, act.name) * up
+        activated = _plain(gate, act.name)
+        product = activated * up
+        if h_MN.dtype == torch.float16:
+            # An fp16 GEMM output past fp16's range is inf, where the fused kernels keep a
+            # finite float32 value: act(gate) = 0 times that is 0 there, not 0 * inf = NaN.
+            product = torch.where((activated == 0) & up.isinf(), 0.0, product)
+        return product
     # swiglu_oai: clamp, then (up + beta) * gate * sigmoid(alpha * gate)
     alpha, beta, limit = (_per_row(p, experts) for p in (act.alpha, act.beta, act.limit))
     gate = gate.clamp(max=limit)  # (the clamp's gradient convention whatever limit is)

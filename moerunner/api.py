@@ -15,10 +15,10 @@ import torch
 
 from . import call_steps
 from .backends.base import MoeProblem
-from .config import Activation, ExpertSpec
+from .config import Activation, ExpertSpec, check_bool
 from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
-from .errors import MoeInputError
+from .errors import MoeInputError, refuse
 from .hooks import MoeHooks, check_hooks, in_graph_of
 from .lora import op_arguments
 from .registry import Registry
@@ -120,10 +120,9 @@ def fused_moe(
     compiled function").
     """
     act = check_activation(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
-    if not isinstance(gate_up_interleaved, bool):  # ("False" was read as True)
-        raise TypeError(
-            f"gate_up_interleaved must be a bool, got {type(gate_up_interleaved).__name__}"
-        )
+    check_bool("gate_up_interleaved", gate_up_interleaved)  # ("False" was read as True)
+    check_bool("apply_router_weight_on_input", apply_router_weight_on_input)
+    check_bool("check_ids", check_ids)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, gate_up_interleaved, w13_order)
     if torch.compiler.is_compiling():
         if registry is not None:
@@ -295,12 +294,7 @@ def _check_op_registry(registry: Registry, backend: str) -> None:
 
     note = registry_note(registry, backend, "the registry given to fused_moe")
     if note is not None:
-        _refuse(note)
-
-
-@torch.compiler.disable
-def _refuse(note: str) -> None:
-    raise MoeInputError(note)
+        refuse(note)
 
 
 # What the custom op does not take runs eagerly: a graph break (an error under fullgraph).

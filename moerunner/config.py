@@ -428,6 +428,13 @@ def check_routing_values(renormalize: object, routed_scaling_factor: object) -> 
         )
 
 
+def check_bool(name: str, value: object, where: str = "") -> None:
+    """``value`` must be a bool: a string such as "False", a number or a 0-d tensor was read
+    as a truth value."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}{name} must be a bool, got {_type_name(value)} {value!r}")
+
+
 def _type_name(value: object) -> str:
     """``bool``, or ``numpy.bool`` for a type of another module (``bool`` alone would read
     as if the value were accepted)."""
@@ -490,10 +497,8 @@ class MoeConfig:
             raise TypeError(
                 f"activation must be a name or an Activation, got {type(self.activation).__name__}"
             )
-        if not isinstance(self.gate_up_interleaved, bool):
-            raise TypeError(
-                f"gate_up_interleaved must be a bool, got {type(self.gate_up_interleaved).__name__}"
-            )
+        check_bool("bias", self.bias)
+        check_bool("gate_up_interleaved", self.gate_up_interleaved)
         if self.gate_up_interleaved and not self.activation.gated:
             raise MoeInputError("gate_up_interleaved=True needs a gated activation")
         r = self.routing

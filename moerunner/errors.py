@@ -7,9 +7,33 @@ with a message that names the argument, what was given and what is accepted. The
 
 from __future__ import annotations
 
+import torch
+
 
 class MoeInputError(ValueError):
     """An argument has the wrong shape, value or combination with other arguments."""
+
+
+def _raise(message: str) -> None:
+    raise MoeInputError(message)
+
+
+_REFUSED = (
+    "moerunner refused this call with a MoeInputError saying why: run it once without "
+    "fullgraph=True (or eagerly) to read it"
+)
+try:
+    _refuse = torch.compiler.disable(_raise, reason=_REFUSED)
+except TypeError:  # a torch without ``reason``
+    _refuse = torch.compiler.disable(_raise)
+
+
+def refuse(message: str) -> None:
+    """Raise ``MoeInputError(message)``, outside any graph torch.compile traces: without
+    fullgraph it reaches the caller as it is (raised inside the traced region, dynamo wraps it
+    in an ``Unsupported`` error that shows it only in its debug context); under fullgraph the
+    graph break's error says that moerunner refused the call and how to read why."""
+    _refuse(message)
 
 
 class BackendUnavailableError(ValueError):

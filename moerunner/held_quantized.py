@@ -187,10 +187,17 @@ class HoldsQuantized(nn.Module):
         if held:
             self._rebuild_quantized()
 
+    #: Buffers besides the quantized ones that keep their dtype under ``.to(dtype)`` /
+    #: ``.half()`` (a subclass's float32 routing data: a correction bias rounded to bf16
+    #: would route otherwise).
+    _float32_buffers: tuple[str, ...] = ()
+
     def _apply(self, fn, recurse=True):
         # Quantized buffers move with the module but keep their dtypes (``.half()`` must not
         # turn fp32 scales into fp16 or fp8 data into fp16); the schemes stay on the CPU.
-        held = {n: self._buffers.pop(n) for n in self._quantized_buffers()}
+        quantized = self._quantized_buffers()
+        kept = [n for n in self._float32_buffers if self._buffers.get(n) is not None]
+        held = {n: self._buffers.pop(n) for n in (*quantized, *kept)}
         try:
             super()._apply(fn, recurse)
         finally:
@@ -201,7 +208,7 @@ class HoldsQuantized(nn.Module):
                         moved = tensor.to(moved.device)
                     tensor = moved
                 self._buffers[name] = tensor
-        if held:
+        if quantized:
             # Moved or cast copies of checked values, or (``to_empty``) memory a load will
             # write: no value read (it would also synchronise with the device).
             self._rebuild_quantized(check_values=False)

@@ -53,7 +53,7 @@ from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement, append_shared_slots
 from .dispatched_layer import DispatchedForward
-from .errors import MoeInputError
+from .errors import MoeInputError, refuse
 from .held_quantized import HoldsQuantized
 from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
@@ -104,6 +104,8 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             own prepared weights (None: every backend the table names; 1: the one winning
             the most token-count buckets serves every T). See ``MoeRunner``.
     """
+
+    _float32_buffers = ("correction_bias",)  # (created float32 whatever ``dtype``)
 
     def __init__(
         self,
@@ -158,7 +160,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         )
         self.routes = True
         if self.correction_bias is not None:  # checked where it is set, not per forward
-            self.register_load_state_dict_post_hook(_check_loaded_correction_bias)
+            self.register_load_state_dict_pre_hook(_check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
         # (quantize_'s arguments, state of w13 / w2 when quantized) of keep_float_weights
         self._quantized_from: tuple | None = None
@@ -665,10 +667,11 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
                 shared=self._shared_params(),
             )  # fmt: skip
         if compiling or train:
+            # (raised outside the traced graph: dynamo would wrap the error)
             if self._op_registry is not None:
-                raise MoeInputError(self._op_registry)
+                refuse(self._op_registry)
             if act.extended:  # the custom op's schema carries scalar alpha and limit only
-                raise MoeInputError(
+                refuse(
                     "torch.compile of the MoE layer takes swiglu_oai with scalar alpha / limit "
                     "and beta 1 only; per-expert parameters or another beta run eagerly"
                 )
@@ -783,12 +786,15 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         return ", ".join(parts)
 
 
-def _check_loaded_correction_bias(module: MoE, incompatible_keys) -> None:
+def _check_loaded_correction_bias(module: MoE, state_dict, prefix: str, *rest) -> None:
     """A NaN or infinite correction bias misroutes every token: rejected at load time (one
-    read of E values), since checking a GPU bias per forward would synchronise."""
+    read of E values), since checking a GPU bias per forward would synchronise; before the
+    layer copies anything (a check after the copy left the bad values in the layer)."""
     from .routing import check_correction_bias_values
 
-    check_correction_bias_values(module.correction_bias)
+    incoming = state_dict.get(f"{prefix}correction_bias")
+    if isinstance(incoming, torch.Tensor):
+        check_correction_bias_values(incoming)
 
 
 def _parameter(t: torch.Tensor | None, trainable: bool = True) -> nn.Parameter | None:

@@ -89,3 +89,127 @@ def test_training_an_extended_swiglu_on_another_backend_names_the_activation():
     x, logits = torch.randn(T, H), torch.randn(T, E)
     with pytest.raises(MoeInputError, match="runs on the torch backend only"):
         layer(x, logits)
+
+
+# -- a second probe: fp16 overflow, loads, flags, dtypes, compile errors, int8 at the top --
+
+
+def _overflowing_fp16_call():
+    """gate = -1e5 and up = +1e5 for one unit: past fp16's range in an fp16 GEMM output."""
+    w13, w2 = torch.zeros(1, 2 * 16, 16), torch.eye(16)[None].clone()
+    w13[0, 0, 0], w13[0, 16, 0] = -1000.0, 1000.0
+    x = torch.zeros(1, 16)
+    x[0, 0] = 100.0
+    return x.half(), w13.half(), w2.half(), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_an_fp16_gemm1_past_its_range_gives_the_kernels_zero_not_nan(activation):
+    """act(gate) = 0 times an up half that overflowed to inf was NaN on the torch backend
+    (the fused kernels keep float32 there: 0); the float64 reference gives 0."""
+    x, w13, w2, tw, ti = _overflowing_fp16_call()
+    out = moerunner.fused_moe(x, w13, w2, tw, ti, activation=activation, backend="torch")
+    want = reference_moe(x, ExpertWeights(w13, w2), tw, ti, activation)
+    assert torch.isfinite(out).all()
+    assert_close(out, want, DTYPE_BOUND[torch.float16])
+
+
+def test_a_nan_up_half_stays_nan():
+    """The fix above does not hide a NaN that the input carries."""
+    x, w13, w2, tw, ti = _overflowing_fp16_call()
+    x[0, 1] = float("nan")
+    w13[0, 17, 1] = 1.0  # the up row of unit 1 reads the NaN
+    out = moerunner.fused_moe(x, w13, w2, tw, ti, backend="torch")
+    assert out.isnan().any()
+
+
+def test_a_refused_load_leaves_the_layer_as_it_was():
+    """The correction bias was checked after the copy: a refused load left the infinite
+    bias (and the rest of the state) in the layer, and every later load failed."""
+    cfg = moerunner.MoeConfig(
+        8, 16, 8, 2, routing=moerunner.RoutingConfig("sigmoid", True, correction_bias=True)
+    )
+    layer = moerunner.MoE(cfg, backend="torch")
+    good = {k: v.clone() for k, v in layer.state_dict().items()}
+    bad = {k: v.clone() for k, v in good.items()}
+    bad["correction_bias"][3] = float("inf")
+    bad["w13"].zero_()
+    with pytest.raises(MoeInputError, match="correction_bias has NaN or infinite values"):
+        layer.load_state_dict(bad)
+    for name, tensor in layer.state_dict().items():
+        assert torch.equal(tensor, good[name]), name
+    layer.load_state_dict({"w2": good["w2"] * 2}, strict=False)  # a later load works
+    assert torch.equal(layer.w2, good["w2"] * 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(apply_router_weight_on_input="False"),
+        dict(check_ids="no"),
+        dict(gate_up_interleaved="False"),
+    ],
+    ids=["weight_on_input", "check_ids", "interleaved"],
+)
+def test_fused_moe_flags_must_be_bools(kwargs):
+    """ "False" was read as True (apply_router_weight_on_input changed the output by 0.74)."""
+    x, w13, w2 = torch.randn(3, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    topk = moerunner.select_experts(torch.randn(3, E), 1)
+    (name,) = kwargs
+    with pytest.raises(TypeError, match=f"{name} must be a bool, got str"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, **kwargs)
+
+
+def test_moe_config_bias_must_be_a_bool():
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        moerunner.MoeConfig(E, H, I, 1, bias="False")
+
+
+@pytest.mark.parametrize("cast", ["to", "half"])
+def test_the_correction_bias_stays_float32_when_the_layer_is_cast(cast):
+    """``.to(bf16)`` rounded the float32 correction bias (0.5004 -> 0.5): a layer built in
+    bf16 and one cast to it routed differently with the same state."""
+    cfg = moerunner.MoeConfig(
+        4, 16, 8, 1, routing=moerunner.RoutingConfig("sigmoid", True, correction_bias=True)
+    )
+    built = moerunner.MoE(cfg, dtype=torch.bfloat16, backend="torch")
+    dtype = torch.bfloat16 if cast == "to" else torch.float16
+    cast_layer = moerunner.MoE(cfg, backend="torch")
+    cast_layer = cast_layer.to(dtype) if cast == "to" else cast_layer.half()
+    assert cast_layer.correction_bias.dtype == torch.float32
+    assert cast_layer.w13.dtype == dtype
+    with torch.no_grad():
+        built.correction_bias.copy_(torch.tensor([0.5, 0.5004, 0.0, 0.0]))
+    cast_layer.load_state_dict(built.to(dtype).state_dict())
+    assert cast_layer.correction_bias[1].item() == pytest.approx(0.5004, abs=1e-7)
+
+
+def test_compiled_layer_refusal_reaches_the_caller():
+    """The per-expert swiglu refusal was raised inside the traced graph: dynamo wrapped it
+    (the message only in its debug context). Without fullgraph the MoeInputError reaches
+    the caller; under fullgraph the error says that moerunner refused the call."""
+    cfg = moerunner.MoeConfig(
+        E, H, I, 2, activation=moerunner.Activation("swiglu_oai", alpha=torch.full((E,), 1.5))
+    )
+    layer = moerunner.MoE(cfg)
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        with pytest.raises(MoeInputError, match="per-expert parameters"):
+            torch.compile(layer)(x, logits)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="moerunner refused this call"):
+            torch.compile(layer, fullgraph=True)(x, logits)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int8_w8a16", "int8_g64"])
+def test_finite_weights_at_float32s_top_dequantize_finite(scheme):
+    """A scale of amax / 127 rounded up made 127 * scale inf for amax near float32's
+    largest value; docs/quantization.md: never inf."""
+    from moerunner.quant import dequantize, quantize
+
+    w = torch.zeros(1, 1, 64)
+    w[0, 0, 0] = torch.finfo(torch.float32).max
+    back = dequantize(quantize(w, scheme))
+    assert torch.isfinite(back).all()
+    assert back[0, 0, 0].item() == pytest.approx(w[0, 0, 0].item(), rel=1 / 127)

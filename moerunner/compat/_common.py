@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api import fused_moe
+from ..config import check_bool
 from ..device_checks import check_ids_async
 from ..dispatch.expert_map import local_ids
 from ..errors import MoeInputError
@@ -379,10 +380,8 @@ def run(
     returns) ``hidden_states``, ``output`` is written and returned, else a new tensor.
     ``scale`` multiplies the output (SGLang's ``routed_scaling_factor``), through the
     routing weights where that is exact."""
-    weight_on_input = apply_router_weight_on_input
-    for name, flag in (("inplace", inplace), ("apply_router_weight_on_input", weight_on_input)):
-        if not isinstance(flag, bool):  # ("False" and 0-d tensors were read as truth values)
-            raise TypeError(f"{where}: {name} must be a bool, got {flag!r}")
+    check_bool("inplace", inplace, f"{where}: ")
+    check_bool("apply_router_weight_on_input", apply_router_weight_on_input, f"{where}: ")
     if inplace and output is not None:
         raise MoeInputError(f"{where}: inplace=True and output= both name the result; pass one")
     if apply_router_weight_on_input and w13_bias is not None:

@@ -207,4 +207,8 @@ def absmax_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """
     amax = _check_float("amax", amax)
     scale = amax / qmax
+    # Rounded up, qmax * scale can pass float32's largest value (a finite amax near it): the
+    # next float32 below keeps every dequantized value finite (an infinite amax stays so).
+    past = torch.isfinite(scale) & torch.isinf(scale * qmax)
+    scale = torch.where(past, torch.nextafter(scale, scale.new_zeros(())), scale)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
