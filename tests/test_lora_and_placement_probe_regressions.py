@@ -235,3 +235,23 @@ def test_adapter_paths_given_as_bytes_and_a_null_peft_type_are_named(tmp_path):
     (folder / "adapter_model.safetensors").write_bytes(b"")
     with pytest.raises(MoeInputError, match="peft_type None; only LORA adapters are read"):
         load_peft_adapters(str(folder), shape, layer=0)
+
+
+def test_append_shared_slots_names_arguments_of_the_wrong_type():
+    """A string weight, routing as a tuple and no placement raised from inside torch or as
+    AttributeErrors."""
+    placement = ExpertPlacement.contiguous(8, 2, num_shared=2)
+    topk = moerunner.select_experts(torch.randn(3, 8), 2)
+    with pytest.raises(TypeError, match="weight must be a number or a tensor"):
+        append_shared_slots(topk, placement, "x")
+    with pytest.raises(TypeError, match="topk must be a TopK"):
+        append_shared_slots((topk.weights, topk.ids), placement)
+    with pytest.raises(TypeError, match="placement must be an ExpertPlacement"):
+        append_shared_slots(topk, None)
+
+
+def test_owners_may_be_numpy_integers():
+    np = pytest.importorskip("numpy")
+    placement = ExpertPlacement.from_owners(np.array([0, 0, 1, 1]), 2)
+    assert placement.owner == (0, 0, 1, 1)
+    assert all(type(r) is int for r in placement.owner)

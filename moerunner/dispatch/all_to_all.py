@@ -91,11 +91,7 @@ class AllToAllDispatcher:
             "AllToAllDispatcher placement",
             {"placement": placement.fingerprint(), "placement.world_size": placement.world_size},
         )
-        if placement.world_size != self.world_size:
-            raise MoeInputError(
-                f"placement is for world_size={placement.world_size} but the process group has "
-                f"{self.world_size} ranks"
-            )
+        placement.check_world(self.world_size)
         if combine_dtype not in (None, *DTYPE_CODES):
             raise TypeError(f"combine_dtype must be None or one of {list(DTYPE_CODES)}")
         self.combine_dtype = combine_dtype

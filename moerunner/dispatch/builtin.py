@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..distributed import rank_and_size
 from ..errors import MoeInputError
 from .all_to_all import AllToAllDispatcher
 from .base import Dispatcher, DispatchSetup
@@ -30,6 +31,7 @@ def _standard(setup: DispatchSetup) -> Dispatcher:
     _no_combine_dtype("standard", setup, "sums the experts' outputs in fp32 already")
     if setup.placement is None:
         return StandardDispatcher(group=setup.group, num_local_experts=setup.num_local_experts)
+    setup.placement.check_world(rank_and_size(setup.group)[1])
     table = setup.placement.standard_map(setup.rank)
     return StandardDispatcher(table, setup.group, num_local_experts=setup.num_local_experts)
 

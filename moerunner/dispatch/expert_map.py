@@ -19,6 +19,7 @@ permutation (as expert load balancers produce) or uneven ownership can be given 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,9 +40,9 @@ def _int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
         return [int(v) for v in values.tolist()]
     out = []
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # (numpy ints too)
             raise TypeError(f"{name} must hold ints, got {type(v).__name__}")
-        out.append(v)
+        out.append(int(v))
     return out
 
 
@@ -164,6 +165,15 @@ class ExpertPlacement:
             raise MoeInputError(f"{name} must be in [0, world_size={self.world_size}), got {rank}")
         return rank
 
+    def check_world(self, world_size: int) -> None:
+        """The placement is for a group of ``world_size`` ranks; else raises (a placement for
+        more ranks would leave their experts to nobody, one for fewer give ranks nothing)."""
+        if self.world_size != world_size:
+            raise MoeInputError(
+                f"placement is for world_size={self.world_size} but the process group has "
+                f"{world_size} ranks"
+            )
+
     def experts_of(self, rank: int) -> list[int]:
         """Global ids of the routed experts ``rank`` owns, in local-id order."""
         self.check_rank(rank)
@@ -248,6 +258,17 @@ def append_shared_slots(
     after the routed experts (``shard_expert_weights`` puts them there), and every token
     reaches them without leaving its rank. ``weight`` may be a float or ``[T]`` / ``[T, S]``.
     """
+    if not isinstance(topk, TopK):
+        raise TypeError(f"append_shared_slots: topk must be a TopK, got {type(topk).__name__}")
+    if not isinstance(placement, ExpertPlacement):
+        raise TypeError(
+            f"append_shared_slots: placement must be an ExpertPlacement, got "
+            f"{type(placement).__name__}"
+        )
+    if isinstance(weight, bool) or not isinstance(weight, (numbers.Real, torch.Tensor)):
+        raise TypeError(
+            f"append_shared_slots: weight must be a number or a tensor, got {type(weight).__name__}"
+        )
     num_tokens = topk.ids.shape[0]
     shared = placement.num_shared
     if shared == 0:
@@ -259,8 +280,8 @@ def append_shared_slots(
     w = torch.as_tensor(weight, dtype=torch.float32, device=device)
     if w.shape not in ((), (num_tokens,), (num_tokens, shared), (num_tokens, 1)):
         raise MoeInputError(
-            f"append_shared_slots: weight must be a number, [T={num_tokens}] or "
-            f"[T={num_tokens}, S={shared}], got shape {list(w.shape)}"
+            f"append_shared_slots: weight must be a number, [T={num_tokens}], "
+            f"[T={num_tokens}, 1] or [T={num_tokens}, S={shared}], got shape {list(w.shape)}"
         )
     w = (w[:, None] if w.dim() == 1 else w).expand(num_tokens, shared)
     return TopK(

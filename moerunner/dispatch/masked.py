@@ -152,11 +152,7 @@ class MaskedDispatcher:
                 }
             )
         check_consistent(group, "MaskedDispatcher configuration", values, error=error)
-        if placement.world_size != self.world_size:
-            raise MoeInputError(
-                f"placement is for world_size={placement.world_size} but the process group has "
-                f"{self.world_size} ranks"
-            )
+        placement.check_world(self.world_size)
         self.placement = placement
         self.capacity = capacity
         self.hidden_size = hidden_size

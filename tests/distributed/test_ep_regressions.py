@@ -201,3 +201,30 @@ def test_routing_without_the_shared_slots_is_refused_by_all_to_all(results):
     (error,) = errors
     assert error is not None and error[0] == "MoeInputError", error
     assert "no shared-expert slots" in error[1] and "append_shared_slots" in error[1], error
+
+
+def _bigger_world(rank: int, world: int) -> dict:
+    from moerunner import MoE, MoeConfig
+    from moerunner.dispatch.expert_map import ExpertPlacement
+
+    placement = ExpertPlacement.contiguous(E, 2 * world)  # made for twice the group
+    out = {}
+    for dispatcher in ("standard", "all_to_all"):
+        out[dispatcher] = _outcome(
+            lambda d=dispatcher: MoE(
+                MoeConfig(E, H, I, K), dispatcher=d, placement=placement, backend="torch"
+            )
+        )["error"]
+    return out
+
+
+def test_a_placement_for_more_ranks_than_the_group_is_refused_on_every_rank():
+    """The standard dispatcher took a placement made for 4 ranks on a group of 2: the experts
+    of ranks 2 and 3 belonged to nobody and their share of the output was missing (no
+    error; all_to_all and masked refused). Every rank now raises the same error."""
+    results = run_world(_bigger_world, world_size=2)
+    for rank_result in results:
+        for dispatcher in ("standard", "all_to_all"):
+            kind, message = rank_result[dispatcher]
+            assert kind == "MoeInputError", (dispatcher, kind, message)
+            assert "placement is for world_size=4 but the process group has 2 ranks" in message
