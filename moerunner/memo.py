@@ -138,13 +138,15 @@ def weights_changed(*tensors: object) -> None:
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
-    """A tensor argument's identity and state on the host, no device sync: the object, its
-    memory, strides, in-place version, dtype, device and shape. Caches of what is derived
-    from a parameter key on it: replacing the parameter, assigning ``.data`` or editing it in
-    place changes it."""
+    """A tensor argument's identity and state on the host, no device sync: the object's
+    ``id`` and its ``view_key`` (memory by a weak reference to the storage, strides,
+    in-place version, dtype, device, shape). Caches of what is derived from a parameter key
+    on it: replacing the parameter, assigning ``.data`` or editing it in place changes it,
+    also where the new memory gets a freed one's address (an address in the key served a
+    copy made of the old memory)."""
     if t is None:
         return None
-    return (id(t), t.data_ptr(), t.stride(), version(t), t.dtype, t.device, tuple(t.shape))
+    return (id(t), view_key(t))
 
 
 def view_key(t: torch.Tensor | None) -> tuple | None:
@@ -170,6 +172,23 @@ def _storage_ref(t: torch.Tensor):
     return object_ref(t.untyped_storage())
 
 
+class _Ref(weakref.ref):
+    """A weak reference in a key: pickled or copied (a key kept on a module that is saved or
+    deep-copied), it becomes a ``_Gone`` that equals nothing, as a reference to a freed
+    object (plain weak references cannot be pickled)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_Gone, ())
+
+
+class _Gone:
+    """What a pickled or copied ``_Ref`` becomes: equal to itself only."""
+
+    __slots__ = ("__weakref__",)
+
+
 def object_ref(obj: object):
     """A key naming ``obj`` while it lives and never a later object that gets its ``id``
     (``view_key``): a weak reference, or the ``id`` of an object that takes none or cannot
@@ -177,7 +196,7 @@ def object_ref(obj: object):
     if type(obj).__hash__ is None:
         return ("id", id(obj))
     try:
-        return weakref.ref(obj)
+        return _Ref(obj)
     except TypeError:  # (module note above)
         return ("id", id(obj))
 

@@ -34,7 +34,7 @@ from .config import Activation, ExpertSpec
 from .dispatch.formats import STANDARD
 from .errors import BackendUnavailableError, ExtensionContractError, MoeInputError
 from .hooks import MoeHooks, RowHooks, check_hooks
-from .memo import DerivedCache, StepCache, object_ref, version
+from .memo import DerivedCache, StepCache, object_ref, view_key
 from .memory import kept
 from .profiling import trace_range
 from .registry import DEFAULT_PREFERENCE, DEFAULT_REGISTRY, BucketPlan, Registry, Selection
@@ -538,7 +538,8 @@ def weights_state(weights: ExpertWeights) -> tuple:
 
 def form_variant(weights: ExpertWeights) -> tuple:
     """What one prepared form of ``weights`` was made from besides ``weights_state``: w13's
-    row order and the biases' identities and ``tensor_state``. No sync."""
+    row order and the biases' identities and ``tensor_state`` (whose storage reference tells
+    a later bias at a freed one's ``id`` and address apart). No sync."""
     return (
         weights.w13_order,
         id(weights.w13_bias),
@@ -572,10 +573,13 @@ def prepared_memo(weights: ExpertWeights) -> _PreparedCache | None:
 
 def tensor_state(weight: Any) -> tuple:
     """Host-side identity of a weight's contents, no device sync: per tensor (a plain tensor,
-    or each component of a quantized weight) its storage address, dtype, shape, strides and
-    in-place version counter. ``.data`` assignment changes the address or the strides (a
-    view of the same memory read another way); in-place edits the version (inference tensors
-    keep none: their in-place edits inside ``inference_mode`` go unseen)."""
+    or each component of a quantized weight) ``memo.view_key``: its storage (by a weak
+    reference, never equal to a later storage at the freed one's address: forms that hold a
+    copy, a bias converted or rows swapped, were served for a new tensor there), offset,
+    shape, strides, dtype, device and in-place version counter. ``.data`` assignment changes
+    the storage or the strides (a view of the same memory read another way); in-place edits
+    the version (inference tensors keep none: their in-place edits inside ``inference_mode``
+    go unseen)."""
     if weight is None:
         return ()
     if isinstance(weight, torch.Tensor):
@@ -583,7 +587,7 @@ def tensor_state(weight: Any) -> tuple:
     else:
         parts = weight.tensors() if hasattr(weight, "tensors") else {}
         tensors = tuple(t for t in parts.values() if isinstance(t, torch.Tensor))
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), version(t)) for t in tensors)
+    return tuple(view_key(t) for t in tensors)
 
 
 def check_activation(
