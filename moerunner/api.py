@@ -18,7 +18,7 @@ from .backends.base import MoeProblem
 from .config import Activation, ExpertSpec, check_bool
 from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
-from .errors import MoeInputError, refuse
+from .errors import MoeInputError, compile_disabled, refuse
 from .hooks import MoeHooks, check_hooks, in_graph_of
 from .lora import op_arguments
 from .registry import Registry
@@ -298,15 +298,12 @@ def _check_op_registry(registry: Registry, backend: str) -> None:
 
 
 # What the custom op does not take runs eagerly: a graph break (an error under fullgraph).
-_EAGER_REASON = (
+_eager_experts = compile_disabled(
+    _eager_experts,
     "moerunner: fused_moe with shared_experts, hooks other than those of lora_hooks, "
     "w13_order='up_gate', swiglu_beta or per-expert swiglu parameters runs eagerly (the "
-    "custom op moerunner::fused_experts does not take them)"
+    "custom op moerunner::fused_experts does not take them)",
 )
-try:
-    _eager_experts = torch.compiler.disable(_eager_experts, reason=_EAGER_REASON)
-except TypeError:  # a torch without ``reason``
-    _eager_experts = torch.compiler.disable(_eager_experts)
 
 
 def run_experts(

@@ -14,18 +14,24 @@ class MoeInputError(ValueError):
     """An argument has the wrong shape, value or combination with other arguments."""
 
 
+def compile_disabled(fn, reason: str):
+    """``fn`` run outside any graph torch.compile traces (a graph break; under fullgraph an
+    error that gives ``reason``, where this torch takes one)."""
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # a torch without ``reason``
+        return torch.compiler.disable(fn)
+
+
 def _raise(message: str) -> None:
     raise MoeInputError(message)
 
 
-_REFUSED = (
+_refuse = compile_disabled(
+    _raise,
     "moerunner refused this call with a MoeInputError saying why: run it once without "
-    "fullgraph=True (or eagerly) to read it"
+    "fullgraph=True (or eagerly) to read it",
 )
-try:
-    _refuse = torch.compiler.disable(_raise, reason=_REFUSED)
-except TypeError:  # a torch without ``reason``
-    _refuse = torch.compiler.disable(_raise)
 
 
 def refuse(message: str) -> None:

@@ -59,7 +59,7 @@ from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
 from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .registry import Registry
-from .routing import TopK, check_router_width, select_experts
+from .routing import TopK, check_loaded_correction_bias, check_router_width, select_experts
 from .runner import (
     forget_prepared,
     form_bytes,
@@ -160,7 +160,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         )
         self.routes = True
         if self.correction_bias is not None:  # checked where it is set, not per forward
-            self.register_load_state_dict_pre_hook(_check_loaded_correction_bias)
+            self.register_load_state_dict_pre_hook(check_loaded_correction_bias)
         self.quantized: ExpertWeights | None = None
         # (quantize_'s arguments, state of w13 / w2 when quantized) of keep_float_weights
         self._quantized_from: tuple | None = None
@@ -784,17 +784,6 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         if not self._single_process():
             parts.append(f"dispatcher={self.dispatcher_kind!r}, rank={self.rank}")
         return ", ".join(parts)
-
-
-def _check_loaded_correction_bias(module: MoE, state_dict, prefix: str, *rest) -> None:
-    """A NaN or infinite correction bias misroutes every token: rejected at load time (one
-    read of E values), since checking a GPU bias per forward would synchronise; before the
-    layer copies anything (a check after the copy left the bad values in the layer)."""
-    from .routing import check_correction_bias_values
-
-    incoming = state_dict.get(f"{prefix}correction_bias")
-    if isinstance(incoming, torch.Tensor):
-        check_correction_bias_values(incoming)
 
 
 def _parameter(t: torch.Tensor | None, trainable: bool = True) -> nn.Parameter | None:

@@ -324,3 +324,13 @@ def check_correction_bias_values(bias: torch.Tensor) -> None:
             "or +inf bias routes every token to its expert, -inf none (and gives NaN group "
             "scores with grouped routing); use finite values"
         )
+
+
+def check_loaded_correction_bias(module, state_dict, prefix: str, *rest) -> None:
+    """A ``load_state_dict`` pre-hook of a module with a ``correction_bias`` buffer: a NaN or
+    infinite bias misroutes every token, so it is rejected at load time (one read of E
+    values; checking a GPU bias per forward would synchronise), before the module copies
+    anything (a check after the copy left the bad values in it)."""
+    incoming = state_dict.get(f"{prefix}correction_bias")
+    if isinstance(incoming, torch.Tensor):
+        check_correction_bias_values(incoming)

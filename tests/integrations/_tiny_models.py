@@ -74,3 +74,22 @@ class Recorder:
             )
             for gm in self.graphs
         ]
+
+
+def compiled_static_generate(model, ids: torch.Tensor, new_tokens: int, recorder: Recorder):
+    """Greedy ``generate`` over a static cache, eagerly and with transformers' compiled
+    decode step (fullgraph, compiled by ``recorder``, also on a CPU): (eager ids, compiled
+    ids)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, mode="default", backend=recorder)
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    kwargs = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
+    eager = model.generate(ids, disable_compile=True, **kwargs)
+    return eager, model.generate(ids, compile_config=config, **kwargs)

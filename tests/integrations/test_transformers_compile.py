@@ -14,12 +14,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import CompileConfig  # noqa: E402
 
 import moerunner.integrations.transformers as mt  # noqa: E402
 from moerunner.testing import assert_close  # noqa: E402
 
-from ._tiny_models import Recorder, build  # noqa: E402
+from ._tiny_models import Recorder, build, compiled_static_generate  # noqa: E402
 
 NEW_TOKENS = 6
 
@@ -107,19 +106,9 @@ def test_static_cache_generate_with_compiled_decode_matches_eager(family, scheme
     if scheme is not None:
         mt.quantize_experts(model, scheme)
     recorder = Recorder()
-    config = CompileConfig(fullgraph=True, mode="default", backend=recorder)
-    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
-    kwargs = dict(
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=0,
-        cache_implementation="static",
-    )
     ids = _ids()
     with torch.no_grad():
-        eager = model.generate(ids, disable_compile=True, **kwargs)
-        compiled = model.generate(ids, compile_config=config, **kwargs)
+        eager, compiled = compiled_static_generate(model, ids, NEW_TOKENS, recorder)
     calls = recorder.moerunner_calls()  # the decode step was compiled, one op per layer
     assert calls and all(c == model.config.num_hidden_layers for c in calls), calls
     assert eager.shape[1] == ids.shape[1] + NEW_TOKENS

@@ -26,7 +26,7 @@ from moerunner import MoeInputError  # noqa: E402
 from moerunner.lora_checkpoints import load_peft_adapter_set  # noqa: E402
 from moerunner.testing import assert_close  # noqa: E402
 
-from ._tiny_models import FAMILIES, Recorder, build  # noqa: E402
+from ._tiny_models import FAMILIES, Recorder, build, compiled_static_generate  # noqa: E402
 
 FP32_MAX_REL = 1e-5
 PREFIX = "base_model.model."
@@ -342,8 +342,6 @@ def test_adapters_compile_fullgraph_and_decode_under_a_compiled_static_cache_ste
     the eager logits (which the adapters move), and a static-cache generate whose decode
     step transformers compiles gives the eager greedy ids (GPT-OSS: its transposed experts;
     fp8_channel: quantized ones)."""
-    from transformers import CompileConfig
-
     torch._dynamo.reset()
     model, _ = _adapted(family, scheme)
     layers = len(list(mt.experts_modules(model)))
@@ -361,17 +359,7 @@ def test_adapters_compile_fullgraph_and_decode_under_a_compiled_static_cache_ste
         assert_close(eager[1], base[1].double(), FP32_MAX_REL, what="the row without adapter")
         mt.set_adapter_ids(model, ADAPTERS)
         counter = Recorder()
-        config = CompileConfig(fullgraph=True, mode="default", backend=counter)
-        config._compile_all_devices = True  # transformers compiles on GPUs only unless told
-        kwargs = dict(
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            cache_implementation="static",
-        )
-        want = model.generate(ids, disable_compile=True, **kwargs)
-        got = model.generate(ids, compile_config=config, **kwargs)
+        want, got = compiled_static_generate(model, ids, NEW_TOKENS, counter)
     calls = counter.moerunner_calls()
     assert calls and all(c == layers for c in calls), calls
     assert torch.equal(got, want)
