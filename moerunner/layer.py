@@ -68,7 +68,7 @@ from .runner import (
     tensor_state,
 )
 from .shared import SharedExperts, own_slots
-from .weights import ExpertWeights, gate_up_first, is_quantized
+from .weights import ExpertWeights, as_parameter, gate_up_first, is_quantized
 
 __all__ = ["MoE"]
 
@@ -161,6 +161,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         self.routes = True
         if self.correction_bias is not None:  # checked where it is set, not per forward
             self.register_load_state_dict_pre_hook(check_loaded_correction_bias)
+        self.register_load_state_dict_post_hook(MoE._forget_after_load)
         self.quantized: ExpertWeights | None = None
         # (quantize_'s arguments, state of w13 / w2 when quantized) of keep_float_weights
         self._quantized_from: tuple | None = None
@@ -244,7 +245,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
                 layer._given_shared = shared_experts  # run as given (not module state)
             else:  # the layer's parameters, as a layer built from a config holds them
                 for name in ("w13", "w2", "gate"):
-                    setattr(layer, f"shared_{name}", _parameter(getattr(shared_experts, name)))
+                    setattr(layer, f"shared_{name}", as_parameter(getattr(shared_experts, name)))
         return layer
 
     def _init_from_weights(
@@ -318,10 +319,10 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         quantized = is_quantized(weights.w13)
         # (quantized experts are frozen, their biases too: grad-mode calls run the fast path)
         self.w13_bias, self.w2_bias = (
-            _parameter(b, not quantized) for b in (weights.w13_bias, weights.w2_bias)
+            as_parameter(b, not quantized) for b in (weights.w13_bias, weights.w2_bias)
         )
         if not quantized:
-            self.w13, self.w2 = _parameter(weights.w13), _parameter(weights.w2)
+            self.w13, self.w2 = as_parameter(weights.w13), as_parameter(weights.w2)
             self.quantized = None
             self._held_bias_keys = None
             return
@@ -430,17 +431,30 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         experts' views, the quantized copy of ``keep_float_weights``, eager steps), so the
         next call derives it again. Needed only after edits PyTorch's version counter does
         not count: writes through ``.data``."""
+        self._forget_derived()
+        if self._quantized_from is not None:
+            self.quantize_(**self._quantized_from[0], keep_float_weights=True)
+
+    def _forget_derived(self) -> None:
+        """``weights_changed`` but the quantized copy: what derives from the parameters, which
+        kept their old memory alive until the next call after a cast, move or assigning load."""
         params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
-        params += (self.shared_w13, self.shared_w2, self.shared_gate)
-        for p in params:
+        for p in (*params, self.shared_w13, self.shared_w2, self.shared_gate):
             if p is not None:
                 forget_memo(p)
                 forget_prepared(p)
         self._weights_views.clear()
         self._shared_key = self._shared_view = None
         self._steps.clear()
-        if self._quantized_from is not None:
-            self.quantize_(**self._quantized_from[0], keep_float_weights=True)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._forget_derived()
+        return self
+
+    @staticmethod
+    def _forget_after_load(module: MoE, incompatible_keys) -> None:
+        module._forget_derived()
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -784,11 +798,3 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         if not self._single_process():
             parts.append(f"dispatcher={self.dispatcher_kind!r}, rank={self.rank}")
         return ", ".join(parts)
-
-
-def _parameter(t: torch.Tensor | None, trainable: bool = True) -> nn.Parameter | None:
-    """A given tensor as a parameter of the layer: the tensor's storage, not a copy, with its
-    gradient requirement (none where not ``trainable``); a parameter as it is."""
-    if t is None or isinstance(t, nn.Parameter):
-        return t
-    return nn.Parameter(t.detach(), requires_grad=trainable and t.requires_grad)

@@ -293,3 +293,11 @@ class PreparedWeights:
         """Why these weights' kernels run untuned (a backend's ``UNTUNED_NOTE``), or None."""
         notes = (n[len(UNTUNED_NOTE) :] for n in self.notes if n.startswith(UNTUNED_NOTE))
         return next(notes, None)
+
+
+def as_parameter(t: torch.Tensor | None, trainable: bool = True) -> torch.nn.Parameter | None:
+    """A given tensor as a module's parameter: the tensor's storage, not a copy, with its
+    gradient requirement (none where not ``trainable``); a parameter as it is."""
+    if t is None or isinstance(t, torch.nn.Parameter):
+        return t
+    return torch.nn.Parameter(t.detach(), requires_grad=trainable and t.requires_grad)

@@ -213,3 +213,26 @@ def test_finite_weights_at_float32s_top_dequantize_finite(scheme):
     back = dequantize(quantize(w, scheme))
     assert torch.isfinite(back).all()
     assert back[0, 0, 0].item() == pytest.approx(w[0, 0, 0].item(), rel=1 / 127)
+
+
+@pytest.mark.parametrize("change", ["half", "assigning load"])
+def test_a_cast_or_an_assigning_load_frees_the_old_experts_at_once(change):
+    """The layer's views and the prepared memo kept the old expert memory alive until the
+    next forward (a model cast to bf16 held both copies of every layer's experts)."""
+    import gc
+    import weakref
+
+    layer = moerunner.MoE(moerunner.MoeConfig(E, H, I, K))
+    with torch.no_grad():
+        layer(torch.randn(T, H), torch.randn(T, E))
+    old = weakref.ref(layer.w13.untyped_storage())
+    if change == "half":
+        layer.half()
+    else:
+        state = {k: v.clone() for k, v in layer.state_dict().items()}
+        layer.load_state_dict(state, assign=True)
+    gc.collect()
+    assert old() is None
+    with torch.no_grad():  # and the layer still runs on its new weights
+        out = layer(torch.randn(T, H, dtype=layer.w13.dtype), torch.randn(T, E))
+    assert out.dtype == layer.w13.dtype and torch.isfinite(out).all()
