@@ -46,8 +46,8 @@ class StandardDispatcher:
     Args:
         expert_map: optional int32 ``[E_global]`` tensor, local id of each global expert on
             this rank or -1 (an expert held but computed on another rank, as shared experts
-            on every rank but 0, is -1 too). ``None``: all experts are local and ids pass
-            through.
+            on every rank but 0, is -1 too: ``ExpertPlacement.standard_map(rank)``).
+            ``None``: all experts are local and ids pass through.
         group: optional ``torch.distributed`` process group whose ranks' outputs are summed.
         num_local_experts: experts this rank holds (default: those ``expert_map`` maps);
             needed with ``reduce_dtype=float32`` and a group when ``expert_map`` is ``None``
