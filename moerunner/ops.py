@@ -24,7 +24,7 @@ import inspect
 import torch
 
 from .api import fused_moe
-from .lora import hooks_of_op_arguments
+from .lora import OP_ARGUMENTS, hooks_of_op_arguments
 from .memo import memoised, seed_memo, view_key
 
 
@@ -96,6 +96,7 @@ def fused_experts(
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """``fused_moe`` as an opaque graph node (same arguments, positional)."""
+    lora = _named(locals(), OP_ARGUMENTS)
     return _op_body(
         hidden_states,
         w13,
@@ -110,15 +111,7 @@ def fused_experts(
         gate_up_interleaved,
         backend,
         check_ids,
-        (
-            lora_w13_a,
-            lora_w13_b,
-            lora_w2_a,
-            lora_w2_b,
-            lora_adapter_ids,
-            lora_scaling,
-            lora_scale,
-        ),
+        lora,
     )
 
 
@@ -227,6 +220,7 @@ def fused_experts_quantized(
     ``w13`` / ``w2``: a ``QuantizedWeight``'s tensors in ``QUANTIZED_FIELDS`` order
     (``quantized_tensors(weight)``), with its scheme name and logical shape ``(E, N, K)``.
     """
+    lora = _named(locals(), OP_ARGUMENTS)
     _check_quantized_args("w13", w13, w13_shape)
     _check_quantized_args("w2", w2, w2_shape)
     return _op_body(
@@ -243,15 +237,7 @@ def fused_experts_quantized(
         gate_up_interleaved,
         backend,
         check_ids,
-        (
-            lora_w13_a,
-            lora_w13_b,
-            lora_w2_a,
-            lora_w2_b,
-            lora_adapter_ids,
-            lora_scaling,
-            lora_scale,
-        ),
+        lora,
     )
 
 
@@ -350,6 +336,7 @@ def fused_experts_transposed(
     """``fused_experts`` on weights stored transposed (``w13_t [E, H, N]``, ``w2_t [E, I, H]``,
     as GPT-OSS checkpoints do), run through views in the canonical shape
     (``canonical_from_transposed``): no copy of the experts."""
+    lora = _named(locals(), OP_ARGUMENTS)
     for name, t in (("w13_t", w13_t), ("w2_t", w2_t)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D [E, in, out], got shape {list(t.shape)}")
@@ -368,15 +355,7 @@ def fused_experts_transposed(
         gate_up_interleaved,
         backend,
         check_ids,
-        (
-            lora_w13_a,
-            lora_w13_b,
-            lora_w2_a,
-            lora_w2_b,
-            lora_adapter_ids,
-            lora_scaling,
-            lora_scale,
-        ),
+        lora,
     )
 
 
@@ -398,7 +377,7 @@ def _fused_experts_transposed_fake(hidden_states, *args, **kwargs):
 
 #: The arguments of the backward ops that the gradients are for, by name, in the order of
 #: their results (the LoRA factors and scaling tensor last in both).
-_LORA_GRADS = ("lora_w13_a", "lora_w13_b", "lora_w2_a", "lora_w2_b", "lora_scaling")
+_LORA_GRADS = tuple(n for n in OP_ARGUMENTS if n not in ("lora_adapter_ids", "lora_scale"))
 _PLAIN_GRADS = ("hidden_states", "w13", "w2", "topk_weights", "w13_bias", "w2_bias", *_LORA_GRADS)
 _QUANTIZED_GRADS = ("hidden_states", "topk_weights", "w13_bias", "w2_bias", *_LORA_GRADS)
 
