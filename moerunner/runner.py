@@ -394,8 +394,8 @@ def prepared_for(
     return cached
 
 
-#: Forms prepared lately, by what they were made of (memory and versions, not tensor
-#: objects): a weak reference to w13's storage and how often the form was prepared for it
+#: Forms prepared lately, by what they were made of (memory, by weak references to the
+#: storages, and versions; not tensor objects): how often each was prepared
 #: (``_note_repeat``). Holds no tensors.
 _RECENT_FORMS: OrderedDict = OrderedDict()
 _RECENT_MAX = 256
@@ -408,15 +408,14 @@ def _note_repeat(key: tuple, state: tuple, w13: Any) -> None:
     misses the memo, which lives on the objects, and pays the preparation every call (for
     some backends a copy of the weights). Twice is normal (a layer's parameters and, in grad
     mode, their detached views)."""
-    # backend, options, spec, order; the tensors' states, no ids
+    # backend, options, spec, order; the tensors' states (their storages while they live:
+    # new weights at a freed one's memory are others), no ids
     memory = (key[:3], key[3][0], key[3][3:], state[1:])
     data = w13 if isinstance(w13, torch.Tensor) else getattr(w13, "data", None)
     if not isinstance(data, torch.Tensor):
         return
-    storage = data.untyped_storage()  # one object per allocation, while it lives
-    ref, count = _RECENT_FORMS.pop(memory, (None, 0))
-    count = count + 1 if ref is not None and ref() is storage else 1  # else: new weights
-    _RECENT_FORMS[memory] = (_ref(storage), count)
+    count = _RECENT_FORMS.pop(memory, 0) + 1
+    _RECENT_FORMS[memory] = count
     if len(_RECENT_FORMS) > _RECENT_MAX:
         _RECENT_FORMS.popitem(last=False)
     if count >= 3 and not _REPEATS_WARNED[0]:
