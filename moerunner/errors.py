@@ -23,23 +23,19 @@ def compile_disabled(fn, reason: str):
         return torch.compiler.disable(fn)
 
 
-def _raise(message: str) -> None:
-    raise MoeInputError(message)
-
-
-_refuse = compile_disabled(
-    _raise,
-    "moerunner refused this call with a MoeInputError saying why: run it once without "
-    "fullgraph=True (or eagerly) to read it",
-)
-
-
-def refuse(message: str) -> None:
+def _refuse(message: str) -> None:
     """Raise ``MoeInputError(message)``, outside any graph torch.compile traces: without
     fullgraph it reaches the caller as it is (raised inside the traced region, dynamo wraps it
     in an ``Unsupported`` error that shows it only in its debug context); under fullgraph the
     graph break's error says that moerunner refused the call and how to read why."""
-    _refuse(message)
+    raise MoeInputError(message)
+
+
+refuse = compile_disabled(
+    _refuse,
+    "moerunner refused this call with a MoeInputError saying why: run it once without "
+    "fullgraph=True (or eagerly) to read it",
+)
 
 
 class BackendUnavailableError(ValueError):
