@@ -268,3 +268,22 @@ def undefined_rows_mm(a: torch.Tensor, b: torch.Tensor, ends=None, *, offs=None)
     ``offs``) whose undefined rows are NaN (``_UndefinedRowsMm``): to show on the CPU that a
     form running without a host read keeps those rows out of every defined value."""
     return _UndefinedRowsMm.apply(a, b, ends if offs is None else offs)
+
+
+def align_reference(row_expert, num_experts, block_m):
+    """Sort-based alignment in PyTorch: stable order within each expert, sentinel padding."""
+    rows = row_expert.shape[0]
+    ids = row_expert.cpu().long()
+    sorted_rows, block_expert = [], []
+    for e in range(num_experts):
+        seg = torch.nonzero(ids == e).flatten().tolist()
+        if not seg:
+            continue
+        pad = -len(seg) % block_m
+        sorted_rows += seg + [rows] * pad
+        block_expert += [e] * ((len(seg) + pad) // block_m)
+    return (
+        len(sorted_rows),
+        torch.tensor(sorted_rows, dtype=torch.int32),
+        torch.tensor(block_expert, dtype=torch.int32),
+    )

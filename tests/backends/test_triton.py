@@ -13,7 +13,13 @@ import json
 
 import pytest
 import torch
-from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, gpt_oss_experts, random_experts
+from cases import (
+    PACKED_SCHEMES,
+    TRITON_QUANT_SCHEMES,
+    align_reference,
+    gpt_oss_experts,
+    random_experts,
+)
 
 import moerunner
 from moerunner.backends.base import MoeProblem
@@ -60,35 +66,27 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _align_reference(row_expert, num_experts, block_m, cap):
-    """Sort-based alignment in PyTorch: stable order within each expert, sentinel padding."""
-    rows = row_expert.shape[0]
-    ids = row_expert.cpu().long()
-    sorted_rows, block_expert = [], []
-    for e in range(num_experts):
-        seg = torch.nonzero(ids == e).flatten().tolist()
-        if not seg:
-            continue
-        pad = -len(seg) % block_m
-        sorted_rows += seg + [rows] * pad
-        block_expert += [e] * ((len(seg) + pad) // block_m)
-    return (
-        len(sorted_rows),
-        torch.tensor(sorted_rows, dtype=torch.int32),
-        torch.tensor(block_expert, dtype=torch.int32),
-    )
-
-
 @pytest.mark.parametrize("multi", [False, True])
 @pytest.mark.parametrize(
-    "rows,experts,block_m", [(1, 4, 16), (10, 4, 16), (37, 8, 16), (64, 16, 32), (100, 3, 64)]
+    "rows,experts,block_m,past",
+    [
+        (1, 4, 16, 0),
+        (10, 4, 16, 0),
+        (37, 8, 16, 0),
+        (64, 16, 32, 0),
+        (100, 3, 64, 0),
+        (300, 256, 16, 0),  # DeepSeek-V3's experts: rows of many experts, most alone
+        (70, 5, 16, 20),  # ids past E, some past the next power of two
+    ],
 )
-def test_alignment_kernel_equals_reference(rows, experts, block_m, multi):
-    """Both the one-program and the multi-program (count, scan, scatter) alignment give the
-    reference layout exactly; ``multi`` forces the latter with 16-row programs."""
+def test_alignment_kernel_equals_reference(rows, experts, block_m, past, multi):
+    """Both the one-program (rows sorted in registers) and the multi-program (count, scan,
+    scatter) alignment give the reference layout exactly; ``multi`` forces the latter with
+    16-row programs. Ids of -1 and ids of ``past`` experts beyond E are skipped alike."""
     single_max = 0 if multi else _align.SINGLE_PROGRAM_MAX_ROWS
     gen = torch.Generator().manual_seed(rows)
-    ids = torch.randint(-1, experts, (rows,), generator=gen, dtype=torch.int32).to(DEVICE)
+    ids = torch.randint(-1, experts + past, (rows,), generator=gen, dtype=torch.int32)
+    ids = ids.to(DEVICE)
     cap = _align.max_padded_rows(rows, experts, block_m)
     s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
     b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
@@ -97,8 +95,28 @@ def test_alignment_kernel_equals_reference(rows, experts, block_m, multi):
         ids, experts, block_m, s, b, n, rows_per_program=16, options=OPTIONS,
         single_program_max_rows=single_max,
     )  # fmt: skip
-    used, want_s, want_b = _align_reference(ids, experts, block_m, cap)
+    used, want_s, want_b = align_reference(ids, experts, block_m)
     assert int(n) == used and used % block_m == 0
+    assert torch.equal(s[:used].cpu(), want_s)
+    assert torch.equal(b[: used // block_m].cpu(), want_b)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_alignment_of_int64_ids_checks_them_in_their_width(multi):
+    """int64 ids (as transformers' routers give them) align as int32 ones do; an id of
+    2**32 + 1 is skipped, not read as expert 1."""
+    ids = torch.tensor([1, 2**32 + 1, 0, -1, 1, 2**31, 2], dtype=torch.int64, device=DEVICE)
+    experts, block_m = 4, 16
+    cap = _align.max_padded_rows(ids.numel(), experts, block_m)
+    s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
+    b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
+    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    _align.align_rows(
+        ids, experts, block_m, s, b, n, rows_per_program=16, options=OPTIONS,
+        single_program_max_rows=0 if multi else _align.SINGLE_PROGRAM_MAX_ROWS,
+    )  # fmt: skip
+    used, want_s, want_b = align_reference(ids, experts, block_m)
+    assert int(n) == used == 3 * block_m
     assert torch.equal(s[:used].cpu(), want_s)
     assert torch.equal(b[: used // block_m].cpu(), want_b)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, gpt_oss_experts
+from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, align_reference, gpt_oss_experts
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -36,6 +36,34 @@ def _run(backend, x, weights, act, wts, ids):
 def _rel(a, b):
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("experts", [8, 128, 256])
+@pytest.mark.parametrize("rows", [1, 16, 256, 512, 2047, 2048])
+def test_one_program_alignment_up_to_its_row_bound(rows, experts, dtype):
+    """The one-program alignment (rows sorted in registers) up to the most rows it takes, as
+    the GPU compiles it, on int32 ids and on the int64 ids transformers' routers give (an
+    id of 2**32 + 1 must not wrap to expert 1): the reference layout exactly, with -1 ids
+    skipped."""
+    from moerunner.backends.triton import TritonOptions, _align
+
+    dev = torch.device("cuda")
+    assert rows <= _align.SINGLE_PROGRAM_MAX_ROWS
+    gen = torch.Generator().manual_seed(rows + experts)
+    ids = torch.randint(-1, experts, (rows,), generator=gen, dtype=dtype)
+    if dtype == torch.int64 and rows > 1:
+        ids[1] = 2**32 + 1
+    ids = ids.to(dev)
+    cap = _align.max_padded_rows(rows, experts, 16)
+    s = torch.full((cap,), -7, dtype=torch.int32, device=dev)
+    b = torch.full((cap // 16,), -7, dtype=torch.int32, device=dev)
+    n = torch.empty(1, dtype=torch.int32, device=dev)
+    _align.align_rows(ids, experts, 16, s, b, n, options=TritonOptions())
+    used, want_s, want_b = align_reference(ids, experts, 16)
+    assert int(n) == used
+    assert torch.equal(s[:used].cpu(), want_s)
+    assert torch.equal(b[: used // 16].cpu(), want_b)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -378,24 +406,27 @@ def test_gemm1_epilogue_quant_is_bit_exact(inter):
 
 @pytest.mark.parametrize("hidden", [1024, 1152])
 @pytest.mark.parametrize(
-    "tiles",
+    ("T", "tiles"),
     [
-        ((128, 64, 256, 8, 3), (128, 128, 256, 8, 3)),  # the H200 tiles at T = 16384
-        ((128, 64, 256, 8, 3), (128, 64, 256, 8, 3)),
-        ((64, 64, 64, 4, 3), (64, 64, 64, 4, 3)),
+        (512, ((128, 64, 256, 8, 3), (128, 128, 256, 8, 3))),  # the H200 tiles at T = 16384
+        (512, ((128, 64, 256, 8, 3), (128, 64, 256, 8, 3))),
+        (512, ((64, 64, 64, 4, 3), (64, 64, 64, 4, 3))),
+        # decode: 16-row blocks, 256-wide steps, pipelines 4-6 deep (the H100 tiles at T = 32)
+        (6, ((16, 32, 256, 4, 6), (16, 128, 256, 4, 4))),
+        (6, ((16, 64, 256, 4, 5), (16, 64, 256, 4, 6))),
     ],
 )
-def test_block_fp8_k_steps_of_several_or_part_of_a_group(hidden, tiles):
-    """Block-scaled fp8 prefill tiles whose K step holds two 128-wide scale groups (the tuned
-    H200 tiles: one MMA and promotion per group) or half of one, at K = 1024 and at 1152,
-    where a 256-wide step ends in a group past K: equal to the torch backend."""
+def test_block_fp8_k_steps_of_several_or_part_of_a_group(hidden, T, tiles):
+    """Block-scaled fp8 tiles whose K step holds two 128-wide scale groups (the tuned prefill
+    and decode tiles: one MMA and promotion per group) or half of one, at K = 1024 and at
+    1152, where a 256-wide step ends in a group past K: equal to the torch backend."""
     from moerunner.backends.triton import TritonBackend
     from moerunner.backends.triton import experts as X
     from moerunner.backends.triton.tile_config import MoeTiles, TileConfig
 
     dev = torch.device("cuda")
     torch.manual_seed(hidden)
-    T, E, k, inter = 512, 8, 2, 384
+    E, k, inter = 8, 2, 384
     act = moerunner.Activation("silu")
     weights = ExpertWeights(
         moerunner.quantize(

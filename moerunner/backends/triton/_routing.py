@@ -255,7 +255,7 @@ def _route_align_kernel(
     ON_LOGITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ALIGN_E_POW2: tl.constexpr,
-    CHUNK: tl.constexpr,
+    ROWS_POW2: tl.constexpr,
     FILL: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -297,7 +297,7 @@ def _route_align_kernel(
         NUM_EXPERTS,
         BLOCK_M,
         ALIGN_E_POW2,
-        CHUNK,
+        ROWS_POW2,
         FILL,
     )
 
@@ -524,7 +524,7 @@ def route_aligned(
             f"route_aligned: {num_tokens} tokens do not fit one routing block of "
             f"{consts['BLOCK_T']} rows at {num_experts} experts"
         )
-    align = one_program_constants(num_experts, block_m)
+    align = one_program_constants(num_experts, block_m, consts["BLOCK_T"] * top_k)
     sorted_rows, block_expert, num_padded = layout
     _launch.launch(
         _route_align_kernel,
@@ -542,7 +542,7 @@ def route_aligned(
         **consts,
         BLOCK_M=block_m,
         ALIGN_E_POW2=align["E_POW2"],
-        CHUNK=align["CHUNK"],
+        ROWS_POW2=align["ROWS_POW2"],
         FILL=align["FILL"],
         options=options,
         num_warps=4,
