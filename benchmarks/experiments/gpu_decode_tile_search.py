@@ -11,8 +11,8 @@
 # over 8 routings), the best pair, then the whole fused call with the shipped tiles (a) and
 # the best pair (b) alternately for --rounds rounds, with the bandwidth of the experts' bytes
 # each reads (experts hit per routing x bytes per expert). Compiling is CPU work: --jobs
-# compiles the candidates in that many processes first (on 16 experts, so each holds little
-# GPU memory; the kernels do not depend on the expert count).
+# compiles the candidates in that many processes first (on ``tune.compile_experts`` experts,
+# so each holds little GPU memory).
 
 from __future__ import annotations
 
@@ -44,9 +44,9 @@ def candidates(bns, bks, pipelines) -> list[TileConfig]:
     ]
 
 
-def prepare(preset: str, scheme: str, experts: int | None):
+def prepare(preset: str, scheme: str, compile_only: bool):
     H, I, E, k, act = tune.PRESETS[preset]
-    E = experts or E
+    E = tune.compile_experts(E, k) if compile_only else E
     weights = tune.random_weights(H, I, E, act, scheme, torch.device("cuda"))
     return TritonBackend().prepare_weights(weights, weights.spec(Activation(act))), k
 
@@ -121,7 +121,7 @@ def main() -> None:
     cands = candidates(args.bn, args.bk, pipes)
     if args.part is not None:  # a compile process
         i, n = (int(v) for v in args.part.split("/"))
-        prepared, k = prepare(args.preset, args.scheme, 16)
+        prepared, k = prepare(args.preset, args.scheme, True)
         for T in args.tokens:
             part = cands[i::n]
             tune.tune_tokens(prepared, T, k, part, progress=lambda s: None, compile_only=True)
@@ -133,7 +133,7 @@ def main() -> None:
             for i in range(args.jobs)
         ]
         print(f"compile: {[p.wait() for p in procs]} in {time.time() - start:.0f} s", flush=True)
-    prepared, k = prepare(args.preset, args.scheme, None)
+    prepared, k = prepare(args.preset, args.scheme, False)
     shipped = layer_tiles(prepared.spec, args.scheme, prepared.tensors["w13"], None)
     print(f"shipped tiles: {shipped.describe()}; {len(cands)} candidates", flush=True)
     out = []

@@ -193,3 +193,33 @@ def test_prepared_layout_of_the_test_weights():
     """The launch test above covers both e2m1 layouts (the option re-lays e2m1 weights)."""
     assert weight_layout(_prepared("mxfp4", "fragment").tensors["w13"]) == "fragment"
     assert weight_layout(_prepared("mxfp4", "split").tensors["w13"]) is None
+
+
+@pytest.mark.parametrize(
+    ("experts", "top_k", "built"),
+    [(256, 8, 16), (128, 8, 16), (60, 4, 17), (8, 2, 8), (16, 2, 16), (64, 32, 64)],
+)
+def test_compile_only_search_builds_few_experts_with_the_shapes_candidates(
+    monkeypatch, tmp_path, experts, top_k, built
+):
+    """``moerunner tune --jobs``'s compile processes (``tune_preset(compile_only=True)``)
+    build weights for at most 16 experts (17 where E is no multiple of 16, the property
+    Triton specialises on; all where top_k needs more) instead of the whole layer, which ran
+    an 80 GB H100 out of memory with DeepSeek-V3's; they still compile the candidates of the
+    real expert count. The timed search builds every expert."""
+    assert tune.compile_experts(experts, top_k) == built
+    seen = []
+
+    def fake_tune_tokens(prepared, t, k, candidates=None, progress=print, compile_only=False):
+        seen.append((prepared.spec.num_experts, compile_only, candidates))
+        return None, float("nan")
+
+    monkeypatch.setattr(tune, "tune_tokens", fake_tune_tokens)
+    tune.tune_preset(
+        256, 128, experts, top_k, "silu", "bf16", [1, 64], tmp_path, compile_only=True,
+        device="cpu",
+    )  # fmt: skip
+    w13 = _prepared("bf16", None, 256, 128).tensors["w13"]
+    want = [tune.candidate_tiles(t, top_k, experts, "bf16", weight_layout(w13)) for t in (1, 64)]
+    assert seen == [(built, True, want[0]), (built, True, want[1])]
+    assert list(tmp_path.iterdir()) == []  # compiling writes no file

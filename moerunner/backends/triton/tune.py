@@ -53,6 +53,8 @@ ROUTINGS = 8
 # tile) while the call's rows are at most 1 / SPLIT_K_MAX_SHARE of the experts.
 SPLIT_K_CANDIDATES = (1, 2, 3, 4, 6)
 SPLIT_K_MAX_SHARE = 4
+# Experts a compile-only search builds weights for (``compile_experts``).
+COMPILE_EXPERTS = 16
 # Rows per expert above which the search of the middle band also times 128-row tiles
 # (``candidate_tiles``).
 MIN_RPE_128_ROWS = 48
@@ -415,6 +417,18 @@ def random_weights(
     return ExpertWeights(w13, w2, gate_up_interleaved=activation == "swiglu_oai", **biases)
 
 
+def compile_experts(num_experts: int, top_k: int) -> int:
+    """Experts a compile-only search (``tune_preset``, the processes of ``precompile``)
+    builds weights for: the kernels it compiles do not depend on the expert count beyond
+    whether it is a multiple of 16 (Triton specialises integer arguments on that), so at
+    most ``COMPILE_EXPERTS`` (+ 1, to keep that property) and at least ``top_k``. Each
+    parallel process then holds a few experts, not the layer: DeepSeek-V3's whole fp8 layer
+    took 21.6 GB a process, and two of five ran out of memory on an 80 GB H100."""
+    if num_experts <= COMPILE_EXPERTS or top_k > COMPILE_EXPERTS:
+        return num_experts
+    return COMPILE_EXPERTS if num_experts % 16 == 0 else COMPILE_EXPERTS + 1
+
+
 def tune_preset(
     hidden: int,
     inter: int,
@@ -427,32 +441,37 @@ def tune_preset(
     progress: Callable[[str], None] = print,
     compile_only: bool = False,
     options: TritonOptions | None = None,
+    device: str | torch.device = "cuda",
 ) -> tuple[Path | None, dict]:
-    """Tune every token count of one shape and write its file into ``out_dir``; returns
-    (path, ms by T). ``options``: the backend's (default ``TritonOptions()``), with which the
-    weights are prepared (``e2m1_layout``: the layout tuned, named in the file) and every
-    candidate launched.
+    """Tune every token count of one shape on ``device`` and write its file into
+    ``out_dir``; returns (path, ms by T). ``options``: the backend's (default
+    ``TritonOptions()``), with which the weights are prepared (``e2m1_layout``: the layout
+    tuned, named in the file) and every candidate launched.
 
-    ``compile_only`` only compiles every candidate (see ``tune_tokens``) and writes nothing.
+    ``compile_only`` only compiles every candidate of the shape (see ``tune_tokens``) and
+    writes nothing; it builds weights for ``compile_experts`` experts only.
     """
     from ...config import Activation
     from . import TritonBackend
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     act = Activation(activation)
-    weights = random_weights(hidden, inter, num_experts, activation, scheme, dev)
+    built = compile_experts(num_experts, top_k) if compile_only else num_experts
+    weights = random_weights(hidden, inter, built, activation, scheme, dev)
     spec = weights.spec(act)
     prepared = TritonBackend(options).prepare_weights(weights, spec)
-    name = torch.cuda.get_device_name(dev)
     layout = weight_layout(prepared.tensors["w13"])
-    path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name, layout)
     if not compile_only:
+        name = torch.cuda.get_device_name(dev)
+        path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name, layout)
         check_mergeable(path)  # before the search, not after it
     found, timings = {}, {}
     for t in tokens:
         start = time.time()
         progress(f"E={num_experts} N={inter} K={hidden} {scheme} T={t}: searching")
-        tiles, ms = tune_tokens(prepared, t, top_k, progress=progress, compile_only=compile_only)
+        # The shape's own candidates also where fewer experts' weights stand in for it.
+        cands = candidate_tiles(t, top_k, num_experts, scheme, layout) if compile_only else None
+        tiles, ms = tune_tokens(prepared, t, top_k, cands, progress, compile_only)
         if compile_only:
             continue
         found[t], timings[t] = tiles, ms
