@@ -121,6 +121,56 @@ def test_alignment_of_int64_ids_checks_them_in_their_width(multi):
     assert torch.equal(b[: used // block_m].cpu(), want_b)
 
 
+@pytest.mark.parametrize("multi", [False, True])
+def test_alignment_takes_its_most_experts_and_refuses_more(multi):
+    """At ``MAX_EXPERTS`` (2**16) both alignments lay rows out right (the one-program
+    path's int32 (expert, row) keys and the multi-program path's one-hot tiles both fit);
+    above it ``align_rows`` raises (the one-program keys overflowed past 2**19 experts and
+    wrote rows at negative slots; the multi-program tiles exceed Triton's largest tensor),
+    and the backend declines such layers with the reason."""
+    experts, block_m = _align.MAX_EXPERTS, 16
+    ids = torch.tensor([experts - 1, -1, 3, experts - 1, experts], dtype=torch.int32)
+    ids = ids.to(DEVICE)
+    cap = _align.max_padded_rows(ids.numel(), experts, block_m)
+    s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
+    b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
+    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    single_max = 0 if multi else _align.SINGLE_PROGRAM_MAX_ROWS
+    kw = dict(options=OPTIONS, rows_per_program=16, single_program_max_rows=single_max)
+    _align.align_rows(ids, experts, block_m, s, b, n, **kw)
+    assert int(n) == 32
+    assert s[:32].cpu().tolist() == [2] + [5] * 15 + [0, 3] + [5] * 14
+    assert b[:2].cpu().tolist() == [3, experts - 1]
+    with pytest.raises(ValueError, match="at most 65536 experts"):
+        _align.align_rows(ids, experts + 1, block_m, s, b, n, **kw)
+    problem = MoeProblem("cpu", torch.float32, "fp32", "silu", "standard", 64, 64, experts + 1)
+    ok, reason = triton_pkg.TritonBackend().supports(problem)
+    assert not ok and "65536 experts" in reason
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        torch.tensor([0, 9, 1, 9, 2, 9, 3, 9], dtype=torch.int32)[::2],  # strided
+        torch.zeros(4, 2, dtype=torch.int32),  # 2-D
+        torch.tensor([0, 1], dtype=torch.uint8),
+        torch.tensor([0, 1], dtype=torch.float32),
+    ],
+    ids=["strided", "2-D", "uint8", "float32"],
+)
+def test_alignment_refuses_ids_it_would_misread(ids):
+    """The kernels read the ids densely as a 1-D int32 / int64 array: a strided view was
+    read as if dense (wrong experts, silently), uint8 ids at 256 experts failed inside the
+    interpreter or counted masked lanes as expert 255. Now a clear error."""
+    cap = _align.max_padded_rows(ids.shape[0], 4, 16)
+    s = torch.empty(cap, dtype=torch.int32, device=DEVICE)
+    b = torch.empty(cap // 16, dtype=torch.int32, device=DEVICE)
+    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    error = TypeError if ids.dim() == 1 and ids.is_contiguous() else ValueError
+    with pytest.raises(error, match="row_expert must be"):
+        _align.align_rows(ids.to(DEVICE), 4, 16, s, b, n, options=OPTIONS)
+
+
 @triton.jit
 def _experts_of_blocks_kernel(
     ids_ptr, out_ptr, num_rows, num_experts, BLOCK_M: tl.constexpr, IDS: tl.constexpr,

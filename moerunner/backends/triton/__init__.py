@@ -39,6 +39,7 @@ from ...weights import ExpertWeights, PreparedWeights
 from ..base import Backend, Capabilities, MoeProblem
 from ..option_fields import options_and_name
 from . import _gemm_kernel
+from ._align import MAX_EXPERTS
 from ._prepare import SUPPORTED_SCHEMES, WeightLayout, fragment_ok, prepare
 from ._step import experts_step, layer_step
 from .experts import ROUTING_DTYPES, fused_standard, grouped_core
@@ -104,6 +105,8 @@ class TritonBackend(Backend):
         ok, reason = super().supports(problem)
         if ok and problem.device_type == "cpu" and problem.dtype == torch.bfloat16:
             return False, "bf16 is computed wrongly by the Triton CPU interpreter"
+        if ok and problem.num_experts > MAX_EXPERTS:
+            return False, f"more than {MAX_EXPERTS} experts (the expert alignment's bound)"
         if ok and problem.hooks and fragment_ok(problem.w13_scheme, self.options):
             return False, (
                 "hooks need GEMM1's columns in row order; e2m1 weights in the fragment layout "

@@ -24,6 +24,14 @@ from .options import TritonOptions
 # work is spread over programs of ROWS_PER_PROGRAM rows each (three launches, all on device).
 SINGLE_PROGRAM_MAX_ROWS = 2048
 ROWS_PER_PROGRAM = 1024
+# The most experts the alignment takes: the multi-program path's [16, E_POW2] one-hot tiles stay
+# within Triton's largest tensor (2**20 elements), the one-program path's (expert, row) keys
+# within int32. The backend declares it (``TritonBackend.supports``).
+MAX_EXPERTS = 2**16
+
+
+def _rows_pow2(num_rows: int) -> int:
+    return max(16, _pow2(num_rows))
 
 
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
@@ -44,8 +52,9 @@ def _chunk(e_pow2: int) -> int:
 def one_program_constants(num_experts: int, block_m: int, num_rows: int) -> dict:
     """The constexprs of ``align_in_program`` for ``num_experts``, ``block_m`` and up to
     ``num_rows`` rows."""
-    rows_pow2 = max(16, _pow2(num_rows))
-    return dict(BLOCK_M=block_m, E_POW2=_e_pow2(num_experts), ROWS_POW2=rows_pow2, FILL=1024)
+    return dict(
+        BLOCK_M=block_m, E_POW2=_e_pow2(num_experts), ROWS_POW2=_rows_pow2(num_rows), FILL=1024
+    )
 
 
 def scratch_size(num_rows: int, num_experts: int, rows_per_program: int = ROWS_PER_PROGRAM) -> int:
@@ -321,6 +330,15 @@ def align_rows(
     ``scratch`` (int32, at least ``scratch_size`` elements, reused across calls) holds the
     per-block counts and the segment bounds. ``options``: the backend's (launches).
     """
+    if row_expert.dim() != 1 or not row_expert.is_contiguous():
+        raise ValueError(
+            f"align_rows: row_expert must be 1-D and contiguous (the kernels read it densely), "
+            f"got shape {list(row_expert.shape)} and strides {list(row_expert.stride())}"
+        )
+    if row_expert.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"align_rows: row_expert must be int32 or int64, got {row_expert.dtype}")
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"align_rows: at most {MAX_EXPERTS} experts, got {num_experts}")
     num_rows = row_expert.shape[0]
     if num_rows <= single_program_max_rows:
         _launch.launch(
