@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _prepared(scheme: str, e2m1_layout: str | None, hidden: int = 256, inter: in
 def _no_group(tile: tile_config.TileConfig) -> tile_config.TileConfig:
     # GROUP_M only orders the launch of row blocks; the tuner's decode and mid-band
     # candidates differ in it alone.
-    return dataclasses.replace(tile, group_m=0)
+    return dataclasses.replace(tile, group_m=1)
 
 
 @pytest.mark.parametrize(
@@ -145,8 +146,8 @@ def test_default_tiles_are_the_h100_files_where_compute_bound():
             key["scheme"] == "mxfp4" and 32 <= rpe <= 128
         ):
             for got, want in ((default.gemm1, tiles.gemm1), (default.gemm2, tiles.gemm2)):
-                assert dataclasses.replace(_no_group(got), num_stages=0) == dataclasses.replace(
-                    _no_group(want), num_stages=0
+                assert dataclasses.replace(_no_group(got), num_stages=1) == dataclasses.replace(
+                    _no_group(want), num_stages=1
                 ), (key, rpe)
             checked += 1
     assert checked >= 9  # bf16 and split-layout mxfp4 entries of the H100 files
@@ -223,3 +224,118 @@ def test_compile_only_search_builds_few_experts_with_the_shapes_candidates(
     want = [tune.candidate_tiles(t, top_k, experts, "bf16", weight_layout(w13)) for t in (1, 64)]
     assert seen == [(built, True, want[0]), (built, True, want[1])]
     assert list(tmp_path.iterdir()) == []  # compiling writes no file
+
+
+GPU_NAME = "NVIDIA H100 80GB HBM3"
+GOOD_TILE = {"block_m": 16, "block_n": 64, "block_k": 128, "group_m": 1, "num_warps": 4,
+             "num_stages": 3}  # fmt: skip
+
+
+def _tile_file(folder, body: object, key: dict | None = None) -> str:
+    """A file named as the tuned file of E=8, N=128, K=256, bf16 on GPU_NAME in ``folder``,
+    holding ``body`` (a str as is, else as JSON with the schema and ``key`` added)."""
+    path = folder / tile_config.config_file_name(8, 128, 256, "bf16", GPU_NAME)
+    if not isinstance(body, str):
+        doc = {"schema": tile_config.SCHEMA, "key": key or {"E": 8, "N": 128, "K": 256,
+               "scheme": "bf16", "device": GPU_NAME}, **body}  # fmt: skip
+        body = json.dumps(doc)
+    path.write_text(body)
+    return str(path)
+
+
+def _find(folder):
+    return tile_config.find_tiles(8, 128, 256, "bf16", GPU_NAME, tile_dirs=[folder])
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ("", "unreadable as JSON"),
+        ("{not json", "unreadable as JSON"),
+        ("[1, 2]", "top level is not a JSON object"),
+        ({}, "'by_tokens' is missing"),
+        ({"by_tokens": [1]}, "'by_tokens' is missing or not an object"),
+        ({"by_tokens": {"abc": {}}}, "token count 'abc'"),
+        ({"by_tokens": {"-4": {}}}, "token count '-4'"),
+        ({"by_tokens": {"16": None}}, "entry '16'"),
+        ({"by_tokens": {"16": {"gemm1": GOOD_TILE}}}, "'gemm1' and 'gemm2'"),
+        (
+            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "bogus": 1}}}},
+            "unknown fields",
+        ),  # fmt: skip
+        (
+            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_n": -64}}}},
+            "block_n must be a power of two",
+        ),  # fmt: skip
+        (
+            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_n": 48}}}},
+            "block_n must be a power of two",
+        ),  # fmt: skip
+        (
+            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_m": 0}}}},
+            "block_m must be a power of two",
+        ),  # fmt: skip
+        (
+            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "num_warps": 3}}}},
+            "num_warps must be a power of two",
+        ),  # fmt: skip
+        (
+            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_n": 64.7}}}},
+            "block_n must be a power of two",
+        ),  # fmt: skip
+        (
+            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "num_stages": True}}}},
+            "num_stages must be a positive int",
+        ),  # fmt: skip
+    ],
+)
+def test_a_broken_tile_file_is_refused_naming_it(tmp_path, body, why):
+    """A user's tile file that moerunner cannot use raises one ValueError naming the file and
+    what is wrong. Before: raw JSONDecodeError / KeyError / AttributeError / TypeError without
+    the path, and tiles with a negative or non-power-of-two BLOCK_N loaded and launched (a
+    negative one gave wrong results under the interpreter, silently); 64.7 read as 64."""
+    path = _tile_file(tmp_path, body)
+    with pytest.raises(ValueError, match="not a usable moerunner tile file") as info:
+        _find(tmp_path)
+    assert path in str(info.value) and why in str(info.value)
+
+
+def test_a_tile_file_of_another_shape_is_refused(tmp_path):
+    """A file under this shape's name whose key names another shape (copied or renamed by
+    hand) is refused, not used for this shape; ``moerunner tune`` will not merge into it."""
+    key = {"E": 64, "N": 128, "K": 256, "scheme": "mxfp4", "device": GPU_NAME}
+    entry = {"gemm1": GOOD_TILE, "gemm2": GOOD_TILE}
+    path = _tile_file(tmp_path, {"by_tokens": {"16": entry}}, key)
+    with pytest.raises(ValueError, match="names another shape"):
+        _find(tmp_path)
+    with pytest.raises(ValueError, match="names another shape"):
+        tune.check_mergeable(Path(path), tile_config.file_key(8, 128, 256, "bf16", GPU_NAME))
+
+
+def test_an_edited_tile_file_is_read_again(tmp_path):
+    """Tile files were cached by path for the process: weights prepared after a file was
+    rewritten (a second ``moerunner tune`` in a notebook) kept the old tiles."""
+    entry = {"gemm1": GOOD_TILE, "gemm2": GOOD_TILE}
+    _tile_file(tmp_path, {"by_tokens": {"16": entry}})
+    assert _find(tmp_path).table[16].gemm1.block_n == 64
+    wider = {"gemm1": {**GOOD_TILE, "block_n": 128}, "gemm2": GOOD_TILE}
+    _tile_file(tmp_path, {"by_tokens": {"16": wider, "64": wider}})
+    assert _find(tmp_path).table[16].gemm1.block_n == 128
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"by_tokens": {"16": None}},
+        {"by_tokens": {}, "measured": []},
+        {"by_tokens": {}, "measured": {"gemm_ms": {"x": 1.0}}},
+    ],  # fmt: skip
+)
+def test_tune_refuses_a_broken_file_before_its_search(tmp_path, body):
+    """``moerunner tune`` checks the file it will merge into before searching: a file with
+    the schema marker but a broken body made ``merge_tuned`` fail after the whole search,
+    losing its results."""
+    path = Path(_tile_file(tmp_path, body))
+    with pytest.raises(ValueError) as info:
+        tune.check_mergeable(path, tile_config.file_key(8, 128, 256, "bf16", GPU_NAME))
+    assert str(path) in str(info.value)

@@ -21,8 +21,9 @@ import functools
 import json
 import os
 import re
+import stat
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ...device_files import device_key, user_cache_dir
@@ -65,14 +66,29 @@ class TileConfig:
     split_k: int | None = None
 
     def __post_init__(self) -> None:
-        if self.split_k is not None and self.split_k < 1:
-            raise ValueError(f"split_k must be None or at least 1, got {self.split_k}")
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            top = 32 if name == "num_warps" else 4096
+            if not _count(value) or value & (value - 1) or value > top:
+                raise ValueError(f"{name} must be a power of two up to {top}, got {value!r}")
+        for name in ("group_m", "num_stages"):
+            if not _count(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.split_k is not None and not _count(self.split_k):
+            raise ValueError(f"split_k must be None or at least 1, got {self.split_k!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> TileConfig:
         """Build from a JSON object with these field names (``split_k`` may be left out or
-        null: the launcher's choice)."""
-        return cls(**{k: None if v is None else int(v) for k, v in d.items()})
+        null: the launcher's choice); ValueError for anything else."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(d, dict):
+            raise ValueError(f"a tile must be an object with fields {names}, got {d!r}")
+        unknown = sorted(set(d) - set(names))
+        missing = [n for n in ("block_m", "block_n", "block_k") if n not in d]
+        if unknown or missing:
+            raise ValueError(f"tile {d}: unknown fields {unknown}, missing {missing}")
+        return cls(**d)
 
     def to_dict(self) -> dict:
         """JSON-ready form (``split_k`` only when set, as files written before it)."""
@@ -108,8 +124,15 @@ class MoeTiles:
 
     @classmethod
     def from_dict(cls, d: dict) -> MoeTiles:
-        """Inverse of ``to_dict``."""
+        """Inverse of ``to_dict``; ValueError for anything else."""
+        if not isinstance(d, dict) or set(d) != {"gemm1", "gemm2"}:
+            raise ValueError(f"expected an object with 'gemm1' and 'gemm2' tiles, got {d!r}")
         return cls(TileConfig.from_dict(d["gemm1"]), TileConfig.from_dict(d["gemm2"]))
+
+
+def _count(value: object) -> bool:
+    """A positive int (not a bool: JSON's true would read as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def scheme_key(scheme: str | QuantScheme) -> str:
@@ -180,16 +203,67 @@ def config_files_of(
     return sorted(p for p in folder.iterdir() if pattern.fullmatch(p.name))
 
 
-@functools.lru_cache(maxsize=256)
-def load_config_file(path: str) -> dict[int, MoeTiles] | None:
-    """Tiles by token count from a tuned file, or None when the file does not exist."""
-    p = Path(path)
-    if not p.is_file():
+def load_config_file(path: str, key: tuple | None = None) -> dict[int, MoeTiles] | None:
+    """Tiles by token count from a tuned file, or None when no file is there. A file that is
+    not a valid tuned file raises a ValueError naming it and what is wrong, as does one whose
+    ``key`` names another shape than ``key`` (``file_key``) where that is given. Read again
+    when the file changes (cached by path, modification time and size)."""
+    try:
+        st = os.stat(path)
+    except OSError:
         return None
-    doc = json.loads(p.read_text())
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return _load_config_file(str(path), st.st_mtime_ns, st.st_size, key)
+
+
+def file_key(
+    num_experts: int, n: int, k: int, scheme: str | QuantScheme, device_name: str, layout=None
+) -> tuple:
+    """What a tuned file's ``key`` must hold for this shape (``load_config_file``)."""
+    return (num_experts, n, k, scheme_key(scheme), device_key(device_name), layout or None)
+
+
+@functools.lru_cache(maxsize=256)
+def _load_config_file(path: str, mtime_ns: int, size: int, key: tuple | None):
+    def bad(why: str) -> ValueError:
+        return ValueError(
+            f"{path}: not a usable moerunner tile file: {why}; fix or delete it, or write it "
+            "again with moerunner tune"
+        )
+
+    try:
+        doc = json.loads(Path(path).read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"unreadable as JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise bad("its top level is not a JSON object")
     if doc.get("schema") != SCHEMA:
-        raise ValueError(f"{p}: schema {doc.get('schema')!r} is not {SCHEMA!r}")
-    return {int(t): MoeTiles.from_dict(v) for t, v in doc["by_tokens"].items()}
+        raise ValueError(f"{path}: schema {doc.get('schema')!r} is not {SCHEMA!r}")
+    held = doc.get("key")
+    if key is not None and isinstance(held, dict):
+        try:
+            found = (held["E"], held["N"], held["K"], held["scheme"], device_key(held["device"]))
+            found += (held.get("layout"),)
+        except (KeyError, TypeError, AttributeError):
+            raise bad(f"its key {held!r} lacks E, N, K, scheme or device") from None
+        if found != key:
+            raise bad(f"its key {held!r} names another shape than its file name ({key})")
+    by_tokens = doc.get("by_tokens")
+    if not isinstance(by_tokens, dict):
+        raise bad("'by_tokens' is missing or not an object")
+    table = {}
+    for tokens, entry in by_tokens.items():
+        if not tokens.isdigit() or int(tokens) < 1:
+            raise bad(f"token count {tokens!r} is not a positive integer")
+        try:
+            table[int(tokens)] = MoeTiles.from_dict(entry)
+        except ValueError as exc:
+            raise bad(f"entry {tokens!r}: {exc}") from None
+    return table
+
+
+load_config_file.cache_clear = _load_config_file.cache_clear  # type: ignore[attr-defined]
 
 
 def mma_8bit(scheme: str | QuantScheme) -> bool:
@@ -362,9 +436,10 @@ def find_tiles(
     names a prepared weight layout whose tiles are tuned apart (``WeightLayout.tile_key``)."""
     if device_name is not None:
         name = config_file_name(num_experts, n, k, scheme, device_name, layout)
+        key = file_key(num_experts, n, k, scheme, device_name, layout)
         for folder in tile_folders(tile_dirs):
             path = folder / name
-            table = load_config_file(str(path))
+            table = load_config_file(str(path), key)
             if table:
                 return TileSource(num_experts, n, k, scheme, dtype_bytes, path, table)
     return TileSource(num_experts, n, k, scheme, dtype_bytes)

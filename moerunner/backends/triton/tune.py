@@ -33,6 +33,7 @@ from .tile_config import (
     MoeTiles,
     TileConfig,
     config_file_name,
+    file_key,
     is_tile_file,
     k_blocked,
     load_config_file,
@@ -464,7 +465,7 @@ def tune_preset(
     if not compile_only:
         name = torch.cuda.get_device_name(dev)
         path = out_dir / config_file_name(num_experts, inter, hidden, scheme, name, layout)
-        check_mergeable(path)  # before the search, not after it
+        check_mergeable(path, file_key(num_experts, inter, hidden, scheme, name, layout))
     found, timings = {}, {}
     for t in tokens:
         start = time.time()
@@ -486,13 +487,23 @@ def tune_preset(
     return path, timings
 
 
-def check_mergeable(path: Path) -> None:
-    """ValueError unless ``path`` is absent or a tuned file moerunner wrote (``is_tile_file``):
-    a tuned file is merged into, any other file is left alone."""
+def check_mergeable(path: Path, key: tuple | None = None) -> None:
+    """ValueError unless ``path`` is absent or a valid tuned file moerunner wrote
+    (``is_tile_file``, then read whole by ``load_config_file``, of the shape ``key`` where
+    given): a tuned file is merged into, any other file is left alone. Checked before a
+    search, so a broken file does not lose the search's results at the end."""
     if path.exists() and not (path.is_file() and is_tile_file(path)):
         raise ValueError(
             f"{path}: exists and is not a moerunner tile file (no top-level schema "
             f"{SCHEMA!r}); refusing to merge into it: move it away or tune into another folder"
+        )
+    load_config_file(str(path), key)
+    measured = json.loads(path.read_text()).get("measured", {}) if path.is_file() else {}
+    gemm_ms = measured.get("gemm_ms", {}) if isinstance(measured, dict) else None
+    if not isinstance(gemm_ms, dict) or not all(str(t).isdigit() for t in gemm_ms):
+        raise ValueError(
+            f"{path}: its 'measured' timings are not an object of token counts; fix or delete "
+            "the file"
         )
 
 
@@ -507,7 +518,7 @@ def merge_tuned(
     timing (ms by T) in the written file. ``key``: (E, N, K, scheme, device name, layout),
     as ``write_config_file`` takes them. Refuses a file moerunner did not write
     (``check_mergeable``)."""
-    check_mergeable(path)
+    check_mergeable(path, file_key(*key))
     if path.is_file():
         load_config_file.cache_clear()
         found = {**(load_config_file(str(path)) or {}), **found}
