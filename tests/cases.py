@@ -270,6 +270,17 @@ def undefined_rows_mm(a: torch.Tensor, b: torch.Tensor, ends=None, *, offs=None)
     return _UndefinedRowsMm.apply(a, b, ends if offs is None else offs)
 
 
+def align_buffers(num_rows, num_experts, block_m, device):
+    """The alignment's outputs for ``num_rows`` ids (sorted rows, block experts, used
+    length), the first two filled with -7 so a slot left unwritten shows."""
+    from moerunner.backends.triton import _align
+
+    cap = _align.max_padded_rows(num_rows, num_experts, block_m)
+    s = torch.full((cap,), -7, dtype=torch.int32, device=device)
+    b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=device)
+    return s, b, torch.empty(1, dtype=torch.int32, device=device)
+
+
 def align_reference(row_expert, num_experts, block_m):
     """Sort-based alignment in PyTorch: stable order within each expert, sentinel padding."""
     rows = row_expert.shape[0]

@@ -16,6 +16,7 @@ import torch
 from cases import (
     PACKED_SCHEMES,
     TRITON_QUANT_SCHEMES,
+    align_buffers,
     align_reference,
     gpt_oss_experts,
     random_experts,
@@ -87,10 +88,7 @@ def test_alignment_kernel_equals_reference(rows, experts, block_m, past, multi):
     gen = torch.Generator().manual_seed(rows)
     ids = torch.randint(-1, experts + past, (rows,), generator=gen, dtype=torch.int32)
     ids = ids.to(DEVICE)
-    cap = _align.max_padded_rows(rows, experts, block_m)
-    s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
-    b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
-    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    s, b, n = align_buffers(rows, experts, block_m, DEVICE)
     _align.align_rows(
         ids, experts, block_m, s, b, n, rows_per_program=16, options=OPTIONS,
         single_program_max_rows=single_max,
@@ -107,10 +105,7 @@ def test_alignment_of_int64_ids_checks_them_in_their_width(multi):
     2**32 + 1 is skipped, not read as expert 1."""
     ids = torch.tensor([1, 2**32 + 1, 0, -1, 1, 2**31, 2], dtype=torch.int64, device=DEVICE)
     experts, block_m = 4, 16
-    cap = _align.max_padded_rows(ids.numel(), experts, block_m)
-    s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
-    b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
-    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    s, b, n = align_buffers(ids.numel(), experts, block_m, DEVICE)
     _align.align_rows(
         ids, experts, block_m, s, b, n, rows_per_program=16, options=OPTIONS,
         single_program_max_rows=0 if multi else _align.SINGLE_PROGRAM_MAX_ROWS,
@@ -131,10 +126,7 @@ def test_alignment_takes_its_most_experts_and_refuses_more(multi):
     experts, block_m = _align.MAX_EXPERTS, 16
     ids = torch.tensor([experts - 1, -1, 3, experts - 1, experts], dtype=torch.int32)
     ids = ids.to(DEVICE)
-    cap = _align.max_padded_rows(ids.numel(), experts, block_m)
-    s = torch.full((cap,), -7, dtype=torch.int32, device=DEVICE)
-    b = torch.full((cap // block_m,), -7, dtype=torch.int32, device=DEVICE)
-    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    s, b, n = align_buffers(ids.numel(), experts, block_m, DEVICE)
     single_max = 0 if multi else _align.SINGLE_PROGRAM_MAX_ROWS
     kw = dict(options=OPTIONS, rows_per_program=16, single_program_max_rows=single_max)
     _align.align_rows(ids, experts, block_m, s, b, n, **kw)
@@ -162,10 +154,7 @@ def test_alignment_refuses_ids_it_would_misread(ids):
     """The kernels read the ids densely as a 1-D int32 / int64 array: a strided view was
     read as if dense (wrong experts, silently), uint8 ids at 256 experts failed inside the
     interpreter or counted masked lanes as expert 255. Now a clear error."""
-    cap = _align.max_padded_rows(ids.shape[0], 4, 16)
-    s = torch.empty(cap, dtype=torch.int32, device=DEVICE)
-    b = torch.empty(cap // 16, dtype=torch.int32, device=DEVICE)
-    n = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    s, b, n = align_buffers(ids.shape[0], 4, 16, DEVICE)
     error = TypeError if ids.dim() == 1 and ids.is_contiguous() else ValueError
     with pytest.raises(error, match="row_expert must be"):
         _align.align_rows(ids.to(DEVICE), 4, 16, s, b, n, options=OPTIONS)

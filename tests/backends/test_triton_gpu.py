@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import PACKED_SCHEMES, TRITON_QUANT_SCHEMES, align_reference, gpt_oss_experts
+from cases import (
+    PACKED_SCHEMES,
+    TRITON_QUANT_SCHEMES,
+    align_buffers,
+    align_reference,
+    gpt_oss_experts,
+)
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -55,10 +61,7 @@ def test_one_program_alignment_up_to_its_row_bound(rows, experts, dtype):
     if dtype == torch.int64 and rows > 1:
         ids[1] = 2**32 + 1
     ids = ids.to(dev)
-    cap = _align.max_padded_rows(rows, experts, 16)
-    s = torch.full((cap,), -7, dtype=torch.int32, device=dev)
-    b = torch.full((cap // 16,), -7, dtype=torch.int32, device=dev)
-    n = torch.empty(1, dtype=torch.int32, device=dev)
+    s, b, n = align_buffers(rows, experts, 16, dev)
     _align.align_rows(ids, experts, 16, s, b, n, options=TritonOptions())
     used, want_s, want_b = align_reference(ids, experts, 16)
     assert int(n) == used

@@ -243,6 +243,11 @@ def _tile_file(folder, body: object, key: dict | None = None) -> str:
     return str(path)
 
 
+def _gemm2_with(**fields) -> dict:
+    """A file body of one entry whose GEMM2 tile is GOOD_TILE with ``fields`` changed."""
+    return {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, **fields}}}}
+
+
 def _find(folder):
     return tile_config.find_tiles(8, 128, 256, "bf16", GPU_NAME, tile_dirs=[folder])
 
@@ -259,34 +264,13 @@ def _find(folder):
         ({"by_tokens": {"-4": {}}}, "token count '-4'"),
         ({"by_tokens": {"16": None}}, "entry '16'"),
         ({"by_tokens": {"16": {"gemm1": GOOD_TILE}}}, "'gemm1' and 'gemm2'"),
-        (
-            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "bogus": 1}}}},
-            "unknown fields",
-        ),  # fmt: skip
-        (
-            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_n": -64}}}},
-            "block_n must be a power of two",
-        ),  # fmt: skip
-        (
-            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_n": 48}}}},
-            "block_n must be a power of two",
-        ),  # fmt: skip
-        (
-            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_m": 0}}}},
-            "block_m must be a power of two",
-        ),  # fmt: skip
-        (
-            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "num_warps": 3}}}},
-            "num_warps must be a power of two",
-        ),  # fmt: skip
-        (
-            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "block_n": 64.7}}}},
-            "block_n must be a power of two",
-        ),  # fmt: skip
-        (
-            {"by_tokens": {"16": {"gemm1": GOOD_TILE, "gemm2": {**GOOD_TILE, "num_stages": True}}}},
-            "num_stages must be a positive int",
-        ),  # fmt: skip
+        (_gemm2_with(bogus=1), "unknown fields"),
+        (_gemm2_with(block_n=-64), "block_n must be a power of two"),
+        (_gemm2_with(block_n=48), "block_n must be a power of two"),
+        (_gemm2_with(block_m=0), "block_m must be a power of two"),
+        (_gemm2_with(num_warps=3), "num_warps must be a power of two"),
+        (_gemm2_with(block_n=64.7), "block_n must be a power of two"),
+        (_gemm2_with(num_stages=True), "num_stages must be a positive int"),
     ],
 )
 def test_a_broken_tile_file_is_refused_naming_it(tmp_path, body, why):

@@ -30,10 +30,6 @@ ROWS_PER_PROGRAM = 1024
 MAX_EXPERTS = 2**16
 
 
-def _rows_pow2(num_rows: int) -> int:
-    return max(16, _pow2(num_rows))
-
-
 def max_padded_rows(num_rows: int, num_experts: int, block_m: int) -> int:
     """Upper bound of ``num_padded``: at most min(E, rows) segments, each padded < BLOCK_M."""
     bound = num_rows + min(num_experts, num_rows) * (block_m - 1)
@@ -52,9 +48,8 @@ def _chunk(e_pow2: int) -> int:
 def one_program_constants(num_experts: int, block_m: int, num_rows: int) -> dict:
     """The constexprs of ``align_in_program`` for ``num_experts``, ``block_m`` and up to
     ``num_rows`` rows."""
-    return dict(
-        BLOCK_M=block_m, E_POW2=_e_pow2(num_experts), ROWS_POW2=_rows_pow2(num_rows), FILL=1024
-    )
+    rows_pow2 = max(16, _pow2(num_rows))
+    return dict(BLOCK_M=block_m, E_POW2=_e_pow2(num_experts), ROWS_POW2=rows_pow2, FILL=1024)
 
 
 def scratch_size(num_rows: int, num_experts: int, rows_per_program: int = ROWS_PER_PROGRAM) -> int:

@@ -498,13 +498,22 @@ def check_mergeable(path: Path, key: tuple | None = None) -> None:
             f"{SCHEMA!r}); refusing to merge into it: move it away or tune into another folder"
         )
     load_config_file(str(path), key)
-    measured = json.loads(path.read_text()).get("measured", {}) if path.is_file() else {}
+    _measured_ms(path)
+
+
+def _measured_ms(path: Path) -> dict[int, float]:
+    """The GEMM ms by token count a tuned file records (empty for no file); ValueError if
+    they are not an object of token counts."""
+    if not path.is_file():
+        return {}
+    measured = json.loads(path.read_text()).get("measured", {})
     gemm_ms = measured.get("gemm_ms", {}) if isinstance(measured, dict) else None
-    if not isinstance(gemm_ms, dict) or not all(str(t).isdigit() for t in gemm_ms):
+    if not isinstance(gemm_ms, dict) or not all(t.isdigit() for t in gemm_ms):
         raise ValueError(
             f"{path}: its 'measured' timings are not an object of token counts; fix or delete "
             "the file"
         )
+    return {int(t): v for t, v in gemm_ms.items()}
 
 
 def merge_tuned(
@@ -522,8 +531,7 @@ def merge_tuned(
     if path.is_file():
         load_config_file.cache_clear()
         found = {**(load_config_file(str(path)) or {}), **found}
-        old = json.loads(path.read_text()).get("measured", {}).get("gemm_ms", {})
-        timings = {**{int(k): v for k, v in old.items()}, **timings}
+        timings = {**_measured_ms(path), **timings}
     num_experts, n, k, scheme, device_name, layout = key
     write_config_file(
         path,
