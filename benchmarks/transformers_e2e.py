@@ -410,13 +410,19 @@ class BackendLog(logging.Handler):
 
 RELAYOUT = "+relayout"
 AUTO = "+auto"
+#: ``...+routers`` (last): the MoE blocks' routers also run on moerunner's routing kernel
+#: (``fuse_routers``); every other implementation runs the routers' own forwards.
+ROUTERS = "+routers"
+IMPL_W = 30  # the tables' implementation column ("moerunner@fp8_block+routers" and a gap)
 #: ``moerunner@SCHEME``: moerunner on the experts quantized into SCHEME (``quantize_experts``
 #: with the float weights kept, so the other implementations still run on them).
 QUANTIZED = "@"
 
 
 def impl_scheme(impl: str) -> tuple[str, str | None]:
-    """``impl`` without its ``@SCHEME`` part, and that scheme (None if there is none)."""
+    """``impl`` without its ``@SCHEME`` part (and ``ROUTERS``), and that scheme (None if
+    there is none)."""
+    impl = impl.removesuffix(ROUTERS)
     name, _, scheme = impl.partition(QUANTIZED)
     if not scheme:
         return impl, None
@@ -450,7 +456,12 @@ def use_impl(model, impl: str, registered: str, first=None) -> None:
     does); ``...+auto`` leaves the layout to moerunner as for a model loaded with
     ``experts_implementation="moerunner"`` (``relayout_experts(model, "auto")``: its first
     inference call re-lays each layer in place), that first call made here on ``first``
-    (token ids, untimed) where given; every other implementation runs on the stored layout."""
+    (token ids, untimed) where given; every other implementation runs on the stored layout.
+    ``...+routers`` fuses the routers (``fuse_routers``); any other restores them."""
+    routers = impl.endswith(ROUTERS)
+    if routers != getattr(model, "_e2e_routers", False):
+        mt.fuse_routers(model, enable=routers)
+        model._e2e_routers = routers
     impl, scheme = impl_scheme(impl)
     layout = "canonical" if impl.endswith(RELAYOUT) else "auto" if impl.endswith(AUTO) else "stored"
     if layout == "auto" or layout != getattr(model, "_e2e_layout", "stored"):
@@ -491,7 +502,8 @@ def measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
         row, ref = _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args)
     if impl.startswith("moerunner"):
         row["backends"] = backends.served()
-        print(f"[{shape}] {impl:<20} served by: {' | '.join(row['backends']) or '?'}", flush=True)
+        served = " | ".join(row["backends"]) or "?"
+        print(f"[{shape}] {impl:<{IMPL_W - 1}} served by: {served}", flush=True)
     return row, ref
 
 
@@ -527,7 +539,7 @@ def _measure(model, shape, impl, registered, prompt, decode_prompt, ref, args):
     }
     layout = f"  experts {row['experts_layout']}" if row["experts_layout"] else ""
     print(
-        f"[{shape}] {impl:<20} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
+        f"[{shape}] {impl:<{IMPL_W - 1}} prefill {row['prefill_tok_s']:>10.0f} tok/s  "
         f"decode {row['decode_tok_s']:>8.1f} tok/s  err {_fmt(err, '.2e')}{layout}",
         flush=True,
     )
@@ -643,7 +655,7 @@ def measure_graphs(model, shape, impl, registered, decode_prompt, args) -> list[
             finally:
                 torch._dynamo.reset()
         msg = row.get("error") or f"decode {row['decode_tok_s']:>8.1f} tok/s"
-        print(f"[{shape}] {impl:<20} {mode:<18} {msg}", flush=True)
+        print(f"[{shape}] {impl:<{IMPL_W - 1}} {mode:<18} {msg}", flush=True)
         rows.append(row)
     return rows
 
@@ -925,18 +937,19 @@ def table(results: dict) -> str:
     """Compact table: tok/s with speedups against the first implementation of each shape,
     step times min/median/max, time in experts and its ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<21}{'prefill tok/s':>14}{'x':>7}{'prefill ms min/med/max':>26}"
+        f"{'shape':<15}{'impl':<{IMPL_W}}{'prefill tok/s':>14}{'x':>7}"
+        f"{'prefill ms min/med/max':>26}"
         f"{'exp ms':>9}{'/gm':>6}{'decode tok/s':>13}{'x':>6}{'decode ms min/med/max':>24}"
         f"{'exp ms':>9}{'/gm':>6}{'err':>10}"
     ]
     base: dict[str, dict] = {}
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"{r['shape']:<15}{r['impl']:<21}failed: {r['error'][:90]}")
+            lines.append(f"{r['shape']:<15}{r['impl']:<{IMPL_W}}failed: {r['error'][:90]}")
             continue
         b = base.setdefault(r["shape"], r)
         lines.append(
-            f"{r['shape']:<15}{r['impl']:<21}{r['prefill_tok_s']:>14.0f}"
+            f"{r['shape']:<15}{r['impl']:<{IMPL_W}}{r['prefill_tok_s']:>14.0f}"
             f"{r['prefill_tok_s'] / b['prefill_tok_s']:>7.2f}"
             f"{_spread_text(r['prefill_ms']):>26}"
             f"{_exp(r.get('prefill_experts_ms'), 9)}"
@@ -967,12 +980,12 @@ def rounds_table(rows: list[dict]) -> str:
     """The implementations timed in turns (``measure_rounds``): step times and time in
     experts with its ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<21}{'prefill ms min/med/max':>26}{'exp ms':>9}{'/gm':>6}"
+        f"{'shape':<15}{'impl':<{IMPL_W}}{'prefill ms min/med/max':>26}{'exp ms':>9}{'/gm':>6}"
         f"{'decode ms min/med/max':>24}{'exp ms':>9}{'/gm':>6}"
     ]
     for r in rows:
         lines.append(
-            f"{r['shape']:<15}{r['impl']:<21}{_spread_text(r['prefill_ms']):>26}"
+            f"{r['shape']:<15}{r['impl']:<{IMPL_W}}{_spread_text(r['prefill_ms']):>26}"
             f"{_exp(r.get('prefill_experts_ms'), 9)}"
             f"{_fmt(r.get('prefill_experts_vs_grouped_mm'), '.2f', 6)}"
             f"{_spread_text(r['decode_ms']):>24}"
@@ -993,7 +1006,7 @@ def span_table(rows: list[dict]) -> str:
     """The experts' span per prefill and per decode step (min/median/max) and the median's
     ratio to grouped_mm's."""
     lines = [
-        f"{'shape':<15}{'impl':<21}{'prefill span ms min/med/max':>30}{'/gm':>6}"
+        f"{'shape':<15}{'impl':<{IMPL_W}}{'prefill span ms min/med/max':>30}{'/gm':>6}"
         f"{'decode span ms min/med/max':>29}{'/gm':>6}{'hit prefill':>12}{'hit decode':>11}"
     ]
     for r in rows:
@@ -1001,7 +1014,7 @@ def span_table(rows: list[dict]) -> str:
             continue
         hit = r.get("experts_hit_per_call") or {}
         lines.append(
-            f"{r['shape']:<15}{r['impl']:<21}{_spread_text(r['prefill_span_ms']):>30}"
+            f"{r['shape']:<15}{r['impl']:<{IMPL_W}}{_spread_text(r['prefill_span_ms']):>30}"
             f"{_fmt(r.get('prefill_span_vs_grouped_mm'), '.2f', 6)}"
             f"{_spread_text(r['decode_span_ms']):>29}"
             f"{_fmt(r.get('decode_span_vs_grouped_mm'), '.2f', 6)}"
@@ -1017,11 +1030,11 @@ def span_table(rows: list[dict]) -> str:
 
 def graph_table(rows: list[dict]) -> str:
     lines = [
-        f"{'shape':<15}{'impl':<21}{'decode mode':<19}{'decode tok/s':>13}"
+        f"{'shape':<15}{'impl':<{IMPL_W}}{'decode mode':<19}{'decode tok/s':>13}"
         f"{'ms min/med/max':>24}{'exp ms':>9}{'/gm':>6}{'1st call s':>11}"
     ]
     for r in rows:
-        head = f"{r['shape']:<15}{r['impl']:<21}{r['mode']:<19}"
+        head = f"{r['shape']:<15}{r['impl']:<{IMPL_W}}{r['mode']:<19}"
         if "error" in r:
             lines.append(head + f"{'failed' if 'skipped' not in r['error'] else ''} {r['error']}")
             continue
@@ -1092,7 +1105,8 @@ def main(argv=None) -> None:
         "'moerunner+relayout' also re-lays GPT-OSS's transposed experts as use_moerunner does, "
         "'moerunner+auto' leaves them to moerunner's first-call re-lay (a loaded model's path); "
         "'moerunner@SCHEME' runs moerunner on the experts quantized into SCHEME "
-        "(e.g. moerunner@fp8_block); "
+        "(e.g. moerunner@fp8_block); a last '+routers' also runs the routers on moerunner's "
+        "routing kernel (fuse_routers; e.g. moerunner@fp8_block+routers); "
         f"the zero-cost implementation ({ZERO_IMPL}) is always added",
     )
     p.add_argument("--layers", type=_common.int_type(1), default=2)

@@ -17,7 +17,8 @@
 - a user function ``custom_routing_function(hidden_states, router_logits, top_k,
   renormalize) -> (weights, ids)`` (vLLM's convention), its output checked.
 
-Output: ``TopK(weights [T, k] float32, ids [T, k] int32)``. T = 0 gives empty tensors.
+Output: ``TopK(weights [T, k] float32, ids [T, k] int32)`` (other dtypes on request:
+``weights_dtype``, ``ids_dtype``). T = 0 gives empty tensors.
 
 Numerics, defined so that every implementation (this torch path on any device, the Triton
 kernel of ``backends/triton/_routing.py``) gives the same bits:
@@ -33,8 +34,6 @@ kernel of ``backends/triton/_routing.py``) gives the same bits:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .config import GROUP_SCORES, SCORING_FUNCS, check_groups, check_routing_values
@@ -43,6 +42,9 @@ from .errors import BackendUnavailableError, MoeInputError
 from .topk import TopK
 
 ROUTING_BACKENDS = ("auto", "torch", "triton")
+#: The dtypes ``select_experts`` can return its weights and ids in (the first: the default).
+WEIGHTS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+IDS_DTYPES = (torch.int32, torch.int64)
 
 
 def select_experts(
@@ -59,6 +61,8 @@ def select_experts(
     custom_routing_function=None,
     hidden_states: torch.Tensor | None = None,
     backend: str = "auto",
+    weights_dtype: torch.dtype = torch.float32,
+    ids_dtype: torch.dtype = torch.int32,
 ) -> TopK:
     """Choose ``top_k`` experts per token.
 
@@ -79,10 +83,17 @@ def select_experts(
             returned as float32 / int32.
         hidden_states: passed to ``custom_routing_function`` (unused otherwise).
         backend: ``"auto"`` (the one-launch Triton kernel for CUDA logits when Triton is
-            importable, outside ``torch.compile`` and unless the weights need gradients;
-            else the torch path), ``"torch"`` (this module's reference path, differentiable
-            in the logits) or ``"triton"`` (the kernel, which has no backward; CUDA, or CPU
-            under Triton's interpreter). Both give the same bits (module docstring).
+            importable, unless the weights need gradients; else the torch path), ``"torch"``
+            (this module's reference path, differentiable in the logits) or ``"triton"``
+            (the kernel, which has no backward; CUDA, or CPU under Triton's interpreter).
+            Both give the same bits (module docstring). Under ``torch.compile`` the kernel
+            is one graph node (the custom op ``moerunner::route``).
+        weights_dtype: dtype of the returned weights: float32 (default), bfloat16 or
+            float16 (rounded once from the float32 weights, to nearest even; the kernel
+            writes them so, with no conversion launch). Models whose routers hand their
+            experts bf16 weights (Qwen3-MoE, GPT-OSS) ask for bfloat16.
+        ids_dtype: dtype of the returned ids: int32 (default) or int64 (transformers'
+            routers return int64).
 
     NaN and infinite logits are not refused (that would read values on the host every call):
     a NaN or +inf logit makes its token's weights NaN, as in the models' own routers.
@@ -90,11 +101,13 @@ def select_experts(
     them where the bias is set (``check_correction_bias_values``), as ``MoE`` does.
 
     Returns:
-        ``TopK`` with float32 weights and int32 ids, both ``[T, top_k]``.
+        ``TopK`` with ``weights_dtype`` weights and ``ids_dtype`` ids (float32 and int32 by
+        default), both ``[T, top_k]``.
     """
     _check_routing_args(
         router_logits, top_k, scoring_func, correction_bias, num_expert_group, topk_group
     )
+    _check_out_dtypes(weights_dtype, ids_dtype)
     if group_score not in GROUP_SCORES:
         raise MoeInputError(f"group_score: got {group_score!r}; accepted: {GROUP_SCORES}")
     check_routing_values(renormalize, routed_scaling_factor)
@@ -114,8 +127,12 @@ def select_experts(
                 f"custom_routing_function replaces the built-in routing; {', '.join(given)} "
                 "must keep its default with it"
             )
-        return _custom_route(
+        out = _custom_route(
             custom_routing_function, hidden_states, router_logits, top_k, renormalize
+        )
+        return TopK(
+            weights=out[0].float().to(weights_dtype).contiguous(),
+            ids=out[1].to(ids_dtype).contiguous(),
         )
     route = _kernel(router_logits, backend)
     if route is not None:
@@ -129,6 +146,8 @@ def select_experts(
             topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor,
             group_score=group_score,
+            weights_dtype=weights_dtype,
+            ids_dtype=ids_dtype,
         )
     num_tokens, num_experts = router_logits.shape
     wide = _wide_dtype(router_logits.device)
@@ -162,11 +181,25 @@ def select_experts(
         weights = (widened / denominator).float()
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
-    return TopK(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+    return TopK(
+        weights=weights.float().to(weights_dtype).contiguous(), ids=ids.to(ids_dtype).contiguous()
+    )
 
 
-def _custom_route(fn, hidden_states, router_logits, top_k: int, renormalize: bool) -> TopK:
-    """Call a user routing function and check what it returns (shapes, dtypes, device)."""
+def _check_out_dtypes(weights_dtype: object, ids_dtype: object) -> None:
+    for name, value, accepted in (
+        ("weights_dtype", weights_dtype, WEIGHTS_DTYPES),
+        ("ids_dtype", ids_dtype, IDS_DTYPES),
+    ):
+        if value not in accepted:
+            raise MoeInputError(
+                f"{name}: got {value!r}; accepted: {', '.join(str(d) for d in accepted)}"
+            )
+
+
+def _custom_route(fn, hidden_states, router_logits, top_k: int, renormalize: bool) -> tuple:
+    """Call a user routing function and check what it returns (shapes, dtypes, device):
+    its (weights, ids) as returned."""
     if not callable(fn):
         raise TypeError(f"custom_routing_function must be callable, got {type(fn).__name__}")
     out = fn(hidden_states, router_logits, top_k, renormalize)
@@ -197,7 +230,7 @@ def _custom_route(fn, hidden_states, router_logits, top_k: int, renormalize: boo
     # In [-1, E) for the router's E: at once on CPU, on a GPU without waiting (raised by a
     # later check or ``check_errors()``, as every id check there).
     check_ids_async(ids, router_logits.shape[-1], where=where)
-    return TopK(weights=weights.float().contiguous(), ids=ids.to(torch.int32).contiguous())
+    return weights, ids
 
 
 def _wide_dtype(device: torch.device) -> torch.dtype:
@@ -231,19 +264,93 @@ def _kernel(router_logits: torch.Tensor, backend: str):
         return route
     if backend != "auto":
         raise MoeInputError(f"backend: got {backend!r}; accepted: {ROUTING_BACKENDS}")
-    if not router_logits.is_cuda or torch.compiler.is_compiling() or grads:
+    if not router_logits.is_cuda or grads:
         return None
     return _kernel_route()
 
 
-@functools.cache
 def _kernel_route():
-    """``backends.triton._routing.route``, imported once (None without triton)."""
-    try:
-        from .backends.triton._routing import route
-    except ImportError:
-        return None
+    """The routing kernel's function (``backends.triton._routing.route``'s arguments): the
+    custom op's graph node under ``torch.compile`` (the compiler cannot trace a launch),
+    else the function itself; None without triton."""
+    route = _triton_route()
+    if route is not None and torch.compiler.is_compiling():
+        return _route_node
     return route
+
+
+def _triton_route():
+    """``backends.triton._routing.route``, imported once (None without triton). Cached in a
+    plain list, not ``functools.cache``, whose wrapper ``torch.compile`` does not honour."""
+    if not _TRITON_ROUTE:
+        try:
+            from .backends.triton._routing import route
+        except ImportError:
+            route = None
+        _TRITON_ROUTE.append(route)
+    return _TRITON_ROUTE[0]
+
+
+_TRITON_ROUTE: list = []
+
+
+def _route_node(router_logits, top_k, *, correction_bias=None, **settings) -> TopK:
+    """``backends.triton._routing.route`` as the graph node ``moerunner::route``."""
+    weights, ids = torch.ops.moerunner.route(
+        router_logits,
+        correction_bias,
+        top_k,
+        settings["scoring_func"],
+        settings["renormalize"],
+        settings["num_expert_group"],
+        settings["topk_group"],
+        float(settings["routed_scaling_factor"]),
+        settings["group_score"],
+        settings["weights_dtype"],
+        settings["ids_dtype"],
+    )
+    return TopK(weights=weights, ids=ids)
+
+
+@torch.library.custom_op("moerunner::route", mutates_args=())
+def route_op(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    scoring_func: str,
+    renormalize: bool,
+    num_expert_group: int | None,
+    topk_group: int | None,
+    routed_scaling_factor: float,
+    group_score: str,
+    weights_dtype: torch.dtype,
+    ids_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing kernel as an opaque graph node: ``select_experts``' arguments (already
+    validated), positional; returns (weights, ids)."""
+    out = _triton_route()(
+        router_logits,
+        top_k,
+        scoring_func=scoring_func,
+        renormalize=renormalize,
+        correction_bias=correction_bias,
+        num_expert_group=num_expert_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        group_score=group_score,
+        weights_dtype=weights_dtype,
+        ids_dtype=ids_dtype,
+    )
+    return out.weights, out.ids
+
+
+@route_op.register_fake
+def _route_fake(router_logits, correction_bias, top_k, *settings):
+    weights_dtype, ids_dtype = settings[-2:]
+    rows = (router_logits.shape[0], top_k)
+    return router_logits.new_empty(rows, dtype=weights_dtype), router_logits.new_empty(
+        rows, dtype=ids_dtype
+    )
 
 
 def check_router_width(

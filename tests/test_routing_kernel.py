@@ -300,6 +300,118 @@ def test_kernel_compiles_for_hopper():
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
 
 
+# --- other output dtypes; the kernel under torch.compile -------------------------------------
+
+# bf16 stores truncate under Triton's interpreter (ENVIRONMENT.md); on a GPU they round to
+# nearest even, as torch's cast does (checked there).
+OUT_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _same_bits_as(ref: TopK, got: TopK, weights_dtype, ids_dtype) -> None:
+    assert got.weights.dtype == ref.weights.dtype == weights_dtype
+    assert got.ids.dtype == ref.ids.dtype == ids_dtype
+    assert torch.equal(ref.ids.cpu(), got.ids.cpu()), (ref.ids, got.ids)
+    bits = torch.int16 if weights_dtype != torch.float32 else torch.int32
+    assert torch.equal(ref.weights.cpu().view(bits), got.weights.cpu().view(bits)), (ref, got)
+
+
+@pytest.mark.parametrize("weights_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["softmax-renorm", "deepseek-like", "topk-sigmoid-bias"])
+def test_other_output_dtypes_are_the_float32_weights_rounded_once(name, weights_dtype):
+    """The kernel stores bf16 / fp16 weights and int64 ids directly; the torch path casts.
+    Both equal the default outputs converted by torch (independent of either path's code)."""
+    logits, top_k, kwargs = _case(name, 9, seed=11, ties=False)
+    default = select_experts(logits, top_k, backend="torch", **kwargs)
+    want = TopK(weights=default.weights.to(weights_dtype), ids=default.ids.long())
+    for backend in ("torch", "triton"):
+        got = select_experts(
+            logits,
+            top_k,
+            backend=backend,
+            weights_dtype=weights_dtype,
+            ids_dtype=torch.int64,
+            **kwargs,
+        )
+        _same_bits_as(want, got, weights_dtype, torch.int64)
+
+
+def test_other_output_dtypes_of_a_custom_routing_function():
+    got = select_experts(
+        torch.randn(3, 4),
+        2,
+        custom_routing_function=lambda h, lg, k, r: (
+            torch.full((3, k), 0.5, dtype=torch.bfloat16),
+            torch.tensor([[1, 2]] * 3),
+        ),
+        weights_dtype=torch.bfloat16,
+        ids_dtype=torch.int64,
+    )
+    assert got.weights.dtype == torch.bfloat16 and got.ids.dtype == torch.int64
+    assert got.ids.tolist() == [[1, 2]] * 3 and got.weights.float().eq(0.5).all()
+
+
+@pytest.mark.parametrize(
+    "arg, value",
+    [("weights_dtype", torch.float64), ("weights_dtype", "bf16"), ("ids_dtype", torch.int16)],
+)
+def test_bad_output_dtypes_are_named(arg, value):
+    with pytest.raises(MoeInputError, match=f"{arg}: got .*; accepted: torch"):
+        select_experts(torch.randn(3, 8), 2, **{arg: value})
+
+
+def test_compiled_routing_is_one_graph_node():
+    """Under ``torch.compile(fullgraph=True)`` the kernel is the custom op ``moerunner::route``
+    (before: ``auto`` took the torch path's sorts there, and ``triton`` failed to trace), with
+    the same bits as the torch path, in the dtypes asked for."""
+    seen = []
+
+    def recording(gm, example_inputs):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    logits, top_k, kwargs = _case("deepseek-like", 6, seed=2, ties=False)
+    backend = "auto" if DEVICE == "cuda" else "triton"  # (auto: the kernel for CUDA logits)
+    for ids_dtype in (torch.int32, torch.int64):
+        torch._dynamo.reset()
+        seen.clear()
+        fn = torch.compile(
+            lambda lg, ids_dtype=ids_dtype: select_experts(
+                lg, top_k, backend=backend, ids_dtype=ids_dtype, **kwargs
+            ),
+            fullgraph=True,
+            backend=recording,
+        )
+        got = fn(logits)
+        assert any("moerunner.route" in targets for targets in seen), seen
+        assert not any("sort" in t for targets in seen for t in targets), seen
+        ref = select_experts(logits, top_k, backend="torch", ids_dtype=ids_dtype, **kwargs)
+        _same_bits_as(ref, got, torch.float32, ids_dtype)
+    torch._dynamo.reset()
+
+
+def test_route_op_contract():
+    """The op's schema, fake (shapes and dtypes without running) and dispatch checks."""
+    logits, top_k, kwargs = _case("deepseek-like", 5, seed=4, ties=False)
+    args = (
+        logits,
+        kwargs["correction_bias"],
+        top_k,
+        "sigmoid",
+        True,
+        4,
+        2,
+        2.5,
+        "top2_sum",
+        torch.float16,
+        torch.int64,
+    )
+    torch.library.opcheck(torch.ops.moerunner.route.default, args)
+    empty = torch.ops.moerunner.route(logits[:0], *args[1:])
+    assert empty[0].shape == (0, top_k) and empty[1].dtype == torch.int64
+
+
 # --- GPU: real shapes, bf16 and fp32, graph capture, no host synchronisation -----------------
 
 REAL_SHAPES = {

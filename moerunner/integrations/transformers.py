@@ -46,6 +46,7 @@ from ._hf_experts import (
     sources_key,
     traced_layout,
 )
+from ._hf_routers import RoutedForward, block_router, find_recipe
 from ._quantized_experts import load_gpt_oss_mxfp4, quantize_experts, quantized_scheme
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "attach_lora",
     "check_model",
     "experts_modules",
+    "fuse_routers",
     "fuse_shared_experts",
     "load_gpt_oss_mxfp4",
     "make_experts_forward",
@@ -265,6 +267,7 @@ def use_moerunner(
     lora=None,
     shared_experts: bool = False,
     relayout: bool = True,
+    routers: bool = False,
 ):
     """Switch a loaded transformers model's experts to moerunner; return the model.
 
@@ -277,13 +280,16 @@ def use_moerunner(
     the experts' ``fused_moe`` call (``fuse_shared_experts``). ``relayout`` (default)
     re-stores GPT-OSS's transposed experts over contiguous canonical memory where that is safe
     (``relayout_experts``); ``False`` keeps them as stored (read through strided views).
+    ``routers=True`` also runs the MoE blocks' routers on moerunner's routing kernel
+    (``fuse_routers``; a router it cannot reproduce keeps its own forward).
     """
     if fallback not in FALLBACKS:
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
     if backend is not None:
         _check_backend(backend)
-    if not isinstance(relayout, bool):
-        raise TypeError(f"relayout must be True or False, got {relayout!r}")
+    for arg, flag in (("relayout", relayout), ("routers", routers)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{arg} must be True or False, got {flag!r}")
     verdicts = check_model(model)
     if not verdicts:
         raise no_experts_error(model)
@@ -313,7 +319,56 @@ def use_moerunner(
         config = getattr(module, "config", None)
         if config is not None and getattr(config, "_experts_implementation", None) != name:
             config._experts_implementation = name
+    if routers:
+        fuse_routers(model)
     return model
+
+
+def fuse_routers(model, enable: bool = True) -> dict[str, str | None]:
+    """Run each MoE block's router on moerunner's routing kernel; ``enable=False`` restores
+    the routers' own forwards. Returns {router path: None where it runs on moerunner, else
+    why it keeps its own forward}.
+
+    The router's linear layer stays as it computes it; softmax / sigmoid scoring, correction
+    bias, grouped top-k, renormalisation and scaling become one ``select_experts`` call: one
+    launch of the routing kernel for CUDA inputs (a graph node under ``torch.compile``, so it
+    is captured with the decode step), the torch path elsewhere. Which routing a router
+    computes is read from its attributes and checked on a probe against its own forward
+    (``_hf_routers``); outputs keep the router's dtypes (int64 ids, bf16 weights for Qwen3-MoE
+    and GPT-OSS). Numerics: ``select_experts``' (scores rounded once from float64); the chosen
+    experts are those of the router's own forward except where two scores are within a
+    rounding of each other, and slots may come in another order. Where gradients are needed
+    (a router weight or input that requires grad, grad mode on) the router's own forward
+    runs. The recipe is read once: call this again after changing a router's settings.
+    Independent of the experts implementation (works with transformers' own experts too).
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"fuse_routers: enable must be a bool, got {type(enable).__name__}")
+    verdicts: dict[str, str | None] = {}
+    for path, block in _shared_blocks(model, check=False):
+        found = block_router(block)
+        if found is None:
+            verdicts[path] = "the block has no router module ('gate' or 'router')"
+            continue
+        name, router = found
+        where = f"{path}.{name}" if path else name
+        router.__dict__.pop("forward", None)
+        recipe = find_recipe(router, _compute_dtype(block.experts)) if enable else None
+        if isinstance(recipe, str):
+            verdicts[where] = recipe
+            continue
+        if recipe is not None:
+            router.forward = RoutedForward(router, recipe)
+        verdicts[where] = None
+    return verdicts
+
+
+def _compute_dtype(experts: torch.nn.Module) -> torch.dtype:
+    """The dtype a block computes in: its experts' first floating parameter's."""
+    for p in experts.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
 
 
 def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:

@@ -335,3 +335,17 @@ def test_quantized_rows_run_the_quantized_experts_and_the_others_the_float_ones(
     assert all(quantized_weights(m) is h for m, h in zip(experts, held, strict=True))
     assert e2e.impl_scheme("moerunner:triton@mxfp4+auto") == ("moerunner:triton+auto", "mxfp4")
     assert e2e.base_impl("moerunner:triton@mxfp4+auto") == "moerunner:triton"
+
+
+def test_routers_rows_fuse_the_routers_and_the_others_run_their_own(e2e):
+    """``...+routers`` runs the MoE blocks' routers on moerunner's routing (``fuse_routers``);
+    switching to any other implementation restores the routers' own forwards."""
+    model = e2e.build_model("deepseek-v3", 2, 128, True, torch.float32, "cpu")
+    routers = [block.gate for _, block in model.named_modules() if hasattr(block, "experts")]
+    name = e2e.mt.register()
+    for impl, fused in [("moerunner@fp8_block+routers", True), ("grouped_mm", False)] * 2:
+        e2e.use_impl(model, impl, name if impl.startswith("moerunner") else impl)
+        assert all(("forward" in r.__dict__) == fused for r in routers), impl
+    scheme = e2e.impl_scheme("moerunner:triton@fp8_block+routers")
+    assert scheme == ("moerunner:triton", "fp8_block")
+    assert e2e.base_impl("moerunner+relayout+routers") == "moerunner"

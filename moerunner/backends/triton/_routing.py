@@ -5,8 +5,10 @@
 # choosing only), grouped top-k (a group's score is the sum of its two best biased scores, or
 # its best with ``group_score="max"``; ``topk_group`` groups stay eligible), top-k,
 # renormalisation and the routed scaling factor. Output: float32 weights and int32 ids
-# ``[T, k]``, the formats the expert kernels take. The numerics are those that the module
-# docstring of ``moerunner.routing`` defines, so both paths give the same bits:
+# ``[T, k]``, the formats the expert kernels take (``route`` also stores bf16 / fp16 weights
+# and int64 ids, converted by the stores, for callers that hand them on). The numerics are
+# those that the module docstring of ``moerunner.routing`` defines, so both paths give the
+# same bits:
 #   - scores in float64 from the float32 logits, rounded once to float32;
 #   - choosing by unique int64 keys: the float32 value mapped to an order-preserving integer
 #     (-0.0 as +0.0, every NaN as the largest value, as ``torch.sort`` orders them) in the
@@ -321,11 +323,15 @@ def route(
     topk_group: int | None = None,
     routed_scaling_factor: float = 1.0,
     group_score: str = "top2_sum",
+    weights_dtype: torch.dtype = torch.float32,
+    ids_dtype: torch.dtype = torch.int32,
 ) -> TopK:
     """``select_experts`` in one kernel launch; arguments as there, already validated
     (``select_experts(..., backend="triton")`` checks them, then calls this).
 
     Runs on CUDA tensors (CPU ones under Triton's interpreter). T = 0 launches nothing.
+    The kernel stores the weights and ids in the dtypes of their tensors (a store converts:
+    float32 rounded to nearest even, int32 widened).
     """
     num_tokens, num_experts = router_logits.shape
     device = router_logits.device
@@ -338,8 +344,8 @@ def route(
         raise MoeInputError(
             f"correction_bias is on {correction_bias.device} but router_logits on {device}"
         )
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=device)
+    weights = torch.empty((num_tokens, top_k), dtype=weights_dtype, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=ids_dtype, device=device)
     if num_tokens == 0:
         return TopK(weights=weights, ids=ids)
     stride_t, stride_e = router_logits.stride()
