@@ -189,9 +189,11 @@ def check_ids_async(
     reused = queue.take_buffers(device, dtype)
     if reused is None:
         # Reused by later checks, which may run outside ``inference_mode``: no inference
-        # tensors (they refuse in-place writes there).
+        # tensors (they refuse in-place writes there). Kept between calls, so made outside
+        # a CUDA graph's pool (``memory.kept``): made while inductor's cudagraph trees warmed
+        # a graph up, the pool held them and the trees refused it.
         with torch.inference_mode(False):
-            stats = torch.empty(2, dtype=dtype, device=device)
+            stats = kept(lambda: torch.empty(2, dtype=dtype, device=device), device)
             host = torch.empty(2, dtype=dtype, pin_memory=topk_ids.is_cuda)
         device_stats = (stats, stats[0], stats[1])
         event = None
