@@ -45,6 +45,18 @@ ROUTING_BACKENDS = ("auto", "torch", "triton")
 #: The dtypes ``select_experts`` can return its weights and ids in (the first: the default).
 WEIGHTS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 IDS_DTYPES = (torch.int32, torch.int64)
+#: ``select_experts``' settings that the routing kernel takes besides the logits, top_k and
+#: the correction bias, in the order of the custom op ``moerunner::route``'s arguments.
+KERNEL_SETTINGS = (
+    "scoring_func",
+    "renormalize",
+    "num_expert_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "group_score",
+    "weights_dtype",
+    "ids_dtype",
+)
 
 
 def select_experts(
@@ -136,19 +148,8 @@ def select_experts(
         )
     route = _kernel(router_logits, backend)
     if route is not None:
-        return route(
-            router_logits,
-            top_k,
-            scoring_func=scoring_func,
-            renormalize=renormalize,
-            correction_bias=correction_bias,
-            num_expert_group=num_expert_group,
-            topk_group=topk_group,
-            routed_scaling_factor=routed_scaling_factor,
-            group_score=group_score,
-            weights_dtype=weights_dtype,
-            ids_dtype=ids_dtype,
-        )
+        settings = {name: value for name, value in locals().items() if name in KERNEL_SETTINGS}
+        return route(router_logits, top_k, correction_bias=correction_bias, **settings)
     num_tokens, num_experts = router_logits.shape
     wide = _wide_dtype(router_logits.device)
     logits = router_logits.float()  # (float64 logits too: the kernel's rounding, documented)
@@ -296,19 +297,9 @@ _TRITON_ROUTE: list = []
 
 def _route_node(router_logits, top_k, *, correction_bias=None, **settings) -> TopK:
     """``backends.triton._routing.route`` as the graph node ``moerunner::route``."""
-    weights, ids = torch.ops.moerunner.route(
-        router_logits,
-        correction_bias,
-        top_k,
-        settings["scoring_func"],
-        settings["renormalize"],
-        settings["num_expert_group"],
-        settings["topk_group"],
-        float(settings["routed_scaling_factor"]),
-        settings["group_score"],
-        settings["weights_dtype"],
-        settings["ids_dtype"],
-    )
+    settings["routed_scaling_factor"] = float(settings["routed_scaling_factor"])
+    values = [settings[name] for name in KERNEL_SETTINGS]
+    weights, ids = torch.ops.moerunner.route(router_logits, correction_bias, top_k, *values)
     return TopK(weights=weights, ids=ids)
 
 
@@ -328,19 +319,8 @@ def route_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing kernel as an opaque graph node: ``select_experts``' arguments (already
     validated), positional; returns (weights, ids)."""
-    out = _triton_route()(
-        router_logits,
-        top_k,
-        scoring_func=scoring_func,
-        renormalize=renormalize,
-        correction_bias=correction_bias,
-        num_expert_group=num_expert_group,
-        topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor,
-        group_score=group_score,
-        weights_dtype=weights_dtype,
-        ids_dtype=ids_dtype,
-    )
+    settings = {name: value for name, value in locals().items() if name in KERNEL_SETTINGS}
+    out = _triton_route()(router_logits, top_k, correction_bias=correction_bias, **settings)
     return out.weights, out.ids
 
 
