@@ -148,7 +148,9 @@ def select_experts(
         )
     route = _kernel(router_logits, backend)
     if route is not None:
-        settings = {name: value for name, value in locals().items() if name in KERNEL_SETTINGS}
+        values = (scoring_func, renormalize, num_expert_group, topk_group)
+        values += (routed_scaling_factor, group_score, weights_dtype, ids_dtype)
+        settings = dict(zip(KERNEL_SETTINGS, values, strict=True))  # (no locals(): traced)
         return route(router_logits, top_k, correction_bias=correction_bias, **settings)
     num_tokens, num_experts = router_logits.shape
     wide = _wide_dtype(router_logits.device)
