@@ -391,6 +391,25 @@ def test_compiled_routing_is_one_graph_node():
     torch._dynamo.reset()
 
 
+def test_traced_routing_code_calls_no_locals():
+    """``torch.compile`` traces ``select_experts`` down to the graph node; torch 2.11's dynamo
+    cannot trace ``locals()`` under Python 3.12 (inlined comprehensions), where the GPU
+    suite's compiled tests failed with it (Python 3.11 traces it: no run here would)."""
+    import ast
+    import inspect
+
+    from moerunner import routing
+
+    for fn in (routing.select_experts, routing._kernel, routing._kernel_route, routing._route_node):
+        tree = ast.parse(inspect.getsource(fn))
+        calls = [
+            node.func.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        ]
+        assert "locals" not in calls, fn.__name__
+
+
 def test_route_op_contract():
     """The op's schema, fake (shapes and dtypes without running) and dispatch checks."""
     logits, top_k, kwargs = _case("deepseek-like", 5, seed=4, ties=False)
