@@ -120,11 +120,11 @@ def find_recipe(router: torch.nn.Module, dtype: torch.dtype) -> RouterRecipe | s
     weight = getattr(router, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return "it has no 2-D weight [E, H]"
+    if isinstance(router, torch.nn.Linear):
+        return "it is a plain linear layer (the block routes its logits itself)"
     top_k = getattr(router, "top_k", None)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= len(weight):
         return "it has no top_k in [1, E]"
-    if isinstance(router, torch.nn.Linear):
-        return "it is a plain linear layer (the block routes its logits itself)"
     probe_router, x = _probe(router, dtype)
     try:
         with torch.no_grad():

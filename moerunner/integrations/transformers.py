@@ -19,6 +19,7 @@ Reading an experts module's layout and weights is ``_hf_experts``; quantizing th
 from __future__ import annotations
 
 import re
+import warnings
 import weakref
 
 import torch
@@ -281,7 +282,8 @@ def use_moerunner(
     re-stores GPT-OSS's transposed experts over contiguous canonical memory where that is safe
     (``relayout_experts``); ``False`` keeps them as stored (read through strided views).
     ``routers=True`` also runs the MoE blocks' routers on moerunner's routing kernel
-    (``fuse_routers``; a router it cannot reproduce keeps its own forward).
+    (``fuse_routers``; a router it cannot reproduce keeps its own forward, with a warning
+    naming it and why).
     """
     if fallback not in FALLBACKS:
         raise MoeInputError(f"fallback: got {fallback!r}; accepted: {FALLBACKS}")
@@ -320,7 +322,13 @@ def use_moerunner(
         if config is not None and getattr(config, "_experts_implementation", None) != name:
             config._experts_implementation = name
     if routers:
-        fuse_routers(model)
+        kept = {path: why for path, why in fuse_routers(model).items() if why is not None}
+        if kept:
+            warnings.warn(
+                f"use_moerunner(routers=True): {len(kept)} router(s) keep their own forward:\n  "
+                + "\n  ".join(f"{path}: {why}" for path, why in kept.items()),
+                stacklevel=2,
+            )
     return model
 
 

@@ -151,7 +151,7 @@ class _LogitsOnlyRouter(_DoubledRouter):
     [
         (_DoubledRouter(), "no routing moerunner computes reproduces"),
         (_LogitsOnlyRouter(), "does not return \\(logits, weights, ids\\)"),
-        (torch.nn.Linear(32, 8), "no top_k"),
+        (torch.nn.Linear(32, 8), "plain linear layer"),
     ],
     ids=["other-weights", "logits-only", "plain-linear"],
 )
@@ -164,6 +164,11 @@ def test_a_router_moerunner_cannot_reproduce_keeps_its_forward(router, reason):
     assert re.search(reason, verdicts["model.layers.0.mlp.gate"]), verdicts
     assert "forward" not in router.__dict__
     assert verdicts["model.layers.1.mlp.gate"] is None
+    mt.fuse_routers(model, enable=False)
+    refused = r"1 router\(s\) keep their own forward:\n  model.layers.0"
+    with pytest.warns(UserWarning, match=refused):
+        mt.use_moerunner(model, routers=True)
+    assert "forward" in model.model.layers[1].mlp.gate.__dict__
 
 
 def test_training_runs_the_routers_own_forward():
