@@ -12,7 +12,9 @@ compared with the first one's (max |d| / max |ref|). Every implementation but
 them through strided views there; ``moerunner+relayout`` runs moerunner on them re-laid as
 ``use_moerunner`` lays them; ``moerunner+auto`` leaves the layout to moerunner, as a model
 loaded with ``experts_implementation="moerunner"`` does (its first inference call re-lays
-each layer in place; each row says which layout its experts ended in).
+each layer in place; each row says which layout its experts ended in). A last ``+routers``
+(``moerunner@fp8_block+routers``) also runs the MoE blocks' routers on moerunner's routing
+kernel (``fuse_routers``); every other row runs the routers' own forwards.
 
 Before the first implementation is timed, a warm-up pass runs the zero-cost implementation
 through the same prefill and decode sequence (every KV-cache length the timed runs reach):
