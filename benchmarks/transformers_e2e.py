@@ -14,7 +14,8 @@ them through strided views there; ``moerunner+relayout`` runs moerunner on them 
 loaded with ``experts_implementation="moerunner"`` does (its first inference call re-lays
 each layer in place; each row says which layout its experts ended in). A last ``+routers``
 (``moerunner@fp8_block+routers``) also runs the MoE blocks' routers on moerunner's routing
-kernel (``fuse_routers``); every other row runs the routers' own forwards.
+kernel (``fuse_routers``); every other row runs the routers' own forwards, the zero-cost row
+too, so a ``+routers`` row's time in experts also counts what its routers saved.
 
 Before the first implementation is timed, a warm-up pass runs the zero-cost implementation
 through the same prefill and decode sequence (every KV-cache length the timed runs reach):
@@ -641,7 +642,7 @@ def measure_graphs(model, shape, impl, registered, decode_prompt, args) -> list[
     rows = []
     for mode in args.graph_modes or graph_modes(decode_prompt.device):
         row = {"shape": shape, "impl": impl, "mode": mode, "decode_batch": decode_prompt.shape[0]}
-        if impl == "eager":
+        if base_impl(impl) == "eager":
             row["error"] = "skipped: transformers' eager loop is data-dependent (not captured)"
         else:
             try:

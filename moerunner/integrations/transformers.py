@@ -347,7 +347,11 @@ def fuse_routers(model, enable: bool = True) -> dict[str, str | None]:
     experts are those of the router's own forward except where two scores are within a
     rounding of each other, and slots may come in another order. Where gradients are needed
     (a router weight or input that requires grad, grad mode on) the router's own forward
-    runs. The recipe is read once: call this again after changing a router's settings.
+    runs, and so it does for a call with arguments besides the hidden states. The recipe is read
+    once: call this again after changing a router's settings (its weights, bias and top_k are
+    read at each call; its outputs follow the input dtype, as the router's own do). A router
+    whose forward is already replaced on the instance (an accelerate hook: offloaded or
+    device-mapped models) or whose weights are on the meta device keeps its own forward.
     Independent of the experts implementation (works with transformers' own experts too).
     """
     if not isinstance(enable, bool):
@@ -360,8 +364,9 @@ def fuse_routers(model, enable: bool = True) -> dict[str, str | None]:
             continue
         name, router = found
         where = f"{path}.{name}" if path else name
-        router.__dict__.pop("forward", None)
-        recipe = find_recipe(router, _compute_dtype(block.experts)) if enable else None
+        if isinstance(router.__dict__.get("forward"), RoutedForward):
+            del router.__dict__["forward"]  # (only ours: a hook's forward stays)
+        recipe = find_recipe(router) if enable else None
         if isinstance(recipe, str):
             verdicts[where] = recipe
             continue
@@ -369,14 +374,6 @@ def fuse_routers(model, enable: bool = True) -> dict[str, str | None]:
             router.forward = RoutedForward(router, recipe)
         verdicts[where] = None
     return verdicts
-
-
-def _compute_dtype(experts: torch.nn.Module) -> torch.dtype:
-    """The dtype a block computes in: its experts' first floating parameter's."""
-    for p in experts.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.get_default_dtype()
 
 
 def relayout_experts(model, layout: str = "canonical") -> dict[str, str | None]:

@@ -119,6 +119,74 @@ def test_bf16_routers_keep_their_output_dtypes(family):
         _same_routing(*trimmed, weights_rtol=2**-7)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_routers_follow_the_model_to_another_dtype(family, dtype):
+    """Fused in fp32, then ``model.to(dtype)``: each router's outputs keep following its own
+    forward (before: the recipe fixed fp32 logits and weights, which an fp32 probe could not
+    tell apart from the input's dtype)."""
+    model = build(family)
+    assert all(v is None for v in mt.fuse_routers(model).values())
+    model.to(dtype)
+    for router, x in _router_inputs(model, _ids()).items():
+        with torch.no_grad():
+            got, want = router(x), type(router).forward(router, x)
+        assert [t.dtype for t in got] == [t.dtype for t in want], family
+        keep = ~(want[0].float().sort(-1).values.diff(dim=-1) == 0).any(-1)
+        rtol = 1e-6 if want[1].dtype == torch.float32 else 2 * torch.finfo(want[1].dtype).eps
+        _same_routing(tuple(t[keep] for t in got), tuple(t[keep] for t in want), rtol)
+
+
+def test_a_router_with_a_hooked_or_unmaterialised_forward_keeps_it():
+    """A forward already replaced on the instance (accelerate's hooks of offloaded or
+    device-mapped models) is neither replaced nor removed (before: fusing dropped it and
+    ``enable=False`` deleted it); weights on the meta device are refused with a reason."""
+    model = build("mixtral")
+    gate0, gate1 = model.model.layers[0].mlp.gate, model.model.layers[1].mlp.gate
+    calls = []
+
+    def hooked(hidden_states):
+        calls.append(1)
+        return type(gate0).forward(gate0, hidden_states)
+
+    gate0.forward = hooked
+    verdicts = mt.fuse_routers(model)
+    assert "replaced on the instance" in verdicts["model.layers.0.mlp.gate"]
+    assert verdicts["model.layers.1.mlp.gate"] is None
+    mt.fuse_routers(model, enable=False)
+    assert gate0.forward is hooked and "forward" not in gate1.__dict__
+    with torch.no_grad():
+        model(_ids())
+    assert calls
+    with torch.device("meta"):
+        unmaterialised = type(gate1)(model.config)
+    assert "meta device" in _hf_routers.find_recipe(unmaterialised)
+
+
+def test_a_call_with_more_arguments_runs_the_routers_own_forward():
+    """A router whose forward takes more than the hidden states (a temperature) is fused; a
+    call that passes them runs its own forward (before: a TypeError)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    class TempRouter(MixtralTopKRouter):
+        def forward(self, hidden_states, temperature=1.0):
+            logits, weights, ids = super().forward(hidden_states)
+            if temperature != 1.0:
+                weights = torch.softmax(logits.float() / temperature, -1).gather(1, ids)
+            return logits, weights, ids
+
+    model = build("mixtral")
+    router = TempRouter(model.config)
+    router.load_state_dict(model.model.layers[0].mlp.gate.state_dict())
+    model.model.layers[0].mlp.gate = router
+    assert mt.fuse_routers(model)["model.layers.0.mlp.gate"] is None
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        got = router(x, temperature=2.0)
+        want = TempRouter.forward(router, x, temperature=2.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_disabling_restores_the_routers_own_forward():
     model = build("deepseek_v3")
     mt.fuse_routers(model)
