@@ -48,6 +48,14 @@ def test_defaults_are_the_measured_switches():
     )
 
 
+def test_tile_dirs_expand_the_home_folder(tmp_path, monkeypatch):
+    """``tile_dirs=("~/tiles",)`` names the user's folder (before: a folder literally named
+    ``~`` under the working directory, never found, so the tiles in it were silently unused)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    o = TritonOptions(tile_dirs=("~/tiles", "plain"))
+    assert o.tile_dirs == (str(tmp_path / "tiles"), "plain")
+
+
 def test_options_are_frozen_hashable_and_rebuild_from_their_repr():
     o = TritonOptions(pdl=False, e2m1_layout="split", tile_dirs="tiles")
     assert o.tile_dirs == ("tiles",)

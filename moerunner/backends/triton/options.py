@@ -156,9 +156,9 @@ class TritonOptions:
     #: uniform routing 0.993-0.998x (``gpu_tiles_ab.py --routing``). 1: the tile's own.
     min_group_m: int = 8
     #: *Prepare time.* Folders of tuned tile files, searched in order before the files shipped
-    #: with the package (the first file found for a shape is used whole). ``None``: the user
-    #: tile folder that ``moerunner tune`` writes to (``tile_config.user_tile_dir()``);
-    #: ``()``: shipped files only.
+    #: with the package (the first file found for a shape is used whole; ``~`` expanded).
+    #: ``None``: the user tile folder that ``moerunner tune`` writes to
+    #: (``tile_config.user_tile_dir()``); ``()``: shipped files only.
     tile_dirs: tuple[str, ...] | None = None
     #: Where no tuned file has an entry for a call's token bucket (``autotune.token_bucket``),
     #: ``"off"`` takes the default tiles (``tile_config.heuristic_tiles``); ``"first_call"``
@@ -229,7 +229,8 @@ _BOOL_FIELDS = (
 
 
 def _folders(value) -> tuple[str, ...]:
-    """``tile_dirs`` as a tuple of folder names (one folder may be given alone)."""
+    """``tile_dirs`` as a tuple of folder names (one folder may be given alone), a leading
+    ``~`` expanded (read as a folder literally named ``~``, the folder was never found)."""
     if isinstance(value, (str, os.PathLike)):
         value = (value,)
     if not isinstance(value, (tuple, list)):
@@ -244,7 +245,7 @@ def _folders(value) -> tuple[str, ...]:
                 f"TritonOptions.tile_dirs entries must be str or path-like, "
                 f"got {type(item).__name__}"
             )
-        out.append(os.fspath(item))
+        out.append(os.path.expanduser(os.fspath(item)))
     return tuple(out)
 
 
