@@ -573,3 +573,41 @@ def test_bench_json_to_stdout(tmp_path, capsys):
     assert str(record["schema"]).startswith("moerunner")
     assert {row["impl"] for row in record["rows"]} == {"torch"}
     assert "spread%" in err
+
+
+def test_info_names_the_tile_folders_and_their_files_for_this_device(capsys, monkeypatch, tmp_path):
+    """``moerunner info`` lists the triton backend's tile folders in search order, each with
+    its tuned files for this device or "missing" (it named no tile file before)."""
+    import json
+
+    import torch
+
+    pytest.importorskip("moerunner.backends.triton")
+    from moerunner.device_files import device_key, hardware_name
+    from moerunner.registry import DEFAULT_REGISTRY
+
+    if not DEFAULT_REGISTRY.backends["triton"].available()[0]:
+        pytest.skip("the triton backend does not run here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    key = device_key(hardware_name(device))
+    tiles = tmp_path / "moerunner" / "tiles"
+    tiles.mkdir(parents=True)
+    (tiles / f"E=8,N=16,K=32,scheme=bf16,device={key}.json").write_text("{}")
+    (tiles / "E=8,N=16,K=32,scheme=bf16,device=OTHER_GPU.json").write_text("{}")
+    assert main(["info", "--json", str(tmp_path / "info.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"    {tiles}: 1 tuned file(s) for {key}" in out
+    folders = json.loads((tmp_path / "info.json").read_text())["backends"]["triton"]["tile_folders"]
+    assert folders[0] == {
+        "path": str(tiles),
+        "exists": True,
+        "device_key": key,
+        "files_for_device": 1,
+    }
+    assert folders[-1]["path"].endswith("configs")  # the shipped files come last
+    tiles.joinpath(f"E=8,N=16,K=32,scheme=bf16,device={key}.json").unlink()
+    tiles.joinpath("E=8,N=16,K=32,scheme=bf16,device=OTHER_GPU.json").unlink()
+    tiles.rmdir()
+    assert main(["info"]) == 0
+    assert f"    {tiles}: missing" in capsys.readouterr().out

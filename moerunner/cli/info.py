@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..device_files import hardware_name
+from ..device_files import device_key, hardware_name
 from ..runner import DEFAULT_PREFERENCE, default_registry
 from . import _common
 
@@ -45,6 +45,7 @@ def main(argv: list[str]) -> int:
             "dispatch_formats": {str(f): str(p) for f, p in registry.paths(backend_name).items()},
             "capabilities": capabilities,
             "options": None if backend.options is None else repr(backend.options),
+            "tile_folders": _tile_folders(backend, name) if ok else None,
         }
     table_rows, table_paths, table_error = _table(registry, device)
     if args.json is not None:
@@ -88,6 +89,16 @@ def main(argv: list[str]) -> int:
             print(f"  {key}: {value}")
         if info["options"] is not None:
             print(f"  options: {info['options']}")
+        if info["tile_folders"] is not None:
+            where = "" if device == "cuda" else " (read on CUDA GPUs only)"
+            print(f"  tile folders, searched in order{where}:")
+            for folder in info["tile_folders"]:
+                found = (
+                    f"{folder['files_for_device']} tuned file(s) for {folder['device_key']}"
+                    if folder["exists"]
+                    else "missing"
+                )
+                print(f"    {folder['path']}: {found}")
     print(f"\nbackend table ({device}): " + (", ".join(table_paths) or "none"))
     if table_error:
         print(f"  error: {table_error}")
@@ -101,6 +112,30 @@ def main(argv: list[str]) -> int:
     if args.json is not None:
         print(f"wrote {args.json}")
     return 0
+
+
+def _tile_folders(backend, device_name: str) -> list[dict] | None:
+    """A backend with tuned tile files (options with ``tile_dirs``: triton): the folders it
+    searches, in order, whether each exists and how many of its files name this device."""
+    options = backend.options
+    if options is None or not hasattr(options, "tile_dirs"):
+        return None
+    from ..backends.triton.tile_config import tile_folders
+
+    key = device_key(device_name)
+    out = []
+    for folder in tile_folders(options.tile_dirs):
+        exists = folder.is_dir()
+        files = list(folder.glob(f"*,device={key}.json")) if exists else []
+        out.append(
+            {
+                "path": str(folder),
+                "exists": exists,
+                "device_key": key,
+                "files_for_device": len(files),
+            }
+        )
+    return out
 
 
 def _table(registry, device: str) -> tuple[list[dict], list[str], str]:
