@@ -120,22 +120,17 @@ def _tile_folders(backend, device_name: str) -> list[dict] | None:
     options = backend.options
     if options is None or not hasattr(options, "tile_dirs"):
         return None
-    from ..backends.triton.tile_config import tile_folders
+    from ..backends.triton.tile_config import tile_folders, tuned_files
 
-    key = device_key(device_name)
-    out = []
-    for folder in tile_folders(options.tile_dirs):
-        exists = folder.is_dir()
-        files = list(folder.glob(f"*,device={key}.json")) if exists else []
-        out.append(
-            {
-                "path": str(folder),
-                "exists": exists,
-                "device_key": key,
-                "files_for_device": len(files),
-            }
-        )
-    return out
+    return [
+        {
+            "path": str(folder),
+            "exists": folder.is_dir(),
+            "device_key": device_key(device_name),
+            "files_for_device": len(tuned_files(folder, device_name)),
+        }
+        for folder in tile_folders(options.tile_dirs)
+    ]
 
 
 def _table(registry, device: str) -> tuple[list[dict], list[str], str]:

@@ -152,7 +152,19 @@ def config_file_name(
     or default one) and device."""
     lay = f",layout={layout}" if layout else ""
     key = scheme_key(scheme)
-    return f"E={num_experts},N={n},K={k},scheme={key}{lay},device={device_key(device_name)}.json"
+    return f"E={num_experts},N={n},K={k},scheme={key}{lay}{_device_suffix(device_name)}"
+
+
+def _device_suffix(device_name: str) -> str:
+    """How every tuned file name for ``device_name`` ends."""
+    return f",device={device_key(device_name)}.json"
+
+
+def tuned_files(folder: Path, device_name: str) -> list[Path]:
+    """The tuned files in ``folder`` for ``device_name`` (none where it is no folder)."""
+    if not folder.is_dir():
+        return []
+    return sorted(folder.glob("E=*" + _device_suffix(device_name)))
 
 
 def write_config_file(
