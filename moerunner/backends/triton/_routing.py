@@ -512,8 +512,10 @@ def launch_shape(num_tokens: int, num_experts: int) -> tuple[int, int]:
     """(rows per program, warps) of ``_routing_kernel``. From 64 to 512 experts, one row per
     one-warp program: every reduction of the row then stays inside the warp (shuffles, no
     shared-memory round trips between warps). Measured on an H100 (graph replay of 200
-    launches, T = 1 to 1024): DeepSeek-V3's grouped routing took 7.8-9.4 us a launch this way
-    against 9.8-15.1 us with 1-4 rows on 4 warps, Qwen3's 3.9-4.5 against 4.6-6.3 us. Fewer
+    launches, T = 1 to 1024, nvidia-h100-routing-kernel-2026-12-07.txt): DeepSeek-V3's grouped
+    routing took 7.8-9.4 us a launch this way against 9.8-15.1 us with 1-4 rows on 4 warps
+    before its groups were scored in one reduction each, 4.7-6.1 against 7.4-8.8 us after;
+    Qwen3's 3.9-4.5 against 4.6-6.3 us. Fewer
     experts keep ``block_rows``' blocks on 4 warps (not measured otherwise), and so do more
     than 512 (a row would not fit one warp's registers)."""
     if 64 <= _pow2(num_experts) <= 512:
