@@ -430,7 +430,8 @@ def quantize(
     result stays below ``TRANSIENT_FACTOR`` (6) times ``max(chunk_bytes, N * K * 4)`` whatever
     E is (docs/quantization.md, "Memory"). Plain schemes ("bf16"...) are one cast, not
     chunked. The result carries no autograd graph (quantized weights have no backward), also
-    for a ``weight`` that requires grad (an ``nn.Parameter``).
+    for a ``weight`` that requires grad (an ``nn.Parameter``). Its tensors are contiguous
+    whatever the strides of ``weight`` (a transposed view), as safetensors stores them.
     """
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int (bytes), got {chunk_bytes!r}")
@@ -485,8 +486,9 @@ def quantize(
         fields.update(_empty_fields(layout, weight.device))
     elif s.is_quantized:
         fields.update(_quantize_chunks(s, weight, layout, chunk_bytes))
-    else:
-        fields.update(codec_of(s).quantize(s, weight))
+    else:  # a cast (the weight itself where its dtype is the scheme's), made contiguous
+        plain = codec_of(s).quantize(s, weight).items()
+        fields.update({f: v.contiguous() if v is not None else None for f, v in plain})
     return QuantizedWeight(s, shape, **fields)
 
 
@@ -514,7 +516,10 @@ def _quantize_chunks(
     e = weight.shape[0]
     step = experts_per_chunk(tuple(weight.shape), chunk_bytes)
     if step >= e:
-        return codec.quantize(scheme, weight)
+        # Contiguous whatever the input's strides (a transposed view's codes would keep
+        # them, and safetensors' save_file refuses such tensors); at most one chunk's copy.
+        fields = codec.quantize(scheme, weight).items()
+        return {f: v.contiguous() if v is not None else None for f, v in fields}
     out: dict[str, torch.Tensor] = {}
     for start in range(0, e, step):
         part = codec.quantize(scheme, weight[start : start + step])

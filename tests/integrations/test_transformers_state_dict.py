@@ -83,6 +83,22 @@ def test_quantized_model_state_dict_round_trip_is_bit_identical(family, scheme, 
             assert all(torch.equal(a.tensors()[f], t) for f, t in b.tensors().items())
 
 
+@pytest.mark.parametrize("scheme", ["fp8_block", "int4_g32_zp", "bf16"])
+def test_gpt_oss_experts_quantized_in_their_stored_layout_save_with_safetensors(scheme, tmp_path):
+    """GPT-OSS quantized in its stored layout (``relayout=False``: experts [E, in, out], read
+    through transposed views): the held codes are contiguous, so ``save_file`` takes
+    the state dict (it refused the codes' transposed strides), and loading it back gives
+    the same logits."""
+    model, fresh = build("gpt_oss"), build("gpt_oss", seed=7)
+    for m in (model, fresh):
+        mt.use_moerunner(m, relayout=False)
+        mt.quantize_experts(m, scheme)
+    expected = _logits(model)
+    result = fresh.load_state_dict(_save(model.state_dict(), "safetensors", tmp_path))
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(_logits(fresh), expected)
+
+
 def test_loading_another_scheme_or_float_weights_names_the_fix():
     state = _quantized("qwen3_moe", "fp8_block").state_dict()
     other = _quantized("qwen3_moe", "int4_g32", seed=1)

@@ -186,6 +186,19 @@ def test_quantize_inverts_dequantize_on_representable_values(name):
     assert torch.equal(again.dequantize(), qw.dequantize())
 
 
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantizing_a_transposed_view_gives_contiguous_tensors(name):
+    """A weight stored [E, K, N] and quantized through its transposed view (GPT-OSS's
+    experts) gives the same values as its contiguous copy, in contiguous tensors: the codes
+    kept the view's strides, which safetensors' ``save_file`` refuses."""
+    stored = torch.randn(2, 128, 48)
+    view = stored.transpose(1, 2)  # [E, N = 48, K = 128]
+    qw = quantize(view, name, **static_kwargs(name))
+    for field, tensor in qw.tensors().items():
+        assert tensor.is_contiguous(), field
+    same_tensors(qw, quantize(view.contiguous(), name, **static_kwargs(name)))
+
+
 @pytest.mark.parametrize("name", ["bf16", "fp16", "fp32"])
 def test_unquantized_schemes_cast(name):
     w = torch.randn(2, 4, 8)
