@@ -28,9 +28,10 @@ values exactly (``moerunner.quant.checkpoints`` has the importers and the format
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ import torch
 
 from .config import Activation, RoutingConfig
 from .errors import MoeInputError
+from .quant.checkpoints import reading_safetensors
 from .weights import ExpertWeights
 
 __all__ = ["FAMILIES", "CheckpointFamily", "LoadedExperts", "load_experts"]
@@ -117,21 +119,6 @@ class LoadedExperts:
         return self.weights.num_experts
 
 
-@contextmanager
-def _reading(file: str):
-    """safetensors' error for a damaged file (a truncated download, not a safetensors file)
-    as a MoeInputError naming the file, which safetensors' own message does not."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except SafetensorError as e:
-        raise MoeInputError(
-            f"checkpoint: {file!r} cannot be read as a safetensors file ({e}); a truncated or "
-            "corrupt download? (fetch the file again)"
-        ) from e
-
-
 class _Checkpoint:
     """The tensors of a checkpoint by name, read lazily from the file that holds each."""
 
@@ -192,6 +179,11 @@ class _Checkpoint:
         if not isinstance(weight_map, dict):
             raise MoeInputError(f"path: index {index!r} has no 'weight_map' object")
         folder = os.path.dirname(index)
+        bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise MoeInputError(
+                f"path: index {index!r} maps {bad!r} to {weight_map[bad]!r}, not a file name"
+            )
         self.files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
         self.where = f"the weight map of {index!r}"
 
@@ -200,7 +192,7 @@ class _Checkpoint:
 
         self.files = {}
         for p in paths:
-            with _reading(p), safe_open(p, framework="pt") as f:
+            with reading_safetensors(p), safe_open(p, framework="pt") as f:
                 self.files.update(dict.fromkeys(f.keys(), p))
         self.where = repr(paths[0]) if len(paths) == 1 else f"any of {paths}"
 
@@ -219,13 +211,13 @@ class _Checkpoint:
                 raise MoeInputError(
                     f"checkpoint: tensor {key!r} is mapped to {file!r}, which does not exist"
                 )
-            with _reading(file):
+            with reading_safetensors(file):
                 self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
         handle = self._open[file]
         if key not in self._read:
             if key not in handle.keys():
                 raise MoeInputError(f"checkpoint: tensor {key!r} not found in {file!r}")
-            with _reading(file):
+            with reading_safetensors(file):
                 self._read[key] = handle.get_tensor(key)
         return self._read[key]
 
@@ -294,33 +286,77 @@ def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first:
     return max(found) + 1
 
 
+_MISSING = object()
+
+
+def _config_number(config: dict, key: str, kind: type, default: Any) -> Any:
+    """config.json's ``key``: an int (``kind`` int) or a number (``kind`` float), not a bool;
+    ``default`` where it is absent or null. Anything else is refused by name."""
+    value = config.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    ok = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        what = "an int" if kind is int else "a number"
+        raise MoeInputError(f"checkpoint: config.json's {key} must be {what}, got {value!r}")
+    return value
+
+
+def _config_bool(config: dict, key: str, default: bool) -> bool:
+    value = config.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if not isinstance(value, bool):
+        raise MoeInputError(f"checkpoint: config.json's {key} must be true or false, got {value!r}")
+    return value
+
+
 def _routing(fam: CheckpointFamily, config: dict) -> tuple[int | None, RoutingConfig | None]:
-    top_k = config.get("num_experts_per_tok")
-    if not isinstance(top_k, int) or not config:
+    if not config:
+        return None, None
+    top_k = _config_number(config, "num_experts_per_tok", int, None)
+    if top_k is None:
         return None, None
     name = fam.name
     if name in ("mixtral", "gpt_oss"):  # GPT-OSS: softmax over the top-k logits
         return top_k, RoutingConfig(renormalize=True)
     if name in ("qwen2_moe", "qwen3_moe"):
-        return top_k, RoutingConfig(renormalize=bool(config.get("norm_topk_prob", False)))
-    scale = float(config.get("routed_scaling_factor", 1.0) or 1.0)
+        return top_k, RoutingConfig(renormalize=_config_bool(config, "norm_topk_prob", False))
+    scale = float(_config_number(config, "routed_scaling_factor", float, 1.0))
+    if not (math.isfinite(scale) and scale > 0):
+        raise MoeInputError(
+            f"checkpoint: config.json's routed_scaling_factor must be finite and positive, "
+            f"got {scale!r}"
+        )
+    groups = _config_number(config, "n_group", int, None)
+    keep = _config_number(config, "topk_group", int, None)
     if name == "deepseek_v2":
         # DeepSeek-V2's own code renormalises (top_k > 1 and norm_topk_prob) or scales,
         # never both (released checkpoints: norm_topk_prob false; transformers always scales).
-        renormalize = top_k > 1 and bool(config.get("norm_topk_prob", False))
+        renormalize = top_k > 1 and _config_bool(config, "norm_topk_prob", False)
         scale = 1.0 if renormalize else scale
-        if config.get("topk_method", "greedy") == "group_limited_greedy":
-            groups, keep = config.get("n_group"), config.get("topk_group")
+        method = config.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise MoeInputError(
+                "checkpoint: config.json's topk_method must be 'greedy' or "
+                f"'group_limited_greedy' for deepseek_v2, got {method!r}"
+            )
+        if method == "group_limited_greedy":
+            if groups is None or keep is None:
+                raise MoeInputError(
+                    "checkpoint: config.json's topk_method 'group_limited_greedy' needs "
+                    f"n_group and topk_group, got {groups!r} and {keep!r}"
+                )
             return top_k, RoutingConfig(
                 "softmax", renormalize, groups, keep, scale, group_score="max"
             )  # groups ranked by their best score
         return top_k, RoutingConfig(renormalize=renormalize, routed_scaling_factor=scale)
-    groups = config.get("n_group")
+    grouped = groups is not None and groups > 1
     return top_k, RoutingConfig(
         "sigmoid",
-        bool(config.get("norm_topk_prob", True)),
-        groups if groups and groups > 1 else None,
-        config.get("topk_group") if groups and groups > 1 else None,
+        _config_bool(config, "norm_topk_prob", True),
+        groups if grouped else None,
+        keep if grouped else None,
         scale,
         correction_bias=True,
     )
@@ -641,6 +677,12 @@ def load_experts(
             raise MoeInputError(f"device: {device!r} is not a torch device ({e})") from None
         if target.type == "cuda" and not torch.cuda.is_available():
             raise MoeInputError(f"device={device!r}, but this torch sees no CUDA device")
+        try:  # a device type this torch build or machine lacks (mps, xpu, cuda:7, ...)
+            torch.empty(0, device=target)
+        except Exception as e:  # noqa: BLE001  (torch raises several kinds here)
+            raise MoeInputError(
+                f"device={device!r} cannot hold tensors here ({type(e).__name__}: {e})"
+            ) from None
     with ExitStack() as stack:
         ckpt = _Checkpoint(path, stack)
         fam = _family(family, ckpt.config)

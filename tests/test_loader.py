@@ -833,3 +833,44 @@ def test_deepseek_v2_group_limited_routing_is_what_the_docs_say(tmp_path):
     doc = (Path(__file__).parents[1] / "docs" / "checkpoints.md").read_text()
     assert 'e.g. `RoutingConfig("softmax", False, 4, 2, 16.0, group_score="max")`' in doc
     assert "or for DeepSeek-V2's group-limited top-k" not in doc
+
+
+@pytest.mark.parametrize(
+    ("family", "fields", "match"),
+    [
+        ("deepseek_v3", {"n_group": "1", "topk_group": 1}, "n_group must be an int, got '1'"),
+        ("deepseek_v3", {"routed_scaling_factor": "2.5x"}, "routed_scaling_factor must be a num"),
+        ("deepseek_v3", {"routed_scaling_factor": [2.5]}, "routed_scaling_factor must be a num"),
+        ("deepseek_v3", {"routed_scaling_factor": 0}, "routed_scaling_factor must be finite and"),
+        ("deepseek_v3", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+        ("qwen3_moe", {"num_experts_per_tok": True}, "num_experts_per_tok must be an int, got T"),
+        ("qwen3_moe", {"num_experts_per_tok": 2.0}, "num_experts_per_tok must be an int, got 2"),
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method must be 'greedy' or 'group_"),
+        ("deepseek_v2", {"topk_method": "group_limited_greedy"}, "needs n_group and topk_group"),
+    ],
+)
+def test_config_fields_of_the_wrong_type_or_value_are_named(family, fields, match, tmp_path):
+    """config.json's routing fields were read unchecked: a string n_group or scaling factor
+    raised Python's own comparison / conversion errors, a factor 0 became 1, top_k true was
+    taken as 1, an unknown DeepSeek-V2 topk_method as greedy, and group-limited greedy
+    without groups ran ungrouped."""
+    gen = torch.Generator().manual_seed(9)
+    save_file(_qwen_tensors(4, gen), tmp_path / "model.safetensors")
+    count = "num_experts" if family == "qwen3_moe" else "n_routed_experts"
+    cfg = {"model_type": family, count: 4, "num_experts_per_tok": 2, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(moerunner.MoeInputError, match=re.escape(match)):
+        moerunner.load_experts(tmp_path, layer=0)
+
+
+def test_a_device_this_torch_cannot_use_and_a_bad_index_entry_are_named(tmp_path):
+    tensors, *_ = mixtral_tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    for device in ("mps", "xpu", "hpu", "cuda:7" if torch.cuda.device_count() < 8 else "mps"):
+        if device != "mps" or not torch.backends.mps.is_available():
+            with pytest.raises(moerunner.MoeInputError, match=r"device="):
+                moerunner.load_experts(tmp_path, layer=0, family="mixtral", device=device)
+    index = {"weight_map": dict.fromkeys(tensors, 1)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(moerunner.MoeInputError, match=r"maps .* to 1, not a file name"):
+        moerunner.load_experts(tmp_path / "model.safetensors.index.json", layer=0, family="mixtral")

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 
+from moerunner.errors import MoeInputError
 from moerunner.quant.codecs import decode_e4m3, encode_e4m3, pack_nibbles
 from moerunner.quant.schemes import QuantScheme, get_scheme
 from moerunner.quant.weight import QuantizedWeight, check_scale_values
@@ -579,15 +581,37 @@ def cat_rows(parts: Sequence[QuantizedWeight], *, rescale: bool = False) -> Quan
     return QuantizedWeight(first.scheme, (e, n, k), **fields)
 
 
+@contextmanager
+def reading_safetensors(file: str):
+    """safetensors' error for a damaged file (a truncated download, not a safetensors file)
+    as a MoeInputError naming the file, which safetensors' own message does not."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        raise MoeInputError(
+            f"checkpoint: {file!r} cannot be read as a safetensors file ({e}); a truncated or "
+            "corrupt download? (fetch the file again)"
+        ) from e
+
+
 def load_prefixed(paths: PathLike | Sequence[PathLike], prefix: str) -> dict[str, torch.Tensor]:
-    """Tensors named ``prefix + rest`` in one or more safetensors files, keyed by ``rest``."""
+    """Tensors named ``prefix + rest`` in one or more safetensors files, keyed by ``rest``.
+    A path that is not a file, or a file that is not safetensors, is a MoeInputError naming
+    it."""
     from safetensors import safe_open
 
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out: dict[str, torch.Tensor] = {}
     for path in paths:
-        with safe_open(os.fspath(path), framework="pt") as f:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"paths: expected file paths, got {type(path).__name__}")
+        file = os.fspath(path)
+        if not os.path.isfile(file):
+            raise MoeInputError(f"paths: {file!r} is not a file")
+        with reading_safetensors(file), safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name.startswith(prefix):
                     out[name[len(prefix) :]] = f.get_tensor(name)

@@ -106,6 +106,22 @@ def test_deepseek_fp8_blocks(tmp_path):
         deepseek_fp8_experts_from_safetensors(path, PREFIX, e + 1)
 
 
+def test_readers_name_a_missing_or_damaged_file(tmp_path):
+    """The importers' reader let FileNotFoundError and safetensors' own error (naming no
+    file) through, where ``load_experts`` names the file."""
+    from moerunner.errors import MoeInputError
+    from moerunner.quant.checkpoints import load_prefixed
+
+    missing = tmp_path / "nope.safetensors"
+    with pytest.raises(MoeInputError, match="nope.safetensors' is not a file"):
+        deepseek_fp8_experts_from_safetensors(missing, PREFIX, 2)
+    damaged = tmp_path / "cut.safetensors"
+    save_file({"x": torch.zeros(64)}, damaged)
+    damaged.write_bytes(damaged.read_bytes()[:20])
+    with pytest.raises(MoeInputError, match="cut.safetensors' cannot be read as a safetensors"):
+        load_prefixed(damaged, "model.")
+
+
 def test_deepseek_gate_up_not_block_aligned_is_rejected():
     w8 = codecs.encode_e4m3(torch.randn(1, 100, 128))
     with pytest.raises(ValueError, match="weight_scale_inv: expected fp32"):
