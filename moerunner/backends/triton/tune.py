@@ -260,14 +260,17 @@ def tune_tokens(
         ]
         times: dict[str, str] = {}
         fuse = X.fuses_gemm2_input_quant(w2, x, tile, options)
+        # Inputs quantized in the K loops where run_kernel_sequence would (decode buckets).
+        q1 = X.quantizes_input_in_gemm(w13, x, num_tokens, tile, options)
+        q2 = not fuse and X.quantizes_input_in_gemm(w2, x, num_tokens, tile, options)
 
-        def gemm1(tile=tile, layouts=layouts, fuse=fuse):
+        def gemm1(tile=tile, layouts=layouts, fuse=fuse, q1=q1, q2=q2):
             # GEMM1 and whatever makes GEMM2's input, as run_kernel_sequence does: the
             # epilogue's quantization or the standalone one (a no-op for unquantized inputs).
             for layout in layouts:
                 X._launch_gemm(
-                    a1,
-                    s1,
+                    x if q1 else a1,
+                    None if q1 else s1,
                     w13,
                     prepared.tensors["w13_bias"],
                     inter_q if fuse else inter_buf,
@@ -281,15 +284,16 @@ def tune_tokens(
                     inter_s if fuse else None,
                     dtype,
                     options=options,
+                    a_quant=q1,
                 )
-                if not fuse:
+                if not (fuse or q2):
                     X._quantize_input(inter_buf, w2, options)
 
-        def gemm2(tile=tile, layouts=layouts):
+        def gemm2(tile=tile, layouts=layouts, q2=q2):
             for layout in layouts:
                 X._launch_gemm(
-                    a2,
-                    s2,
+                    inter_buf if q2 else a2,
+                    None if q2 else s2,
                     w2,
                     prepared.tensors["w2_bias"],
                     out_buf,
@@ -301,6 +305,7 @@ def tune_tokens(
                     hidden,
                     None,
                     options=options,
+                    a_quant=q2,
                 )
 
         for which, fn in (("gemm1", gemm1), ("gemm2", gemm2)):
