@@ -670,3 +670,28 @@ def test_cpu_float32_gemms_default_and_validation():
         TorchOptions(cpu_float32_gemms={"bf16"})
     with pytest.raises(ValueError, match="cpu_float32_from_rows must be at least 1"):
         TorchOptions(cpu_float32_from_rows=0)
+
+
+def test_fp8_block_with_bf16_states_at_small_k_stays_within_its_bound_over_many_seeds():
+    """bf16 hidden states, K = 64: the reference quantized GEMM2's input from the float64
+    intermediate while every backend quantizes the stored bf16 one, so about 3 % of its
+    elements took another e4m3 code and 2 of 40 seeds broke the 3.5e-2 bound (up to 5.6e-2;
+    ``moerunner bench --shape 4,32,32,2 --schemes fp8_block`` called the torch backend
+    wrong). With the reference rounding as the backends do, all stay far inside it."""
+    from moerunner.reference import reference_moe
+    from moerunner.testing import compare, error_bound
+
+    bound = error_bound(torch.bfloat16, True)
+    worst = 0.0
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        E, H, I, T, k = 4, 64, 64, 8, 2
+        w13 = moerunner.quantize(torch.randn(E, 2 * I, H, generator=g) / H**0.5, "fp8_block")
+        w2 = moerunner.quantize(torch.randn(E, H, I, generator=g) / I**0.5, "fp8_block")
+        x = torch.randn(T, H, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+        wts = torch.rand(T, k, generator=g)
+        out = moerunner.fused_moe(x, w13, w2, wts, ids, activation="silu", backend="torch")
+        ref = reference_moe(x, moerunner.ExpertWeights(w13, w2), wts, ids, "silu")
+        worst = max(worst, compare(out, ref).max_rel)
+    assert worst < bound / 3, worst
