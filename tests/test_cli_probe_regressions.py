@@ -3,6 +3,7 @@ and the benchmark scripts: each test fails on the code before its fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import warnings
@@ -487,3 +488,112 @@ def test_flags_that_would_be_ignored_are_usage_errors(line, reason, tmp_path, ca
     code, _, err = run(argv, capsys)
     assert reason in usage_error(code, err, argv[0])
     assert not list(tmp_path.iterdir())
+
+
+# --- the 2026-12-07 CLI probe ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["demo", "--tokens", "99999999999999999999"], "--tokens: expected an int <= 2147483647"),
+        (["demo", "--seed", "99999999999999999999"], "--seed: expected an int <= 92233720"),
+        (["check", "--shape", "2,99999999999999999999,32,1"], "--shape: expected four posit"),
+        (["bench", "--tokens", "99999999999999999999", *TINY[2:]], "--tokens: expected comma"),
+        (["bench", "--backends", "", *TINY[4:]], "--backends: expected comma-separated back"),
+        (["bench", "--png", "", *TINY], "--png: expected the path of a file, got ''"),
+        (["bench", "--png", ".", *TINY], "--png: expected the path of a file, got '.'"),
+        (["bench", "--png", "sub/", *TINY], "--png: expected the path of a file, got 'sub/'"),
+        (["bench", "--shape", "4,64,64,8", *TINY[2:]], "--shape: top-k 8 is more than the 4 ex"),
+        (["tune", "--backends", "--device", "cpu", "--out-dir", ""], "--out-dir: expected a fol"),
+    ],
+)
+def test_values_past_the_flags_ranges_are_usage_errors(argv, needle, capsys):
+    """Were tracebacks (int64 overflow, an empty PNG name), a bench that timed nothing with
+    status 0 (``--backends ''``), a write into the current folder (``--out-dir ''``), and a
+    top-k error that named no flag."""
+    code, _, err = run(argv, capsys)
+    assert needle in usage_error(code, err, argv[0])
+
+
+def test_bench_preset_schemes_error_names_the_flag(capsys):
+    argv = ["bench", "--preset", "cpu-tiny", "--preset-schemes", "cpu-tiny=nosuch", "--quiet"]
+    code, _, err = run(argv, capsys)
+    assert "--preset-schemes cpu-tiny=nosuch: " in usage_error(code, err, "bench")
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):
+    """An earlier output that cannot be opened for writing, and a folder where no file can
+    be made, are usage errors before any work (the writes failed after it, with a traceback;
+    root passes permission bits, so the check opens the file)."""
+    out = tmp_path / "info.json"
+    code, _, err = run(["info", "--json", str(out)], capsys)
+    assert code == 0, err
+    real_open = open
+
+    def refuse(path, mode="r", *a, **k):
+        if Path(path) == out and "a" in mode:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return real_open(path, mode, *a, **k)
+
+    import builtins
+
+    builtins_open = builtins.open
+    try:
+        builtins.open = refuse
+        code, _, err = run(["info", "--json", str(out)], capsys)
+    finally:
+        builtins.open = builtins_open
+    assert "cannot be written here (Operation not permitted)" in usage_error(code, err, "info")
+    code, _, err = run(["info", "--json", "/proc/moerunner/x.json"], capsys)
+    assert "is not writable here" in usage_error(code, err, "info")
+
+
+def test_errors_after_the_work_starts_are_one_line_without_traceback(monkeypatch, capsys):
+    """A write that fails late (a full disk) or sizes past the machine's memory ended in a
+    traceback; they are one line with exit status 1."""
+    from moerunner.cli import demo
+
+    def full_disk(argv):
+        raise OSError(28, "No space left on device", "out.json")
+
+    monkeypatch.setattr(demo, "main", full_disk)
+    code, _, err = run(["demo"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert err.strip() == "moerunner demo: error: No space left on device: 'out.json'"
+
+    def too_big(argv):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9")
+
+    monkeypatch.setattr(demo, "main", too_big)
+    code, _, err = run(["demo"], capsys)
+    assert code == 1 and err.startswith("moerunner demo: error: out of memory (")
+
+
+def test_tune_backends_names_a_folder_at_the_table_path_and_a_dropped_token_count(
+    tmp_path, capsys, monkeypatch
+):
+    """A folder named as the table was an IsADirectoryError after measuring; a token count no
+    backend ran correctly vanished from the table without a word."""
+    from moerunner.backend_table import table_file_name
+    from moerunner.bench import backend_choice as tb
+    from moerunner.device_files import device_name
+
+    base = ["tune", "--shape", "4,32,32,2", "--schemes", "fp32", "--backends", "torch"]
+    base += ["--device", "cpu", "--tokens", "1,2", "--min-time", "0.001"]
+    folder = tmp_path / "t"
+    (folder / table_file_name(device_name(torch.device("cpu")))).mkdir(parents=True)
+    code, _, err = run([*base, "--out-dir", str(folder)], capsys)
+    assert "exists and is not a file" in usage_error(code, err, "tune")
+    real = tb.tune_backends
+
+    def one_wrong(*a, **k):
+        key, buckets, rows = real(*a, **k)
+        wrong = [dataclasses.replace(r, status="wrong", note="") if r.tokens == 1 else r
+                 for r in rows]  # fmt: skip
+        return key, buckets, wrong
+
+    monkeypatch.setattr(tb, "tune_backends", one_wrong)
+    code, _, err = run([*base, "--out-dir", str(tmp_path / "u")], capsys)
+    assert code == 0, err
+    assert "T=1 left out of the table: no backend ran it correctly (torch: wrong)" in err

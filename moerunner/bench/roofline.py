@@ -33,6 +33,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -392,6 +393,10 @@ def load_or_measure(
         try:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
             cache_path.write_text(json.dumps(cache, indent=2))
-        except OSError:
-            pass  # a read-only cache location only costs a re-measurement next time
+        except OSError as exc:  # only costs a re-measurement next time: say so, go on
+            warnings.warn(
+                f"ceilings cache {cache_path}: not written ({exc.strerror or exc}); the "
+                "ceilings will be measured again next time",
+                stacklevel=2,
+            )
     return ceilings

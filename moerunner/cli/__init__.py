@@ -57,4 +57,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except OSError as exc:  # an output that could not be written after all, a full disk...
+        problem = f"{exc.strerror or exc}" + (f": {exc.filename!r}" if exc.filename else "")
+    except RuntimeError as exc:  # torch's allocation failures: sizes past this machine
+        if not _out_of_memory(exc):
+            raise
+        problem = f"out of memory ({str(exc).splitlines()[0][:200]}); try smaller sizes"
+    print(f"moerunner {name}: error: {problem}", file=sys.stderr)
+    return 1
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    import torch
+
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,8 +67,14 @@ def csv(text: str) -> list[str]:
     return parts
 
 
-def int_type(minimum: int, what: str = "int") -> Callable[[str], int]:
-    """argparse type: an int >= ``minimum``."""
+#: The largest count or size a flag takes (tokens, experts, H, I...): int32, the kernels'
+#: index type; seeds may use 63 bits.
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**63 - 1
+
+
+def int_type(minimum: int, what: str = "int", maximum: int = MAX_INT) -> Callable[[str], int]:
+    """argparse type: an int in [``minimum``, ``maximum``]."""
 
     def parse(text: str) -> int:
         try:
@@ -76,6 +83,8 @@ def int_type(minimum: int, what: str = "int") -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"expected an int <= {maximum}, got {value}")
         return value
 
     parse.__name__ = what
@@ -114,9 +123,9 @@ def int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
             raise argparse.ArgumentTypeError(
                 f"expected comma-separated ints, got {text!r}"
             ) from None
-        if not values or any(v < minimum for v in values):
+        if not values or any(v < minimum or v > MAX_INT for v in values):
             raise argparse.ArgumentTypeError(
-                f"expected comma-separated ints >= {minimum}, got {text!r}"
+                f"expected comma-separated ints in [{minimum}, {MAX_INT}], got {text!r}"
             )
         return values
 
@@ -144,14 +153,41 @@ def name_list(accepted: Callable[[], list[str]] | list[str] | None = None, what:
     return parse
 
 
+def path_type(text: str) -> Path:
+    """argparse type of an output file: a non-empty path naming a file (not ``.``, ``..``, a
+    root or a path ending in a separator); ``-`` passes (stdout, where the flag takes it)."""
+    text = str(text)
+    if text == STDOUT:
+        return Path(text)
+    name = Path(text).name
+    if not text.strip() or text.endswith(("/", os.sep)) or name in ("", ".", ".."):
+        raise argparse.ArgumentTypeError(f"expected the path of a file, got {text!r}")
+    return Path(text)
+
+
+path_type.__name__ = "file path"
+
+
+def dir_type(text: str) -> Path:
+    """argparse type of an output folder: a non-empty path."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"expected a folder, got {text!r}")
+    return Path(text)
+
+
+dir_type.__name__ = "folder"
+
+
 def shape_type(text: str) -> tuple[int, int, int, int]:
     """argparse type: ``E,H,I,K`` (experts, hidden, intermediate, top-k), all positive."""
     try:
         values = tuple(int(p) for p in csv(text))
     except ValueError:
         values = ()
-    if len(values) != 4 or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected four positive ints E,H,I,K, got {text!r}")
+    if len(values) != 4 or any(v < 1 or v > MAX_INT for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected four positive ints E,H,I,K (at most {MAX_INT} each), got {text!r}"
+        )
     e, h, i, k = values
     if k > e:
         raise argparse.ArgumentTypeError(f"top-k {k} is more than the {e} experts in {text!r}")
@@ -269,6 +305,11 @@ def check_outputs(p: argparse.ArgumentParser, outputs: dict[str, tuple[Path | No
                     f"{flag} {path}: refusing to overwrite it: {why} (it is not an "
                     f"earlier output of {flag}; remove it or choose another path)"
                 )
+            try:  # opened for appending, nothing written: fails where a write would
+                with open(resolved, "ab"):
+                    pass
+            except OSError as exc:
+                p.error(f"{flag} {path}: cannot be written here ({exc.strerror or exc})")
         else:
             check_writable_dir(p, flag, resolved.parent, shown=path)
 
@@ -288,6 +329,10 @@ def check_writable_dir(
         p.error(f"{flag} {shown}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         p.error(f"{flag} {shown}: {existing} is not writable here")
+    try:  # a file made and removed: permission bits pass root, or a folder of /proc
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        p.error(f"{flag} {shown}: {existing} is not writable here ({exc.strerror or exc})")
 
 
 def write_json(path: str | Path, record: dict) -> None:

@@ -60,6 +60,8 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
     path = out_dir / table_file_name(name)
     _common.check_writable_dir(p, "--out-dir", out_dir)
     table = BackendTable(name)
+    if path.exists() and not path.is_file():
+        p.error(f"{path}: exists and is not a file; move it away or choose another --out-dir")
     if path.exists():
         try:
             table = load_table_file(str(path)) or table
@@ -123,6 +125,16 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
                 bar.write(
                     f"moerunner tune: {label} {scheme}: {impl} left out: its kernels ran "
                     f"untuned ({why})",
+                    file=sys.stderr,
+                )
+            served = {r.tokens for r in rows if r.status == "ok"}
+            for t in sorted({r.tokens for r in rows} - served):
+                why = "; ".join(
+                    f"{r.impl}: {r.status} {r.note}".strip() for r in rows if r.tokens == t
+                )
+                bar.write(
+                    f"moerunner tune: {label} {scheme}: T={t} left out of the table: no "
+                    f"backend ran it correctly ({why})",
                     file=sys.stderr,
                 )
             lines = [f"{label} {scheme} on {name}:"]

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -101,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheme", type=schemes, action="append", help="deprecated: --schemes")
     p.add_argument(
         "--backends",
-        type=_csv,
+        type=_common.name_list(what="backend"),
         default=None,
         help="comma-separated backends to time (default: every backend available here)",
     )
@@ -153,10 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="rotated cases per row (fresh routing, input, weight copy if it fits)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_common.int_type(0, "seed", _common.MAX_SEED), default=0)
     p.add_argument(
         "--ceilings",
-        type=Path,
+        type=_common.path_type,
         default=None,
         help="ceilings cache JSON to read, and to add this device's measured ceilings to "
         "(default: measured every run, nothing written)",
@@ -167,12 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-measure the device ceilings (and replace them in --ceilings)",
     )
     p.add_argument(
-        "--json", type=Path, default=None, help="write the replayable JSON here ('-': stdout)"
+        "--json",
+        type=_common.path_type,
+        default=None,
+        help="write the replayable JSON here ('-': stdout)",
     )
     p.add_argument(
-        "--png", type=Path, default=None, help="write the %% of roofline plot here (matplotlib)"
+        "--png",
+        type=_common.path_type,
+        default=None,
+        help="write the %% of roofline plot here (matplotlib)",
     )
-    p.add_argument("--md", type=Path, default=None, help="write a markdown summary here")
+    p.add_argument(
+        "--md", type=_common.path_type, default=None, help="write a markdown summary here"
+    )
     p.add_argument("--threads", type=_common.int_type(1), default=None, help="torch CPU threads")
     p.add_argument(
         "--ep-size",
@@ -196,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--replay",
-        type=Path,
+        type=_common.path_type,
         default=None,
         help="re-run the command recorded in a bench JSON (its --json, --png, --md and "
         "--ceilings are dropped; give new ones)",
@@ -219,7 +226,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             "--activation applies to --shape rows only (a preset has its own activation); "
             "pass --shape E,H,I,K with it"
         )
-    shapes += [parse_shape(s, args.activation or "silu") for s in args.shape]
+    for text in args.shape:
+        try:
+            _common.shape_type(text)  # the flag's shared checks (bounds, top-k <= E)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--shape: {exc}") from None
+        shapes.append(parse_shape(text, args.activation or "silu"))
     if not shapes:
         shapes = [get_preset("qwen3-30b-a3b" if device.startswith("cuda") else "cpu-small")]
     if args.tp != 1:
@@ -245,8 +257,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                 f"--preset-schemes {name}=...: {name!r} is not a preset of this run "
                 f"({', '.join(run_names)})"
             )
-    for s in list(args.schemes) + [s for _, group in extra for s in group]:
+    for s in args.schemes:
         get_scheme(s)  # raises naming the accepted schemes
+    for name, group in extra:
+        for s in group:
+            try:
+                get_scheme(s)
+            except ValueError as exc:
+                raise ValueError(f"--preset-schemes {name}={','.join(group)}: {exc}") from None
     for shape in shapes:  # every (shape, scheme) can hold its weights, before any work
         h, i = shape.hidden_size, shape.intermediate_size
         mine = [s for name, group in extra if name == shape.name for s in group]

@@ -11,7 +11,6 @@ says otherwise. Exit status: 0 all checked cases pass, 1 a case fails or nothing
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -104,7 +103,10 @@ def build_parser() -> _common.Parser:
     for flag, default, what in _SIZE_FLAGS:
         parser.add_argument(flag, type=positive, default=None, help=f"{what} (default {default})")
     parser.add_argument(
-        "--json", type=Path, default=None, help="write the result as JSON here ('-': stdout)"
+        "--json",
+        type=_common.path_type,
+        default=None,
+        help="write the result as JSON here ('-': stdout)",
     )
     return parser
 

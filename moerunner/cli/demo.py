@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -58,9 +57,12 @@ def main(argv: list[str]) -> int:
     )
     _common.add_device(parser)
     parser.add_argument("--repeats", type=positive, default=5, help="timed calls per backend")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=_common.int_type(0, "seed", _common.MAX_SEED), default=0)
     parser.add_argument(
-        "--json", type=Path, default=None, help="write the result as JSON here ('-': stdout)"
+        "--json",
+        type=_common.path_type,
+        default=None,
+        help="write the result as JSON here ('-': stdout)",
     )
     args = parser.parse_args(argv)
     device = _common.resolve_device(parser, args.device)

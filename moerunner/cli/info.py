@@ -5,7 +5,6 @@ and the measured backend table of this device: per shape and token-count bucket,
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import torch
 
@@ -20,7 +19,10 @@ def main(argv: list[str]) -> int:
     """Print the backends of this installation on this machine."""
     parser = _common.parser("info", __doc__)
     parser.add_argument(
-        "--json", type=Path, default=None, help="write the result as JSON here ('-': stdout)"
+        "--json",
+        type=_common.path_type,
+        default=None,
+        help="write the result as JSON here ('-': stdout)",
     )
     args = parser.parse_args(argv)
     _common.check_outputs(parser, {"--json": (args.json, _common.json_output(SCHEMA))})

@@ -89,13 +89,13 @@ def build_parser() -> _common.Parser:
     )
     p.add_argument(
         "--out-dir",
-        type=Path,
+        type=_common.dir_type,
         default=None,
         help="folder for the JSON files (default: the user tile folder, "
         "$XDG_CACHE_HOME/moerunner/tiles or ~/.cache/moerunner/tiles, read before the "
         "shipped files)",
     )
-    p.add_argument("--out", type=Path, default=None, help="deprecated: --out-dir")
+    p.add_argument("--out", type=_common.dir_type, default=None, help="deprecated: --out-dir")
     p.add_argument(
         "--compile-only",
         action="store_true",
