@@ -529,8 +529,9 @@ class Sweep:
             return False
         if not row.tokens:  # nothing to compare: neither right nor wrong
             row.status, row.note = "n/a", "T=0: no output to check"
-        elif row.max_rel_err > accuracy_bound(row.scheme, dtype):
+        elif row.max_rel_err > (bound := accuracy_bound(row.scheme, dtype)):
             row.status = "wrong"
+            row.note = f"max error {row.max_rel_err:.2e} > bound {bound:.2e}"
         return True
 
     def _time_one(
