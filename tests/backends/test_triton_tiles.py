@@ -226,25 +226,6 @@ def test_compile_only_search_builds_few_experts_with_the_shapes_candidates(
     assert list(tmp_path.iterdir()) == []  # compiling writes no file
 
 
-@pytest.mark.parametrize("limit", [0, 2])
-def test_tune_times_the_gemms_with_their_inputs_quantized_as_the_call_would(monkeypatch, limit):
-    """``gemm_input_quant_max_tokens``: the tuner launches each candidate's GEMMs with the
-    input quantized in the K loop where ``run_kernel_sequence`` would (T = 2 here), and
-    through the quantization step where it would not."""
-    weights = tune.random_weights(256, 128, E, "silu", "fp8_block", torch.device("cpu"))
-    options = TritonOptions(
-        tile_dirs=(), fuse_input_quant_off_gpu=True, gemm_input_quant_max_tokens=limit
-    )
-    prepared = TritonBackend(options).prepare_weights(weights, weights.spec(Activation("silu")))
-    in_loop, real = [], X._launch_gemm
-    monkeypatch.setattr(
-        X, "_launch_gemm", lambda *a, **kw: in_loop.append(kw["a_quant"]) or real(*a, **kw)
-    )
-    narrow = tile_config.TileConfig(16, 32, 128, 1, 4, 2)  # GEMM1 cannot quantize its output
-    tune.tune_tokens(prepared, 2, TOP_K, [narrow], lambda _: None, timer=lambda fn, graph: 1.0)
-    assert in_loop and set(in_loop) == {limit > 0}
-
-
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 GOOD_TILE = {"block_m": 16, "block_n": 64, "block_k": 128, "group_m": 1, "num_warps": 4,
              "num_stages": 3}  # fmt: skip

@@ -260,17 +260,14 @@ def tune_tokens(
         ]
         times: dict[str, str] = {}
         fuse = X.fuses_gemm2_input_quant(w2, x, tile, options)
-        # Inputs quantized in the K loops where run_kernel_sequence would (decode buckets).
-        q1 = X.quantizes_input_in_gemm(w13, x, num_tokens, tile, options)
-        q2 = not fuse and X.quantizes_input_in_gemm(w2, x, num_tokens, tile, options)
 
-        def gemm1(tile=tile, layouts=layouts, fuse=fuse, q1=q1, q2=q2):
+        def gemm1(tile=tile, layouts=layouts, fuse=fuse):
             # GEMM1 and whatever makes GEMM2's input, as run_kernel_sequence does: the
             # epilogue's quantization or the standalone one (a no-op for unquantized inputs).
             for layout in layouts:
                 X._launch_gemm(
-                    x if q1 else a1,
-                    None if q1 else s1,
+                    a1,
+                    s1,
                     w13,
                     prepared.tensors["w13_bias"],
                     inter_q if fuse else inter_buf,
@@ -284,16 +281,15 @@ def tune_tokens(
                     inter_s if fuse else None,
                     dtype,
                     options=options,
-                    a_quant=q1,
                 )
-                if not (fuse or q2):
+                if not fuse:
                     X._quantize_input(inter_buf, w2, options)
 
-        def gemm2(tile=tile, layouts=layouts, q2=q2):
+        def gemm2(tile=tile, layouts=layouts):
             for layout in layouts:
                 X._launch_gemm(
-                    inter_buf if q2 else a2,
-                    None if q2 else s2,
+                    a2,
+                    s2,
                     w2,
                     prepared.tensors["w2_bias"],
                     out_buf,
@@ -305,7 +301,6 @@ def tune_tokens(
                     hidden,
                     None,
                     options=options,
-                    a_quant=q2,
                 )
 
         for which, fn in (("gemm1", gemm1), ("gemm2", gemm2)):
