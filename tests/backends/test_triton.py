@@ -457,48 +457,6 @@ def test_gemm1_epilogue_quantizes_gemm2_input(inter):
     assert _rel(plain, _run("torch", x, weights, act, wts, ids)) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "hidden,block_n1,block_k",
-    [(256, 32, 128), (256, 32, 256), (320, 128, 128), (320, 32, 256)],
-)
-def test_gemms_quantize_block_fp8_inputs_in_the_k_loop(monkeypatch, hidden, block_n1, block_k):
-    """``gemm_input_quant_max_tokens``: both GEMMs read their input in the hidden dtype and
-    quantize it per A group in the K loop (GEMM2 only where GEMM1's tile is too narrow to
-    quantize its output; H = 320 ends in a partial group), with no quantization step, and
-    give the same bits as the path that quantizes first."""
-    torch.manual_seed(6)
-    act = moerunner.Activation("silu")
-    T, E, k, inter = 9, 4, 2, 128
-    w13 = torch.randn(E, 2 * inter, hidden, device=DEVICE) / hidden**0.5
-    w2 = torch.randn(E, hidden, inter, device=DEVICE) / inter**0.5
-    weights = ExpertWeights(*(moerunner.quantize(w, "fp8_block") for w in (w13, w2)))
-    in_loop = TritonOptions(fuse_input_quant_off_gpu=True, gemm_input_quant_max_tokens=T)
-    prepared = TritonBackend(in_loop).prepare_weights(weights, weights.spec(act))
-    x = torch.randn(T, hidden, device=DEVICE) * torch.logspace(-1, 1, hidden, device=DEVICE)
-    x[2] = 0.0  # an all-zero row takes scale 1
-    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
-    wts = torch.rand(T, k, device=DEVICE)
-    tiles = tile_config.MoeTiles(
-        tile_config.TileConfig(16, block_n1, block_k, 1, 4, 2),
-        tile_config.TileConfig(16, 64, 128, 1, 4, 2),
-    )
-    quantized = []
-    real = experts._quantize_input
-    monkeypatch.setattr(experts, "_quantize_input", lambda *a: quantized.append(1) or real(*a))
-    got = experts.fused_standard(x, wts, ids, prepared, tiles).clone()
-    assert quantized == []
-    first = triton_pkg.with_options(prepared, TritonOptions(fuse_input_quant_off_gpu=True))
-    want = experts.fused_standard(x, wts, ids, first, tiles)
-    assert len(quantized) == (1 if block_n1 % 128 == 0 else 2)
-    assert torch.equal(got, want)
-    assert _rel(want, _run("torch", x, weights, act, wts, ids)) < 1e-5
-    # One token more than the limit: the quantization steps run again.
-    quantized.clear()
-    more = [torch.cat([t, t[:1]]) for t in (x, wts, ids)]
-    experts.fused_standard(*more, prepared, tiles)
-    assert len(quantized) == (1 if block_n1 % 128 == 0 else 2)
-
-
 def _activation_quant_case(fmt, rows, k):
     """Run the GPU-input quantization kernel and its PyTorch twin on one random input."""
     from moerunner.backends.triton._quant_kernel import quantize_rows

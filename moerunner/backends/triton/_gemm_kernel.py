@@ -130,7 +130,6 @@ def _gemm_block(
     E2M1_WORDS: tl.constexpr,
     UNIFORM_WS: tl.constexpr,
     OUT_QUANT: tl.constexpr,
-    A_QUANT: tl.constexpr,
     INTER_DTYPE: tl.constexpr,
     FP8_ROUND_FIRST: tl.constexpr,
     S_PREFETCH: tl.constexpr,
@@ -301,20 +300,11 @@ def _gemm_block(
                 # A group past K (last step of an uneven K) has no scales: they load as 0,
                 # against a product of masked zeros.
                 q_in = (kq < K) | EVEN_K
-                if A_QUANT:
-                    # A in the hidden dtype, one scale group per sub-step: quantized here by
-                    # the standalone quantizer's rule (zeros past K leave the amax alone).
-                    q, a_s = quant_groups_e4m3(
-                        tl.reshape(a.to(tl.float32), (BLOCK_M, 1, SUB_K)), FP8_ROUND_FIRST
-                    )
-                    a = tl.reshape(q, (BLOCK_M, SUB_K))
-                    a_s = tl.reshape(a_s, (BLOCK_M,))
-                else:
-                    a_s = tl.load(
-                        a_scale_ptr + a_rows * stride_asm + (kq // GROUP_K) * stride_ask,
-                        mask=q_in,
-                        other=0.0,
-                    )
+                a_s = tl.load(
+                    a_scale_ptr + a_rows * stride_asm + (kq // GROUP_K) * stride_ask,
+                    mask=q_in,
+                    other=0.0,
+                )
                 s_k = s_base + (kq // GROUP_K) * stride_sk
                 if UNIFORM_WS:
                     # The tile's gate rows share one scale block and so do its up rows: a
@@ -526,7 +516,6 @@ def moe_gemm_kernel(
     UNIFORM_WS: tl.constexpr,
     ROW_BLOCKS: tl.constexpr,
     OUT_QUANT: tl.constexpr,
-    A_QUANT: tl.constexpr,
     INTER_DTYPE: tl.constexpr,
     FP8_ROUND_FIRST: tl.constexpr,
     PDL: tl.constexpr,
@@ -556,10 +545,6 @@ def moe_gemm_kernel(
     columns) scales of the output rounded to INTER_DTYPE, i.e. GEMM2's fp8_group128 input as
     the standalone quantization would make it from the stored intermediate
     (FP8_ROUND_FIRST: under the interpreter, see ``quant_groups_e4m3``).
-    A_QUANT: block-scaled fp8 weights (K steps of whole scale groups) with A in the hidden
-    dtype: each K sub-step quantizes its A group to e4m3 with a scale per row, as the
-    standalone quantizer (``_quant_kernel``) would have, so no quantization launch precedes
-    this one (``a_scale_ptr`` unused; FP8_ROUND_FIRST as for OUT_QUANT).
     PDL: launched with programmatic dependent launch (``_pdl``).
     S_PREFETCH: packed weights with one chunk per K step load the scale codes a step ahead.
     S_TILE: packed weights with one scale group per half and 2 or 4 chunks per K step load the
@@ -773,7 +758,6 @@ def moe_gemm_kernel(
                 E2M1_WORDS,
                 UNIFORM_WS,
                 OUT_QUANT,
-                A_QUANT,
                 INTER_DTYPE,
                 FP8_ROUND_FIRST,
                 S_PREFETCH,

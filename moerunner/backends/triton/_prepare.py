@@ -44,7 +44,7 @@ _QDOT_ACT = {
 _WEIGHT_GROUPS = (32, 64, 128)
 #: K blocks of block-scaled fp8 the kernels implement (activations grouped alike).
 _FP8_K_BLOCKS = (64, 128)
-FP8_GROUP_ACT = ("fp8_group128", "fp8_group")
+_FP8_GROUP_ACT = ("fp8_group128", "fp8_group")
 
 
 def _scheme_rule(s: QuantScheme) -> str:
@@ -55,7 +55,7 @@ def _scheme_rule(s: QuantScheme) -> str:
     if family == "fp8" and gran in ("tensor", "channel"):
         return "" if act == "fp8_token" else "fp8 per tensor / channel needs fp8_token inputs"
     if family == "fp8":
-        if act not in FP8_GROUP_ACT or s.activation_group_size != s.block_shape[1]:
+        if act not in _FP8_GROUP_ACT or s.activation_group_size != s.block_shape[1]:
             return "block-scaled fp8 needs fp8 inputs grouped by the weight's K block"
         if s.block_shape[1] not in _FP8_K_BLOCKS:
             return f"block-scaled fp8 needs K blocks of {' or '.join(map(str, _FP8_K_BLOCKS))}"

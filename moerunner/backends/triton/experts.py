@@ -38,7 +38,7 @@ from ._align import (
     topk_sum,
 )
 from ._launch import cdiv as _cdiv
-from ._prepare import FP8_GROUP_ACT, FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
+from ._prepare import FRAGMENT_K, FRAGMENT_ROWS, KernelWeight
 from ._quant_kernel import quantize_rows
 from ._weight_decode import e2m1_words
 from .options import TritonOptions
@@ -84,24 +84,6 @@ def fuses_gemm2_input_quant(
     return (
         w2.activation_format == "fp8_group128"
         and tile1.block_n % 128 == 0
-        and (x.is_cuda or options.fuse_input_quant_off_gpu)
-    )
-
-
-def quantizes_input_in_gemm(
-    w: KernelWeight, x: torch.Tensor, tokens: int, tile: TileConfig, options: TritonOptions
-) -> bool:
-    """Whether the GEMM over ``w`` reads its input ``x`` in the hidden dtype and quantizes
-    each A group in its K loop (``A_QUANT``) instead of after a quantization launch: block-
-    scaled fp8 weights whose K steps hold whole scale groups, in calls of at most
-    ``options.gemm_input_quant_max_tokens`` tokens. Off the GPU only with
-    ``options.fuse_input_quant_off_gpu``."""
-    group_k = w.constexprs["GROUP_K"]
-    return (
-        tokens <= options.gemm_input_quant_max_tokens
-        and w.activation_format in FP8_GROUP_ACT
-        and group_k > 0
-        and tile.block_k % group_k == 0
         and (x.is_cuda or options.fuse_input_quant_off_gpu)
     )
 
@@ -290,7 +272,6 @@ def _launch_gemm(
     block_done: torch.Tensor | None = None,
     stream_producers: int = 0,
     slot: int = 0,
-    a_quant: bool = False,
 ) -> int:
     """One grouped GEMM launch; ``spec`` given means GEMM1 (gated activation fused).
     Returns the programs it ran per block of rows (column tiles times split-K programs per
@@ -306,8 +287,7 @@ def _launch_gemm(
     ``stream``: this GEMM's side of GEMM1 -> GEMM2 streaming (``_overlap.STREAM_*``),
     counting in ``block_done``; GEMM2 waits per block for ``stream_producers`` GEMM1 tiles.
     ``slot``: which split-K workspace the launch uses (``split_k_workspace``): launches that
-    may overlap under PDL take different ones. ``a_quant``: ``a`` is in the hidden dtype and
-    the K loop quantizes it (``quantizes_input_in_gemm``; ``a_scale`` None)."""
+    may overlap under PDL take different ones."""
     dev = a.device
     dummy = placeholder(dev)
     k = w.shape[2]
@@ -428,9 +408,8 @@ def _launch_gemm(
         UNIFORM_WS=_uniform_block_scale(consts, tile.block_n, n_out, gated, interleaved),
         ROW_BLOCKS=rows.row_blocks,
         OUT_QUANT=out_scale is not None,
-        A_QUANT=a_quant,
         INTER_DTYPE=_TL_DTYPES[inter_dtype] if out_scale is not None else None,
-        FP8_ROUND_FIRST=(out_scale is not None or a_quant) and not a.is_cuda,
+        FP8_ROUND_FIRST=out_scale is not None and not a.is_cuda,
         S_PREFETCH=options.scale_prefetch,
         S_TILE=options.scale_tiles and w.scale_tiles,
         SPLIT_M=splits_blocks(
@@ -549,25 +528,16 @@ def run_kernel_sequence(
         rows = RowLayout(ws["sorted_rows"], ws["block_expert"], ws["num_padded"], False)
     else:
         rows = layout_rows(row_expert, a_row_div, num_experts, bm, ws, options)
-    tokens = num_rows // a_row_div
-    # Block-scaled fp8 inputs quantized in the GEMMs' K loops (without deltas, whose
-    # launches read the inputs in the hidden dtype anyway).
-    quant1 = deltas is None and quantizes_input_in_gemm(w13, a_RH, tokens, tiles.gemm1, options)
-    quant2 = (
-        deltas is None
-        and not fuse
-        and quantizes_input_in_gemm(w2, a_RH, tokens, tiles.gemm2, options)
-    )
     # GEMM2 starts each block once GEMM1 has finished its rows: only where GEMM2 follows
     # GEMM1 directly (no quantization or delta launch between) under PDL, over aligned rows
     # (row blocks: a token's few experts leave nothing to overlap; measured 0.99x at T = 1).
-    overlap = tokens <= options.overlap_max_tokens
+    overlap = num_rows // a_row_div <= options.overlap_max_tokens
     stream = (
         options.stream_gemms
         and overlap
         and not rows.row_blocks
         and deltas is None
-        and (fuse or quant2 or w2.activation_format == "none")
+        and (fuse or w2.activation_format == "none")
         and options.pdl
         and _pdl.supported(a_RH)
     )
@@ -575,7 +545,7 @@ def run_kernel_sequence(
     # its epilogue (``_gemm_kernel.moe_gemm_kernel``): nothing the GEMM's K loop reads may
     # be written by that launch, so the input's quantization goes first.
     with trace_range("gemm1"):
-        a, a_scale = (a_RH, None) if quant1 else _quantize_input(a_RH, w13, options)
+        a, a_scale = _quantize_input(a_RH, w13, options)
         w13_rows = 2 * inter if spec.gated else inter
         delta = deltas.gate_up(a_RH, row_expert, w13_rows) if deltas is not None else None
         gemm1_programs = _launch_gemm(
@@ -601,13 +571,10 @@ def run_kernel_sequence(
             row_ids=row_expert,
             stream=O.STREAM_PUBLISH if stream else O.STREAM_NONE,
             block_done=ws["block_done"],
-            a_quant=quant1,
         )
     with trace_range("gemm2"):
         if fuse:
             a2, a2_scale = ws["inter"], ws["inter_scale"]
-        elif quant2:
-            a2, a2_scale = ws["inter"], None
         else:
             a2, a2_scale = _quantize_input(ws["inter"], w2, options)
         delta = deltas.down(ws["inter"], row_expert, hidden) if deltas is not None else None
@@ -633,7 +600,6 @@ def run_kernel_sequence(
                 block_done=ws["block_done"],
                 stream_producers=gemm1_programs if stream else 0,
                 slot=1,
-                a_quant=quant2,
             )
         except BaseException:
             # GEMM1 counted its blocks done and no GEMM2 will reset the counts.

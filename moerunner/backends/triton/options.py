@@ -64,17 +64,8 @@ class TritonOptions:
     #: (1.03-1.06x at T = 16-4096 on an H100; off: serialized, bit-identical results).
     fragment_async_mma: bool = True
     #: Off the GPU GEMM1 leaves GEMM2's input quantization to the PyTorch twin (the path every
-    #: other input takes there) unless this is set, and so do the K loops of
-    #: ``gemm_input_quant_max_tokens``; tests set it to check the kernels' logic.
+    #: other input takes there) unless this is set; tests set it to check the epilogue's logic.
     fuse_input_quant_off_gpu: bool = False
-    #: GEMMs over block-scaled fp8 weights (fp8_block: e4m3 activations with a scale per row
-    #: and 128 along K) in calls of at most this many tokens read their input in the hidden
-    #: dtype and quantize each A group in the K loop, by the standalone quantizer's rule
-    #: (bit-identical outputs): no quantization launch before either GEMM, so GEMM2 can
-    #: also stream behind GEMM1 where GEMM1's tile is too narrow to quantize its output.
-    #: Every column tile re-quantizes its rows, work that is lost under the weight reads of
-    #: a decode but not in a prefill's MMA-bound K loop. 0: never.
-    gemm_input_quant_max_tokens: int = 0
     #: *Prepare time.* Layout packed e2m1 weights (mxfp4, nvfp4) are prepared in:
     #: ``"fragment"`` or ``"split"``. GPT-OSS-120B mxfp4 on an H100, tiles tuned for each
     #: layout on it, same process: fragment 1.20x at T = 16, 1.26x at 64, 1.26x at 256, 1.27x
@@ -189,7 +180,6 @@ class TritonOptions:
         check_int(self, "min_group_m", 1)
         check_int(self, "early_prefetch_steps", 0)
         check_int(self, "overlap_max_tokens", 0)
-        check_int(self, "gemm_input_quant_max_tokens", 0)
         check_int(self, "decode_split_programs", 0)
         if self.e2m1_placed_words is not None:
             check_bool(self, "e2m1_placed_words")
