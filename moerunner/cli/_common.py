@@ -6,6 +6,9 @@
 - ``--device`` is checked before any work: unknown names and devices this machine lacks are
   usage errors.
 - Usage errors print one line, ``moerunner <command>: error: <what>``, and exit with status 2.
+  Ints are at most ``MAX_INT`` (int32; seeds ``MAX_SEED``). An error once the work has
+  started (a write that fails after all, sizes past this machine's memory) prints one such
+  line and exits with status 1 (``moerunner.cli.main``).
 - An output file is only written where an output flag points, and never over a file other
   than an earlier output of the same flag's kind (a JSON output: a record of the same schema;
   checked before the work starts). Only JSON outputs take ``-`` for stdout.
