@@ -1,9 +1,10 @@
 # Prototype: an explicitly warp-specialised, persistent bf16 GEMM for Hopper, in Gluon.
 #
 #   python benchmarks/experiments/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8]
-#   python benchmarks/experiments/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8] --compile-only
-#   python benchmarks/experiments/gluon_ws_gemm.py --moe PRESET T [--bm 128 --bn1 128 --bn2 256 --bk 64
-#       --stages1 3 --stages2 3 --warps 8] [--compile-only]
+#   python benchmarks/experiments/gluon_ws_gemm.py --dense M N K BM BN BK STAGES [--warps 4|8] \
+#       --compile-only
+#   python benchmarks/experiments/gluon_ws_gemm.py --moe PRESET T [--bm 128 --bn1 128 --bn2 256
+#       --bk 64 --stages1 3 --stages2 3 --warps 8] [--compile-only]
 #
 # C[M, N] = A[M, K] @ B[N, K]^T with bf16 operands and output and fp32 accumulation. Triton's
 # automatic warp specialisation (``tl.range(..., warp_specialize=True)``) never finished on an

@@ -11,8 +11,9 @@
 # rotated order for --rounds rounds. x = the unsplit time / this variant's, median over
 # rounds [min-max]. "weights%copy" counts the stored weight bytes of the experts hit at the
 # copy bandwidth measured here. --old-tiles FOLDER also times the tiles a tuned file there
-# gives ("old"; a file before a re-tune). --split-layout also times mxfp4 / nvfp4 weights prepared in
-# the split e2m1 layout with their own tuned tiles (the layout that was faster at T = 1).
+# gives ("old"; a file before a re-tune). --split-layout also times mxfp4 / nvfp4 weights
+# prepared in the split e2m1 layout with their own tuned tiles (the layout that was faster at
+# T = 1).
 # Prints the best variants per point; --json writes every sample.
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 # Time the fused MoE op of one preset with two tile choices, alternately in one process, so
 # that a tile change is judged against run-to-run drift rather than across runs.
 #
-#   python benchmarks/experiments/gpu_tiles_ab.py --preset deepseek-v3 --scheme fp8_block --tokens 16384 \
+#   python benchmarks/experiments/gpu_tiles_ab.py --preset deepseek-v3 --scheme fp8_block \
+#       --tokens 16384 \
 #       --a 64,128,128,8,4/64,128,128,4,4 --b 128,64,256,8,3/128,128,256,8,3
 #
 # A tile choice is "GEMM1/GEMM2", each "block_m,block_n,block_k,num_warps,num_stages" with

@@ -1,6 +1,7 @@
 # Experiment: does Triton's automatic warp specialisation on Hopper close the bf16 prefill gap?
 #
-#   python benchmarks/experiments/gpu_ws_gemm.py [--tokens 4096 16384] [--presets ...] [--ws] [--out DIR]
+#   python benchmarks/experiments/gpu_ws_gemm.py [--tokens 4096 16384] [--presets ...] [--ws] \
+#       [--out DIR]
 #   python benchmarks/experiments/gpu_ws_gemm.py --dense M N K BM BN BK STAGES WS PERSISTENT
 #
 # The shipped GEMM gathers its A rows with pointer loads and runs one tile per program, so a
