@@ -444,8 +444,9 @@ def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
     cached = module.__dict__.get(_HELD_CACHE)
     if cached is not None and cached[0] is held and cached[1] == key:  # `is`: ids get reused
         return cached[2]
-    biases = (None if b is None else b.detach() for b in params)
-    weights = ExpertWeights(held.w13, held.w2, *biases, held.gate_up_interleaved)
+    # The bias parameters themselves (leaves: no graph is held), so a training step gives
+    # them their gradients as the compiled path and kept float weights do.
+    weights = ExpertWeights(held.w13, held.w2, *params, held.gate_up_interleaved)
     module.__dict__[_HELD_CACHE] = (held, key, weights)
     return weights
 

@@ -331,6 +331,24 @@ def test_training_over_quantized_experts_reaches_every_other_parameter():
         assert_close(p.grad, want[name].grad.double(), FP32_MAX_REL, what=f"d/d {name}")
 
 
+def test_training_over_released_quantized_experts_gives_their_biases_gradients():
+    """GPT-OSS's experts keep float biases beside quantized weights. With the float weights
+    released (``quantize_experts``' default) an eager training step left the biases, which
+    require grad, without gradients (the held weights took detached copies), while kept float
+    weights and the compiled path gave them theirs; now all agree."""
+    grads = {}
+    for keep in (False, True):
+        model = build("gpt_oss", implementation="moerunner", seed=3)
+        mt.quantize_experts(model, "int8_w8a16", keep_float_weights=keep)
+        model.train()
+        model(_ids()).logits.square().mean().backward()
+        grads[keep] = {n: p.grad for n, p in model.named_parameters() if n.endswith("_proj_bias")}
+    assert len(grads[True]) == 4  # two layers, two biases each
+    for name, want in grads[True].items():
+        assert want is not None and grads[False][name] is not None, name
+        torch.testing.assert_close(grads[False][name], want, rtol=0, atol=0)
+
+
 def _clamp_gating(module, limit: float, attr: str | None) -> None:
     """Give one experts module the clamped SwiGLU of DeepSeek-V4 / HY-V4 / GLM-5-Next
     (``silu(gate.clamp(max=L)) * up.clamp(-L, L)``), with ``L`` kept under ``attr``."""
