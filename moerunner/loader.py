@@ -286,14 +286,11 @@ def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first:
     return max(found) + 1
 
 
-_MISSING = object()
-
-
 def _config_number(config: dict, key: str, kind: type, default: Any) -> Any:
     """config.json's ``key``: an int (``kind`` int) or a number (``kind`` float), not a bool;
     ``default`` where it is absent or null. Anything else is refused by name."""
-    value = config.get(key, _MISSING)
-    if value is _MISSING or value is None:
+    value = config.get(key)
+    if value is None:
         return default
     ok = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok):
@@ -303,8 +300,8 @@ def _config_number(config: dict, key: str, kind: type, default: Any) -> Any:
 
 
 def _config_bool(config: dict, key: str, default: bool) -> bool:
-    value = config.get(key, _MISSING)
-    if value is _MISSING or value is None:
+    value = config.get(key)
+    if value is None:
         return default
     if not isinstance(value, bool):
         raise MoeInputError(f"checkpoint: config.json's {key} must be true or false, got {value!r}")

@@ -8,9 +8,14 @@ than a backend claims.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -298,3 +303,19 @@ def align_reference(row_expert, num_experts, block_m):
         torch.tensor(sorted_rows, dtype=torch.int32),
         torch.tensor(block_expert, dtype=torch.int32),
     )
+
+
+def run_without_interpreter(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``python ARGV`` in a process without Triton's interpreter (compiling for a GPU needs
+    none), with the repository on its path; skips the test where this Triton build ships no
+    ptxas."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode and "ptxas" in done.stderr:
+        if "not found" in done.stderr or "No such file" in done.stderr:
+            pytest.skip("no ptxas in this triton")
+    return done

@@ -486,9 +486,12 @@ def quantize(
         fields.update(_empty_fields(layout, weight.device))
     elif s.is_quantized:
         fields.update(_quantize_chunks(s, weight, layout, chunk_bytes))
-    else:  # a cast (the weight itself where its dtype is the scheme's), made contiguous
-        plain = codec_of(s).quantize(s, weight).items()
-        fields.update({f: v.contiguous() if v is not None else None for f, v in plain})
+    else:  # a cast (the weight itself where its dtype is the scheme's)
+        fields.update(codec_of(s).quantize(s, weight))
+    # Contiguous whatever the input's strides (a transposed view's codes keep them, and
+    # safetensors' save_file refuses such tensors): at most one chunk's copy, the chunked
+    # result being made contiguous already.
+    fields = {f: v.contiguous() if v is not None else None for f, v in fields.items()}
     return QuantizedWeight(s, shape, **fields)
 
 
@@ -516,10 +519,7 @@ def _quantize_chunks(
     e = weight.shape[0]
     step = experts_per_chunk(tuple(weight.shape), chunk_bytes)
     if step >= e:
-        # Contiguous whatever the input's strides (a transposed view's codes would keep
-        # them, and safetensors' save_file refuses such tensors); at most one chunk's copy.
-        fields = codec.quantize(scheme, weight).items()
-        return {f: v.contiguous() if v is not None else None for f, v in fields}
+        return codec.quantize(scheme, weight)
     out: dict[str, torch.Tensor] = {}
     for start in range(0, e, step):
         part = codec.quantize(scheme, weight[start : start + step])

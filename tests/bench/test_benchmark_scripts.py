@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cases import run_without_interpreter
 
 from moerunner.bench import presets
 
@@ -73,20 +74,8 @@ def test_offline_compile_builds_a_block_fp8_gemm_for_hopper():
     rotted: a renamed operand constant made every variant fail). Runs Triton's own ptxas, in
     a process without the interpreter; nothing runs on a GPU."""
     pytest.importorskip("triton")
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = BENCHMARKS / "experiments" / "triton_offline_compile.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "fp8_block:1:16:32:256:4:5"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if done.returncode and "ptxas" in done.stderr and "No such file" in done.stderr:
-        pytest.skip("this triton build ships no ptxas")
+    done = run_without_interpreter([str(script), "fp8_block:1:16:32:256:4:5"], timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "fp8_block:1:16:32:256:4:5" in done.stdout and "spill   0 B" in done.stdout
 
