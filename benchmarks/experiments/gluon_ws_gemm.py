@@ -111,8 +111,9 @@ def _acc_layout(BM, WIDTH, num_warps):
         raise ValueError(f"BM={BM} must be a multiple of 16 * num_warps = {16 * num_warps}")
     if WIDTH % 8 or WIDTH > 256:
         raise ValueError(f"a wgmma is a multiple of 8 and at most 256 wide, got {WIDTH}")
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                     instr_shape=[16, WIDTH, 16])
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, WIDTH, 16]
+    )
 
 
 @gluon.jit
@@ -149,10 +150,25 @@ def _ring_free(ready_bars, empty_bars, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K,
-                      num_padded_ptr, block_expert_ptr, b_rows_per_expert,
-                      BN: gl.constexpr, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                      STAGES: gl.constexpr, GROUPED: gl.constexpr):
+def _loader_partition(
+    a_desc,
+    b_desc,
+    a_bufs,
+    b_bufs,
+    ready_bars,
+    empty_bars,
+    M,
+    N,
+    K,
+    num_padded_ptr,
+    block_expert_ptr,
+    b_rows_per_expert,
+    BN: gl.constexpr,
+    NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    GROUPED: gl.constexpr,
+):
     """Producer (worker partition): TMA loads of A and B tiles into the shared-memory ring.
 
     Walks the same tiles and K steps as the consumer. For K step number ``count`` (counted
@@ -195,8 +211,7 @@ def _loader_partition(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M,
 
 
 @gluon.jit
-def _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
-              STAGES: gl.constexpr):
+def _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count, STAGES: gl.constexpr):
     """The K loop of one tile (consumer side); returns (acc, count) after all steps.
 
     One wgmma stays in flight: after issuing step ``count`` it waits until at most one wgmma
@@ -209,8 +224,13 @@ def _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
         stage = count % STAGES
         mbarrier.wait(ready_bars.index(stage), (count // STAGES) & 1)
         # B is stored [BN, BK] (K-major); the transposed view is the [BK, BN] operand.
-        acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc,
-                            use_acc=ki > 0, is_async=True)
+        acc = warpgroup_mma(
+            a_bufs.index(stage),
+            b_bufs.index(stage).permute((1, 0)),
+            acc,
+            use_acc=ki > 0,
+            is_async=True,
+        )
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         gl.thread_barrier()
         # Step count - 1 (same tile) is complete: hand its stage back to the loader.
@@ -223,9 +243,21 @@ def _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
 
 
 @gluon.jit
-def _mma_epilogue_partition(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_smem, M, N, K,
-                            NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                            STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _mma_epilogue_partition(
+    a_bufs,
+    b_bufs,
+    ready_bars,
+    empty_bars,
+    c_desc,
+    c_smem,
+    M,
+    N,
+    K,
+    NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Consumer (default partition): async wgmma over the ring, then the bf16 TMA epilogue.
 
     One wgmma stays in flight: after issuing step ``count`` it waits until at most one wgmma
@@ -243,8 +275,7 @@ def _mma_epilogue_partition(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_sm
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count,
-                               STAGES)
+        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count, STAGES)
 
         # Epilogue: the previous tile's TMA store must have read c_smem before it is rewritten.
         out = acc.to(c_desc.dtype)
@@ -256,8 +287,18 @@ def _mma_epilogue_partition(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_sm
 
 
 @gluon.jit
-def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, NUM_SMS: gl.constexpr,
-                   GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def ws_gemm_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    M,
+    N,
+    K,
+    NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """Persistent warp-specialised C = A @ B^T (A [M, K], B [N, K], C [M, N], bf16).
 
     Allocates the STAGES-deep A / B ring, the C staging tile and two mbarriers per stage
@@ -269,21 +310,73 @@ def ws_gemm_kernel(a_desc, b_desc, c_desc, M, N, K, NUM_SMS: gl.constexpr,
     a_bufs, b_bufs, ready_bars, empty_bars = _ring(a_desc, b_desc, STAGES)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
 
-    gl.warp_specialize([
-        (_mma_epilogue_partition, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, c_smem,
-                                   M, N, K, NUM_SMS, GROUP_M, STAGES, num_warps)),
-        (_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, M, N, K,
-                             M, M, N, BN, NUM_SMS, GROUP_M, STAGES, DENSE_TILES)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _mma_epilogue_partition,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready_bars,
+                    empty_bars,
+                    c_desc,
+                    c_smem,
+                    M,
+                    N,
+                    K,
+                    NUM_SMS,
+                    GROUP_M,
+                    STAGES,
+                    num_warps,
+                ),
+            ),
+            (
+                _loader_partition,
+                (
+                    a_desc,
+                    b_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready_bars,
+                    empty_bars,
+                    M,
+                    N,
+                    K,
+                    M,
+                    M,
+                    N,
+                    BN,
+                    NUM_SMS,
+                    GROUP_M,
+                    STAGES,
+                    DENSE_TILES,
+                ),
+            ),
+        ],
+        [LOADER_WARPS],
+        [LOADER_REGS],
+    )
 
     _ring_free(ready_bars, empty_bars, STAGES)
 
 
 # ------------------------------------------------------------------------------ MoE mode
 @gluon.jit
-def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem,
-                        num_padded_ptr, N, K, NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr,
-                        STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _moe_gemm1_consumer(
+    a_bufs,
+    b_bufs,
+    ready_bars,
+    empty_bars,
+    c_desc,
+    epi_smem,
+    num_padded_ptr,
+    N,
+    K,
+    NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """GEMM1 consumer: wgmma of width 2 * BN (gate | up), then silu(gate) * up via TMA.
 
     Epilogue: the fp32 [BM, 2 * BN] tile goes to shared memory as bf16, the gate and up
@@ -296,8 +389,9 @@ def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem
     BK: gl.constexpr = a_bufs.type.shape[2]
     acc_layout: gl.constexpr = _acc_layout(BM, 2 * BN, num_warps)  # gate and up columns
     TPW_N: gl.constexpr = BN // 8
-    epi_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1],
-                                                [1, 0])
+    epi_layout: gl.constexpr = gl.BlockedLayout(
+        [1, 8], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0]
+    )
     m_rows = gl.load(num_padded_ptr)
     num_pid_m, num_pid_n, num_tiles, k_steps = _tile_counts(m_rows, N, K, BM, BN, BK)
     gate_smem = epi_smem.slice(0, BN, 1)
@@ -306,8 +400,7 @@ def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([BM, 2 * BN], gl.float32, acc_layout)
-        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
-                                   count, STAGES)
+        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count, STAGES)
         # The previous tile's TMA store (issued by one thread) has read the buffer.
         tma.store_wait(pendings=0)
         gl.thread_barrier()
@@ -326,9 +419,19 @@ def _moe_gemm1_consumer(a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem
 
 
 @gluon.jit
-def _moe_gemm1_kernel(a_desc, b_desc, c_desc, block_expert_ptr, num_padded_ptr, N, K,
-                      NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
+def _moe_gemm1_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    block_expert_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """MoE GEMM1: inter = silu(A Wg^T) * (A Wu^T) per BM-row block with that block's expert.
 
     a_desc: a_perm [max_pad, H] (rows in aligned order), box [BM, BK]; b_desc: the re-laid
@@ -342,22 +445,75 @@ def _moe_gemm1_kernel(a_desc, b_desc, c_desc, block_expert_ptr, num_padded_ptr, 
     # Gate | up tile in bf16; its first BN columns then hold the output tile (same layout).
     epi_smem = gl.allocate_shared_memory(c_desc.dtype, [BM, 2 * BN], c_desc.layout)
 
-    gl.warp_specialize([
-        (_moe_gemm1_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, c_desc, epi_smem,
-                               num_padded_ptr, N, K, NUM_SMS, GROUP_M, STAGES, num_warps)),
-        (_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, N, N, K,
-                             num_padded_ptr, block_expert_ptr, 2 * N, BN, NUM_SMS, GROUP_M,
-                             STAGES, GROUPED_TILES)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _moe_gemm1_consumer,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready_bars,
+                    empty_bars,
+                    c_desc,
+                    epi_smem,
+                    num_padded_ptr,
+                    N,
+                    K,
+                    NUM_SMS,
+                    GROUP_M,
+                    STAGES,
+                    num_warps,
+                ),
+            ),
+            (
+                _loader_partition,
+                (
+                    a_desc,
+                    b_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready_bars,
+                    empty_bars,
+                    N,
+                    N,
+                    K,
+                    num_padded_ptr,
+                    block_expert_ptr,
+                    2 * N,
+                    BN,
+                    NUM_SMS,
+                    GROUP_M,
+                    STAGES,
+                    GROUPED_TILES,
+                ),
+            ),
+        ],
+        [LOADER_WARPS],
+        [LOADER_REGS],
+    )
 
     _ring_free(ready_bars, empty_bars, STAGES)
 
 
 @gluon.jit
-def _moe_gemm2_consumer(a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
-                        sorted_rows_ptr, route_w_ptr, num_padded_ptr, num_rows, N, K,
-                        NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        num_warps: gl.constexpr):
+def _moe_gemm2_consumer(
+    a_bufs,
+    b_bufs,
+    ready_bars,
+    empty_bars,
+    epi_smem,
+    y_ptr,
+    sorted_rows_ptr,
+    route_w_ptr,
+    num_padded_ptr,
+    num_rows,
+    N,
+    K,
+    NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """GEMM2 consumer: wgmma over the ring, then the weighted scatter of the tile's rows.
 
     Epilogue: row r of the tile (aligned position pos = pid_m * BM + r) belongs to the
@@ -371,16 +527,14 @@ def _moe_gemm2_consumer(a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
     BK: gl.constexpr = a_bufs.type.shape[2]
     acc_layout: gl.constexpr = _acc_layout(BM, BN, num_warps)
     TPW_N: gl.constexpr = BN // 8
-    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1],
-                                               [1, 0])
+    st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
     m_rows = gl.load(num_padded_ptr)
     num_pid_m, num_pid_n, num_tiles, k_steps = _tile_counts(m_rows, N, K, BM, BN, BK)
     count = 0
     for tile in range(gl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros([BM, BN], gl.float32, acc_layout)
-        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps,
-                                   count, STAGES)
+        acc, count = _mma_tile(a_bufs, b_bufs, ready_bars, empty_bars, acc, k_steps, count, STAGES)
         pos = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
         rows = gl.load(sorted_rows_ptr + pos)
         w = gl.load(route_w_ptr + rows, mask=rows < num_rows, other=0.0)
@@ -393,17 +547,29 @@ def _moe_gemm2_consumer(a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
         pos_s = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, st_layout))
         rows_s = gl.load(sorted_rows_ptr + pos_s)
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, st_layout))
-        ptrs = (y_ptr + gl.expand_dims(rows_s.to(gl.int64) * N, 1)
-                + gl.expand_dims(cols, 0))
+        ptrs = y_ptr + gl.expand_dims(rows_s.to(gl.int64) * N, 1) + gl.expand_dims(cols, 0)
         mask = gl.expand_dims(rows_s < num_rows, 1) & gl.expand_dims(cols < N, 0)
         gl.store(ptrs, v, mask=mask)
 
 
 @gluon.jit
-def _moe_gemm2_kernel(a_desc, b_desc, y_ptr, sorted_rows_ptr, block_expert_ptr,
-                      num_padded_ptr, route_w_ptr, num_rows, N, K, BN: gl.constexpr,
-                      NUM_SMS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
+def _moe_gemm2_kernel(
+    a_desc,
+    b_desc,
+    y_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    route_w_ptr,
+    num_rows,
+    N,
+    K,
+    BN: gl.constexpr,
+    NUM_SMS: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
     """MoE GEMM2: y[sorted_rows[pos]] = route_w[row] * (inter[pos] @ W2[e]^T), scattered.
 
     a_desc: inter [max_pad, I], box [BM, BK]; b_desc: w2 viewed [E * H, I] (expert e's rows
@@ -416,23 +582,66 @@ def _moe_gemm2_kernel(a_desc, b_desc, y_ptr, sorted_rows_ptr, block_expert_ptr,
     epi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
     epi_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], epi_layout)
 
-    gl.warp_specialize([
-        (_moe_gemm2_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, epi_smem, y_ptr,
-                               sorted_rows_ptr, route_w_ptr, num_padded_ptr, num_rows, N, K,
-                               NUM_SMS, GROUP_M, STAGES, num_warps)),
-        (_loader_partition, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, N, N, K,
-                             num_padded_ptr, block_expert_ptr, N, BN, NUM_SMS, GROUP_M,
-                             STAGES, GROUPED_TILES)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _moe_gemm2_consumer,
+                (
+                    a_bufs,
+                    b_bufs,
+                    ready_bars,
+                    empty_bars,
+                    epi_smem,
+                    y_ptr,
+                    sorted_rows_ptr,
+                    route_w_ptr,
+                    num_padded_ptr,
+                    num_rows,
+                    N,
+                    K,
+                    NUM_SMS,
+                    GROUP_M,
+                    STAGES,
+                    num_warps,
+                ),
+            ),
+            (
+                _loader_partition,
+                (
+                    a_desc,
+                    b_desc,
+                    a_bufs,
+                    b_bufs,
+                    ready_bars,
+                    empty_bars,
+                    N,
+                    N,
+                    K,
+                    num_padded_ptr,
+                    block_expert_ptr,
+                    N,
+                    BN,
+                    NUM_SMS,
+                    GROUP_M,
+                    STAGES,
+                    GROUPED_TILES,
+                ),
+            ),
+        ],
+        [LOADER_WARPS],
+        [LOADER_REGS],
+    )
 
     _ring_free(ready_bars, empty_bars, STAGES)
 
 
 def _layouts(bm: int, bn: int, bk: int):
     """NVMMA shared layouts of the A, B and C tiles (128-byte swizzle where the rows allow)."""
-    return (gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16))
+    return (
+        gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16),
+        gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16),
+        gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16),
+    )
 
 
 # Programs meant to be resident on one SM at a time (--programs-per-sm): the register cap
@@ -474,13 +683,26 @@ def check_config(bm: int, bn: int, bk: int, stages: int, warps: int) -> list[str
         problems.append(f"shared memory {smem_bytes(bm, bn, bk, stages)} B > {SMEM_LIMIT} B")
     acc_regs = bm * bn // (32 * warps)
     if acc_regs > 128:
-        problems.append(f"{acc_regs} fp32 accumulator registers per thread (> 128 spills: "
-                        "use --warps 8 or a smaller tile)")
+        problems.append(
+            f"{acc_regs} fp32 accumulator registers per thread (> 128 spills: "
+            "use --warps 8 or a smaller tile)"
+        )
     return problems
 
 
-def ws_gemm(a, b, bm=128, bn=128, bk=64, stages=4, warps=4, group_m=8, num_sms=None, c=None,
-            compile_only=False):
+def ws_gemm(
+    a,
+    b,
+    bm=128,
+    bn=128,
+    bk=64,
+    stages=4,
+    warps=4,
+    group_m=8,
+    num_sms=None,
+    c=None,
+    compile_only=False,
+):
     """C = a @ b.T with the warp-specialised kernel; a [M, K], b [N, K], bf16, CUDA.
 
     ``compile_only`` compiles (and caches) the kernel for these arguments without launching.
@@ -488,8 +710,10 @@ def ws_gemm(a, b, bm=128, bn=128, bk=64, stages=4, warps=4, group_m=8, num_sms=N
     import torch
 
     if not (a.dtype == b.dtype == torch.bfloat16 and a.shape[1] == b.shape[1]):
-        raise ValueError(f"a and b must be bf16 [M, K] and [N, K], got {a.dtype} "
-                         f"{list(a.shape)} and {b.dtype} {list(b.shape)}")
+        raise ValueError(
+            f"a and b must be bf16 [M, K] and [N, K], got {a.dtype} "
+            f"{list(a.shape)} and {b.dtype} {list(b.shape)}"
+        )
     M, K = a.shape
     N = b.shape[0]
     if K <= 0:
@@ -524,8 +748,7 @@ def moe_smem_bytes(bm: int, bn: int, bk: int, stages: int, gated: bool) -> int:
     return stages * (bm + box_n) * bk * 2 + bm * box_n * 2 + 2 * stages * 8
 
 
-def check_moe_config(bm: int, bn: int, bk: int, stages: int, warps: int,
-                     gated: bool) -> list[str]:
+def check_moe_config(bm: int, bn: int, bk: int, stages: int, warps: int, gated: bool) -> list[str]:
     """Problems of a MoE GEMM block configuration (BN: output columns; GEMM1's wgmma is 2 BN)."""
     box_n = 2 * bn if gated else bn
     problems = []
@@ -552,8 +775,10 @@ def relayout_w13(w13, bn: int):
     E, two_i, H = w13.shape
     inter = two_i // 2
     if inter % bn:
-        raise ValueError(f"MoE GEMM1 needs I % BN1 == 0 (I={inter}, BN1={bn}); "
-                         "pick --bn1 dividing I (64 for I=2880)")
+        raise ValueError(
+            f"MoE GEMM1 needs I % BN1 == 0 (I={inter}, BN1={bn}); "
+            "pick --bn1 dividing I (64 for I=2880)"
+        )
     gate = w13[:, :inter].reshape(E, inter // bn, 1, bn, H)
     up = w13[:, inter:].reshape(E, inter // bn, 1, bn, H)
     import torch
@@ -568,8 +793,21 @@ def _launch_opts(warps: int) -> dict:
     return opts
 
 
-def moe_gemm1(a_perm, w13_t, inter, block_expert, num_padded, bm=128, bn=128, bk=64,
-              stages=3, warps=8, group_m=8, num_sms=None, compile_only=False):
+def moe_gemm1(
+    a_perm,
+    w13_t,
+    inter,
+    block_expert,
+    num_padded,
+    bm=128,
+    bn=128,
+    bk=64,
+    stages=3,
+    warps=8,
+    group_m=8,
+    num_sms=None,
+    compile_only=False,
+):
     """inter[pos] = silu(a_perm[pos] Wg[e]^T) * (a_perm[pos] Wu[e]^T), e = expert of pos's
     BM block; w13_t from ``relayout_w13(w13, bn)``; a_perm [max_pad, H], inter [max_pad, I].
 
@@ -584,8 +822,7 @@ def moe_gemm1(a_perm, w13_t, inter, block_expert, num_padded, bm=128, bn=128, bk
     if problems:
         raise ValueError("; ".join(problems))
     if w13_t.shape[1] != H or w13_t.shape[0] % (2 * I):
-        raise ValueError(f"w13_t must be [E * 2I, H] = [E * {2 * I}, {H}], got "
-                         f"{list(w13_t.shape)}")
+        raise ValueError(f"w13_t must be [E * 2I, H] = [E * {2 * I}, {H}], got {list(w13_t.shape)}")
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a_perm.device).multi_processor_count
     a_l, b_l, c_l = _layouts(bm, 2 * bn, bk)
@@ -601,8 +838,23 @@ def moe_gemm1(a_perm, w13_t, inter, block_expert, num_padded, bm=128, bn=128, bk
     return inter
 
 
-def moe_gemm2(inter, w2_2d, y, sorted_rows, block_expert, num_padded, route_w, bm=128,
-              bn=256, bk=64, stages=3, warps=8, group_m=8, num_sms=None, compile_only=False):
+def moe_gemm2(
+    inter,
+    w2_2d,
+    y,
+    sorted_rows,
+    block_expert,
+    num_padded,
+    route_w,
+    bm=128,
+    bn=256,
+    bk=64,
+    stages=3,
+    warps=8,
+    group_m=8,
+    num_sms=None,
+    compile_only=False,
+):
     """y[sorted_rows[pos]] = route_w[row] * (inter[pos] @ W2[e]^T) for the aligned rows in use
     (padding skipped); w2_2d = w2.reshape(E * H, I), y [num_rows, H] contiguous."""
     import torch
@@ -613,15 +865,30 @@ def moe_gemm2(inter, w2_2d, y, sorted_rows, block_expert, num_padded, route_w, b
     if problems:
         raise ValueError("; ".join(problems))
     if not y.is_contiguous() or w2_2d.shape[1] != I or w2_2d.shape[0] % H:
-        raise ValueError(f"y must be contiguous and w2_2d [E * H, I] = [E * {H}, {I}], got "
-                         f"{list(w2_2d.shape)}")
+        raise ValueError(
+            f"y must be contiguous and w2_2d [E * H, I] = [E * {H}, {I}], got {list(w2_2d.shape)}"
+        )
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(inter.device).multi_processor_count
     a_l, b_l, _ = _layouts(bm, bn, bk)
     a_desc = TensorDescriptor.from_tensor(inter, [bm, bk], a_l)
     b_desc = TensorDescriptor.from_tensor(w2_2d, [bn, bk], b_l)
-    args = (a_desc, b_desc, y, sorted_rows, block_expert, num_padded, route_w, num_rows, H, I,
-            bn, num_sms, group_m, stages)
+    args = (
+        a_desc,
+        b_desc,
+        y,
+        sorted_rows,
+        block_expert,
+        num_padded,
+        route_w,
+        num_rows,
+        H,
+        I,
+        bn,
+        num_sms,
+        group_m,
+        stages,
+    )
     if compile_only:
         _moe_gemm2_kernel.warmup(*args, grid=(num_sms,), **_launch_opts(warps))
     else:
@@ -636,20 +903,27 @@ def _compile_gluon(fn, sig, consts, warps, arch=90, divisible=()):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
-                                              for k, v in consts.items()}, attrs=attrs)
+    src = GluonASTSource(
+        fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs=attrs
+    )
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_launch_opts(warps))
 
 
 def compile_offline(bm, bn, bk, stages, warps, group_m=8, num_sms=H200_SMS, arch=90):
     """Compile the kernel for sm_<arch>a without a GPU; returns the compiled kernel."""
     a_l, b_l, c_l = _layouts(bm, bn, bk)
-    sig = {"a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
-           "b_desc": f"tensordesc<bf16[{bn},{bk}],{b_l!r}>",
-           "c_desc": f"tensordesc<bf16[{bm},{bn}],{c_l!r}>",
-           "M": "i32", "N": "i32", "K": "i32",
-           "NUM_SMS": "constexpr", "GROUP_M": "constexpr", "STAGES": "constexpr",
-           "num_warps": "constexpr"}
+    sig = {
+        "a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
+        "b_desc": f"tensordesc<bf16[{bn},{bk}],{b_l!r}>",
+        "c_desc": f"tensordesc<bf16[{bm},{bn}],{c_l!r}>",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "NUM_SMS": "constexpr",
+        "GROUP_M": "constexpr",
+        "STAGES": "constexpr",
+        "num_warps": "constexpr",
+    }
     consts = {"NUM_SMS": num_sms, "GROUP_M": group_m, "STAGES": stages, "num_warps": warps}
     return _compile_gluon(ws_gemm_kernel, sig, consts, warps, arch)
 
@@ -661,22 +935,43 @@ def compile_moe_offline(gemm, bm, bn, bk, stages, warps, group_m=8, num_sms=H200
     if gemm == 1:
         a_l, b_l, _ = _layouts(bm, 2 * bn, bk)
         c_l = gl.NVMMASharedLayout.get_default_for([bm, bn], gl.bfloat16)
-        sig = {"a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
-               "b_desc": f"tensordesc<bf16[{2 * bn},{bk}],{b_l!r}>",
-               "c_desc": f"tensordesc<bf16[{bm},{bn}],{c_l!r}>",
-               "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "N": "i32", "K": "i32"}
+        sig = {
+            "a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
+            "b_desc": f"tensordesc<bf16[{2 * bn},{bk}],{b_l!r}>",
+            "c_desc": f"tensordesc<bf16[{bm},{bn}],{c_l!r}>",
+            "block_expert_ptr": "*i32",
+            "num_padded_ptr": "*i32",
+            "N": "i32",
+            "K": "i32",
+        }
         fn, divisible = _moe_gemm1_kernel, ("block_expert_ptr", "num_padded_ptr", "N", "K")
     else:
         a_l, b_l, _ = _layouts(bm, bn, bk)
-        sig = {"a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
-               "b_desc": f"tensordesc<bf16[{bn},{bk}],{b_l!r}>",
-               "y_ptr": "*bf16", "sorted_rows_ptr": "*i32", "block_expert_ptr": "*i32",
-               "num_padded_ptr": "*i32", "route_w_ptr": "*fp32",
-               "num_rows": "i32", "N": "i32", "K": "i32", "BN": "constexpr"}
+        sig = {
+            "a_desc": f"tensordesc<bf16[{bm},{bk}],{a_l!r}>",
+            "b_desc": f"tensordesc<bf16[{bn},{bk}],{b_l!r}>",
+            "y_ptr": "*bf16",
+            "sorted_rows_ptr": "*i32",
+            "block_expert_ptr": "*i32",
+            "num_padded_ptr": "*i32",
+            "route_w_ptr": "*fp32",
+            "num_rows": "i32",
+            "N": "i32",
+            "K": "i32",
+            "BN": "constexpr",
+        }
         consts["BN"] = bn
         fn = _moe_gemm2_kernel
-        divisible = ("y_ptr", "sorted_rows_ptr", "block_expert_ptr", "num_padded_ptr",
-                     "route_w_ptr", "num_rows", "N", "K")
+        divisible = (
+            "y_ptr",
+            "sorted_rows_ptr",
+            "block_expert_ptr",
+            "num_padded_ptr",
+            "route_w_ptr",
+            "num_rows",
+            "N",
+            "K",
+        )
     sig.update({k: "constexpr" for k in ("NUM_SMS", "GROUP_M", "STAGES", "num_warps")})
     return _compile_gluon(fn, sig, consts, warps, arch, divisible)
 
@@ -690,8 +985,11 @@ def _ptxas_info(ptx: str, arch: int = 90) -> str:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        res = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", src, "-o",
-                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+        res = subprocess.run(
+            [ptxas, f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
     regs = re.search(r"Used (\d+) registers", res.stderr)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stderr)
     if not regs or not spill:
@@ -702,26 +1000,35 @@ def _ptxas_info(ptx: str, arch: int = 90) -> str:
 def _describe_build(ck, label: str, warps: int, problems: list[str]) -> str:
     """One line describing a compiled kernel: shared memory, warps, registers, PTX counts."""
     ptx = ck.asm["ptx"]
-    counts = {name: len(re.findall(re.escape(name), ptx))
-              for name in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier")}
+    counts = {
+        name: len(re.findall(re.escape(name), ptx))
+        for name in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier")
+    }
     m = re.search(r"\.reqntid\s+(\d+)", ptx)
     total_warps = int(m.group(1)) // 32 if m else ck.metadata.num_warps
-    regs = sorted({f"{op} {n}" for op, n in
-                   re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)})
-    return (f"gluon-ws compile sm_90a {label} w{warps}: "
-            f"shared {ck.metadata.shared} B, num_warps {total_warps} "
-            f"({warps} consumer + {LOADER_WARPS.value} loader, padded to a warpgroup), "
-            f"maxnreg {_maxnreg(warps)}, setmaxnreg {{{', '.join(regs)}}}, "
-            f"{_ptxas_info(ptx)}; PTX: "
-            + ", ".join(f"{k} {v}" for k, v in counts.items())
-            + ("; NOT RUNNABLE: " + "; ".join(problems) if problems else ""))
+    regs = sorted(
+        {
+            f"{op} {n}"
+            for op, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+        }
+    )
+    return (
+        f"gluon-ws compile sm_90a {label} w{warps}: "
+        f"shared {ck.metadata.shared} B, num_warps {total_warps} "
+        f"({warps} consumer + {LOADER_WARPS.value} loader, padded to a warpgroup), "
+        f"maxnreg {_maxnreg(warps)}, setmaxnreg {{{', '.join(regs)}}}, "
+        f"{_ptxas_info(ptx)}; PTX: "
+        + ", ".join(f"{k} {v}" for k, v in counts.items())
+        + ("; NOT RUNNABLE: " + "; ".join(problems) if problems else "")
+    )
 
 
 def _compile_report(bm, bn, bk, stages, warps, group_m, num_sms) -> str:
     """One line describing the sm_90a build of a configuration."""
     ck = compile_offline(bm, bn, bk, stages, warps, group_m, num_sms)
-    return _describe_build(ck, f"bm{bm} bn{bn} bk{bk} s{stages}", warps,
-                           check_config(bm, bn, bk, stages, warps))
+    return _describe_build(
+        ck, f"bm{bm} bn{bn} bk{bk} s{stages}", warps, check_config(bm, bn, bk, stages, warps)
+    )
 
 
 def _moe_compile_report(preset, cfg, group_m, num_sms) -> list[str]:
@@ -730,15 +1037,16 @@ def _moe_compile_report(preset, cfg, group_m, num_sms) -> list[str]:
 
     p = PRESETS[preset]
     lines = []
-    for gemm, bn, stages, n, gated in ((1, cfg.bn1, cfg.stages1, p.intermediate_size, True),
-                                       (2, cfg.bn2, cfg.stages2, p.hidden_size, False)):
+    for gemm, bn, stages, n, gated in (
+        (1, cfg.bn1, cfg.stages1, p.intermediate_size, True),
+        (2, cfg.bn2, cfg.stages2, p.hidden_size, False),
+    ):
         problems = check_moe_config(cfg.bm, bn, cfg.bk, stages, cfg.warps, gated)
         if gated and n % bn:
             problems.append(f"{preset}: I={n} is not a multiple of BN1={bn}")
         ck = compile_moe_offline(gemm, cfg.bm, bn, cfg.bk, stages, cfg.warps, group_m, num_sms)
         wgmma_n = 2 * bn if gated else bn
-        label = (f"moe gemm{gemm} {preset} bm{cfg.bm} bn{bn} (wgmma n{wgmma_n}) bk{cfg.bk} "
-                 f"s{stages}")
+        label = f"moe gemm{gemm} {preset} bm{cfg.bm} bn{bn} (wgmma n{wgmma_n}) bk{cfg.bk} s{stages}"
         lines.append(_describe_build(ck, label, cfg.warps, problems))
     return lines
 
@@ -761,8 +1069,11 @@ def _dense(M, N, K, bm, bn, bk, stages, warps, group_m, num_sms) -> str:
         ws_gemm(a, b, bm, bn, bk, stages, warps, group_m, num_sms, c)
 
     ws_gemm(a, b, bm, bn, bk, stages, warps, group_m, num_sms, c, compile_only=True)
-    print("compiled; first launch (a hang from here on is a synchronisation bug)",
-          file=sys.stderr, flush=True)
+    print(
+        "compiled; first launch (a hang from here on is a synchronisation bug)",
+        file=sys.stderr,
+        flush=True,
+    )
     run()
     torch.cuda.synchronize()
     print("first launch finished", file=sys.stderr, flush=True)
@@ -771,9 +1082,11 @@ def _dense(M, N, K, bm, bn, bk, stages, warps, group_m, num_sms) -> str:
     ms = tt.do_bench(run, return_mode="median")
     ms_torch = tt.do_bench(lambda: torch.matmul(a, b.T), return_mode="median")
     tflops = 2.0 * M * N * K / (ms * 1e-3) / 1e12
-    return (f"gluon-ws dense {M}x{N}x{K} bm{bm} bn{bn} bk{bk} s{stages} w{warps}: "
-            f"{ms * 1e3:.1f} us {tflops:.1f} TFLOP/s, torch {ms_torch * 1e3:.1f} us, "
-            f"err {err:.2e}")
+    return (
+        f"gluon-ws dense {M}x{N}x{K} bm{bm} bn{bn} bk{bk} s{stages} w{warps}: "
+        f"{ms * 1e3:.1f} us {tflops:.1f} TFLOP/s, torch {ms_torch * 1e3:.1f} us, "
+        f"err {err:.2e}"
+    )
 
 
 def _moe(preset, T, cfg, group_m, num_sms) -> str:
@@ -824,28 +1137,63 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
 
     def gather():
         _gather_rows_kernel[(triton.cdiv(max_pad, 64),)](
-            x, a_perm, rows.sorted_rows, rows.num_padded, num_rows, k, H,
-            BLOCK_R=64, BLOCK_H=128, num_warps=4)
+            x,
+            a_perm,
+            rows.sorted_rows,
+            rows.num_padded,
+            num_rows,
+            k,
+            H,
+            BLOCK_R=64,
+            BLOCK_H=128,
+            num_warps=4,
+        )
 
-    kw1 = dict(bm=cfg.bm, bn=cfg.bn1, bk=cfg.bk, stages=cfg.stages1, warps=cfg.warps,
-               group_m=group_m, num_sms=num_sms)
-    kw2 = dict(bm=cfg.bm, bn=cfg.bn2, bk=cfg.bk, stages=cfg.stages2, warps=cfg.warps,
-               group_m=group_m, num_sms=num_sms)
+    kw1 = dict(
+        bm=cfg.bm,
+        bn=cfg.bn1,
+        bk=cfg.bk,
+        stages=cfg.stages1,
+        warps=cfg.warps,
+        group_m=group_m,
+        num_sms=num_sms,
+    )
+    kw2 = dict(
+        bm=cfg.bm,
+        bn=cfg.bn2,
+        bk=cfg.bk,
+        stages=cfg.stages2,
+        warps=cfg.warps,
+        group_m=group_m,
+        num_sms=num_sms,
+    )
 
     def gemm1():
         moe_gemm1(a_perm, w13_t, inter, rows.block_expert, rows.num_padded, **kw1)
 
     def gemm2():
-        moe_gemm2(inter, w2_2d, y, rows.sorted_rows, rows.block_expert, rows.num_padded,
-                  route_w, **kw2)
+        moe_gemm2(
+            inter, w2_2d, y, rows.sorted_rows, rows.block_expert, rows.num_padded, route_w, **kw2
+        )
 
     print(f"moe {preset} T={T}: compiling", file=sys.stderr, flush=True)
-    moe_gemm1(a_perm, w13_t, inter, rows.block_expert, rows.num_padded, compile_only=True,
-              **kw1)
-    moe_gemm2(inter, w2_2d, y, rows.sorted_rows, rows.block_expert, rows.num_padded, route_w,
-              compile_only=True, **kw2)
-    print("compiled; first launches (a hang from here on is a synchronisation bug)",
-          file=sys.stderr, flush=True)
+    moe_gemm1(a_perm, w13_t, inter, rows.block_expert, rows.num_padded, compile_only=True, **kw1)
+    moe_gemm2(
+        inter,
+        w2_2d,
+        y,
+        rows.sorted_rows,
+        rows.block_expert,
+        rows.num_padded,
+        route_w,
+        compile_only=True,
+        **kw2,
+    )
+    print(
+        "compiled; first launches (a hang from here on is a synchronisation bug)",
+        file=sys.stderr,
+        flush=True,
+    )
     gather()
     torch.cuda.synchronize()
     gemm1()
@@ -868,27 +1216,50 @@ def _moe(preset, T, cfg, group_m, num_sms) -> str:
     shipped = G.stage_breakdown(prepared, T, k)
     s1, s2 = shipped["gemm1"], shipped["gemm2"]
     tflops = 2.0 * num_rows * 3 * I * H / ((us1 + us2) * 1e-6) / 1e12
-    return (f"gluon-ws moe {preset} T={T}: gather {us_gather:.1f} gemm1 {us1:.1f} "
-            f"gemm2 {us2:.1f} | shipped gemm1 {s1:.1f} gemm2 {s2:.1f} | "
-            f"gemms {(s1 + s2) / (us1 + us2):.2f}x | {tflops:.0f} TFLOP/s | err {err:.2e}")
+    return (
+        f"gluon-ws moe {preset} T={T}: gather {us_gather:.1f} gemm1 {us1:.1f} "
+        f"gemm2 {us2:.1f} | shipped gemm1 {s1:.1f} gemm2 {s2:.1f} | "
+        f"gemms {(s1 + s2) / (us1 + us2):.2f}x | {tflops:.0f} TFLOP/s | err {err:.2e}"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Warp-specialised persistent Gluon GEMM (Hopper).")
     mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--dense", nargs=7, type=int,
-                      metavar=("M", "N", "K", "BM", "BN", "BK", "STAGES"))
-    mode.add_argument("--moe", nargs=2, metavar=("PRESET", "T"),
-                      help="the two expert GEMMs of a MoE layer (model preset, tokens)")
-    ap.add_argument("--warps", type=int, default=None, choices=(4, 8),
-                    help="consumer warps: one or two warpgroups (default 4 dense, 8 moe)")
+    mode.add_argument(
+        "--dense", nargs=7, type=int, metavar=("M", "N", "K", "BM", "BN", "BK", "STAGES")
+    )
+    mode.add_argument(
+        "--moe",
+        nargs=2,
+        metavar=("PRESET", "T"),
+        help="the two expert GEMMs of a MoE layer (model preset, tokens)",
+    )
+    ap.add_argument(
+        "--warps",
+        type=int,
+        default=None,
+        choices=(4, 8),
+        help="consumer warps: one or two warpgroups (default 4 dense, 8 moe)",
+    )
     ap.add_argument("--group-m", type=int, default=8)
-    ap.add_argument("--num-sms", type=int, default=None,
-                    help="persistent programs (default: the GPU's SM count; 132 offline)")
-    ap.add_argument("--programs-per-sm", type=int, default=1,
-                    help="--moe: persistent programs per SM (registers capped to fit them)")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="compile for sm_90a without a GPU and report the build")
+    ap.add_argument(
+        "--num-sms",
+        type=int,
+        default=None,
+        help="persistent programs (default: the GPU's SM count; 132 offline)",
+    )
+    ap.add_argument(
+        "--programs-per-sm",
+        type=int,
+        default=1,
+        help="--moe: persistent programs per SM (registers capped to fit them)",
+    )
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="compile for sm_90a without a GPU and report the build",
+    )
     moe = ap.add_argument_group("--moe blocks")
     moe.add_argument("--bm", type=int, default=128)
     moe.add_argument("--bn1", type=int, default=128, help="GEMM1 output columns (wgmma 2x)")
@@ -905,8 +1276,7 @@ def main() -> None:
         args.warps = args.warps or 8
         preset, T = args.moe[0], int(args.moe[1])
         if args.compile_only:
-            for line in _moe_compile_report(preset, args, args.group_m,
-                                            args.num_sms or H200_SMS):
+            for line in _moe_compile_report(preset, args, args.group_m, args.num_sms or H200_SMS):
                 print(line)
             return
         print(_moe(preset, T, args, args.group_m, args.num_sms), flush=True)
@@ -914,11 +1284,12 @@ def main() -> None:
     args.warps = args.warps or 4
     M, N, K, bm, bn, bk, stages = args.dense
     if args.compile_only:
-        print(_compile_report(bm, bn, bk, stages, args.warps, args.group_m,
-                              args.num_sms or H200_SMS))
+        print(
+            _compile_report(bm, bn, bk, stages, args.warps, args.group_m, args.num_sms or H200_SMS)
+        )
         return
-    print(_dense(M, N, K, bm, bn, bk, stages, args.warps, args.group_m, args.num_sms),
-          flush=True)
+    print(_dense(M, N, K, bm, bn, bk, stages, args.warps, args.group_m, args.num_sms), flush=True)
+
 
 if __name__ == "__main__":
     main()

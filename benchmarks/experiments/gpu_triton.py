@@ -103,9 +103,12 @@ def l2_read_bandwidth(mib: int = 16, passes: int = 32) -> float:
     n = (mib << 20) // 4 // (grid * block) * (grid * block)
     x = torch.randn(n, device=DEV)
     out = torch.empty(grid, device=DEV)
-    ms = tt.do_bench(lambda: _reread_kernel[(grid,)](x, out, n, passes, BLOCK=block,
-                                                     num_warps=8),
-                     warmup=25, rep=200, return_mode="median")
+    ms = tt.do_bench(
+        lambda: _reread_kernel[(grid,)](x, out, n, passes, BLOCK=block, num_warps=8),
+        warmup=25,
+        rep=200,
+        return_mode="median",
+    )
     return passes * n * 4 / (ms * 1e-3)
 
 
@@ -114,15 +117,21 @@ def measure_peaks():
     bf16/fp8 matmul peaks) in this script's units, and the L2 read rate (a diagnostic the
     roofline does not use)."""
     c = roofline.measure_ceilings(DEV)
-    return dict(copy_bytes_per_s=c.copy_gbps * 1e9, bf16_flops=c.peak_for("bf16") * 1e12,
-                fp8_flops=c.peak_for("fp8") * 1e12, method=c.method,
-                l2_read_bytes_per_s=l2_read_bandwidth())
+    return dict(
+        copy_bytes_per_s=c.copy_gbps * 1e9,
+        bf16_flops=c.peak_for("bf16") * 1e12,
+        fp8_flops=c.peak_for("fp8") * 1e12,
+        method=c.method,
+        l2_read_bytes_per_s=l2_read_bandwidth(),
+    )
 
 
 def _ceilings(peaks) -> roofline.DeviceCeilings:
-    return roofline.DeviceCeilings(DEV.type, peaks["copy_bytes_per_s"] / 1e9,
-                                   {"bf16": peaks["bf16_flops"] / 1e12,
-                                    "fp8": peaks["fp8_flops"] / 1e12})
+    return roofline.DeviceCeilings(
+        DEV.type,
+        peaks["copy_bytes_per_s"] / 1e9,
+        {"bf16": peaks["bf16_flops"] / 1e12, "fp8": peaks["fp8_flops"] / 1e12},
+    )
 
 
 def fused_cost(prepared, experts_hit: float, T: int, k: int) -> roofline.RowCost:
@@ -130,9 +139,16 @@ def fused_cost(prepared, experts_hit: float, T: int, k: int) -> roofline.RowCost
     at their stored scheme, hidden in and out, routing; no -1 ids)."""
     spec, w13 = prepared.spec, prepared.tensors["w13"]  # triton's KernelWeight
     scheme = w13.scheme.name if w13.scheme is not None else "bf16"
-    shape = BenchShape("fused", spec.num_experts, spec.hidden_size, spec.intermediate_size, k,
-                       spec.activation.name, bias=prepared.tensors["w13_bias"] is not None,
-                       gate_up_interleaved=spec.gate_up_interleaved)
+    shape = BenchShape(
+        "fused",
+        spec.num_experts,
+        spec.hidden_size,
+        spec.intermediate_size,
+        k,
+        spec.activation.name,
+        bias=prepared.tensors["w13_bias"] is not None,
+        gate_up_interleaved=spec.gate_up_interleaved,
+    )
     return roofline.row_cost(shape, scheme, T, experts_hit, T * k, torch.bfloat16)
 
 
@@ -178,7 +194,7 @@ def alternate(graphs: dict, rounds: int, calls_per_replay: int) -> dict[str, lis
 
 
 def ratio_summary(base: list[float], us: list[float], floor_us: float) -> str:
-    """"median us, % of a floor, x base/this median [min-max]" of paired samples."""
+    """ "median us, % of a floor, x base/this median [min-max]" of paired samples."""
     ratios = [a / b for a, b in zip(base, us, strict=True)]
     med = statistics.median(us)
     return (
@@ -220,8 +236,10 @@ def stage_breakdown(prepared, T, k, calls=3, tiles=None):
         for _ in range(calls):
             X.fused_standard(x, w, i, prepared, tiles)
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
     out: dict[str, float] = {}
     seen = 0
     for e in kernels:
@@ -241,8 +259,7 @@ def time_torch(weights, act, T, k):
     spec = weights.spec(act)
     prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, "standard"), spec)
     d = StandardDispatchOutput(x, TopK(wts, ids))
-    return tt.do_bench(lambda: runner.run(d, prepared), warmup=5, rep=100,
-                       return_mode="median")
+    return tt.do_bench(lambda: runner.run(d, prepared), warmup=5, rep=100, return_mode="median")
 
 
 def part_perf(peaks, plan, rows, checkpoint, options: TritonOptions, with_torch=True):
@@ -262,11 +279,19 @@ def part_perf(peaks, plan, rows, checkpoint, options: TritonOptions, with_torch=
                 continue
             cost = fused_cost(prepared, uniq, T, k)
             pct_mem, pct_flop = floor_pcts(cost, peaks, scheme, ms)
-            row = dict(preset=preset, scheme=scheme, T=T, us=ms * 1e3, experts_hit=uniq,
-                       bytes=cost.bytes, pct_roofline=pct_mem,
-                       tflops=cost.flops / (ms * 1e-3) / 1e12, pct_peak=pct_flop,
-                       tiles=str(prepared.tensors["tiles"].lookup(T, k)),
-                       tile_file=prepared.tensors["tiles"].describe())
+            row = dict(
+                preset=preset,
+                scheme=scheme,
+                T=T,
+                us=ms * 1e3,
+                experts_hit=uniq,
+                bytes=cost.bytes,
+                pct_roofline=pct_mem,
+                tflops=cost.flops / (ms * 1e-3) / 1e12,
+                pct_peak=pct_flop,
+                tiles=str(prepared.tensors["tiles"].lookup(T, k)),
+                tile_file=prepared.tensors["tiles"].describe(),
+            )
             if T >= 1024:
                 try:
                     row["stages_us"] = stage_breakdown(prepared, T, k)
@@ -279,9 +304,12 @@ def part_perf(peaks, plan, rows, checkpoint, options: TritonOptions, with_torch=
                     row["torch_error"] = repr(exc)
             rows.append(row)
             stages = " ".join(f"{n} {v:.0f}" for n, v in row.get("stages_us", {}).items())
-            print(f"perf {preset:14s} {scheme:9s} T={T:6d} {row['us']:9.1f} us "
-                  f"roof {row['pct_roofline']:5.1f}% peak {row['pct_peak']:5.1f}% "
-                  f"torch {row.get('torch_us', float('nan')):9.1f} us {stages}", flush=True)
+            print(
+                f"perf {preset:14s} {scheme:9s} T={T:6d} {row['us']:9.1f} us "
+                f"roof {row['pct_roofline']:5.1f}% peak {row['pct_peak']:5.1f}% "
+                f"torch {row.get('torch_us', float('nan')):9.1f} us {stages}",
+                flush=True,
+            )
             checkpoint()
         del weights, prepared
         torch.cuda.empty_cache()
@@ -330,8 +358,10 @@ def part_toggle(plan, rows, part, options: TritonOptions, rounds: int = 1):
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
         spec = weights.spec(Activation(act_name))
         if field in PREPARE_TIME_FIELDS:
-            prepared = {name: TritonBackend(o).prepare_weights(weights, spec)
-                        for name, o in variants.items()}
+            prepared = {
+                name: TritonBackend(o).prepare_weights(weights, spec)
+                for name, o in variants.items()
+            }
         else:
             one = TritonBackend(options).prepare_weights(weights, spec)
             prepared = {name: with_options(one, o) for name, o in variants.items()}
@@ -342,14 +372,24 @@ def part_toggle(plan, rows, part, options: TritonOptions, rounds: int = 1):
                     ms = time_fused(prepared[name], T, k)[0]
                     times[name].append(ms * 1e3)
             ratios = [a / b for a, b in zip(times["off_us"], times["on_us"], strict=True)]
-            row = dict(part=part, preset=preset, scheme=scheme, T=T, rounds=rounds,
-                       off_us=statistics.median(times["off_us"]),
-                       on_us=statistics.median(times["on_us"]),
-                       ratio=statistics.median(ratios), ratios=ratios)
+            row = dict(
+                part=part,
+                preset=preset,
+                scheme=scheme,
+                T=T,
+                rounds=rounds,
+                off_us=statistics.median(times["off_us"]),
+                on_us=statistics.median(times["on_us"]),
+                ratio=statistics.median(ratios),
+                ratios=ratios,
+            )
             rows.append(row)
-            print(f"{part} {preset:14s} {scheme:9s} T={T:5d} off {row['off_us']:8.1f} us  on "
-                  f"{row['on_us']:8.1f} us  ({row['ratio']:.3f}x, rounds "
-                  f"{min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+            print(
+                f"{part} {preset:14s} {scheme:9s} T={T:5d} off {row['off_us']:8.1f} us  on "
+                f"{row['on_us']:8.1f} us  ({row['ratio']:.3f}x, rounds "
+                f"{min(ratios):.3f}-{max(ratios):.3f})",
+                flush=True,
+            )
         del weights, prepared
         torch.cuda.empty_cache()
 
@@ -389,8 +429,10 @@ def part_host(plan, rows, options: TritonOptions, calls: int = 50):
         weights = tune.random_weights(H, I, E, act_name, scheme, DEV)
         spec = weights.spec(Activation(act_name))
         prepared = TritonBackend(options).prepare_weights(weights, spec)
-        by_mode = {cached: with_options(prepared, switched(options, "launchcache", cached))
-                   for cached in (False, True)}
+        by_mode = {
+            cached: with_options(prepared, switched(options, "launchcache", cached))
+            for cached in (False, True)
+        }
         for T in (1, 1024):
             x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
             w, i = routing(T, E, k)
@@ -411,10 +453,13 @@ def part_host(plan, rows, options: TritonOptions, calls: int = 50):
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
             row["profile"] = text.getvalue()
             rows.append(row)
-            print(f"host {preset:14s} {scheme:9s} T={T:5d} cpu {row['cpu_us_jit']:6.1f} -> "
-                  f"{row['cpu_us']:6.1f} us/call  wall {row['wall_us_jit']:6.1f} -> "
-                  f"{row['wall_us']:6.1f}  span from idle {row['idle_span_us_jit']:6.1f} -> "
-                  f"{row['idle_span_us']:6.1f} us (JIT launch -> cached)", flush=True)
+            print(
+                f"host {preset:14s} {scheme:9s} T={T:5d} cpu {row['cpu_us_jit']:6.1f} -> "
+                f"{row['cpu_us']:6.1f} us/call  wall {row['wall_us_jit']:6.1f} -> "
+                f"{row['wall_us']:6.1f}  span from idle {row['idle_span_us_jit']:6.1f} -> "
+                f"{row['idle_span_us']:6.1f} us (JIT launch -> cached)",
+                flush=True,
+            )
         del weights, prepared, by_mode
         torch.cuda.empty_cache()
 
@@ -432,9 +477,20 @@ def part_warm(plan, jobs: int, options: TritonOptions):
         while pending or running:
             while pending and len(running) < jobs:
                 preset, scheme, tokens = pending.pop(0)
-                cmd = [sys.executable, __file__, "--parts", "warm", "--jobs", "1",
-                       "--out", tempfile.mkdtemp(), "--presets", f"{preset}:{scheme}",
-                       "--tune-tokens", *map(str, tokens)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--parts",
+                    "warm",
+                    "--jobs",
+                    "1",
+                    "--out",
+                    tempfile.mkdtemp(),
+                    "--presets",
+                    f"{preset}:{scheme}",
+                    "--tune-tokens",
+                    *map(str, tokens),
+                ]
                 for name, (field, (_off, on), _) in _toggles().items():
                     cmd += ["--off" if getattr(options, field) != on else "--on", name]
                 running.append((f"{preset}:{scheme}", subprocess.Popen(cmd)))
@@ -465,10 +521,20 @@ def main():
     ap.add_argument("--tune-tokens", nargs="*", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=1, help="off/on rounds of a switch's A/B")
     ap.add_argument("--jobs", type=int, default=6, help="parallel compile processes for warm")
-    ap.add_argument("--off", action="append", default=[], choices=sorted(_toggles()),
-                    help="run every part with this switch off (repeatable)")
-    ap.add_argument("--on", action="append", default=[], choices=sorted(_toggles()),
-                    help="run every part with this switch on (repeatable)")
+    ap.add_argument(
+        "--off",
+        action="append",
+        default=[],
+        choices=sorted(_toggles()),
+        help="run every part with this switch off (repeatable)",
+    )
+    ap.add_argument(
+        "--on",
+        action="append",
+        default=[],
+        choices=sorted(_toggles()),
+        help="run every part with this switch on (repeatable)",
+    )
     args = ap.parse_args()
     options = TritonOptions()
     for name in args.off:
@@ -485,12 +551,20 @@ def main():
         for n in args.presets:
             preset, _, scheme = n.partition(":")
             if n not in names and (preset not in tune.PRESETS or not scheme):
-                raise SystemExit(f"unknown preset {n!r}; accepted: PRESET:SCHEME with PRESET "
-                                 f"one of {', '.join(tune.PRESETS)} (the plan: {', '.join(names)})")
+                raise SystemExit(
+                    f"unknown preset {n!r}; accepted: PRESET:SCHEME with PRESET "
+                    f"one of {', '.join(tune.PRESETS)} (the plan: {', '.join(names)})"
+                )
         plan = [names.get(n) or (*n.split(":"), tune.DEFAULT_TOKENS) for n in args.presets]
-    result = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, triton=triton.__version__, options=repr(options))
+    result = dict(
+        device=torch.cuda.get_device_name(),
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        options=repr(options),
+    )
     t0 = time.time()
+
     def save():
         result["seconds"] = time.time() - t0
         (args.out / "results.json").write_text(json.dumps(result, indent=1))
@@ -499,7 +573,8 @@ def main():
         if part in ("check", "tune", "precompile"):
             raise SystemExit(
                 f"part {part!r} moved: the GPU check is pytest -m gpu tests/backends, the tile "
-                "search moerunner tune --preset P --scheme S --jobs N [--compile-only]")
+                "search moerunner tune --preset P --scheme S --jobs N [--compile-only]"
+            )
         if part == "host":
             result["host"] = []
             part_host(plan, result["host"], options)
@@ -514,16 +589,18 @@ def main():
             part_perf(result["peaks"], plan, result["perf"], save, options)
         else:
             raise SystemExit(
-                f"unknown part {part!r}; accepted: warm, perf, host, "
-                f"{', '.join(_toggles())}")
+                f"unknown part {part!r}; accepted: warm, perf, host, {', '.join(_toggles())}"
+            )
         save()
     save()
     print("\n== summary ==", result["device"], result["date"])
     if "peaks" in result:
         p = result["peaks"]
-        print(f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
-              f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s  L2 read "
-              f"{p.get('l2_read_bytes_per_s', float('nan')) / 1e12:.2f} TB/s")
+        print(
+            f"copy {p['copy_bytes_per_s'] / 1e12:.2f} TB/s  bf16 {p['bf16_flops'] / 1e12:.0f} "
+            f"TFLOP/s  fp8 {p['fp8_flops'] / 1e12:.0f} TFLOP/s  L2 read "
+            f"{p.get('l2_read_bytes_per_s', float('nan')) / 1e12:.2f} TB/s"
+        )
         print(f"{'preset':14s} {'scheme':9s} " + " ".join(f"{t:>13d}" for t in tune.DEFAULT_TOKENS))
         groups = {}
         for r in result["perf"]:

@@ -93,8 +93,12 @@ def _alloc(size: int, alignment: int, stream):  # noqa: ARG001 - TMA scratch for
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, help="weight rows (E * 2I)",
-                    default=DEEPSEEK_V3.num_experts * DEEPSEEK_V3.w13_rows)
+    ap.add_argument(
+        "--rows",
+        type=int,
+        help="weight rows (E * 2I)",
+        default=DEEPSEEK_V3.num_experts * DEEPSEEK_V3.w13_rows,
+    )
     ap.add_argument("--k", type=int, default=DEEPSEEK_V3.hidden_size)
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args()

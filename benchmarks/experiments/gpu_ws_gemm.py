@@ -53,8 +53,17 @@ DEV = torch.device("cuda")
 
 
 @triton.jit
-def _gather_rows_kernel(x_ptr, out_ptr, sorted_rows_ptr, num_padded_ptr, num_rows, a_row_div,
-                        H, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_rows_kernel(
+    x_ptr,
+    out_ptr,
+    sorted_rows_ptr,
+    num_padded_ptr,
+    num_rows,
+    a_row_div,
+    H,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """out[pos] = x[sorted_rows[pos] // a_row_div] for the padded positions (zeros for pads)."""
     num_padded = tl.load(num_padded_ptr)
     pos = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -65,17 +74,38 @@ def _gather_rows_kernel(x_ptr, out_ptr, sorted_rows_ptr, num_padded_ptr, num_row
     src = tl.where(valid, row // a_row_div, 0).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
-        v = tl.load(x_ptr + src[:, None] * H + cols[None, :],
-                    mask=valid[:, None] & (cols[None, :] < H), other=0.0)
-        tl.store(out_ptr + pos.to(tl.int64)[:, None] * H + cols[None, :], v,
-                 mask=(pos[:, None] < num_padded) & (cols[None, :] < H))
+        v = tl.load(
+            x_ptr + src[:, None] * H + cols[None, :],
+            mask=valid[:, None] & (cols[None, :] < H),
+            other=0.0,
+        )
+        tl.store(
+            out_ptr + pos.to(tl.int64)[:, None] * H + cols[None, :],
+            v,
+            mask=(pos[:, None] < num_padded) & (cols[None, :] < H),
+        )
 
 
 @triton.jit
-def _ws_gemm_kernel(a_desc, b_desc, out_ptr, sorted_rows_ptr, block_expert_ptr, num_padded_ptr,
-                    route_w_ptr, num_rows, N, K, stride_om,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    NUM_PROGRAMS: tl.constexpr, WS: tl.constexpr, GATED: tl.constexpr):
+def _ws_gemm_kernel(
+    a_desc,
+    b_desc,
+    out_ptr,
+    sorted_rows_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    route_w_ptr,
+    num_rows,
+    N,
+    K,
+    stride_om,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    WS: tl.constexpr,
+    GATED: tl.constexpr,
+):
     """Persistent grouped GEMM over the aligned rows. GATED (GEMM1): silu(A W_gate^T) *
     (A W_up^T) stored at the padded position. Else (GEMM2): route_w * (A W^T) scattered to
     row sorted_rows[pos]."""
@@ -105,16 +135,21 @@ def _ws_gemm_kernel(a_desc, b_desc, out_ptr, sorted_rows_ptr, block_expert_ptr, 
         cols = off_n + tl.arange(0, BN)
         if GATED:
             v = acc / (1.0 + tl.exp(-acc)) * acc_u
-            tl.store(out_ptr + pos.to(tl.int64)[:, None] * stride_om + cols[None, :],
-                     v.to(out_ptr.dtype.element_ty),
-                     mask=(pos[:, None] < num_padded) & (cols[None, :] < N))
+            tl.store(
+                out_ptr + pos.to(tl.int64)[:, None] * stride_om + cols[None, :],
+                v.to(out_ptr.dtype.element_ty),
+                mask=(pos[:, None] < num_padded) & (cols[None, :] < N),
+            )
         else:
             rows = tl.load(sorted_rows_ptr + pos)
             ok = rows < num_rows
             w = tl.load(route_w_ptr + rows, mask=ok, other=0.0)
             v = acc * w[:, None]
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
-                     v.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (cols[None, :] < N))
+            tl.store(
+                out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+                v.to(out_ptr.dtype.element_ty),
+                mask=ok[:, None] & (cols[None, :] < N),
+            )
 
 
 def ws_call(x, w13_2d, w2_2d, wts, ids, E, inter, hidden, cfg, ws_on, bufs):
@@ -134,20 +169,63 @@ def ws_call(x, w13_2d, w2_2d, wts, ids, E, inter, hidden, cfg, ws_on, bufs):
 
     def gather():
         _gather_rows_kernel[(triton.cdiv(max_pad, 64),)](
-            x, a_perm, rows.sorted_rows, rows.num_padded, num_rows, k, hidden,
-            BLOCK_R=64, BLOCK_H=128, num_warps=4)
+            x,
+            a_perm,
+            rows.sorted_rows,
+            rows.num_padded,
+            num_rows,
+            k,
+            hidden,
+            BLOCK_R=64,
+            BLOCK_H=128,
+            num_warps=4,
+        )
 
     def gemm1():
         _ws_gemm_kernel[(sms,)](
-            a_desc1, b_desc1, inter_buf, rows.sorted_rows, rows.block_expert, rows.num_padded,
-            route_w, num_rows, inter, hidden, inter_buf.stride(0), BM=bm, BN=bn1, BK=bk,
-            NUM_PROGRAMS=sms, WS=ws_on, GATED=True, num_warps=4, num_stages=stages)
+            a_desc1,
+            b_desc1,
+            inter_buf,
+            rows.sorted_rows,
+            rows.block_expert,
+            rows.num_padded,
+            route_w,
+            num_rows,
+            inter,
+            hidden,
+            inter_buf.stride(0),
+            BM=bm,
+            BN=bn1,
+            BK=bk,
+            NUM_PROGRAMS=sms,
+            WS=ws_on,
+            GATED=True,
+            num_warps=4,
+            num_stages=stages,
+        )
 
     def gemm2():
         _ws_gemm_kernel[(sms,)](
-            a_desc2, b_desc2, y, rows.sorted_rows, rows.block_expert, rows.num_padded,
-            route_w, num_rows, hidden, inter, y.stride(0), BM=bm, BN=bn2, BK=bk,
-            NUM_PROGRAMS=sms, WS=ws_on, GATED=False, num_warps=4, num_stages=stages)
+            a_desc2,
+            b_desc2,
+            y,
+            rows.sorted_rows,
+            rows.block_expert,
+            rows.num_padded,
+            route_w,
+            num_rows,
+            hidden,
+            inter,
+            y.stride(0),
+            BM=bm,
+            BN=bn2,
+            BK=bk,
+            NUM_PROGRAMS=sms,
+            WS=ws_on,
+            GATED=False,
+            num_warps=4,
+            num_stages=stages,
+        )
 
     gather()
     gemm1()
@@ -156,13 +234,27 @@ def ws_call(x, w13_2d, w2_2d, wts, ids, E, inter, hidden, cfg, ws_on, bufs):
     return out, dict(gather=gather, gemm1=gemm1, gemm2=gemm2)
 
 
-CONFIGS = [(128, 128, 128, 64, 3), (128, 128, 256, 64, 3), (128, 64, 128, 64, 4),
-           (128, 128, 128, 64, 4)]
+CONFIGS = [
+    (128, 128, 128, 64, 3),
+    (128, 128, 256, 64, 3),
+    (128, 64, 128, 64, 4),
+    (128, 128, 128, 64, 4),
+]
 
 
 @triton.jit
-def _tile_gemm_kernel(a_desc, b_desc, out_ptr, N, K, stride_om, BM: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, WS: tl.constexpr):
+def _tile_gemm_kernel(
+    a_desc,
+    b_desc,
+    out_ptr,
+    N,
+    K,
+    stride_om,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    WS: tl.constexpr,
+):
     """One [BM, BN] tile per program of a dense A @ B^T, the K loop warp-specialised or not:
     does the partitioning work at all without the persistent tile loop around it?"""
     off_m = tl.program_id(0) * BM
@@ -172,8 +264,10 @@ def _tile_gemm_kernel(a_desc, b_desc, out_ptr, N, K, stride_om, BM: tl.constexpr
         acc = tl.dot(a_desc.load([off_m, k0]), b_desc.load([off_n, k0]).T, acc)
     rows = off_m + tl.arange(0, BM)
     cols = off_n + tl.arange(0, BN)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+    )
 
 
 def dense(M: int, N: int, K: int, cfg, ws_on: bool, persistent: bool = True) -> None:
@@ -193,13 +287,42 @@ def dense(M: int, N: int, K: int, cfg, ws_on: bool, persistent: bool = True) -> 
 
     def launch():
         if not persistent:
-            _tile_gemm_kernel[(M // bm, N // bn)](a_desc, b_desc, out, N, K, out.stride(0),
-                                                  BM=bm, BN=bn, BK=bk, WS=ws_on, num_warps=4,
-                                                  num_stages=stages)
+            _tile_gemm_kernel[(M // bm, N // bn)](
+                a_desc,
+                b_desc,
+                out,
+                N,
+                K,
+                out.stride(0),
+                BM=bm,
+                BN=bn,
+                BK=bk,
+                WS=ws_on,
+                num_warps=4,
+                num_stages=stages,
+            )
             return
-        _ws_gemm_kernel[(sms,)](a_desc, b_desc, out, rows, experts, num_padded, route_w, M, N, K,
-                                out.stride(0), BM=bm, BN=bn, BK=bk, NUM_PROGRAMS=sms,
-                                WS=ws_on, GATED=False, num_warps=4, num_stages=stages)
+        _ws_gemm_kernel[(sms,)](
+            a_desc,
+            b_desc,
+            out,
+            rows,
+            experts,
+            num_padded,
+            route_w,
+            M,
+            N,
+            K,
+            out.stride(0),
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            NUM_PROGRAMS=sms,
+            WS=ws_on,
+            GATED=False,
+            num_warps=4,
+            num_stages=stages,
+        )
 
     launch()
     torch.cuda.synchronize()
@@ -208,9 +331,12 @@ def dense(M: int, N: int, K: int, cfg, ws_on: bool, persistent: bool = True) -> 
     ref_ms = tt.do_bench(lambda: a @ b.T, warmup=5, rep=50, return_mode="median")
     tflops = 2 * M * N * K / (ms * 1e-3) / 1e12
     kind = "persistent" if persistent else "tile"
-    print(f"dense {kind} {M}x{N}x{K} bm{bm} bn{bn} bk{bk} s{stages} ws={int(ws_on)}: "
-          f"{ms * 1e3:.0f} us "
-          f"{tflops:.0f} TFLOP/s, torch {ref_ms * 1e3:.0f} us, err {err:.1e}", flush=True)
+    print(
+        f"dense {kind} {M}x{N}x{K} bm{bm} bn{bn} bk{bk} s{stages} ws={int(ws_on)}: "
+        f"{ms * 1e3:.0f} us "
+        f"{tflops:.0f} TFLOP/s, torch {ref_ms * 1e3:.0f} us, err {err:.1e}",
+        flush=True,
+    )
 
 
 def main():
@@ -219,8 +345,9 @@ def main():
         dense(m, n, kk, (bm, bn, bn, bk, stages), bool(ws_on), bool(persistent))
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", nargs="+", default=["deepseek-v3", "qwen3-30b-a3b",
-                                                     "gpt-oss-120b"])
+    ap.add_argument(
+        "--presets", nargs="+", default=["deepseek-v3", "qwen3-30b-a3b", "gpt-oss-120b"]
+    )
     ap.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
     ap.add_argument("--ws", action="store_true", help="also the warp-specialised variants")
     ap.add_argument("--out", default="results")
@@ -243,14 +370,29 @@ def main():
             ref = X.fused_standard(x, wts, ids, prepared)
             stages = G.stage_breakdown(prepared, T, k)
             base = stages.get("gemm1", 0.0) + stages.get("gemm2", 0.0)
-            fused_ms = tt.do_bench(lambda: X.fused_standard(x, wts, ids, prepared),  # noqa: B023
-                                   warmup=10, rep=100, return_mode="median")
-            rows_out.append(dict(preset=name, T=T, variant="shipped", gemm1_us=stages["gemm1"],
-                                 gemm2_us=stages["gemm2"], gemms_us=base,
-                                 fused_us=fused_ms * 1e3,
-                                 gemms_pct_peak=100 * flops / (base * 1e-6) / peak))
-            print(f"{name} T={T} shipped gemm1 {stages['gemm1']:.0f} gemm2 {stages['gemm2']:.0f}"
-                  f" fused {fused_ms * 1e3:.0f} us", flush=True)
+            fused_ms = tt.do_bench(
+                lambda: X.fused_standard(x, wts, ids, prepared),  # noqa: B023
+                warmup=10,
+                rep=100,
+                return_mode="median",
+            )
+            rows_out.append(
+                dict(
+                    preset=name,
+                    T=T,
+                    variant="shipped",
+                    gemm1_us=stages["gemm1"],
+                    gemm2_us=stages["gemm2"],
+                    gemms_us=base,
+                    fused_us=fused_ms * 1e3,
+                    gemms_pct_peak=100 * flops / (base * 1e-6) / peak,
+                )
+            )
+            print(
+                f"{name} T={T} shipped gemm1 {stages['gemm1']:.0f} gemm2 {stages['gemm2']:.0f}"
+                f" fused {fused_ms * 1e3:.0f} us",
+                flush=True,
+            )
             for cfg in CONFIGS:
                 for ws_on in (False, True) if args.ws else (False,):
                     bm = cfg[0]
@@ -261,39 +403,75 @@ def main():
                     bufs["y"] = torch.empty(T * k, H, device=DEV, dtype=torch.bfloat16)
                     tag = f"bm{cfg[0]} bn{cfg[1]}/{cfg[2]} bk{cfg[3]} s{cfg[4]} ws={int(ws_on)}"
                     try:
-                        out, fns = ws_call(x, w13.view(E * 2 * I, H), w2.view(E * H, I), wts,
-                                           ids, E, I, H, cfg, ws_on, bufs)
+                        out, fns = ws_call(
+                            x,
+                            w13.view(E * 2 * I, H),
+                            w2.view(E * H, I),
+                            wts,
+                            ids,
+                            E,
+                            I,
+                            H,
+                            cfg,
+                            ws_on,
+                            bufs,
+                        )
                         err = G.rel(out, ref)
-                        us = {n: 1e3 * tt.do_bench(f, warmup=10, rep=100, return_mode="median")
-                              for n, f in fns.items()}
+                        us = {
+                            n: 1e3 * tt.do_bench(f, warmup=10, rep=100, return_mode="median")
+                            for n, f in fns.items()
+                        }
                     except Exception as exc:  # a variant that fails to compile is reported
-                        print(f"{name} T={T} {tag}: {type(exc).__name__}: {str(exc)[:300]}",
-                              flush=True)
+                        print(
+                            f"{name} T={T} {tag}: {type(exc).__name__}: {str(exc)[:300]}",
+                            flush=True,
+                        )
                         rows_out.append(dict(preset=name, T=T, variant=tag, error=repr(exc)))
                         continue
                     total = us["gemm1"] + us["gemm2"]
-                    rows_out.append(dict(
-                        preset=name, T=T, variant=tag, err_vs_shipped=err,
-                        gather_us=us["gather"], gemm1_us=us["gemm1"], gemm2_us=us["gemm2"],
-                        gemms_us=total, vs_shipped=base / total,
-                        gemms_pct_peak=100 * flops / (total * 1e-6) / peak))
-                    print(f"{name} T={T} {tag}: gather {us['gather']:.0f} gemm1 "
-                          f"{us['gemm1']:.0f} gemm2 {us['gemm2']:.0f} -> {base / total:.2f}x "
-                          f"of shipped GEMMs, err {err:.1e}", flush=True)
+                    rows_out.append(
+                        dict(
+                            preset=name,
+                            T=T,
+                            variant=tag,
+                            err_vs_shipped=err,
+                            gather_us=us["gather"],
+                            gemm1_us=us["gemm1"],
+                            gemm2_us=us["gemm2"],
+                            gemms_us=total,
+                            vs_shipped=base / total,
+                            gemms_pct_peak=100 * flops / (total * 1e-6) / peak,
+                        )
+                    )
+                    print(
+                        f"{name} T={T} {tag}: gather {us['gather']:.0f} gemm1 "
+                        f"{us['gemm1']:.0f} gemm2 {us['gemm2']:.0f} -> {base / total:.2f}x "
+                        f"of shipped GEMMs, err {err:.1e}",
+                        flush=True,
+                    )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(), date=str(datetime.date.today()),
-                torch=torch.__version__, triton=triton.__version__, bf16_peak=peak)
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        date=str(datetime.date.today()),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        bf16_peak=peak,
+    )
     (out_dir / "ws_gemm.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
-    print(f"\n{'preset':14s} {'T':>6s} {'variant':34s} {'gather':>7s} {'gemm1':>7s} "
-          f"{'gemm2':>7s} {'vs':>6s} {'%P':>5s}")
+    print(
+        f"\n{'preset':14s} {'T':>6s} {'variant':34s} {'gather':>7s} {'gemm1':>7s} "
+        f"{'gemm2':>7s} {'vs':>6s} {'%P':>5s}"
+    )
     for r in rows_out:
         if "error" in r:
             print(f"{r['preset']:14s} {r['T']:6d} {r['variant']:34s} error")
             continue
-        print(f"{r['preset']:14s} {r['T']:6d} {r['variant']:34s} {r.get('gather_us', 0):7.0f} "
-              f"{r['gemm1_us']:7.0f} {r['gemm2_us']:7.0f} {r.get('vs_shipped', 1.0):6.2f} "
-              f"{r['gemms_pct_peak']:5.1f}")
+        print(
+            f"{r['preset']:14s} {r['T']:6d} {r['variant']:34s} {r.get('gather_us', 0):7.0f} "
+            f"{r['gemm1_us']:7.0f} {r['gemm2_us']:7.0f} {r.get('vs_shipped', 1.0):6.2f} "
+            f"{r['gemms_pct_peak']:5.1f}"
+        )
 
 
 if __name__ == "__main__":
