@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -32,7 +33,13 @@ from .errors import MoeInputError
 from .ops import adopt_quantized
 from .weights import ExpertWeights
 
-__all__ = ["BUFFER_NAMES", "HoldsQuantized", "scheme_from_tensor", "scheme_to_tensor"]
+__all__ = [
+    "BUFFER_NAMES",
+    "HeldTensors",
+    "HoldsQuantized",
+    "scheme_from_tensor",
+    "scheme_to_tensor",
+]
 
 # QuantizedWeight field -> buffer name suffix (``data`` is ``qdata``: ``w13`` is the float one).
 BUFFER_NAMES = {
@@ -45,6 +52,20 @@ BUFFER_NAMES = {
 HELD_NAMES = frozenset(
     f"{w}_{n}" for w in ("w13", "w2") for n in (*BUFFER_NAMES.values(), "scheme")
 )
+
+
+class HeldTensors(NamedTuple):
+    """A held weight as a traced call reads it: its scheme and logical shape with the
+    module's current buffers in the ``QuantizedWeight`` fields' places (what
+    ``moerunner.ops.call_fused_experts`` takes from a ``QuantizedWeight``)."""
+
+    scheme: object
+    shape: tuple
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    global_scale: torch.Tensor | None
+    zero_point: torch.Tensor | None
+    input_scale: torch.Tensor | None
 
 
 def scheme_to_tensor(scheme) -> torch.Tensor:
@@ -123,6 +144,24 @@ class HoldsQuantized(nn.Module):
                         ) from exc
                     return
 
+    def _held_call_weights(self) -> tuple:
+        """``w13`` and ``w2`` as a call runs them: the ``quantized`` objects in eager calls
+        (rebuilt first where a buffer was replaced, ``_held_current``); while tracing, the
+        module's buffers themselves (``HeldTensors``), so a compiled call reads the buffers
+        it is given (assigned anew, or substituted by ``functional_call``) as it reads its
+        parameters, instead of the tensors the objects were built over."""
+        if not torch.compiler.is_compiling():
+            self._held_current()
+            return self.quantized.w13, self.quantized.w2
+        held = []
+        for w in ("w13", "w2"):
+            qw = getattr(self.quantized, w)
+            fields = {
+                f: self._buffers.get(f"{w}_{n}", getattr(qw, f)) for f, n in BUFFER_NAMES.items()
+            }
+            held.append(HeldTensors(qw.scheme, tuple(qw.shape), **fields))
+        return tuple(held)
+
     def _rebuild_quantized(self, check_values: bool = True) -> None:
         """New ``QuantizedWeight`` objects over the current buffers (validated, the scales'
         values unless ``check_values`` is False; fresh memo)."""
@@ -198,6 +237,7 @@ class HoldsQuantized(nn.Module):
         quantized = self._quantized_buffers()
         kept = [n for n in self._float32_buffers if self._buffers.get(n) is not None]
         held = {n: self._buffers.pop(n) for n in (*quantized, *kept)}
+        moved_any = False
         try:
             super()._apply(fn, recurse)
         finally:
@@ -206,9 +246,10 @@ class HoldsQuantized(nn.Module):
                     moved = fn(tensor)
                     if moved.dtype != tensor.dtype:
                         moved = tensor.to(moved.device)
+                    moved_any |= moved is not tensor
                     tensor = moved
                 self._buffers[name] = tensor
-        if quantized:
+        if quantized and moved_any:  # (a move to where they are keeps the prepared weights)
             # Moved or cast copies of checked values, or (``to_empty``) memory a load will
             # write: no value read (it would also synchronise with the device).
             self._rebuild_quantized(check_values=False)

@@ -57,6 +57,7 @@ from .errors import MoeInputError, refuse
 from .held_quantized import HoldsQuantized
 from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
+from .memo import weights_changed as memo_weights_changed
 from .ops import adopt_quantized, call_fused_experts, op_tensor
 from .registry import Registry
 from .routing import TopK, check_loaded_correction_bias, check_router_width, select_experts
@@ -430,16 +431,18 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         """Forget everything derived from the parameters (prepared weights, the shared
         experts' views, the quantized copy of ``keep_float_weights``, eager steps), so the
         next call derives it again. Needed only after edits PyTorch's version counter does
-        not count: writes through ``.data``."""
+        not count: writes through ``.data`` (to the parameters, or to the buffers of held
+        quantized experts)."""
         self._forget_derived()
         if self._quantized_from is not None:
             self.quantize_(**self._quantized_from[0], keep_float_weights=True)
+        elif self.quantized is not None:  # what the runner prepared from the held tensors
+            memo_weights_changed(self.quantized.w13, self.quantized.w2)
 
     def _forget_derived(self) -> None:
         """``weights_changed`` but the quantized copy: what derives from the parameters, which
         kept their old memory alive until the next call after a cast, move or assigning load."""
-        params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
-        for p in (*params, self.shared_w13, self.shared_w2, self.shared_gate):
+        for p in self._derived_params():
             if p is not None:
                 forget_memo(p)
                 forget_prepared(p)
@@ -448,9 +451,16 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         self._steps.clear()
 
     def _apply(self, fn, recurse=True):
+        before = [tensor_key(p) for p in self._derived_params()]
         super()._apply(fn, recurse)
-        self._forget_derived()
+        if [tensor_key(p) for p in self._derived_params()] != before:  # (else: no-op move)
+            self._forget_derived()
         return self
+
+    def _derived_params(self) -> tuple:
+        """The parameters ``_forget_derived`` forgets what was derived from."""
+        params = (self.w13, self.w2, self.w13_bias, self.w2_bias)
+        return (*params, self.shared_w13, self.shared_w2, self.shared_gate)
 
     @staticmethod
     def _forget_after_load(module: MoE, incompatible_keys) -> None:
@@ -695,21 +705,11 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
             w = self if held is None else held  # plain, or as held
             # (held weights keep detached biases: a training call takes the parameters)
             b13, b2 = (self.w13_bias, self.w2_bias) if train else (w.w13_bias, w.w2_bias)
+            w13, w2 = (w.w13, w.w2) if held is None else self._held_call_weights()
             routed = call_fused_experts(
-                x,
-                w.w13,
-                w.w2,
-                topk.weights,
-                topk.ids,
-                b13,
-                b2,
-                act.name,
-                act.alpha,
-                act.limit,
-                self.config.gate_up_interleaved,
-                self.backend,
-                check_ids,
-            )
+                x, w13, w2, topk.weights, topk.ids, b13, b2, act.name, act.alpha, act.limit,
+                self.config.gate_up_interleaved, self.backend, check_ids,
+            )  # fmt: skip
             shared = self._shared_params()
             if shared is None or shared.num_shared == 0:
                 return routed

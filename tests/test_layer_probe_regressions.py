@@ -6,7 +6,8 @@ references).
   served the joined expert table of the old weight: its memo key named the freed storage by
   ``id``, which the new storage may get (outputs 0.8-3.6 off).
 - A quantized layer read the quantized weights built at ``quantize_`` / load time, not its
-  buffers: a buffer assigned anew or substituted by ``functional_call`` was ignored.
+  buffers: a buffer assigned anew or substituted by ``functional_call`` was ignored (and,
+  compiled, until a later probe).
 """
 
 from __future__ import annotations
@@ -236,3 +237,84 @@ def test_a_cast_or_an_assigning_load_frees_the_old_experts_at_once(change):
     with torch.no_grad():  # and the layer still runs on its new weights
         out = layer(torch.randn(T, H, dtype=layer.w13.dtype), torch.randn(T, E))
     assert out.dtype == layer.w13.dtype and torch.isfinite(out).all()
+
+
+# -- a third probe: the lifecycle of quantized layers (compile, .data writes, moves) --
+
+
+def _quantized_pair(scheme: str, backend: str = "torch", dtype=torch.float32):
+    """Two layers of one config quantized from different weights."""
+    cfg = moerunner.MoeConfig(num_experts=E, hidden_size=32, intermediate_size=32, top_k=K)
+    layers = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        layers.append(moerunner.MoE(cfg, backend=backend, dtype=dtype).quantize_(scheme))
+    return layers
+
+
+def test_a_compiled_quantized_layer_runs_its_current_buffers():
+    """The traced call read the tensors ``quantize_`` had built its weights over: a buffer
+    assigned anew, or substituted by ``functional_call``, was ignored once compiled (outputs
+    off by 0.8-1.5 relative) while the eager call saw it."""
+    layer, other = _quantized_pair("int8_w8a16")
+    g = torch.Generator().manual_seed(2)
+    x, logits = torch.randn(5, 32, generator=g), torch.randn(5, E, generator=g)
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        first = compiled(x, logits)
+        assert torch.equal(first, layer(x, logits))
+        layer.w13_scale = layer.w13_scale * 2
+        assert torch.equal(compiled(x, logits), layer(x, logits))
+        assert not torch.equal(compiled(x, logits), first)
+        theirs = dict(other.named_buffers())
+        call = torch.compile(
+            lambda b: torch.func.functional_call(layer, b, (x, logits)),
+            fullgraph=True,
+            backend="eager",
+        )
+        assert torch.equal(call(theirs), other(x, logits))
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "int4_g32", "int8_w8a16"])
+def test_weights_changed_refreshes_what_was_prepared_from_held_buffers(scheme):
+    """``MoE.weights_changed()`` after ``.data`` writes to held quantized buffers forgot
+    nothing there: the triton backend's re-laid 4-bit weights stayed those of the old values."""
+    from cases import interpreted_triton
+
+    backend = "triton" if interpreted_triton() else "torch"
+    layer, other = _quantized_pair(scheme, backend, torch.float16)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 32, generator=g, dtype=torch.float16)
+    logits = torch.randn(5, E, generator=g)
+    with torch.no_grad():
+        before = layer(x, logits)  # prepared
+        for name, tensor in other.named_buffers():
+            if name in dict(layer.named_buffers()) and not name.endswith("_scheme"):
+                getattr(layer, name).data.copy_(tensor)
+        layer.weights_changed()
+        out = layer(x, logits)
+        topk = moerunner.select_experts(logits, K)
+        want = reference_moe(x.double(), other.quantized, topk.weights, topk.ids)
+    assert not torch.equal(out, before)
+    assert_close(out, want, DTYPE_BOUND[torch.float16])
+
+
+def test_a_move_to_where_the_layer_is_keeps_its_prepared_weights():
+    """A no-op ``.to()`` / ``.float()`` dropped every prepared form, and the third one warned
+    that the caller passed new tensor objects each call."""
+    import warnings
+
+    cfg = moerunner.MoeConfig(num_experts=E, hidden_size=32, intermediate_size=32, top_k=K)
+    plain = moerunner.MoE(cfg, backend="torch")
+    (held,) = _quantized_pair("int8_w8a16")[:1]
+    x, logits = torch.randn(5, 32), torch.randn(5, E)
+    for layer in (plain, held):
+        with torch.no_grad():
+            want = layer(x, logits)
+            weights = layer.expert_weights()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                for _ in range(4):
+                    layer.to("cpu").float()
+                    assert torch.equal(layer(x, logits), want)
+            assert layer.expert_weights() is weights

@@ -44,6 +44,8 @@ _DESCRIPTION = "_moerunner_description"
 _CACHE = "_moerunner_weights"
 _QUANTIZED = "_moerunner_quantized"
 _HELD_CACHE = "_moerunner_held_weights"
+#: (scheme, float sources' key) of pinned weights that follow the float parameters.
+_FOLLOWS = "_moerunner_follows_float"
 _HOOKED = "_moerunner_load_hook"
 #: Set where the caller chose the stored layout of transposed experts (no strided-read warning).
 STORED_ON_PURPOSE = "_moerunner_stored_on_purpose"
@@ -411,7 +413,7 @@ def set_quantized(
             adopt_quantized(weights.w2)
     if HOLDER in module._modules:
         delattr(module, HOLDER)
-    for key in (_QUANTIZED, _CACHE, _HELD_CACHE):
+    for key in (_QUANTIZED, _CACHE, _HELD_CACHE, _FOLLOWS):
         module.__dict__.pop(key, None)
     if weights is not None and hold:
         if not is_quantized(weights.w13):
@@ -421,6 +423,35 @@ def set_quantized(
             module.__dict__[_HOOKED] = module.register_load_state_dict_pre_hook(_note_float_state)
     else:
         module.__dict__[_QUANTIZED] = weights
+
+
+def pin_following(module: torch.nn.Module, weights: ExpertWeights, scheme) -> None:
+    """Pin ``weights``, quantized in ``scheme`` from the module's float parameters, which stay:
+    an eager call quantizes again when one of those parameters was edited in place,
+    replaced or loaded into since (``keep_float_weights``; as ``MoE.quantize_``), so the
+    quantized copy follows the float weights. Traced calls do not check (quantize again
+    after edits there)."""
+    set_quantized(module, weights)
+    sources = _sources(module, describe(module))
+    module.__dict__[_FOLLOWS] = (scheme, sources_key(sources))
+
+
+def _follow_float_weights(module: torch.nn.Module, scheme, key: tuple) -> None:
+    sources = _sources(module, describe(module))
+    if sources_key(sources) == key:
+        return
+    from ..quant import quantize
+
+    source = float_weights(module)
+    with torch.no_grad():
+        weights = ExpertWeights(
+            quantize(source.w13, scheme),
+            quantize(source.w2, scheme),
+            source.w13_bias,
+            source.w2_bias,
+            source.gate_up_interleaved,
+        )
+    pin_following(module, weights, scheme)
 
 
 def held_weights(module: torch.nn.Module) -> ExpertWeights | None:
@@ -433,11 +464,21 @@ def held_weights(module: torch.nn.Module) -> ExpertWeights | None:
     return holder.quantized
 
 
+def held_call_weights(module: torch.nn.Module) -> tuple:
+    """The held quantized ``w13`` and ``w2`` as a call runs them (``_held_call_weights``:
+    while tracing, the holder's buffers themselves), or None where none are held."""
+    holder = module._modules.get(HOLDER)
+    return None if holder is None else holder._held_call_weights()
+
+
 def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
     """The quantized weights the module runs, if any: pinned ones, or held ones with the
     module's current bias parameters (one object while neither changes)."""
     held = held_weights(module)
     if held is None:
+        follows = module.__dict__.get(_FOLLOWS)
+        if follows is not None and not torch.compiler.is_compiling():
+            _follow_float_weights(module, *follows)
         return module.__dict__.get(_QUANTIZED)
     params = _sources(module, describe(module))[2:]
     key = sources_key(params)

@@ -26,6 +26,7 @@ from ._hf_experts import (
     float_weights,
     layer_name,
     no_experts_error,
+    pin_following,
     quantized_weights,
     set_quantized,
 )
@@ -44,7 +45,11 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
     ``moerunner_quantized``: ``model.state_dict()`` saves them (``torch.save`` or safetensors'
     ``save_file``), and a model of the same config on which ``quantize_experts(model, scheme)``
     was called restores them with ``load_state_dict``. The layers then run only on moerunner.
-    With ``keep_float_weights`` the state dict holds the float weights only.
+    With ``keep_float_weights`` the state dict holds the float weights only, and an eager
+    call quantizes a layer again after its float weights were edited in place, replaced,
+    loaded into or stepped by an optimizer (a traced call does not check: call
+    ``quantize_experts`` again after edits there; writes through ``.data`` need
+    ``moerunner.weights_changed(parameter)`` first).
     Returns ``{layer path: scheme name}``.
     """
     from ..quant import get_scheme, quantize
@@ -78,8 +83,10 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
                 source.w2_bias,
                 source.gate_up_interleaved,
             )
-        set_quantized(module, weights, hold=not keep_float_weights)
-        if not keep_float_weights:
+        if keep_float_weights:  # quantized again from the floats after their edits
+            pin_following(module, weights, resolved)
+        else:
+            set_quantized(module, weights, hold=True)
             _release_float_weights(module)
         done[path] = resolved.name
     if not done:

@@ -71,6 +71,13 @@ def tiny_config(family: str, **overrides):
         ),
     }[family]
     kwargs = {**_COMMON, **extra, **overrides}
+    if family == "gpt_oss" and "rope_parameters" not in overrides:
+        # GPT-OSS's YaRN scaling, stretched from the tiny context's share of its factor
+        # (otherwise transformers warns that the factor and the lengths disagree)
+        rope = getattr(AutoConfig.for_model(family), "rope_parameters", None) or {}
+        if "factor" in rope:
+            original = max(1, kwargs["max_position_embeddings"] // int(rope["factor"]))
+            kwargs["rope_parameters"] = {**rope, "original_max_position_embeddings": original}
     return AutoConfig.for_model(family, **kwargs)
 
 

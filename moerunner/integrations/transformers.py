@@ -40,6 +40,7 @@ from ._hf_experts import (
     experts_implementation,
     experts_modules,
     float_weights,
+    held_call_weights,
     held_weights,
     no_experts_error,
     quantized_weights,
@@ -186,7 +187,7 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     held = held_weights(module)  # biases: the module's own (above)
     quantized = held if held is not None else quantized_weights(module)
     if quantized is not None:
-        w13, w2 = quantized.w13, quantized.w2
+        w13, w2 = (quantized.w13, quantized.w2) if held is None else held_call_weights(module)
         if held is None:
             b13, b2 = quantized.w13_bias, quantized.w2_bias
         interleaved, num_experts = quantized.gate_up_interleaved, quantized.w13.shape[0]

@@ -534,6 +534,48 @@ def test_tiny_config_names_the_families_it_builds():
         tiny_config("llama")
 
 
+def test_tiny_gpt_oss_builds_without_transformers_rope_warning(capfd):
+    # Its YaRN lengths used to be GPT-OSS's own (4096) under a 256-token context, and
+    # transformers warned on every tiny GPT-OSS model that the factor did not match them.
+    from transformers import AutoModelForCausalLM
+
+    from moerunner.integrations.tiny_models import tiny_config
+
+    cfg = tiny_config("gpt_oss")
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model(_ids(length=4))
+    assert "rope" not in capfd.readouterr().err.lower()
+    rope = cfg.rope_parameters
+    assert rope["original_max_position_embeddings"] * rope["factor"] == 256
+
+
+def test_quantized_copy_follows_kept_float_weights():
+    # keep_float_weights: the quantized copy is quantized again after the float weights are
+    # edited in place or after a .data write named by weights_changed, as MoE.quantize_ does
+    # (it used to keep the first copy, silently).
+    from moerunner import weights_changed
+
+    model = build("qwen3_moe")
+    mt.quantize_experts(model, "int8_w8a16", keep_float_weights=True)
+    ids = _ids(length=6)
+    first = _logits(model, "moerunner", ids)
+    layers = [experts for _, experts in mt.experts_modules(model)]
+    with torch.no_grad():
+        for experts in layers:
+            experts.gate_up_proj.mul_(-1)
+    edited = _logits(model, "moerunner", ids)
+    fresh = copy.deepcopy(model)
+    mt.quantize_experts(fresh, "int8_w8a16", keep_float_weights=True)
+    assert torch.equal(edited, _logits(fresh, "moerunner", ids))
+    assert not torch.equal(edited, first)
+    for experts in layers:
+        experts.gate_up_proj.data.mul_(-1)  # unseen by PyTorch's counter until named
+    assert torch.equal(_logits(model, "moerunner", ids), edited)
+    weights_changed(*(experts.gate_up_proj for experts in layers))
+    assert torch.equal(_logits(model, "moerunner", ids), first)
+
+
 @pytest.mark.parametrize("limit", [2.0, 7.0])
 def test_a_clamp_after_the_activation_runs_as_swiglu_step(limit):
     # Step-3.7 and Bailing-hybrid clamp silu's output: min(silu(gate), L) * clamp(up, -L, L).

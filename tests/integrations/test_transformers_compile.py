@@ -187,3 +187,21 @@ def test_compiled_training_step_on_the_gpu():
         assert (got is None) == (want is None), name
         if want is not None:
             assert_close(got, want.double(), 1e-2, what=f"d/d {name}")
+
+
+def test_compiled_quantized_experts_read_their_current_buffers():
+    """A compiled forward read the tensors ``quantize_experts`` had built its weights over,
+    so a held buffer assigned anew was ignored once compiled (the eager call saw it)."""
+    torch._dynamo.reset()
+    model = build("qwen3_moe", implementation="moerunner")
+    mt.quantize_experts(model, "int8_w8a16")
+    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    ids = _ids()
+    with torch.no_grad():
+        first = compiled(ids).logits
+        for _, experts in mt.experts_modules(model):
+            holder = experts.moerunner_quantized
+            holder.w2_scale = holder.w2_scale * 2
+        out, ref = compiled(ids).logits, model(ids).logits
+    assert not torch.equal(ref, first)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
