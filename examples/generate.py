@@ -5,7 +5,8 @@
 
 Loads the model (or builds a tiny random one of a family), greedily generates with
 transformers' eager experts loop and with moerunner, prints both texts (or token ids), whether
-they agree, and tokens/s of each.
+they agree, and tokens/s of each. A folder without a tokenizer (such as a tiny checkpoint
+saved from a config) is given 8 random prompt ids, and the token ids are printed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ def load(args):
                     p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02)
         return model.to(args.device).eval(), None
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, device_map=args.device)
-    return model.eval(), AutoTokenizer.from_pretrained(args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:  # a checkpoint folder without tokenizer files
+        print(f"no tokenizer for {args.model} ({type(exc).__name__}): random prompt ids")
+        return model.eval(), None
+    return model.eval(), tokenizer
 
 
 def generate(model, ids, new_tokens: int) -> tuple[torch.Tensor, float]:
@@ -70,9 +76,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     model, tokenizer = load(args)
+    ids = None
     if tokenizer is not None:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(args.device)
-    else:
+        if ids.numel() == 0:  # (transformers gives an empty tokenizer where files are missing)
+            print(f"the tokenizer of {args.model} encodes the prompt to no ids: random ids")
+            tokenizer = ids = None
+    if ids is None:
         ids = torch.randint(0, model.config.vocab_size, (1, 8)).to(args.device)
 
     model.set_experts_implementation("eager")

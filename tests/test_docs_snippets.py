@@ -147,3 +147,24 @@ def test_extras_admit_what_torch_brings_and_carry_their_documented_needs():
     for extra in ("hf", "test"):
         assert any(r.startswith("accelerate") for r in _extra(extra)), extra
     assert any(r.startswith("matplotlib") for r in _extra("bench"))  # bench --png
+
+
+CUDA_LOADS = [
+    b for b in ALL if b.mark == "needs cuda" and re.search(r"from_pretrained\(\s*path\b", b.code)
+]
+
+
+@pytest.mark.parametrize("block", CUDA_LOADS, ids=[b.id for b in CUDA_LOADS])
+def test_cuda_snippet_finds_the_checkpoint_folder_the_page_made(block, tmp_path, monkeypatch):
+    # Off the GPU too: the blocks before a GPU-only block that loads ``path`` must leave
+    # ``path`` naming the tiny checkpoint folder (an earlier block once rebound it to a
+    # safetensors file, and from_pretrained failed on it before reaching CUDA).
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    namespace: dict = {"__name__": "__snippet__"}
+    page = blocks(block.page)
+    for earlier in page[: page.index(block)]:
+        if earlier.mark is None:
+            exec(compile(earlier.code, f"{earlier.id}", "exec"), namespace)  # noqa: S102
+    folder = Path(namespace["path"])
+    assert (folder / "config.json").is_file(), f"{block.id}: path is {folder}"
