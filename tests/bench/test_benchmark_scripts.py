@@ -187,3 +187,14 @@ def test_no_other_source_spells_a_model_shape():
         if isinstance(node, ast.Constant) and type(node.value) is int and node.value in distinctive
     ]
     assert found == []
+
+
+def test_peer_bar_floor_reads_the_recorded_h100_table(capsys):
+    # The record's claim (nvidia-h100-peer-bar-floor-2026-12-07.txt), recomputed from the
+    # peer table and the library's byte and flop count: two points lie past the floor.
+    main = runpy.run_path(str(BENCHMARKS / "experiments" / "peer_bar_floor.py"))["main"]
+    main([str(BENCHMARKS / "results" / "nvidia-h100-peer-triton-2026-11-28.json")])
+    out = capsys.readouterr().out
+    assert "points past the floor (bar unreachable): 2; needing 95-100 %: 5" in out
+    rows = {tuple(line.split()[:2]): line.split() for line in out.splitlines()}
+    assert rows[("deepseek-v3", "16")][-1] == "100.8%"
