@@ -436,22 +436,24 @@ def pin_following(module: torch.nn.Module, weights: ExpertWeights, scheme) -> No
     module.__dict__[_FOLLOWS] = (scheme, sources_key(sources))
 
 
-def _follow_float_weights(module: torch.nn.Module, scheme, key: tuple) -> None:
-    sources = _sources(module, describe(module))
-    if sources_key(sources) == key:
-        return
+def quantized_float_weights(module: torch.nn.Module, scheme) -> ExpertWeights:
+    """The module's float experts quantized in ``scheme`` (biases stay in floating point)."""
     from ..quant import quantize
 
     source = float_weights(module)
     with torch.no_grad():
-        weights = ExpertWeights(
+        return ExpertWeights(
             quantize(source.w13, scheme),
             quantize(source.w2, scheme),
             source.w13_bias,
             source.w2_bias,
             source.gate_up_interleaved,
         )
-    pin_following(module, weights, scheme)
+
+
+def _follow_float_weights(module: torch.nn.Module, scheme, key: tuple) -> None:
+    if sources_key(_sources(module, describe(module))) != key:
+        pin_following(module, quantized_float_weights(module, scheme), scheme)
 
 
 def held_weights(module: torch.nn.Module) -> ExpertWeights | None:

@@ -23,10 +23,10 @@ from ._hf_experts import (
     describe,
     experts_implementation,
     experts_modules,
-    float_weights,
     layer_name,
     no_experts_error,
     pin_following,
+    quantized_float_weights,
     quantized_weights,
     set_quantized,
 )
@@ -52,7 +52,7 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
     ``moerunner.weights_changed(parameter)`` first).
     Returns ``{layer path: scheme name}``.
     """
-    from ..quant import get_scheme, quantize
+    from ..quant import get_scheme
 
     _check_keep(keep_float_weights, "quantize_experts")
     resolved = get_scheme(scheme)
@@ -74,15 +74,7 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
             )
     done: dict[str, str] = {}
     for path, module in modules:
-        source = float_weights(module)
-        with torch.no_grad():
-            weights = ExpertWeights(
-                quantize(source.w13, resolved),
-                quantize(source.w2, resolved),
-                source.w13_bias,
-                source.w2_bias,
-                source.gate_up_interleaved,
-            )
+        weights = quantized_float_weights(module, resolved)
         if keep_float_weights:  # quantized again from the floats after their edits
             pin_following(module, weights, resolved)
         else:
