@@ -171,7 +171,8 @@ def select_experts(
         group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)
         keep = _top(group_scores, topk_group)
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, group_size).reshape(num_tokens, -1)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, group_size)
+        expert_mask = expert_mask.reshape(num_tokens, num_experts)  # (-1 is ambiguous at T = 0)
         choice = choice.masked_fill(~expert_mask, float("-inf"))
 
     ids = _top(choice, top_k)

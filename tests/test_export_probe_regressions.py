@@ -1,0 +1,82 @@
+"""Regressions of a probe of ahead-of-time use (torch.export, torch.func) on the CPU, torch
+backend; every output against the eager call of the same module, whose own agreement with
+the float64 reference the layer tests check."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from torch.export import Dim, export
+
+import moerunner
+from moerunner import MoeInputError
+
+E, H, I, K = 8, 32, 32, 2
+TOKENS = Dim("T", min=1, max=512)
+
+
+def _layer(**routing) -> moerunner.MoE:
+    torch.manual_seed(0)
+    cfg = moerunner.MoeConfig(E, H, I, K, routing=moerunner.RoutingConfig(**routing))
+    return moerunner.MoE(cfg, backend="torch").eval()
+
+
+def test_an_exported_layer_with_grouped_routing_takes_an_empty_batch():
+    """Traced for T > 0, the grouped top-k reshaped its expert mask to ``[T, -1]``, which
+    has no answer at T = 0: the exported program raised where the eager call returns
+    ``[0, H]``."""
+    layer = _layer(scoring_func="sigmoid", renormalize=True, num_expert_group=4, topk_group=2)
+    with torch.no_grad():
+        ep = export(layer, (torch.randn(4, H), torch.randn(4, E)),
+                    dynamic_shapes=({0: TOKENS}, {0: TOKENS}))  # fmt: skip
+        assert ep.module()(torch.randn(0, H), torch.randn(0, E)).shape == (0, H)
+        x, logits = torch.randn(3, H), torch.randn(3, E)
+        assert torch.equal(ep.module()(x, logits), layer(x, logits))
+
+
+def test_topk_is_an_export_argument_and_result():
+    """A layer built from weights takes ``topk=``; export refused the TopK argument
+    ("Unsupported input type"), and an exported select_experts could not return one."""
+    torch.manual_seed(1)
+    weights = moerunner.ExpertWeights(torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    layer = moerunner.MoE.from_weights(weights, backend="torch")
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    topk = moerunner.select_experts(logits, K)
+    with torch.no_grad():
+        ep = export(layer, (x,), {"topk": topk})
+        want = layer(x, topk=topk)
+        assert torch.equal(ep.module()(x, topk=topk), want)
+        buffer = io.BytesIO()
+        torch.export.save(ep, buffer)
+        buffer.seek(0)
+        assert torch.equal(torch.export.load(buffer).module()(x, topk=topk), want)
+
+    class Route(torch.nn.Module):
+        def forward(self, logits):
+            return moerunner.select_experts(logits, K)
+
+    routed = export(Route(), (logits,)).module()(logits)
+    assert isinstance(routed, moerunner.TopK)
+    assert torch.equal(routed.ids, topk.ids) and torch.equal(routed.weights, topk.weights)
+
+
+def test_vmap_over_the_experts_is_refused_by_name():
+    """It failed inside PyTorch ("Cannot access data pointer of Tensor that doesn't have
+    storage", "Cannot access storage of BatchedTensorImpl")."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    layer = _layer()
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    w13, w2 = layer.w13.detach(), layer.w2.detach()
+    with torch.no_grad():
+        with pytest.raises(MoeInputError, match="MoE: hidden_states is batched by torch.func"):
+            vmap(layer)(torch.randn(3, 5, H), torch.randn(3, 5, E))
+        with pytest.raises(MoeInputError, match="fused_moe: hidden_states is batched"):
+            vmap(lambda b: moerunner.fused_moe_from_logits(b, logits, w13, w2, K))(
+                torch.randn(3, 5, H)
+            )
+        params, buffers = stack_module_state([layer, _layer()])
+        with pytest.raises(MoeInputError, match="MoE: w13 is batched.*once per model"):
+            vmap(lambda p, b: functional_call(layer, (p, b), (x, logits)))(params, buffers)
