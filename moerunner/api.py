@@ -18,7 +18,7 @@ from .backends.base import MoeProblem
 from .config import Activation, ExpertSpec, check_bool
 from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
-from .errors import MoeInputError, compile_disabled, refuse
+from .errors import MoeInputError, check_not_vmapped, compile_disabled, refuse
 from .hooks import MoeHooks, check_hooks, in_graph_of
 from .lora import op_arguments
 from .registry import Registry
@@ -138,6 +138,7 @@ def fused_moe(
         return _traced_call(
             weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids, lora
         )
+    check_not_vmapped("fused_moe", hidden_states=hidden_states, w13=w13, w2=w2)
     return run_experts(
         MoeRunner(backend, registry=registry),
         weights,

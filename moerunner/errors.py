@@ -63,3 +63,20 @@ class RankFailedError(RuntimeError):
         super().__init__(message)
         self.ranks = tuple(ranks)
         self.errors = tuple(errors)
+
+
+def check_not_vmapped(where: str, **tensors: object) -> None:
+    """MoeInputError where a tensor is batched by ``torch.func.vmap`` (an input, or weights
+    stacked for model ensembling): the experts size their work from the routing on the
+    host, which a batched tensor cannot give, so they would fail inside PyTorch instead."""
+    from torch._C._functorch import is_batchedtensor
+
+    if torch.compiler.is_compiling():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and is_batchedtensor(t):
+            raise MoeInputError(
+                f"{where}: {name} is batched by torch.func.vmap, which moerunner's experts do "
+                "not run under: call it once per batch element (stacked weights: once per "
+                "model), or fold a batch of inputs into the token dimension"
+            )

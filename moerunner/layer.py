@@ -53,7 +53,7 @@ from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement, append_shared_slots
 from .dispatched_layer import DispatchedForward
-from .errors import MoeInputError, refuse
+from .errors import MoeInputError, check_not_vmapped, refuse
 from .held_quantized import HoldsQuantized
 from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
@@ -479,10 +479,11 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         """``hidden_states [..., H]`` with ``router_logits [..., E]`` (or ``topk``: routing
         with global expert ids, ``[T, k]``) -> ``[..., H]``.
 
-        ``timer``: optional callable ``timer(stage)`` returning a context manager, entered
-        around ``dispatch``, ``experts`` and ``combine`` (see ``distributed_moe.StageTimer``).
-        With the masked dispatcher, ``self.last_overflow`` is the step's overflow flag.
+        ``timer``: optional ``timer(stage)`` giving a context manager entered around
+        ``dispatch``, ``experts`` and ``combine`` (``distributed_moe.StageTimer``); with
+        the masked dispatcher, ``self.last_overflow`` is the step's overflow flag.
         """
+        check_not_vmapped("MoE", hidden_states=hidden_states, w13=self.w13, w2=self.w2)
         step_key = None
         if topk is None and getattr(self, "_steps", None) is not None:
             step_key = self._step_key(hidden_states, router_logits)
@@ -608,8 +609,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         if self._given_shared is not None or self.shared_w13 is None:
             return self._given_shared
         params = (self.shared_w13, self.shared_w2, self.shared_gate)
-        key = tuple(tensor_key(p) for p in params)
-        if key != self._shared_key:
+        if (key := tuple(tensor_key(p) for p in params)) != self._shared_key:
             w13, w2, gate = (None if p is None else p.detach() for p in params)
             self._shared_view = SharedExperts(w13, w2, gate)
             self._shared_key = key

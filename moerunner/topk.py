@@ -26,3 +26,10 @@ class TopK:
     def top_k(self) -> int:
         """Slots per token."""
         return self.ids.shape[1]
+
+
+# A pytree node: ``torch.export`` takes a TopK argument (``MoE(x, topk=...)``) and returns
+# one (``select_experts``) as its two tensors; ``torch.load(weights_only=True)`` reads one
+# (an exported program saves its example inputs).
+torch.export.register_dataclass(TopK, serialized_type_name="moerunner.TopK")
+torch.serialization.add_safe_globals([TopK])
