@@ -381,6 +381,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
                 f"quantize_: scheme {resolved.name!r} quantizes the GEMMs' inputs with static "
                 f"scales: pass {' and '.join(missing)} (a scalar or fp32 [E])"
             )
+        source_state = self._float_state()  # (before reading: an edit meanwhile is seen later)
         with torch.no_grad():
             self.quantized = ExpertWeights(
                 quantize(self.w13.detach(), scheme, input_scale=w13_input_scale),
@@ -395,13 +396,12 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         adopt_quantized(self.quantized.w13)
         adopt_quantized(self.quantized.w2)
         if keep_float_weights:
-            self._quantized_from = ({"scheme": scheme, **scales}, self._float_state())
+            self._quantized_from = ({"scheme": scheme, **scales}, source_state)
         else:
             self._quantized_from = None
             self.w13 = self.w2 = None
             self._hold_quantized()
-        # Calls now read the quantized weights: what earlier calls kept of the float ones (the
-        # parameters' views, replayed steps) would keep freed float weights alive.
+        # (what earlier calls kept of the float weights, views and steps, would keep them alive)
         self._weights_views.clear()
         self._steps.clear()
         return self
@@ -428,11 +428,11 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         return tensor_state(self.w13) + tensor_state(self.w2)
 
     def weights_changed(self) -> None:
-        """Forget everything derived from the parameters (prepared weights, the shared
-        experts' views, the quantized copy of ``keep_float_weights``, eager steps), so the
-        next call derives it again. Needed only after edits PyTorch's version counter does
-        not count: writes through ``.data`` (to the parameters, or to the buffers of held
-        quantized experts)."""
+        """Count an edit PyTorch's version counter does not count (writes through ``.data``, to
+        the parameters or to held quantized buffers): what derives from them (prepared
+        weights, shared experts' views, ``keep_float_weights``' copy, eager steps) is made
+        again by the next call."""
+        memo_weights_changed(*(p for p in self._derived_params() if p is not None))
         self._forget_derived()
         if self._quantized_from is not None:
             self.quantize_(**self._quantized_from[0], keep_float_weights=True)

@@ -196,9 +196,11 @@ def object_ref(obj: object):
     if type(obj).__hash__ is None:
         return ("id", id(obj))
     try:
-        return _Ref(obj)
+        ref = _Ref(obj)
     except TypeError:  # (module note above)
         return ("id", id(obj))
+    hash(ref)  # kept by the reference from now: hashed only after obj died, it would raise
+    return ref
 
 
 def memoised(anchor, key: tuple, build):

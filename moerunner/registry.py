@@ -225,9 +225,21 @@ class Registry:
         if cached is not None:
             return cached
         selection = self._select(problem, requested, preference)
-        self._selections[key] = selection
+        self._remember(key, selection)
         _log.debug("backend %r selected (%s) for %s", selection.backend, selection.reason, problem)
         return selection
+
+    #: Choices memoised at most (oldest dropped): a process that meets many shapes.
+    MAX_SELECTIONS = 1024
+
+    def _remember(self, key, choice) -> None:
+        selections = self._selections
+        selections[key] = choice
+        while len(selections) > self.MAX_SELECTIONS:
+            try:
+                del selections[next(iter(selections))]
+            except (KeyError, StopIteration, RuntimeError):  # changed by another thread
+                break
 
     def _select(
         self,
@@ -271,7 +283,7 @@ class Registry:
         if key in self._selections:
             return self._selections[key]
         plan = self._bucket_plan(problem, top_k, table, preference, backend_forms)
-        self._selections[key] = plan
+        self._remember(key, plan)
         if plan is not None:
             _log.debug("backend plan %s for %s, top_k %d", plan.summary(), problem, top_k)
         return plan

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -333,6 +334,11 @@ class _PreparedCache(DerivedCache):
         self.steps = StepCache()
 
 
+#: Serialises ``prepared_for``'s look-up, clearing and storing of forms: threads that call
+#: on shared weights must not store a form of one thread's weights under another's state.
+_PREPARE_LOCK = threading.RLock()
+
+
 def prepared_for(
     runner: MoeRunner,
     weights: ExpertWeights,
@@ -356,42 +362,43 @@ def prepared_for(
     # same weights: w13's row order and the biases (their identities and states).
     # (the object's token too: a backend replaced under its name prepares anew)
     key = (backend.name, backend.options, spec, form_variant(weights), object_ref(backend))
-    per_weight = getattr(weights.w13, _CACHE_ATTR, None)
-    if per_weight is None:
-        per_weight = _PreparedCache()
-        try:
-            setattr(weights.w13, _CACHE_ATTR, per_weight)
-        except (AttributeError, TypeError):  # no attributes allowed: prepare every time
-            return prepare_for_backend(backend, weights, spec)
-    if per_weight.state != state or per_weight.w2() is not weights.w2:
-        # w13 or w2 changed (or id(w2) was reused by a new object): every form is stale.
-        per_weight.clear()
-        per_weight.stand_ins.clear()
-        per_weight.steps.clear()
-        per_weight.state = state
-        per_weight.w2 = _ref(weights.w2)
-    auto = runner.requested == "auto"
-    cached = per_weight.get(key)
-    if cached is None and auto:
-        cached = per_weight.stand_ins.get(key)
-    if cached is None:
-        # A form of the same backend, spec, order and bias tensors whose biases were edited
-        # since is stale (an in-place bias edit must not leave copies of the weights
-        # behind); beyond that the forms kept are bounded, oldest first.
-        for old in [k for k in per_weight if k[:3] == key[:3] and k[3][:3] == key[3][:3]]:
-            del per_weight[old]
-        if len(per_weight) >= _PREPARED_PER_WEIGHT:
-            del per_weight[next(iter(per_weight))]
+    with _PREPARE_LOCK:  # (threads calling on shared weights: one check-and-set at a time)
+        per_weight = getattr(weights.w13, _CACHE_ATTR, None)
+        if per_weight is None:
+            per_weight = _PreparedCache()
+            try:
+                setattr(weights.w13, _CACHE_ATTR, per_weight)
+            except (AttributeError, TypeError):  # no attributes allowed: prepare every time
+                return prepare_for_backend(backend, weights, spec)
+        if per_weight.state != state or per_weight.w2() is not weights.w2:
+            # w13 or w2 changed (or id(w2) was reused by a new object): every form is stale.
+            per_weight.clear()
             per_weight.stand_ins.clear()
-        _note_repeat(key, state, weights.w13)
-        make = lambda: prepare_for_backend(backend, weights, spec)  # noqa: E731
-        try:
-            cached = per_weight[key] = kept(make, weights.device)
-        except torch.OutOfMemoryError as err:
-            if not auto:  # a named backend is not replaced
-                raise
-            cached = per_weight.stand_ins[key] = _form_in_memory(per_weight, spec, backend, err)
-    return cached
+            per_weight.steps.clear()
+            per_weight.state = state
+            per_weight.w2 = _ref(weights.w2)
+        auto = runner.requested == "auto"
+        cached = per_weight.get(key)
+        if cached is None and auto:
+            cached = per_weight.stand_ins.get(key)
+        if cached is None:
+            # A form of the same backend, spec, order and bias tensors whose biases were edited
+            # since is stale (an in-place bias edit must not leave copies of the weights
+            # behind); beyond that the forms kept are bounded, oldest first.
+            for old in [k for k in per_weight if k[:3] == key[:3] and k[3][:3] == key[3][:3]]:
+                del per_weight[old]
+            if len(per_weight) >= _PREPARED_PER_WEIGHT:
+                del per_weight[next(iter(per_weight))]
+                per_weight.stand_ins.clear()
+            _note_repeat(key, state, weights.w13)
+            make = lambda: prepare_for_backend(backend, weights, spec)  # noqa: E731
+            try:
+                cached = per_weight[key] = kept(make, weights.device)
+            except torch.OutOfMemoryError as err:
+                if not auto:  # a named backend is not replaced
+                    raise
+                cached = per_weight.stand_ins[key] = _form_in_memory(per_weight, spec, backend, err)
+        return cached
 
 
 #: Forms prepared lately, by what they were made of (memory, by weak references to the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 
 import torch
 
@@ -202,7 +203,18 @@ def auto_relayout(module: torch.nn.Module) -> bool:
         return False
     if torch.is_grad_enabled() or capturing():
         return False
-    module.__dict__[_AUTO_DECIDED] = True
+    # Decided once, under a lock, and marked decided only after the memory was re-laid:
+    # another thread's first call waits here instead of reading memory being rewritten.
+    with _RELAYOUT_LOCK:
+        if module.__dict__.get(_AUTO_DECIDED):
+            return False
+        try:
+            return _relayout_if_alone(module)
+        finally:
+            module.__dict__[_AUTO_DECIDED] = True
+
+
+def _relayout_if_alone(module: torch.nn.Module) -> bool:
     if _offloading_hook(module) or quantized_weights(module) is not None:
         return False
     weights = _weights(module)
@@ -223,6 +235,7 @@ def auto_relayout(module: torch.nn.Module) -> bool:
     return True
 
 
+_RELAYOUT_LOCK = threading.Lock()
 # Set on a module once auto_relayout has decided (it does not look again).
 _AUTO_DECIDED = "_moerunner_auto_relayout_decided"
 
