@@ -12,6 +12,7 @@ import dataclasses
 from collections import OrderedDict
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import call_steps
 from .backends.base import MoeProblem
@@ -129,6 +130,8 @@ def fused_moe(
             _check_op_registry(registry, backend)
         lora = op_arguments(check_hooks(hooks))  # None: hooks the op does not take
         if shared_experts is not None or lora is None or not _op_takes(weights, act):
+            if not torch.compiler.is_dynamo_compiling():  # (non-strict export: no eager way)
+                _refuse_untraceable(shared_experts, lora, weights, act)
             return _eager_experts(
                 backend, registry, weights, hidden_states, topk_weights, topk_ids, act,
                 check_ids, apply_router_weight_on_input, shared=shared_experts, hooks=hooks,
@@ -139,6 +142,13 @@ def fused_moe(
             weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids, lora
         )
     check_not_vmapped("fused_moe", hidden_states=hidden_states, w13=w13, w2=w2)
+    if isinstance(hidden_states, FakeTensor):
+        raise MoeInputError(
+            "fused_moe: hidden_states is a fake tensor (FakeTensorMode, make_fx): the eager "
+            "call sizes its work from the routing's values, which fake tensors lack; trace it "
+            "with torch.compile or torch.export, where it is the custom op "
+            "moerunner::fused_experts, whose fake gives the output"
+        )
     return run_experts(
         MoeRunner(backend, registry=registry),
         weights,
@@ -277,6 +287,24 @@ def _traced_call(
         backend,
         check_ids,
         lora,
+    )
+
+
+def _refuse_untraceable(shared, lora, weights: ExpertWeights, act: Activation) -> None:
+    """Traced without dynamo (non-strict ``torch.export``), a call the custom op cannot take
+    has no eager fallback (a graph break): name what keeps it out of the op."""
+    if shared is not None:
+        what = "shared_experts= (run them as a call of their own)"
+    elif lora is None:
+        what = "hooks other than lora_hooks' pair"
+    elif weights.w13_order == "up_gate":
+        what = "w13_order='up_gate' (swap the halves once, to 'gate_up')"
+    else:
+        what = f"activation {act.name!r} with per-expert parameters or swiglu_beta != 1"
+    raise MoeInputError(
+        f"fused_moe traced without dynamo (non-strict torch.export): {what} has no place in "
+        "the custom op moerunner::fused_experts, and the eager call it needs cannot run on "
+        "the tracer's fake tensors"
     )
 
 

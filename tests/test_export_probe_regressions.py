@@ -5,6 +5,7 @@ the float64 reference the layer tests check."""
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -80,3 +81,42 @@ def test_vmap_over_the_experts_is_refused_by_name():
         params, buffers = stack_module_state([layer, _layer()])
         with pytest.raises(MoeInputError, match="MoE: w13 is batched.*once per model"):
             vmap(lambda p, b: functional_call(layer, (p, b), (x, logits)))(params, buffers)
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(w13_order="up_gate"), "w13_order='up_gate'"),
+        (dict(activation="swiglu_oai", swiglu_beta=0.5), "swiglu_beta != 1"),
+    ],
+)
+def test_non_strict_export_names_what_the_custom_op_cannot_take(kwargs, named):
+    """Traced without dynamo, such a call ran its eager code on the tracer's fake tensors
+    ("Cannot access data pointer of Tensor", "unhashable type: non-nested SymInt")."""
+    torch.manual_seed(2)
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+
+    class Call(torch.nn.Module):
+        def forward(self, x, logits):
+            topk = moerunner.select_experts(logits, K)
+            return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, **kwargs)
+
+    inputs = (torch.randn(4, H), torch.randn(4, E))
+    for dynamic in (None, ({0: TOKENS}, {0: TOKENS})):
+        with pytest.raises(MoeInputError, match=f"non-strict torch.export.*{re.escape(named)}"):
+            export(Call(), inputs, dynamic_shapes=dynamic, strict=False)
+    # torch.compile still runs it, eagerly behind a graph break
+    compiled = torch.compile(Call(), backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), Call()(*inputs))
+
+
+def test_fused_moe_on_fake_tensors_says_how_to_trace_it():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, logits = torch.randn(5, H), torch.randn(5, E)
+        topk = moerunner.select_experts(logits, K)
+        w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+        with pytest.raises(MoeInputError, match="fake tensor.*torch.compile or torch.export"):
+            moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids)
