@@ -12,14 +12,13 @@ import dataclasses
 from collections import OrderedDict
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from . import call_steps
 from .backends.base import MoeProblem
 from .config import Activation, ExpertSpec, check_bool
 from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
-from .errors import MoeInputError, check_not_vmapped, compile_disabled, refuse
+from .errors import MoeInputError, check_eager_inputs, compile_disabled, refuse
 from .hooks import MoeHooks, check_hooks, in_graph_of
 from .lora import op_arguments
 from .registry import Registry
@@ -141,14 +140,7 @@ def fused_moe(
         return _traced_call(
             weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids, lora
         )
-    check_not_vmapped("fused_moe", hidden_states=hidden_states, w13=w13, w2=w2)
-    if isinstance(hidden_states, FakeTensor):
-        raise MoeInputError(
-            "fused_moe: hidden_states is a fake tensor (FakeTensorMode, make_fx): the eager "
-            "call sizes its work from the routing's values, which fake tensors lack; trace it "
-            "with torch.compile or torch.export, where it is the custom op "
-            "moerunner::fused_experts, whose fake gives the output"
-        )
+    check_eager_inputs("fused_moe", hidden_states=hidden_states, w13=w13, w2=w2)
     return run_experts(
         MoeRunner(backend, registry=registry),
         weights,

@@ -65,15 +65,25 @@ class RankFailedError(RuntimeError):
         self.errors = tuple(errors)
 
 
-def check_not_vmapped(where: str, **tensors: object) -> None:
-    """MoeInputError where a tensor is batched by ``torch.func.vmap`` (an input, or weights
-    stacked for model ensembling): the experts size their work from the routing on the
-    host, which a batched tensor cannot give, so they would fail inside PyTorch instead."""
+def check_eager_inputs(where: str, **tensors: object) -> None:
+    """MoeInputError where an eager call gets tensors it cannot run on: batched by
+    ``torch.func.vmap`` (an input, or weights stacked for model ensembling), or fake
+    (``FakeTensorMode`` outside a trace). The experts size their work from the routing's
+    values on the host, which neither gives, so they would fail inside PyTorch instead.
+    Traced calls (torch.compile, torch.export) are the custom ops, which take fake tensors."""
     from torch._C._functorch import is_batchedtensor
+    from torch._subclasses.fake_tensor import FakeTensor
 
     if torch.compiler.is_compiling():
         return
     for name, t in tensors.items():
+        if isinstance(t, FakeTensor):
+            raise MoeInputError(
+                f"{where}: {name} is a fake tensor (FakeTensorMode, make_fx), without the "
+                "values the eager call sizes its work from: trace the call with "
+                "torch.compile or torch.export instead, where it is a custom op whose fake "
+                "gives the output"
+            )
         if isinstance(t, torch.Tensor) and is_batchedtensor(t):
             raise MoeInputError(
                 f"{where}: {name} is batched by torch.func.vmap, which moerunner's experts do "

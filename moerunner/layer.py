@@ -53,7 +53,7 @@ from .backends.base import MoeProblem
 from .config import Activation, MoeConfig
 from .dispatch.expert_map import ExpertPlacement, append_shared_slots
 from .dispatched_layer import DispatchedForward
-from .errors import MoeInputError, check_not_vmapped, refuse
+from .errors import MoeInputError, check_eager_inputs, refuse
 from .held_quantized import HoldsQuantized
 from .layer_steps import EagerSteps
 from .memo import StepCache, forget_memo, tensor_key
@@ -483,7 +483,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         ``dispatch``, ``experts`` and ``combine`` (``distributed_moe.StageTimer``); with
         the masked dispatcher, ``self.last_overflow`` is the step's overflow flag.
         """
-        check_not_vmapped("MoE", hidden_states=hidden_states, w13=self.w13, w2=self.w2)
+        check_eager_inputs("MoE", hidden_states=hidden_states, w13=self.w13, w2=self.w2)
         step_key = None
         if topk is None and getattr(self, "_steps", None) is not None:
             step_key = self._step_key(hidden_states, router_logits)

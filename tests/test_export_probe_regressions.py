@@ -111,12 +111,16 @@ def test_non_strict_export_names_what_the_custom_op_cannot_take(kwargs, named):
         assert torch.equal(compiled(*inputs), Call()(*inputs))
 
 
-def test_fused_moe_on_fake_tensors_says_how_to_trace_it():
+def test_eager_calls_on_fake_tensors_say_how_to_trace_them():
+    """They failed on a data-dependent read (``DataDependentOutputException``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         x, logits = torch.randn(5, H), torch.randn(5, E)
         topk = moerunner.select_experts(logits, K)
         w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
-        with pytest.raises(MoeInputError, match="fake tensor.*torch.compile or torch.export"):
+        with pytest.raises(MoeInputError, match="fused_moe: hidden_states is a fake tensor"):
             moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids)
+        layer = moerunner.MoE(moerunner.MoeConfig(E, H, I, K), backend="torch")
+        with pytest.raises(MoeInputError, match="MoE: hidden_states is a fake.*torch.export"):
+            layer(x, logits)
