@@ -8,6 +8,8 @@ with a message that names the argument, what was given and what is accepted. The
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import is_batchedtensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 class MoeInputError(ValueError):
@@ -71,9 +73,6 @@ def check_eager_inputs(where: str, **tensors: object) -> None:
     (``FakeTensorMode`` outside a trace). The experts size their work from the routing's
     values on the host, which neither gives, so they would fail inside PyTorch instead.
     Traced calls (torch.compile, torch.export) are the custom ops, which take fake tensors."""
-    from torch._C._functorch import is_batchedtensor
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if torch.compiler.is_compiling():
         return
     for name, t in tensors.items():

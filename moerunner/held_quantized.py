@@ -146,12 +146,11 @@ class HoldsQuantized(nn.Module):
 
     def _held_call_weights(self) -> tuple:
         """``w13`` and ``w2`` as a call runs them: the ``quantized`` objects in eager calls
-        (rebuilt first where a buffer was replaced, ``_held_current``); while tracing, the
+        (which the caller's checks brought up to date, ``_held_current``); while tracing, the
         module's buffers themselves (``HeldTensors``), so a compiled call reads the buffers
         it is given (assigned anew, or substituted by ``functional_call``) as it reads its
         parameters, instead of the tensors the objects were built over."""
         if not torch.compiler.is_compiling():
-            self._held_current()
             return self.quantized.w13, self.quantized.w2
         held = []
         for w in ("w13", "w2"):

@@ -425,15 +425,15 @@ def set_quantized(
         module.__dict__[_QUANTIZED] = weights
 
 
-def pin_following(module: torch.nn.Module, weights: ExpertWeights, scheme) -> None:
-    """Pin ``weights``, quantized in ``scheme`` from the module's float parameters, which stay:
-    an eager call quantizes again when one of those parameters was edited in place,
-    replaced or loaded into since (``keep_float_weights``; as ``MoE.quantize_``), so the
-    quantized copy follows the float weights. Traced calls do not check (quantize again
-    after edits there)."""
-    set_quantized(module, weights)
-    sources = _sources(module, describe(module))
-    module.__dict__[_FOLLOWS] = (scheme, sources_key(sources))
+def pin_following(module: torch.nn.Module, scheme) -> None:
+    """Quantize the module's float experts in ``scheme`` and pin the result beside them, to
+    follow them: an eager call quantizes again when one of those parameters was edited in
+    place, replaced or loaded into since (``keep_float_weights``; as ``MoE.quantize_``).
+    Traced calls do not check (quantize again after edits there)."""
+    # The sources' key before they are read: an edit meanwhile is quantized next call.
+    key = sources_key(_sources(module, describe(module)))
+    set_quantized(module, quantized_float_weights(module, scheme))
+    module.__dict__[_FOLLOWS] = (scheme, key)
 
 
 def quantized_float_weights(module: torch.nn.Module, scheme) -> ExpertWeights:
@@ -453,7 +453,7 @@ def quantized_float_weights(module: torch.nn.Module, scheme) -> ExpertWeights:
 
 def _follow_float_weights(module: torch.nn.Module, scheme, key: tuple) -> None:
     if sources_key(_sources(module, describe(module))) != key:
-        pin_following(module, quantized_float_weights(module, scheme), scheme)
+        pin_following(module, scheme)
 
 
 def held_weights(module: torch.nn.Module) -> ExpertWeights | None:

@@ -74,11 +74,10 @@ def quantize_experts(model, scheme, *, keep_float_weights: bool = False) -> dict
             )
     done: dict[str, str] = {}
     for path, module in modules:
-        weights = quantized_float_weights(module, resolved)
         if keep_float_weights:  # quantized again from the floats after their edits
-            pin_following(module, weights, resolved)
+            pin_following(module, resolved)
         else:
-            set_quantized(module, weights, hold=True)
+            set_quantized(module, quantized_float_weights(module, resolved), hold=True)
             _release_float_weights(module)
         done[path] = resolved.name
     if not done:
