@@ -6,6 +6,7 @@ experts from safetensors checkpoints), ``check_errors`` (raise what the GPU-side
 checks found) and the configuration values they take.
 """
 
+from . import op_flops as _op_flops  # noqa: F401  (their FLOPs for FlopCounterMode)
 from . import ops as _ops  # noqa: F401  (registers the moerunner::fused_experts custom op)
 from .api import fused_moe, fused_moe_from_logits
 from .config import Activation, ExpertSpec, MoeConfig, RoutingConfig, SharedExpertsConfig

@@ -483,9 +483,34 @@ def _vjp(fn, primals: list[torch.Tensor], cotangent: torch.Tensor) -> tuple:
     GPU test of a compiled training step ran past 200 s)."""
     if not primals:
         return ()
-    with torch.enable_grad():
+    with torch.enable_grad(), _transforms_reachable():
         _, pull = torch.func.vjp(fn, *primals)
         return pull(cotangent)
+
+
+#: The dispatch keys ``torch.func``'s transforms run through. Under a Python dispatch mode
+#: (``FlopCounterMode``, a memory tracker, ``SchemaCheckMode`` in ``opcheck``) an op's
+#: implementation runs with every key above the Python key excluded, these too, so the
+#: transform's wrapped tensors reached the CPU kernels ("Cannot access storage of
+#: TensorWrapper").
+_TRANSFORM_KEYS = tuple(
+    getattr(torch._C.DispatchKey, name)
+    for name in (
+        "FuncTorchDynamicLayerFrontMode",
+        "FuncTorchDynamicLayerBackMode",
+        "FuncTorchGradWrapper",
+        "ADInplaceOrView",
+    )
+)
+
+
+def _transforms_reachable():
+    """A guard that takes ``_TRANSFORM_KEYS`` off the thread's excluded dispatch keys (and
+    changes nothing where none is excluded: outside a dispatch mode)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in _TRANSFORM_KEYS:
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
 
 
 # An op's trailing arguments left at their defaults may not reach its autograd functions
