@@ -160,3 +160,25 @@ def test_backward_ops_pass_opcheck():
         *(weights, ids, None, None, "silu", None, None, False, [True, True]),
     )
     torch.library.opcheck(torch.ops.moerunner.fused_experts_quantized_backward.default, quantized)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_training_step_under_flop_counter(backend):
+    """On CUDA in bf16 the layer trains through the custom op (triton: its kernels forward,
+    the recomputed backward), or the grouped GEMMs (torch): same gradients under the counter
+    as without it, and forward plus both gradients of both GEMMs counted."""
+    torch.manual_seed(0)
+    cfg = moerunner.MoeConfig(8, 256, 128, 2)
+    layer = moerunner.MoE(cfg, backend=backend, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    logits = torch.randn(64, 8, device="cuda")
+    layer(x, logits).float().square().sum().backward()
+    expected = [p.grad.clone() for p in (x, layer.w13, layer.w2)]
+    for p in (x, layer.w13, layer.w2):
+        p.grad = None
+    with FlopCounterMode(display=False) as counter:
+        layer(x, logits).float().square().sum().backward()
+    for p, e in zip((x, layer.w13, layer.w2), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
+    assert counter.get_total_flops() == 3 * _dense_flops(64 * 2, 256, 256, 128)
