@@ -18,7 +18,14 @@ from .backends.base import MoeProblem
 from .config import Activation, ExpertSpec, check_bool
 from .device_checks import capturing, check_ids_async, checks_may_run
 from .dispatch.formats import StandardDispatchOutput
-from .errors import MoeInputError, check_eager_inputs, compile_disabled, refuse
+from .errors import (
+    INDEX_DTYPES_TEXT,
+    MoeInputError,
+    check_eager_inputs,
+    compile_disabled,
+    is_index_tensor,
+    refuse,
+)
 from .hooks import MoeHooks, check_hooks, in_graph_of
 from .lora import op_arguments
 from .registry import Registry
@@ -88,7 +95,8 @@ def fused_moe(
             raising at a later call (the triton kernels' check is read every 8th call) or at
             ``moerunner.check_errors()`` (``moerunner.device_checks``). Callers whose ids
             come from ``select_experts`` may pass False; every backend then skips ids
-            outside ``[0, E)`` (any integer dtype, no wrap-around), silently.
+            outside ``[0, E)`` (no wrap-around), silently. Ids: int64, int32, int16,
+            int8 or uint8 (``errors.INDEX_DTYPES``).
         w13_order: w13's row order: ``"gate_up"`` (default), ``"up_gate"`` (FlashInfer /
             TensorRT-LLM; swapped once where the weights are prepared, and the result is
             memoised on them like any preparation) or ``"interleaved"``.
@@ -728,8 +736,8 @@ def check_routing_shapes(
             )
     if topk_ids.dim() != 2:
         raise MoeInputError(f"topk_ids must be 2-D [T, k], got shape {list(topk_ids.shape)}")
-    if topk_ids.is_floating_point() or topk_ids.dtype == torch.bool or topk_ids.is_complex():
-        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if not is_index_tensor(topk_ids):
+        raise TypeError(f"topk_ids must be {INDEX_DTYPES_TEXT}, got {topk_ids.dtype}")
     if not topk_weights.is_floating_point():
         raise TypeError(f"topk_weights must be a floating tensor, got {topk_weights.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):

@@ -67,6 +67,18 @@ class RankFailedError(RuntimeError):
         self.errors = tuple(errors)
 
 
+#: The dtypes ids may have (expert ids, adapter ids): the integer dtypes PyTorch computes
+#: on. Its other unsigned ones (uint16/32/64) lack most CPU ops (``aminmax``, which the id
+#: checks use, among them), and a uint64 id past int64's range wrapped into range when cast.
+INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+INDEX_DTYPES_TEXT = "int64, int32, int16, int8 or uint8"
+
+
+def is_index_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds ids of a dtype of ``INDEX_DTYPES``."""
+    return t.dtype in INDEX_DTYPES
+
+
 def check_eager_inputs(where: str, **tensors: object) -> None:
     """MoeInputError where an eager call gets tensors it cannot run on: batched by
     ``torch.func.vmap`` (an input, or weights stacked for model ensembling), or fake

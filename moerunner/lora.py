@@ -65,7 +65,7 @@ import torch
 
 from .device_checks import check_ids_async, checks_may_run
 from .dispatch.permute import group_rows, valid_rows
-from .errors import MoeInputError
+from .errors import INDEX_DTYPES_TEXT, MoeInputError, is_index_tensor
 from .hooks import HookRows, MoeHooks, in_graph_of
 
 __all__ = ["LoraDelta", "MoeLoraWeights", "lora_hooks"]
@@ -465,9 +465,10 @@ def _check_adapter_ids(
     (at once on CPU; queued without a host read on a GPU, ``check_ids_async``)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(ids).__name__}")
-    if ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+    if ids.dim() != 1 or not is_index_tensor(ids):
         raise MoeInputError(
-            f"{where}: {name} must be a 1-D integer [T] tensor, got {ids.dtype} {list(ids.shape)}"
+            f"{where}: {name} must be a 1-D [T] tensor of {INDEX_DTYPES_TEXT}, got {ids.dtype} "
+            f"{list(ids.shape)}"
         )
     if ids.device != lora.w13_a.device:
         raise MoeInputError(

@@ -38,7 +38,7 @@ import torch
 
 from .config import GROUP_SCORES, SCORING_FUNCS, check_groups, check_routing_values
 from .device_checks import check_ids_async
-from .errors import BackendUnavailableError, MoeInputError
+from .errors import INDEX_DTYPES_TEXT, BackendUnavailableError, MoeInputError, is_index_tensor
 from .topk import TopK
 
 ROUTING_BACKENDS = ("auto", "torch", "triton")
@@ -229,8 +229,8 @@ def _custom_route(fn, hidden_states, router_logits, top_k: int, renormalize: boo
             )
     if not weights.is_floating_point():
         raise TypeError(f"{where} returned topk_weights of dtype {weights.dtype}; need floating")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"{where} returned topk_ids of dtype {ids.dtype}; need an integer dtype")
+    if not is_index_tensor(ids):
+        raise TypeError(f"{where} returned topk_ids of dtype {ids.dtype}; need {INDEX_DTYPES_TEXT}")
     # In [-1, E) for the router's E: at once on CPU, on a GPU without waiting (raised by a
     # later check or ``check_errors()``, as every id check there).
     check_ids_async(ids, router_logits.shape[-1], where=where)

@@ -114,7 +114,7 @@ def test_custom_routing_function_called_with_vllm_arguments():
     [
         (lambda lg, k: None, "must return"),
         (lambda lg, k: (torch.ones(lg.shape[0], k + 1), torch.zeros(lg.shape[0], k + 1)), "shape"),
-        (lambda lg, k: (torch.ones(lg.shape[0], k), torch.zeros(lg.shape[0], k)), "integer"),
+        (lambda lg, k: (torch.ones(lg.shape[0], k), torch.zeros(lg.shape[0], k)), "int64, int32"),
         (lambda lg, k: (torch.ones(lg.shape[0], k, dtype=torch.int32),) * 2, "floating"),
         (lambda lg, k: ([1.0], torch.zeros(lg.shape[0], k, dtype=torch.int32)), "not a tensor"),
     ],

@@ -397,6 +397,9 @@ def run(
             "quantized with that scale (vLLM's modular path) or GEMM1's output after it "
             "(SGLang's Triton path), which clips different values; this pair is refused"
         )
+    target = hidden_states if inplace else output
+    if target is not None:
+        _check_result_target(where, "hidden_states" if inplace else "output", target, hidden_states)
     if scale is not None and not apply_router_weight_on_input:
         topk_weights = _tensor("topk_weights", topk_weights).float() * float(scale)
     out = fused_moe(
@@ -417,16 +420,40 @@ def run(
     )
     if scale is not None and apply_router_weight_on_input:
         out = (out.float() * float(scale)).to(out.dtype)
-    target = hidden_states if inplace else output
-    if target is None:
-        return out
-    name = "hidden_states" if inplace else "output"
+    return out if target is None else target.copy_(out)
+
+
+def _check_result_target(where: str, name: str, target: object, hidden_states: object) -> None:
+    """``target`` (``output=``, or ``hidden_states`` itself for ``inplace=True``) can take the
+    result, checked before the experts run: a tensor of the hidden states' shape, dtype and
+    device that can be written in place (no element stored twice, as in an expanded tensor;
+    not a leaf that requires grad while grad mode is on; not an inference tensor outside
+    inference mode)."""
     target = _tensor(name, target)
-    if tuple(target.shape) != tuple(out.shape) or target.dtype != out.dtype:
+    hidden_states = _tensor("hidden_states", hidden_states)
+    if tuple(target.shape) != tuple(hidden_states.shape) or target.dtype != hidden_states.dtype:
         raise MoeInputError(
-            f"{where}: {name} must be {out.dtype} {list(out.shape)} to take the result, got "
-            f"{target.dtype} {list(target.shape)}"
+            f"{where}: {name} must be {hidden_states.dtype} {list(hidden_states.shape)} (the "
+            f"hidden states') to take the result, got {target.dtype} {list(target.shape)}"
         )
-    if target.device != out.device:
-        raise MoeInputError(f"{where}: {name} is on {target.device}, the result on {out.device}")
-    return target.copy_(out)
+    if target.device != hidden_states.device:
+        raise MoeInputError(
+            f"{where}: {name} is on {target.device}, the hidden states on {hidden_states.device}"
+        )
+    if any(st == 0 and n > 1 for st, n in zip(target.stride(), target.shape, strict=True)):
+        raise MoeInputError(
+            f"{where}: {name} stores some elements more than once (strides "
+            f"{list(target.stride())}: expanded) and cannot take the result; pass a tensor of "
+            "its own memory"
+        )
+    if target.is_leaf and target.requires_grad and torch.is_grad_enabled():
+        raise MoeInputError(
+            f"{where}: {name} is a leaf tensor that requires grad and cannot be written in "
+            "place while grad mode is on; pass inplace=False / another output, or run under "
+            "torch.no_grad()"
+        )
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        raise MoeInputError(
+            f"{where}: {name} is an inference tensor (made under torch.inference_mode()), "
+            "which cannot be written in place outside it; call under torch.inference_mode()"
+        )

@@ -553,14 +553,7 @@ def no_experts_error(model: torch.nn.Module) -> MoeInputError:
     own MoE blocks where it has some (their experts are computed inside the block, not
     through transformers' experts interface, so setting ``experts_implementation`` on such
     a model changes nothing either)."""
-    words = ("moe", "experts", "expert", "mixture")
-    blocks = sorted(
-        {
-            type(m).__name__
-            for m in model.modules()
-            if any(w in type(m).__name__.lower() for w in words)
-        }
-    )
+    blocks = sorted({type(m).__name__ for m in model.modules() if _holds_experts(m)})
     message = f"model {type(model).__name__} has no transformers experts module"
     if blocks:
         message += (
@@ -569,7 +562,20 @@ def no_experts_error(model: torch.nn.Module) -> MoeInputError:
             "so moerunner cannot run them (nor does experts_implementation='moerunner' change "
             "them); moerunner.MoE or fused_moe can replace such a block by hand"
         )
+    else:
+        message += ": none of its layers has experts (a configuration whose layers are all dense?)"
     return MoeInputError(message)
+
+
+def _holds_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an MoE block: a direct child named or typed as experts or as a
+    router (its attention, decoder layer and model hold such a block further down, and a
+    dense MLP holds neither)."""
+    words = ("expert", "router")
+    return any(
+        any(w in name.lower() or w in type(child).__name__.lower() for w in words)
+        for name, child in module.named_children()
+    )
 
 
 def is_experts_module(obj: object) -> bool:

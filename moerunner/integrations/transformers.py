@@ -26,7 +26,7 @@ import torch
 
 from ..api import run_experts
 from ..config import ACTIVATIONS
-from ..errors import MoeInputError
+from ..errors import INDEX_DTYPES_TEXT, MoeInputError, is_index_tensor
 from ..lora import MoeLoraWeights, lora_hooks, op_arguments
 from ..ops import call_fused_experts
 from ..runner import MoeRunner, default_registry
@@ -551,10 +551,10 @@ def set_adapter_ids(model, adapter_ids) -> None:
         adapter_ids = torch.tensor(adapter_ids, dtype=torch.long)
     if not isinstance(adapter_ids, torch.Tensor):
         raise TypeError(f"adapter_ids must be a tensor, a list or None, got {type(adapter_ids)}")
-    if adapter_ids.is_floating_point() or adapter_ids.dtype == torch.bool or adapter_ids.dim() > 2:
+    if not is_index_tensor(adapter_ids) or adapter_ids.dim() > 2:
         raise MoeInputError(
-            f"adapter_ids must be an integer [B] or [B, S] tensor, got {adapter_ids.dtype} "
-            f"{list(adapter_ids.shape)}"
+            f"adapter_ids must be a [B] or [B, S] tensor of {INDEX_DTYPES_TEXT}, got "
+            f"{adapter_ids.dtype} {list(adapter_ids.shape)}"
         )
     if adapter_ids.device.type == "cpu" and adapter_ids.numel():
         low, high = int(adapter_ids.min()), int(adapter_ids.max())

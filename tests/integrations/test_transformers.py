@@ -456,7 +456,8 @@ def test_a_model_whose_moe_blocks_bypass_the_experts_interface_is_named():
     class SparseMoeBlock(torch.nn.Module):  # computes its experts itself, as Llama-4's does
         def __init__(self):
             super().__init__()
-            self.w = torch.nn.Linear(4, 4)
+            self.router = torch.nn.Linear(4, 2)
+            self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -465,8 +466,22 @@ def test_a_model_whose_moe_blocks_bypass_the_experts_interface_is_named():
 
     with pytest.raises(MoeInputError, match=r"Model has no .*\(SparseMoeBlock\)"):
         mt.use_moerunner(Model())
-    with pytest.raises(MoeInputError, match=r"has no transformers experts module$"):
+    with pytest.raises(MoeInputError, match=r"has no transformers experts module: none of"):
         mt.use_moerunner(torch.nn.Linear(4, 4))
+
+
+def test_a_dense_configuration_of_an_moe_family_is_named_dense():
+    # Every layer dense (mlp_only_layers): the message named the model's attention, decoder
+    # layer, head and dense MLP "MoE blocks" (their class names hold "Moe").
+    from transformers import AutoModelForCausalLM
+
+    from moerunner.integrations.tiny_models import tiny_config
+
+    config = tiny_config("qwen3_moe", mlp_only_layers=[0, 1], num_hidden_layers=2)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(MoeInputError, match=r"none of its layers has experts") as error:
+        mt.use_moerunner(model)
+    assert "Attention" not in str(error.value) and "MoE blocks" not in str(error.value)
 
 
 @pytest.mark.parametrize(
