@@ -24,6 +24,7 @@ from .errors import (
     check_eager_inputs,
     compile_disabled,
     is_index_tensor,
+    make_fx_tracing,
     refuse,
 )
 from .hooks import MoeHooks, check_hooks, in_graph_of
@@ -132,7 +133,7 @@ def fused_moe(
     check_bool("apply_router_weight_on_input", apply_router_weight_on_input)
     check_bool("check_ids", check_ids)
     weights = ExpertWeights(w13, w2, w13_bias, w2_bias, gate_up_interleaved, w13_order)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or make_fx_tracing():  # traced: the custom op
         if registry is not None:
             _check_op_registry(registry, backend)
         lora = op_arguments(check_hooks(hooks))  # None: hooks the op does not take
@@ -302,9 +303,9 @@ def _refuse_untraceable(shared, lora, weights: ExpertWeights, act: Activation) -
     else:
         what = f"activation {act.name!r} with per-expert parameters or swiglu_beta != 1"
     raise MoeInputError(
-        f"fused_moe traced without dynamo (non-strict torch.export): {what} has no place in "
-        "the custom op moerunner::fused_experts, and the eager call it needs cannot run on "
-        "the tracer's fake tensors"
+        f"fused_moe traced without dynamo (non-strict torch.export, make_fx): {what} has no "
+        "place in the custom op moerunner::fused_experts, and the eager call it needs "
+        "cannot be traced (it reads the routing on the host)"
     )
 
 

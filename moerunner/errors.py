@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch._C._functorch import is_batchedtensor
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 
 class MoeInputError(ValueError):
@@ -79,6 +80,12 @@ def is_index_tensor(t: torch.Tensor) -> bool:
     return t.dtype in INDEX_DTYPES
 
 
+def make_fx_tracing() -> bool:
+    """Whether ``make_fx`` (a proxy dispatch mode) is tracing the current code, outside the
+    compilers' own traces (``torch.compiler.is_compiling``)."""
+    return get_proxy_mode() is not None
+
+
 def check_eager_inputs(where: str, **tensors: object) -> None:
     """MoeInputError where an eager call gets tensors it cannot run on: batched by
     ``torch.func.vmap`` (an input, or weights stacked for model ensembling), or fake
@@ -87,10 +94,16 @@ def check_eager_inputs(where: str, **tensors: object) -> None:
     Traced calls (torch.compile, torch.export) are the custom ops, which take fake tensors."""
     if torch.compiler.is_compiling():
         return
+    if make_fx_tracing():
+        raise MoeInputError(
+            f"{where}: traced by make_fx, which would record this eager call's routing (the "
+            "experts' row counts, read on the host) as constants of the graph, wrong for any "
+            "other input: trace it with torch.export or torch.compile, where it is a custom op"
+        )
     for name, t in tensors.items():
         if isinstance(t, FakeTensor):
             raise MoeInputError(
-                f"{where}: {name} is a fake tensor (FakeTensorMode, make_fx), without the "
+                f"{where}: {name} is a fake tensor (FakeTensorMode outside a trace), without the "
                 "values the eager call sizes its work from: trace the call with "
                 "torch.compile or torch.export instead, where it is a custom op whose fake "
                 "gives the output"

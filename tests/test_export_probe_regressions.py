@@ -124,3 +124,38 @@ def test_eager_calls_on_fake_tensors_say_how_to_trace_them():
         layer = moerunner.MoE(moerunner.MoeConfig(E, H, I, K), backend="torch")
         with pytest.raises(MoeInputError, match="MoE: hidden_states is a fake.*torch.export"):
             layer(x, logits)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_make_fx_traces_fused_moe_as_the_custom_op(mode):
+    """A real-mode trace recorded the example's expert row counts as constants: replayed on
+    other routing it was silently wrong (99 off); fake and symbolic traces were refused.
+    Traced by make_fx, fused_moe is the custom op, whatever the routing replayed."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moerunner import ExpertWeights, reference_moe
+    from moerunner.testing import DTYPE_BOUND, assert_close
+
+    def experts(x, logits, w13, w2):
+        topk = moerunner.select_experts(logits, K)
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids)
+
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * I, H) * H**-0.5, torch.randn(E, H, I) * I**-0.5
+    graph = make_fx(experts, tracing_mode=mode)(torch.randn(6, H), torch.randn(6, E), w13, w2)
+    targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert "moerunner.fused_experts.default" in targets
+    tokens = 9 if mode == "symbolic" else 6  # (real and fake traces fix T)
+    x, logits = torch.randn(tokens, H), torch.randn(tokens, E)
+    topk = moerunner.select_experts(logits, K)
+    expected = reference_moe(x, ExpertWeights(w13, w2), topk.weights, topk.ids)
+    assert_close(graph(x, logits, w13, w2), expected, DTYPE_BOUND[torch.float32])
+
+
+def test_make_fx_of_the_layer_is_refused_by_name():
+    """The layer's eager forward reads its routing on the host; make_fx recorded it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    layer = _layer()
+    with pytest.raises(MoeInputError, match="MoE: traced by make_fx.*torch.export"):
+        make_fx(layer)(torch.randn(6, H), torch.randn(6, E))
