@@ -149,7 +149,9 @@ def fused_moe(
         return _traced_call(
             weights, hidden_states, topk_weights, topk_ids, act, backend, check_ids, lora
         )
-    check_eager_inputs("fused_moe", hidden_states=hidden_states, w13=w13, w2=w2)
+    check_eager_inputs(
+        "fused_moe", hidden_states=hidden_states, w13=w13, w2=w2, topk_weights=topk_weights
+    )
     return run_experts(
         MoeRunner(backend, registry=registry),
         weights,

@@ -8,8 +8,9 @@ with a message that names the argument, what was given and what is accepted. The
 from __future__ import annotations
 
 import torch
-from torch._C._functorch import is_batchedtensor
+from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd import forward_ad
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 
@@ -80,6 +81,41 @@ def is_index_tensor(t: torch.Tensor) -> bool:
     return t.dtype in INDEX_DTYPES
 
 
+def check_forward_mode(where: str, tensors: dict) -> None:
+    """MoeInputError where a tensor carries a forward-mode tangent (``torch.func.jvp``,
+    ``torch.autograd.forward_ad``): the experts have no forward-mode derivative, and the
+    custom ops dropped the tangent silently (a zero JVP); the eager GEMMs failed inside
+    PyTorch."""
+    if forward_ad._current_level < 0:  # (no dual level open: the common case, one read)
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise MoeInputError(
+                f"{where}: {name} carries a forward-mode tangent (torch.func.jvp, "
+                "torch.autograd.forward_ad); moerunner's experts are differentiated in "
+                "reverse mode only: use backward(), torch.autograd.grad or torch.func.vjp / "
+                "grad / jacrev"
+            )
+
+
+def check_op_inputs(where: str, **tensors: object) -> None:
+    """The custom ops' eager callers (the layer's training calls, the transformers
+    integration): no forward-mode tangent (``check_forward_mode``), and no tensor of a
+    ``torch.func`` gradient transform, whose wrapped tensors the ops' autograd cannot take
+    (PyTorch's "must override the setup_context staticmethod"). Traced calls pass."""
+    if torch.compiler.is_compiling():
+        return
+    check_forward_mode(where, tensors)
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and is_gradtrackingtensor(t):
+            raise MoeInputError(
+                f"{where}: {name} is a tensor of a torch.func transform (grad, vjp, jacrev), "
+                "which this call's custom op cannot be differentiated under: use backward() "
+                "or torch.autograd.grad, or call moerunner.fused_moe, whose eager "
+                "differentiable path takes torch.func.grad / vjp"
+            )
+
+
 def make_fx_tracing() -> bool:
     """Whether ``make_fx`` (a proxy dispatch mode) is tracing the current code, outside the
     compilers' own traces (``torch.compiler.is_compiling``)."""
@@ -100,6 +136,7 @@ def check_eager_inputs(where: str, **tensors: object) -> None:
             "experts' row counts, read on the host) as constants of the graph, wrong for any "
             "other input: trace it with torch.export or torch.compile, where it is a custom op"
         )
+    check_forward_mode(where, tensors)
     for name, t in tensors.items():
         if isinstance(t, FakeTensor):
             raise MoeInputError(

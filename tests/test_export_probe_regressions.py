@@ -159,3 +159,77 @@ def test_make_fx_of_the_layer_is_refused_by_name():
     layer = _layer()
     with pytest.raises(MoeInputError, match="MoE: traced by make_fx.*torch.export"):
         make_fx(layer)(torch.randn(6, H), torch.randn(6, E))
+
+
+def _experts_problem():
+    torch.manual_seed(0)
+    x = torch.randn(6, H)
+    w13, w2 = torch.randn(E, 2 * I, H) * H**-0.5, torch.randn(E, H, I) * I**-0.5
+    return x, w13, w2, moerunner.select_experts(torch.randn(6, E), K)
+
+
+def test_forward_mode_tangents_are_refused_by_name():
+    """Forward-mode AD failed inside PyTorch on the eager GEMMs ('mm_out ... out= function'),
+    and the custom ops dropped the tangent silently (the transformers integration's JVP
+    lacked the experts' part)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w13, w2, topk = _experts_problem()
+    v = torch.randn_like(x)
+
+    def experts(x):
+        return moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids)
+
+    with pytest.raises(MoeInputError, match="fused_moe: hidden_states carries a forward-mode"):
+        torch.func.jvp(experts, (x,), (v,))
+    with fwAD.dual_level(), pytest.raises(MoeInputError, match="topk_weights carries"):
+        moerunner.fused_moe(x, w13, w2, fwAD.make_dual(topk.weights, topk.weights), topk.ids)
+    with fwAD.dual_level(), pytest.raises(MoeInputError, match="MoE: hidden_states carries"):
+        _layer()(fwAD.make_dual(x, v), torch.randn(6, E))
+    # reverse mode through torch.func: the eager differentiable path
+    grad = torch.func.grad(lambda x: experts(x).square().sum())(x)
+    leaf = x.clone().requires_grad_()
+    experts(leaf).square().sum().backward()
+    torch.testing.assert_close(grad, leaf.grad)
+
+
+def test_transformers_experts_under_func_transforms():
+    """Forward mode failed inside PyTorch's grouped GEMM; reverse mode through torch.func
+    takes the eager differentiable path, as autograd does."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from moerunner.integrations import transformers as mt
+    from moerunner.integrations.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("qwen3_moe")
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    mt.use_moerunner(model)
+    embeds = torch.randn(1, 4, model.config.hidden_size)
+
+    def logits(e):
+        return model(inputs_embeds=e).logits.square().sum()
+
+    with pytest.raises(MoeInputError, match="experts call: hidden_states carries a forward-mode"):
+        torch.func.jvp(logits, (embeds,), (torch.randn_like(embeds),))
+    leaf = embeds.clone().requires_grad_()
+    logits(leaf).backward()
+    torch.testing.assert_close(torch.func.grad(logits)(embeds), leaf.grad)
+
+
+def test_func_transforms_over_the_layers_custom_op_are_refused_by_name():
+    """A layer on a backend other than torch trains through the custom op: torch.func.grad
+    failed there with PyTorch's 'must override the setup_context staticmethod'. The check
+    runs before any kernel."""
+    triton_pkg = pytest.importorskip("moerunner.backends.triton")
+    if not triton_pkg.interpreted() and not torch.cuda.is_available():
+        pytest.skip("no triton runtime")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    layer = moerunner.MoE(moerunner.MoeConfig(E, H, I, K), backend="triton", device=device)
+    x, logits = torch.randn(6, H, device=device), torch.randn(6, E, device=device)
+    with pytest.raises(MoeInputError, match="custom op: hidden_states is a tensor of a torch.func"):
+        torch.func.grad(lambda x: layer(x, logits).sum())(x)
