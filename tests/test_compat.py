@@ -401,6 +401,45 @@ def test_sglang_biased_grouped_topk_scores_with_sigmoid_whatever_scoring_func():
     torch.testing.assert_close(got, want, rtol=2e-7, atol=0)  # float32 weights
 
 
+def test_sglang_topk_module_as_its_models_build_and_call_it():
+    # SGLang's MoE models build TopK(...) and call self.topk(hidden_states, router_logits);
+    # its layers branch on topk_output.format and assign config fields after building.
+    g = torch.Generator().manual_seed(42)
+    e, t = 16, 5
+    x, logits = torch.randn(t, 8, generator=g), torch.randn(t, e, generator=g)
+    bias = torch.nn.Parameter(torch.randn(e, generator=g) * 0.5)
+    topk = sglang.TopK(
+        top_k=4, layer_id=3, use_grouped_topk=True, num_expert_group=4, topk_group=2,
+        renormalize=True, correction_bias=bias, quant_config=None, routed_scaling_factor=2.5,
+        apply_routed_scaling_factor_on_output=False,
+        output_format=sglang.TopKOutputFormat.STANDARD,
+    )  # fmt: skip
+    out = topk(x, logits)
+    assert out.format.is_standard() and not out.format.is_bypassed()
+    w_ref, ids_ref = _deepseek_v3_routing_f64(logits, bias.detach(), 4, 4, 2)
+    assert torch.equal(out.topk_ids.long().sort(-1).values, ids_ref.sort(-1).values)
+    order = out.topk_ids.long().argsort(-1)
+    got = out.topk_weights.double().gather(1, order)
+    torch.testing.assert_close(got, w_ref.gather(1, ids_ref.argsort(-1)), rtol=2e-7, atol=0)
+    topk.topk_config.torch_native = True  # as SGLang's forward_native does
+    padded = topk(x, logits, num_token_non_padded=torch.tensor(3))
+    assert (padded.topk_ids[3:] == -1).all() and torch.equal(padded.topk_ids[:3], out.topk_ids[:3])
+    with pytest.raises(TypeError, match="zero_expert_num"):
+        sglang.TopK(top_k=2, zero_expert_num=1)
+
+
+def test_sglang_runner_config_fields_assigned_after_building_take_effect():
+    x, logits, w13, w2 = _problem(43)
+    topk_output = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))
+    cfg = sglang.MoeRunnerConfig()
+    cfg.inplace = False  # SGLang's FusedMoE does this for some runners
+    h = x.clone()
+    out = sglang.fused_experts(h, w13, w2, topk_output, cfg)
+    assert out is not h and torch.equal(h, x)
+    _, native = _native(x, w13, w2, logits)
+    assert torch.equal(out, native)
+
+
 def test_sglang_gemm1_alpha_or_limit_alone_is_refused():
     x, logits, w13, w2 = _problem(41)
     topk_output = sglang.select_experts(x, logits, sglang.TopKConfig(top_k=2))

@@ -2,7 +2,7 @@
 
 ``moerunner.compat.vllm`` (``fused_experts``, ``fused_moe``, ``fused_topk``,
 ``grouped_topk``) and ``moerunner.compat.sglang`` (``fused_experts``, ``fused_moe``,
-``select_experts``, ``TopKConfig``, ``StandardTopKOutput``, ``MoeRunnerConfig``) translate
+``select_experts``, ``TopK``, ``TopKConfig``, ``StandardTopKOutput``, ``MoeRunnerConfig``) translate
 their arguments once into moerunner's values (``moerunner.fused_moe``,
 ``moerunner.select_experts``, ``QuantizedWeight``) and call the native API; nothing is
 computed here. Arguments without a moerunner mapping raise ``MoeInputError`` naming the

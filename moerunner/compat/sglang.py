@@ -1,7 +1,9 @@
 """SGLang's MoE entry points, computed by moerunner.
 
 Routing: ``select_experts(hidden_states, router_logits, topk_config)`` with a ``TopKConfig``
-returns a ``StandardTopKOutput(topk_weights, topk_ids, router_logits)``, as SGLang's
+(or the ``TopK`` module SGLang's models build and call: ``TopK(top_k, ...)(hidden_states,
+router_logits)``) returns a ``StandardTopKOutput(topk_weights, topk_ids, router_logits)``
+(``.format``: ``TopKOutputFormat.STANDARD``), as SGLang's
 (``python/sglang/srt/layers/moe/topk.py``): grouped top-k ranks groups by their best score,
 or with ``correction_bias`` by the sum of their two best biased scores;
 grouped top-k with ``correction_bias`` scores with sigmoid whatever ``scoring_func`` says
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
+from enum import Enum, auto
 from typing import NamedTuple
 
 import torch
@@ -36,23 +39,49 @@ from ._common import ExpertsCall, QuantArgs, check_router_input, peer_weights, r
 __all__ = [
     "MoeRunnerConfig",
     "StandardTopKOutput",
+    "TopK",
     "TopKConfig",
+    "TopKOutputFormat",
     "fused_experts",
     "fused_moe",
     "select_experts",
 ]
 
 
+class TopKOutputFormat(Enum):
+    """SGLang's routing result formats; this module returns the standard one."""
+
+    STANDARD = auto()
+    TRITON_KERNEL = auto()
+    BYPASSED = auto()
+
+    def is_standard(self) -> bool:
+        return self is TopKOutputFormat.STANDARD
+
+    def is_triton_kernel(self) -> bool:
+        return self is TopKOutputFormat.TRITON_KERNEL
+
+    def is_bypassed(self) -> bool:
+        return self is TopKOutputFormat.BYPASSED
+
+
 class StandardTopKOutput(NamedTuple):
     """SGLang's routing result: ``topk_weights`` fp32 / ``topk_ids`` int32 ``[T, k]`` and the
-    logits they came from."""
+    logits they came from; ``format`` as SGLang's (its layers branch on it)."""
 
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
     router_logits: torch.Tensor
 
+    @property
+    def format(self) -> TopKOutputFormat:
+        return TopKOutputFormat.STANDARD
 
-@dataclass(frozen=True)
+
+# The two configurations are plain (mutable) dataclasses, as SGLang's: its layers assign
+# fields after building them (``moe_runner_config.inplace = False``, ``topk_config.
+# torch_native = True``). Each call reads them afresh.
+@dataclass
 class TopKConfig:
     """SGLang's routing parameters (those with a moerunner meaning; the rest must keep
     their defaults)."""
@@ -77,7 +106,7 @@ class TopKConfig:
     allow_routed_experts_capture: bool = True  # SGLang's capture buffer: no meaning here
 
 
-@dataclass(frozen=True)
+@dataclass
 class MoeRunnerConfig:
     """SGLang's experts parameters (shape fields, ``routing_method_type``, ``layer`` and
     ``use_tp_all_gather_activation`` are informational here)."""
@@ -104,6 +133,39 @@ class MoeRunnerConfig:
     gate_up_interleaved: bool = True
     layer: object = None
     use_tp_all_gather_activation: bool = False
+
+
+class TopK(torch.nn.Module):
+    """SGLang's ``TopK`` module, as its MoE models build and call it:
+    ``TopK(top_k, use_grouped_topk=..., renormalize=..., correction_bias=..., ...)`` makes
+    ``self.topk_config`` (a ``TopKConfig``; a keyword it lacks is a TypeError naming it), and
+    ``topk(hidden_states, router_logits)`` is ``select_experts`` with it. ``quant_config``
+    and ``layer_id`` are accepted (SGLang's kernel choice and capture buffers)."""
+
+    def __init__(self, top_k: int, *, quant_config: object = None, layer_id=None, **config):
+        super().__init__()
+        self.topk_config = TopKConfig(top_k, **config)
+        self.layer_id = layer_id
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        *,
+        num_token_non_padded: torch.Tensor | None = None,
+        expert_location_dispatch_info: object = None,
+    ) -> StandardTopKOutput:
+        return select_experts(
+            hidden_states,
+            router_logits,
+            self.topk_config,
+            layer_id=self.layer_id,
+            num_token_non_padded=num_token_non_padded,
+            expert_location_dispatch_info=expert_location_dispatch_info,
+        )
+
+    def extra_repr(self) -> str:
+        return repr(self.topk_config)
 
 
 def select_experts(
@@ -288,7 +350,7 @@ def fused_experts(
     w1: torch.Tensor,
     w2: torch.Tensor,
     topk_output: StandardTopKOutput | tuple,
-    moe_runner_config: MoeRunnerConfig = MoeRunnerConfig(),
+    moe_runner_config: MoeRunnerConfig | None = None,
     b1: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     use_fp8_w8a8: bool = False,
@@ -313,7 +375,9 @@ def fused_experts(
     ``fuse_swiglu_interleaved=True``: w1's gate and up rows alternate (plain gated silu);
     ``a1_q`` (activations quantized by the caller) has no mapping and is refused."""
     where = "sglang.fused_experts"
-    cfg = moe_runner_config
+    cfg = (
+        MoeRunnerConfig() if moe_runner_config is None else moe_runner_config
+    )  # (SGLang's default)
     if not isinstance(cfg, MoeRunnerConfig):
         raise TypeError(f"{where}: moe_runner_config must be a MoeRunnerConfig, got {type(cfg)}")
     if cfg.no_combine:
