@@ -9,6 +9,7 @@ import torch
 import moerunner
 from moerunner import ExpertWeights, MoeInputError, quantize, reference_moe
 from moerunner.compat import sglang, vllm
+from moerunner.quant import QuantizedWeight
 from moerunner.testing import DTYPE_BOUND, assert_close, error_bound
 
 E, H, I, T = 4, 128, 64, 6
@@ -175,6 +176,27 @@ def test_vllm_fp8(mode):
     assert torch.equal(out, native)
     ref = reference_moe(x, ExpertWeights(q1, q2), topk.weights, topk.ids)
     assert_close(out, ref, error_bound(torch.bfloat16, True), what=f"fp8 {mode}")
+
+
+def test_vllm_fp8_per_tensor_weights_with_per_token_activations():
+    # vLLM's quant config keeps the weights' granularity (per_out_ch_quant) apart from the
+    # activations' (per_act_token_quant): per-tensor [E] weight scales with per-token
+    # activations were refused ("w1_scale must have shape [E, N]").
+    x, logits, w13, w2 = _problem(44, torch.bfloat16)
+    topk = moerunner.select_experts(logits, 2)
+    d1, s1, _ = _fp8(w13, "fp8_tensor")
+    d2, s2, _ = _fp8(w2, "fp8_tensor")
+    out = vllm.fused_experts(
+        x, d1, d2, topk.weights, topk.ids, use_fp8_w8a8=True, per_channel_quant=True,
+        w1_scale=s1, w2_scale=s2,
+    )  # fmt: skip
+    rows = [
+        QuantizedWeight("fp8_channel", tuple(d.shape), d, s[:, None].expand(d.shape[:2]).clone())
+        for d, s in ((d1, s1), (d2, s2))
+    ]  # the per-channel scheme with every row of an expert at its one scale
+    assert torch.equal(out, moerunner.fused_moe(x, *rows, topk.weights, topk.ids))
+    ref = reference_moe(x, ExpertWeights(*rows), topk.weights, topk.ids)
+    assert_close(out, ref, error_bound(torch.bfloat16, True), what="fp8 tensor x token")
 
 
 def test_vllm_fp8_shares_weight_data():

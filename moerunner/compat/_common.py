@@ -116,6 +116,13 @@ def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return t.reshape(shape).to(torch.float32)
 
 
+def _per_tensor(scale: object, experts: int) -> bool:
+    """Whether a weight scale is one per expert (``[E]``, ``[E, 1, 1]``)."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != experts:
+        return False
+    return scale.dim() == 1 or all(d == 1 for d in scale.shape[1:])
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -211,7 +218,13 @@ def _build_one(where: str, q: QuantArgs, which: str, w: object):
             )
         if q.per_channel_quant:
             _given(where, **{aname: a_scale})
-            return QuantizedWeight("fp8_channel", (e, n, k), data, _fp32(sname, scale, (e, n)))
+            # Per-token activations. A per-tensor weight scale beside them (vLLM's quant config
+            # keeps the weights' and the activations' granularity apart) is the per-channel
+            # scale of equal rows: the same products.
+            channel = (
+                _fp32(sname, scale, (e,))[:, None].expand(e, n) if _per_tensor(scale, e) else scale
+            )
+            return QuantizedWeight("fp8_channel", (e, n, k), data, _fp32(sname, channel, (e, n)))
         if a_scale is None:
             return QuantizedWeight("fp8_tensor", (e, n, k), data, _fp32(sname, scale, (e,)))
         return QuantizedWeight(
