@@ -198,10 +198,19 @@ def auto_relayout(module: torch.nn.Module) -> bool:
     ``relayout_experts(model, "stored")``), with grad mode on (training keeps its layout),
     while compiling or capturing a CUDA graph, after an earlier call (compiled or with grad
     mode on) derived views of the weights, for weights another tensor shares, that are
-    offloaded, meta, inference tensors or tensor subclasses, and after a first decision."""
+    offloaded, meta, inference tensors or tensor subclasses, and after a first decision. A
+    call with grad mode on whose parameters require grad decides for good: trained
+    parameters keep their layout (an optimizer's state has their strides)."""
     if module.__dict__.get(STORED_ON_PURPOSE) or module.__dict__.get(_AUTO_DECIDED):
         return False
-    if torch.is_grad_enabled() or capturing():
+    if capturing():
+        return False
+    if torch.is_grad_enabled():
+        if any(param.requires_grad for _, param in _weights(module)):
+            # Trained: its layout stays for good. An optimizer's state follows the
+            # parameters' strides (fused AdamW's kernels assume they match): re-laid in a
+            # later inference call, the next steps updated the wrong elements.
+            module.__dict__[_AUTO_DECIDED] = True
         return False
     # Decided once, under a lock, and marked decided only after the memory was re-laid:
     # another thread's first call waits here instead of reading memory being rewritten.

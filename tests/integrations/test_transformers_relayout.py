@@ -205,6 +205,29 @@ def test_no_automatic_relayout_where_the_caller_decides(why):
     assert all(e.gate_up_proj.is_contiguous() for e in experts)
 
 
+@pytest.mark.parametrize("zero_grad", ["set_to_none", "zeroed"])
+def test_trained_layers_are_never_relaid_by_a_later_inference_call(zero_grad):
+    """A training step (optimizer step, grads cleared or zeroed), then an evaluation with
+    grad mode off: the evaluation re-laid the experts in place (the step's in-place update
+    dropped the views that had kept them), under a fused AdamW whose state keeps the old
+    strides, so every later step updated the wrong elements. The same training without the
+    evaluations is the reference: evaluations must not change what training computes."""
+    model = build("gpt_oss", implementation="moerunner", intermediate_size=40)
+    twin = copy.deepcopy(model)
+    experts = _experts(model)
+    strides = [(e.gate_up_proj.stride(), e.down_proj.stride()) for e in experts]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, twin)]
+    for _ in range(3):
+        for m, opt in zip((model, twin), optimizers, strict=True):
+            m(IDS).logits.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=zero_grad == "set_to_none")
+        _logits(model)  # an evaluation between steps
+        assert [(e.gate_up_proj.stride(), e.down_proj.stride()) for e in experts] == strides
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def test_experts_memory_is_held_once_and_relaid_in_place():
     """With nothing else holding the experts' memory (the module's cached views are dropped
     first), each parameter is transposed in place: same memory, no second copy."""
