@@ -707,9 +707,11 @@ def _validate_arguments(
             f"hidden_states has H={hidden_states.shape[1]} but w13 expects H={weights.hidden_size}"
         )
     if not is_quantized(weights.w13) and weights.w13.dtype != hidden_states.dtype:
+        autocast = torch.is_autocast_enabled(hidden_states.device.type)
         raise TypeError(
             f"w13 dtype {weights.w13.dtype} must equal hidden_states dtype {hidden_states.dtype} "
             "(or pass quantized weights)"
+            + ("; torch.autocast does not cast the experts: cast the input" * autocast)
         )
     if weights.device != hidden_states.device:
         raise MoeInputError(

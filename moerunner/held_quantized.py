@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .errors import MoeInputError
 from .ops import adopt_quantized
@@ -99,6 +100,27 @@ class HoldsQuantized(nn.Module):
     #: What the module is called in messages, and the call that quantizes it to ``{scheme}``.
     _held_owner = "module"
     _held_quantize_call = "quantize_({scheme})"
+    #: Attributes holding float weights kept beside the quantized copy (``keep_float_weights``).
+    _held_float_names: tuple[str, ...] = ()
+
+    def _frozen(self, *tensors: torch.Tensor | None) -> None:
+        """Quantized experts are frozen: ``tensors`` (biases, shared experts, the leaves of
+        ``_kept_floats``) take no gradient."""
+        for t in tensors:
+            if t is not None:
+                t.requires_grad_(False)
+
+    def _kept_floats(self) -> dict[str, torch.Tensor]:
+        """The leaves of the float weights kept beside the quantized copy, by name: each
+        weight itself, or the parameters of its parametrization (not computed here)."""
+        leaves = {}
+        for name in self._held_float_names:
+            if parametrize.is_parametrized(self, name):
+                for part, p in self.parametrizations[name].named_parameters():
+                    leaves[f"{name} ({part})"] = p
+            elif isinstance(getattr(self, name, None), torch.Tensor):
+                leaves[name] = getattr(self, name)
+        return leaves
 
     def _held_biases(self) -> tuple:
         """The biases the rebuilt ``quantized`` weights carry."""
@@ -131,6 +153,8 @@ class HoldsQuantized(nn.Module):
         (in-place edits are seen through the shared tensors); nothing to do while tracing."""
         if self.quantized is None or torch.compiler.is_compiling():
             return
+        if torch.is_grad_enabled():
+            check_kept_floats(self._held_owner, self._kept_floats())
         for w in ("w13", "w2"):
             for field, tensor in getattr(self.quantized, w).tensors().items():
                 name = f"{w}_{BUFFER_NAMES[field]}"
@@ -253,6 +277,23 @@ class HoldsQuantized(nn.Module):
             # write: no value read (it would also synchronise with the device).
             self._rebuild_quantized(check_values=False)
         return self
+
+
+def check_kept_floats(owner: str, weights: dict) -> None:
+    """MoeInputError where, with grad mode on, a float weight kept beside its quantized copy
+    (``keep_float_weights=True``, which freezes them) requires grad again: the calls compute
+    with the copy, so that weight would silently get no gradient. Eager calls only."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in weights.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise MoeInputError(
+                f"the {owner}'s float {name} requires grad, but its calls compute with the "
+                f"quantized copy keep_float_weights=True made of it, which gives {name} no "
+                f"gradient: freeze it ({name}.requires_grad_(False); the copy follows its "
+                "edits), train before quantizing, or train LoRA adapters on the quantized "
+                "experts"
+            )
 
 
 def _check_incoming(buffers, scheme, state_dict, prefix: str, w: str) -> None:

@@ -390,13 +390,12 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
                 self.config.gate_up_interleaved,
             )
         self._held_bias_keys = (tensor_key(self.w13_bias), tensor_key(self.w2_bias))
-        for p in (self.w13_bias, self.w2_bias, self.shared_w13, self.shared_w2, self.shared_gate):
-            if p is not None:
-                p.requires_grad_(False)
+        self._frozen(self.w13_bias, self.w2_bias, self.shared_w13, self.shared_w2, self.shared_gate)
         adopt_quantized(self.quantized.w13)
         adopt_quantized(self.quantized.w2)
         if keep_float_weights:
             self._quantized_from = ({"scheme": scheme, **scales}, source_state)
+            self._frozen(*self._kept_floats().values())  # calls give the copy's source no grad
         else:
             self._quantized_from = None
             self.w13 = self.w2 = None
@@ -413,6 +412,7 @@ class MoE(HoldsQuantized, DispatchedForward, EagerSteps):
         return tuple(None if b is None else b.detach() for b in (self.w13_bias, self.w2_bias))
 
     _held_owner = "layer"
+    _held_float_names = ("w13", "w2")
     _held_quantize_call = "layer.quantize_({scheme})"
 
     def _held_biases(self) -> tuple:

@@ -24,7 +24,7 @@ import inspect
 import torch
 
 from .api import fused_moe
-from .errors import check_op_inputs
+from .errors import MoeInputError, check_op_inputs
 from .lora import OP_ARGUMENTS, hooks_of_op_arguments
 from .memo import memoised, seed_memo, view_key
 
@@ -439,6 +439,15 @@ fused_experts_backward.register_fake(
 )
 
 
+def _no_double_backward(ctx, *grads):
+    raise MoeInputError(
+        "a backward through the backward of moerunner's custom op (create_graph=True: a "
+        "gradient penalty, a Hessian-vector product): its gradients are computed, not "
+        "differentiable again; run the experts eagerly on backend='torch' (fused_moe, or "
+        "MoE(..., backend='torch')), whose differentiable path takes double backward"
+    )
+
+
 def _differentiated(fn, inputs: tuple, needs: list[bool], grad_out: torch.Tensor) -> list:
     """The gradients of ``fn(*inputs)`` against ``grad_out`` for the inputs whose entry in
     ``needs`` is set (an empty tensor for the others and for inputs that are None). A
@@ -644,6 +653,8 @@ def _backward_quantized(ctx, grad_out):
 
 
 fused_experts_quantized.register_autograd(_backward_quantized, setup_context=_saving_quantized)
+for _op in (fused_experts_backward, fused_experts_quantized_backward):
+    _op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def registry_note(registry, backend: str, whose: str = "this layer's registry") -> str | None:
