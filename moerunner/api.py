@@ -22,6 +22,7 @@ from .errors import (
     INDEX_DTYPES_TEXT,
     MoeInputError,
     check_eager_inputs,
+    check_forward_mode,
     compile_disabled,
     is_index_tensor,
     make_fx_tracing,
@@ -355,6 +356,9 @@ def run_experts(
     the standard format on weights prepared once per weight version. ``weight_on_input``:
     scale each token's input row by its (single) routing weight and run with unit weights.
     ``shared`` / ``hooks``: as ``fused_moe``'s (``_run_extended``)."""
+    check_forward_mode(
+        "the experts", {"hidden_states": hidden_states, "topk_weights": topk_weights}
+    )
     if shared is not None or hooks is not None:
         return _run_extended(
             runner,

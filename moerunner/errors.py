@@ -99,8 +99,8 @@ def check_forward_mode(where: str, tensors: dict) -> None:
 
 
 def check_op_inputs(where: str, **tensors: object) -> None:
-    """The custom ops' eager callers (the layer's training calls, the transformers
-    integration): no forward-mode tangent (``check_forward_mode``), and no tensor of a
+    """The custom ops' eager caller (the layer's training calls on a backend other than
+    torch): no forward-mode tangent (``check_forward_mode``), and no tensor of a
     ``torch.func`` gradient transform, whose wrapped tensors the ops' autograd cannot take
     (PyTorch's "must override the setup_context staticmethod"). Traced calls pass."""
     if torch.compiler.is_compiling():

@@ -28,7 +28,6 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from .errors import MoeInputError
 from .ops import adopt_quantized
@@ -111,16 +110,8 @@ class HoldsQuantized(nn.Module):
                 t.requires_grad_(False)
 
     def _kept_floats(self) -> dict[str, torch.Tensor]:
-        """The leaves of the float weights kept beside the quantized copy, by name: each
-        weight itself, or the parameters of its parametrization (not computed here)."""
-        leaves = {}
-        for name in self._held_float_names:
-            if parametrize.is_parametrized(self, name):
-                for part, p in self.parametrizations[name].named_parameters():
-                    leaves[f"{name} ({part})"] = p
-            elif isinstance(getattr(self, name, None), torch.Tensor):
-                leaves[name] = getattr(self, name)
-        return leaves
+        """The leaves of the float weights kept beside the quantized copy (``float_leaves``)."""
+        return float_leaves(self, self._held_float_names)
 
     def _held_biases(self) -> tuple:
         """The biases the rebuilt ``quantized`` weights carry."""
@@ -277,6 +268,21 @@ class HoldsQuantized(nn.Module):
             # write: no value read (it would also synchronise with the device).
             self._rebuild_quantized(check_values=False)
         return self
+
+
+def float_leaves(module: nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The leaves of ``module``'s float weights ``names``, by name: each weight parameter
+    itself, or the parameters of its parametrization (nothing is computed); absent or None
+    ones left out."""
+    leaves = {}
+    parametrized = module._modules.get("parametrizations")
+    for name in names:
+        if parametrized is not None and name in parametrized._modules:
+            for part, p in parametrized[name].named_parameters():
+                leaves[f"{name} ({part})"] = p
+        elif module._parameters.get(name) is not None:
+            leaves[name] = module._parameters[name]
+    return leaves
 
 
 def check_kept_floats(owner: str, weights: dict) -> None:

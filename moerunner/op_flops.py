@@ -68,8 +68,8 @@ def experts_backward_flops(args: dict, quantized: bool = False) -> int:
     needs = dict(zip(names, [*args["needs"], *[False] * len(names)], strict=False))
     lora13 = needs.get("lora_w13_a") or needs.get("lora_w13_b")
     lora2 = needs.get("lora_w2_a") or needs.get("lora_w2_b")
-    # (only ``hidden_states`` takes the gate/up GEMM's input gradient; everything but the
-    # routing weights and the down bias takes the down GEMM's)
+    # (only ``hidden_states`` takes the gate/up GEMM's input gradient; the down GEMM's is
+    # taken by what lies before it: the hidden states, w13, its bias and its LoRA factors)
     before_down = needs["hidden_states"] or needs.get("w13") or needs["w13_bias"] or lora13
     flops = 0
     if needs["hidden_states"]:

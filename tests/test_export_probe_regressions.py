@@ -186,6 +186,11 @@ def test_forward_mode_tangents_are_refused_by_name():
         moerunner.fused_moe(x, w13, w2, fwAD.make_dual(topk.weights, topk.weights), topk.ids)
     with fwAD.dual_level(), pytest.raises(MoeInputError, match="MoE: hidden_states carries"):
         _layer()(fwAD.make_dual(x, v), torch.randn(6, E))
+    # a tangent on the router logits alone reaches the experts as the routing weights'
+    logits = torch.randn(6, E)
+    with torch.no_grad(), fwAD.dual_level():
+        with pytest.raises(MoeInputError, match="the experts: topk_weights carries"):
+            _layer()(x, fwAD.make_dual(logits, torch.randn_like(logits)))
     # reverse mode through torch.func: the eager differentiable path
     grad = torch.func.grad(lambda x: experts(x).square().sum())(x)
     leaf = x.clone().requires_grad_()
@@ -213,7 +218,7 @@ def test_transformers_experts_under_func_transforms():
     def logits(e):
         return model(inputs_embeds=e).logits.square().sum()
 
-    with pytest.raises(MoeInputError, match="experts call: hidden_states carries a forward-mode"):
+    with pytest.raises(MoeInputError, match="the experts: hidden_states carries a forward-mode"):
         torch.func.jvp(logits, (embeds,), (torch.randn_like(embeds),))
     leaf = embeds.clone().requires_grad_()
     logits(leaf).backward()
@@ -233,3 +238,31 @@ def test_func_transforms_over_the_layers_custom_op_are_refused_by_name():
     x, logits = torch.randn(6, H, device=device), torch.randn(6, E, device=device)
     with pytest.raises(MoeInputError, match="custom op: hidden_states is a tensor of a torch.func"):
         torch.func.grad(lambda x: layer(x, logits).sum())(x)
+
+
+def test_make_fx_traces_the_transformers_experts_as_the_custom_op():
+    """The integration ran its eager path under make_fx, recording the routing's row counts:
+    the graph replayed on other input was silently wrong (1e-3 on logits of 0.6)."""
+    pytest.importorskip("transformers")
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from transformers import AutoModelForCausalLM
+
+    from moerunner.integrations import transformers as mt
+    from moerunner.integrations.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("qwen3_moe"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    mt.use_moerunner(model)
+
+    def logits(e):
+        return model(inputs_embeds=e).logits
+
+    shape = (1, 5, model.config.hidden_size)
+    with torch.no_grad():
+        graph = make_fx(logits)(torch.randn(shape))
+        targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+        assert any(t.startswith("moerunner.fused_experts") for t in targets)
+        other = torch.randn(shape)
+        torch.testing.assert_close(graph(other), logits(other), rtol=1e-5, atol=1e-5)

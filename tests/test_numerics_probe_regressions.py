@@ -55,6 +55,18 @@ def test_unchecked_int64_ids_past_int32_are_skipped_not_wrapped():
     )
 
 
+def test_peer_expert_map_and_its_ids_take_the_same_dtypes():
+    # The vLLM expert_map path kept its own looser checks: uint32 ids or map failed inside
+    # aminmax, and bool ids ran as experts 0 and 1.
+    x, w13, w2, weights, ids = _problem()
+    emap = torch.arange(E, dtype=torch.int32)
+    for dtype in (torch.uint32, torch.bool):
+        with pytest.raises(TypeError, match="topk_ids must be a tensor of int64"):
+            vllm.fused_experts(x, w13, w2, weights, ids.to(dtype), expert_map=emap)
+    with pytest.raises(MoeInputError, match="expert_map must be a 1-D .* of int64"):
+        vllm.fused_experts(x, w13, w2, weights, ids, expert_map=emap.to(torch.uint32))
+
+
 def test_lora_adapter_ids_of_unsigned_dtypes_past_uint8_are_refused():
     lora = MoeLoraWeights(
         torch.randn(2, E, 2, H), torch.randn(2, E, 2 * I, 2), torch.randn(2, E, 2, I),
@@ -120,6 +132,27 @@ def test_peer_result_buffers_that_can_take_it_still_do():
         inference = x.clone()
         _peer_call(inference, w13, w2, weights, ids, inplace=True)
     assert_close(inference, expected, DTYPE_BOUND[torch.float32])
+
+
+def test_peer_result_buffer_checks_keep_a_fullgraph_compile():
+    """SGLang's default config writes into hidden_states: the buffer checks must not break
+    torch.compile(fullgraph=True) (tensor.is_inference() is not traceable)."""
+    from moerunner.compat import sglang
+
+    torch._dynamo.reset()
+    x, w13, w2, _, _ = _problem()
+    logits = torch.randn(T, E)
+
+    def experts(h, logits):
+        return sglang.fused_experts(
+            h, w13, w2, sglang.select_experts(h, logits, sglang.TopKConfig(top_k=K))
+        )
+
+    expected = experts(x.clone(), logits)
+    h = x.clone()
+    got = torch.compile(experts, fullgraph=True)(h, logits)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(h, got)  # written in place, as SGLang's default
 
 
 triton_pkg = pytest.importorskip("moerunner.backends.triton")

@@ -17,7 +17,7 @@ from ..api import fused_moe
 from ..config import check_bool
 from ..device_checks import check_ids_async
 from ..dispatch.expert_map import local_ids
-from ..errors import MoeInputError
+from ..errors import INDEX_DTYPES_TEXT, MoeInputError, is_index_tensor
 from ..memo import memoised, view_key
 from ..quant.schemes import get_scheme
 from ..quant.weight import QuantizedWeight
@@ -333,10 +333,10 @@ def global_to_local(
             )
         return topk_ids
     expert_map = _tensor("expert_map", expert_map)
-    if expert_map.dim() != 1 or expert_map.is_floating_point():
+    if expert_map.dim() != 1 or not is_index_tensor(expert_map):
         raise MoeInputError(
-            f"{where}: expert_map must be a 1-D integer tensor [global_num_experts], got "
-            f"{expert_map.dtype} {list(expert_map.shape)}"
+            f"{where}: expert_map must be a 1-D [global_num_experts] tensor of "
+            f"{INDEX_DTYPES_TEXT}, got {expert_map.dtype} {list(expert_map.shape)}"
         )
     total = expert_map.numel() if global_num_experts == -1 else global_num_experts
     if expert_map.numel() != total:
@@ -344,8 +344,9 @@ def global_to_local(
             f"{where}: expert_map has {expert_map.numel()} entries but "
             f"global_num_experts={global_num_experts}"
         )
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.is_floating_point():
-        raise TypeError(f"{where}: topk_ids must be an integer tensor")
+    if not isinstance(topk_ids, torch.Tensor) or not is_index_tensor(topk_ids):
+        got = topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__
+        raise TypeError(f"{where}: topk_ids must be a tensor of {INDEX_DTYPES_TEXT}, got {got}")
     if expert_map.device != topk_ids.device:
         raise MoeInputError(
             f"{where}: expert_map is on {expert_map.device} but topk_ids on {topk_ids.device}"
@@ -441,7 +442,7 @@ def _check_result_target(where: str, name: str, target: object, hidden_states: o
     result, checked before the experts run: a tensor of the hidden states' shape, dtype and
     device that can be written in place (no element stored twice, as in an expanded tensor;
     not a leaf that requires grad while grad mode is on; not an inference tensor outside
-    inference mode)."""
+    inference mode; these three in eager calls: traced, PyTorch checks them itself)."""
     target = _tensor(name, target)
     hidden_states = _tensor("hidden_states", hidden_states)
     if tuple(target.shape) != tuple(hidden_states.shape) or target.dtype != hidden_states.dtype:
@@ -453,6 +454,8 @@ def _check_result_target(where: str, name: str, target: object, hidden_states: o
         raise MoeInputError(
             f"{where}: {name} is on {target.device}, the hidden states on {hidden_states.device}"
         )
+    if torch.compiler.is_compiling():  # (what follows reads metadata dynamo cannot trace)
+        return
     if any(st == 0 and n > 1 for st, n in zip(target.stride(), target.shape, strict=True)):
         raise MoeInputError(
             f"{where}: {name} stores some elements more than once (strides "

@@ -25,16 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import MoeInputError
+from ..errors import INDEX_DTYPES_TEXT, MoeInputError, is_index_tensor
 from ..routing import TopK
 from ..weights import ExpertWeights, is_quantized
 
 
 def _int_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
     if isinstance(values, torch.Tensor):
-        if values.is_floating_point() or values.dim() != 1:
+        if not is_index_tensor(values) or values.dim() != 1:
             raise MoeInputError(
-                f"{name} must be a 1-D integer tensor, got {values.dtype} "
+                f"{name} must be a 1-D tensor of {INDEX_DTYPES_TEXT}, got {values.dtype} "
                 f"of shape {list(values.shape)}"
             )
         return [int(v) for v in values.tolist()]

@@ -34,7 +34,7 @@ import torch
 from ..activations import apply_activation
 from ..config import Activation, ExpertSpec
 from ..errors import MoeInputError
-from ..held_quantized import HoldsQuantized, check_kept_floats
+from ..held_quantized import HoldsQuantized, check_kept_floats, float_leaves
 from ..memo import forget_memo, tensor_key
 from ..ops import adopt_quantized, canonical_from_transposed
 from ..weights import ExpertWeights, is_quantized
@@ -255,6 +255,10 @@ def _float_attr(module: torch.nn.Module, *names: str) -> float | None:
     return None
 
 
+#: The expert weight parameters of transformers' experts modules (gated or not).
+EXPERT_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
+
+
 def _sources(module: torch.nn.Module, layout: ExpertsLayout) -> list[torch.Tensor | None]:
     gated = layout.activation.gated
     names = ["gate_up_proj" if gated else "up_proj", "down_proj"]
@@ -431,13 +435,11 @@ def pin_following(module: torch.nn.Module, scheme) -> None:
     place, replaced or loaded into since (``keep_float_weights``; as ``MoE.quantize_``).
     Traced calls do not check (quantize again after edits there)."""
     # The sources' key before they are read: an edit meanwhile is quantized next call.
-    sources = _sources(module, describe(module))
-    key = sources_key(sources)
+    key = sources_key(_sources(module, describe(module)))
     set_quantized(module, quantized_float_weights(module, scheme))
     module.__dict__[_FOLLOWS] = (scheme, key)
-    for t in sources[:2]:  # the copy's source: calls give the float weights no gradient
-        if t is not None and t.is_leaf:
-            t.requires_grad_(False)
+    for t in float_leaves(module, EXPERT_WEIGHT_NAMES).values():  # calls give them no grad
+        t.requires_grad_(False)
 
 
 def quantized_float_weights(module: torch.nn.Module, scheme) -> ExpertWeights:
@@ -453,10 +455,6 @@ def quantized_float_weights(module: torch.nn.Module, scheme) -> ExpertWeights:
             source.w2_bias,
             source.gate_up_interleaved,
         )
-
-
-def _float_parameters(module: torch.nn.Module) -> dict:
-    return {n: getattr(module, n, None) for n in ("gate_up_proj", "up_proj", "down_proj")}
 
 
 def _follow_float_weights(module: torch.nn.Module, scheme, key: tuple) -> None:
@@ -488,7 +486,7 @@ def quantized_weights(module: torch.nn.Module) -> ExpertWeights | None:
     if held is None:
         follows = module.__dict__.get(_FOLLOWS)
         if follows is not None and not torch.compiler.is_compiling():
-            check_kept_floats("model", _float_parameters(module))
+            check_kept_floats("model", float_leaves(module, EXPERT_WEIGHT_NAMES))
             _follow_float_weights(module, *follows)
         return module.__dict__.get(_QUANTIZED)
     params = _sources(module, describe(module))[2:]

@@ -22,6 +22,7 @@ import torch
 
 from ..device_checks import capturing
 from ._hf_experts import (
+    EXPERT_WEIGHT_NAMES,
     STORED_ON_PURPOSE,
     UnsupportedExpertsError,
     describe,
@@ -32,12 +33,11 @@ from ._hf_experts import (
 
 LAYOUTS = ("canonical", "stored")
 _log = logging.getLogger("moerunner")
-_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 
 
 def _weights(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     found = []
-    for name in _WEIGHTS:
+    for name in EXPERT_WEIGHT_NAMES:
         param = module._parameters.get(name)
         if param is not None:
             found.append((name, param))

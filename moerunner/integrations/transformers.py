@@ -26,13 +26,7 @@ import torch
 
 from ..api import run_experts
 from ..config import ACTIVATIONS
-from ..errors import (
-    INDEX_DTYPES_TEXT,
-    MoeInputError,
-    check_forward_mode,
-    check_op_inputs,
-    is_index_tensor,
-)
+from ..errors import INDEX_DTYPES_TEXT, MoeInputError, is_index_tensor, make_fx_tracing
 from ..lora import MoeLoraWeights, lora_hooks, op_arguments
 from ..ops import call_fused_experts
 from ..runner import MoeRunner, default_registry
@@ -104,7 +98,7 @@ def make_experts_forward(backend: str = "auto", fallback: str = "error"):
         weights = _routing_arg(top_k_weights, kwargs, "routing_weights", "top_k_weights")
         config = getattr(self, "config", None)
         lora = self.__dict__.get(LORA_ATTR)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or make_fx_tracing():  # traced: the custom op
             return _traced_experts(self, hidden_states, ids, weights, backend, fallback, lora)
         try:
             expert_w, activation = expert_weights(self, _relayout.auto_relayout)
@@ -141,7 +135,6 @@ def _run_experts(x, ids, weights, expert_w, activation, backend, hooks, shared=N
     (``expert_weights``: made once, kept on the module) with the router's ids unchecked,
     through one runner per backend name: ``fused_moe`` would check the activation and build
     the weights and a runner again on every call."""
-    check_forward_mode("experts call", {"hidden_states": x, "top_k_weights": weights})
     if weights.shape != ids.shape and weights.numel() != ids.numel():
         raise MoeInputError(
             f"experts call: top_k_weights of shape {list(weights.shape)} do not fit "
@@ -211,7 +204,6 @@ def _traced_experts(module, hidden_states, ids, weights, backend: str, fallback:
     # (quantized experts are frozen: theirs passes the gradient on).
     args = (ids, b13, b2, act, alpha, limit, interleaved, chosen, False)
     if quantized is None and transposed:
-        check_op_inputs("the experts' custom op", hidden_states=x, w13=w13, w2=w2, weights=weights)
         out = torch.ops.moerunner.fused_experts_transposed(
             x, w13, w2, weights.reshape(ids.shape), *args, *lora_args
         )
