@@ -80,10 +80,16 @@ def experts_backward_flops(args: dict, quantized: bool = False) -> int:
         flops += 2 * pairs * hidden * n13
     if needs.get("w2"):
         flops += 2 * pairs * intermediate * hidden
+    # A LoRA factor's gradients: grad x B (shared with the input gradient where that is
+    # taken), then A's and B's own products.
     if lora13:
         flops += 2 * pairs * r13 * (hidden + n13)
+        if not needs["hidden_states"]:
+            flops += 2 * pairs * n13 * r13
     if lora2:
         flops += 2 * pairs * r2 * (intermediate + hidden)
+        if not before_down:
+            flops += 2 * pairs * hidden * r2
     return flops
 
 

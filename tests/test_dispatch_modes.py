@@ -182,3 +182,38 @@ def test_cuda_training_step_under_flop_counter(backend):
     for p, e in zip((x, layer.w13, layer.w2), expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
     assert counter.get_total_flops() == 3 * _dense_flops(64 * 2, 256, 256, 128)
+
+
+@pytest.mark.parametrize("trained", ["lora only", "lora and input"])
+def test_lora_backward_count_matches_the_eager_autograd_work(trained):
+    """The op's count of a LoRA backward equals what autograd computes on the eager torch
+    path (every token on an adapter, so both paths do the same work): a factor's gradient
+    needs grad x B, which the count took only where the input gradient was taken too."""
+    x, w13, w2, weights, ids = _plain(grad=False)
+    x.requires_grad_(trained == "lora and input")
+    r13, r2 = 4, 2
+    torch.manual_seed(3)
+    lora = MoeLoraWeights(
+        *(
+            t.requires_grad_()
+            for t in (
+                torch.randn(2, E, r13, H), torch.randn(2, E, 2 * I, r13),
+                torch.randn(2, E, r2, I), torch.randn(2, E, H, r2),
+            )
+        )
+    )  # fmt: skip
+    adapters = torch.tensor([0, 1, 0, 1, 1, 0])
+    counts = []
+    for op in (False, True):
+        hooks = lora_hooks(lora, adapters)
+        with FlopCounterMode(display=False) as counter:
+            if op:
+                args = op_arguments(hooks)
+                out = torch.ops.moerunner.fused_experts(
+                    x, w13, w2, weights, ids, *_settings(), True, *args
+                )
+            else:
+                out = moerunner.fused_moe(x, w13, w2, weights, ids, hooks=hooks, backend="torch")
+            out.square().sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1]

@@ -26,7 +26,7 @@ Quantized arguments map as in ``moerunner.compat.vllm``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, fields
 from enum import Enum, auto
 from typing import NamedTuple
 
@@ -164,8 +164,12 @@ class TopK(torch.nn.Module):
             expert_location_dispatch_info=expert_location_dispatch_info,
         )
 
-    def extra_repr(self) -> str:
-        return repr(self.topk_config)
+    def extra_repr(self) -> str:  # (tensors by shape: a correction bias has E values)
+        return ", ".join(
+            f"{f.name}=" + (f"tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v))
+            for f in fields(self.topk_config)
+            for v in (getattr(self.topk_config, f.name),)
+        )
 
 
 def select_experts(
