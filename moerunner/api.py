@@ -712,10 +712,10 @@ def _validate_arguments(
         )
     if not is_quantized(weights.w13) and weights.w13.dtype != hidden_states.dtype:
         autocast = torch.is_autocast_enabled(hidden_states.device.type)
+        hint = "; torch.autocast does not cast the experts: cast the input" if autocast else ""
         raise TypeError(
             f"w13 dtype {weights.w13.dtype} must equal hidden_states dtype {hidden_states.dtype} "
-            "(or pass quantized weights)"
-            + ("; torch.autocast does not cast the experts: cast the input" * autocast)
+            f"(or pass quantized weights){hint}"
         )
     if weights.device != hidden_states.device:
         raise MoeInputError(

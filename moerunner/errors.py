@@ -73,7 +73,8 @@ class RankFailedError(RuntimeError):
 #: on. Its other unsigned ones (uint16/32/64) lack most CPU ops (``aminmax``, which the id
 #: checks use, among them), and a uint64 id past int64's range wrapped into range when cast.
 INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-INDEX_DTYPES_TEXT = "int64, int32, int16, int8 or uint8"
+_NAMES = [str(d).removeprefix("torch.") for d in INDEX_DTYPES]
+INDEX_DTYPES_TEXT = f"{', '.join(_NAMES[:-1])} or {_NAMES[-1]}"  # (as messages name them)
 
 
 def is_index_tensor(t: torch.Tensor) -> bool:

@@ -144,8 +144,7 @@ class HoldsQuantized(nn.Module):
         (in-place edits are seen through the shared tensors); nothing to do while tracing."""
         if self.quantized is None or torch.compiler.is_compiling():
             return
-        if torch.is_grad_enabled():
-            check_kept_floats(self._held_owner, self._kept_floats())
+        check_kept_floats(self._held_owner, self._kept_floats())  # (grad mode only)
         for w in ("w13", "w2"):
             for field, tensor in getattr(self.quantized, w).tensors().items():
                 name = f"{w}_{BUFFER_NAMES[field]}"

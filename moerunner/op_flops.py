@@ -93,19 +93,16 @@ def experts_backward_flops(args: dict, quantized: bool = False) -> int:
     return flops
 
 
-def _by_name(op, args: tuple, kwargs: dict) -> dict:
-    """An op's arguments by their schema's names (trailing defaults may be absent)."""
-    names = [a.name for a in op.default._schema.arguments]
-    return {**dict(zip(names, args, strict=False)), **kwargs}
-
-
 def _register(op, count) -> None:
+    """Register ``count`` (of the op's arguments by their schema's names; trailing defaults
+    may be absent) as the op's FLOP formula."""
     if op in flop_registry:  # (a reloaded module)
         return
+    names = [a.name for a in op.default._schema.arguments]
 
     @register_flop_formula(op)
     def formula(*args, out_shape=None, **kwargs) -> int:
-        return count(_by_name(op, args, kwargs))
+        return count({**dict(zip(names, args, strict=False)), **kwargs})
 
 
 def grouped_mm_flops(a, b, offs=None, bias=None, out_dtype=None, *, out_shape=None) -> int:

@@ -279,8 +279,15 @@ def call_fused_experts(
     """The custom op that runs these weights (plain tensors or ``QuantizedWeight``s), called
     with their tensors: what a traced caller uses in place of ``fused_moe``. ``lora``: the
     LoRA arguments (``moerunner.lora.op_arguments``) or ``()``."""
-    tensors = {"hidden_states": hidden_states, "topk_weights": topk_weights, "w13": w13}
-    check_op_inputs("the experts' custom op", **tensors, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias)
+    check_op_inputs(
+        "the experts' custom op",
+        hidden_states=hidden_states,
+        topk_weights=topk_weights,
+        w13=w13,
+        w2=w2,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+    )
     settings = (activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, backend, check_ids)
     routing = (topk_weights, topk_ids, w13_bias, w2_bias)
     if isinstance(w13, torch.Tensor):
