@@ -19,6 +19,7 @@ import math
 import torch
 
 from .config import Activation
+from .errors import INDEX_DTYPES_TEXT, MoeInputError, is_index_tensor
 from .weights import ExpertWeights, is_quantized
 
 
@@ -95,7 +96,9 @@ def reference_moe(
 ) -> torch.Tensor:
     """float64 ``[T, H]`` on the CPU: sum_k weight[t,k] * expert_{ids[t,k]}(x[t]); -1 skipped.
 
-    w13's rows are read in ``weights.w13_order``; swiglu_oai parameters may be per expert."""
+    w13's rows are read in ``weights.w13_order``; swiglu_oai parameters may be per expert.
+    Ids outside ``[-1, E)`` are refused, as the runner's checked calls refuse them."""
+    _check_inputs(hidden_states, weights, topk_weights, topk_ids)
     act = Activation.of(activation)
     x = hidden_states.cpu()
     w13, w2 = _weight64(weights.w13), _weight64(weights.w2)
@@ -120,3 +123,42 @@ def reference_moe(
             y = y + b2[e]
         out.index_add_(0, token, y * slot_weights[token, slot][:, None])
     return out
+
+
+def _check_inputs(x, weights, topk_weights, topk_ids) -> None:
+    """The reference's arguments, each named where it is not what the docstring says."""
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(
+            "reference_moe: weights must be an ExpertWeights (ExpertWeights(w13, w2)), got "
+            f"{type(weights).__name__}"
+        )
+    for name, t in (("hidden_states", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"reference_moe: {name} must be a tensor, got {type(t).__name__}")
+    if x.dim() != 2 or x.shape[1] != weights.w13.shape[-1]:
+        raise MoeInputError(
+            f"reference_moe: hidden_states must be [T, H] with H = {weights.w13.shape[-1]} "
+            f"(w13's last dimension), got {tuple(x.shape)}"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise MoeInputError(
+            f"reference_moe: topk_ids must be [T, k] with T = {x.shape[0]}, got "
+            f"{tuple(topk_ids.shape)}"
+        )
+    if topk_weights.shape != topk_ids.shape:
+        raise MoeInputError(
+            f"reference_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+            f"{tuple(topk_ids.shape)} must have one shape"
+        )
+    if not is_index_tensor(topk_ids):
+        raise TypeError(
+            f"reference_moe: topk_ids must be {INDEX_DTYPES_TEXT}, got {topk_ids.dtype}"
+        )
+    num_experts = weights.w13.shape[0]
+    ids = topk_ids.cpu().long()
+    bad = (ids < -1) | (ids >= num_experts)
+    if bool(bad.any()):
+        raise MoeInputError(
+            f"reference_moe: topk_ids holds {int(ids[bad][0])}, outside [-1, {num_experts}) "
+            "(-1 marks an empty slot)"
+        )

@@ -73,6 +73,8 @@ class Registry:
         name = getattr(backend, "name", "")
         if not isinstance(name, str) or not name:
             raise ValueError("a backend needs a non-empty str name")
+        if name == "auto":
+            raise ValueError("'auto' names the automatic choice; a backend needs another name")
         if name in self.backends and self.backends[name] is not backend and not replace:
             raise ValueError(
                 f"a backend named {name!r} is already registered; pass replace=True to swap it"
@@ -174,7 +176,9 @@ class Registry:
 
     def paths(self, backend: str) -> dict[str, str]:
         """For each dispatch format the backend serves: ``"fused"`` or ``"permute"``."""
-        obj = self.backends[backend]
+        return self._paths(self.backends[backend])
+
+    def _paths(self, obj: Backend) -> dict[str, str]:
         result = {}
         for fmt in dict.fromkeys([*self.permutes, *obj.fused_ops]):
             if fmt in obj.fused_ops:
@@ -196,15 +200,19 @@ class Registry:
         """Each backend's (can serve, reason if not) for ``problem``. ``auto``: for a choice
         the caller left to us, where a backend that is not ``ready`` (its first call would
         build kernels for minutes) does not serve either."""
+        return self._verdicts(dict(self.backends), problem, auto)
+
+    def _verdicts(self, backends: dict, problem: MoeProblem, auto: bool) -> dict:
+        # ``backends``: a copy, so another thread registering one meanwhile changes nothing here.
         result = {}
-        for name, backend in self.backends.items():
-            ok, reason = _verdict(backend, "available")
-            if ok and problem.dispatch_format not in self.paths(name):
+        for name, backend in backends.items():
+            ok, reason = verdict(backend, "available")
+            if ok and problem.dispatch_format not in self._paths(backend):
                 ok, reason = False, f"no path for dispatch format {problem.dispatch_format!r}"
             if ok:
-                ok, reason = _verdict(backend, "supports", problem)
+                ok, reason = verdict(backend, "supports", problem)
             if ok and auto:
-                ready, why = _verdict(backend, "ready")
+                ready, why = verdict(backend, "ready")
                 if not ready:
                     ok, reason = False, f"not ready for 'auto': {why}"
             result[name] = (ok, reason)
@@ -248,17 +256,18 @@ class Registry:
         preference: dict[str, tuple[str, ...]] | None,
     ) -> Selection:
         self.check_name(requested)
-        verdicts = self.verdicts(problem, auto=requested == "auto")
+        backends = dict(self.backends)  # one view of them for this choice
+        verdicts = self._verdicts(backends, problem, auto=requested == "auto")
         if requested != "auto":
-            ok, reason = verdicts[requested]
+            ok, reason = verdicts.get(requested, (False, "unregistered meanwhile"))
             if not ok:
                 raise BackendUnavailableError(_explain(problem, verdicts, requested))
-            return Selection(self.backends[requested], verdicts, "requested")
+            return Selection(backends[requested], verdicts, "requested")
         order = (preference or DEFAULT_PREFERENCE).get(problem.device_type, ())
         ranked = [n for n in order if n in verdicts] + sorted(set(verdicts) - set(order))
         for name in ranked:
             if verdicts[name][0]:
-                return Selection(self.backends[name], verdicts, f"first of {ranked} that serves")
+                return Selection(backends[name], verdicts, f"first of {ranked} that serves")
         raise BackendUnavailableError(_explain(problem, verdicts, "auto"))
 
     def bucket_plan(
@@ -425,7 +434,7 @@ def _check_backend(backend: Any) -> None:
             )
 
 
-def _verdict(backend: Any, method: str, *args: Any) -> tuple[bool, str]:
+def verdict(backend: Any, method: str, *args: Any) -> tuple[bool, str]:
     """``backend.<method>(*args)`` as ``(ok, reason)``; an extension that raises or returns
     something else serves nothing, the reason saying why, so that it cannot break the
     choice of every other backend."""

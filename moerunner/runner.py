@@ -520,6 +520,15 @@ def prepare_for_backend(
             f"backend {backend.name!r}: prepare_weights returned a {type(prepared).__name__}, "
             "not a moerunner.weights.PreparedWeights"
         )
+    if prepared.backend != backend.name:
+        # Calls run the fused op or core of the backend the prepared weights name: a backend
+        # handing on another's weights as they are would have that one's kernels run.
+        raise ExtensionContractError(
+            f"backend {backend.name!r}: prepare_weights returned weights prepared for "
+            f"{prepared.backend!r}; PreparedWeights.backend must be the preparing backend's "
+            f"own name (a backend wrapping another sets it, e.g. "
+            f"dataclasses.replace(prepared, backend=self.name))"
+        )
     prepared.notes[:0] = notes
     return prepared
 

@@ -320,3 +320,134 @@ def test_fused_moe_takes_a_registry():
     grads = moerunner.fused_moe(xg, w13, w2, topk.weights, topk.ids, registry=same)
     grads.sum().backward()
     assert xg.grad is not None and bool(xg.grad.abs().sum() > 0)
+
+
+# A second probe that followed the docs to extend the library (2026-12-07).
+
+
+def test_a_backend_handing_on_another_backends_weights_is_named(default_registry):
+    """A backend wrapping the torch backend returned what torch prepared: calls then ran
+    torch's op, never the wrapper's (its x2 here was silently skipped). The preparing
+    backend's own name on the prepared weights is the contract; set, the wrapper runs."""
+    import dataclasses
+
+    x, w13, w2, topk = _case()
+    want = _reference(x, w13, w2, topk)
+    inner = default_registry.backends["torch"]
+
+    class Wrap(Loop):
+        def __init__(self, name, rename):
+            super().__init__(name, op=lambda d, p: inner.fused_ops["standard"](d, p) * 2)
+            self.rename = rename
+
+        def prepare_weights(self, weights, spec):
+            prepared = inner.prepare_weights(weights, spec)
+            return dataclasses.replace(prepared, backend=self.name) if self.rename else prepared
+
+    default_registry.register_backend(Wrap("hands_on", rename=False))
+    with pytest.raises(ExtensionContractError, match="'hands_on'.* prepared for 'torch'"):
+        moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="hands_on")
+    default_registry.register_backend(Wrap("wraps", rename=True))
+    got = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="wraps")
+    _close(got, 2 * want)
+
+
+def test_info_lists_a_backend_whose_verdict_raises(default_registry, capsys, tmp_path):
+    """``moerunner info`` called ``available()`` itself: a raising extension crashed it
+    (RuntimeError), a bare bool made it fail to unpack. It lists them as the choice reads
+    them: unavailable, with why; the other backends are listed as before."""
+    import json
+
+    from moerunner.cli import main
+
+    class Raises(Loop):
+        def available(self):
+            raise RuntimeError("driver missing")
+
+    class BareBool(Loop):
+        def available(self):
+            return True
+
+    default_registry.register_backend(Raises(name="raises"))
+    default_registry.register_backend(BareBool(name="bare"))
+    assert main(["info", "--json", str(tmp_path / "info.json")]) == 0
+    out = capsys.readouterr().out
+    assert "[raises] NOT available: available() raised RuntimeError: driver missing" in out
+    assert "[bare] NOT available: available() returned True, not (bool, str)" in out
+    record = json.loads((tmp_path / "info.json").read_text())["backends"]
+    assert record["torch"]["available"] and not record["raises"]["available"]
+
+
+def test_a_choice_reads_one_copy_of_the_backends(default_registry):
+    """Another thread registering a backend while a call's choice went over the backends
+    failed that call with "dictionary changed size during iteration" (7 of 390 calls in a
+    threaded probe). A ``supports`` that registers one makes the interleaving certain."""
+    x, w13, w2, topk = _case()
+    want = _reference(x, w13, w2, topk)
+    made = []
+
+    class RegistersMeanwhile(Loop):
+        def supports(self, problem):
+            made.append(Loop(name=f"late{len(made)}"))
+            default_registry.register_backend(made[-1])
+            return True, ""
+
+    default_registry.register_backend(RegistersMeanwhile(name="a_first"))
+    _close(moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="torch"), want)
+    _close(moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="a_first"), want)
+    assert made and all(m.name in default_registry.backends for m in made)
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("align_h", 0, ValueError),
+        ("align_h", "8", ValueError),
+        ("align_i", -4, ValueError),
+        ("align_i", True, ValueError),
+        ("biases", "no", TypeError),
+        ("hooks", 1, TypeError),
+    ],
+)
+def test_capabilities_refuse_malformed_alignment_and_flags(field, value, error):
+    """align_h 0 divided by zero inside the padding of every call, "8" failed there with a
+    TypeError; -4 and a str flag were taken silently."""
+    given = dict(devices={"cpu"}, dtypes={torch.float32}, schemes=["fp32"], activations={"silu"})
+    with pytest.raises(error, match=f"Capabilities.{field} must be"):
+        Capabilities(**given, **{field: value})
+
+
+def test_auto_is_not_a_backend_name():
+    """A backend registered as "auto" could never be called: the name asks for the choice."""
+    registry = moerunner.DEFAULT_REGISTRY.copy()
+    with pytest.raises(ValueError, match="'auto' names the automatic choice"):
+        registry.register_backend(Loop(name="auto"))
+    assert "auto" not in registry.backends
+
+
+def test_reference_names_its_bad_arguments():
+    """The public float64 reference failed on raw tensors with AttributeError, on a hidden
+    size mismatch with a matmul error, and skipped out-of-range ids silently where the
+    runner's checked calls refuse them."""
+    from moerunner.weights import ExpertWeights
+
+    x, w13, w2, topk = _case()
+    weights = ExpertWeights(w13, w2)
+    assert torch.allclose(
+        moerunner.reference_moe(x, weights, topk.weights, topk.ids), _reference(x, w13, w2, topk)
+    )
+    with pytest.raises(TypeError, match="weights must be an ExpertWeights"):
+        moerunner.reference_moe(x, w13, topk.weights, topk.ids)
+    with pytest.raises(TypeError, match="topk_weights must be a tensor, got TopK"):
+        moerunner.reference_moe(x, weights, topk, topk.ids)
+    with pytest.raises(MoeInputError, match=r"H = 32 \(w13's last dimension\), got \(8, 16\)"):
+        moerunner.reference_moe(x[:, :16], weights, topk.weights, topk.ids)
+    ids = topk.ids.clone()
+    ids[2, 1] = E + 10
+    with pytest.raises(MoeInputError, match=r"holds 14, outside \[-1, 4\)"):
+        moerunner.reference_moe(x, weights, topk.weights, ids)
+    with pytest.raises(TypeError, match="topk_ids must be"):
+        moerunner.reference_moe(x, weights, topk.weights, topk.ids.float())
+    ids[2, 1] = -1  # an empty slot is skipped
+    empty = moerunner.reference_moe(x, weights, topk.weights, ids)
+    assert torch.isfinite(empty).all()

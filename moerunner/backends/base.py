@@ -136,6 +136,16 @@ class Capabilities:
                     f"got {bad[0]!r}"
                 )
             object.__setattr__(self, name, frozenset(value))
+        for name in ("biases", "interleaved", "extended_swiglu", "hooks", "static_input_scales"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Capabilities.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("align_h", "align_i"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Capabilities.{name} must be a positive int (the multiple its kernels "
+                    f"need; 1 for none), got {value!r}"
+                )
         from ..config import ACTIVATIONS
 
         unknown = sorted(set(self.activations) - set(ACTIVATIONS))

@@ -9,6 +9,7 @@ import platform
 import torch
 
 from ..device_files import device_key, hardware_name
+from ..registry import verdict
 from ..runner import DEFAULT_PREFERENCE, default_registry
 from . import _common
 
@@ -31,9 +32,11 @@ def main(argv: list[str]) -> int:
     name = hardware_name(device)
     preference = list(DEFAULT_PREFERENCE.get(device, ()))
     backends = {}
-    for backend_name, backend in registry.backends.items():
-        ok, reason = backend.available()
-        ready, not_ready = backend.ready() if ok else (False, "")
+    for backend_name, backend in dict(registry.backends).items():
+        # As the choice reads them: an extension whose method raises or answers something
+        # else than (bool, str) is listed as unavailable, with why.
+        ok, reason = verdict(backend, "available")
+        ready, not_ready = verdict(backend, "ready") if ok else (False, "")
         capabilities = {
             key: list(map(str, value)) if isinstance(value, list | tuple | set) else value
             for key, value in backend.capabilities.describe().items()
@@ -46,7 +49,7 @@ def main(argv: list[str]) -> int:
             "not_ready_reason": not_ready,
             "dispatch_formats": {str(f): str(p) for f, p in registry.paths(backend_name).items()},
             "capabilities": capabilities,
-            "options": None if backend.options is None else repr(backend.options),
+            "options": None if getattr(backend, "options", None) is None else repr(backend.options),
             "tile_folders": _tile_folders(backend, name) if ok else None,
         }
     table_rows, table_paths, table_error = _table(registry, device)
@@ -119,7 +122,7 @@ def main(argv: list[str]) -> int:
 def _tile_folders(backend, device_name: str) -> list[dict] | None:
     """A backend with tuned tile files (options with ``tile_dirs``: triton): the folders it
     searches, in order, whether each exists and how many of its files name this device."""
-    options = backend.options
+    options = getattr(backend, "options", None)
     if options is None or not hasattr(options, "tile_dirs"):
         return None
     from ..backends.triton.tile_config import tile_folders, tuned_files
