@@ -415,9 +415,10 @@ def _note_repeat(key: tuple, state: tuple, w13: Any) -> None:
     misses the memo, which lives on the objects, and pays the preparation every call (for
     some backends a copy of the weights). Twice is normal (a layer's parameters and, in grad
     mode, their detached views)."""
-    # backend, options, spec, order; the tensors' states (their storages while they live:
-    # new weights at a freed one's memory are others), no ids
-    memory = (key[:3], key[3][0], key[3][3:], state[1:])
+    # backend (its name, options and object: one replaced under its name prepares anew by
+    # design), spec, order; the tensors' states (their storages while they live: new weights
+    # at a freed one's memory are others), no ids
+    memory = (key[:3], key[3][0], key[3][3:], key[4], state[1:])
     data = w13 if isinstance(w13, torch.Tensor) else getattr(w13, "data", None)
     if not isinstance(data, torch.Tensor):
         return

@@ -451,3 +451,22 @@ def test_reference_names_its_bad_arguments():
     ids[2, 1] = -1  # an empty slot is skipped
     empty = moerunner.reference_moe(x, weights, topk.weights, ids)
     assert torch.isfinite(empty).all()
+
+
+def test_replacing_a_backend_does_not_warn_about_new_tensor_objects(default_registry, monkeypatch):
+    """A notebook cell re-run (replace the backend, call on the same weights) three times
+    warned "prepared ... 3 times, each for new tensor objects": the objects were the same,
+    only the backend object was new, and preparing anew for it is by design."""
+    import warnings
+
+    import moerunner.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "_REPEATS_WARNED", [False])
+    x, w13, w2, topk = _case()
+    want = _reference(x, w13, w2, topk)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            default_registry.register_backend(Loop(name="rerun"), replace=True)
+            got = moerunner.fused_moe(x, w13, w2, topk.weights, topk.ids, backend="rerun")
+            _close(got, want)
