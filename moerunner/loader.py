@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from .config import Activation, RoutingConfig
+from .config import Activation, RoutingConfig, check_groups
 from .errors import MoeInputError
-from .quant.checkpoints import reading_safetensors
+from .quant.checkpoints import block_aligned, join_gate_up, reading_safetensors
 from .weights import ExpertWeights
 
 __all__ = ["FAMILIES", "CheckpointFamily", "LoadedExperts", "load_experts"]
@@ -162,11 +162,13 @@ class _Checkpoint:
     def _json(path: str) -> dict:
         if not os.path.isfile(path):
             return {}
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:  # JSON is UTF-8 (RFC 8259), whatever the locale
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
                 raise MoeInputError(f"checkpoint: {path!r} is not valid JSON: {e}") from None
+            except UnicodeDecodeError as e:
+                raise MoeInputError(f"checkpoint: {path!r} is not UTF-8 text: {e}") from None
         if not isinstance(data, dict):
             raise MoeInputError(
                 f"checkpoint: {path!r} holds a JSON {type(data).__name__}, not an object"
@@ -193,7 +195,15 @@ class _Checkpoint:
         self.files = {}
         for p in paths:
             with reading_safetensors(p), safe_open(p, framework="pt") as f:
-                self.files.update(dict.fromkeys(f.keys(), p))
+                keys = list(f.keys())
+            # Without an index nothing says which copy is meant; taking either would be a guess.
+            twice = next((k for k in keys if k in self.files), None)
+            if twice is not None:
+                raise MoeInputError(
+                    f"checkpoint: tensor {twice!r} is in both {self.files[twice]!r} and {p!r}, "
+                    "and no model.safetensors.index.json says which file holds it"
+                )
+            self.files.update(dict.fromkeys(keys, p))
         self.where = repr(paths[0]) if len(paths) == 1 else f"any of {paths}"
 
     def __contains__(self, key: str) -> bool:
@@ -236,6 +246,11 @@ def _family(family: str | None, config: dict) -> CheckpointFamily:
                 "family: the checkpoint has no config.json with a model_type; pass family= "
                 f"(one of {accepted})"
             )
+        if not isinstance(family, str):
+            raise MoeInputError(
+                f"checkpoint: config.json's model_type must be a str (one of {accepted}), "
+                f"got {family!r}"
+            )
     if not isinstance(family, str):
         raise TypeError(f"family must be a str, got {type(family).__name__}")
     if family not in FAMILIES:
@@ -246,8 +261,8 @@ def _family(family: str | None, config: dict) -> CheckpointFamily:
 def _check_layer(ckpt: _Checkpoint, root: str, layer: object) -> int:
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-    total = ckpt.config.get("num_hidden_layers")
-    if isinstance(total, int):
+    total = _config_count(ckpt.config, "num_hidden_layers")
+    if total is not None:
         if not 0 <= layer < total:
             raise MoeInputError(
                 f"layer={layer} is out of range: the model has {total} layers (0..{total - 1})"
@@ -263,11 +278,10 @@ def _check_layer(ckpt: _Checkpoint, root: str, layer: object) -> int:
 def _configured_experts(ckpt: _Checkpoint, fam: CheckpointFamily) -> tuple[str | None, int | None]:
     """The config.json field giving the routed expert count and its value (None, None
     without one)."""
-    key = next((k for k in fam.num_experts_keys if k in ckpt.config), None)
-    counted = ckpt.config.get(key) if key else None
-    if isinstance(counted, int) and not isinstance(counted, bool):
-        return key, counted
-    return None, None
+    key = next((k for k in fam.num_experts_keys if ckpt.config.get(k) is not None), None)
+    if key is None:
+        return None, None
+    return key, _config_count(ckpt.config, key)
 
 
 def _count_experts(ckpt: _Checkpoint, prefix: str, fam: CheckpointFamily, first: str) -> int:
@@ -299,6 +313,17 @@ def _config_number(config: dict, key: str, kind: type, default: Any) -> Any:
     return value
 
 
+def _config_count(config: dict, key: str) -> int | None:
+    """config.json's count ``key`` (layers, experts): a positive int, or None where absent
+    or null; anything else is refused by name, not passed over for the files' count."""
+    value = config.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise MoeInputError(
+            f"checkpoint: config.json's {key} must be a positive int, got {value!r}"
+        )
+    return value
+
+
 def _config_bool(config: dict, key: str, default: bool) -> bool:
     value = config.get(key)
     if value is None:
@@ -308,12 +333,33 @@ def _config_bool(config: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _routing(fam: CheckpointFamily, config: dict) -> tuple[int | None, RoutingConfig | None]:
+def _check_groups(groups: int | None, keep: int | None, top_k: int, num: int) -> None:
+    """DeepSeek's expert groups against the layer as loaded: refused here in config.json's
+    terms, not later in RoutingConfig's when the layer runs."""
+    try:
+        check_groups(num, top_k, groups, keep)
+    except MoeInputError as e:
+        why = str(e).replace("num_expert_group", "n_group").replace("top_k", "num_experts_per_tok")
+        raise MoeInputError(
+            f"checkpoint: config.json's n_group={groups!r}, topk_group={keep!r} and "
+            f"num_experts_per_tok={top_k} do not fit the layer's {num} experts: {why} "
+            "(n_group 1 or absent: no groups)"
+        ) from None
+
+
+def _routing(
+    fam: CheckpointFamily, config: dict, num: int
+) -> tuple[int | None, RoutingConfig | None]:
     if not config:
         return None, None
     top_k = _config_number(config, "num_experts_per_tok", int, None)
     if top_k is None:
         return None, None
+    if not 1 <= top_k <= num:
+        raise MoeInputError(
+            f"checkpoint: config.json's num_experts_per_tok={top_k} is not in [1, {num}] (the "
+            "layer's experts)"
+        )
     name = fam.name
     if name in ("mixtral", "gpt_oss"):  # GPT-OSS: softmax over the top-k logits
         return top_k, RoutingConfig(renormalize=True)
@@ -344,10 +390,12 @@ def _routing(fam: CheckpointFamily, config: dict) -> tuple[int | None, RoutingCo
                     "checkpoint: config.json's topk_method 'group_limited_greedy' needs "
                     f"n_group and topk_group, got {groups!r} and {keep!r}"
                 )
+            _check_groups(groups, keep, top_k, num)
             return top_k, RoutingConfig(
                 "softmax", renormalize, groups, keep, scale, group_score="max"
             )  # groups ranked by their best score
         return top_k, RoutingConfig(renormalize=renormalize, routed_scaling_factor=scale)
+    _check_groups(None if groups == 1 else groups, keep, top_k, num)  # 1: no groups
     grouped = groups is not None and groups > 1
     return top_k, RoutingConfig(
         "sigmoid",
@@ -357,37 +405,6 @@ def _routing(fam: CheckpointFamily, config: dict) -> tuple[int | None, RoutingCo
         scale,
         correction_bias=True,
     )
-
-
-def _quant_config(config: dict) -> dict:
-    q = config.get("quantization_config")
-    return q if isinstance(q, dict) else {}
-
-
-def _compressed_tensors_bits(q: dict) -> int | None:
-    """The weights' bits of a compressed-tensors quantization config, where its config
-    groups agree on one; else None."""
-    bits = {
-        (group.get("weights") or {}).get("num_bits")
-        for group in (q.get("config_groups") or {}).values()
-        if isinstance(group, dict)
-    }
-    bits.discard(None)
-    return bits.pop() if len(bits) == 1 else None
-
-
-def _compressed_tensors_group_size(q: dict) -> int | None:
-    """The weights' group size of a compressed-tensors quantization config (-1 for the
-    channel strategy), where its config groups agree on one; else None (the importer then
-    reads it from the scales' shape where that is unambiguous)."""
-    sizes = set()
-    for group in (q.get("config_groups") or {}).values():
-        weights = group.get("weights") or {} if isinstance(group, dict) else {}
-        if weights.get("strategy") == "channel":
-            sizes.add(-1)
-        elif isinstance(weights.get("group_size"), int):
-            sizes.add(weights["group_size"])
-    return sizes.pop() if len(sizes) == 1 else None
 
 
 #: Per-expert tensors holding a projection's [out, in] matrix (stored or packed), in the
@@ -417,6 +434,44 @@ def _per_expert(ckpt: _Checkpoint, prefix: str, num: int, proj: str, suffix: str
     return parts
 
 
+def _stored(ckpt: _Checkpoint, prefix: str, num: int, proj: str, suffix: str) -> bool:
+    """Whether every expert stores tensor ``suffix`` of ``proj`` (False: none does). Experts
+    that disagree are refused, naming the first that differs from expert 0: deciding by
+    expert 0 alone would leave the others' copies unread (zero points dropped, an act-order
+    g_idx let through)."""
+    keys = [f"{prefix}{e}.{proj}.{suffix}" for e in range(num)]
+    first = keys[0] in ckpt
+    odd = next((k for k in keys if (k in ckpt) != first), None)
+    if odd is not None:
+        have, lack = (keys[0], odd) if first else (odd, keys[0])
+        raise MoeInputError(
+            f"checkpoint: {have} is present, but {lack} is not; every expert must store a "
+            "projection alike (the same tensors)"
+        )
+    return first
+
+
+def _gptq_bits(ckpt: _Checkpoint, base: str, partner: str) -> tuple[int, str]:
+    """GPTQ's bits where no quantization config gives them, and a note on where they came
+    from: qweight holds K * bits / 32 rows, K being g_idx's length or else the output rows
+    of ``partner`` (down's for gate and up, gate's for down); 4 where K is unknown."""
+    if base + "g_idx" in ckpt:
+        k, source = ckpt.get(base + "g_idx").numel(), f"{base}g_idx's length"
+    elif partner + "scales" in ckpt and ckpt.get(partner + "scales").dim() == 2:
+        k, source = ckpt.get(partner + "scales").shape[1], f"{partner}scales' output rows"
+    else:
+        return 4, 'bits taken as 4: config.json gives no quantization_config "bits"'
+    rows = ckpt.get(base + "qweight").shape[0]
+    bits = next((b for b in (4, 8) if rows * 32 == k * b), None)
+    if bits is None:
+        raise MoeInputError(
+            f"checkpoint: {base}qweight has {rows} rows, which hold K={k} input rows ({source}) "
+            "at neither 4 nor 8 bits, and no quantization config gives the bits: add them to "
+            'config.json\'s quantization_config (e.g. "bits": 4)'
+        )
+    return bits, f"{bits} bits from {source}, for want of a quantization config"
+
+
 def _matrix_key(ckpt: _Checkpoint, base: str) -> str:
     """The key of the matrix of projection ``base`` (``prefix{e}.{proj}.``)."""
     return next((base + m for m in _MATRICES if base + m in ckpt), base + "weight")
@@ -433,22 +488,33 @@ def _imported(what: str, importer, *args, **kwargs):
         raise MoeInputError(f"checkpoint: {what}: {e}") from e
 
 
-def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[Any, str]:
-    """One projection of every expert, stacked: (plain tensor or QuantizedWeight, format)."""
+def _projection(
+    ckpt: _Checkpoint, prefix: str, num: int, proj: str, partner: str
+) -> tuple[Any, str]:
+    """One projection of every expert, stacked: (plain tensor or QuantizedWeight, format).
+    ``partner``: the projection whose output rows are this one's input rows."""
     from .quant import checkpoints as ck
 
     base = f"{prefix}0.{proj}."
-    q = _quant_config(ckpt.config)
+    q = ck.quant_config(ckpt.config)
     what = f"{prefix}{{0..{num - 1}}}.{proj}.*"
 
     def each(suffix: str) -> list:
         return _per_expert(ckpt, prefix, num, proj, suffix)
 
-    if base + "weight_packed" in ckpt:
+    def stored(suffix: str) -> bool:
+        return _stored(ckpt, prefix, num, proj, suffix)
+
+    if stored("weight_packed"):
         first = ckpt.get(base + "weight_packed")
-        shape = ckpt.get(base + "weight_shape") if base + "weight_shape" in ckpt else None
-        bits = _compressed_tensors_bits(q) or 4
+        shape = ckpt.get(base + "weight_shape") if stored("weight_shape") else None
+        bits = ck.compressed_tensors_bits(q) or 4
         if shape is not None:  # words = ceil(K * bits / 32)
+            if shape.numel() != 2 or shape.is_floating_point():
+                raise MoeInputError(
+                    f"checkpoint: {base}weight_shape holds {shape.tolist()}; expected (N, K), "
+                    "the two integer dims of the unpacked [out, in] matrix"
+                )
             k = int(shape.reshape(-1)[1])
             bits = 8 if first.shape[1] != -(-k // 8) and first.shape[1] == -(-k // 4) else 4
         weight = _imported(
@@ -456,19 +522,24 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
             ck.import_compressed_tensors,
             each("weight_packed"),
             each("weight_scale"),
-            each("weight_zero_point") if base + "weight_zero_point" in ckpt else None,
+            each("weight_zero_point") if stored("weight_zero_point") else None,
             each("weight_shape") if shape is not None else None,
             num_bits=bits,
-            g_idx=each("weight_g_idx") if base + "weight_g_idx" in ckpt else None,
-            group_size=_compressed_tensors_group_size(q),
+            g_idx=each("weight_g_idx") if stored("weight_g_idx") else None,
+            group_size=ck.compressed_tensors_group_size(q),
         )
         return weight, "compressed-tensors"
-    if base + "qweight" in ckpt:
+    if stored("qweight"):
         method = q.get("quant_method")
         if method is None:  # GPTQ packs along K (N columns), AWQ along N
             qweight, scales = ckpt.get(base + "qweight"), ckpt.get(base + "scales")
             method = "gptq" if qweight.shape[1] == scales.shape[1] else "awq"
-        bits = q.get("bits", q.get("w_bit", 4))
+        bits = q.get("bits", q.get("w_bit"))
+        if bits is None and method == "gptq":
+            stored("g_idx")  # every expert alike before expert 0's g_idx gives K
+            bits, note = _gptq_bits(ckpt, base, f"{prefix}0.{partner}.")
+            what += f" ({note})"
+        bits = 4 if bits is None else bits
         if method == "awq":  # AutoAWQ's quant_config.json calls it q_group_size
             weight = _imported(
                 what,
@@ -487,7 +558,7 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
                 each("qweight"),
                 each("qzeros"),
                 each("scales"),
-                each("g_idx") if base + "g_idx" in ckpt else None,
+                each("g_idx") if stored("g_idx") else None,
                 bits=bits,
                 checkpoint_format=q.get("checkpoint_format", "gptq"),
                 group_size=q.get("group_size"),
@@ -498,15 +569,15 @@ def _projection(ckpt: _Checkpoint, prefix: str, num: int, proj: str) -> tuple[An
         )
     first = ckpt.get(base + "weight")
     if first.dtype == torch.float8_e4m3fn:
-        if base + "weight_scale_inv" not in ckpt:
+        if not stored("weight_scale_inv"):
             raise MoeInputError(
                 f"checkpoint: {base}weight is e4m3 without {base}weight_scale_inv; moerunner "
                 "reads FP8 experts with 128x128 block scales (DeepSeek-V3 layout)"
             )
         weight = _imported(what, ck.import_deepseek_fp8, each("weight"), each("weight_scale_inv"))
         return weight, "fp8_block"
-    if first.dtype == torch.uint8 and base + "weight_scale_2" in ckpt:
-        inputs = each("input_scale") if base + "input_scale" in ckpt else None
+    if first.dtype == torch.uint8 and stored("weight_scale_2"):
+        inputs = each("input_scale") if stored("input_scale") else None
         weight = _imported(
             what,
             ck.import_modelopt_nvfp4,
@@ -537,6 +608,21 @@ def _check_gate_up(ckpt: _Checkpoint, prefix: str, projections: tuple, gate, up)
     )
 
 
+def _check_plain_dtypes(named: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
+    """Plain projections keep their stored dtype unless ``dtype`` converts them, and a layer
+    runs in one of bf16 / fp16 / fp32: anything else is refused naming the tensors."""
+    dtypes = {t.dtype for t in named.values()}
+    if dtype is None and (
+        len(dtypes) > 1 or not dtypes <= {torch.bfloat16, torch.float16, torch.float32}
+    ):
+        listed = ", ".join(f"{key} is {t.dtype}" for key, t in named.items())
+        raise MoeInputError(
+            f"checkpoint: {listed}; a layer runs in one dtype of bf16, fp16 or fp32: pass "
+            "dtype=torch.float32 (or torch.bfloat16 / torch.float16) to load_experts to convert "
+            "the plain weights"
+        )
+
+
 def _check_stacked_count(ckpt: _Checkpoint, fam: CheckpointFamily, key: str) -> None:
     """A stacked ``[E, ...]`` tensor (GPT-OSS) must hold config.json's expert count, as the
     per-expert families' keys must (`_count_experts`)."""
@@ -547,34 +633,6 @@ def _check_stacked_count(ckpt: _Checkpoint, fam: CheckpointFamily, key: str) -> 
             f"checkpoint: config.json says {field}={counted}, but {key} has shape {shape} "
             f"([E, ...]: {shape[0] if shape else 'no'} experts)"
         )
-
-
-def _block_aligned(gate, up, down) -> tuple:
-    """fp8_block gate / up / down with I padded to whole 128-row scale blocks (zero rows of
-    gate and up, zero columns of down: the same blocks, so the scales stay as stored)."""
-    if gate.scheme.granularity != "block":
-        return gate, up, down
-    rows = gate.scheme.block_shape[0]
-    inter = gate.shape[1]
-    if inter % rows == 0:
-        return gate, up, down
-    padded = -(-inter // rows) * rows
-    return gate.pad(rows_per_segment=padded), up.pad(rows_per_segment=padded), down.pad(k=padded)
-
-
-def _cat_gate_up(gate, up, names: str, rescale: bool):
-    from .quant.checkpoints import cat_rows
-
-    try:
-        return cat_rows([gate, up], rescale=rescale)
-    except ValueError as e:
-        if "differs between parts" not in str(e):
-            raise
-        raise MoeInputError(
-            f"checkpoint: {names}: gate and up carry different per-expert global scales "
-            "(NVFP4 weight_scale_2); pass rescale=True to load_experts to re-round both to "
-            "the larger one (lossy)"
-        ) from None
 
 
 def _check_shapes(w13, w2, b13, b2, prefix: str, gated: bool = True) -> None:
@@ -656,10 +714,12 @@ def load_experts(
 
     Raises ``MoeInputError`` for a missing tensor (naming it and the file or index it was
     looked for in), a file that is not readable safetensors (naming it), an expert count other
-    than config.json's, experts storing a projection in different dtypes or shapes (naming the
-    first key that differs from expert 0's), gate and up of different shapes (naming both),
-    experts that do not fit together, an importer's refusal (naming the projection's keys), an
-    unknown family or a layer out of range.
+    than config.json's, experts storing a projection with other tensors, dtypes or shapes
+    (naming the first key that differs from expert 0's), gate and up of different shapes or
+    schemes (naming both), plain weights in several dtypes or one moerunner does not run
+    (naming them; ``dtype=`` converts), experts that do not fit together, an importer's refusal
+    (naming the projection's keys), a config.json field of the wrong type or value (naming
+    it), an unknown family or a layer out of range.
     """
     if dtype is not None and dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"dtype must be torch.bfloat16, float16, float32 or None, got {dtype}")
@@ -694,11 +754,13 @@ def load_experts(
             w13, w2, b13, b2, fmt = _gpt_oss(ckpt, prefix)
             stacked = "gate_up_proj_blocks" if fmt == "mxfp4" else "gate_up_proj"
             _check_stacked_count(ckpt, fam, prefix + stacked)
+            plain = {prefix + "gate_up_proj": w13, prefix + "down_proj": w2}
         else:
             gate, up, down = fam.projections
             num = _count_experts(ckpt, prefix, fam, f"{prefix}0.{gate}.weight")
             (g, fmt), (u, fmt_up), (w2, fmt_down) = (
-                _projection(ckpt, prefix, num, p) for p in (gate, up, down)
+                _projection(ckpt, prefix, num, p, gate if p == down else down)
+                for p in (gate, up, down)
             )
             if len({fmt, fmt_up, fmt_down}) != 1:
                 raise MoeInputError(
@@ -707,13 +769,17 @@ def load_experts(
                 )
             _check_gate_up(ckpt, prefix, fam.projections, g, u)
             if fmt == "plain":
+                keys = (_matrix_key(ckpt, f"{prefix}0.{p}.") for p in fam.projections)
+                plain = dict(zip(keys, (g, u, w2), strict=True))
                 w13 = torch.cat([g, u], dim=1)
             else:
-                g, u, w2 = _block_aligned(g, u, w2)
-                w13 = _cat_gate_up(g, u, f"{prefix}{{0..{num - 1}}}.{{{gate},{up}}}", rescale)
+                g, u, w2 = block_aligned(g, u, w2)
+                keys = [_matrix_key(ckpt, f"{prefix}0.{p}.") for p in (gate, up)]
+                w13 = join_gate_up(g, u, keys, f"{prefix}{{0..{num - 1}}}.{{{gate},{up}}}", rescale)
             b13 = b2 = None
         _check_shapes(w13, w2, b13, b2, prefix)
         if fmt == "plain":
+            _check_plain_dtypes(plain, dtype)
             w13, w2 = (w.to(device=device, dtype=dtype) for w in (w13, w2))
         elif device is not None:
             w13, w2 = w13.to(device), w2.to(device)
@@ -728,10 +794,5 @@ def load_experts(
         activation = Activation(fam.activation)
     weights = ExpertWeights(w13, w2, b13, b2, gate_up_interleaved=fam.projections is None)
     weights.validate(activation)
-    top_k, routing = _routing(fam, config)
-    if top_k is not None and not 1 <= top_k <= weights.num_experts:
-        raise MoeInputError(
-            f"checkpoint: config.json's num_experts_per_tok={top_k} is not in "
-            f"[1, {weights.num_experts}] (the layer's experts)"
-        )
+    top_k, routing = _routing(fam, config, weights.num_experts)
     return LoadedExperts(fam.name, layer, weights, activation, fmt, top_k, routing)

@@ -15,7 +15,7 @@
 # every packed word is an int32 holding 32/bits values, the first in the lowest bits):
 # compressed-tensors "pack-quantized": per projection `weight_packed` int32 [N, K*bits/32]
 #   (packed along K), `weight_scale` [N, K/g] (float), optional `weight_zero_point` int32
-#   [N*bits/32, K/g] (packed along N), `weight_shape` [2] = (N, K). Values and zero points are
+#   [ceil(N*bits/32), K/g] (packed along N), `weight_shape` [2] = (N, K). Values and zero points are
 #   signed and stored with the offset 2^(bits-1) added, so w = (u - u_zero) * scale on the
 #   stored unsigned codes (u_zero = 2^(bits-1) when symmetric).
 # GPTQ: `qweight` int32 [K*bits/32, N] (packed along K), `qzeros` int32 [K/g, N*bits/32]
@@ -29,7 +29,8 @@
 # All map onto moerunner's int4_g<g>[_zp] / int8_g<g>[_zp]: int4 keeps u (0..15) and the zero
 # (uint8), int8 stores u - 128 and zero - 128; zero points that all equal the midpoint
 # 2^(bits-1) give the symmetric scheme (no zero-point tensor). Float scales become fp32 (exact).
-# Gate and up projections are joined row-wise by `cat_rows` (gate rows, then up rows).
+# Gate and up projections are joined row-wise by `cat_rows` (gate rows, then up rows; it lives
+# in families.py, beside the other rules of how each family stores a weight).
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from contextlib import contextmanager
 import torch
 
 from moerunner.errors import MoeInputError
-from moerunner.quant.codecs import decode_e4m3, encode_e4m3, pack_nibbles
+from moerunner.quant.codecs import pack_nibbles
+from moerunner.quant.families import cat_rows
 from moerunner.quant.schemes import QuantScheme, get_scheme
 from moerunner.quant.weight import QuantizedWeight, check_scale_values
 
@@ -412,10 +414,14 @@ def import_compressed_tensors(
     else:
         zp = _stack("weight_zero_point", weight_zero_point)
         zp = _tensor("weight_zero_point", zp, torch.int32, 3)
-        if zp.shape[1] * per < n:
+        # Exactly the packed rows: an unpacked [N, groups] tensor also has enough rows, and
+        # reading it as packed would give wrong zero points.
+        rows = -(-n // per)
+        if tuple(zp.shape[1:]) != (rows, scales.shape[2]):
             raise ValueError(
-                f"weight_zero_point: expected int32 [ceil(N*{bits}/32), groups] per expert for "
-                f"N={n}, got {list(zp.shape)}"
+                f"weight_zero_point: expected int32 [ceil(N*{bits}/32), groups] = "
+                f"[{rows}, {scales.shape[2]}] per expert (N={n} packed {per} to a word, the "
+                f"groups of weight_scale), got {list(zp.shape[1:])} per expert"
             )
         zeros = _unpack_words(zp, bits, 1)[:, :n]
     group = _group_size(k, scales.shape[2], group_size, g_idx, "weight_scale")
@@ -513,72 +519,76 @@ def import_awq(
     )
 
 
-def _rescale_per_expert(parts: Sequence[QuantizedWeight], field: str) -> list[QuantizedWeight]:
-    """Bring parts to the largest per-expert ``field`` (fp8 tensor scale / nvfp4 global scale).
-
-    The part's finer-grained scale (fp8: data, nvfp4: e4m3 block scales) is multiplied by
-    old / new and re-rounded to e4m3, so this is lossy where the ratio is not a power of two.
-    """
-    target = torch.stack([getattr(p, field) for p in parts]).amax(dim=0)
-    out = []
-    for p in parts:
-        ratio = (getattr(p, field) / target)[:, None, None]
-        if field == "scale":
-            fields = {"data": encode_e4m3(decode_e4m3(p.data) * ratio), "scale": target}
-        else:
-            fields = {"scale": encode_e4m3(decode_e4m3(p.scale) * ratio), "global_scale": target}
-        out.append(p._replace(p.shape, **fields))
-    return out
+# Quantization configs (config.json's quantization_config) and the layer as a whole.
 
 
-def cat_rows(parts: Sequence[QuantizedWeight], *, rescale: bool = False) -> QuantizedWeight:
-    """Stack weights of one scheme along N (e.g. gate then up into w13); exact by default.
+def quant_config(config: dict) -> dict:
+    """config.json's ``quantization_config`` ({} where absent or not an object)."""
+    q = config.get("quantization_config")
+    return q if isinstance(q, dict) else {}
 
-    Per-expert scales covering a whole part (fp8_tensor ``scale``, nvfp4 ``global_scale``)
-    must be equal across parts, or ``rescale=True`` moves every part to the largest one
-    (lossy, see `_rescale_per_expert`). ``input_scale`` takes the largest value, since all
-    parts multiply the same activations. fp8_block parts except the last need N a multiple
-    of the block rows.
-    """
-    if not parts or not all(isinstance(p, QuantizedWeight) for p in parts):
-        raise TypeError("parts must be a non-empty sequence of QuantizedWeight")
-    first = parts[0]
-    e, _, k = first.shape
-    for p in parts:
-        if p.scheme != first.scheme or p.shape[0] != e or p.shape[2] != k:
-            raise ValueError(
-                f"parts: all parts need the same scheme, E and K; got {first!r} and {p!r}"
-            )
-    for field in ("global_scale",) + (
-        ("scale",) if first.scale is not None and first.scale.dim() == 1 else ()
-    ):
-        values = [getattr(p, field) for p in parts]
-        if values[0] is None or all(torch.equal(values[0], v) for v in values[1:]):
-            continue
-        if not rescale:
-            raise ValueError(
-                f"parts: per-expert {field} differs between parts; pass rescale=True to "
-                "re-round every part to the largest (lossy)"
-            )
-        parts = _rescale_per_expert(parts, field)
-    bs = first.scheme.block_shape
-    if first.scheme.granularity == "block" and any(p.shape[1] % bs[0] for p in parts[:-1]):
-        raise ValueError(
-            f"parts: scheme {first.scheme.name!r} shares a scale per {bs[0]} rows, so every part "
-            f"but the last needs N divisible by {bs[0]}; got N = {[p.shape[1] for p in parts]}"
-        )
-    fields: dict[str, torch.Tensor | None] = {"data": torch.cat([p.data for p in parts], dim=1)}
-    if first.scale is not None:
-        fields["scale"] = (
-            parts[0].scale if first.scale.dim() == 1 else torch.cat([p.scale for p in parts], dim=1)
-        )
-    if first.zero_point is not None:
-        fields["zero_point"] = torch.cat([p.zero_point for p in parts], dim=1)
-    fields["global_scale"] = parts[0].global_scale
-    inputs = [p.input_scale for p in parts if p.input_scale is not None]
-    fields["input_scale"] = torch.stack(inputs).amax(dim=0) if inputs else None
-    n = sum(p.shape[1] for p in parts)
-    return QuantizedWeight(first.scheme, (e, n, k), **fields)
+
+def compressed_tensors_bits(q: dict) -> int | None:
+    """The weights' bits of a compressed-tensors quantization config, where its config
+    groups agree on one; else None."""
+    bits = {
+        (group.get("weights") or {}).get("num_bits")
+        for group in (q.get("config_groups") or {}).values()
+        if isinstance(group, dict)
+    }
+    bits.discard(None)
+    return bits.pop() if len(bits) == 1 else None
+
+
+def compressed_tensors_group_size(q: dict) -> int | None:
+    """The weights' group size of a compressed-tensors quantization config (-1 for the
+    channel strategy), where its config groups agree on one; else None (the importer then
+    reads it from the scales' shape where that is unambiguous)."""
+    sizes = set()
+    for group in (q.get("config_groups") or {}).values():
+        weights = group.get("weights") or {} if isinstance(group, dict) else {}
+        if weights.get("strategy") == "channel":
+            sizes.add(-1)
+        elif isinstance(weights.get("group_size"), int):
+            sizes.add(weights["group_size"])
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def block_aligned(gate: QuantizedWeight, up: QuantizedWeight, down: QuantizedWeight) -> tuple:
+    """fp8_block gate / up / down with I padded to whole 128-row scale blocks (zero rows of
+    gate and up, zero columns of down: the same blocks, so the scales stay as stored)."""
+    if gate.scheme.granularity != "block":
+        return gate, up, down
+    rows = gate.scheme.block_shape[0]
+    inter = gate.shape[1]
+    if inter % rows == 0:
+        return gate, up, down
+    padded = -(-inter // rows) * rows
+    return gate.pad(rows_per_segment=padded), up.pad(rows_per_segment=padded), down.pad(k=padded)
+
+
+def join_gate_up(
+    gate: QuantizedWeight, up: QuantizedWeight, keys: Sequence[str], names: str, rescale: bool
+) -> QuantizedWeight:
+    """``cat_rows([gate, up])`` for ``moerunner.load_experts``, its refusals as MoeInputErrors
+    naming the checkpoint's tensors (``keys``: gate's and up's matrix, ``names``: both
+    projections of every expert)."""
+    try:
+        return cat_rows([gate, up], rescale=rescale)
+    except ValueError as e:
+        if "need the same scheme" in str(e):  # E and K are equal here
+            raise MoeInputError(
+                f"checkpoint: gate and up projections are stored in different schemes: "
+                f"{keys[0]} is {gate.scheme.name}, {keys[1]} is {up.scheme.name}; w13 holds "
+                "both in one, so they need the same bits and group size"
+            ) from None
+        if "differs between parts" not in str(e):
+            raise
+        raise MoeInputError(
+            f"checkpoint: {names}: gate and up carry different per-expert global scales "
+            "(NVFP4 weight_scale_2); pass rescale=True to load_experts to re-round both to "
+            "the larger one (lossy)"
+        ) from None
 
 
 @contextmanager

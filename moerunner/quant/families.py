@@ -9,15 +9,22 @@
 #
 # Adding a scheme whose family exists is one entry in ``schemes._NAMED``; a new family is one
 # more codec here (docs/architecture.md, "Adding a scheme").
+#
+# `cat_rows` (re-exported by ``checkpoints``) joins weights along N, e.g. gate and up into w13,
+# by the same per-family rules: which scales cover a whole part, and an int scheme's implicit
+# zero point when one part is the symmetric twin of another's zero-point scheme.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from moerunner.quant import fp8, integer, mx, nvfp4
+from moerunner.quant.codecs import decode_e4m3, encode_e4m3
 from moerunner.quant.schemes import QuantScheme
 
 if TYPE_CHECKING:
@@ -405,3 +412,94 @@ def pad_block_grid(
     if kb1 > kb0:
         grid = torch.cat([grid, grid.new_ones(e, nb1, kb1 - kb0)], dim=2)
     return grid
+
+
+def _rescale_per_expert(parts: Sequence[QuantizedWeight], field: str) -> list[QuantizedWeight]:
+    """Bring parts to the largest per-expert ``field`` (fp8 tensor scale / nvfp4 global scale).
+
+    The part's finer-grained scale (fp8: data, nvfp4: e4m3 block scales) is multiplied by
+    old / new and re-rounded to e4m3, so this is lossy where the ratio is not a power of two.
+    """
+    target = torch.stack([getattr(p, field) for p in parts]).amax(dim=0)
+    out = []
+    for p in parts:
+        ratio = (getattr(p, field) / target)[:, None, None]
+        if field == "scale":
+            fields = {"data": encode_e4m3(decode_e4m3(p.data) * ratio), "scale": target}
+        else:
+            fields = {"scale": encode_e4m3(decode_e4m3(p.scale) * ratio), "global_scale": target}
+        out.append(p._replace(p.shape, **fields))
+    return out
+
+
+def _zero_point_twins(parts: Sequence[QuantizedWeight]) -> Sequence[QuantizedWeight]:
+    """Symmetric int parts beside parts of their zero-point twin (same bits and groups) as
+    that twin: the importers give the symmetric scheme where every zero point is the
+    midpoint, so gate and up can come out one of each, and the midpoint stored as explicit
+    zero points (8 for int4, 0 for int8, which stores zero - 128) keeps every value."""
+    zp = next((p for p in parts if p.scheme.zero_point), None)
+    if zp is None:
+        return parts
+    out = []
+    for p in parts:
+        if p.scheme == dataclasses.replace(zp.scheme, name=p.scheme.name, zero_point=False):
+            mid = 8 if p.scheme.weight_format == "int4" else 0
+            zero = torch.full_like(p.scale, mid, dtype=zp.zero_point.dtype)
+            p = type(p)(zp.scheme, p.shape, p.data, p.scale, zero_point=zero)
+        out.append(p)
+    return out
+
+
+def cat_rows(parts: Sequence[QuantizedWeight], *, rescale: bool = False) -> QuantizedWeight:
+    """Stack weights of one scheme along N (e.g. gate then up into w13); exact by default.
+
+    An int scheme and its zero-point twin (``int4_g32`` and ``int4_g32_zp``) join as the
+    twin, the symmetric parts' implicit midpoint stored as their zero points (exact).
+    Per-expert scales covering a whole part (fp8_tensor ``scale``, nvfp4 ``global_scale``)
+    must be equal across parts, or ``rescale=True`` moves every part to the largest one
+    (lossy, see `_rescale_per_expert`). ``input_scale`` takes the largest value, since all
+    parts multiply the same activations. fp8_block parts except the last need N a multiple
+    of the block rows.
+    """
+    from moerunner.quant.weight import QuantizedWeight  # weight.py imports this module
+
+    if not parts or not all(isinstance(p, QuantizedWeight) for p in parts):
+        raise TypeError("parts must be a non-empty sequence of QuantizedWeight")
+    parts = _zero_point_twins(parts)
+    first = parts[0]
+    e, _, k = first.shape
+    for p in parts:
+        if p.scheme != first.scheme or p.shape[0] != e or p.shape[2] != k:
+            raise ValueError(
+                f"parts: all parts need the same scheme, E and K; got {first!r} and {p!r}"
+            )
+    for field in ("global_scale",) + (
+        ("scale",) if first.scale is not None and first.scale.dim() == 1 else ()
+    ):
+        values = [getattr(p, field) for p in parts]
+        if values[0] is None or all(torch.equal(values[0], v) for v in values[1:]):
+            continue
+        if not rescale:
+            raise ValueError(
+                f"parts: per-expert {field} differs between parts; pass rescale=True to "
+                "re-round every part to the largest (lossy)"
+            )
+        parts = _rescale_per_expert(parts, field)
+    bs = first.scheme.block_shape
+    if first.scheme.granularity == "block" and any(p.shape[1] % bs[0] for p in parts[:-1]):
+        raise ValueError(
+            f"parts: scheme {first.scheme.name!r} shares a scale per {bs[0]} rows, so every part "
+            f"but the last needs N divisible by {bs[0]}; got N = {[p.shape[1] for p in parts]}"
+        )
+    fields: dict[str, torch.Tensor | None] = {"data": torch.cat([p.data for p in parts], dim=1)}
+    if first.scale is not None:
+        fields["scale"] = (
+            parts[0].scale if first.scale.dim() == 1 else torch.cat([p.scale for p in parts], dim=1)
+        )
+    if first.zero_point is not None:
+        fields["zero_point"] = torch.cat([p.zero_point for p in parts], dim=1)
+    fields["global_scale"] = parts[0].global_scale
+    inputs = [p.input_scale for p in parts if p.input_scale is not None]
+    fields["input_scale"] = torch.stack(inputs).amax(dim=0) if inputs else None
+    n = sum(p.shape[1] for p in parts)
+    return QuantizedWeight(first.scheme, (e, n, k), **fields)
