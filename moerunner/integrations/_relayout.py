@@ -17,8 +17,10 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..device_checks import capturing
 from ._hf_experts import (
@@ -73,10 +75,42 @@ def _offloading_hook(module: torch.nn.Module) -> bool:
     )
 
 
+#: Set on 3-D parameters an optimizer has stepped since this module was imported
+#: (``_note_stepped``; an attribute, since tensors compare elementwise and cannot be looked up
+#: in weak sets). Their layout stays: the optimizer's state tensors have the parameter's
+#: strides, and PyTorch's fused optimizers update parameter and state as flat memory assumed
+#: to match, so after a re-lay every step updated the wrong elements, silently.
+_STEPPED = "_moerunner_stepped"
+_STEPPED_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _note_stepped(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (every optimizer of the process): record its 3-D parameters,
+    once per optimizer and parameter count (a dictionary lookup per step after that)."""
+    groups = getattr(optimizer, "param_groups", ())
+    count = sum(len(group["params"]) for group in groups)
+    if _STEPPED_COUNTS.get(optimizer) == count:
+        return
+    _STEPPED_COUNTS[optimizer] = count
+    for group in groups:
+        for param in group["params"]:
+            if isinstance(param, torch.Tensor) and param.dim() == 3:
+                setattr(param, _STEPPED, True)
+
+
+register_optimizer_step_pre_hook(_note_stepped)
+
+
 def _param_blocker(name: str, param: torch.nn.Parameter) -> str | None:
     """Why parameter ``name``'s data cannot be re-laid, or None."""
     if param.dim() != 3 or param.numel() == 0:
         return f"{name} is not a non-empty 3-D tensor (shape {list(param.shape)})"
+    if getattr(param, _STEPPED, False):
+        return (
+            f"{name} was stepped by an optimizer, whose state keeps its strides (fused "
+            "optimizers would then update the wrong elements); re-lay before making the "
+            "optimizer"
+        )
     if param.device.type == "meta":
         return f"{name} is on the meta device (offloaded or not loaded)"
     if type(param.data) is not torch.Tensor:

@@ -228,6 +228,41 @@ def test_trained_layers_are_never_relaid_by_a_later_inference_call(zero_grad):
         assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize("switch", ["use_moerunner", "evaluation", "relayout_experts"])
+def test_parameters_an_optimizer_stepped_are_never_relaid(switch):
+    """Trained with transformers' own experts under a fused AdamW, then moerunner turned on
+    (``use_moerunner``, or the implementation set and an evaluation with grad mode off, or
+    an explicit ``relayout_experts``): the re-lay changed the strides the optimizer's state
+    had, and every later step updated the wrong elements (parameters 1.7e-2 off a twin
+    trained without the switch after one step, silently). Parameters an optimizer has
+    stepped keep their layout; the twin's training is the reference."""
+    model = build("gpt_oss", intermediate_size=40)
+    twin = copy.deepcopy(model)
+    experts = _experts(model)
+    strides = [(e.gate_up_proj.stride(), e.down_proj.stride()) for e in experts]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, twin)]
+
+    def steps(count):
+        for _ in range(count):
+            for m, opt in zip((model, twin), optimizers, strict=True):
+                m(IDS).logits.square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+    steps(1)
+    if switch == "use_moerunner":
+        mt.use_moerunner(model, backend="torch")
+    elif switch == "evaluation":
+        _logits(model, "moerunner")
+    else:
+        verdicts = mt.relayout_experts(model)
+        assert all("stepped by an optimizer" in v for v in verdicts.values()), verdicts
+    assert [(e.gate_up_proj.stride(), e.down_proj.stride()) for e in experts] == strides
+    steps(2)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert (p - q).abs().max() <= 1e-4, name
+
+
 def test_experts_memory_is_held_once_and_relaid_in_place():
     """With nothing else holding the experts' memory (the module's cached views are dropped
     first), each parameter is transposed in place: same memory, no second copy."""
