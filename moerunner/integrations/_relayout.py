@@ -87,6 +87,8 @@ _STEPPED_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _note_stepped(optimizer, args, kwargs) -> None:
     """Optimizer step pre-hook (every optimizer of the process): record its 3-D parameters,
     once per optimizer and parameter count (a dictionary lookup per step after that)."""
+    if torch.compiler.is_compiling():  # a compiled step: nothing for the graph to trace
+        return
     groups = getattr(optimizer, "param_groups", ())
     count = sum(len(group["params"]) for group in groups)
     if _STEPPED_COUNTS.get(optimizer) == count:
