@@ -318,7 +318,7 @@ def _note_strided(module: torch.nn.Module) -> None:
         "(GPT-OSS), so the kernels read them through strided views, which took up to 1.4x the "
         "GPU time of the contiguous layout (H200, 2026-11-28); it was not re-laid in place "
         "(that is done on a call with grad mode off, where no other tensor holds the memory, "
-        "to a layer no grad-mode call has trained and no optimizer has stepped). "
+        "to a layer no grad-mode call has trained and no optimizer holds state for). "
         "moerunner.integrations.transformers.use_moerunner(model) (or relayout_experts(model)) "
         "re-lays them once, keeping their shapes, state dict and checkpoints; "
         "use_moerunner(model, relayout=False) keeps them as stored without this warning",

@@ -17,10 +17,8 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..device_checks import capturing
 from ._hf_experts import (
@@ -75,44 +73,30 @@ def _offloading_hook(module: torch.nn.Module) -> bool:
     )
 
 
-#: Set on 3-D parameters an optimizer has stepped since this module was imported
-#: (``_note_stepped``; an attribute, since tensors compare elementwise and cannot be looked up
-#: in weak sets). Their layout stays: the optimizer's state tensors have the parameter's
-#: strides, and PyTorch's fused optimizers update parameter and state as flat memory assumed
-#: to match, so after a re-lay every step updated the wrong elements, silently.
-_STEPPED = "_moerunner_stepped"
-_STEPPED_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _note_stepped(optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook (every optimizer of the process): record its 3-D parameters,
-    once per optimizer and parameter count (a dictionary lookup per step after that)."""
-    if torch.compiler.is_compiling():  # a compiled step: nothing for the graph to trace
-        return
-    groups = getattr(optimizer, "param_groups", ())
-    count = sum(len(group["params"]) for group in groups)
-    if _STEPPED_COUNTS.get(optimizer) == count:
-        return
-    _STEPPED_COUNTS[optimizer] = count
-    for group in groups:
-        for param in group["params"]:
-            if isinstance(param, torch.Tensor) and param.dim() == 3:
-                setattr(param, _STEPPED, True)
-
-
-register_optimizer_step_pre_hook(_note_stepped)
+def _optimizer_state_blocker(weights: list[tuple[str, torch.nn.Parameter]]) -> str | None:
+    """Why the weights must keep their layout because an optimizer holds state for them, or
+    None. An optimizer's state tensors have the parameter's strides, and PyTorch's fused
+    optimizers update parameter and state as flat memory assumed to match: after a re-lay
+    every step updated the wrong elements, silently. Found by what refers to the parameters
+    (an optimizer's ``state`` is a dict keyed by them), whenever and however that state was
+    made (steps, ``load_state_dict``), once per re-lay decision."""
+    params = {id(param): name for name, param in weights}
+    for referrer in gc.get_referrers(*(param for _, param in weights)):
+        if not isinstance(referrer, dict):
+            continue
+        for key, value in list(referrer.items()):
+            if id(key) in params and isinstance(value, dict) and value:
+                return (
+                    f"{params[id(key)]} has optimizer state, whose tensors keep its strides "
+                    "(fused optimizers would update the wrong elements after a re-lay)"
+                )
+    return None
 
 
 def _param_blocker(name: str, param: torch.nn.Parameter) -> str | None:
     """Why parameter ``name``'s data cannot be re-laid, or None."""
     if param.dim() != 3 or param.numel() == 0:
         return f"{name} is not a non-empty 3-D tensor (shape {list(param.shape)})"
-    if getattr(param, _STEPPED, False):
-        return (
-            f"{name} was stepped by an optimizer, whose state keeps its strides (fused "
-            "optimizers would then update the wrong elements); re-lay before making the "
-            "optimizer"
-        )
     if param.device.type == "meta":
         return f"{name} is on the meta device (offloaded or not loaded)"
     if type(param.data) is not torch.Tensor:
@@ -143,7 +127,7 @@ def blocker(model: torch.nn.Module, path: str, module: torch.nn.Module, owners: 
         key = (str(param.device), param.untyped_storage().data_ptr())
         if len(owners.get(key, ())) > 1:
             return f"{name} shares its memory with another tensor of the model"
-    return None
+    return _optimizer_state_blocker(_weights(module))
 
 
 #: Transient memory of an in-place re-lay: experts are transposed in chunks of about this size
@@ -234,7 +218,8 @@ def auto_relayout(module: torch.nn.Module) -> bool:
     ``relayout_experts(model, "stored")``), with grad mode on (training keeps its layout),
     while compiling or capturing a CUDA graph, after an earlier call (compiled or with grad
     mode on) derived views of the weights, for weights another tensor shares, that are
-    offloaded, meta, inference tensors or tensor subclasses, and after a first decision. A
+    offloaded, meta, inference tensors or tensor subclasses, that an optimizer holds state
+    for, and after a first decision. A
     call with grad mode on whose parameters require grad decides for good: trained
     parameters keep their layout (an optimizer's state has their strides)."""
     if module.__dict__.get(STORED_ON_PURPOSE) or module.__dict__.get(_AUTO_DECIDED):
@@ -271,6 +256,8 @@ def _relayout_if_alone(module: torch.nn.Module) -> bool:
             return False
         if not _alone(param):
             return False
+    if _optimizer_state_blocker(weights) is not None:
+        return False
     relayout(module, "canonical")  # in place: every parameter is alone
     _log.info(
         "moerunner: re-laid the transposed experts of %s in place (canonical layout; "
