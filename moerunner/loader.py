@@ -129,6 +129,7 @@ class _Checkpoint:
         self._stack = stack
         self._open: dict[str, Any] = {}
         self._read: dict[str, torch.Tensor] = {}  # each tensor read once per load
+        self.twice: dict[str, tuple[str, str]] = {}  # index-less: in two files (``get``)
         if os.path.isdir(path):
             folder = path
             index = os.path.join(path, "model.safetensors.index.json")
@@ -196,13 +197,8 @@ class _Checkpoint:
         for p in paths:
             with reading_safetensors(p), safe_open(p, framework="pt") as f:
                 keys = list(f.keys())
-            # Without an index nothing says which copy is meant; taking either would be a guess.
-            twice = next((k for k in keys if k in self.files), None)
-            if twice is not None:
-                raise MoeInputError(
-                    f"checkpoint: tensor {twice!r} is in both {self.files[twice]!r} and {p!r}, "
-                    "and no model.safetensors.index.json says which file holds it"
-                )
+            # Without an index nothing says which copy is meant: a guess, refused if read.
+            self.twice.update((k, (self.files[k], p)) for k in keys if k in self.files)
             self.files.update(dict.fromkeys(keys, p))
         self.where = repr(paths[0]) if len(paths) == 1 else f"any of {paths}"
 
@@ -215,6 +211,11 @@ class _Checkpoint:
 
         if key not in self.files:
             raise MoeInputError(f"checkpoint: tensor {key!r} not found in {self.where}")
+        if key in self.twice:
+            raise MoeInputError(
+                f"checkpoint: tensor {key!r} is in both {self.twice[key][0]!r} and "
+                f"{self.twice[key][1]!r}, and no model.safetensors.index.json says which holds it"
+            )
         file = self.files[key]
         if file not in self._open:
             if not os.path.isfile(file):
@@ -395,8 +396,9 @@ def _routing(
                 "softmax", renormalize, groups, keep, scale, group_score="max"
             )  # groups ranked by their best score
         return top_k, RoutingConfig(renormalize=renormalize, routed_scaling_factor=scale)
-    _check_groups(None if groups == 1 else groups, keep, top_k, num)  # 1: no groups
-    grouped = groups is not None and groups > 1
+    grouped = groups is not None and groups != 1  # 1 or absent: no groups, topk_group unread
+    if grouped:
+        _check_groups(groups, keep, top_k, num)
     return top_k, RoutingConfig(
         "sigmoid",
         _config_bool(config, "norm_topk_prob", True),
@@ -608,12 +610,12 @@ def _check_gate_up(ckpt: _Checkpoint, prefix: str, projections: tuple, gate, up)
     )
 
 
-def _check_plain_dtypes(named: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
-    """Plain projections keep their stored dtype unless ``dtype`` converts them, and a layer
-    runs in one of bf16 / fp16 / fp32: anything else is refused naming the tensors."""
-    dtypes = {t.dtype for t in named.values()}
+def _check_plain_dtypes(named: dict[str, torch.Tensor], w13, w2, dtype) -> None:
+    """Plain projections keep their stored dtype unless ``dtype`` converts them (gate and up
+    joined in their promoted dtype, exactly), and a layer runs in one of bf16 / fp16 / fp32:
+    anything else is refused naming the tensors."""
     if dtype is None and (
-        len(dtypes) > 1 or not dtypes <= {torch.bfloat16, torch.float16, torch.float32}
+        w13.dtype != w2.dtype or w13.dtype not in (torch.bfloat16, torch.float16, torch.float32)
     ):
         listed = ", ".join(f"{key} is {t.dtype}" for key, t in named.items())
         raise MoeInputError(
@@ -779,7 +781,7 @@ def load_experts(
             b13 = b2 = None
         _check_shapes(w13, w2, b13, b2, prefix)
         if fmt == "plain":
-            _check_plain_dtypes(plain, dtype)
+            _check_plain_dtypes(plain, w13, w2, dtype)
             w13, w2 = (w.to(device=device, dtype=dtype) for w in (w13, w2))
         elif device is not None:
             w13, w2 = w13.to(device), w2.to(device)

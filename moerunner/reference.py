@@ -19,6 +19,7 @@ import math
 import torch
 
 from .config import Activation
+from .device_checks import check_ids_async
 from .errors import INDEX_DTYPES_TEXT, MoeInputError, is_index_tensor
 from .weights import ExpertWeights, is_quantized
 
@@ -98,13 +99,12 @@ def reference_moe(
 
     w13's rows are read in ``weights.w13_order``; swiglu_oai parameters may be per expert.
     Ids outside ``[-1, E)`` are refused, as the runner's checked calls refuse them."""
-    _check_inputs(hidden_states, weights, topk_weights, topk_ids)
+    ids = _check_inputs(hidden_states, weights, topk_weights, topk_ids)
     act = Activation.of(activation)
     x = hidden_states.cpu()
     w13, w2 = _weight64(weights.w13), _weight64(weights.w2)
     b13 = None if weights.w13_bias is None else weights.w13_bias.to(torch.float64).cpu()
     b2 = None if weights.w2_bias is None else weights.w2_bias.to(torch.float64).cpu()
-    ids = topk_ids.cpu().long()
     slot_weights = topk_weights.to(torch.float64).cpu()
     out = torch.zeros(x.shape, dtype=torch.float64)  # x: [T, H], on the CPU
     for e in range(w13.shape[0]):
@@ -125,8 +125,9 @@ def reference_moe(
     return out
 
 
-def _check_inputs(x, weights, topk_weights, topk_ids) -> None:
-    """The reference's arguments, each named where it is not what the docstring says."""
+def _check_inputs(x, weights, topk_weights, topk_ids) -> torch.Tensor:
+    """The reference's arguments, each named where it is not what the docstring says; the ids
+    as int64 on the CPU."""
     if not isinstance(weights, ExpertWeights):
         raise TypeError(
             "reference_moe: weights must be an ExpertWeights (ExpertWeights(w13, w2)), got "
@@ -135,10 +136,10 @@ def _check_inputs(x, weights, topk_weights, topk_ids) -> None:
     for name, t in (("hidden_states", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"reference_moe: {name} must be a tensor, got {type(t).__name__}")
-    if x.dim() != 2 or x.shape[1] != weights.w13.shape[-1]:
+    if x.dim() != 2 or x.shape[1] != weights.hidden_size:
         raise MoeInputError(
-            f"reference_moe: hidden_states must be [T, H] with H = {weights.w13.shape[-1]} "
-            f"(w13's last dimension), got {tuple(x.shape)}"
+            f"reference_moe: hidden_states must be [T, H] with H = {weights.hidden_size} "
+            f"(the weights' hidden size), got {tuple(x.shape)}"
         )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise MoeInputError(
@@ -154,11 +155,6 @@ def _check_inputs(x, weights, topk_weights, topk_ids) -> None:
         raise TypeError(
             f"reference_moe: topk_ids must be {INDEX_DTYPES_TEXT}, got {topk_ids.dtype}"
         )
-    num_experts = weights.w13.shape[0]
     ids = topk_ids.cpu().long()
-    bad = (ids < -1) | (ids >= num_experts)
-    if bool(bad.any()):
-        raise MoeInputError(
-            f"reference_moe: topk_ids holds {int(ids[bad][0])}, outside [-1, {num_experts}) "
-            "(-1 marks an empty slot)"
-        )
+    check_ids_async(ids, weights.num_experts, "reference_moe")  # on the CPU: at once
+    return ids

@@ -255,11 +255,12 @@ class Registry:
         requested: str,
         preference: dict[str, tuple[str, ...]] | None,
     ) -> Selection:
-        self.check_name(requested)
         backends = dict(self.backends)  # one view of them for this choice
+        if requested != "auto" and requested not in backends:
+            self.check_name(requested)  # (raises, naming the registered ones)
         verdicts = self._verdicts(backends, problem, auto=requested == "auto")
         if requested != "auto":
-            ok, reason = verdicts.get(requested, (False, "unregistered meanwhile"))
+            ok, reason = verdicts[requested]
             if not ok:
                 raise BackendUnavailableError(_explain(problem, verdicts, requested))
             return Selection(backends[requested], verdicts, "requested")

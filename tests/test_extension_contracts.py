@@ -440,11 +440,13 @@ def test_reference_names_its_bad_arguments():
         moerunner.reference_moe(x, w13, topk.weights, topk.ids)
     with pytest.raises(TypeError, match="topk_weights must be a tensor, got TopK"):
         moerunner.reference_moe(x, weights, topk, topk.ids)
-    with pytest.raises(MoeInputError, match=r"H = 32 \(w13's last dimension\), got \(8, 16\)"):
+    with pytest.raises(MoeInputError, match=r"H = 32 \(the weights' hidden size\), got \(8, 16\)"):
         moerunner.reference_moe(x[:, :16], weights, topk.weights, topk.ids)
     ids = topk.ids.clone()
     ids[2, 1] = E + 10
-    with pytest.raises(MoeInputError, match=r"holds 14, outside \[-1, 4\)"):
+    with pytest.raises(
+        MoeInputError, match=r"topk_ids must be in \[-1, E=4\), got values in \[0, 14\]"
+    ):
         moerunner.reference_moe(x, weights, topk.weights, ids)
     with pytest.raises(TypeError, match="topk_ids must be"):
         moerunner.reference_moe(x, weights, topk.weights, topk.ids.float())

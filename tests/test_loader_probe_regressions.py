@@ -306,6 +306,18 @@ def test_projections_of_different_dtypes_name_the_tensors(tmp_path):
         moerunner.load_experts(tmp_path / "oss.safetensors", layer=0, family="gpt_oss")
 
 
+def test_gate_and_up_that_promote_to_down_s_dtype_load_exactly(tmp_path):
+    """fp32 gate, bf16 up and fp32 down join exactly in fp32, as they always loaded (the
+    mixed-dtype refusal took these in for a while)."""
+    tensors = _mixtral(tmp_path)
+    for e in range(E):
+        tensors[f"{MIXTRAL}{e}.w3.weight"] = tensors[f"{MIXTRAL}{e}.w3.weight"].bfloat16()
+    _write(tmp_path, tensors, None, "a.safetensors")
+    loaded = moerunner.load_experts(tmp_path, layer=0)
+    assert loaded.weights.w13.dtype == torch.float32
+    assert torch.equal(loaded.weights.w13[1, 32:], tensors[f"{MIXTRAL}1.w3.weight"].float())
+
+
 # ---------------------------------------------------------------- files and config.json
 
 
@@ -319,6 +331,11 @@ def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path):
         match=re.escape(repr(key)) + r" is in both .*a\.safetensors.* and .*b\.safetensors",
     ):
         moerunner.load_experts(tmp_path, layer=0)
+    # A tensor the layer does not read may be in two files (the checkpoint's own business).
+    _mixtral(tmp_path)
+    for name in ("b.safetensors", "c.safetensors"):
+        _write(tmp_path, {"lm_head.weight": torch.zeros(4, 64)}, None, name)
+    assert moerunner.load_experts(tmp_path, layer=0).weights.num_experts == E
 
 
 def test_json_files_that_are_not_utf8_are_named(tmp_path):
@@ -435,7 +452,31 @@ def test_deepseek_group_fields_are_checked_at_load(family, fields, match, tmp_pa
         moerunner.load_experts(tmp_path, layer=0)
 
 
-def test_deepseek_v3_n_group_1_still_means_no_groups(tmp_path):
-    _deepseek(tmp_path, model_type="deepseek_v3", n_group=1)
+@pytest.mark.parametrize(
+    "fields", [{"n_group": 1}, {"n_group": 1, "topk_group": 1}, {"topk_group": 2}]
+)
+def test_deepseek_v3_n_group_1_still_means_no_groups(tmp_path, fields):
+    """n_group 1 or absent is no groups whatever topk_group says (Moonlight-style configs
+    set both to 1); the load-time group check refused those for a while."""
+    _deepseek(tmp_path, model_type="deepseek_v3", **fields)
     routing = moerunner.load_experts(tmp_path, layer=0).routing
     assert routing.num_expert_group is None and routing.topk_group is None
+
+
+def test_a_symmetric_twin_joined_as_the_zero_point_scheme_keeps_its_input_scale():
+    """The rebuilt symmetric part dropped its input_scale: the join then took the other
+    part's smaller one (1.0 where the maximum, 4.0, is right)."""
+    import dataclasses
+
+    from moerunner.quant.schemes import QuantScheme
+
+    zp = QuantScheme(
+        "probe_zp", "int8", "fp32", "group", (1, 64), zero_point=True,
+        activation_format="int8_token",
+    )  # fmt: skip
+    sym = dataclasses.replace(zp, name="probe_sym", zero_point=False)
+    a = moerunner.quantize(torch.randn(2, 8, 64), sym, input_scale=torch.full((2,), 4.0))
+    b = moerunner.quantize(torch.randn(2, 8, 64), zp, input_scale=torch.full((2,), 1.0))
+    joined = cat_rows([a, b])
+    assert joined.scheme == zp and torch.equal(joined.input_scale, torch.full((2,), 4.0))
+    assert torch.equal(joined.dequantize(), torch.cat([a.dequantize(), b.dequantize()], 1))

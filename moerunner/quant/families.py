@@ -437,6 +437,8 @@ def _zero_point_twins(parts: Sequence[QuantizedWeight]) -> Sequence[QuantizedWei
     that twin: the importers give the symmetric scheme where every zero point is the
     midpoint, so gate and up can come out one of each, and the midpoint stored as explicit
     zero points (8 for int4, 0 for int8, which stores zero - 128) keeps every value."""
+    from moerunner.quant.weight import TENSOR_FIELDS  # weight.py imports this module
+
     zp = next((p for p in parts if p.scheme.zero_point), None)
     if zp is None:
         return parts
@@ -445,7 +447,8 @@ def _zero_point_twins(parts: Sequence[QuantizedWeight]) -> Sequence[QuantizedWei
         if p.scheme == dataclasses.replace(zp.scheme, name=p.scheme.name, zero_point=False):
             mid = 8 if p.scheme.weight_format == "int4" else 0
             zero = torch.full_like(p.scale, mid, dtype=zp.zero_point.dtype)
-            p = type(p)(zp.scheme, p.shape, p.data, p.scale, zero_point=zero)
+            fields = {f: getattr(p, f) for f in TENSOR_FIELDS}  # input_scale and all
+            p = type(p)(zp.scheme, p.shape, **{**fields, "zero_point": zero})
         out.append(p)
     return out
 
