@@ -575,14 +575,15 @@ def join_gate_up(
     projections of every expert)."""
     try:
         return cat_rows([gate, up], rescale=rescale)
-    except ValueError as e:
-        if "need the same scheme" in str(e):  # E and K are equal here
+    except ValueError:
+        if gate.scheme != up.scheme:  # (E and K are equal here; zero-point twins join)
             raise MoeInputError(
                 f"checkpoint: gate and up projections are stored in different schemes: "
                 f"{keys[0]} is {gate.scheme.name}, {keys[1]} is {up.scheme.name}; w13 holds "
                 "both in one, so they need the same bits and group size"
             ) from None
-        if "differs between parts" not in str(e):
+        scales = (gate.global_scale, up.global_scale)
+        if scales[0] is None or torch.equal(*scales):
             raise
         raise MoeInputError(
             f"checkpoint: {names}: gate and up carry different per-expert global scales "
