@@ -770,14 +770,14 @@ def load_experts(
                     f"formats ({gate}: {fmt}, {up}: {fmt_up}, {down}: {fmt_down})"
                 )
             _check_gate_up(ckpt, prefix, fam.projections, g, u)
+            keys = [_matrix_key(ckpt, f"{prefix}0.{p}.") for p in fam.projections]
             if fmt == "plain":
-                keys = (_matrix_key(ckpt, f"{prefix}0.{p}.") for p in fam.projections)
                 plain = dict(zip(keys, (g, u, w2), strict=True))
                 w13 = torch.cat([g, u], dim=1)
             else:
                 g, u, w2 = block_aligned(g, u, w2)
-                keys = [_matrix_key(ckpt, f"{prefix}0.{p}.") for p in (gate, up)]
-                w13 = join_gate_up(g, u, keys, f"{prefix}{{0..{num - 1}}}.{{{gate},{up}}}", rescale)
+                names = f"{prefix}{{0..{num - 1}}}.{{{gate},{up}}}"
+                w13 = join_gate_up(g, u, keys[:2], names, rescale)
             b13 = b2 = None
         _check_shapes(w13, w2, b13, b2, prefix)
         if fmt == "plain":

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
             "not_ready_reason": not_ready,
             "dispatch_formats": {str(f): str(p) for f, p in registry.paths(backend_name).items()},
             "capabilities": capabilities,
-            "options": None if getattr(backend, "options", None) is None else repr(backend.options),
+            "options": None if backend.options is None else repr(backend.options),
             "tile_folders": _tile_folders(backend, name) if ok else None,
         }
     table_rows, table_paths, table_error = _table(registry, device)
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
 def _tile_folders(backend, device_name: str) -> list[dict] | None:
     """A backend with tuned tile files (options with ``tile_dirs``: triton): the folders it
     searches, in order, whether each exists and how many of its files name this device."""
-    options = getattr(backend, "options", None)
+    options = backend.options
     if options is None or not hasattr(options, "tile_dirs"):
         return None
     from ..backends.triton.tile_config import tile_folders, tuned_files
