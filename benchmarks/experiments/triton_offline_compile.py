@@ -1,7 +1,8 @@
 # Compile the triton backend's GEMM kernel for a Hopper GPU without one, and report what the
 # compiler made of it: registers, spills, shared memory and the K loop's instruction mix.
 #
-#   python benchmarks/experiments/triton_offline_compile.py [--arch 90] [--sass DIR] [VARIANT ...]
+#   python benchmarks/experiments/triton_offline_compile.py [--arch 90] [--sass DIR] [--maxnreg N] \
+#       [VARIANT ...]
 #
 # A variant is "scheme:gemm:BLOCK_M:BLOCK_N:BLOCK_K:warps:stages[:split_k]", e.g.
 # "mxfp4:1:16:64:128:4:3"
@@ -93,7 +94,9 @@ def _signature(scale_ty: str, a_ty: str, w_ty: str, out_ty: str) -> dict[str, st
     return sig
 
 
-def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
+def compile_variant(
+    spec: str, arch: int, options: TritonOptions | None = None, maxnreg: int | None = None
+):
     """Compile one variant as the backend with ``options`` (default: the defaults) launches
     it; returns (compiled kernel, its constexprs)."""
     options = TritonOptions() if options is None else options
@@ -193,13 +196,20 @@ def compile_variant(spec: str, arch: int, options: TritonOptions | None = None):
     )
     target = GPUTarget("cuda", arch, 32)
     return triton.compile(
-        src, target=target, options={"num_warps": int(warps), "num_stages": int(stages)}
+        src,
+        target=target,
+        options={
+            "num_warps": int(warps),
+            "num_stages": int(stages),
+            **({"maxnreg": maxnreg} if maxnreg else {}),
+        },
     ), consts
 
 
-def report(spec: str, arch: int, sass_dir: Path | None) -> dict:
-    """Resources and the SASS opcode histogram of one variant."""
-    ck, _ = compile_variant(spec, arch)
+def report(spec: str, arch: int, sass_dir: Path | None, maxnreg: int | None = None) -> dict:
+    """Resources and the SASS opcode histogram of one variant (``maxnreg``: ptxas's register
+    cap, Triton's launch option of that name)."""
+    ck, _ = compile_variant(spec, arch, maxnreg=maxnreg)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(ck.asm["cubin"])
@@ -270,9 +280,12 @@ def main() -> None:
     )
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", type=Path, default=None, help="write each variant's SASS here")
+    ap.add_argument(
+        "--maxnreg", type=int, default=None, help="register cap a thread (Triton's maxnreg)"
+    )
     args = ap.parse_args()
     for v in args.variants:
-        r = report(v, args.arch, args.sass)
+        r = report(v, args.arch, args.sass, args.maxnreg)
         top = ", ".join(f"{op} {n}" for op, n in r["loop_ops"].most_common(10))
         print(
             f"{v:24s} regs {r['registers']:3d} spill {r['spill_bytes']:3d} B "
