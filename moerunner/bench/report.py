@@ -85,17 +85,39 @@ def impl_label(impl: str, transformers_version: str | None | bool = True) -> str
     return ("hf:" if transformers_version else "torch-eq:") + impl[len("baseline:") :]
 
 
-def spread_warning(rows: list[Row], threshold_pct: float) -> str | None:
-    """A warning naming the rows whose timing spread (IQR, % of median) exceeds the threshold."""
+def spread_warning(
+    rows: list[Row],
+    threshold_pct: float,
+    min_time_s: float | None = None,
+    transformers_version: str | None | bool = None,
+) -> str | None:
+    """A warning naming the rows whose timing spread (IQR, % of median) exceeds the threshold,
+    the worst by its label in the table (``transformers_version`` as ``table``'s), and the
+    flag that gives them more samples. A row's sampling ends at ``min_time_s`` seconds or at
+    ``--max-reps`` samples, whichever comes first; where the samples of a noisy row took less
+    than ``min_time_s``, the cap ended them and a larger ``--min-time`` would change nothing.
+    """
     noisy = [r for r in rows if r.spread_pct == r.spread_pct and r.spread_pct > threshold_pct]
     if not noisy:
         return None
+    if transformers_version is None:
+        transformers_version = have_transformers()
     worst = max(noisy, key=lambda r: r.spread_pct)
+    if min_time_s is None:
+        advice = "more samples (a larger --max-reps, or --min-time where the cap is not reached)"
+    else:
+        capped = sum(r.samples * r.time_us * 1e-6 < min_time_s for r in noisy)
+        advice = (
+            f"a larger --max-reps (it ended the samples of {capped} of them before "
+            f"--min-time {min_time_s:g} s)"
+            if capped
+            else "a larger --min-time"
+        )
     return (
         f"{len(noisy)} of {len(rows)} rows have a timing spread (IQR) above {threshold_pct:g}% "
         f"of their median (worst {worst.spread_pct:.0f}%: {worst.preset} {worst.scheme} "
-        f"{worst.impl} T={worst.tokens}); the machine may be busy, compare with care or rerun "
-        "with a larger --min-time"
+        f"{impl_label(worst.impl, transformers_version)} T={worst.tokens}); the machine may be "
+        f"busy, compare with care or rerun with {advice}"
     )
 
 
@@ -171,6 +193,23 @@ def fmt_cell(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
+def fmt_digits(value: float | None, decimals: int, digits: int = 2) -> str:
+    """``fmt_cell`` with ``decimals`` decimals, or more where those would show fewer than
+    ``digits`` significant digits: a CPU row's 0.4 GB/s reads "0.40", not "0"."""
+    if value is not None and math.isfinite(value) and value != 0:
+        decimals = max(decimals, digits - 1 - math.floor(math.log10(abs(value))))
+    return fmt_cell(value, f".{decimals}f")
+
+
+def hit_cell(row: Row) -> str:
+    """Experts hit: the average over the row's rotated cases, whole or with up to two
+    decimals (exact for up to four cases: 7.5 reads "7.5", not a rounded "8"); "-" for a
+    row that was not measured (skipped, failed)."""
+    if row.status in ("skipped", "failed"):
+        return "-"
+    return fmt_cell(row.experts_hit, ".2f").rstrip("0").rstrip(".")
+
+
 def align_table(lines: list[list[str]], left: set[int]) -> str:
     """Fixed-width text from rows of cells (the first is the header): columns in ``left``
     left-aligned, the others right-aligned; the last column (status) is not padded."""
@@ -188,9 +227,10 @@ def align_table(lines: list[list[str]], left: set[int]) -> str:
 def table(
     rows: list[Row], baselines: tuple[str, ...], transformers_version: str | None | bool = None
 ) -> str:
-    """Fixed-width text table, one line per row; ``spread`` is the timing samples'
-    interquartile range as % of the median. ``transformers_version``: of the run (None:
-    whether transformers is importable now), for the baselines' labels."""
+    """Fixed-width text table, one line per row; ``hit`` is the experts hit (``hit_cell``),
+    ``spread`` the timing samples' interquartile range as % of the median; rates show at
+    least two significant digits (``fmt_digits``). ``transformers_version``: of the run
+    (None: whether transformers is importable now), for the baselines' labels."""
     if transformers_version is None:
         transformers_version = have_transformers()
     head = [
@@ -218,11 +258,11 @@ def table(
                 impl_label(r.impl, transformers_version),
                 r.routing,
                 str(r.tokens),
-                fmt_cell(r.experts_hit, ".0f"),
+                hit_cell(r),
                 fmt_cell(r.time_us, ".1f"),
                 fmt_cell(r.spread_pct, ".0f"),
-                fmt_cell(r.tflops, ".2f"),
-                fmt_cell(r.gbps, ".0f"),
+                fmt_digits(r.tflops, 2),
+                fmt_digits(r.gbps, 0),
                 fmt_cell(r.pct_roofline, ".1f"),
                 *[fmt_cell(r.speedup.get(b, float("nan")), ".2f") for b in baselines],
                 fmt_cell(r.max_rel_err, ".1e"),
@@ -344,7 +384,13 @@ def markdown(
                 else "plain-PyTorch stand-ins for transformers' experts modules, which were "
                 "not installed"
             )
-            + ", same weights, same process).",
+            + ", run on the same weights, routing and inputs in the same process; "
+            + (
+                "timed in the same interleaved rounds"
+                if env.get("device_type") == "cpu"
+                else "each row timed alone"
+            )
+            + ").",
             "",
             "```",
             table(rows, config.baselines, env.get("transformers") or False),

@@ -9,8 +9,9 @@ Ceilings (``DeviceCeilings``) are measured once per device and cached in a JSON 
 bandwidth (a device-to-device copy of a buffer far larger than any cache, read + write
 bytes), and dense matmul peaks (square GEMMs; bf16, fp32 and, on GPUs that have it, fp8 e4m3
 through ``torch._scaled_mm``). A row's floor is ``max(min_bytes / bandwidth, flops / peak)``
-where the peak is the one of the GEMM inputs' format: fp8 for schemes that quantize
-activations to 8 bits, bf16 otherwise (fp32 for fp32). Minimum bytes are the weights of the
+where the peak is the one of the GEMM inputs' format (``compute_format``): fp8 for schemes
+that quantize activations to 8 bits, fp4 for nvfp4 activations (not measured: the best
+measured peak stands in), bf16 otherwise (fp32 for fp32). Minimum bytes are the weights of the
 experts actually hit (at the scheme's storage, scales, zero points and biases included), the
 activations in and out, and the routing (fp32 weights + int32 ids).
 
@@ -120,12 +121,18 @@ def scheme_of(name: str):
 
 
 def compute_format(scheme_name: str) -> str:
-    """Which matmul peak bounds a scheme: ``fp8`` (8-bit activations), ``fp32`` or ``bf16``."""
+    """Which matmul peak bounds a scheme: the format its GEMMs multiply in.
+
+    Read from the scheme's fields, not its name, so every scheme (custom ones and
+    ``fp8_block_<rows>x<cols>`` included) is placed alike: one that quantizes its activations
+    (``QuantScheme.quantizes_activations``) multiplies in that 8-bit format (``fp8``: e4m3 or
+    int8, every activation format but nvfp4) or in 4 bits (``fp4``: nvfp4; no fp4 peak is
+    measured, so ``peak_for`` takes the best measured one); a weight-only one multiplies
+    dequantized weights in ``fp32`` or ``bf16``.
+    """
     s = scheme_of(scheme_name)
-    if s.activation_format in ("fp8_token", "fp8_group128", "mxfp8", "int8_token"):
-        return "fp8"
-    if s.activation_format == "nvfp4":
-        return "fp4"
+    if s.quantizes_activations:
+        return "fp4" if s.activation_format == "nvfp4" else "fp8"
     return "fp32" if s.weight_format == "fp32" else "bf16"
 
 

@@ -4,11 +4,14 @@ For each row it draws fresh inputs (random hidden states, random routing: unifor
 Zipf-skewed over the experts), runs the backend once and checks the output against
 ``moerunner.reference_moe`` (float64) on a sub-sample of tokens whose experts fit a memory
 budget, then times it on rotated cases and accounts the row against the roofline
-(``roofline.row_cost``). On CPU all implementations of one (routing, T) are timed together in
-interleaved rounds (``timing.time_interleaved_cpu``), so their ratios are not skewed by load
-or memory drift between them; on GPU each is timed alone (``timing.time_cases``). Baselines
-run on the same weights (for quantized schemes they run the unquantized weights: they have no
-low-precision path).
+(``roofline.row_cost``). Every scheme of one hidden dtype runs on the same weights, routing
+and inputs at each (routing, T) as that dtype's baselines, which run once (for quantized
+schemes they run the unquantized weights: they have no low-precision path). On CPU all
+implementations of one (routing, T), the baselines and every scheme's backends, are timed
+together in interleaved rounds (``timing.time_interleaved_cpu``), so their ratios are not
+skewed by load or memory drift between them; on GPU each is timed alone
+(``timing.time_cases``). Schemes with static activation scales get scales calibrated on the
+unquantized layer (``calibrate_input_scales``), as a checkpoint's are.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,7 +33,7 @@ from ..testing import error_bound
 from ..weights import ExpertWeights
 from .baselines import build_baseline
 from .presets import BenchShape
-from .roofline import DeviceCeilings, compute_format, floor_seconds, row_cost
+from .roofline import DeviceCeilings, compute_format, floor_seconds, row_cost, scheme_of
 from .timing import Timing, time_cases, time_interleaved_cpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -189,15 +192,83 @@ def make_weights(
     return w
 
 
-def quantize_chunked(weight: torch.Tensor, scheme: str, chunk: int = 8):
-    """``moerunner.quantize`` a few experts at a time (bounded fp32 temporaries)."""
+def quantize_chunked(
+    weight: torch.Tensor,
+    scheme: str,
+    chunk: int = 8,
+    input_scale: torch.Tensor | None = None,
+):
+    """``moerunner.quantize`` a few experts at a time (bounded fp32 temporaries);
+    ``input_scale``: fp32 ``[E]`` static activation scales (``calibrate_input_scales``)."""
     from ..quant import QuantizedWeight, quantize
 
     parts = [
-        quantize(weight[s : s + chunk].float(), scheme) for s in range(0, weight.shape[0], chunk)
+        quantize(
+            weight[s : s + chunk].float(),
+            scheme,
+            input_scale=None if input_scale is None else input_scale[s : s + chunk],
+        )
+        for s in range(0, weight.shape[0], chunk)
     ]
     fields = {f: torch.cat([p.tensors()[f] for p in parts]) for f in parts[0].tensors()}
     return QuantizedWeight.from_tensors(parts[0].scheme, tuple(weight.shape), fields)
+
+
+def calibration_batch(
+    shape: BenchShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    rows_per_expert: int = 64,
+) -> tuple[torch.Tensor, TopK]:
+    """Hidden states to calibrate static activation scales on: drawn as the rows' are
+    (standard normal, in ``dtype``), routed round robin so that every expert gets
+    ``rows_per_expert`` rows (a token's k slots name k consecutive experts, distinct as
+    k <= E), with equal routing weights."""
+    e, k = shape.num_experts, shape.top_k
+    tokens = math.ceil(rows_per_expert * e / k)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, shape.hidden_size, generator=gen, device=device).to(dtype)
+    ids = (torch.arange(tokens * k, device=device) % e).view(tokens, k).to(torch.int32)
+    return x, TopK(torch.full((tokens, k), 1.0 / k, device=device), ids)
+
+
+def calibrate_input_scales(
+    weights: ExpertWeights, act: Activation, scheme: str, x: torch.Tensor, topk: TopK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static activation scales of ``scheme`` (fp32 ``[E]``: w13's input, w2's input) for
+    the unquantized ``weights``, calibrated on the hidden states ``x`` routed by ``topk``.
+
+    As a checkpoint's scales are calibrated: the unquantized layer runs the batch (the torch
+    backend, with hooks reading each GEMM's input rows: ``moerunner.hooks``) and an expert's
+    scale is the largest of its rows' dynamic scales (the scheme's own rule:
+    ``quantize_activation`` of its dynamic form), so no calibration row saturates. An expert
+    the batch does not reach gets the largest scale of the others.
+    """
+    from ..hooks import MoeHooks
+    from ..quant.activations import quantize_activation
+
+    dynamic = replace(scheme_of(scheme), activation_scales="dynamic")
+    scales = [torch.zeros(weights.num_experts, device=x.device) for _ in range(2)]
+
+    def observe(scale: torch.Tensor):
+        def hook(out: torch.Tensor, rows_in: torch.Tensor, rows) -> torch.Tensor:
+            seen = rows.expert >= 0
+            q = quantize_activation(rows_in[seen], dynamic)
+            per_row = q.scale if q.global_scale is None else q.global_scale
+            scale.scatter_reduce_(0, rows.expert[seen].long(), per_row.float(), "amax")
+            return out
+
+        return hook
+
+    spec = weights.spec(act)
+    runner = MoeRunner("torch")
+    with torch.inference_mode():
+        prepared = runner.prepare(weights, MoeProblem.of(x, weights, spec, STANDARD), spec)
+        hooks = MoeHooks(gate_up=observe(scales[0]), down=observe(scales[1]))
+        runner.run(StandardDispatchOutput(x, topk), prepared, hooks=hooks)
+    s13, s2 = (torch.where(s > 0, s, s.max()) for s in scales)
+    return s13, s2
 
 
 def _select_experts(w, index: torch.Tensor):
@@ -317,14 +388,26 @@ class Sweep:
     def _run_shape(self, shape: BenchShape) -> None:
         for dtype, schemes in self._groups(shape).items():
             copies = self._weights(shape, dtype)
-            with_baselines = True
-            for scheme in schemes:
-                self._run_scheme(shape, scheme, dtype, copies, with_baselines)
-                with_baselines = False
+            # Each batch starts from the same generator states, so every scheme of the group
+            # meets the baselines (timed with the first batch) on the same routing and inputs:
+            # its x<baseline> divides times of the same cases.
+            start = (self.gen.get_state(), self.device_gen.get_state())
+            for i, batch in enumerate(self._batches(schemes)):
+                self.gen.set_state(start[0])
+                self.device_gen.set_state(start[1])
+                self._run_schemes(shape, batch, dtype, copies, with_baselines=i == 0)
             del copies
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def _batches(self, schemes: list[str]) -> list[list[str]]:
+        """The schemes of one dtype group, in the batches whose rows are timed together.
+        On CPU the whole group: its backends and baselines share interleaved rounds (the
+        quantized weights of every scheme are held at once; CPU shapes are small). On GPUs,
+        where each row is timed alone anyway, one scheme at a time, so only its quantized
+        weights are held."""
+        return [schemes] if self.device.type == "cpu" else [[s] for s in schemes]
 
     def _groups(self, shape: BenchShape) -> dict[torch.dtype, list[str]]:
         """The schemes of ``shape`` by hidden dtype, in run order: plain schemes in their own
@@ -349,29 +432,29 @@ class Sweep:
             n = min(self.config.rotations, math.ceil(self.config.rotation_bytes / nbytes))
         return [one] + [make_weights(shape, dtype, self.device, seed + j) for j in range(1, n)]
 
-    def _run_scheme(
-        self,
-        shape: BenchShape,
-        scheme: str,
-        dtype: torch.dtype,
-        copies: list[dict],
-        with_baselines: bool,
-    ) -> None:
+    def _implementations(
+        self, shape: BenchShape, scheme: str, dtype: torch.dtype, plain_ew: list[ExpertWeights]
+    ) -> tuple[list[ExpertWeights], list[tuple[str, Callable | None, str, Callable | None]]]:
+        """``scheme``'s weight copies and its backends: (name, call, note, why its kernels
+        run untuned: a callable) each, call None for a skipped or failed one."""
         c = self.config
         act = Activation(shape.activation)
+        static = scheme not in DTYPES and scheme_of(scheme).activation_scales == "static"
         expert_weights = []
-        for w in copies:
-            w13, w2 = w["w13"], w["w2"]
+        for j, plain in enumerate(plain_ew):
+            w13, w2 = plain.w13, plain.w2
             if scheme not in DTYPES:
-                w13, w2 = quantize_chunked(w13, scheme), quantize_chunked(w2, scheme)
-            expert_weights.append(
-                ExpertWeights(w13, w2, w["w13_bias"], w["w2_bias"], shape.gate_up_interleaved)
-            )
+                s13 = s2 = None
+                if static:  # quantize() needs them; without, these rows could not run at all
+                    x, topk = calibration_batch(shape, dtype, self.device, c.seed * 1000 + j)
+                    s13, s2 = calibrate_input_scales(plain, act, scheme, x, topk)
+                w13 = quantize_chunked(w13, scheme, input_scale=s13)
+                w2 = quantize_chunked(w2, scheme, input_scale=s2)
+            expert_weights.append(replace(plain, w13=w13, w2=w2))
         spec = expert_weights[0].spec(act)
         probe = torch.zeros(1, shape.hidden_size, dtype=dtype, device=self.device)
         problem = MoeProblem.of(probe, expert_weights[0], spec, STANDARD)
         verdicts = self.registry.verdicts(problem)
-        # (name, call, note, why its kernels run untuned: a callable, None for baselines)
         impls: list[tuple[str, Callable | None, str, Callable | None]] = []
         names = c.backends if c.backends is not None else tuple(sorted(verdicts))
         for name in names:
@@ -396,51 +479,80 @@ class Sweep:
                 return next((why for p in prepared if (why := p.untuned())), None)
 
             impls.append((name, fn, "", untuned))
-        if with_baselines:
-            for impl in c.baselines:
-                try:
-                    built = [
-                        build_baseline(shape, impl, w["w13"], w["w2"], w["w13_bias"], w["w2_bias"])
-                        for w in copies
-                    ]
-                except (ImportError, ValueError, RuntimeError) as exc:
-                    impls.append((f"baseline:{impl}", None, str(exc)[:160], None))
-                    continue
+        return expert_weights, impls
 
-                def base_fn(case: _Case, built=built):
-                    return built[case.copy][0](case.x, case.ids_long, case.weights_hf)
+    def _baselines(self, shape: BenchShape, copies: list[dict]) -> list[tuple]:
+        """The baselines on the unquantized weight copies, as ``_implementations``' entries."""
+        impls: list[tuple[str, Callable | None, str, Callable | None]] = []
+        for impl in self.config.baselines:
+            try:
+                built = [
+                    build_baseline(shape, impl, w["w13"], w["w2"], w["w13_bias"], w["w2_bias"])
+                    for w in copies
+                ]
+            except (ImportError, ValueError, RuntimeError) as exc:
+                impls.append((f"baseline:{impl}", None, str(exc)[:160], None))
+                continue
 
-                impls.append((f"baseline:{impl}", base_fn, built[0][1], None))
+            def base_fn(case: _Case, built=built):
+                return built[case.copy][0](case.x, case.ids_long, case.weights_hf)
+
+            impls.append((f"baseline:{impl}", base_fn, built[0][1], None))
+        return impls
+
+    def _run_schemes(
+        self,
+        shape: BenchShape,
+        schemes: list[str],
+        dtype: torch.dtype,
+        copies: list[dict],
+        with_baselines: bool,
+    ) -> None:
+        """Every row of ``schemes`` (and of the baselines, ``with_baselines``): at each
+        (routing, T) one draw of cases that all of them run and are timed on together."""
+        c = self.config
         plain_ew = [
             ExpertWeights(w["w13"], w["w2"], w["w13_bias"], w["w2_bias"], shape.gate_up_interleaved)
             for w in copies
         ]
+        # per scheme: its weight copies and implementations (the baselines with the first)
+        runs = [(s, *self._implementations(shape, s, dtype, plain_ew)) for s in schemes]
+        if with_baselines:
+            runs[0][2].extend(self._baselines(shape, copies))
+        first = len(self.rows)
+        owner: dict[int, int] = {}  # id(row) -> its scheme's place in the batch
         for routing in c.routings:
             for tokens in c.tokens:
                 cases = self._cases(shape, dtype, routing, tokens, len(copies))
-                measured = []
-                for name, fn, note, _ in impls:
-                    is_base = name.startswith("baseline:")
-                    row = Row(
-                        shape.name,
-                        # baselines run the unquantized weights, in the hidden dtype
-                        _plain_scheme(dtype) if is_base else scheme,
-                        str(dtype).replace("torch.", ""),
-                        name,
-                        routing,
-                        tokens,
-                    )
-                    self.rows.append(row)
-                    if fn is None:
-                        row.status, row.note = "skipped", note
-                        self.progress(row)
-                    else:
-                        ref_weights = plain_ew if is_base else expert_weights
-                        measured.append((row, fn, ref_weights, note))
-                self._measure_all(measured, shape, cases, dtype)
-                _mark_untuned(measured, impls)
+                measured: list[list] = [[] for _ in runs]
+                for place, (scheme, expert_weights, impls) in enumerate(runs):
+                    for name, fn, note, _ in impls:
+                        is_base = name.startswith("baseline:")
+                        row = Row(
+                            shape.name,
+                            # baselines run the unquantized weights, in the hidden dtype
+                            _plain_scheme(dtype) if is_base else scheme,
+                            str(dtype).replace("torch.", ""),
+                            name,
+                            routing,
+                            tokens,
+                        )
+                        self.rows.append(row)
+                        owner[id(row)] = place
+                        if fn is None:
+                            row.status, row.note = "skipped", note
+                            self.progress(row)
+                        else:
+                            ref_weights = plain_ew if is_base else expert_weights
+                            measured[place].append((row, fn, ref_weights, note))
+                self._measure_all([m for ms in measured for m in ms], shape, cases, dtype)
+                for ms, (_, _, impls) in zip(measured, runs, strict=True):
+                    _mark_untuned(ms, impls)
                 del cases, measured
-        del impls, expert_weights
+        # rows listed scheme by scheme, as one scheme at a time lists them (stable: each
+        # scheme's rows stay in (routing, T) order)
+        self.rows[first:] = sorted(self.rows[first:], key=lambda r: owner[id(r)])
+        del runs, plain_ew
         gc.collect()
 
     def _cases(
@@ -626,7 +738,8 @@ def _mark_untuned(measured: list, impls: list) -> None:
 
 
 def fill_speedups(rows: list[Row]) -> None:
-    """Each non-baseline row's speedup over every baseline of the same preset/routing/T."""
+    """Each measured row's speedup over every baseline of the same preset, hidden dtype,
+    routing and T (baseline rows too: over the other baselines, and 1 over themselves)."""
     base = {}
     for r in rows:
         if r.impl.startswith("baseline:") and r.status in ("ok", "wrong"):

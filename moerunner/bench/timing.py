@@ -70,6 +70,10 @@ def summarize(samples: list[float], mode: str, note: str = "", count: int | None
 
 
 def _reps_for(estimate_s: float, min_time_s: float, min_reps: int, max_reps: int) -> int:
+    """Samples enough for ``min_time_s`` seconds of calls of ``estimate_s`` each, at least
+    ``min_reps`` and at most ``max_reps``: the cap wins (it bounds a run's length; fast calls
+    reach it long before ``min_time_s``), so more samples of a fast call take a larger
+    ``max_reps`` (``bench --max-reps``), not a larger ``min_time_s``."""
     if estimate_s <= 0:
         return max_reps
     return int(min(max_reps, max(min_reps, min_time_s / estimate_s)))

@@ -27,7 +27,10 @@ abbreviations, so a recorded output flag is always recognised; a JSON other than
 record is refused). Only ``--json`` takes ``-`` (stdout). Rows at T=0 are timed but not
 checked (status n/a, no speedups); a row is ``wrong`` beyond the bound ``moerunner check``
 uses (``moerunner.testing.error_bound``). Each row's timing spread (interquartile range of the
-samples, % of the median) is shown, with a warning when it is large.
+samples, % of the median) is shown, with a warning when it is large. A row takes samples for
+``--min-time`` seconds or ``--max-reps`` samples, whichever ends first: the cap ends most
+rows (200 calls of 150 us take 0.03 s), so more samples take a larger ``--max-reps``. A
+``--shape`` given twice runs once, as a repeated ``--tokens`` or ``--preset`` value does.
 """
 
 from __future__ import annotations
@@ -143,9 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-time",
         type=_common.float_type(0.0, strict=True),
         default=None,
-        help="seconds of samples per row (default 0.2 GPU, 0.5 CPU)",
+        help="seconds of samples to take per row, up to --max-reps samples (default 0.2 GPU, "
+        "0.5 CPU)",
     )
-    p.add_argument("--max-reps", type=_common.int_type(1), default=200)
+    p.add_argument(
+        "--max-reps",
+        type=_common.int_type(1),
+        default=200,
+        help="most samples per row (default 200; eager GPU rows a quarter): it ends a row's "
+        "timing before --min-time when its calls are fast, as they mostly are",
+    )
     p.add_argument(
         "--rotations",
         type=_common.int_type(1),
@@ -231,7 +241,14 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             _common.shape_type(text)  # the flag's shared checks (bounds, top-k <= E)
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"--shape: {exc}") from None
-        shapes.append(parse_shape(text, args.activation or "silu"))
+        shape = parse_shape(text, args.activation or "silu")
+        # A shape given again runs once, as a repeated --tokens or --preset value does. Rows,
+        # speedups and --preset-schemes know a shape by its name (E, H, I and k: equal names
+        # are equal shapes), so a second copy's rows could not be told from the first's, and
+        # its baselines took the place of the first's in every speedup. Not refused: --replay
+        # FILE followed by the recorded flags (the shape again) must run what was recorded.
+        if all(s.name != shape.name for s in shapes):
+            shapes.append(shape)
     if not shapes:
         shapes = [get_preset("qwen3-30b-a3b" if device.startswith("cuda") else "cpu-small")]
     if args.tp != 1:
@@ -491,7 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     if side_by_side:  # two or more backends: their times and ratios on one line per point
         print("\nbackends side by side (ratio: time / the first backend's time)", file=out)
         print(side_by_side, file=out)
-    warning = report.spread_warning(rows, SPREAD_WARN_PCT)
+    warning = report.spread_warning(
+        rows, SPREAD_WARN_PCT, config.min_time_s, env.get("transformers") or False
+    )
     if warning:
         print(f"moerunner bench: warning: {warning}", file=sys.stderr)
     if args.json is not None:
