@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import warnings
 from bisect import bisect_left
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .device_files import device_key, device_name, user_cache_dir
+from .device_files import device_key, device_name, user_cache_dir, write_text_atomic
 from .quant.schemes import registered_name
 
 __all__ = [
@@ -243,8 +244,16 @@ class Bucket:
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Bucket:
+        """A bucket as a file holds it; ``BackendTableError`` naming ``where`` and the field
+        for anything ``tune --backends`` would not have written. A winner that is not the
+        fastest of its own ``times_us`` is read as it is, with a warning: the runtime
+        follows ``backend``, which may be a hand-made choice, and a table is refused only
+        where it cannot be used."""
         if not isinstance(d, dict):
             raise BackendTableError(f"{where}: must be an object with max_tokens, tokens, backend")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:  # a typo such as time_us: its times would be dropped without a word
+            raise BackendTableError(f"{where}: unknown field(s) {unknown}; fields: {_names(cls)}")
         for name in ("max_tokens", "tokens", "backend"):
             if name not in d:
                 raise BackendTableError(f"{where}.{name}: missing")
@@ -259,10 +268,20 @@ class Bucket:
             raise BackendTableError(f"{where}.backend: must be a backend name, got {backend!r}")
         times = d.get("times_us", {})
         if not isinstance(times, dict) or not all(
-            isinstance(k, str) and type(v) in (int, float) and v > 0 for k, v in times.items()
+            isinstance(k, str) and type(v) in (int, float) and 0 < v < math.inf
+            for k, v in times.items()
         ):
             raise BackendTableError(
-                f"{where}.times_us: must map backend names to positive times, got {times!r}"
+                f"{where}.times_us: must map backend names to positive finite times, got {times!r}"
+            )
+        if times and times.get(backend) != min(times.values()):
+            fastest = min(times, key=times.get)
+            warnings.warn(
+                f"moerunner: {where}.backend: {backend!r} is not the fastest of the bucket's "
+                f"times_us ({fastest!r} is); backend='auto' still tries {backend!r} first "
+                "there (fix the file, or re-run 'moerunner tune --backends')",
+                RuntimeWarning,
+                stacklevel=2,
             )
         return cls(top, tokens, backend, {k: float(v) for k, v in times.items()})
 
@@ -344,10 +363,9 @@ class BackendTable:
         }
 
     def write(self, path: str | os.PathLike) -> Path:
-        """Write as JSON (the folder is created)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write as JSON, whole or not at all (``write_text_atomic``; the folder is
+        created)."""
+        path = write_text_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
         load_table_file.cache_clear()
         return path
 
@@ -378,6 +396,14 @@ class BackendTable:
                 Bucket.from_dict(b, f"{at}.buckets[{j}]") for j, b in enumerate(entry["buckets"])
             )
             _check_buckets(buckets, f"{at}.buckets")
+            for j, bucket in enumerate(buckets):  # the count measured lies in its own bucket
+                low = 0 if j == 0 else buckets[j - 1].max_tokens + 1
+                top = bucket.max_tokens
+                if bucket.tokens < low or (top is not None and bucket.tokens > top):
+                    raise BackendTableError(
+                        f"{at}.buckets[{j}].tokens: {bucket.tokens} is outside its bucket "
+                        f"({bucket_range(buckets, j)})"
+                    )
             if key in entries:
                 raise BackendTableError(f"{at}.key: a second entry for the same shape")
             entries[key] = buckets
@@ -386,10 +412,17 @@ class BackendTable:
 
 @functools.lru_cache(maxsize=64)
 def load_table_file(path: str) -> BackendTable | None:
-    """The table in ``path``, or None where the file does not exist; a malformed file raises
-    ``BackendTableError`` naming it and the field."""
+    """The table in ``path``, or None where nothing is there; a malformed file, a folder or a
+    symbolic link to nothing in its place raises ``BackendTableError`` naming it and the
+    field."""
     p = Path(path)
     if not p.is_file():
+        if p.exists():  # a folder, or a device: where the table belongs, so not silent
+            raise BackendTableError(f"{p}: is not a file (a folder?), so it holds no table")
+        if p.is_symlink():  # is_file follows the link; exists says the target is missing
+            raise BackendTableError(
+                f"{p}: a symbolic link to {os.readlink(p)!r}, which does not exist"
+            )
         return None
     try:
         doc = json.loads(p.read_text())

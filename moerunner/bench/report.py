@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..device_files import hardware_name
+from ..device_files import hardware_name, write_text_atomic
 from .roofline import DeviceCeilings
 from .sweep import BenchConfig, Row
 
@@ -145,7 +145,7 @@ def to_json(
         sys.stdout.write(text + "\n")
         return record
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_text_atomic(path, text)  # whole or not at all: a half file would block the next run
     return record
 
 

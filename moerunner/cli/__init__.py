@@ -1,6 +1,8 @@
 """Command line: ``moerunner {info,demo,check,bench,tune} [options]``.
 
-Each subcommand lives in its own module with a ``main(argv) -> int``. This is the edge of the
+Each subcommand lives in its own module with a ``main(argv) -> int``; Ctrl-C ends any of them
+with one line and exit status 130 (a command that saved part of its work raises
+``KeyboardInterrupt("what was saved")`` again, and that line says so). This is the edge of the
 program: configuration (flags, and environment where a subcommand documents it) is read here
 and travels into the library as arguments. The flag vocabulary the subcommands share (comma
 lists, ``--shape E,H,I,K``, ``--json``, ``--device``, usage errors) is in ``_common``.
@@ -56,9 +58,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
     try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
         return int(module.main(rest) or 0)
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, not a traceback of wherever it hit
+        # A command that saved part of its work says what, in the interrupt it raises again.
+        saved = f"; {exc}" if str(exc) else ""
+        print(f"moerunner {name}: interrupted{saved}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as shells report a command Ctrl-C stopped
     except OSError as exc:  # an output that could not be written after all, a full disk...
         problem = f"{exc.strerror or exc}" + (f": {exc.filename!r}" if exc.filename else "")
     except RuntimeError as exc:  # torch's allocation failures: sizes past this machine

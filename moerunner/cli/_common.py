@@ -8,7 +8,7 @@
 - Usage errors print one line, ``moerunner <command>: error: <what>``, and exit with status 2.
   Ints are at most ``MAX_INT`` (int32; seeds ``MAX_SEED``). An error once the work has
   started (a write that fails after all, sizes past this machine's memory) prints one such
-  line and exits with status 1 (``moerunner.cli.main``).
+  line and exits with status 1, and Ctrl-C one line and status 130 (``moerunner.cli.main``).
 - An output file is only written where an output flag points, and never over a file other
   than an earlier output of the same flag's kind (a JSON output: a record of the same schema;
   checked before the work starts). Only JSON outputs take ``-`` for stdout.
@@ -339,13 +339,14 @@ def check_writable_dir(
 
 
 def write_json(path: str | Path, record: dict) -> None:
-    """``--json``: the record to a file, or to stdout for ``-``."""
+    """``--json``: the record to a file (whole or not at all: an interrupted write leaves the
+    earlier output, which the next run may overwrite, not a truncated file it refuses), or to
+    stdout for ``-``."""
     from ..bench.report import json_text
+    from ..device_files import write_text_atomic
 
     text = json_text(record)
     if str(path) == STDOUT:
         sys.stdout.write(text + "\n")
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    write_text_atomic(path, text + "\n")

@@ -5,7 +5,9 @@ backend available here that serves the shape) is checked against the reference a
 at each token count (``moerunner.bench.backend_choice``); the winners go to the device's
 backend table (``moerunner.backend_table``) in ``--out-dir`` (default: the user table
 folder, read before the shipped tables), merged with the entries the file already holds.
-A file of that name that is not a backend table is never overwritten (a usage error).
+The table is written again as each shape and scheme finishes, so an interrupted or failed
+run keeps what finished. A file of that name that is not a backend table is never
+overwritten (a usage error).
 """
 
 from __future__ import annotations
@@ -59,16 +61,14 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
     name = device_name(device)
     path = out_dir / table_file_name(name)
     _common.check_writable_dir(p, "--out-dir", out_dir)
-    table = BackendTable(name)
     if path.exists() and not path.is_file():
         p.error(f"{path}: exists and is not a file; move it away or choose another --out-dir")
-    if path.exists():
-        try:
-            table = load_table_file(str(path)) or table
-        except BackendTableError as exc:
-            p.error(f"{path}: exists and is not a moerunner backend table ({exc}); move it away")
-        if table.device != name:
-            p.error(f"{path}: holds the table of {table.device!r}, not of {name!r}")
+    try:  # None where nothing is there; a symbolic link to nothing is refused here
+        table = load_table_file(str(path)) or BackendTable(name)
+    except BackendTableError as exc:
+        p.error(f"{path}: exists and is not a moerunner backend table ({exc}); move it away")
+    if table.device != name:
+        p.error(f"{path}: holds the table of {table.device!r}, not of {name!r}")
     min_time = args.min_time if args.min_time is not None else DEFAULT_MIN_TIME_S
     plan = []  # (label, scheme, shape, backends): every verdict checked before any timing
     for label, (hidden, inter, experts, top_k, act) in shapes:
@@ -114,11 +114,13 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
             except ValueError as exc:
                 bar.close()
                 print(f"moerunner tune: {label} {scheme}: {exc}", file=sys.stderr)
-                if done:  # what finished is kept
-                    table.write(path)
+                if done:  # what finished is kept: written as it finished
                     print(f"wrote {path} ({done} of {len(plan)} shape/scheme entries)")
                 return 1
+            # Merged and written now, not after the loop: Ctrl-C or a failure in a later
+            # shape then keeps this one (a whole file each time: write_text_atomic).
             table = table.with_entry(key, buckets)
+            table.write(path)
             done += 1
             untuned = {r.impl: r.note for r in rows if r.status == "untuned"}
             for impl, why in untuned.items():
@@ -143,8 +145,10 @@ def main(p: argparse.ArgumentParser, args, shapes, schemes, tokens) -> int:
                     f"  {bucket_range(buckets, i)}: {bucket.backend} ({bucket.measured()})"
                 )
             bar.write("\n".join(lines), file=sys.stdout)
+    except KeyboardInterrupt:
+        saved = f"{done} of {len(plan)} shape/scheme entries saved in {path}" if done else ""
+        raise KeyboardInterrupt(saved or "nothing saved: no shape/scheme had finished") from None
     finally:
         bar.close()
-    table.write(path)
     print(f"wrote {path}")
     return 0

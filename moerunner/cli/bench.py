@@ -45,6 +45,7 @@ import torch
 from ..bench.presets import PRESETS, get_preset, parse_shape, shard_intermediate
 from ..bench.report import SCHEMA as BENCH_SCHEMA
 from ..bench.sweep import DTYPES, ROUTINGS, BenchConfig
+from ..device_files import write_text_atomic
 from . import _common
 
 _csv = _common.csv
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.png}", file=out)
     if args.md is not None:
         args.md.parent.mkdir(parents=True, exist_ok=True)
-        args.md.write_text(report.markdown(rows, env, ceilings, config, argv))
+        write_text_atomic(args.md, report.markdown(rows, env, ceilings, config, argv))
         print(f"wrote {args.md}", file=out)
     return 1 if any(r.status == "wrong" for r in rows) else 0
 

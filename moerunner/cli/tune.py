@@ -22,7 +22,6 @@ token count, written to the device's backend table (``moerunner.cli._tune_backen
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -33,10 +32,13 @@ from ._tune_backends import DEFAULT_MIN_TIME_S
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 
 
-def _presets() -> dict:
-    from ..backends.triton.tune import PRESETS
+def _preset_names() -> list[str]:
+    """The presets ``--preset`` takes: the published models' shapes of ``bench.presets``
+    (the tile tuner's ``PRESETS`` are the same ones), read there because that needs no
+    triton: ``--backends`` also runs without it."""
+    from ..bench.presets import MODEL_PRESETS
 
-    return PRESETS
+    return sorted(MODEL_PRESETS)
 
 
 def build_parser() -> _common.Parser:
@@ -47,16 +49,13 @@ def build_parser() -> _common.Parser:
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    preset_names = (
-        sorted(_presets()) if importlib.util.find_spec("triton") is not None else None
-    )  # the presets live with the tuner, which imports triton
+    preset_names = _preset_names()
     p.add_argument(
         "--preset",
         type=_common.name_list(preset_names, "preset"),
         action="append",
         default=[],
-        help="comma-separated model shape presets"
-        + (f": {', '.join(preset_names)}" if preset_names else ""),
+        help=f"comma-separated model shape presets: {', '.join(preset_names)}",
     )
     p.add_argument(
         "--shape",
@@ -139,11 +138,14 @@ def build_parser() -> _common.Parser:
 
 def _shapes(p: argparse.ArgumentParser, args) -> list[tuple[str, tuple[int, int, int, int, str]]]:
     """(label, (H, I, E, top_k, activation)) of every preset and --shape."""
+    from ..bench.presets import PRESETS
+
     out = []
     for group in args.preset:
         for name in group:
-            h, i, e, k, act = _presets()[name]
-            out.append((name, (h, i, e, k, args.activation or act)))
+            s = PRESETS[name]
+            shape = (s.hidden_size, s.intermediate_size, s.num_experts, s.top_k)
+            out.append((name, (*shape, args.activation or s.activation)))
     for values in args.shape:
         if len(values) == 4:  # the old "--shape H I E TOPK"
             _common.deprecated(p, "--shape H I E TOPK", "--shape E,H,I,K")
@@ -245,22 +247,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1 and presets and not args.compile_only:
         plan = [(name, scheme, tokens) for name in presets for scheme in schemes]
         tune.precompile(plan, args.jobs, e2m1_layout=options.e2m1_layout)
-    for _, (hidden, inter, experts, top_k, act) in shapes:
-        for scheme in schemes:
-            path, _ = tune.tune_preset(
-                hidden,
-                inter,
-                experts,
-                top_k,
-                act,
-                scheme,
-                tokens,
-                out_dir,
-                progress=lambda s: print(s, flush=True),
-                compile_only=args.compile_only,
-                options=options,
-            )
-            print("compiled every candidate" if path is None else f"wrote {path}")
+    written = 0  # each (shape, scheme) writes its file when its search ends
+    try:
+        for _, (hidden, inter, experts, top_k, act) in shapes:
+            for scheme in schemes:
+                path, _ = tune.tune_preset(
+                    hidden,
+                    inter,
+                    experts,
+                    top_k,
+                    act,
+                    scheme,
+                    tokens,
+                    out_dir,
+                    progress=lambda s: print(s, flush=True),
+                    compile_only=args.compile_only,
+                    options=options,
+                )
+                print("compiled every candidate" if path is None else f"wrote {path}")
+                written += path is not None
+    except KeyboardInterrupt:
+        if args.compile_only:
+            raise
+        total = len(shapes) * len(schemes)
+        raise KeyboardInterrupt(f"{written} of {total} tile files written to {out_dir}") from None
     return 0
 
 

@@ -9,7 +9,10 @@
 # whole. A call takes the entry whose token count is nearest to its own; with no file the
 # heuristic below answers. The environment is read in one place: where the user's cache
 # folder is (``device_files.user_cache_dir``). Files are keyed by ``gpu_name`` (None off
-# CUDA: heuristic tiles) in ``device_key`` form.
+# CUDA: heuristic tiles) in ``device_key`` form. A file that cannot be a tuned file (bad
+# content) raises a ValueError naming it; a folder or a symbolic link to nothing where a file
+# belongs, and a ``tile_dirs`` entry that is not a folder, are passed over with one warning
+# each (as ``backend_table`` treats a user table it cannot use).
 #
 # Files name a scheme by ``registered_name`` (schemes with equal fields share files). The
 # heuristic keys on scheme fields: the MMA's operand type (``_operands.mma_operand``) and
@@ -22,17 +25,27 @@ import json
 import os
 import re
 import stat
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from ...device_files import device_key, user_cache_dir
+from ...device_files import device_key, user_cache_dir, write_text_atomic
 from ...quant.schemes import QuantScheme, get_scheme, registered_name
 from ._operands import mma_operand
 
 SCHEMA = "moerunner.triton.tiles/1"
 #: Tile files shipped with the package (searched after the user's folders).
 SHIPPED_DIR = Path(__file__).with_name("configs")
+#: Upper ends of a tile's pipeline depth and launch group, so that a typo in a file is
+#: refused when it is read, not met (if at all) inside Triton's compiler. Each stage holds
+#: one A and one B tile in shared memory (at most 227 KB a block on Hopper): the tuner
+#: searches 2-6 stages and the shipped files use 3-6; deeper pipelines only cost shared
+#: memory and compile time. GROUP_M M-blocks share each weight tile while it is in L2: the
+#: tuner and the shipped files use 1 and 8, and the kernel multiplies GROUP_M by the N-block
+#: count in int32, which a value like 10**9 overflows.
+MAX_STAGES = 8
+MAX_GROUP_M = 64
 
 
 def user_tile_dir() -> Path:
@@ -71,9 +84,11 @@ class TileConfig:
             top = 32 if name == "num_warps" else 4096
             if not _count(value) or value & (value - 1) or value > top:
                 raise ValueError(f"{name} must be a power of two up to {top}, got {value!r}")
-        for name in ("group_m", "num_stages"):
-            if not _count(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name, top in (("group_m", MAX_GROUP_M), ("num_stages", MAX_STAGES)):
+            if not _count(getattr(self, name)) or getattr(self, name) > top:
+                raise ValueError(
+                    f"{name} must be a positive int up to {top}, got {getattr(self, name)!r}"
+                )
         if self.split_k is not None and not _count(self.split_k):
             raise ValueError(f"split_k must be None or at least 1, got {self.split_k!r}")
 
@@ -178,7 +193,11 @@ def write_config_file(
     extra: dict | None = None,
     layout: str | None = None,
 ) -> None:
-    """Write one tuned file in the shared schema (``layout`` as in ``config_file_name``)."""
+    """Write one tuned file in the shared schema (``layout`` as in ``config_file_name``),
+    whole or not at all (``write_text_atomic``): an interrupted write leaves the earlier file,
+    never a truncated one that ``moerunner tune`` then refuses to merge into."""
+    if not tiles_by_tokens:
+        raise ValueError(f"{path}: no token counts to write (a tile file holds at least one)")
     key = {"E": num_experts, "N": n, "K": k, "scheme": scheme_key(scheme), "device": device_name}
     if layout:
         key["layout"] = layout
@@ -189,7 +208,7 @@ def write_config_file(
     }
     if extra:
         doc["measured"] = extra
-    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
 def is_tile_file(path: str | os.PathLike) -> bool:
@@ -218,15 +237,33 @@ def config_files_of(
 def load_config_file(path: str, key: tuple | None = None) -> dict[int, MoeTiles] | None:
     """Tiles by token count from a tuned file, or None when no file is there. A file that is
     not a valid tuned file raises a ValueError naming it and what is wrong, as does one whose
-    ``key`` names another shape than ``key`` (``file_key``) where that is given. Read again
-    when the file changes (cached by path, modification time and size)."""
+    ``key`` names another shape than ``key`` (``file_key``) where that is given. A folder or
+    a symbolic link to nothing under the file's name is passed over (None) with a warning,
+    once. Read again when the file changes (cached by path, modification time and size)."""
     try:
         st = os.stat(path)
     except OSError:
+        if os.path.islink(path):  # the link is there, its target is not
+            _warn_ignored(path, f"a symbolic link to {os.readlink(path)!r}, which does not exist")
         return None
     if not stat.S_ISREG(st.st_mode):
+        _warn_ignored(path, "not a file (a folder?)")
         return None
     return _load_config_file(str(path), st.st_mtime_ns, st.st_size, key)
+
+
+def _warn_ignored(path: str | os.PathLike, why: str) -> None:
+    _warn_once(
+        f"moerunner: ignoring the tile file {path} ({why}); the triton backend takes the next "
+        "tile folder's file or its default tiles instead (fix or remove it, e.g. re-run "
+        "'moerunner tune')"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _warn_once(message: str) -> None:
+    """Warn once per process: tiles are looked up each time weights are prepared."""
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def file_key(
@@ -253,23 +290,31 @@ def _load_config_file(path: str, mtime_ns: int, size: int, key: tuple | None):
     if doc.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {doc.get('schema')!r} is not {SCHEMA!r}")
     held = doc.get("key")
-    if key is not None and isinstance(held, dict):
-        try:
-            found = (held["E"], held["N"], held["K"], held["scheme"], device_key(held["device"]))
-            found += (held.get("layout"),)
-        except (KeyError, TypeError, AttributeError):
-            raise bad(f"its key {held!r} lacks E, N, K, scheme or device") from None
-        if found != key:
-            raise bad(f"its key {held!r} names another shape than its file name ({key})")
+    if not isinstance(held, dict):  # the key says which shape the tiles were tuned for
+        raise bad(f"'key' is missing or not an object of E, N, K, scheme, device, got {held!r}")
+    try:
+        found = (held["E"], held["N"], held["K"], held["scheme"], device_key(held["device"]))
+        found += (held.get("layout"),)
+    except (KeyError, TypeError, AttributeError):
+        raise bad(f"its key {held!r} lacks E, N, K, scheme or device") from None
+    if key is not None and found != key:
+        raise bad(f"its key {held!r} names another shape than its file name ({key})")
     by_tokens = doc.get("by_tokens")
     if not isinstance(by_tokens, dict):
         raise bad("'by_tokens' is missing or not an object")
-    table = {}
+    if not by_tokens:  # read as no file: the heuristic answered, with no word of why
+        raise bad("'by_tokens' holds no token counts")
+    table, spelled = {}, {}
     for tokens, entry in by_tokens.items():
-        if not tokens.isdigit() or int(tokens) < 1:
+        # ASCII digits only: str.isdigit() also passes "²", which int() refuses.
+        if not (tokens.isascii() and tokens.isdigit()) or int(tokens) < 1:
             raise bad(f"token count {tokens!r} is not a positive integer")
+        count = int(tokens)
+        if count in spelled:  # "1" and "01": one would silently replace the other
+            raise bad(f"token counts {spelled[count]!r} and {tokens!r} are the same count")
+        spelled[count] = tokens
         try:
-            table[int(tokens)] = MoeTiles.from_dict(entry)
+            table[count] = MoeTiles.from_dict(entry)
         except ValueError as exc:
             raise bad(f"entry {tokens!r}: {exc}") from None
     return table
@@ -450,6 +495,15 @@ def find_tiles(
         name = config_file_name(num_experts, n, k, scheme, device_name, layout)
         key = file_key(num_experts, n, k, scheme, device_name, layout)
         for folder in tile_folders(tile_dirs):
+            if tile_dirs is not None and not folder.is_dir() and folder != SHIPPED_DIR:
+                # A mistyped folder would drop the user's tuned tiles without a word. (The
+                # default user folder is missing until the first tune: that is no mistake.)
+                why = "is not a folder" if folder.exists() else "does not exist"
+                _warn_once(
+                    f"moerunner: TritonOptions.tile_dirs entry {str(folder)!r} {why}: no tuned "
+                    "tiles are read from it (the next folders, then the default tiles, answer)"
+                )
+                continue
             path = folder / name
             table = load_config_file(str(path), key)
             if table:

@@ -508,7 +508,8 @@ def _measured_ms(path: Path) -> dict[int, float]:
         return {}
     measured = json.loads(path.read_text()).get("measured", {})
     gemm_ms = measured.get("gemm_ms", {}) if isinstance(measured, dict) else None
-    if not isinstance(gemm_ms, dict) or not all(t.isdigit() for t in gemm_ms):
+    # ASCII digits only: str.isdigit also takes "²", which int() then refuses unnamed.
+    if not isinstance(gemm_ms, dict) or not all(t.isascii() and t.isdigit() for t in gemm_ms):
         raise ValueError(
             f"{path}: its 'measured' timings are not an object of token counts; fix or delete "
             "the file"
