@@ -49,3 +49,15 @@ def prepares(monkeypatch):
 
     monkeypatch.setattr(moerunner.runner, "prepare_for_backend", spy)
     return calls
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    """A user cache folder of the test's own (``XDG_CACHE_HOME``); the default backend
+    table's memo is cleared around it. Yields the user backend-table folder."""
+    from moerunner import backend_table as bt
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    bt.default_table.cache_clear()
+    yield bt.user_table_dir()
+    bt.default_table.cache_clear()

@@ -59,15 +59,6 @@ def table_doc(device: str = "cpu", **change) -> dict:
     }
 
 
-@pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    """A user cache folder of the test's own; the default-table memo is cleared around it."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    bt.default_table.cache_clear()
-    yield bt.user_table_dir()
-    bt.default_table.cache_clear()
-
-
 # -- 1: JSON outputs never overwrite another kind of moerunner file ---------------------------
 
 

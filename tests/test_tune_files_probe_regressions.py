@@ -25,15 +25,6 @@ run = run_cli
 usage_error = cli_usage_error
 
 
-@pytest.fixture
-def cache_home(tmp_path, monkeypatch):
-    """A user cache folder of the test's own; the default-table memo is cleared around it."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    bt.default_table.cache_clear()
-    yield bt.user_table_dir()
-    bt.default_table.cache_clear()
-
-
 def _env(tmp_path) -> dict:
     return {
         **os.environ,
