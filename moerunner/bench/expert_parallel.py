@@ -30,7 +30,6 @@ from ..weights import ExpertWeights
 from .presets import BenchShape
 from .report import align_table, fmt_cell
 from .sweep import (
-    DTYPES,
     BenchConfig,
     Row,
     accuracy_bound,
@@ -38,7 +37,7 @@ from .sweep import (
     check_against_reference,
     draw_routing,
     make_weights,
-    quantize_chunked,
+    quantize_layer,
 )
 
 __all__ = [
@@ -203,12 +202,11 @@ def full_weights(
     shape: BenchShape, scheme: str, dtype: torch.dtype, device, seed: int
 ) -> ExpertWeights:
     """The whole layer's weights (identical on every rank for one ``seed``), quantized to
-    ``scheme`` a few experts at a time."""
+    ``scheme`` a few experts at a time (static activation scales calibrated as the
+    single-process sweep's are: ``quantize_layer``)."""
     w = make_weights(shape, dtype, device, seed)  # same seed: the same weights on every rank
-    w13, w2 = w["w13"], w["w2"]
-    if scheme not in DTYPES:
-        w13, w2 = quantize_chunked(w13, scheme), quantize_chunked(w2, scheme)
-    return ExpertWeights(w13, w2, w["w13_bias"], w["w2_bias"], shape.gate_up_interleaved)
+    plain = ExpertWeights(w["w13"], w["w2"], w["w13_bias"], w["w2_bias"], shape.gate_up_interleaved)
+    return quantize_layer(plain, shape, scheme, seed)
 
 
 def run_ep_sweep(

@@ -214,6 +214,26 @@ def quantize_chunked(
     return QuantizedWeight.from_tensors(parts[0].scheme, tuple(weight.shape), fields)
 
 
+def quantize_layer(
+    plain: ExpertWeights, shape: BenchShape, scheme: str, seed: int
+) -> ExpertWeights:
+    """``plain`` (unquantized) with w13 and w2 quantized to ``scheme`` (itself for a plain
+    dtype); a scheme with static activation scales gets them calibrated on a batch drawn
+    from ``seed`` (``calibrate_input_scales``: ``quantize`` needs them, and without them its
+    rows could not run at all)."""
+    if scheme in DTYPES:
+        return plain
+    s13 = s2 = None
+    if scheme_of(scheme).activation_scales == "static":
+        x, topk = calibration_batch(shape, plain.w13.dtype, plain.w13.device, seed)
+        s13, s2 = calibrate_input_scales(plain, Activation(shape.activation), scheme, x, topk)
+    return replace(
+        plain,
+        w13=quantize_chunked(plain.w13, scheme, input_scale=s13),
+        w2=quantize_chunked(plain.w2, scheme, input_scale=s2),
+    )
+
+
 def calibration_batch(
     shape: BenchShape,
     dtype: torch.dtype,
@@ -439,18 +459,10 @@ class Sweep:
         run untuned: a callable) each, call None for a skipped or failed one."""
         c = self.config
         act = Activation(shape.activation)
-        static = scheme not in DTYPES and scheme_of(scheme).activation_scales == "static"
-        expert_weights = []
-        for j, plain in enumerate(plain_ew):
-            w13, w2 = plain.w13, plain.w2
-            if scheme not in DTYPES:
-                s13 = s2 = None
-                if static:  # quantize() needs them; without, these rows could not run at all
-                    x, topk = calibration_batch(shape, dtype, self.device, c.seed * 1000 + j)
-                    s13, s2 = calibrate_input_scales(plain, act, scheme, x, topk)
-                w13 = quantize_chunked(w13, scheme, input_scale=s13)
-                w2 = quantize_chunked(w2, scheme, input_scale=s2)
-            expert_weights.append(replace(plain, w13=w13, w2=w2))
+        expert_weights = [
+            quantize_layer(plain, shape, scheme, c.seed * 1000 + j)
+            for j, plain in enumerate(plain_ew)
+        ]
         spec = expert_weights[0].spec(act)
         probe = torch.zeros(1, shape.hidden_size, dtype=dtype, device=self.device)
         problem = MoeProblem.of(probe, expert_weights[0], spec, STANDARD)

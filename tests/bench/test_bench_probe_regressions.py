@@ -273,3 +273,20 @@ def test_spread_warning_names_a_row_as_the_table_does():
     assert "p bf16 torch-eq:eager T=1" in report.spread_warning([noisy], 10.0, 0.2, False)
     text = report.table([noisy], ("eager",), transformers_version=False)
     assert "torch-eq:eager" in text and "baseline:" not in text
+
+
+@pytest.mark.parametrize("scheme", ["fp8_tensor_static", "int8_static"])
+def test_expert_parallel_weights_calibrate_static_scales(scheme):
+    """``bench --ep-size`` quantized the whole layer without input scales, so a static-scale
+    scheme crashed in ``quantize``; it now calibrates them as the single-process sweep does,
+    the same scales for the same seed (every rank builds the layer alike)."""
+    from moerunner.bench.expert_parallel import full_weights
+    from moerunner.bench.presets import parse_shape
+
+    shape = parse_shape("8,32,32,2")
+    w = full_weights(shape, scheme, torch.float32, torch.device("cpu"), seed=3)
+    again = full_weights(shape, scheme, torch.float32, torch.device("cpu"), seed=3)
+    for name in ("w13", "w2"):
+        scale = getattr(w, name).tensors()["input_scale"]
+        assert scale.shape == (8,) and bool((scale > 0).all())
+        assert torch.equal(scale, getattr(again, name).tensors()["input_scale"])
