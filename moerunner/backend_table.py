@@ -397,9 +397,8 @@ class BackendTable:
             )
             _check_buckets(buckets, f"{at}.buckets")
             for j, bucket in enumerate(buckets):  # the count measured lies in its own bucket
-                low = 0 if j == 0 else buckets[j - 1].max_tokens + 1
-                top = bucket.max_tokens
-                if bucket.tokens < low or (top is not None and bucket.tokens > top):
+                low, high = _bucket_span(buckets, j)
+                if bucket.tokens < low or (high is not None and bucket.tokens > high):
                     raise BackendTableError(
                         f"{at}.buckets[{j}].tokens: {bucket.tokens} is outside its bucket "
                         f"({bucket_range(buckets, j)})"
@@ -497,8 +496,13 @@ def _default_table(device_type: str, index: int | None) -> BackendTable:
 default_table.cache_clear = _default_table.cache_clear  # type: ignore[attr-defined]
 
 
+def _bucket_span(buckets: Sequence[Bucket], index: int) -> tuple[int, int | None]:
+    """The token counts bucket ``index`` covers: (lowest, highest; None for no end)."""
+    low = 0 if index == 0 else buckets[index - 1].max_tokens + 1
+    return low, buckets[index].max_tokens
+
+
 def bucket_range(buckets: Sequence[Bucket], index: int) -> str:
     """ "T 17-64" for bucket ``index`` (for printing)."""
-    low = 0 if index == 0 else buckets[index - 1].max_tokens + 1
-    high = buckets[index].max_tokens
+    low, high = _bucket_span(buckets, index)
     return f"T >= {low}" if high is None else f"T {low}-{high}"

@@ -145,6 +145,12 @@ class MoeTiles:
         return cls(TileConfig.from_dict(d["gemm1"]), TileConfig.from_dict(d["gemm2"]))
 
 
+def is_count_text(text: str) -> bool:
+    """Whether a JSON key spells a count in ASCII digits (``str.isdigit`` alone also passes
+    "²", which ``int`` refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def _count(value: object) -> bool:
     """A positive int (not a bool: JSON's true would read as 1)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -306,8 +312,7 @@ def _load_config_file(path: str, mtime_ns: int, size: int, key: tuple | None):
         raise bad("'by_tokens' holds no token counts")
     table, spelled = {}, {}
     for tokens, entry in by_tokens.items():
-        # ASCII digits only: str.isdigit() also passes "²", which int() refuses.
-        if not (tokens.isascii() and tokens.isdigit()) or int(tokens) < 1:
+        if not is_count_text(tokens) or int(tokens) < 1:
             raise bad(f"token count {tokens!r} is not a positive integer")
         count = int(tokens)
         if count in spelled:  # "1" and "01": one would silently replace the other

@@ -34,6 +34,7 @@ from .tile_config import (
     TileConfig,
     config_file_name,
     file_key,
+    is_count_text,
     is_tile_file,
     k_blocked,
     load_config_file,
@@ -508,8 +509,7 @@ def _measured_ms(path: Path) -> dict[int, float]:
         return {}
     measured = json.loads(path.read_text()).get("measured", {})
     gemm_ms = measured.get("gemm_ms", {}) if isinstance(measured, dict) else None
-    # ASCII digits only: str.isdigit also takes "²", which int() then refuses unnamed.
-    if not isinstance(gemm_ms, dict) or not all(t.isascii() and t.isdigit() for t in gemm_ms):
+    if not isinstance(gemm_ms, dict) or not all(is_count_text(t) for t in gemm_ms):
         raise ValueError(
             f"{path}: its 'measured' timings are not an object of token counts; fix or delete "
             "the file"
